@@ -1,0 +1,1 @@
+"""The core: records, capture sessions, selection and storage, frames, the own attention modules."""

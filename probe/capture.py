@@ -1,0 +1,425 @@
+"""Capture sessions: ``with attnprobe.capture(model) as cap:`` and its functional twin ``run``."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Callable, overload
+
+import torch
+from torch import nn
+
+from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
+from .record import TENSOR_FIELDS, AttentionRecord
+from .selection import Selection, Store, _int_list, index_heads, kv_heads_for
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """A tensor an adapter can produce on demand, already restricted to the selected heads.
+
+    ``shape`` and ``dtype`` are what ``fn()`` will return, so the budget is checked before the work.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fn: Callable[[], torch.Tensor]
+
+
+class Capture(Sequence):
+    """The records of one capture, in call order. Read-only; holds no reference to the model.
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2)
+        >>> with attnprobe.capture(attn) as cap:
+        ...     _ = attn(torch.randn(3, 5, 8))
+        >>> len(cap), cap.layers
+        (1, (0,))
+        >>> cap.select(heads=[1])[0].weights.shape
+        torch.Size([3, 1, 5, 5])
+    """
+
+    def __init__(self, records: Iterable[AttentionRecord] = (), info: Mapping[str, Any] | None = None) -> None:
+        self._records: list[AttentionRecord] = list(records)
+        self._info = MappingProxyType(dict(info or {}))
+
+    # -- sequence protocol ---------------------------------------------------------------
+    @overload
+    def __getitem__(self, index: int) -> AttentionRecord: ...
+    @overload
+    def __getitem__(self, index: slice) -> "Capture": ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return Capture(self._records[index], self._info)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(
+                f"index a Capture with an int or a slice, got {type(index).__name__}; "
+                "use cap.select(layers=..., heads=...) or cap.record(layer) to pick by layer"
+            )
+        return self._records[index]
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self):
+        return iter(self._records)
+
+    def _append(self, record: AttentionRecord) -> None:  # session only
+        self._records.append(record)
+
+    # -- facts -----------------------------------------------------------------------------
+    @property
+    def info(self) -> Mapping[str, Any]:
+        """What was captured from: model class, attention layers found, the selection (read-only)."""
+        return self._info
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layer numbers present, sorted."""
+        return tuple(sorted({r.layer for r in self._records}))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all records."""
+        return sum(r.nbytes for r in self._records)
+
+    # -- selection -------------------------------------------------------------------------
+    def select(self, *, layers=None, heads=None, kind: str | None = None, calls=None, steps=None) -> "Capture":
+        """A new Capture with the matching records; ``heads`` slices tensors (views, no copy)."""
+        layer_set = None if layers is None else set(_int_list(layers, "layers"))
+        call_set = None if calls is None else set(_int_list(calls, "calls"))
+        step_set = None if steps is None else set(_int_list(steps, "steps"))
+        head_tuple = None if heads is None else _int_list(heads, "heads")
+        if kind not in (None, "self", "cross"):
+            raise SelectionError(f"kind must be 'self', 'cross' or None, got {kind!r}")
+        out = []
+        for r in self._records:
+            if layer_set is not None and r.layer not in layer_set:
+                continue
+            if kind is not None and r.kind != kind:
+                continue
+            if call_set is not None and r.call not in call_set:
+                continue
+            if step_set is not None and r.step not in step_set:
+                continue
+            if head_tuple is not None:
+                r = select_record_heads(r, head_tuple)
+            out.append(r)
+        return Capture(out, self._info)
+
+    def record(self, layer: int, *, call: int = 0) -> AttentionRecord:
+        """The one record of ``layer`` at call number ``call``."""
+        for r in self._records:
+            if r.layer == layer and r.call == call:
+                return r
+        raise KeyError(
+            f"no record for layer {layer}, call {call}; captured layers: {list(self.layers)}"
+            + (f", calls of that layer: {[r.call for r in self._records if r.layer == layer]}" if any(r.layer == layer for r in self._records) else "")
+        )
+
+    # -- frames (pandas is imported only here) ----------------------------------------------
+    def to_frame(self, tokens=None, key_tokens=None):
+        """Tidy long frame: one row per (layer, call, head, batch, query_pos, key_pos). See ``frames.FRAME_SCHEMA``."""
+        from .frames import to_frame
+
+        return to_frame(self, tokens=tokens, key_tokens=key_tokens)
+
+    def summary(self):
+        """One row per (layer, head): entropy, max weight, mass on first key / diagonal / previous token,
+        mass on keys that were not allowed, worst row-sum error; padded and empty query rows excluded."""
+        from .frames import summary
+
+        return summary(self)
+
+    def to_parquet(self, path, *, tokens=None, key_tokens=None, overwrite: bool = False):
+        """Write ``to_frame()`` to a Parquet file (refuses an existing file unless ``overwrite``)."""
+        from .frames import write_frame
+
+        return write_frame(self.to_frame(tokens, key_tokens), path, format="parquet", overwrite=overwrite)
+
+    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False):
+        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None."""
+        from .frames import write_frame
+
+        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
+
+    def __repr__(self) -> str:
+        model = self._info.get("model_class", "?")
+        return f"<Capture of {model}: {len(self)} record(s), layers {list(self.layers)}, {self.nbytes:,} bytes>"
+
+
+def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> AttentionRecord:
+    """The same record restricted to model heads ``heads`` (views where possible)."""
+    positions = tuple(record.head_index(h) for h in heads)
+    kv = kv_heads_for(heads, record.num_heads, record.num_kv_heads)
+    missing = [h for h in kv if h not in record.kv_heads]
+    kv_positions = tuple(record.kv_heads.index(h) for h in kv if h in record.kv_heads)
+    changes: dict[str, Any] = {"heads": heads, "kv_heads": tuple(h for h in kv if h not in missing)}
+    for f in ("q", "scores", "weights", "output"):
+        t = getattr(record, f)
+        if t is not None:
+            changes[f] = index_heads(t, positions)[0]
+    for f in ("k", "v"):
+        t = getattr(record, f)
+        if t is not None:
+            changes[f] = index_heads(t, kv_positions)[0]
+    if record.allowed is not None and record.allowed.shape[1] > 1:
+        changes["allowed"] = index_heads(record.allowed, positions)[0]
+    if record.sinks is not None:
+        changes["sinks"] = index_heads(record.sinks, positions, axis=0)[0]
+    return replace(record, **changes)
+
+
+class CaptureSession:
+    """Finds attention in a model, attaches every adapter's hooks, and turns calls into records."""
+
+    def __init__(self, model: nn.Module, selection: Selection, adapters=None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
+                "not its output or a pipeline (for a pipeline use pipeline.model)"
+            )
+        if adapters is None:
+            from ..hooks import default_adapters
+
+            adapters = default_adapters()
+        self.model_class = type(model).__name__
+        self._model = model  # dropped on exit; the Capture never holds it
+        self.selection = selection
+        self.store = Store(selection)
+        self.adapters = list(adapters)
+        self.sites: list = []
+        self.capture = Capture()
+        self._stack: ExitStack | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> Capture:
+        model = self._model
+        order = {id(m): i for i, (_, m) in enumerate(model.named_modules(remove_duplicate=False))}
+        claimed: set[int] = set()
+        found = []
+        for adapter in self.adapters:
+            sites = adapter.find(model, claimed)
+            claimed.update(id(s.module) for s in sites)
+            found.append((adapter, sites))
+        self.sites = sorted((s for _, sites in found for s in sites), key=lambda s: order.get(id(s.module), 1 << 30))
+        for layer, site in enumerate(self.sites):
+            site.layer = layer
+        may_grow = any(a.dynamic for a in self.adapters)
+        if not self.sites and not may_grow:
+            raise UnsupportedModelError(
+                f"no attention found in {self.model_class}: attnprobe reads its own MultiHeadAttention, "
+                "Hugging Face attention modules and torch.nn.MultiheadAttention"
+            )
+        self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)
+        self.store.selection = self.selection
+        for site in self.sites:
+            self._select_site(site)
+        self.capture = Capture(info=self._info())
+
+        self._stack = ExitStack()
+        try:
+            for adapter, sites in found:
+                if sites or adapter.dynamic:
+                    adapter.attach(self, model, sites, self._stack)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self.capture
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self._stack is not None:
+                self._stack.close()  # reverse order, also when the forward raised
+        finally:
+            self._stack = None
+            self._model = None
+        if exc_type is None and not self.selection.idle and len(self.capture) == 0:
+            warnings.warn(
+                f"the capture of {self.model_class} saw no attention call: the model was not called inside "
+                "the `with` block, or the selected layers never ran",
+                AttnprobeWarning,
+                stacklevel=2,
+            )
+
+    def _info(self) -> dict[str, Any]:
+        sel = self.selection
+        return {
+            "model_class": self.model_class,
+            "attention_modules": tuple(s.name for s in self.sites),
+            "num_heads": tuple(s.num_heads for s in self.sites),
+            "num_kv_heads": tuple(s.num_kv_heads for s in self.sites),
+            "adapters": tuple(sorted({s.adapter.name for s in self.sites})),
+            "selection": {
+                "layers": sel.layers,
+                "heads": sel.heads if sel.heads_by_layer is None else dict(sel.heads_by_layer),
+                "keep": tuple(f for f in TENSOR_FIELDS if f in sel.keep),
+                "device": str(sel.device),
+                "dtype": None if sel.dtype is None else str(sel.dtype).replace("torch.", ""),
+                "max_bytes": sel.max_bytes,
+            },
+        }
+
+    def _select_site(self, site) -> None:
+        site.selected = self.selection.wants(site.layer)
+        if site.selected and site.num_heads is not None:
+            site.heads = self.selection.heads_for(site.layer, site.num_heads, where=f"({site.name!r})")
+            site.kv_heads = kv_heads_for(site.heads, site.num_heads, site.num_kv_heads or site.num_heads)
+
+    def add_site(self, site) -> None:
+        """Register a site found while the model runs (dynamic adapters); it gets the next layer number."""
+        site.layer = len(self.sites)
+        self.sites.append(site)
+        self._select_site(site)
+
+    # -- recording -------------------------------------------------------------------------
+    def wants(self, site, field: str | None = None) -> bool:
+        """Whether ``site`` is selected (and, with ``field``, whether that tensor is kept)."""
+        return site.selected and (field is None or field in self.selection.keep)
+
+    def emit(
+        self,
+        site,
+        *,
+        kind: str,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        preselected: Iterable[str] = (),
+        **values: Any,
+    ) -> AttentionRecord | None:
+        """Build, budget and store one record for ``site``.
+
+        Tensor values (q, k, v, scores, weights, output, allowed) come in full-head layout unless
+        named in ``preselected`` or given as ``Lazy`` (both already restricted to ``site.heads`` /
+        ``site.kv_heads``). Other keyword values are record fields. Returns None for unselected sites.
+        """
+        call = site.calls
+        site.calls += 1
+        if not site.selected:
+            return None
+        if num_heads is not None and site.num_heads is None:
+            site.num_heads, site.num_kv_heads = num_heads, num_kv_heads or num_heads
+            self._select_site(site)
+        if site.heads is None:
+            raise UnsupportedModelError(f"adapter {site.adapter.name!r} did not say how many heads {site.name!r} has")
+        preselected = set(preselected)
+        tensors = {f: values.pop(f, None) for f in TENSOR_FIELDS}
+        allowed = values.pop("allowed", None)
+        query_padding = values.pop("query_padding", None)
+        sinks = values.pop("sinks", None)
+        identified = values.pop("identified", None)
+        if identified is None:
+            identified = frozenset(
+                f for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding)) if t is not None
+            )
+
+        # plan every copy first, so the budget fails before any memory is spent
+        plan = []
+        for f, t in tensors.items():
+            if t is None or f not in self.selection.keep:
+                continue
+            index = site.kv_heads if f in ("k", "v") else site.heads
+            shape = list(t.shape)
+            if not isinstance(t, Lazy) and f not in preselected:
+                shape[1] = len(index)
+            plan.append((f, t, index, self.store.planned_bytes(shape, self.store.target_dtype(t.dtype))))
+        extra = [(name, t) for name, t in (("allowed", allowed), ("query_padding", query_padding)) if t is not None]
+        total = sum(p[3] for p in plan) + sum(t.numel() * t.element_size() for _, t in extra)
+        self.store.reserve(total, f"layer {site.layer} ({site.name or type(site.module).__name__!r}, call {call}: "
+                           f"{', '.join(p[0] for p in plan) or 'masks only'})")
+
+        stored: dict[str, Any] = {}
+        for f, t, index, _ in plan:
+            if isinstance(t, Lazy):
+                stored[f] = self.store.put(t.fn())
+            else:
+                stored[f] = self.store.put(t, None if f in preselected else index)
+        if allowed is not None:
+            stored["allowed"] = self.store.put(allowed, site.heads if allowed.shape[1] > 1 and "allowed" not in preselected else None)
+        if query_padding is not None:
+            stored["query_padding"] = self.store.put(query_padding)
+        if sinks is not None:
+            stored["sinks"] = self.store.put(sinks, site.heads, axis=0)
+
+        record = AttentionRecord(
+            name=site.name,
+            layer=site.layer,
+            call=call,
+            kind=kind,
+            num_heads=site.num_heads,
+            num_kv_heads=site.num_kv_heads or site.num_heads,
+            heads=site.heads,
+            kv_heads=site.kv_heads,
+            identified=frozenset(identified),
+            **stored,
+            **values,
+        )
+        self.capture._append(record)
+        return record
+
+
+class capture:
+    """Capture attention from ``model`` while the ``with`` block runs.
+
+    ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
+    ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
+    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
+    ``device``/``dtype``: where and as what to store (default: CPU, the model's dtype).
+    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this.
+
+    Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
+    raises; captures may nest.
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(16, num_heads=4, causal=True)
+        >>> with attnprobe.capture(attn, heads=[0, 2], keep=["weights"]) as cap:
+        ...     y = attn(torch.randn(2, 6, 16))
+        >>> rec = cap[0]
+        >>> rec.heads, rec.q is None, tuple(rec.weights.shape)
+        ((0, 2), True, (2, 2, 6, 6))
+    """
+
+    def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None):
+        self._session = CaptureSession(
+            model, Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes)
+        )
+
+    def __enter__(self) -> Capture:
+        return self._session.__enter__()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._session.__exit__(exc_type, exc, tb)
+
+
+def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[Any, Capture]:
+    """Run ``model`` once under capture and return ``(output, capture)``.
+
+    ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
+    a tuple or list as positional arguments, anything else as the one argument. ``options`` are
+    ``capture``'s (layers, heads, keep, device, dtype, max_bytes). With ``no_grad`` (the default)
+    the forward runs under ``torch.no_grad()``.
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2)
+        >>> out, cap = attnprobe.run(attn, torch.randn(1, 4, 8), layers=[0])
+        >>> out.shape, len(cap)
+        (torch.Size([1, 4, 8]), 1)
+    """
+    with capture(model, **options) as cap:
+        with torch.no_grad() if no_grad else nullcontext():
+            if isinstance(inputs, Mapping):
+                output = model(**inputs)
+            elif isinstance(inputs, (tuple, list)):
+                output = model(*inputs)
+            else:
+                output = model(inputs)
+    return output, cap

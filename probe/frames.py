@@ -1,0 +1,240 @@
+"""Tidy pandas frames from a Capture. pandas is imported here only, when a frame is asked for.
+
+``to_frame``: one row per (layer, call, head, batch, query_pos, key_pos), typed by ``FRAME_SCHEMA``.
+``summary``: one row per (layer, head), typed by ``SUMMARY_SCHEMA``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import AttnprobeError
+
+#: Column -> dtype of ``Capture.to_frame()``: the one schema, defined here only.
+FRAME_SCHEMA: dict[str, str] = {
+    "layer": "int64",
+    "name": "category",  # module path
+    "call": "int64",
+    "head": "int64",
+    "batch": "int64",
+    "query_pos": "int64",  # position of the query in its sequence (query_offset + row)
+    "key_pos": "int64",
+    "score": "float32",  # pre-softmax; NaN when scores were not captured
+    "weight": "float32",  # post-softmax; NaN when weights were not captured
+    "allowed": "boolean",  # True = the query may attend the key; <NA> when the mask is unknown
+}
+#: Added by ``to_frame(tokens=...)``.
+TOKEN_SCHEMA: dict[str, str] = {"query_token": "category", "key_token": "category"}
+
+#: Column -> dtype of ``Capture.summary()``.
+SUMMARY_SCHEMA: dict[str, str] = {
+    "layer": "int64",
+    "name": "category",
+    "head": "int64",
+    "rows": "int64",  # real query rows the means are over (padded and empty rows excluded)
+    "entropy": "float32",  # mean entropy of a row, in nats
+    "max_weight": "float32",  # mean of each row's largest weight
+    "first_key_mass": "float32",  # mean weight on the first key that is not padding
+    "diagonal_mass": "float32",  # mean weight on the query's own position (self-attention only)
+    "previous_mass": "float32",  # mean weight on the position before the query (self-attention only)
+    "masked_mass": "float32",  # mean weight on keys that were not allowed (should be 0)
+    "row_sum_error": "float32",  # worst |row sum - 1|
+}
+
+
+def _per_batch_tokens(tokens, batch: int, what: str) -> list[Sequence[str]] | None:
+    if tokens is None:
+        return None
+    if isinstance(tokens, str):
+        raise AttnprobeError(f"{what} must be a list of token strings (or one list per batch row), not one string")
+    tokens = list(tokens)
+    if tokens and all(isinstance(t, str) for t in tokens):
+        return [tokens] * batch
+    if len(tokens) != batch:
+        raise AttnprobeError(f"{what} has {len(tokens)} rows but the capture has batch size {batch}")
+    return [list(row) for row in tokens]
+
+
+class _Vocab:
+    """Token strings -> category codes, shared by every record of one frame."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+
+    def codes(self, rows: list[Sequence[str]]) -> np.ndarray:
+        width = max((len(r) for r in rows), default=0)
+        out = np.full((len(rows), width), -1, dtype=np.int64)
+        for b, row in enumerate(rows):
+            out[b, : len(row)] = [self.index.setdefault(str(t), len(self.index)) for t in row]
+        return out
+
+
+def _values(t: torch.Tensor | None, n: int) -> np.ndarray:
+    if t is None:
+        return np.full(n, np.nan, dtype=np.float32)
+    return t.detach().to("cpu", torch.float32).numpy().reshape(-1)
+
+
+def to_frame(cap, tokens=None, key_tokens=None):
+    """The tidy frame of ``cap`` (see ``FRAME_SCHEMA``; plus ``TOKEN_SCHEMA`` columns with tokens)."""
+    import pandas as pd
+
+    with_tokens = tokens is not None or key_tokens is not None
+    vocab = _Vocab()
+    names = {r.name: i for i, r in enumerate({r.name: r for r in cap}.values())}
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in FRAME_SCHEMA}
+    parts["allowed_known"] = []
+    token_parts: dict[str, list[np.ndarray]] = {"query_token": [], "key_token": []}
+    for r in cap:
+        t = r.weights if r.weights is not None else r.scores
+        if t is None:
+            continue
+        B, H, Tq, Tk = t.shape
+        n = B * H * Tq * Tk
+        batch = np.repeat(np.arange(B, dtype=np.int64), H * Tq * Tk)
+        qpos = np.tile(np.repeat(np.arange(Tq, dtype=np.int64) + r.query_offset, Tk), B * H)
+        kpos = np.tile(np.arange(Tk, dtype=np.int64), B * H * Tq)
+        parts["layer"].append(np.full(n, r.layer, dtype=np.int64))
+        parts["name"].append(np.full(n, names[r.name], dtype=np.int64))
+        parts["call"].append(np.full(n, r.call, dtype=np.int64))
+        parts["head"].append(np.tile(np.repeat(np.asarray(r.heads, dtype=np.int64), Tq * Tk), B))
+        parts["batch"].append(batch)
+        parts["query_pos"].append(qpos)
+        parts["key_pos"].append(kpos)
+        parts["score"].append(_values(r.scores, n))
+        parts["weight"].append(_values(r.weights, n))
+        allowed = r.allowed_for_heads()
+        parts["allowed"].append(
+            np.zeros(n, dtype=bool) if allowed is None else allowed.expand(B, H, Tq, Tk).cpu().numpy().reshape(-1)
+        )
+        parts["allowed_known"].append(np.full(n, allowed is not None))
+        if with_tokens:
+            where = f"layer {r.layer} ({r.name!r}, call {r.call})"
+            q_rows = _per_batch_tokens(tokens, B, "tokens")
+            k_rows = q_rows if r.kind == "self" else _per_batch_tokens(key_tokens, B, "key_tokens")
+            for col, rows, pos, length in (("query_token", q_rows, qpos, r.query_offset + Tq), ("key_token", k_rows, kpos, Tk)):
+                if rows is None:
+                    token_parts[col].append(np.full(n, -1, dtype=np.int64))
+                    continue
+                short = [len(row) for row in rows if len(row) < length]
+                if short:
+                    raise AttnprobeError(
+                        f"{'key_tokens' if col == 'key_token' and r.kind == 'cross' else 'tokens'} has {short[0]} "
+                        f"entries but {where} has {length} {col.split('_')[0]} positions"
+                    )
+                token_parts[col].append(vocab.codes(rows)[batch, pos])
+
+    def cat(col, dtype):
+        return np.concatenate(parts[col]) if parts[col] else np.zeros(0, dtype=dtype)
+
+    known = cat("allowed_known", bool)
+    data = {
+        "layer": cat("layer", np.int64),
+        "name": pd.Categorical.from_codes(cat("name", np.int64), categories=list(names)),
+        "call": cat("call", np.int64),
+        "head": cat("head", np.int64),
+        "batch": cat("batch", np.int64),
+        "query_pos": cat("query_pos", np.int64),
+        "key_pos": cat("key_pos", np.int64),
+        "score": cat("score", np.float32),
+        "weight": cat("weight", np.float32),
+        "allowed": pd.arrays.BooleanArray(cat("allowed", bool), ~known),
+    }
+    if with_tokens:
+        categories = list(vocab.index)
+        for col in TOKEN_SCHEMA:
+            codes = np.concatenate(token_parts[col]) if token_parts[col] else np.zeros(0, dtype=np.int64)
+            data[col] = pd.Categorical.from_codes(codes, categories=categories)
+    return pd.DataFrame(data, copy=False)
+
+
+def summary(cap):
+    """Per-(layer, head) statistics of ``cap`` (see ``SUMMARY_SCHEMA``)."""
+    import pandas as pd
+
+    acc: dict[tuple[int, int], dict] = {}
+    for r in cap:
+        if r.weights is None:
+            continue
+        w = r.weights.detach().to("cpu", torch.float32)
+        B, H, Tq, Tk = w.shape
+        allowed = r.allowed_for_heads()
+        allowed = torch.ones_like(w, dtype=torch.bool) if allowed is None else allowed.cpu().expand(B, H, Tq, Tk)
+        real = allowed.any(-1)  # (B, H, Tq): rows with at least one allowed key
+        if r.query_padding is not None:
+            real &= ~r.query_padding.cpu()[:, None, :]
+        counts = real.sum(dim=(0, 2))  # (H,)
+
+        def row_mean(x):  # mean over real rows, per head -> (H,)
+            return torch.where(real, x, 0.0).sum(dim=(0, 2))
+
+        entropy = -torch.where(w > 0, w * w.clamp_min(1e-30).log(), 0.0).sum(-1)
+        key_real = allowed.any(-2)  # (B, H, Tk): keys some query may attend
+        first = key_real.float().argmax(-1)  # first such key
+        first_mass = w.gather(-1, first[:, :, None, None].expand(B, H, Tq, 1)).squeeze(-1)
+        masked = torch.where(allowed, 0.0, w).sum(-1)
+        row_err = torch.where(real, (w.sum(-1) - 1).abs(), 0.0).amax(dim=(0, 2))
+        stats = {
+            "entropy": row_mean(entropy),
+            "max_weight": row_mean(w.amax(-1)),
+            "first_key_mass": row_mean(first_mass),
+            "masked_mass": row_mean(masked),
+        }
+        if r.kind == "self":
+            pos = torch.arange(Tq) + r.query_offset  # key index of each query
+            for col, shift in (("diagonal_mass", 0), ("previous_mass", 1)):
+                idx = pos - shift
+                ok = (idx >= 0) & (idx < Tk)
+                vals = w.gather(-1, idx.clamp(0, Tk - 1)[None, None, :, None].expand(B, H, Tq, 1)).squeeze(-1)
+                stats[col] = torch.where(real & ok, vals, 0.0).sum(dim=(0, 2))
+                stats[col + "_rows"] = (real & ok).sum(dim=(0, 2))
+        for i, head in enumerate(r.heads):
+            a = acc.setdefault((r.layer, head), {"name": r.name, "rows": 0, "row_sum_error": 0.0})
+            a["rows"] += int(counts[i])
+            a["row_sum_error"] = max(a["row_sum_error"], float(row_err[i]))
+            for col, v in stats.items():
+                a[col] = a.get(col, 0.0) + float(v[i])
+
+    rows = []
+    for (layer, head), a in sorted(acc.items()):
+        n = a["rows"]
+        row = {"layer": layer, "name": a["name"], "head": head, "rows": n}
+        for col in ("entropy", "max_weight", "first_key_mass", "masked_mass"):
+            row[col] = a[col] / n if n else math.nan
+        for col in ("diagonal_mass", "previous_mass"):
+            m = a.get(col + "_rows", 0)
+            row[col] = a[col] / m if m else math.nan
+        row["row_sum_error"] = a["row_sum_error"] if n else math.nan
+        rows.append(row)
+    frame = pd.DataFrame(rows, columns=list(SUMMARY_SCHEMA))
+    return frame.astype(SUMMARY_SCHEMA)
+
+
+def write_frame(frame, path, *, format: str | None = None, overwrite: bool = False):
+    """Write ``frame`` as Parquet or CSV (by ``format`` or the suffix). CSV with ``path=None`` returns text.
+
+    An existing file is never replaced unless ``overwrite`` is True.
+    """
+    if path is None:
+        if format not in (None, "csv"):
+            raise AttnprobeError("only CSV can be returned as text; give a path to write Parquet")
+        return frame.to_csv(index=False)
+    path = Path(os.fspath(path))
+    fmt = format or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
+    if fmt not in ("parquet", "csv"):
+        raise AttnprobeError(f"cannot tell the format of {str(path)!r}: name it .parquet or .csv, or pass format=")
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
+    if not path.parent.exists():
+        raise FileNotFoundError(f"folder {path.parent} does not exist; create it first")
+    if fmt == "parquet":
+        frame.to_parquet(path, index=False)
+    else:
+        frame.to_csv(path, index=False)
+    return path

@@ -1,0 +1,190 @@
+"""What a capture keeps, and where: layer/head/tensor selection, storage device and dtype, byte budget.
+
+Selection happens before anything is copied: an adapter asks ``Selection.wants(layer)`` and
+``heads_for(...)`` first, and ``Store.put`` slices the selected heads out of a live tensor before
+the one copy that lands in a record. The budget is checked on the planned size, before the copy.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CaptureBudgetError, SelectionError
+from .record import TENSOR_FIELDS
+
+
+def _int_list(value, what: str) -> tuple[int, ...]:
+    if isinstance(value, bool) or not isinstance(value, (int, Iterable)) or isinstance(value, (str, bytes)):
+        raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
+    items = (value,) if isinstance(value, int) else tuple(value)
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}")
+    return tuple(dict.fromkeys(items))  # dedupe, keep order
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"512MB"``, ``"2GiB"``, ``"1e6"`` or an int to a number of bytes (for the CLI)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not m or m.group(2) not in units:
+        raise SelectionError(f"cannot read {text!r} as a size; write e.g. 500MB, 2GiB or 1000000")
+    return int(float(m.group(1)) * units[m.group(2)])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A validated capture request. Build it with ``Selection.build(...)``."""
+
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    heads_by_layer: Mapping[int, tuple[int, ...] | None] | None = None
+    keep: frozenset[str] = frozenset(TENSOR_FIELDS)
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype | None = None
+    max_bytes: int | None = None
+
+    @classmethod
+    def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None) -> "Selection":
+        layer_tuple = None if layers is None else _int_list(layers, "layers")
+        head_tuple, by_layer = None, None
+        if isinstance(heads, Mapping):
+            by_layer = {}
+            for layer, hs in heads.items():
+                (layer,) = _int_list(layer, "keys of heads={layer: heads}")
+                by_layer[layer] = None if hs is None else _int_list(hs, f"heads for layer {layer}")
+            if layer_tuple is None:
+                layer_tuple = tuple(by_layer)
+        elif heads is not None:
+            head_tuple = _int_list(heads, "heads")
+        for h in (head_tuple or ()) + tuple(h for hs in (by_layer or {}).values() for h in (hs or ())):
+            if h < 0:
+                raise SelectionError(f"heads must be non-negative head numbers, got {h}")
+
+        if keep is None:
+            keep_set = frozenset(TENSOR_FIELDS)
+        else:
+            items = (keep,) if isinstance(keep, str) else tuple(keep)
+            unknown = [k for k in items if k not in TENSOR_FIELDS]
+            if unknown:
+                raise SelectionError(f"keep= got unknown tensor name(s) {unknown}; choose from {list(TENSOR_FIELDS)}")
+            keep_set = frozenset(items)
+
+        try:
+            dev = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as exc:
+            raise SelectionError(f"device={device!r} is not a torch device (try 'cpu' or 'cuda:0')") from exc
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise SelectionError(f"dtype must be a floating torch dtype such as torch.float16, got {dtype!r}")
+        if max_bytes is not None:
+            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+                raise SelectionError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
+        return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes)
+
+    def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
+        """Check layer numbers against the model (negative numbers count from the end)."""
+        if self.layers is None:
+            return self
+        resolved = []
+        for layer in self.layers:
+            if layer < 0 and not may_grow:
+                layer += n_layers
+            if layer < 0 or (layer >= n_layers and not may_grow):
+                raise SelectionError(
+                    f"layer {layer} is out of range: the model has {n_layers} attention layer(s), numbered 0 to "
+                    f"{n_layers - 1} (negative numbers count from the end)"
+                )
+            resolved.append(layer)
+        by_layer = self.heads_by_layer
+        if by_layer is not None:
+            by_layer = {(layer + n_layers if layer < 0 and not may_grow else layer): hs for layer, hs in by_layer.items()}
+        return Selection(tuple(resolved), self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes)
+
+    def wants(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def heads_for(self, layer: int, num_heads: int, *, where: str = "") -> tuple[int, ...]:
+        """The model head numbers to store for ``layer`` (validated against ``num_heads``)."""
+        heads = self.heads
+        if self.heads_by_layer is not None and layer in self.heads_by_layer:
+            heads = self.heads_by_layer[layer]
+        if heads is None:
+            return tuple(range(num_heads))
+        bad = [h for h in heads if h >= num_heads]
+        if bad:
+            raise SelectionError(
+                f"head(s) {bad} out of range for layer {layer}{' ' + where if where else ''}, "
+                f"which has {num_heads} head(s) numbered 0 to {num_heads - 1}"
+            )
+        return heads
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing at all will be stored."""
+        return self.layers == ()
+
+
+def kv_heads_for(heads: tuple[int, ...], num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
+    """The key/value heads that query heads ``heads`` read under grouped-query attention."""
+    group = num_heads // max(num_kv_heads, 1)
+    return tuple(dict.fromkeys(h // group for h in heads))
+
+
+def index_heads(t: torch.Tensor, index: tuple[int, ...] | None, axis: int = 1) -> tuple[torch.Tensor, bool]:
+    """Select ``index`` along ``axis``: a view for a contiguous run, a copy (``index_select``) otherwise.
+
+    Returns the tensor and whether it is already a fresh copy.
+    """
+    if index is None or index == tuple(range(t.shape[axis])):
+        return t, False
+    if index and index == tuple(range(index[0], index[0] + len(index))):
+        return t.narrow(axis, index[0], len(index)), False
+    return t.index_select(axis, torch.tensor(index, dtype=torch.long, device=t.device)), True
+
+
+class Store:
+    """Copies selected tensors into storage and keeps the byte budget."""
+
+    def __init__(self, selection: Selection) -> None:
+        self.selection = selection
+        self.used = 0
+
+    def target_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of ``dtype`` is stored as (only floating tensors are converted)."""
+        return self.selection.dtype if (self.selection.dtype is not None and dtype.is_floating_point) else dtype
+
+    @staticmethod
+    def planned_bytes(shape, dtype: torch.dtype) -> int:
+        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Fail before spending memory when ``nbytes`` more would pass ``max_bytes``."""
+        limit = self.selection.max_bytes
+        if limit is not None and self.used + nbytes > limit:
+            raise CaptureBudgetError(
+                f"capture budget exceeded: storing {what} needs {format_bytes(nbytes)} more, "
+                f"{format_bytes(self.used)} is already stored and max_bytes is {format_bytes(limit)}. "
+                "Select fewer layers (layers=[...]) or heads (heads=[...]), keep fewer tensors "
+                "(keep=('weights',)), store a smaller dtype (dtype=torch.float16), or raise max_bytes."
+            )
+        self.used += nbytes
+
+    def put(self, t: torch.Tensor, index: tuple[int, ...] | None = None, axis: int = 1) -> torch.Tensor:
+        """One detached copy of ``t`` restricted to ``index`` on ``axis`` (budget already reserved)."""
+        sliced, copied = index_heads(t.detach(), index, axis)
+        return sliced.to(device=self.selection.device, dtype=self.target_dtype(t.dtype), copy=not copied)
