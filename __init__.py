@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 
 from .probe.capture import Capture, capture, run
+from .probe.generation import stitch
 from .probe.errors import (
     AttnprobeError,
     AttnprobeWarning,
@@ -46,6 +47,7 @@ __all__ = [
     "Violation",
     "capture",
     "run",
+    "stitch",
 ]
 
 

@@ -1,0 +1,121 @@
+"""Stitch the per-step records of a generation into one (query, key) matrix per layer.
+
+Under ``model.generate`` a capture holds, per attention module, a prefill record (step 0) and one
+record per decoding step (one query against the keys so far). ``stitch`` turns each run of steps
+into a single record over the final sequence, as one forward over that sequence would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .errors import AttnprobeError
+from .record import AttentionRecord
+
+
+def _pad_keys(t: torch.Tensor | None, length: int, fill) -> torch.Tensor | None:
+    if t is None:
+        return None
+    extra = length - t.shape[-1]
+    if extra == 0:
+        return t
+    pad = torch.full((*t.shape[:-1], extra), fill, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=-1)
+
+
+def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
+    """One record from the consecutive generation steps of one module (step 0 first).
+
+    Keys never computed for an earlier step (positions generated later) get weight 0,
+    ``allowed`` False and score NaN (not observed).
+    """
+    if not steps:
+        raise AttnprobeError("nothing to stitch: no records with a generation step")
+    first = steps[0]
+    for i, r in enumerate(steps):
+        if r.step != i:
+            raise AttnprobeError(f"cannot stitch {first.name!r}: expected step {i}, found step {r.step}")
+        if r.name != first.name or r.heads != first.heads:
+            raise AttnprobeError(f"cannot stitch records of different modules or head selections ({first.name!r}, {r.name!r})")
+    total = steps[-1].query_offset + steps[-1].query_len
+    expected = first.query_offset
+    for r in steps:
+        if r.query_offset != expected:
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected {expected}"
+            )
+        expected += r.query_len
+        if r.kind == "self" and r.key_len is not None and r.key_len != r.query_offset + r.query_len:
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach "
+                f"position {r.query_offset + r.query_len}; a sliding-window or compressed cache drops keys, so "
+                "the steps do not form one matrix"
+            )
+    key_total = total if first.kind == "self" else first.key_len
+
+    def cat(field: str, fill):
+        parts = [getattr(r, field) for r in steps]
+        if any(p is None for p in parts):
+            return None
+        if field in ("scores", "weights", "allowed"):
+            parts = [_pad_keys(p, key_total, fill) for p in parts]
+        return torch.cat(parts, dim=2 if field != "query_padding" else 1)
+
+    last = steps[-1]
+    allowed = None
+    if all(r.allowed is not None for r in steps):
+        width = max(r.allowed.shape[1] for r in steps)
+        allowed = torch.cat(
+            [_pad_keys(r.allowed.expand(-1, width, -1, -1), key_total, False) for r in steps], dim=2
+        )
+    return replace(
+        first,
+        call=first.call,
+        step=None,
+        q=cat("q", 0),
+        k=last.k,
+        v=last.v,
+        scores=cat("scores", float("nan")),
+        weights=cat("weights", 0.0),
+        output=cat("output", 0),
+        allowed=allowed,
+        query_padding=cat("query_padding", False),
+        meta={**first.meta, "stitched_steps": len(steps)},
+    )
+
+
+def stitch(capture):
+    """A Capture with one stitched record per module and generation run.
+
+    Records without a ``step`` are left out; each run starts at step 0.
+
+    Example::
+
+        >>> # with attnprobe.capture(model) as cap: model.generate(**batch, max_new_tokens=5)
+        >>> # full = attnprobe.stitch(cap); full.record(0).weights  # (batch, head, T, T)
+    """
+    from .capture import Capture
+
+    runs: dict[tuple[str, int], list[AttentionRecord]] = {}
+    counter: dict[str, int] = {}
+    order: list[tuple[str, int]] = []
+    for r in capture:
+        if r.step is None:
+            continue
+        if r.step == 0:
+            counter[r.name] = counter.get(r.name, -1) + 1
+        key = (r.name, counter.get(r.name, 0))
+        if key not in runs:
+            runs[key] = []
+            order.append(key)
+        runs[key].append(r)
+    if not runs:
+        raise AttnprobeError(
+            "this capture has no generation steps to stitch: capture around model.generate(...) "
+            "with a model whose attention attnprobe reads through the Hugging Face adapter"
+        )
+    stitched = [replace(stitch_steps(runs[key]), call=key[1]) for key in order]
+    stitched.sort(key=lambda r: (r.call, r.layer))
+    return Capture(stitched, capture.info)
