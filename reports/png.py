@@ -58,7 +58,7 @@ def _set_ticks(ax, axis: str, labels: list[str] | None, n: int, offset: int, max
         ax.set_yticks(pos, text, fontsize=fontsize, parse_math=False)
 
 
-def _legend(ax, view, value: str) -> None:
+def _legend(ax, view, value: str) -> bool:
     from matplotlib.patches import Patch
 
     handles = []
@@ -68,9 +68,11 @@ def _legend(ax, view, value: str) -> None:
         handles.append(Patch(facecolor=LEAK_COLOR, edgecolor="none", label="weight on a masked key"))
     if view.query_padding.any():
         handles.append(Patch(facecolor="white", edgecolor="0.5", hatch="///", label="padded query"))
-    if handles:
-        ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncols=len(handles),
-                  fontsize="x-small", frameon=False, borderaxespad=0.2, handlelength=1.2)
+    if handles:  # one row just above the Axes, under the title
+        ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncols=len(handles),
+                  fontsize="x-small", frameon=False, borderaxespad=0.1, borderpad=0.1, handlelength=1.2,
+                  columnspacing=1.0)
+    return bool(handles)
 
 
 def draw_head(ax, view, value: str = "weights", *, cmap="viridis", vmin=None, vmax=None, interpolation=None):
@@ -119,6 +121,7 @@ def heatmap(
     cmap="viridis",
     vmin: float | None = None,
     vmax: float | None = None,
+    robust: bool = True,
     colorbar: bool = True,
     max_ticks: int = 40,
     fontsize="x-small",
@@ -132,6 +135,9 @@ def heatmap(
     axis are drawn (every k-th when the input is long). Cells the query may not attend are light grey,
     never the colour of a zero weight; a masked cell that carries weight anyway is drawn in a signal
     colour; padded query rows are hatched. ``value="scores"`` draws the pre-softmax scores.
+    With ``robust`` (and no ``vmax``) the colour scale of weights ends at their 99th percentile, so
+    the forced weight of 1 on the first rows of a causal head does not wash out a long input; larger
+    weights take the top colour (the colour bar's arrow).
 
     Example::
 
@@ -149,20 +155,27 @@ def heatmap(
     labels = record_labels(record, batch, tokens, key_tokens)
     if ax is None:
         ax = _current_axes()
+    extend = "neither"
+    if robust and vmax is None and value == "weights" and view.weights is not None:
+        allowed = view.weights[view.allowed & np.isfinite(view.weights)]
+        if allowed.size:
+            vmax = float(np.quantile(allowed, 0.99))
+            extend = "max" if vmax < allowed.max() else "neither"
+            vmax = vmax or None
     image = draw_head(ax, view, value, cmap=cmap, vmin=vmin, vmax=vmax)
     tq, tk = view.shape
     _set_ticks(ax, "x", labels.key, tk, 0, max_ticks, fontsize)
     _set_ticks(ax, "y", labels.query, tq, record.query_offset, max_ticks, fontsize)
     ax.set_xlabel("key" + (" (context)" if record.kind == "cross" else ""))
     ax.set_ylabel("query")
+    legend = _legend(ax, view, value)
     if title:
         text = title if isinstance(title, str) else f"layer {record.layer} head {head}" + (
             f" (call {record.call})" if record.call else "") + (" cross" if record.kind == "cross" else "")
-        ax.set_title(text, loc="left", fontsize="small")
-    _legend(ax, view, value)
+        ax.set_title(text, loc="left", fontsize="small", pad=18 if legend else 6)
     if colorbar:
         ax.figure.colorbar(image, ax=ax, label="weight" if value == "weights" else "score (pre-softmax)",
-                           fraction=0.046, pad=0.03)
+                           fraction=0.046, pad=0.03, extend=extend)
     return ax
 
 
@@ -284,7 +297,7 @@ def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", anno
         middle = (finite.min() + finite.max()) / 2 if finite.size else 0
         for (i, j), v in np.ndenumerate(values):
             if np.isfinite(v):
-                ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize="xx-small",
+                ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize="xx-small",
                         color="white" if v < middle else "black")
     if colorbar:
         ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
