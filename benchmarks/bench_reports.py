@@ -81,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"attnprobe {attnprobe.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}")
     with tempfile.TemporaryDirectory() as tmp:
+        warm, _ = make_capture(1, 8)
+        to_html(warm)  # imports (jinja2, pandas) and template compilation are not part of the figures
         for layers, tokens in ((6, 128), (1, 1024)):
             cap, capture_s = make_capture(layers, tokens)
             heads = layers * 12

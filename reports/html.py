@@ -27,7 +27,7 @@ from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
 from ..probe.violations import CheckResult, Violation
 from . import encoding
-from ._common import check_batch, display_token, head_view, output_path, record_labels
+from ._common import check_batch, display_token, head_view, output_path, record_labels, token_rows
 
 #: Refuse reports that would hold more matrix values than this (about 4 bytes each, exact precision).
 MAX_VALUES = 80_000_000
@@ -400,25 +400,36 @@ def describe_info(info) -> list[tuple[str, str]]:
     return out
 
 
-def input_facts(records: list[AttentionRecord], batch: int, data: ReportData) -> dict[str, Any]:
-    r = records[0]
-    self_records = [m for m in data.meta["records"] if m["kind"] == "self"]
-    cross = [m for m in data.meta["records"] if m["kind"] == "cross"]
-    query_tokens = None
+def input_facts(records: list[AttentionRecord], batch: int, data: ReportData, tokens, key_tokens) -> dict[str, Any]:
+    """What the overview says about the input: batch, sequence lengths, the tokens as given."""
+    size = records[0].batch_size or 1
+    q_row = None if tokens is None else token_rows(tokens, size, "tokens")[batch]
+    k_row = None if key_tokens is None else token_rows(key_tokens, size, "key_tokens")[batch]
+    sequences: dict[int, list[str]] = {}
+    keys: dict[int, list[str]] = {}
+    padded: dict[int | None, set[int]] = {}
     for m in data.meta["records"]:
-        if m["qTokens"] is not None:
-            query_tokens = data.token_lists[m["qTokens"]]
-            break
-    key_tokens = next((data.token_lists[m["kTokens"]] for m in cross if m["kTokens"] is not None), None)
-    padded = sorted({p for m in self_records for p in m["sources"][0]["padding"]})
+        name = m["name"] or "(model itself)"
+        sequences.setdefault(m["queryOffset"] + m["tq"], []).append(name + (" queries" if m["kind"] == "cross" else ""))
+        if m["kind"] == "cross":
+            keys.setdefault(m["tk"], []).append(name)
+        else:
+            padded.setdefault(m["qTokens"], set()).update(p + m["queryOffset"] for p in m["sources"][0]["padding"])
+
+    def padded_of(row):
+        if row is None or row not in data.token_lists:
+            return set()
+        return padded.get(data.token_lists.index(row), set())
+
     return {
-        "batch_size": r.batch_size,
+        "batch_size": size,
         "batch": batch,
-        "query_len": max(m["queryOffset"] + m["tq"] for m in data.meta["records"]),
-        "key_len": max((m["tk"] for m in cross), default=None),
-        "padded": padded,
-        "query_tokens": query_tokens,
-        "key_tokens": key_tokens,
+        "sequences": [(n, ", ".join(dict.fromkeys(names))) for n, names in sequences.items()],
+        "key_sequences": [(n, ", ".join(dict.fromkeys(names))) for n, names in keys.items()],
+        "query_tokens": q_row,
+        "key_tokens": k_row,
+        "query_padded": padded_of(q_row),
+        "key_padded": padded_of(k_row),
     }
 
 
@@ -476,11 +487,10 @@ def to_html(
         title=title or f"attnprobe report: {model}",
         mode="report",
         info=describe_info(capture.info),
-        records=records,
-        records_meta=data.meta["records"],
+        records=list(zip(records, data.meta["records"])),
         undrawn=undrawn,
         stitched=stitched,
-        input=input_facts(records, batch, data),
+        input=input_facts(records, batch, data, tokens, key_tokens),
         precision=precision,
         masked_scores=masked_scores,
         summary=summary,

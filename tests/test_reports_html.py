@@ -158,8 +158,11 @@ def test_overview_describes_model_input_and_records(assert_no_hooks):
     meta, _ = report_meta(document)
     assert meta["tokens"] == [words(5, "b")] and meta["batch"] == 1
     assert "a0" not in document.split("attnprobe-meta")[0]  # only the shown row's tokens
-    # row 0 is padded: the overview of row 0 says so
-    assert "2 padded position(s) in row 0: 0, 1" in to_html(cap, batch=0)
+    # row 0 is left-padded by two: its token chips and the calls table say so
+    row0 = to_html(cap, tokens=words(5), batch=0)
+    assert '<span class="tok pad" title="position 1 (padding)">w1</span>' in row0
+    assert '<span class="tok" title="position 2">w2</span>' in row0
+    assert "<td>2</td></tr>" in row0 and "<td>2</td></tr>" not in document
 
 
 def test_summary_table_matches_capture_summary(assert_no_hooks):

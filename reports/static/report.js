@@ -233,6 +233,14 @@
       return { canvas, info };
     }
     const h = heads[panel];
+    // side by side (a diff), both captures share one colour scale
+    const stats = heads.length === 1 ? h.stats : {
+      wmax: Math.max(...heads.map((x) => x.stats.wmax || 0)),
+      w99: Math.max(...heads.map((x) => x.stats.w99 || 0)),
+      smin: Math.min(...heads.map((x) => (x.stats.smin === null ? Infinity : x.stats.smin))),
+      smax: Math.max(...heads.map((x) => (x.stats.smax === null ? -Infinity : x.stats.smax))),
+    };
+    if (!Number.isFinite(stats.smin)) { stats.smin = null; stats.smax = null; }
     const vals = by === "weights" ? h.w : h.s;
     const allowed = h.a;
     const w = h.w;
@@ -241,11 +249,11 @@
     info.rowwise = norm === "row";
     if (by === "weights") {
       info.lo = 0;
-      info.hi = norm === "absolute" ? 1 : norm === "robust" ? (h.stats.w99 || h.stats.wmax || 1) : (h.stats.wmax || 1);
-      info.clipped = norm === "robust" && h.stats.w99 !== null && h.stats.w99 < h.stats.wmax;
+      info.hi = norm === "absolute" ? 1 : norm === "robust" ? (stats.w99 || stats.wmax || 1) : (stats.wmax || 1);
+      info.clipped = norm === "robust" && stats.w99 !== null && stats.w99 < stats.wmax;
     } else {
-      info.lo = h.stats.smin === null ? 0 : h.stats.smin;
-      info.hi = h.stats.smax === null ? 1 : h.stats.smax;
+      info.lo = stats.smin === null ? 0 : stats.smin;
+      info.hi = stats.smax === null ? 1 : stats.smax;
     }
     info.scale = scale;
     for (let q = 0; q < r.tq; q++) {
