@@ -215,7 +215,7 @@ def diff_html(
     rows.sort(key=lambda row: -np.nan_to_num(row["max_abs_weight_diff"], nan=-1.0, posinf=np.inf))
     data.meta.update(labels=list(labels), changes=changes, flags={})
     model = before.info.get("model_class", "model")
-    document = render(
+    chunks = render(
         "report.html.j2",
         title=title or f"attnprobe comparison: {model}, {labels[0]} vs {labels[1]}",
         mode="diff",
@@ -236,4 +236,4 @@ def diff_html(
         blobs=data.blobs,
         elapsed=time.perf_counter() - started,
     )
-    return write_or_return(document, path, overwrite)
+    return write_or_return(chunks, path, overwrite)

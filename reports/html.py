@@ -271,7 +271,7 @@ def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int
     rows: list[CheckRow] = []
     flags: dict[str, dict[str, Any]] = {}
     for v in checks.violations:
-        m = by_call.get((v.layer, v.call)) or by_layer.get(v.layer) if v.layer is not None else None
+        m = None if v.layer is None else (by_call.get((v.layer, v.call)) or by_layer.get(v.layer))
         target = None
         if m is not None:
             heads = [v.head] if v.head is not None and v.head in m["heads"] else ([] if v.head is not None else m["heads"])
@@ -330,8 +330,11 @@ def sort_value(x) -> str:
     return repr(float(x)) if isinstance(x, (float, np.floating)) else str(x)
 
 
-def render(template: str, **context) -> str:
-    """Render ``template`` with the page script and style inlined and a CSP that pins the script."""
+def render(template: str, **context):
+    """Render ``template`` with the page script and style inlined and a CSP that pins the script.
+
+    Returns an iterator of text chunks (a file is written without holding the whole document twice).
+    """
     script = _static("report.js")
     if "</script" in script.lower() or "<!--" in script:
         raise AssertionError("the report script must not contain '</script' or '<!--'")
@@ -339,11 +342,11 @@ def render(template: str, **context) -> str:
     csp = (
         "default-src 'none'; "
         f"script-src 'sha256-{digest}'; "
-        "style-src 'unsafe-inline'; img-src data: blob:; "
+        "style-src 'unsafe-inline'; "
         "base-uri 'none'; form-action 'none'"
     )
     env = _environment()
-    return env.get_template(template).render(
+    return env.get_template(template).generate(
         csp=csp,
         style=_static("report.css"),
         script=script,
@@ -355,13 +358,14 @@ def render(template: str, **context) -> str:
     )
 
 
-def write_or_return(document: str, path, overwrite: bool):
+def write_or_return(chunks, path, overwrite: bool):
+    """The document as one string when ``path`` is None; else write it there and return the path."""
     if path is None:
-        return document
+        return "".join(chunks)
     p = output_path(path, overwrite=overwrite)
     # "x" mode: never replace a file that appeared after the check unless asked
     with open(p, "w" if overwrite else "x", encoding="utf-8", errors="backslashreplace", newline="\n") as f:
-        f.write(document)
+        f.writelines(chunks)
     return p
 
 
@@ -482,7 +486,7 @@ def to_html(
         for row in summary.itertuples()
     }
     model = capture.info.get("model_class", "model")
-    document = render(
+    chunks = render(
         "report.html.j2",
         title=title or f"attnprobe report: {model}",
         mode="report",
@@ -500,4 +504,4 @@ def to_html(
         blobs=data.blobs,
         elapsed=time.perf_counter() - started,
     )
-    return write_or_return(document, path, overwrite)
+    return write_or_return(chunks, path, overwrite)

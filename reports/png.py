@@ -198,7 +198,8 @@ def head_grid(
 ):
     """A grid of small heatmaps, one row per record (layer, call), one column per head; returns the Figure.
 
-    ``normalize="shared"`` uses one colour scale for every head (with one colour bar);
+    ``normalize="shared"`` uses one colour scale for every head (with one colour bar; weights end at
+    their 99th percentile, as in ``heatmap``);
     ``"head"`` scales each head to its own range (to see the pattern of weak heads). ``fig=None``
     builds a new ``matplotlib.figure.Figure`` (pyplot is not used).
     """
@@ -218,6 +219,7 @@ def head_grid(
         fig = Figure(figsize=(ncols * cell_inches + 1.6, nrows * cell_inches + 0.8), layout="constrained")
     views = [[head_view(r, h, batch) for h in r.heads] for r in records]
     vmin = vmax = None
+    extend = "neither"
     if normalize == "shared":
         values = [
             (v.weights if value == "weights" else v.scores)[v.allowed]
@@ -227,6 +229,9 @@ def head_grid(
         finite = np.concatenate([x[np.isfinite(x)] for x in values]) if values else np.zeros(0)
         vmin = 0.0 if value == "weights" else (float(finite.min()) if finite.size else None)
         vmax = float(finite.max()) if finite.size else None
+        if value == "weights" and finite.size:  # robust: see heatmap()
+            vmax = float(np.quantile(finite, 0.99)) or vmax
+            extend = "max" if vmax < finite.max() else "neither"
     axes = fig.subplots(nrows, ncols, squeeze=False)
     image = None
     for i, (r, row) in enumerate(zip(records, views)):
@@ -248,7 +253,8 @@ def head_grid(
                 label = f"L{r.layer}" + (f" c{r.call}" if r.call else "") + (" x" if r.kind == "cross" else "")
                 ax.set_ylabel(label, fontsize="x-small")
     if normalize == "shared" and image is not None:
-        fig.colorbar(image, ax=axes, label="weight" if value == "weights" else "score (pre-softmax)", shrink=0.8)
+        fig.colorbar(image, ax=axes, label="weight" if value == "weights" else "score (pre-softmax)", shrink=0.8,
+                     extend=extend)
     return fig
 
 

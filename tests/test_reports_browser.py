@@ -57,6 +57,19 @@ def test_grid_and_head_view_render_exact_values_offline(tmp_path, open_report, a
     assert readout["rows"][0]["weight"] == "0"
     # a padded query row (batch row 0 is left-padded by two) is marked
     assert "padded query row" in hover_cell(page, 0, 0)["rows"][0]["notes"]
+    # click pins a cell; the arrow keys move the pin; the pinned cell stays while the pointer leaves
+    point = page.evaluate("window.attnprobe.cellCenter(4, 2)")
+    page.mouse.click(point["x"], point["y"])
+    page.keyboard.press("ArrowRight")
+    page.mouse.move(0, 0)
+    assert page.text_content("#readout .k-token") == json.dumps("w3")
+    assert as_float32(page.text_content("#readout td.weight")) == rec.weights[0, 2, 4, 3].item()
+    # colouring by score repaints the matrix with another scale
+    before = page.evaluate("document.querySelector('#viewers canvas.view').toDataURL()")
+    page.select_option("#colour-by", "scores")
+    page.wait_for_timeout(100)
+    assert page.evaluate("document.querySelector('#viewers canvas.view').toDataURL()") != before
+    assert "score" in page.text_content("#colourbars")
     report.assert_clean()
 
 

@@ -830,7 +830,6 @@
     api.errors.push(String(err && err.stack || err));
     const box = $("readout");
     if (box) { box.textContent = ""; box.appendChild(el("div", "flag", "Could not show this head: " + (err && err.message || err))); }
-    throw err;
   }
 
   async function main() {
