@@ -488,7 +488,7 @@
       ctx.fillStyle = "#1d1f21";
       const step = Math.max(1, Math.ceil(LABEL_PX / c));
       ctx.save();
-      ctx.beginPath(); ctx.rect(0, TH, LW, H - TH); ctx.clip();
+      ctx.beginPath(); ctx.rect(0, TH - 7, LW, H - TH + 7); ctx.clip(); // the first label may overhang the corner
       ctx.textAlign = "right"; ctx.textBaseline = "middle";
       for (let q = Math.ceil(q0 / step) * step; q < q1; q += step) {
         ctx.fillStyle = cell && cell.q === q ? "#ff6f00" : "#1d1f21";
@@ -505,7 +505,7 @@
       }
       ctx.restore();
       ctx.save();
-      ctx.beginPath(); ctx.rect(LW, 0, W - LW, TH); ctx.clip();
+      ctx.beginPath(); ctx.rect(LW - 7, 0, W - LW + 7, TH); ctx.clip();
       ctx.textAlign = "left"; ctx.textBaseline = "middle";
       const drawKey = (k, colour) => {
         ctx.save();
