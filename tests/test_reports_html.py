@@ -239,6 +239,16 @@ def test_bad_input_gets_clear_errors(assert_no_hooks):
         to_html(qkv_only)
 
 
+def test_a_record_without_a_mask_is_drawn_as_all_allowed_and_says_so(assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=4, batch=1)
+    bare = attnprobe.Capture([replace(cap[0], allowed=None, query_padding=None)], cap.info)
+    meta, blobs = report_meta(to_html(bare))
+    src = meta["records"][0]["sources"][0]
+    assert src["maskKnown"] is False and src["padding"] == []
+    scores = decode_floats(blobs[src["scores"][0]], 16, "exact")
+    np.testing.assert_array_equal(scores, cap[0].scores[0, 0].numpy().reshape(-1))  # nothing treated as masked
+
+
 def test_weight_on_masked_cells_is_counted_not_hidden(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=5, batch=1, padded=False)
     leaky = cap[0].weights.clone()

@@ -646,7 +646,8 @@
         ", max weight " + short(st.wmax) + ", scores " + short(st.smin) + " to " + short(st.smax) +
         (st.leaks ? ", " + st.leaks + " masked cell(s) with weight" : "") +
         (st.nonfinite ? ", " + st.nonfinite + " non-finite value(s)" : "") +
-        (src.padding.length ? ", padded query rows: " + src.padding.length : ""));
+        (src.padding.length ? ", padded query rows: " + src.padding.length : "") +
+        (src.maskKnown ? "" : "; the mask was not captured, so every cell is drawn as allowed"));
     });
     const sum = (META.summary || {})[r.layer + "-" + head];
     if (sum) {
