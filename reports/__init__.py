@@ -1,0 +1,30 @@
+"""Reports: PNG heatmaps (matplotlib) and one self-contained HTML file per capture or comparison.
+
+    >>> import torch, attnprobe
+    >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+    >>> out, cap = attnprobe.run(attn, torch.randn(1, 4, 8))
+    >>> from matplotlib.figure import Figure
+    >>> ax = attnprobe.reports.heatmap(cap[0], head=0, ax=Figure().add_subplot(), tokens=list("abcd"))
+    >>> attnprobe.reports.to_html(cap).startswith("<!doctype html>")
+    True
+
+matplotlib, pandas and jinja2 are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+from .diff import compare, diff_html
+from .html import to_html
+from .png import head_grid, heatmap, save_grid, save_heatmap, save_summary, summary_plot
+
+__all__ = [
+    "compare",
+    "diff_html",
+    "head_grid",
+    "heatmap",
+    "save_grid",
+    "save_heatmap",
+    "save_summary",
+    "summary_plot",
+    "to_html",
+]

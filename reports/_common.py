@@ -1,0 +1,197 @@
+"""What the PNG and HTML reports share: one head of one batch row as arrays, token labels, output paths.
+
+torch and numpy only; matplotlib, pandas and jinja2 are imported by the modules that draw or render.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..probe.errors import AttnprobeError
+from ..probe.record import AttentionRecord
+
+#: Colour of cells the query may not attend (light neutral grey: no sequential colour map uses it).
+DISALLOWED_COLOR = "#d4d4d4"
+#: Colour of disallowed cells that nevertheless carry weight (a masking bug): never hidden as grey.
+LEAK_COLOR = "#e0115f"
+
+
+@dataclass(frozen=True)
+class HeadView:
+    """One head of one batch row of a record, as float32 / bool numpy arrays ``(query, key)``."""
+
+    record: AttentionRecord
+    head: int  # model head number
+    batch: int
+    weights: np.ndarray | None  # (query, key) float32, post-softmax
+    scores: np.ndarray | None  # (query, key) float32, pre-softmax
+    allowed: np.ndarray  # (query, key) bool; all True when the record has no mask
+    query_padding: np.ndarray  # (query,) bool
+    mask_known: bool  # False when the record carried no ``allowed`` mask
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.allowed.shape  # type: ignore[return-value]
+
+    @property
+    def leaks(self) -> np.ndarray:
+        """Cells that are not allowed yet carry non-zero weight (bool ``(query, key)``)."""
+        if self.weights is None:
+            return np.zeros(self.shape, dtype=bool)
+        return ~self.allowed & (self.weights != 0)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32).numpy()
+
+
+def check_batch(record: AttentionRecord, batch: int) -> None:
+    size = record.batch_size
+    if isinstance(batch, bool) or not isinstance(batch, int):
+        raise AttnprobeError(f"batch must be an int (the batch row to show), got {batch!r}")
+    if size is None or not 0 <= batch < size:
+        raise AttnprobeError(
+            f"batch row {batch} does not exist in layer {record.layer} ({record.name!r}), "
+            f"which has batch size {size}; pass batch= between 0 and {(size or 1) - 1}"
+        )
+
+
+def resolve_head(record: AttentionRecord, head: int | None) -> int:
+    """The model head number to draw: ``head``, or the record's only head when None."""
+    if head is None:
+        if len(record.heads) == 1:
+            return record.heads[0]
+        raise AttnprobeError(
+            f"layer {record.layer} ({record.name!r}) has {len(record.heads)} heads {list(record.heads)}; "
+            "say which one with head="
+        )
+    if isinstance(head, bool) or not isinstance(head, int):
+        raise AttnprobeError(f"head must be a model head number (int), got {head!r}")
+    record.head_index(head)  # raises a KeyError naming the stored heads
+    return head
+
+
+def head_view(record: AttentionRecord, head: int, batch: int = 0) -> HeadView:
+    """Arrays of model head ``head`` in batch row ``batch`` of ``record``."""
+    if not isinstance(record, AttentionRecord):
+        raise TypeError(
+            f"expected an AttentionRecord (e.g. cap[0] or cap.record(layer)), got {type(record).__name__}"
+        )
+    check_batch(record, batch)
+    i = record.head_index(head)
+    if record.weights is None and record.scores is None:
+        raise AttnprobeError(
+            f"layer {record.layer} ({record.name!r}) has neither weights nor scores: capture with "
+            "keep=['weights'] or keep=['scores', 'weights'] to draw it"
+        )
+    weights = None if record.weights is None else _numpy(record.weights[batch, i])
+    scores = None if record.scores is None else _numpy(record.scores[batch, i])
+    tq, tk = (weights if weights is not None else scores).shape
+    allowed_t = record.allowed_for_heads()
+    if allowed_t is None:
+        allowed = np.ones((tq, tk), dtype=bool)
+    else:
+        allowed = allowed_t[batch, i].detach().cpu().numpy().astype(bool, copy=False)
+    qp = record.query_padding
+    padding = np.zeros(tq, dtype=bool) if qp is None else qp[batch].detach().cpu().numpy().astype(bool, copy=False)
+    return HeadView(record, head, batch, weights, scores, allowed, padding, allowed_t is not None)
+
+
+# --------------------------------------------------------------------------------------- tokens
+def token_rows(tokens, batch_size: int, what: str) -> list[list[str]] | None:
+    """``tokens`` (one list of strings, or one list per batch row) as one list per batch row."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, (str, bytes)):
+        raise AttnprobeError(f"{what} must be a list of token strings (or one list per batch row), not one string")
+    rows = list(tokens)
+    if not rows or all(isinstance(t, str) for t in rows):
+        return [list(rows)] * batch_size
+    if not all(isinstance(r, Sequence) and not isinstance(r, str) for r in rows):
+        raise AttnprobeError(f"{what} must be a list of strings or a list of lists of strings")
+    if len(rows) != batch_size:
+        raise AttnprobeError(
+            f"{what} has {len(rows)} rows but the capture has batch size {batch_size}; give one list per batch row "
+            "or a single list for all rows"
+        )
+    out = []
+    for row in rows:
+        bad = [t for t in row if not isinstance(t, str)]
+        if bad:
+            raise AttnprobeError(f"{what} must hold strings, got {bad[0]!r} ({type(bad[0]).__name__})")
+        out.append(list(row))
+    return out
+
+
+def display_token(token: str, limit: int = 0) -> str:
+    """A token as one line of visible text: control characters escaped, optionally shortened."""
+    text = "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in token)
+    if limit and len(text) > limit:
+        text = text[: limit - 1] + "\u2026"
+    return text
+
+
+@dataclass(frozen=True)
+class Labels:
+    """Token labels of a record's query rows and key columns (None = positions only)."""
+
+    query: list[str] | None
+    key: list[str] | None
+
+
+def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> Labels:
+    """Query and key labels of ``record`` for batch row ``batch``.
+
+    ``tokens`` name the query sequence (and the keys of self-attention), ``key_tokens`` the keys of
+    cross-attention. A self-attention record as long as ``key_tokens`` but not as ``tokens`` runs
+    over the context (an encoder's layer) and is labelled with ``key_tokens``.
+    """
+    size = record.batch_size or 1
+    where = f"layer {record.layer} ({record.name!r}, call {record.call})"
+    q_rows = token_rows(tokens, size, "tokens")
+    context = token_rows(key_tokens, size, "key_tokens")
+    if record.kind == "self" and context is not None:
+        # an encoder's self-attention runs over the context: key_tokens name it when they fit and tokens do not
+        need = record.query_offset + record.query_len
+        if len(context[batch]) == need and (q_rows is None or len(q_rows[batch]) != need):
+            q_rows = context
+    k_rows = q_rows if record.kind == "self" else context
+    query = key = None
+    tq, tk = record.query_len, record.key_len
+    if q_rows is not None:
+        row = q_rows[batch]
+        need = record.query_offset + tq
+        if len(row) < need:
+            raise AttnprobeError(
+                f"tokens has {len(row)} entries but {where} has {need} query positions; give one token per position"
+            )
+        query = row[record.query_offset: need]
+    if k_rows is not None:
+        row = k_rows[batch]
+        if len(row) < tk:
+            name = "tokens" if record.kind == "self" else "key_tokens"
+            raise AttnprobeError(
+                f"{name} has {len(row)} entries but {where} has {tk} key positions; give one token per key"
+                + (" (key_tokens name the context of cross-attention)" if record.kind == "cross" else "")
+            )
+        key = row[:tk]
+    return Labels(query, key)
+
+
+# --------------------------------------------------------------------------------------- files
+def output_path(path, *, overwrite: bool) -> Path:
+    """``path`` as a Path, refusing an existing file (unless ``overwrite``) and a missing folder."""
+    p = Path(os.fspath(path))
+    if p.is_dir():
+        raise IsADirectoryError(f"{p} is a folder; give a file name such as {p / 'report.html'}")
+    if p.exists() and not overwrite:
+        raise FileExistsError(f"{p} already exists; pass overwrite=True to replace it")
+    if not p.parent.exists():
+        raise FileNotFoundError(f"folder {p.parent} does not exist; create it first")
+    return p

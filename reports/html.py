@@ -1,0 +1,507 @@
+"""One self-contained HTML file per capture: overview, head grid, per-head detail, summary, checks.
+
+The document has no external script, style, font or image and makes no request: it opens from
+``file://`` with the network off. Data travels as JSON (with ``<``, ``>`` and ``&`` escaped, so no
+token can close the script element) and as compressed binary blobs (see ``encoding``); the page's
+script sets token text with ``textContent`` or draws it on a canvas, never as markup, and a
+Content-Security-Policy that allows only the report's own script (by hash) backs that up.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..probe.capture import Capture
+from ..probe.errors import AttnprobeError
+from ..probe.record import AttentionRecord
+from ..probe.violations import CheckResult, Violation
+from . import encoding
+from ._common import check_batch, display_token, head_view, output_path, record_labels, token_rows
+
+#: Refuse reports that would hold more matrix values than this (about 4 bytes each, exact precision).
+MAX_VALUES = 80_000_000
+
+
+# ----------------------------------------------------------------------------------- records shown
+def shown_records(capture) -> tuple[list[AttentionRecord], list[AttentionRecord], int]:
+    """(records drawn, records without weights or scores, number of generation runs stitched).
+
+    Records of a generation (with ``step``) are stitched into one matrix per module and run.
+    """
+    if not isinstance(capture, Capture):
+        raise TypeError(
+            f"expected an attnprobe.Capture (from `with attnprobe.capture(model) as cap`), got {type(capture).__name__}"
+        )
+    records = list(capture)
+    stitched_runs = 0
+    if any(r.step is not None for r in records):
+        from ..probe.generation import stitch
+
+        stitched = list(stitch(capture))
+        stitched_runs = len(stitched)
+        records = [r for r in records if r.step is None] + stitched
+    drawable = [r for r in records if r.weights is not None or r.scores is not None]
+    if not drawable:
+        raise AttnprobeError(
+            "nothing to report: no record has weights or scores. Capture with keep=None (everything) or "
+            "keep=['scores', 'weights']" + (" (this capture is empty)" if not records else "")
+        )
+    return drawable, [r for r in records if r.weights is None and r.scores is None], stitched_runs
+
+
+def _dtype_name(t) -> str | None:
+    return None if t is None else str(t.dtype).replace("torch.", "")
+
+
+def finite_or_none(x) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+# ----------------------------------------------------------------------------------- data builder
+@dataclass
+class ReportData:
+    """What the page script reads (``meta``, JSON) plus the binary blobs it decodes on demand."""
+
+    meta: dict[str, Any]
+    blobs: list[tuple[str, str]]
+    token_lists: list[list[str]] = field(default_factory=list)
+
+
+class _Tokens:
+    """Deduplicated token lists referenced by index from the records."""
+
+    def __init__(self) -> None:
+        self.lists: list[list[str]] = []
+        self._index: dict[tuple[str, ...], int] = {}
+
+    def ref(self, tokens: list[str] | None) -> int | None:
+        if tokens is None:
+            return None
+        key = tuple(tokens)
+        if key not in self._index:
+            self._index[key] = len(self.lists)
+            self.lists.append(list(tokens))
+        return self._index[key]
+
+
+def check_precision(precision: str) -> None:
+    if precision not in encoding.PRECISIONS:
+        raise AttnprobeError(f"precision must be one of {encoding.PRECISIONS}, got {precision!r}")
+
+
+def build_data(
+    sources: list[list[AttentionRecord]],
+    *,
+    batch: int,
+    tokens,
+    key_tokens,
+    precision: str,
+    masked_scores: bool,
+    max_values: int | None,
+) -> ReportData:
+    """Encode the records of one capture (``sources`` of length 1) or of two matched captures (diff)."""
+    check_precision(precision)
+    first = sources[0]
+    values = 0
+    for rows in sources:
+        for r in rows:
+            check_batch(r, batch)
+            per_head = r.query_len * r.key_len
+            values += per_head * len(r.heads) * ((r.weights is not None) + (r.scores is not None))
+    if max_values is not None and values > max_values:
+        raise AttnprobeError(
+            f"this report would hold {values:,} values (~{values * 4 / 2**20:,.0f} MiB before compression), more "
+            f"than max_values={max_values:,}. Report fewer layers or heads (cap.select(layers=..., heads=...)), "
+            "use precision='bfloat16', or raise max_values="
+        )
+    tok = _Tokens()
+    blobs = encoding.Blobs()
+    thumbs: list[np.ndarray] = []
+    thumb_offset = 0
+    diff = len(sources) == 2
+    records_meta = []
+    thumb_max = 0.0
+    try:
+        for rid, group in enumerate(zip(*sources)):
+            r = group[0]
+            labels = record_labels(r, batch, tokens, key_tokens)
+            meta: dict[str, Any] = {
+                "id": rid,
+                "layer": r.layer,
+                "call": r.call,
+                "name": r.name,
+                "kind": r.kind,
+                "stitched": r.meta.get("stitched_steps"),
+                "tq": r.query_len,
+                "tk": r.key_len,
+                "queryOffset": r.query_offset,
+                "heads": list(r.heads),
+                "numHeads": r.num_heads,
+                "numKvHeads": r.num_kv_heads,
+                "qTokens": tok.ref(labels.query),
+                "kTokens": tok.ref(labels.key),
+                "sources": [],
+                "thumbs": [],
+            }
+            for rec in group:
+                views = [head_view(rec, h, batch) for h in r.heads]
+                src: dict[str, Any] = {
+                    "backend": rec.backend,
+                    "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", ""),
+                    "storedDtype": _dtype_name(rec.weights if rec.weights is not None else rec.scores),
+                    "weightsSource": rec.weights_source,
+                    "causal": rec.causal,
+                    "scaling": rec.scaling,
+                    "maskKnown": views[0].mask_known,
+                    "padding": np.flatnonzero(views[0].query_padding).tolist(),
+                    "allowed": [blobs.add(functools.partial(encoding.packed_bits, v.allowed)) for v in views],
+                    "weights": None,
+                    "scores": None,
+                    "stats": [],
+                }
+                if rec.weights is not None:
+                    src["weights"] = [
+                        blobs.add(functools.partial(encoding.shuffled_floats, v.weights, precision)) for v in views
+                    ]
+                if rec.scores is not None:
+                    src["scores"] = []
+                    for v in views:
+                        s = v.scores if masked_scores else np.where(v.allowed, v.scores, np.float32(np.nan))
+                        src["scores"].append(blobs.add(functools.partial(encoding.shuffled_floats, s, precision)))
+                for v in views:
+                    w_ok = v.weights[v.allowed] if v.weights is not None else np.zeros(0)
+                    s_ok = v.scores[v.allowed] if v.scores is not None else np.zeros(0)
+                    s_ok = s_ok[np.isfinite(s_ok)]
+                    src["stats"].append({
+                        "wmax": finite_or_none(w_ok[np.isfinite(w_ok)].max()) if np.isfinite(w_ok).any() else None,
+                        # robust colour range: large weights of the first, forced rows do not wash out the rest
+                        "w99": finite_or_none(np.quantile(w_ok[np.isfinite(w_ok)], 0.99)) if np.isfinite(w_ok).any() else None,
+                        "smin": finite_or_none(s_ok.min()) if s_ok.size else None,
+                        "smax": finite_or_none(s_ok.max()) if s_ok.size else None,
+                        "leaks": int(v.leaks.sum()),
+                        "nonfinite": int((~np.isfinite(v.weights if v.weights is not None else v.scores) & v.allowed).sum()),
+                    })
+                meta["sources"].append((src, views))
+            # thumbnails: weights (or normalised scores) of the one capture; |difference| for a diff
+            for i in range(len(r.heads)):
+                vs = [views[i] for _, views in meta["sources"]]
+                if diff:
+                    image, allowed = _difference(vs[0], vs[1])
+                    t = encoding.thumbnail(image, allowed)
+                    if np.isfinite(t).any():
+                        thumb_max = max(thumb_max, float(np.nanmax(t)))
+                else:
+                    v = vs[0]
+                    if v.weights is not None:
+                        t = encoding.thumbnail(np.maximum(v.weights, 0), v.allowed, v.leaks)
+                    else:
+                        s = np.where(v.allowed & np.isfinite(v.scores), v.scores, np.nan)
+                        lo, hi = (np.nanmin(s), np.nanmax(s)) if np.isfinite(s).any() else (0.0, 1.0)
+                        t = encoding.thumbnail((v.scores - lo) / ((hi - lo) or 1.0), v.allowed)
+                meta["thumbs"].append(thumb_offset)
+                thumbs.append(t.reshape(-1))
+                thumb_offset += t.size
+                meta["thumbShape"] = list(t.shape)
+            meta["sources"] = [src for src, _ in meta["sources"]]
+            records_meta.append(meta)
+        all_thumbs = np.concatenate(thumbs).astype("<f2") if thumbs else np.zeros(0, dtype="<f2")
+        thumb_blob = blobs.add(all_thumbs.tobytes)
+        blob_list = blobs.results()
+    except BaseException:
+        blobs.close()
+        raise
+    meta = {
+        "records": records_meta,
+        "tokens": tok.lists,
+        "thumbBlob": thumb_blob,
+        "thumbMax": thumb_max,
+        "precision": precision,
+        "maskedScores": masked_scores,
+        "batch": batch,
+        "mode": "diff" if diff else "report",
+    }
+    return ReportData(meta, blob_list, tok.lists)
+
+
+def _difference(a, b) -> tuple[np.ndarray, np.ndarray]:
+    """|after - before| of weights (scores when weights are missing), and where either is allowed."""
+    if a.weights is not None and b.weights is not None:
+        x, y = a.weights, b.weights
+    elif a.scores is not None and b.scores is not None:
+        x, y = a.scores, b.scores
+    else:
+        raise AttnprobeError(
+            f"layer {a.record.layer} head {a.head}: the two captures share neither weights nor scores to compare"
+        )
+    allowed = a.allowed | b.allowed
+    d = np.abs(y.astype(np.float64) - x.astype(np.float64))
+    return np.where(np.isnan(d), np.inf, d), allowed
+
+
+# ----------------------------------------------------------------------------------- checks panel
+@dataclass(frozen=True)
+class CheckRow:
+    violation: Violation
+    target: str | None  # "#head-<record id>-<head>" of its detail view
+    other_batch: bool  # the violation is in another batch row than the one shown
+
+
+def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int) -> dict[str, Any]:
+    """Rows of the checks table, and which (record id, head) are flagged."""
+    if checks is None:
+        return {"given": False, "rows": [], "flags": {}}
+    if not isinstance(checks, CheckResult):
+        raise TypeError(f"checks must be an attnprobe.CheckResult (from attnprobe.check(capture)), got {type(checks).__name__}")
+    by_call = {(m["layer"], m["call"]): m for m in records_meta}
+    by_layer: dict[int, dict] = {}
+    for m in records_meta:
+        by_layer.setdefault(m["layer"], m)
+    rows: list[CheckRow] = []
+    flags: dict[str, dict[str, Any]] = {}
+    for v in checks.violations:
+        m = None if v.layer is None else (by_call.get((v.layer, v.call)) or by_layer.get(v.layer))
+        target = None
+        if m is not None:
+            heads = [v.head] if v.head is not None and v.head in m["heads"] else ([] if v.head is not None else m["heads"])
+            for h in heads:
+                key = f"{m['id']}-{h}"
+                flag = flags.setdefault(key, {"errors": 0, "other": 0, "marks": []})
+                flag["errors" if v.severity == "error" else "other"] += 1
+                if v.batch in (None, batch):
+                    flag["marks"].append({"check": v.check, "queries": list(v.queries), "keys": list(v.keys)})
+            if heads:
+                target = f"#head-{m['id']}-{heads[0]}"
+        rows.append(CheckRow(v, target, v.batch is not None and v.batch != batch))
+    return {"given": True, "result": checks, "rows": rows, "flags": flags}
+
+
+# ----------------------------------------------------------------------------------- rendering
+@functools.lru_cache(maxsize=1)
+def _environment():
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("attnprobe.reports", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _static(name: str) -> str:
+    return resources.files("attnprobe.reports").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def script_json(data: Any) -> str:
+    """JSON safe inside a ``<script>`` element: ``<``, ``>`` and ``&`` escaped, ASCII only, no NaN."""
+    text = json.dumps(data, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def fmt(x, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, (bool, np.bool_)):
+        return "yes" if x else "no"
+    if isinstance(x, (int, np.integer)):
+        return str(int(x))
+    return f"{float(x):.{digits}g}"
+
+
+def sort_value(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return ""
+    if isinstance(x, (bool, np.bool_)):
+        return "1" if x else "0"
+    return repr(float(x)) if isinstance(x, (float, np.floating)) else str(x)
+
+
+def render(template: str, **context):
+    """Render ``template`` with the page script and style inlined and a CSP that pins the script.
+
+    Returns an iterator of text chunks (a file is written without holding the whole document twice).
+    """
+    script = _static("report.js")
+    if "</script" in script.lower() or "<!--" in script:
+        raise AssertionError("the report script must not contain '</script' or '<!--'")
+    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+    csp = (
+        "default-src 'none'; "
+        f"script-src 'sha256-{digest}'; "
+        "style-src 'unsafe-inline'; "
+        "base-uri 'none'; form-action 'none'"
+    )
+    env = _environment()
+    return env.get_template(template).generate(
+        csp=csp,
+        style=_static("report.css"),
+        script=script,
+        fmt=fmt,
+        sort_value=sort_value,
+        display_token=display_token,
+        version=__version__,
+        **context,
+    )
+
+
+def write_or_return(chunks, path, overwrite: bool):
+    """The document as one string when ``path`` is None; else write it there and return the path."""
+    if path is None:
+        return "".join(chunks)
+    p = output_path(path, overwrite=overwrite)
+    # "x" mode: never replace a file that appeared after the check unless asked
+    with open(p, "w" if overwrite else "x", encoding="utf-8", errors="backslashreplace", newline="\n") as f:
+        f.writelines(chunks)
+    return p
+
+
+def describe_info(info) -> list[tuple[str, str]]:
+    """``capture.info`` as (label, text) pairs for the overview."""
+    out = []
+    names = {
+        "model_class": "model",
+        "adapters": "adapters",
+        "attention_modules": "attention modules",
+        "num_heads": "heads per module",
+        "num_kv_heads": "key/value heads per module",
+    }
+    for key, label in names.items():
+        if key in info:
+            value = info[key]
+            if isinstance(value, (tuple, list)):
+                if key in ("num_heads", "num_kv_heads") and len(set(value)) == 1:
+                    value = f"{value[0]} (all {len(value)} modules)"
+                else:
+                    value = ", ".join(str(x) if x != "" else "(model itself)" for x in value) or "–"
+            out.append((label, str(value)))
+    selection = info.get("selection")
+    if isinstance(selection, dict):
+        parts = []
+        for k, v in selection.items():
+            if v is None:
+                v = "all" if k in ("layers", "heads") else "–"
+            elif isinstance(v, (tuple, list)):
+                v = ", ".join(map(str, v))
+            parts.append(f"{k}: {v}")
+        out.append(("capture selection", "; ".join(parts)))
+    for key, value in info.items():
+        if key not in names and key != "selection":
+            out.append((str(key), str(value)))
+    return out
+
+
+def input_facts(records: list[AttentionRecord], batch: int, data: ReportData, tokens, key_tokens) -> dict[str, Any]:
+    """What the overview says about the input: batch, sequence lengths, the tokens as given."""
+    size = records[0].batch_size or 1
+    q_row = None if tokens is None else token_rows(tokens, size, "tokens")[batch]
+    k_row = None if key_tokens is None else token_rows(key_tokens, size, "key_tokens")[batch]
+    sequences: dict[int, list[str]] = {}
+    keys: dict[int, list[str]] = {}
+    padded: dict[int | None, set[int]] = {}
+    for m in data.meta["records"]:
+        name = m["name"] or "(model itself)"
+        sequences.setdefault(m["queryOffset"] + m["tq"], []).append(name + (" queries" if m["kind"] == "cross" else ""))
+        if m["kind"] == "cross":
+            keys.setdefault(m["tk"], []).append(name)
+        else:
+            padded.setdefault(m["qTokens"], set()).update(p + m["queryOffset"] for p in m["sources"][0]["padding"])
+
+    def padded_of(row):
+        if row is None or row not in data.token_lists:
+            return set()
+        return padded.get(data.token_lists.index(row), set())
+
+    return {
+        "batch_size": size,
+        "batch": batch,
+        "sequences": [(n, ", ".join(dict.fromkeys(names))) for n, names in sequences.items()],
+        "key_sequences": [(n, ", ".join(dict.fromkeys(names))) for n, names in keys.items()],
+        "query_tokens": q_row,
+        "key_tokens": k_row,
+        "query_padded": padded_of(q_row),
+        "key_padded": padded_of(k_row),
+    }
+
+
+def to_html(
+    capture,
+    path=None,
+    *,
+    tokens=None,
+    key_tokens=None,
+    batch: int = 0,
+    checks: CheckResult | None = None,
+    title: str | None = None,
+    precision: str = "exact",
+    masked_scores: bool = False,
+    overwrite: bool = False,
+    max_values: int | None = MAX_VALUES,
+):
+    """Write one self-contained HTML report of ``capture``; return the document when ``path`` is None.
+
+    ``tokens``: labels of the query sequence (and of the keys of self-attention), one list of strings
+    or one list per batch row; ``key_tokens``: labels of the keys of cross-attention; ``batch``: the
+    batch row shown. ``checks``: an ``attnprobe.CheckResult`` for the checks panel (violating heads
+    are highlighted and linked). ``precision="exact"`` keeps every float32 value bit for bit;
+    ``"bfloat16"`` rounds values to about 3 significant digits for a file about half the size (the page
+    says so). Scores of cells the query may not attend are left out unless ``masked_scores=True``.
+    With ``path``, an existing file is replaced only with ``overwrite=True``; returns the path.
+
+    Records captured under ``generate`` (with ``step``) are shown stitched (``attnprobe.stitch``).
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+        >>> out, cap = attnprobe.run(attn, torch.randn(1, 4, 8))
+        >>> html = attnprobe.reports.to_html(cap, tokens=["a", "b", "c", "d"])
+        >>> html.startswith("<!doctype html>")
+        True
+    """
+    started = time.perf_counter()
+    if path is not None:
+        output_path(path, overwrite=overwrite)  # fail before the work
+    records, undrawn, stitched = shown_records(capture)
+    data = build_data([records], batch=batch, tokens=tokens, key_tokens=key_tokens, precision=precision,
+                      masked_scores=masked_scores, max_values=max_values)
+    summary = Capture(records, capture.info).summary()
+    panel = check_panel(checks, data.meta["records"], batch)
+    data.meta["flags"] = panel["flags"]
+    data.meta["summary"] = {
+        f"{row.layer}-{row.head}": {c: finite_or_none(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
+        for row in summary.itertuples()
+    }
+    model = capture.info.get("model_class", "model")
+    chunks = render(
+        "report.html.j2",
+        title=title or f"attnprobe report: {model}",
+        mode="report",
+        info=describe_info(capture.info),
+        records=list(zip(records, data.meta["records"])),
+        undrawn=undrawn,
+        stitched=stitched,
+        input=input_facts(records, batch, data, tokens, key_tokens),
+        precision=precision,
+        masked_scores=masked_scores,
+        summary=summary,
+        summary_targets={(m["layer"], h): f"#head-{m['id']}-{h}" for m in reversed(data.meta["records"]) for h in m["heads"]},
+        checks=panel,
+        meta_json=script_json(data.meta),
+        blobs=data.blobs,
+        elapsed=time.perf_counter() - started,
+    )
+    return write_or_return(chunks, path, overwrite)

@@ -1,0 +1,363 @@
+"""Heatmaps with matplotlib: one head into an Axes, a layer x head grid, a per-head summary plot.
+
+Axes-level functions take ``ax=None`` (then the current pyplot Axes, as seaborn and pandas do), draw,
+and return the Axes; nothing here calls ``show()``. The ``save_*`` writers build a
+``matplotlib.figure.Figure`` directly, so writing files never touches pyplot's global state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..probe.errors import AttnprobeError
+from ..probe.record import AttentionRecord
+from ._common import (
+    DISALLOWED_COLOR,
+    LEAK_COLOR,
+    check_batch,
+    display_token,
+    head_view,
+    output_path,
+    record_labels,
+    resolve_head,
+)
+
+VALUES = ("weights", "scores")
+#: Summary columns drawn by ``save_summary`` by default (see ``attnprobe.probe.frames.SUMMARY_SCHEMA``).
+SUMMARY_COLUMNS = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass")
+
+
+def _current_axes():
+    import matplotlib.pyplot as plt  # only when the caller gave no Axes (notebook use)
+
+    return plt.gca()
+
+
+def _check_value(value: str) -> None:
+    if value not in VALUES:
+        raise AttnprobeError(f"value must be 'weights' (post-softmax) or 'scores' (pre-softmax), got {value!r}")
+
+
+def tick_positions(n: int, max_ticks: int) -> np.ndarray:
+    """Every k-th position so that at most ``max_ticks`` labels are drawn (all of them when n is small)."""
+    if max_ticks < 1:
+        return np.arange(0)
+    step = max(1, math.ceil(n / max_ticks))
+    return np.arange(0, n, step)
+
+
+def _set_ticks(ax, axis: str, labels: list[str] | None, n: int, offset: int, max_ticks: int, fontsize) -> None:
+    pos = tick_positions(n, max_ticks)
+    text = [display_token(labels[i], 24) if labels is not None else str(i + offset) for i in pos]
+    if axis == "x":
+        ax.set_xticks(pos, text, rotation=90, fontsize=fontsize, parse_math=False)
+    else:
+        ax.set_yticks(pos, text, fontsize=fontsize, parse_math=False)
+
+
+def _legend(ax, view, value: str) -> bool:
+    from matplotlib.patches import Patch
+
+    handles = []
+    if not view.allowed.all():
+        handles.append(Patch(facecolor=DISALLOWED_COLOR, edgecolor="none", label="not allowed (masked)"))
+    if value == "weights" and view.leaks.any():
+        handles.append(Patch(facecolor=LEAK_COLOR, edgecolor="none", label="weight on a masked key"))
+    if view.query_padding.any():
+        handles.append(Patch(facecolor="white", edgecolor="0.5", hatch="///", label="padded query"))
+    if handles:  # one row just above the Axes, under the title
+        ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncols=len(handles),
+                  fontsize="x-small", frameon=False, borderaxespad=0.1, borderpad=0.1, handlelength=1.2,
+                  columnspacing=1.0)
+    return bool(handles)
+
+
+def draw_head(ax, view, value: str = "weights", *, cmap="viridis", vmin=None, vmax=None, interpolation=None):
+    """Draw a ``HeadView`` into ``ax``: masked cells grey, weight on masked cells in the leak colour,
+    padded query rows hatched. Returns the AxesImage (for a colour bar)."""
+    import matplotlib as mpl
+
+    data = view.weights if value == "weights" else view.scores
+    if data is None:
+        raise AttnprobeError(
+            f"layer {view.record.layer} ({view.record.name!r}) has no {value} captured; "
+            f"capture with keep=[..., {value!r}] or draw value={'scores' if value == 'weights' else 'weights'!r}"
+        )
+    shown = np.ma.masked_array(data, mask=~view.allowed | ~np.isfinite(data))
+    colormap = mpl.colormaps[cmap] if isinstance(cmap, str) else cmap
+    colormap = colormap.with_extremes(bad=DISALLOWED_COLOR)
+    if vmin is None and value == "weights":
+        vmin = 0.0
+    tq, tk = view.shape
+    if interpolation is None:  # nearest keeps cells crisp; past ~300 cells resample so thin lines survive
+        interpolation = "nearest" if max(tq, tk) <= 300 else "antialiased"
+    aspect = "equal" if tq == tk else "auto"
+    image = ax.imshow(shown, cmap=colormap, vmin=vmin, vmax=vmax, interpolation=interpolation, aspect=aspect,
+                      origin="upper")
+    if value == "weights":
+        leaks = view.leaks
+        if leaks.any():
+            overlay = np.zeros((tq, tk, 4))
+            overlay[leaks] = mpl.colors.to_rgba(LEAK_COLOR)
+            ax.imshow(overlay, interpolation="nearest", aspect=aspect, origin="upper")
+    for row in np.flatnonzero(view.query_padding):
+        ax.add_patch(mpl.patches.Rectangle((-0.5, row - 0.5), tk, 1, facecolor="white", alpha=0.55,
+                                           hatch="///", edgecolor="0.5", linewidth=0))
+    return image
+
+
+def heatmap(
+    record: AttentionRecord,
+    head: int | None = None,
+    *,
+    ax=None,
+    tokens=None,
+    key_tokens=None,
+    batch: int = 0,
+    value: str = "weights",
+    cmap="viridis",
+    vmin: float | None = None,
+    vmax: float | None = None,
+    robust: bool = True,
+    colorbar: bool = True,
+    max_ticks: int = 40,
+    fontsize="x-small",
+    title: str | bool = True,
+):
+    """Draw one head of ``record`` (queries down, keys across) into ``ax`` and return the Axes.
+
+    ``head`` is the model head number (optional when the record holds one head); ``batch`` the batch
+    row. ``tokens`` label the query axis (and the key axis of self-attention): one list, or one list
+    per batch row; ``key_tokens`` label the keys of cross-attention. At most ``max_ticks`` labels per
+    axis are drawn (every k-th when the input is long). Cells the query may not attend are light grey,
+    never the colour of a zero weight; a masked cell that carries weight anyway is drawn in a signal
+    colour; padded query rows are hatched. ``value="scores"`` draws the pre-softmax scores.
+    With ``robust`` (and no ``vmax``) the colour scale of weights ends at their 99th percentile, so
+    the forced weight of 1 on the first rows of a causal head does not wash out a long input; larger
+    weights take the top colour (the colour bar's arrow).
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> from matplotlib.figure import Figure
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+        >>> out, cap = attnprobe.run(attn, torch.randn(1, 5, 8))
+        >>> ax = Figure().add_subplot()
+        >>> attnprobe.reports.heatmap(cap[0], head=1, ax=ax, tokens=list("abcde")) is ax
+        True
+    """
+    _check_value(value)
+    head = resolve_head(record, head)
+    view = head_view(record, head, batch)
+    labels = record_labels(record, batch, tokens, key_tokens)
+    if ax is None:
+        ax = _current_axes()
+    extend = "neither"
+    if robust and vmax is None and value == "weights" and view.weights is not None:
+        allowed = view.weights[view.allowed & np.isfinite(view.weights)]
+        if allowed.size:
+            vmax = float(np.quantile(allowed, 0.99))
+            extend = "max" if vmax < allowed.max() else "neither"
+            vmax = vmax or None
+    image = draw_head(ax, view, value, cmap=cmap, vmin=vmin, vmax=vmax)
+    tq, tk = view.shape
+    _set_ticks(ax, "x", labels.key, tk, 0, max_ticks, fontsize)
+    _set_ticks(ax, "y", labels.query, tq, record.query_offset, max_ticks, fontsize)
+    ax.set_xlabel("key" + (" (context)" if record.kind == "cross" else ""))
+    ax.set_ylabel("query")
+    legend = _legend(ax, view, value)
+    if title:
+        text = title if isinstance(title, str) else f"layer {record.layer} head {head}" + (
+            f" (call {record.call})" if record.call else "") + (" cross" if record.kind == "cross" else "")
+        ax.set_title(text, loc="left", fontsize="small", pad=18 if legend else 6)
+    if colorbar:
+        ax.figure.colorbar(image, ax=ax, label="weight" if value == "weights" else "score (pre-softmax)",
+                           fraction=0.046, pad=0.03, extend=extend)
+    return ax
+
+
+def _grid_records(capture) -> list[AttentionRecord]:
+    records = [r for r in capture if r.weights is not None or r.scores is not None]
+    if not records:
+        raise AttnprobeError("nothing to draw: no record in this capture has weights or scores")
+    return records
+
+
+def head_grid(
+    capture,
+    *,
+    fig=None,
+    batch: int = 0,
+    value: str = "weights",
+    cmap="viridis",
+    normalize: str = "shared",
+    cell_inches: float | None = None,
+):
+    """A grid of small heatmaps, one row per record (layer, call), one column per head; returns the Figure.
+
+    ``normalize="shared"`` uses one colour scale for every head (with one colour bar; weights end at
+    their 99th percentile, as in ``heatmap``);
+    ``"head"`` scales each head to its own range (to see the pattern of weak heads). ``fig=None``
+    builds a new ``matplotlib.figure.Figure`` (pyplot is not used).
+    """
+    from matplotlib.figure import Figure
+
+    _check_value(value)
+    if normalize not in ("shared", "head"):
+        raise AttnprobeError(f"normalize must be 'shared' or 'head', got {normalize!r}")
+    records = _grid_records(capture)
+    for r in records:
+        check_batch(r, batch)
+    ncols = max(len(r.heads) for r in records)
+    nrows = len(records)
+    if cell_inches is None:
+        cell_inches = max(0.35, min(1.3, 18.0 / max(ncols, nrows)))
+    if fig is None:
+        fig = Figure(figsize=(ncols * cell_inches + 1.6, nrows * cell_inches + 0.8), layout="constrained")
+    views = [[head_view(r, h, batch) for h in r.heads] for r in records]
+    vmin = vmax = None
+    extend = "neither"
+    if normalize == "shared":
+        values = [
+            (v.weights if value == "weights" else v.scores)[v.allowed]
+            for row in views for v in row
+            if (v.weights if value == "weights" else v.scores) is not None
+        ]
+        finite = np.concatenate([x[np.isfinite(x)] for x in values]) if values else np.zeros(0)
+        vmin = 0.0 if value == "weights" else (float(finite.min()) if finite.size else None)
+        vmax = float(finite.max()) if finite.size else None
+        if value == "weights" and finite.size:  # robust: see heatmap()
+            vmax = float(np.quantile(finite, 0.99)) or vmax
+            extend = "max" if vmax < finite.max() else "neither"
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    image = None
+    for i, (r, row) in enumerate(zip(records, views)):
+        for j in range(ncols):
+            ax = axes[i, j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if j >= len(row):
+                ax.set_axis_off()
+                continue
+            view = row[j]
+            if (view.weights if value == "weights" else view.scores) is None:
+                ax.text(0.5, 0.5, f"no {value}", ha="center", va="center", fontsize="xx-small", transform=ax.transAxes)
+                continue
+            image = draw_head(ax, view, value, cmap=cmap, vmin=vmin, vmax=vmax)
+            if i == 0 or len(r.heads) != len(records[i - 1].heads):
+                ax.set_title(f"H{view.head}", fontsize="x-small")
+            if j == 0:
+                label = f"L{r.layer}" + (f" c{r.call}" if r.call else "") + (" x" if r.kind == "cross" else "")
+                ax.set_ylabel(label, fontsize="x-small")
+    if normalize == "shared" and image is not None:
+        fig.colorbar(image, ax=axes, label="weight" if value == "weights" else "score (pre-softmax)", shrink=0.8,
+                     extend=extend)
+    return fig
+
+
+def _summary_frame(data):
+    import pandas as pd
+
+    if isinstance(data, pd.DataFrame):
+        return data
+    summary = getattr(data, "summary", None)
+    if summary is None:
+        raise TypeError(f"expected a Capture or the frame of Capture.summary(), got {type(data).__name__}")
+    return summary()
+
+
+def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", annotate: bool | None = None,
+                 colorbar: bool = True):
+    """One statistic of ``Capture.summary()`` as a layer x head map; returns the Axes.
+
+    ``data`` is a Capture or its summary frame; ``column`` one of the summary's numeric columns
+    (entropy, max_weight, first_key_mass, diagonal_mass, previous_mass, masked_mass, row_sum_error).
+    Values are written into the cells when there are at most 16 x 16 of them (``annotate``).
+    """
+    frame = _summary_frame(data)
+    numeric = [c for c in frame.columns if c not in ("layer", "name", "head", "rows")]
+    if column not in numeric:
+        raise AttnprobeError(f"column must be one of {numeric}, got {column!r}")
+    if frame.empty:
+        raise AttnprobeError("the summary is empty: the capture has no weights to summarise")
+    table = frame.pivot_table(index="layer", columns="head", values=column, aggfunc="first", dropna=False)
+    if ax is None:
+        ax = _current_axes()
+    values = table.to_numpy(dtype=float)
+    import matplotlib as mpl
+
+    colormap = (mpl.colormaps[cmap] if isinstance(cmap, str) else cmap).with_extremes(bad=DISALLOWED_COLOR)
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=colormap, aspect="auto", interpolation="nearest")
+    ax.set_xticks(range(values.shape[1]), [str(h) for h in table.columns], fontsize="x-small")
+    ax.set_yticks(range(values.shape[0]), [str(layer) for layer in table.index], fontsize="x-small")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(column, loc="left", fontsize="small")
+    if annotate is None:
+        annotate = values.shape[0] <= 16 and values.shape[1] <= 16
+    if annotate:
+        finite = values[np.isfinite(values)]
+        middle = (finite.min() + finite.max()) / 2 if finite.size else 0
+        for (i, j), v in np.ndenumerate(values):
+            if np.isfinite(v):
+                ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize="xx-small",
+                        color="white" if v < middle else "black")
+    if colorbar:
+        ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
+    return ax
+
+
+# ------------------------------------------------------------------------------------ file writers
+def _save(fig, path, *, overwrite: bool, dpi: float):
+    p = output_path(path, overwrite=overwrite)
+    fig.savefig(p, dpi=dpi)
+    return p
+
+
+def save_heatmap(record: AttentionRecord, path, head: int | None = None, *, figsize=(6.4, 5.6), dpi: float = 100,
+                 overwrite: bool = False, **options):
+    """Write ``heatmap(record, head, **options)`` to ``path`` (PNG, SVG or PDF by the suffix).
+
+    The image is ``figsize`` x ``dpi`` pixels. An existing file is replaced only with ``overwrite=True``.
+    Returns the path.
+    """
+    from matplotlib.figure import Figure
+
+    output_path(path, overwrite=overwrite)  # fail before drawing
+    fig = Figure(figsize=figsize, layout="constrained")
+    heatmap(record, head, ax=fig.add_subplot(), **options)
+    return _save(fig, path, overwrite=overwrite, dpi=dpi)
+
+
+def save_grid(capture, path, *, figsize=None, dpi: float = 100, overwrite: bool = False, **options):
+    """Write ``head_grid(capture, **options)`` to ``path``; returns the path."""
+    from matplotlib.figure import Figure
+
+    output_path(path, overwrite=overwrite)
+    fig = None if figsize is None else Figure(figsize=figsize, layout="constrained")
+    fig = head_grid(capture, fig=fig, **options)
+    return _save(fig, path, overwrite=overwrite, dpi=dpi)
+
+
+def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsize=None, dpi: float = 100,
+                 overwrite: bool = False, **options):
+    """Write one ``summary_plot`` panel per summary column to ``path``; returns the path."""
+    from matplotlib.figure import Figure
+
+    output_path(path, overwrite=overwrite)
+    frame = _summary_frame(data)
+    columns = list(columns)
+    if not columns:
+        raise AttnprobeError("columns is empty: name at least one summary column")
+    ncols = min(3, len(columns))
+    nrows = math.ceil(len(columns) / ncols)
+    fig = Figure(figsize=figsize or (4.2 * ncols, 3.4 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, column in zip(axes, columns):
+        summary_plot(frame, column, ax=ax, **options)
+    for ax in axes[len(columns):]:
+        ax.set_axis_off()
+    return _save(fig, path, overwrite=overwrite, dpi=dpi)

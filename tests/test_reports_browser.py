@@ -1,0 +1,259 @@
+"""The HTML report in a real browser (Debian's Chromium, headless, offline, opened from file://)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+import attnprobe
+from attnprobe import CheckResult, Violation
+from attnprobe.reports import diff_html, to_html
+
+from reports_helpers import (  # noqa: F401  (browser fixtures)
+    Stack,
+    browser,
+    canvas_colours,
+    cross_capture,
+    generation_capture,
+    hover_cell,
+    open_report,
+    stack_capture,
+    words,
+)
+
+
+def as_float32(text: str) -> np.float32:
+    return np.float32(float(text))
+
+
+def test_grid_and_head_view_render_exact_values_offline(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=3, heads=3, length=7)
+    path = to_html(cap, tmp_path / "report.html", tokens=words(7), batch=0)
+    report = open_report(path)
+    page = report.page
+    # every head has a thumbnail, and the thumbnails are drawn (lazily, once visible)
+    assert page.locator("a.thumb").count() == 9
+    page.wait_for_function("document.querySelectorAll('a.thumb canvas[data-drawn]').length === 9")
+    assert canvas_colours(page, 'a.thumb[data-rid="1"][data-head="2"] canvas') >= 4
+    # opening a head by clicking its thumbnail draws the matrix
+    page.click('a.thumb[data-rid="1"][data-head="2"]')
+    page.wait_for_function("window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
+    assert "layer 1" in page.text_content("#detail-title") and "head 2" in page.text_content("#detail-title")
+    page.wait_for_timeout(100)  # one animation frame
+    assert canvas_colours(page, "#viewers canvas.view") > 10
+    # the cell under the pointer shows its exact stored values
+    rec = cap[1]
+    for q, k in ((4, 3), (6, 6), (5, 2)):
+        readout = hover_cell(page, q, k)
+        row = readout["rows"][0]
+        assert as_float32(row["weight"]) == rec.weights[0, 2, q, k].item(), (q, k, row)
+        assert as_float32(row["score"]) == rec.scores[0, 2, q, k].item(), (q, k, row)
+        assert readout["q"] == json.dumps(f"w{q}") and readout["k"] == json.dumps(f"w{k}")
+    # a masked cell says so, and its (never used) score is not claimed
+    readout = hover_cell(page, 2, 5)
+    assert "masked" in readout["rows"][0]["notes"] and readout["rows"][0]["score"] == "not stored (masked)"
+    assert readout["rows"][0]["weight"] == "0"
+    # a padded query row (batch row 0 is left-padded by two) is marked
+    assert "padded query row" in hover_cell(page, 0, 0)["rows"][0]["notes"]
+    # click pins a cell; the arrow keys move the pin; the pinned cell stays while the pointer leaves
+    point = page.evaluate("window.attnprobe.cellCenter(4, 2)")
+    page.mouse.click(point["x"], point["y"])
+    page.keyboard.press("ArrowRight")
+    page.mouse.move(0, 0)
+    assert page.text_content("#readout .k-token") == json.dumps("w3")
+    assert as_float32(page.text_content("#readout td.weight")) == rec.weights[0, 2, 4, 3].item()
+    # colouring by score repaints the matrix with another scale
+    before = page.evaluate("document.querySelector('#viewers canvas.view').toDataURL()")
+    page.select_option("#colour-by", "scores")
+    page.wait_for_timeout(100)
+    assert page.evaluate("document.querySelector('#viewers canvas.view').toDataURL()") != before
+    assert "score" in page.text_content("#colourbars")
+    report.assert_clean()
+
+
+HOSTILE = [
+    "<script>window.__pwned = 1</script>",
+    '"><img src=x onerror="window.__pwned = 2">',
+    "</script><script>window.__pwned = 3</script>",
+    "<!--",
+    "{{ 7 * 7 }}",
+    "${window.__pwned = 4}",
+    "<b>bold</b>",
+    "&amp; &lt;",
+]
+
+
+def test_hostile_tokens_show_as_text_and_never_run(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=len(HOSTILE), batch=1, padded=False)
+    title = "<img src=x onerror=\"window.__pwned = 5\"> report"
+    path = to_html(cap, tmp_path / "hostile.html", tokens=HOSTILE, title=title)
+    report = open_report(path, "#head-0-1")
+    page = report.page
+    page.wait_for_function("window.attnprobe.state().head === 1")
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("img").count() == 0 and page.locator("b:text('bold')").count() == 0
+    # the document has exactly the report's own scripts: the data blocks and the one program
+    kinds = page.evaluate("Array.from(document.scripts).map(s => s.type || 'js')")
+    assert kinds.count("js") == 1 and set(kinds) <= {"js", "application/json", "application/x-attnprobe-blob"}
+    # tokens appear verbatim as text: in the token list, and in the readout of a hovered cell
+    shown = page.evaluate("Array.from(document.querySelectorAll('.tokenlist .tok')).map(e => e.textContent)")
+    assert shown == HOSTILE
+    assert page.title() == title
+    for q in range(len(HOSTILE)):
+        readout = hover_cell(page, q, 0)
+        assert readout["q"] == json.dumps(HOSTILE[q]) and readout["k"] == json.dumps(HOSTILE[0])
+    assert page.evaluate("window.__pwned") is None
+    report.assert_clean()
+
+
+def test_cross_attention_has_query_and_key_tokens_on_their_own_axes(tmp_path, open_report, assert_no_hooks):
+    cap = cross_capture(assert_no_hooks, queries=5, keys=9)
+    queries, keys = words(5, "dec"), words(9, "enc")
+    path = to_html(cap, tmp_path / "cross.html", tokens=queries, key_tokens=keys)
+    cross = next(i for i, r in enumerate(cap) if r.kind == "cross")
+    report = open_report(path, f"#head-{cross}-1")
+    page = report.page
+    page.wait_for_function(f"window.attnprobe.state().rid === {cross}")
+    assert "context" in page.text_content("#viewers .vtitle")
+    key_chips = page.evaluate("Array.from(document.querySelectorAll('.tokenlist .tok.key')).map(e => e.textContent)")
+    assert key_chips == keys
+    rec = cap[cross]
+    readout = hover_cell(page, 3, 6)
+    assert readout["q"] == json.dumps("dec3") and readout["k"] == json.dumps("enc6")
+    assert as_float32(readout["rows"][0]["weight"]) == rec.weights[0, 1, 3, 6].item()
+    assert "masked" in hover_cell(page, 1, 8)["rows"][0]["notes"]  # padded context key
+    report.assert_clean()
+
+
+def test_generation_capture_shows_the_stitched_matrix(tmp_path, open_report, assert_no_hooks):
+    steps, full = generation_capture(assert_no_hooks, length=8, prefill=4)
+    path = to_html(steps, tmp_path / "gen.html", tokens=words(8))
+    report = open_report(path, "#head-1-1")
+    page = report.page
+    page.wait_for_function("window.attnprobe.state().rid === 1")
+    assert "stitched" in page.text_content("#grid-body") and "5 generation steps stitched" in page.text_content("#detail-title")
+    assert page.locator("a.thumb").count() == 4  # two layers x two heads, not one per step
+    rec = full.record(1)
+    for q, k in ((6, 2), (7, 7), (3, 0)):  # rows from decode steps and from the prefill
+        assert as_float32(hover_cell(page, q, k)["rows"][0]["weight"]) == rec.weights[0, 1, q, k].item()
+    report.assert_clean()
+
+
+def test_checks_panel_highlights_and_links_violating_heads(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=3, length=6, batch=1, padded=False)
+    checks = CheckResult(
+        violations=(
+            Violation("causal", "error", "layers.1", 1, head=2, batch=0, queries=(3,), keys=(5,), count=1, worst=0.25,
+                      message="weight 0.25 on a future key <script>"),
+            Violation("row_sum", "warning", "layers.0", 0, head=0, batch=0, queries=(1, 2), count=2, worst=1e-3,
+                      message="rows do not sum to one"),
+        ),
+        checks=("causal", "row_sum"),
+        records=2,
+    )
+    path = to_html(cap, tmp_path / "checks.html", checks=checks)
+    report = open_report(path)
+    page = report.page
+    assert "failed" in page.text_content("#checks .verdict")
+    assert page.locator('a.thumb.bad[data-rid="1"][data-head="2"]').count() == 1
+    assert page.locator('a.thumb.warned[data-rid="0"][data-head="0"]').count() == 1
+    assert page.locator("a.thumb.bad, a.thumb.warned").count() == 2
+    assert "<script>" in page.text_content("table.violations")  # a message is text too
+    page.click("table.violations a:text('layer 1 head 2')")
+    page.wait_for_function("window.attnprobe.state().rid === 1 && window.attnprobe.state().head === 2")
+    assert "1 error(s)" in page.text_content("#head-facts")
+    report.assert_clean()
+
+
+def test_summary_table_sorts_by_a_column(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=3, length=6)
+    report = open_report(to_html(cap, tmp_path / "summary.html"))
+    page = report.page
+    column = list(cap.summary().columns).index("entropy")
+
+    def entropies():
+        return page.evaluate(
+            f"Array.from(document.querySelectorAll('table.summary tbody tr')).map(tr => Number(tr.cells[{column}].dataset.v))"
+        )
+
+    header = page.locator("table.summary th", has_text="entropy")
+    header.click()
+    assert entropies() == sorted(entropies()) and header.get_attribute("aria-sort") == "ascending"
+    header.click()
+    assert entropies() == sorted(entropies(), reverse=True)
+    report.assert_clean()
+
+
+def test_long_input_renders_scrolls_and_zooms_without_freezing(tmp_path, open_report):
+    torch.manual_seed(0)
+    attn = attnprobe.MultiHeadAttention(16, num_heads=2, causal=True).eval()
+    _, cap = attnprobe.run(attn, torch.randn(1, 1024, 16), keep=["scores", "weights"])
+    path = to_html(cap, tmp_path / "long.html", tokens=words(1024))
+    # proportionate: no more than the float32 values themselves in base64 (weights + allowed scores)
+    values = 2 * (1024 * 1024 + 1024 * 1025 // 2)
+    assert path.stat().st_size < values * 4 * 4 / 3
+    report = open_report(path)
+    page = report.page
+    page.evaluate("""() => { window.__longest = 0; new PerformanceObserver(list => { for (const e of list.getEntries())
+        window.__longest = Math.max(window.__longest, e.duration); }).observe({type: 'longtask', buffered: true}); }""")
+    page.evaluate("window.attnprobe.openHead(0, 1)")
+    assert canvas_colours(page, "#viewers canvas.view") > 10
+    page.click("#zoom-cells")
+    for _ in range(2):
+        page.click("#zoom-in")
+    assert page.evaluate("window.attnprobe.state().cell") > 30
+    page.evaluate("() => { const s = document.querySelector('.scroller'); s.scrollTop = s.scrollHeight; s.scrollLeft = s.scrollWidth; }")
+    page.wait_for_timeout(100)
+    rec = cap[0]
+    for q, k in ((1020, 1000), (1023, 1023), (512, 3)):
+        row = hover_cell(page, q, k)["rows"][0]
+        assert as_float32(row["weight"]) == rec.weights[0, 1, q, k].item()
+        assert as_float32(row["score"]) == rec.scores[0, 1, q, k].item()
+    page.click("#zoom-fit")
+    # canvases, not one element per cell; no task blocked the page for long
+    assert page.evaluate("document.getElementsByTagName('*').length") < 3000
+    assert page.evaluate("window.__longest") < 3000
+    report.assert_clean()
+
+
+def test_bfloat16_report_says_values_are_rounded(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=6, batch=1, padded=False)
+    path = to_html(cap, tmp_path / "bf16.html", precision="bfloat16")
+    report = open_report(path, "#head-0-0")
+    page = report.page
+    page.wait_for_function("window.attnprobe.state().rid === 0")
+    readout = hover_cell(page, 4, 2)
+    expected = cap[0].weights[0, 0, 4, 2].to(torch.bfloat16).float().item()
+    assert as_float32(readout["rows"][0]["weight"]) == expected
+    assert "rounded to bfloat16" in readout["text"]
+    report.assert_clean()
+
+
+def test_diff_report_shows_both_captures_and_the_difference_side_by_side(tmp_path, open_report, assert_no_hooks):
+    torch.manual_seed(0)
+    model = Stack(2, heads=3).eval()
+    before = stack_capture(assert_no_hooks, model=model, length=6, batch=1, padded=False)
+    with torch.no_grad():  # change head 1 of layer 1 only: its query projection rows
+        model.layers[1].q_proj.weight[4:8] *= 3
+    after = stack_capture(assert_no_hooks, model=model, length=6, batch=1, padded=False)
+    path = diff_html(before, after, tmp_path / "diff.html", labels=("old", "new"), tokens=words(6))
+    report = open_report(path)
+    page = report.page
+    assert page.locator("a.thumb.warned").count() == 1
+    assert page.locator('a.thumb.warned[data-rid="1"][data-head="1"]').count() == 1
+    first = page.locator("table.summary tbody tr").first  # ranked by the largest change
+    assert first.locator("td").nth(0).text_content() == "1" and first.locator("td").nth(2).text_content() == "1"
+    page.click('a.thumb[data-rid="1"][data-head="1"]')
+    page.wait_for_function("window.attnprobe.state().viewers === 3")
+    page.wait_for_timeout(100)
+    for i in range(3):
+        assert canvas_colours(page, f"#viewers .viewer:nth-child({i + 1}) canvas.view") > 5
+    readout = hover_cell(page, 4, 2, viewer=2)
+    names = [r["name"] for r in readout["rows"]]
+    assert names == ["old", "new", "difference"]
+    w_old, w_new = before[1].weights[0, 1, 4, 2].item(), after[1].weights[0, 1, 4, 2].item()
+    assert as_float32(readout["rows"][0]["weight"]) == w_old and as_float32(readout["rows"][1]["weight"]) == w_new
+    assert float(readout["rows"][2]["weight"]) == w_new - w_old
+    report.assert_clean()
