@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -233,6 +234,112 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     finally:
         progress.close()
     click.echo(f"wrote {written} ({len(frame):,} rows, {what})")
+
+
+def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path]:
+    """Where ``report`` writes: {"html": file, "grid": file, "summary": file, "heads": folder}, checked up front."""
+    if out is None:
+        out = "attnprobe-report.html" if fmt == "html" else "attnprobe-report"
+    path = Path(out)
+    suffix = path.suffix.lower()
+    if suffix == ".html":
+        if fmt not in ("html",):
+            raise UsageProblem(f"--out {out!r} is an HTML file but --format {fmt} asks for PNGs: give a folder")
+        targets = {"html": path}
+    elif suffix == ".png":
+        if fmt != "png":
+            raise UsageProblem(f"--out {out!r} is a PNG file: use --format png, or give a folder")
+        targets = {"grid": path}
+    elif suffix:
+        raise UsageProblem(f"--out {out!r}: give a .html file, a .png file or a folder")
+    else:
+        if path.exists() and not path.is_dir():
+            raise UsageProblem(f"--out {out!r} exists and is not a folder")
+        targets = {}
+        if fmt in ("html", "all"):
+            targets["html"] = path / "report.html"
+        if fmt in ("png", "all"):
+            targets["grid"] = path / "heads.png"
+            targets["summary"] = path / "summary.png"
+    for target in targets.values():
+        if target.exists() and not overwrite:
+            raise UsageProblem(f"{target} already exists; pass --overwrite to replace it")
+        parent = target.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not os.access(parent, os.W_OK):
+            raise UsageProblem(f"cannot write into {parent}: the folder is not writable")
+    return targets
+
+
+@main.command()
+@model_and_input_options
+@click.option("--out", help="An .html file, a .png file, or a folder (default: attnprobe-report.html).")
+@click.option("--format", "fmt", type=click.Choice(["html", "png", "all"]), default="html", show_default=True)
+@click.option("--batch", type=int, default=0, show_default=True, help="Batch row to show.")
+@click.option("--precision", type=click.Choice(["exact", "bfloat16"]), default="exact", show_default=True,
+              help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
+@click.option("--overwrite", is_flag=True, help="Replace existing output files.")
+@handle_errors
+def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+           out, fmt, batch, precision, overwrite):
+    """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
+
+    \b
+    Examples:
+      attnprobe report                                  # the bundled MiniLM, a default sentence
+      attnprobe report --text "The cat sat." --text "Hi" --out cats.html
+      attnprobe report ./my-gpt2 --layers 0-3 --heads 0,5 --format all --out gpt2-report
+      attnprobe report ./my-t5 --text "translate: hi" --decoder-text "<pad> hallo"
+      attnprobe report mypkg.models:tiny --ids "1 5 9 2" --format png --out heads.png
+    """
+    from . import reports
+
+    targets = report_targets(out, fmt, overwrite)
+    progress = Progress(5, quiet)
+    try:
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        n_rows = len(next(iter(work.inputs.values())))
+        if not 0 <= batch < n_rows:
+            raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
+        cap = run_capture(work, layers, heads, max_bytes, progress)
+        if len(cap) == 0:
+            raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
+        tokens, key_tokens = token_labels(work)
+        progress.stage("writing report")
+        for target in targets.values():
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UsageProblem(f"cannot create the folder {target.parent}: {exc.strerror}") from None
+        written = []
+        if "html" in targets:
+            checks = _run_checks(cap)
+            written.append(reports.to_html(cap, targets["html"], tokens=tokens, key_tokens=key_tokens, batch=batch,
+                                           checks=checks, precision=precision, overwrite=overwrite,
+                                           title=f"attnprobe report: {work.source}"))
+        if "grid" in targets:
+            written.append(reports.save_grid(cap, targets["grid"], batch=batch, overwrite=overwrite))
+        if "summary" in targets:
+            written.append(reports.save_summary(cap, targets["summary"], overwrite=overwrite))
+    finally:
+        progress.close()
+    for path in written:
+        click.echo(f"wrote {path}")
+
+
+def token_labels(work):
+    """(tokens, key_tokens) for frames and reports: decoder tokens query the encoder's in encoder-decoders."""
+    if work.is_encoder_decoder:
+        return work.decoder_tokens, work.tokens
+    return work.tokens, None
+
+
+def _run_checks(cap):
+    import attnprobe
+
+    check = getattr(attnprobe, "check", None)
+    return None if check is None else check(cap)
 
 
 if __name__ == "__main__":  # pragma: no cover
