@@ -190,6 +190,7 @@ class _Run:
         self.warned: set = set()
         self.tracer: Tracer | None = None
         self.owner_of: dict[int, nn.Module] = {}
+        self.failed = False  # a traced forward raised (the session closes our stack without the exception)
 
     # -- setup -----------------------------------------------------------------------------
     def start(self, stack: ExitStack) -> None:
@@ -229,7 +230,7 @@ class _Run:
 
     def _close(self, exc_type, exc, tb) -> bool:
         try:
-            if exc_type is None:
+            if exc_type is None and not self.failed:
                 for site in self.named.values():
                     produced = site.calls or any(key[0] == id(site.module) for key in self.traced_sites)
                     if self.ran.get(id(site.module)) and not produced:
@@ -401,8 +402,10 @@ class _Run:
         if tracer is None:
             return None
         scope = tracer.exit(module)
+        if output is None:
+            self.failed = True  # the forward raised: nothing to read
         if scope is None or output is None:
-            return None  # the forward raised: nothing to read
+            return None
         try:
             with torch._C.DisableTorchFunction():
                 if scope.traced and scope.softmaxes:

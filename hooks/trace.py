@@ -24,6 +24,7 @@ reshape that merged ``B`` and ``H``. Whatever cannot be followed stays ``None``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -77,7 +78,16 @@ def _op_table() -> dict:
 _OPS = _op_table()
 _SOFTMAX_FUNCS = frozenset(f for f, name in _OPS.items() if name == "softmax")
 _WHERE_OPS = frozenset({"softmax", "masked_fill", "where", "reshape", "add", "sub"})
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the attnprobe package
+_INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep,) + tuple(
+    os.path.join(_ROOT, d) + os.sep for d in ("hooks", "probe", "reports")
+)
+_INTERNAL_FILES = frozenset([*(os.path.join(_ROOT, f) for f in ("__init__.py", "cli.py")), contextlib.__file__])
+
+
+def _internal(filename: str) -> bool:
+    """Whether a frame belongs to torch or attnprobe (not to the user's code, tests included)."""
+    return filename.startswith(_INTERNAL_DIRS) or filename in _INTERNAL_FILES
 
 
 def op_name(func) -> str:
@@ -94,7 +104,7 @@ def op_name(func) -> str:
 def user_location(depth: int = 2) -> tuple[str, int]:
     """(file, line) of the innermost frame outside torch and attnprobe."""
     frame = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+    while frame is not None and _internal(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return ("?", 0)
@@ -104,7 +114,7 @@ def user_location(depth: int = 2) -> tuple[str, int]:
 def user_stacklevel() -> int:
     """``warnings.warn`` stacklevel that points at the first frame outside torch and attnprobe."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+    while frame is not None and _internal(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level
 
