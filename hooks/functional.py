@@ -90,6 +90,16 @@ def _is_builtin(module: nn.Module) -> bool:
     return type(module).__module__.startswith("torch.") and not isinstance(module, (nn.Sequential, *_CONTAINERS))
 
 
+def _may_call_sdpa(module: nn.Module, claimed: set[int]) -> bool:
+    """Whether code under ``module`` could call scaled_dot_product_attention itself: torch's own ``nn`` layers
+    reach it only through ``nn.MultiheadAttention``, which another adapter reads; any other code might."""
+    if id(module) in claimed:
+        return False
+    if not type(module).__module__.startswith("torch.nn."):
+        return True
+    return any(_may_call_sdpa(child, claimed) for child in module.children())
+
+
 def _tensor_ids(value, found: set[int] | None = None) -> set[int]:
     found = set() if found is None else found
     if isinstance(value, torch.Tensor):
@@ -173,16 +183,25 @@ class FunctionalAdapter(Adapter):
         return list(found.values())
 
     def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
-        _Run(self, session, model, sites).start(stack)
+        selection = session.selection
+        if selection.idle:
+            return
+        n_static = len(session.sites)
+        dynamic = selection.layers is None or any(layer >= n_static for layer in selection.layers)
+        roots = [model] if (self.auto and dynamic) else [s.module for s in sites if s.selected or dynamic]
+        claimed = {id(s.module) for s in session.sites if s.adapter is not self}
+        sdpa = dynamic and _may_call_sdpa(model, claimed)
+        if sdpa or roots:  # otherwise nothing this adapter could record: stay out of the way (no function mode)
+            _Run(self, session, model, sites, claimed).start(stack, sdpa=sdpa, roots=roots)
 
 
 class _Run:
     """One capture session's functional interception."""
 
-    def __init__(self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site]) -> None:
+    def __init__(self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]) -> None:
         self.adapter, self.session, self.model = adapter, session, model
-        self.names = {id(m): n for n, m in model.named_modules()}
-        self.claimed = {id(s.module) for s in session.sites if s.adapter is not adapter}
+        self._names: dict[int, str] | None = None
+        self.claimed = claimed
         self.named = {id(s.module): s for s in sites}
         self.ran: dict[int, int] = {}
         self.sdpa_sites: dict[tuple, Site] = {}
@@ -192,25 +211,23 @@ class _Run:
         self.owner_of: dict[int, nn.Module] = {}
         self.failed = False  # a traced forward raised (the session closes our stack without the exception)
 
+    @property
+    def names(self) -> dict[int, str]:
+        """Module paths by module id (built on first need: most captures never need it)."""
+        if self._names is None:
+            self._names = {id(m): n for n, m in self.model.named_modules()}
+        return self._names
+
     # -- setup -----------------------------------------------------------------------------
-    def start(self, stack: ExitStack) -> None:
-        selection = self.session.selection
-        if selection.idle:
-            return
-        n_static = len(self.session.sites)
-        dynamic = selection.layers is None or any(layer >= n_static for layer in selection.layers)
-        roots = [self.model] if (self.adapter.auto and dynamic) else [
-            s.module for s in self.named.values() if s.selected or dynamic
-        ]
-        if not dynamic and not roots:
-            return  # nothing this adapter could record is selected: stay out of the way
+    def start(self, stack: ExitStack, *, sdpa: bool, roots: list[nn.Module]) -> None:
+        """Push the function mode (sdpa calls when ``sdpa``) and trace the module trees under ``roots``."""
         if roots:
             self.tracer = Tracer()
             self.owner_of = {id(c): m for m in self.model.modules() for c in m.children()}
             seen: set[int] = set()
             for root in roots:
                 self._hook_tree(root, stack, seen)
-        stack.enter_context(_CaptureMode(self._on_sdpa if dynamic else None, self.tracer))
+        stack.enter_context(_CaptureMode(self._on_sdpa if sdpa else None, self.tracer))
         stack.push(self._close)
 
     def _hook_tree(self, module: nn.Module, stack: ExitStack, seen: set[int]) -> None:
@@ -244,7 +261,7 @@ class _Run:
                         )
         finally:
             self.model = self.session = self.tracer = None  # the capture must not keep the model alive
-            self.named, self.owner_of = {}, {}
+            self.named, self.owner_of, self._names = {}, {}, {}
         return False
 
     def _warn_once(self, key, message: str) -> None:

@@ -25,7 +25,6 @@ reshape that merged ``B`` and ``H``. Whatever cannot be followed stays ``None``.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -72,6 +71,7 @@ def _op_table() -> dict:
     put("split", _T.chunk, torch.chunk, _T.split, torch.split, _T.unbind, torch.unbind, _T.tensor_split,
         torch.tensor_split)
     put("getitem", _T.__getitem__)
+    put("repeat", _T.expand, _T.expand_as, _T.repeat, _T.repeat_interleave, torch.repeat_interleave)
     return ops
 
 
@@ -487,31 +487,32 @@ def _unfolded_heads(t: torch.Tensor, parent: Node | None, n: int) -> tuple[int, 
     return None
 
 
-def _source(t: torch.Tensor, parent: Node | None) -> torch.Tensor:
-    """The tensor a projection was computed from (the module input behind q, k or v), as far as it can be followed."""
-    for _ in range(24):
+def _source(parent: Node | None) -> torch.Tensor | None:
+    """The tensor a projection was computed from (the module input behind q, k or v): the input of the module
+    (e.g. an ``nn.Linear``) or of the product with a parameter that made it. None when it cannot be followed."""
+    for _ in range(32):
         if parent is None:
-            return t
+            return None
         if parent.op == "module":
-            return parent.inputs[0] if parent.inputs else t
+            return parent.inputs[0] if parent.inputs else None
         if parent.op == "item":
             split = parent.parents[0]
             if split is None or not split.inputs:
-                return t
-            t, parent = split.inputs[0], split.parent_of(split.inputs[0])
+                return None
+            parent = split.parent_of(split.inputs[0])
             continue
         if parent.op in ("matmul", "rmatmul"):
             operands = [x for x in parent.inputs if not isinstance(x, nn.Parameter)]
-            if len(operands) != 1:
-                return t
-            t, parent = operands[0], parent.parent_of(operands[0])
-            continue
-        if parent.op in ("pass", "mul", "div", "transpose", "permute", "reshape", "mT", "getitem", "split", "add") and parent.inputs:
+            if len(operands) == 1 and len(parent.inputs) == 2:
+                return operands[0]
+            return None
+        if parent.op in ("pass", "mul", "div", "transpose", "permute", "reshape", "mT", "getitem", "split", "add",
+                         "repeat") and parent.inputs:
             src = next((x for x in parent.inputs if not isinstance(x, nn.Parameter)), parent.inputs[0])
-            t, parent = src, parent.parent_of(src)
+            parent = parent.parent_of(src)
             continue
-        return t
-    return t
+        return None
+    return None
 
 
 def _einsum_parts(node: Node):
@@ -854,15 +855,13 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
         finding.q, finding.k = q, k
         if k is not None:
             finding.kv_heads = k.shape[1]
-        src_q = _source(product.q, product.q_parent)
-        src_k = _source(product.k, product.k_parent)
-        if src_q is src_k:
-            finding.kind = "self"
-        elif src_q is not product.q and src_k is not product.k:
-            finding.kind = "cross"
-        else:  # sources not followed: fall back to the lengths
+        src_q, src_k = _source(product.q_parent), _source(product.k_parent)
+        if src_q is not None and src_k is not None:
+            finding.kind = "self" if src_q is src_k else "cross"
+            finding.meta["kind_from"] = "sources"
+        else:  # a source could not be followed: fall back to the lengths
             finding.kind = "self" if x.shape[-1] == x.shape[-2] else "cross"
-        finding.meta["kind_from"] = "sources" if (src_q is src_k or (src_q is not product.q and src_k is not product.k)) else "lengths"
+            finding.meta["kind_from"] = "lengths"
     else:
         finding.kind = "self" if x.shape[-1] == x.shape[-2] else "cross"
         finding.meta["kind_from"] = "lengths"

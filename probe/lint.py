@@ -122,7 +122,7 @@ def head_merge_problem(atoms: Sequence[tuple[str, int]], after: Sequence[int]) -
     groups = reshape_groups([size for _, size in atoms], after)
     if groups is None:
         return None
-    for atom_axes, out_axes in groups:
+    for atom_axes, _ in groups:
         if labels.index("h") not in atom_axes:
             continue
         members = [labels[i] for i in atom_axes if atoms[i][1] != 1 or labels[i] in ("h", "d")]

@@ -196,6 +196,8 @@ def test_transformer_encoder_with_padding(batch_first):
         with fastpath_disabled():
             slow = enc(src, src_key_padding_mask=SRC_PAD)
         with attnprobe.capture(enc) as cap:
+            # torch's own layers reach sdpa only through nn.MultiheadAttention: no function mode is needed
+            assert torch.overrides._get_current_function_mode_stack() == []
             got = enc(src, src_key_padding_mask=SRC_PAD)
     assert torch.equal(got, slow)  # bitwise: the same (non-fused) kernels ran
     real = ~SRC_PAD if batch_first else ~SRC_PAD.T
