@@ -536,7 +536,7 @@ class _Run:
             masks = [f.allowed for f in group]
             allowed = None
             if all(m is not None for m in masks):
-                allowed = compress_heads(torch.cat([m[:, :1] if m.shape[1] == 1 else m for m in masks], dim=1))
+                allowed = compress_heads(torch.cat(masks, dim=1))  # one (B, 1, Tq, Tk) mask per head
         else:
             fields = {name: getattr(first, name) for name in ("q", "k", "v", "scores", "weights", "output")}
             allowed = first.allowed

@@ -318,11 +318,9 @@ class _Step:
     bias: torch.Tensor | None = None  # added to the scores (broadcastable)
 
 
-def _additive_step(node: Node, other: torch.Tensor, sign: float, inp, parent) -> _Step:
-    values = other if sign > 0 else -other
-    alpha = node.kwargs.get("alpha", 1)
-    if isinstance(alpha, (int, float)) and alpha != 1:
-        values = values * alpha
+def _additive_step(node: Node, other: torch.Tensor, factor: float, inp, parent) -> _Step:
+    """A float tensor added to the scores (times ``factor``): a mask where it is very negative, else a bias."""
+    values = other if factor == 1 else other * factor
     values = values.detach()
     masked = values <= MASKED_AT
     if bool(masked.any()):
@@ -365,10 +363,12 @@ def _chain_step(node: Node, out: torch.Tensor) -> _Step | None:
         other = args[1] if inp is args[0] else args[0]
         if not isinstance(other, torch.Tensor) or other.is_nested or not other.is_floating_point():
             return None
-        sign = -1.0 if op == "sub" and inp is args[0] else 1.0
         if op == "sub" and inp is not args[0]:
             return None  # mask - scores: not attention as attnprobe knows it
-        return _additive_step(node, other, sign, inp, parent)
+        alpha = node.kwargs.get("alpha", 1)
+        if not isinstance(alpha, (int, float)):
+            return None
+        return _additive_step(node, other, -alpha if op == "sub" else alpha, inp, parent)
     if op == "masked_fill":
         if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
             return None
@@ -594,7 +594,7 @@ def _scores_product(node: Node, out: torch.Tensor) -> _Product | None:
 
 
 def _output_product(softmax: Node, weights: torch.Tensor):
-    """(node of weights @ V, V (…, key, dv), V's producer, output (…, query, dv), out letters, dropout p)."""
+    """(node of weights @ V, V (…, key, dv), output (…, query, dv), einsum output letters or None, dropout p)."""
     frontier = [(softmax, weights)]
     dropout = 0.0
     for _ in range(6):
@@ -602,11 +602,9 @@ def _output_product(softmax: Node, weights: torch.Tensor):
         for node, t in frontier:
             for c in node.consumers:
                 if c.op == "matmul" and c.args and c.args[0] is t and len(c.args) > 1 and isinstance(c.args[1], torch.Tensor):
-                    v = c.args[1]
-                    return c, v, c.parent_of(v), c.out, None, dropout
+                    return c, c.args[1], c.out, None, dropout
                 if c.op == "rmatmul" and len(c.args) > 1 and c.args[1] is t:
-                    v = c.args[0]
-                    return c, v, c.parent_of(v), c.out, None, dropout
+                    return c, c.args[0], c.out, None, dropout
                 if c.op == "einsum":
                     parts = _einsum_parts(c)
                     if parts is None or not any(x is t for x in parts[2]):
@@ -622,9 +620,7 @@ def _output_product(softmax: Node, weights: torch.Tensor):
                     if k_letter in so or k_letter not in sb or len(rest) != 1 or set(so) != set(lead) | {q_letter, rest[0]}:
                         continue
                     v = _permuted(b, sb, lead + k_letter + rest[0])
-                    return c, v, c.parent_of(b), _permuted(c.out, so, lead + q_letter + rest[0]), so.translate(
-                        str.maketrans({q_letter: "q", rest[0]: "d"})
-                    ), dropout
+                    return c, v, _permuted(c.out, so, lead + q_letter + rest[0]), so, dropout
                 if c.op in ("pass", "dropout") and c.inputs and c.inputs[0] is t and isinstance(c.out, torch.Tensor):
                     if c.op == "dropout":
                         p = c.args[1] if len(c.args) > 1 else c.kwargs.get("p", 0.5)
@@ -869,8 +865,7 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     # -- forwards: weights -> (dropout) -> weights @ V
     found = _output_product(softmax, w)
     if found is not None and product is not None:
-        out_node, v, v_parent, out, out_letters, dropout = found
-        v_base, _, _, _ = _strip(v, v_parent)
+        out_node, v, out, out_letters, dropout = found
         finding.dropout = dropout
         vr = _to_record(_fit_lead(v.detach(), lead_shape), lead, unfold)
         if vr.shape[0] == 1 and finding.weights.shape[0] > 1:

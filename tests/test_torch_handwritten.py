@@ -205,3 +205,61 @@ def test_bad_modules_option_is_a_clear_error(modules, match):
         with attnprobe.capture(model, modules=modules):
             pass
     assert leftovers(model) == []
+
+
+class SeqFirstBmm(nn.Module):
+    """fairseq style: sequence-first, heads folded into the batch, scores viewed (B, H, T, S) for the padding mask."""
+
+    def __init__(self, d=16, h=4):
+        super().__init__()
+        self.h, self.d = h, d // h
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, key_padding):  # x (T, B, C); key_padding (B, T), True = padding
+        T, B, C = x.shape
+        q = (self.q(x) * self.d**-0.5).contiguous().view(T, B * self.h, self.d).transpose(0, 1)
+        k = self.k(x).contiguous().view(T, B * self.h, self.d).transpose(0, 1)
+        v = self.v(x).contiguous().view(T, B * self.h, self.d).transpose(0, 1)
+        w = torch.bmm(q, k.transpose(1, 2))  # (B*H, T, T)
+        w = w.view(B, self.h, T, T).masked_fill(key_padding[:, None, None, :], float("-inf")).view(B * self.h, T, T)
+        out = torch.bmm(F.softmax(w.float(), dim=-1).type_as(w), v)  # (B*H, T, D)
+        return self.o(out.transpose(0, 1).contiguous().view(T, B, C))
+
+
+class BaddbmmWhere(nn.Module):
+    """Scores and additive mask fused by baddbmm, causality by torch.where, one head folded per batch row."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x, additive):  # additive (B, 1, T): 0 or -1e4
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        s = torch.baddbmm(additive, q, k.transpose(1, 2), alpha=x.shape[-1] ** -0.5)
+        T = x.shape[1]
+        s = torch.where(torch.ones(T, T, dtype=torch.bool).tril(), s, torch.finfo(s.dtype).min)
+        return s.softmax(-1) @ v
+
+
+def test_sequence_first_bmm_with_a_relayout_for_the_mask():
+    model = SeqFirstBmm().eval()
+    x = torch.randn(6, 2, 16)
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    (rec,) = run(model, x, pad, modules=[model])
+    assert rec.identified == ALL and rec.num_heads == 4 and rec.kind == "self"
+    assert rec.q.shape == (2, 4, 6, 4) and rec.scaling == pytest.approx(1.0)  # q was scaled before the product
+    assert torch.equal(rec.q[1, 2], (model.q(x) * 0.5)[:, 1, 8:12])  # batch 1, head 2
+    assert not rec.allowed[1, 0, :, 4:].any() and rec.allowed[0].all()
+    check_math(rec)
+    assert rec.meta["lint"] == ()  # (T, B*H, D) -> (T, B, C) merges heads correctly
+
+
+def test_baddbmm_additive_mask_and_where():
+    model = BaddbmmWhere().eval()
+    additive = torch.zeros(2, 1, 6)
+    additive[1, 0, 4:] = -1e4
+    (rec,) = run(model, X, additive, modules=[model])
+    assert rec.identified == ALL and rec.num_heads == 1 and rec.scaling == pytest.approx(0.25)
+    expected = CAUSAL & (additive[:, :, None, :] == 0)
+    assert torch.equal(rec.allowed, expected) and rec.causal is True
+    check_math(rec)
