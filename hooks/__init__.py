@@ -5,11 +5,16 @@ from __future__ import annotations
 from .base import Adapter, Site
 
 
-def default_adapters() -> list[Adapter]:
-    """The adapters a capture tries, in order; a module claimed by one is not offered to the next."""
-    from .own import OwnModuleAdapter
+def default_adapters(*, modules=None) -> list[Adapter]:
+    """The adapters a capture tries, in order; a module claimed by one is not offered to the next.
 
-    return [OwnModuleAdapter()]
+    ``modules``: hand-written attention to trace (``capture(..., modules=)``), passed to the functional adapter.
+    """
+    from .functional import FunctionalAdapter
+    from .own import OwnModuleAdapter
+    from .torch_mha import TorchMHAAdapter
+
+    return [OwnModuleAdapter(), TorchMHAAdapter(), FunctionalAdapter(modules=modules)]
 
 
 __all__ = ["Adapter", "Site", "default_adapters"]

@@ -178,7 +178,7 @@ def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> Atte
 class CaptureSession:
     """Finds attention in a model, attaches every adapter's hooks, and turns calls into records."""
 
-    def __init__(self, model: nn.Module, selection: Selection, adapters=None) -> None:
+    def __init__(self, model: nn.Module, selection: Selection, adapters=None, *, modules=None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
@@ -187,7 +187,7 @@ class CaptureSession:
         if adapters is None:
             from ..hooks import default_adapters
 
-            adapters = default_adapters()
+            adapters = default_adapters(modules=modules)
         self.model_class = type(model).__name__
         self._model = model  # dropped on exit; the Capture never holds it
         self.selection = selection
@@ -195,6 +195,7 @@ class CaptureSession:
         self.adapters = list(adapters)
         self.sites: list = []
         self.capture = Capture()
+        self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._stack: ExitStack | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -223,6 +224,7 @@ class CaptureSession:
                 f"no attention found in {self.model_class}: attnprobe reads its own MultiHeadAttention, "
                 "Hugging Face attention modules and torch.nn.MultiheadAttention"
             )
+        self.static_sites = len(self.sites)
         self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)
         self.store.selection = self.selection
         for site in self.sites:
@@ -246,12 +248,32 @@ class CaptureSession:
         finally:
             self._stack = None
             self._model = None
-        if exc_type is None and not self.selection.idle and len(self.capture) == 0:
+        if len(self.sites) != len(self.capture.info["attention_modules"]):  # sites found while the model ran
+            self.capture._info = MappingProxyType(self._info())
+        n = len(self.sites)
+        missing = sorted(layer for layer in (self.selection.layers or ()) if layer >= n)
+        if exc_type is None and missing:  # layer numbers past the model's, accepted only in case they appeared
+            raise SelectionError(
+                f"layer {missing[0]} is out of range: the model has {n} attention layer(s), numbered 0 to {n - 1} "
+                f"({self.static_sites} found before the run, {n - self.static_sites} while it ran); "
+                "negative numbers count from the end of the layers found before the run"
+            )
+        if exc_type is None and not self.selection.idle and not self.sites:
+            warnings.warn(
+                f"no attention found in {self.model_class} while the capture was open (was the model called inside "
+                "the `with` block?): attnprobe reads its own MultiHeadAttention, Hugging Face attention modules, "
+                "torch.nn.MultiheadAttention and direct F.scaled_dot_product_attention calls; "
+                "hand-written softmax attention is read when you ask for it: capture(model, modules=[...]) or "
+                "modules='auto'",
+                AttnprobeWarning,
+                stacklevel=3,
+            )
+        elif exc_type is None and not self.selection.idle and len(self.capture) == 0:
             warnings.warn(
                 f"the capture of {self.model_class} saw no attention call: the model was not called inside "
                 "the `with` block, or the selected layers never ran",
                 AttnprobeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def _info(self) -> dict[str, Any]:
@@ -423,6 +445,9 @@ class capture:
     ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
     ``device``/``dtype``: where and as what to store (default: CPU, the model's dtype).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this.
+    ``modules``: hand-written softmax attention to read: modules of the model (or their names from
+    ``named_modules()``), or ``"auto"`` to trace every module (slower; see README, "Code attnprobe has
+    never seen").
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
     raises; captures may nest.
@@ -438,9 +463,12 @@ class capture:
         ((0, 2), True, (2, 2, 6, 6))
     """
 
-    def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None):
+    def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
+                 modules=None):
         self._session = CaptureSession(
-            model, Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes)
+            model,
+            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes),
+            modules=modules,
         )
 
     def __enter__(self) -> Capture:

@@ -97,12 +97,16 @@ class Selection:
         return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes)
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
-        """Check layer numbers against the model (negative numbers count from the end)."""
+        """Check layer numbers against the model (negative numbers count from the end).
+
+        With ``may_grow`` (attention may also be found while the model runs), numbers past the layers
+        found so far are accepted, and negative numbers count from the end of the layers found before the run.
+        """
         if self.layers is None:
             return self
         resolved = []
         for layer in self.layers:
-            if layer < 0 and not may_grow:
+            if layer < 0:
                 layer += n_layers
             if layer < 0 or (layer >= n_layers and not may_grow):
                 raise SelectionError(
@@ -112,7 +116,7 @@ class Selection:
             resolved.append(layer)
         by_layer = self.heads_by_layer
         if by_layer is not None:
-            by_layer = {(layer + n_layers if layer < 0 and not may_grow else layer): hs for layer, hs in by_layer.items()}
+            by_layer = {(layer + n_layers if layer < 0 else layer): hs for layer, hs in by_layer.items()}
         return Selection(tuple(resolved), self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes)
 
     def wants(self, layer: int) -> bool:

@@ -210,17 +210,6 @@ def test_not_a_module_is_a_clear_error():
         attnprobe.capture(torch.randn(3))
 
 
-def test_no_attention_found_is_a_clear_error():
-    # until the functional adapter exists, a model without known attention is refused up front
-    from attnprobe.hooks import default_adapters
-
-    if any(a.dynamic for a in default_adapters()):
-        pytest.skip("a dynamic adapter can find attention at run time")
-    with pytest.raises(attnprobe.UnsupportedModelError, match="no attention found in Linear"):
-        with attnprobe.capture(nn.Linear(2, 2)):
-            pass
-
-
 def test_nested_captures_both_record(model, assert_no_hooks):
     x, ctx, _, _ = inputs()
     with attnprobe.capture(model, layers=[0]) as outer:

@@ -1,0 +1,575 @@
+"""Functional interception: direct ``F.scaled_dot_product_attention`` calls and hand-written softmax attention.
+
+Both are read through one ``torch.overrides.TorchFunctionMode`` that is active only while a capture is
+open (it sees every torch call whatever the import alias, and returns the real function's result
+untouched).
+
+**Direct sdpa calls.** Each call site is found at run time and becomes a layer of its own: a site is one
+module plus the source lines from its ``forward`` down to the call, so a loop calling sdpa on one line gives
+one layer with several calls, and two calls on different lines give two layers. New sites get the next
+layer numbers after the attention modules found before the run, in the order of their first call. Calls
+made while a module another adapter reads is running (Hugging Face attention, ``nn.MultiheadAttention``,
+attnprobe's own modules) are skipped, so no attention is recorded twice. The record has q, k, v and the
+output as the call received/returned them, the mask (``allowed``), the causal flag, the scale (explicit or
+default) and the weights recomputed for the selected heads only (``weights_source="recomputed"``).
+
+**Hand-written attention** (opt-in: ``capture(model, modules=[...])`` or ``modules="auto"``) is traced:
+see ``hooks/trace.py``. Named modules are layers found before the run (in module order with the others);
+with ``"auto"`` every module is traced and each softmax attention found becomes a layer at run time.
+Single-head modules kept in an ``nn.ModuleList``/``nn.ModuleDict`` and called in one forward of the
+module named (or, with ``"auto"``, of the module holding the list) are the heads of one layer, in call order.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from contextlib import ExitStack
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..probe.capture import Lazy
+from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
+from ..probe.lint import LINT_SAME_KV, lint_violation
+from .base import Adapter, Site
+from .calls import bind_arguments
+from .masks import compress_heads, forbids_future, split_additive
+from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
+
+_SDPA = F.scaled_dot_product_attention
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+_HERE = __file__
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+class _CaptureMode(TorchFunctionMode):
+    """Sees every torch call while a capture is open; returns each call's own result."""
+
+    def __init__(self, on_sdpa, tracer: Tracer | None) -> None:
+        super().__init__()
+        self.on_sdpa = on_sdpa
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        tracer = self.tracer
+        before = tracer.before_op(func, args) if tracer is not None and func in SNAPSHOT_BEFORE else None
+        out = func(*args, **kwargs)
+        if func is _SDPA:
+            if self.on_sdpa is not None:
+                self.on_sdpa(args, kwargs, out)
+        elif tracer is not None:
+            tracer.on_op(func, args, kwargs, out, before)
+        return out
+
+
+def _to4(t: torch.Tensor) -> torch.Tensor:
+    """``(..., L, E)`` as sdpa takes it -> ``(batch, head, L, E)``."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[:, None]
+    if t.dim() == 4:
+        return t
+    return t.flatten(0, t.dim() - 4)
+
+
+def _bind_sdpa(args, kwargs) -> dict | None:
+    return bind_arguments(_SDPA_PARAMS, _SDPA_DEFAULTS, args, kwargs, required=3)
+
+
+def _is_builtin(module: nn.Module) -> bool:
+    """torch's own layers (Linear, Dropout, Softmax, LayerNorm, ...): opaque to the tracer."""
+    return type(module).__module__.startswith("torch.") and not isinstance(module, (nn.Sequential, *_CONTAINERS))
+
+
+def _may_call_sdpa(module: nn.Module, claimed: set[int]) -> bool:
+    """Whether code under ``module`` could call scaled_dot_product_attention itself: torch's own ``nn`` layers
+    reach it only through ``nn.MultiheadAttention``, which another adapter reads; any other code might."""
+    if id(module) in claimed:
+        return False
+    if not type(module).__module__.startswith("torch.nn."):
+        return True
+    return any(_may_call_sdpa(child, claimed) for child in module.children())
+
+
+def _tensor_ids(value, found: set[int] | None = None) -> set[int]:
+    found = set() if found is None else found
+    if isinstance(value, torch.Tensor):
+        found.add(id(value))
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensor_ids(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensor_ids(v, found)
+    return found
+
+
+def _pick(t: torch.Tensor, index) -> torch.Tensor:
+    return t if list(index) == list(range(t.shape[1])) else t[:, list(index)]
+
+
+class FunctionalAdapter(Adapter):
+    """Direct ``scaled_dot_product_attention`` calls (always) and hand-written softmax attention (opt-in).
+
+    ``modules``: None (no hand-written tracing), ``"auto"`` (trace every module), or modules of the model /
+    their names from ``model.named_modules()`` to trace. A ``ModuleList``/``ModuleDict`` stands for the
+    module holding it.
+    """
+
+    name = "functional"
+    dynamic = True
+
+    def __init__(self, modules=None) -> None:
+        self.modules = modules
+        self.auto = False
+
+    def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
+        named = self._resolve(model)
+        return [
+            Site(name, m, self, info={"strategy": "traced softmax (named)"})
+            for name, m in named
+            if id(m) not in claimed
+        ]
+
+    def _resolve(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        spec = self.modules
+        self.auto = isinstance(spec, str) and spec == "auto"
+        if spec is None or self.auto:
+            return []
+        if isinstance(spec, (str, nn.Module)):
+            spec = [spec]
+        elif not isinstance(spec, (list, tuple, set)):
+            raise SelectionError(
+                f"modules= takes 'auto' or a list of modules of the model (or their names from "
+                f"model.named_modules()), got {type(spec).__name__}"
+            )
+        by_name = dict(model.named_modules())
+        name_of = {id(m): n for n, m in model.named_modules()}
+        owner_of = {id(c): m for m in model.modules() for c in m.children()}
+        found: dict[int, tuple[str, nn.Module]] = {}
+        for item in spec:
+            if isinstance(item, str):
+                if item not in by_name:
+                    near = [n for n in by_name if n and (item in n or n.endswith(item.split(".")[-1]))][:5]
+                    raise SelectionError(
+                        f"modules=: {item!r} is not a module of {type(model).__name__}; names come from "
+                        f"model.named_modules()" + (f", e.g. {near}" if near else "")
+                    )
+                module = by_name[item]
+            elif isinstance(item, nn.Module):
+                if id(item) not in name_of:
+                    raise SelectionError(
+                        f"modules=: the {type(item).__name__} given is not a submodule of {type(model).__name__} "
+                        "(pass modules of the model being captured, or their names)"
+                    )
+                module = item
+            else:
+                raise SelectionError(f"modules= items must be modules of the model or their names, got {item!r}")
+            if isinstance(module, _CONTAINERS):
+                holder = owner_of.get(id(module))
+                if holder is None:
+                    raise SelectionError(f"modules=: {item!r} is a {type(module).__name__} at the root; name a module with a forward")
+                module = holder
+            found.setdefault(id(module), (name_of[id(module)], module))
+        return list(found.values())
+
+    def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
+        selection = session.selection
+        if selection.idle:
+            return
+        n_static = len(session.sites)
+        dynamic = selection.layers is None or any(layer >= n_static for layer in selection.layers)
+        roots = [model] if (self.auto and dynamic) else [s.module for s in sites if s.selected or dynamic]
+        claimed = {id(s.module) for s in session.sites if s.adapter is not self}
+        sdpa = dynamic and _may_call_sdpa(model, claimed)
+        if sdpa or roots:  # otherwise nothing this adapter could record: stay out of the way (no function mode)
+            _Run(self, session, model, sites, claimed).start(stack, sdpa=sdpa, roots=roots)
+
+
+class _Run:
+    """One capture session's functional interception."""
+
+    def __init__(self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]) -> None:
+        self.adapter, self.session, self.model = adapter, session, model
+        self._names: dict[int, str] | None = None
+        self.claimed = claimed
+        self.named = {id(s.module): s for s in sites}
+        self.ran: dict[int, int] = {}
+        self.sdpa_sites: dict[tuple, Site] = {}
+        self.traced_sites: dict[tuple, Site] = {}
+        self.warned: set = set()
+        self.tracer: Tracer | None = None
+        self.owner_of: dict[int, nn.Module] = {}
+        self.failed = False  # a traced forward raised (the session closes our stack without the exception)
+
+    @property
+    def names(self) -> dict[int, str]:
+        """Module paths by module id (built on first need: most captures never need it)."""
+        if self._names is None:
+            self._names = {id(m): n for n, m in self.model.named_modules()}
+        return self._names
+
+    # -- setup -----------------------------------------------------------------------------
+    def start(self, stack: ExitStack, *, sdpa: bool, roots: list[nn.Module]) -> None:
+        """Push the function mode (sdpa calls when ``sdpa``) and trace the module trees under ``roots``."""
+        if roots:
+            self.tracer = Tracer()
+            self.owner_of = {id(c): m for m in self.model.modules() for c in m.children()}
+            seen: set[int] = set()
+            for root in roots:
+                self._hook_tree(root, stack, seen)
+        stack.enter_context(_CaptureMode(self._on_sdpa if sdpa else None, self.tracer))
+        stack.push(self._close)
+
+    def _hook_tree(self, module: nn.Module, stack: ExitStack, seen: set[int]) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        opaque = id(module) in self.claimed or _is_builtin(module)
+        handles = (
+            module.register_forward_pre_hook(partial(self._enter, traced=not opaque)),
+            module.register_forward_hook(self._exit, with_kwargs=True, always_call=True),
+        )
+        for h in handles:
+            stack.callback(h.remove)
+        if not opaque:
+            for child in module.children():
+                self._hook_tree(child, stack, seen)
+
+    def _close(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None and not self.failed:
+                for site in self.named.values():
+                    produced = site.calls or any(key[0] == id(site.module) for key in self.traced_sites)
+                    if self.ran.get(id(site.module)) and not produced:
+                        warnings.warn(
+                            f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no softmax "
+                            "attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
+                            "F.softmax/torch.softmax/Tensor.softmax/nn.Softmax (direct scaled_dot_product_attention "
+                            "calls are recorded on their own)",
+                            AttnprobeWarning,
+                            stacklevel=user_stacklevel(),
+                        )
+        finally:
+            self.model = self.session = self.tracer = None  # the capture must not keep the model alive
+            self.named, self.owner_of, self._names = {}, {}, {}
+        return False
+
+    def _warn_once(self, key, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, AttnprobeWarning, stacklevel=user_stacklevel())
+
+    # -- direct scaled_dot_product_attention calls --------------------------------------------
+    def _on_sdpa(self, args, kwargs, out) -> None:
+        try:
+            with torch._C.DisableTorchFunction():
+                self._record_sdpa(args, kwargs, out)
+        except AttnprobeError:
+            raise
+        except Exception as exc:  # never break the model's forward over a reading problem
+            self._warn_once(("sdpa-error", type(exc).__name__),
+                            f"attnprobe could not read a scaled_dot_product_attention call ({type(exc).__name__}: {exc}); "
+                            "the model ran unchanged, that call is not in the capture")
+
+    def _locate(self):
+        """(module, site key) of the sdpa call being handled, or None (outside the model, or claimed)."""
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == _HERE:
+            frame = frame.f_back
+        chain: list[tuple[str, int]] = []
+        module = None
+        while frame is not None:
+            code = frame.f_code
+            if module is None:
+                chain.append((code.co_filename, frame.f_lineno))
+            if code.co_argcount and code.co_varnames[0] == "self":
+                obj = frame.f_locals.get("self")
+                if isinstance(obj, nn.Module):
+                    if id(obj) in self.claimed:
+                        return None
+                    if module is None and id(obj) in self.names:
+                        module = obj
+                    if obj is self.model:
+                        break
+            frame = frame.f_back
+        if module is None:
+            return None
+        return module, (id(module), tuple(chain))
+
+    def _record_sdpa(self, args, kwargs, out) -> None:
+        where = self._locate()
+        if where is None:
+            return
+        module, key = where
+        call = _bind_sdpa(args, kwargs)
+        tensors = None if call is None else (call["query"], call["key"], call["value"])
+        if tensors is None or not all(isinstance(t, torch.Tensor) and not t.is_nested and t.dim() >= 2 for t in tensors):
+            self._warn_once(("sdpa-args", key), f"a scaled_dot_product_attention call in {self.names[id(module)]!r} has "
+                            "arguments attnprobe cannot read (nested tensors?); it is not in the capture")
+            return
+        q, k, v = (_to4(t) for t in tensors)
+        if k.shape[0] == 1 and q.shape[0] > 1:
+            k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
+        B, H, L, E = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        if H % Hkv:
+            return
+        site = self.sdpa_sites.get(key)
+        if site is None:
+            at = format_location(key[1][0])
+            site = Site(self.names[id(module)], module, self.adapter, H, Hkv, info={"strategy": "sdpa call", "sdpa_at": at})
+            self.session.add_site(site)
+            self.sdpa_sites[key] = site
+        if not site.selected:
+            self.session.emit(site, kind="self" if L == S else "cross")
+            return
+
+        q_lead, k_lead = list(tensors[0].shape[:-2]), list(tensors[1].shape[:-2])
+        if q_lead and k_lead:
+            k_lead[-1] = q_lead[-1]  # grouped-query attention: fewer key heads than query heads
+        full = torch.broadcast_shapes(q_lead, k_lead) + (L, S)
+        bias = None
+        mask = call["attn_mask"]
+        if mask is not None:
+            allowed, bias = (mask, None) if mask.dtype == torch.bool else split_additive(mask)
+            allowed = _to4(allowed.expand(torch.broadcast_shapes(allowed.shape, full)))
+            bias = None if bias is None else _to4(bias.expand(torch.broadcast_shapes(bias.shape, full)))
+        else:
+            allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device).expand(B, 1, L, S)
+        if call["is_causal"]:
+            allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        if allowed.shape[1] > 1 and allowed.stride(1) == 0:
+            allowed = allowed[:, :1]
+        allowed = allowed.expand(B, allowed.shape[1], L, S)
+        scale = call["scale"] if call["scale"] is not None else 1.0 / math.sqrt(E)
+        group = H // Hkv
+        heads = site.heads
+        cache: dict[str, torch.Tensor] = {}
+
+        def recompute() -> dict[str, torch.Tensor]:
+            if not cache:
+                with torch.no_grad(), torch._C.DisableTorchFunction():
+                    qh = _pick(q, heads)
+                    kh = k[:, [h // group for h in heads]]
+                    scores = (qh @ kh.transpose(-2, -1)) * scale
+                    if bias is not None:
+                        scores = scores + (bias if bias.shape[1] == 1 else _pick(bias.expand(B, H, L, S), heads))
+                    a = allowed if allowed.shape[1] == 1 else _pick(allowed, heads)
+                    weights = torch.softmax(scores.masked_fill(~a, float("-inf")), dim=-1)
+                    cache.update(scores=scores, weights=weights.masked_fill(~a.any(-1, keepdim=True), 0.0))
+            return cache
+
+        lints = ()
+        if tensors[1] is tensors[2] or (k.shape == v.shape and (k.data_ptr() == v.data_ptr() and k.stride() == v.stride() or torch.equal(k, v))):
+            lints = (lint_violation(LINT_SAME_KV, name=site.name, layer=site.layer, call=site.calls,
+                                    message="the same tensor is passed to scaled_dot_product_attention as key and value"),)
+        record = self.session.emit(
+            site,
+            kind="self" if L == S else "cross",
+            q=q,
+            k=k,
+            v=v,
+            scores=Lazy((B, len(heads), L, S), q.dtype, lambda: recompute()["scores"]),
+            weights=Lazy((B, len(heads), L, S), q.dtype, lambda: recompute()["weights"]),
+            output=_to4(out) if isinstance(out, torch.Tensor) else None,
+            allowed=allowed,
+            causal=bool(call["is_causal"]) or (mask is not None and forbids_future(allowed)),
+            scaling=float(scale),
+            backend="sdpa",
+            dtype=q.dtype,
+            weights_source="recomputed",
+            dropout=float(call["dropout_p"]),
+            identified=frozenset({"q", "k", "v", "scores", "weights", "output", "allowed"}),
+            meta={
+                "module_class": type(module).__name__,
+                "sdpa_at": site.info["sdpa_at"],
+                "scale": "explicit" if call["scale"] is not None else "default",
+                "enable_gqa": bool(call["enable_gqa"]),
+                "kind_from": "lengths",
+                "lint": lints,
+            },
+        )
+        if record is not None:
+            self._warn_lints(record.meta["lint"])
+
+    def _warn_lints(self, violations) -> None:
+        for v in violations:
+            self._warn_once(("lint", v.layer, v.check), f"{v.check} in layer {v.layer} ({v.name!r}): {v.message}")
+
+    # -- hand-written attention: module scopes ---------------------------------------------------
+    def _enter(self, module: nn.Module, args, *, traced: bool) -> None:
+        if self.tracer is None:
+            return
+        if id(module) in self.named:
+            self.ran[id(module)] = self.ran.get(id(module), 0) + 1
+        self.tracer.enter(module, traced)
+
+    def _exit(self, module: nn.Module, args, kwargs, output):
+        tracer = self.tracer
+        if tracer is None:
+            return None
+        scope = tracer.exit(module)
+        if output is None:
+            self.failed = True  # the forward raised: nothing to read
+        if scope is None or output is None:
+            return None
+        try:
+            with torch._C.DisableTorchFunction():
+                if scope.traced and scope.softmaxes:
+                    returned = _tensor_ids(output)
+                    for softmax in scope.softmaxes:
+                        finding = analyze(scope, softmax, returned)
+                        if finding is not None:
+                            self._route(finding, scope)
+                parent = tracer.current()
+                if parent is not None and parent.traced:
+                    parent.add("module", module, args, kwargs, output, module=module)
+                if scope.findings:
+                    self._emit_groups(module, scope.findings)
+        except AttnprobeError:
+            raise
+        except Exception as exc:  # never break the model's forward over a reading problem
+            self._warn_once(("trace-error", id(module)),
+                            f"attnprobe could not read the attention in {self.names.get(id(module), '?')!r} "
+                            f"({type(exc).__name__}: {exc}); the model ran unchanged")
+        finally:
+            scope.nodes.clear()
+            scope.producer.clear()
+        return None
+
+    def _route(self, finding: Finding, scope) -> None:
+        """Hand a finding to the scope of the module its layer belongs to."""
+        module = scope.module
+        stack = self.tracer.stack
+        if self.adapter.auto:
+            holder = self.owner_of.get(id(module))
+            owner = module
+            if finding.heads == 1 and isinstance(holder, _CONTAINERS):
+                owner = self.owner_of.get(id(holder), module)
+        else:
+            owner = module if id(module) in self.named else next(
+                (s.module for s in reversed(stack) if id(s.module) in self.named), module
+            )
+        target = scope if owner is module else next((s for s in reversed(stack) if s.module is owner), scope)
+        target.findings.append(finding)
+
+    def _emit_groups(self, owner: nn.Module, findings: list[Finding]) -> None:
+        groups: list[list[Finding]] = []
+        latest: dict[tuple, list[Finding]] = {}
+        for f in findings:
+            group = latest.get(f.key)
+            if group is not None and self._stacks_onto(group, f, owner):
+                group.append(f)
+            else:
+                group = [f]
+                groups.append(group)
+                latest[f.key] = group
+        for group in groups:
+            self._emit_group(owner, group)
+
+    @staticmethod
+    def _stacks_onto(group: list[Finding], f: Finding, owner: nn.Module) -> bool:
+        """Single-head attentions from distinct submodules, same shapes: heads of one layer."""
+        first = group[0]
+        return (
+            f.heads == 1
+            and first.heads == 1
+            and f.module is not owner
+            and all(g.module is not f.module for g in group)
+            and f.weights.shape == first.weights.shape
+            and f.kind == first.kind
+        )
+
+    def _site_for(self, owner: nn.Module, group: list[Finding], heads: int, kv_heads: int) -> Site:
+        key = (id(owner), group[0].key)
+        site = self.traced_sites.get(key)
+        if site is None:
+            static = self.named.get(id(owner))
+            at = group[0].meta.get("softmax_at", "?")
+            if static is not None and "softmax_at" not in static.info:
+                site = static
+                site.info["softmax_at"] = at
+            else:
+                site = Site(self.names.get(id(owner), type(owner).__name__), owner, self.adapter, heads, kv_heads,
+                            info={"strategy": "traced softmax", "softmax_at": at})
+                self.session.add_site(site)
+            self.traced_sites[key] = site
+        if site.num_heads is None:  # a named module: its head count is known from its first call
+            site.num_heads, site.num_kv_heads = heads, kv_heads
+            self.session._select_site(site)
+        return site
+
+    def _emit_group(self, owner: nn.Module, group: list[Finding]) -> None:
+        first = group[0]
+        stacked = len(group) > 1
+        heads = len(group) if stacked else first.heads
+        kv_heads = len(group) if stacked else first.kv_heads
+        site = self._site_for(owner, group, heads, kv_heads)
+        if not site.selected:
+            self.session.emit(site, kind=first.kind)
+            return
+        if site.num_heads != heads:
+            self._warn_once(("heads", site.layer), f"layer {site.layer} ({site.name!r}) had {site.num_heads} head(s) "
+                            f"before and {heads} now; calls with another head count are not recorded")
+            site.calls += 1
+            return
+        fields: dict[str, object] = {}
+        if stacked:
+            for name in ("q", "k", "v", "scores", "weights", "output"):
+                parts = [getattr(f, name) for f in group]
+                if any(p is None for p in parts):
+                    fields[name] = None
+                    continue
+                chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
+                fields[name] = Lazy((chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype,
+                                    partial(torch.cat, chosen, dim=1))
+            masks = [f.allowed for f in group]
+            allowed = None
+            if all(m is not None for m in masks):
+                allowed = compress_heads(torch.cat(masks, dim=1))  # one (B, 1, Tq, Tk) mask per head
+        else:
+            fields = {name: getattr(first, name) for name in ("q", "k", "v", "scores", "weights", "output")}
+            allowed = first.allowed
+        call = site.calls
+        violations = tuple(
+            lint_violation(check, name=site.name, layer=site.layer, call=call, message=message,
+                           head=(h if stacked else None))
+            for h, f in enumerate(group)
+            for check, message in f.lints
+        )
+        causals = [f.causal for f in group]
+        identified = frozenset.intersection(*(f.identified for f in group))
+        meta = {
+            "module_class": type(first.module).__name__,
+            "softmax_at": first.meta.get("softmax_at", "?"),
+            "kind_from": first.meta.get("kind_from", "lengths"),
+            "lint": violations,
+        }
+        if stacked:
+            meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
+        record = self.session.emit(
+            site,
+            kind=first.kind,
+            **fields,
+            allowed=allowed,
+            causal=None if None in causals else all(causals),
+            scaling=first.scaling,
+            backend="hand-written",
+            dtype=first.dtype,
+            weights_source="observed",
+            dropout=first.dropout,
+            identified=identified,
+            meta=meta,
+        )
+        if record is not None:
+            self._warn_lints(violations)

@@ -1,0 +1,57 @@
+"""Masks as attention code writes them, turned into attnprobe's one form: ``allowed`` (bool, True = may attend)
+plus the part of an additive mask that is a bias on the scores.
+
+Hand-written and torch code masks in three ways: a bool mask (whose meaning of True depends on the API), a
+float mask added to the scores, and ``masked_fill`` with a very negative value. An additive entry or a fill
+value at or below ``MASKED_AT`` (or ``-inf``) means "masked": exp() of it relative to real scores is 0 in every
+floating dtype. Anything above it is a bias (ALiBi, relative positions) that belongs to the scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Additive mask entries and ``masked_fill`` values at or below this count as masking (-1e4, -1e9, finfo.min, -inf).
+MASKED_AT = -1e4
+
+
+def is_masking_value(value) -> bool:
+    """Whether a ``masked_fill`` / ``where`` fill value masks (``-inf``, ``-1e9``, ``finfo.min``, ...)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return False
+        value = value.item()
+    try:
+        return float(value) <= MASKED_AT
+    except (TypeError, ValueError):
+        return False
+
+
+def split_additive(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float mask added to the scores -> (allowed, bias or None). ``allowed`` is True where the entry masks nothing."""
+    allowed = mask > MASKED_AT
+    if bool(allowed.all()) and not bool(mask.any()):
+        return allowed, None
+    bias = mask.masked_fill(~allowed, 0.0)
+    return allowed, (bias if bool(bias.any()) else None)
+
+
+def has_masked_entries(mask: torch.Tensor) -> bool:
+    """Whether a float mask would mask anything."""
+    return bool((mask <= MASKED_AT).any())
+
+
+def compress_heads(allowed: torch.Tensor) -> torch.Tensor:
+    """``(batch, head, query, key)`` -> ``(batch, 1, query, key)`` when every head has the same mask (a view)."""
+    if allowed.shape[1] > 1 and torch.equal(allowed, allowed[:, :1].expand_as(allowed)):
+        return allowed[:, :1]
+    return allowed
+
+
+def forbids_future(allowed: torch.Tensor) -> bool:
+    """True when no query may attend a later key (the mask is causal); needs as many queries as keys."""
+    tq, tk = allowed.shape[-2:]
+    if tq != tk:
+        return False
+    future = torch.ones(tq, tk, dtype=torch.bool, device=allowed.device).triu(1)
+    return not bool((allowed & future).any())

@@ -1,0 +1,377 @@
+"""Adapter for ``torch.nn.MultiheadAttention``, alone or inside ``nn.TransformerEncoder`` / ``TransformerDecoder``.
+
+How a call is read without changing what the caller gets:
+
+- A forward pre-hook (with kwargs) notes the call's arguments. When the caller asked for weights
+  (``need_weights=True``) it also switches ``average_attn_weights`` off: the same kernel runs, the module's
+  own per-head weights are observed, and the post-hook hands the caller the head average it asked for,
+  computed as torch computes it. When the caller asked for none (``need_weights=False``, as every
+  ``TransformerEncoderLayer`` / ``TransformerDecoderLayer`` does), the call runs untouched on torch's
+  ``scaled_dot_product_attention`` path, so its output stays bitwise the same, and the per-head weights
+  are recomputed from Q and K (``weights_source="recomputed"``).
+- Q, K and V are recovered from the module's own projection weights with torch's own in-projection helpers
+  (packed ``in_proj_weight`` or separate ``q/k/v_proj_weight``, biases, ``bias_k``/``bias_v``,
+  ``add_zero_attn``, ``kdim``/``vdim``): they are the tensors the module computed. The post-hook checks
+  that ``weights @ V``, merged and projected, reproduces the module's output (``meta["output_error"]``)
+  and warns when it does not.
+- The fused fast path (``torch._native_multi_head_attention``, ``TransformerEncoder``'s nested tensors)
+  exposes no weights; it is switched off with ``torch.backends.mha.set_fastpath_enabled(False)`` while a
+  capture with a selected ``MultiheadAttention`` is open, and restored on exit. Nested tensors the caller
+  passes in directly can only run on the fast path: such a call runs untouched and unrecorded (warned).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..probe.capture import Lazy
+from ..probe.errors import AttnprobeWarning
+from .base import Adapter, Site
+from .calls import bind_arguments
+from .masks import MASKED_AT, forbids_future, split_additive
+from .trace import user_stacklevel
+
+#: ``nn.MultiheadAttention.forward`` parameters, in order.
+_PARAMS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
+_DEFAULTS = {"key_padding_mask": None, "need_weights": True, "attn_mask": None, "average_attn_weights": True, "is_causal": False}
+_AVERAGE_AT = _PARAMS.index("average_attn_weights")
+
+
+@contextmanager
+def fastpath_disabled():
+    """``torch.backends.mha`` fast path off inside the block, the previous setting restored after."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+def _bind(args: tuple, kwargs: dict) -> dict | None:
+    return bind_arguments(_PARAMS, _DEFAULTS, args, kwargs, required=3)
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """torch's mask convention (bool True = masked out, float = added) as a float mask to add."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _in_projection(mod: nn.MultiheadAttention, query, key, value):
+    """q, k, v exactly as ``F.multi_head_attention_forward`` computes them (torch's own helpers)."""
+    if mod._qkv_same_embed_dim:
+        packed = getattr(F, "_in_projection_packed", None)
+        if packed is not None:
+            return packed(query, key, value, mod.in_proj_weight, mod.in_proj_bias)
+        w = mod.in_proj_weight.chunk(3)
+        b = (None,) * 3 if mod.in_proj_bias is None else mod.in_proj_bias.chunk(3)
+    else:
+        w = (mod.q_proj_weight, mod.k_proj_weight, mod.v_proj_weight)
+        b = (None,) * 3 if mod.in_proj_bias is None else mod.in_proj_bias.chunk(3)
+        separate = getattr(F, "_in_projection", None)
+        if separate is not None:
+            return separate(query, key, value, *w, *b)
+    return F.linear(query, w[0], b[0]), F.linear(key, w[1], b[1]), F.linear(value, w[2], b[2])
+
+
+@dataclass
+class MHAParts:
+    """One ``nn.MultiheadAttention`` call taken apart, in attnprobe's layout."""
+
+    q: torch.Tensor  # (batch, head, query, d_head)
+    k: torch.Tensor  # (batch, head, key, d_head); key includes bias_k / zero-attention slots
+    v: torch.Tensor  # (batch, head, key, d_head)
+    allowed: torch.Tensor  # (batch, 1 or head, query, key) bool
+    bias: torch.Tensor | None  # non-masking part of a float mask, added to the scores
+    scaling: float
+    extra_keys: int  # keys appended by bias_k/bias_v and add_zero_attn
+    causal_kernel: bool  # the call ran with sdpa's is_causal instead of its attn_mask
+
+
+def mha_parts(mod: nn.MultiheadAttention, query, key, value, key_padding_mask, attn_mask, is_causal: bool,
+              need_weights: bool) -> MHAParts:
+    """Mirror ``F.multi_head_attention_forward`` up to the softmax, keeping every tensor it computes."""
+    batched = query.dim() == 3
+    if mod.batch_first and batched:  # keep the identities the packed projection tests (q is k is v)
+        if key is value:
+            if query is key:
+                query = key = value = query.transpose(1, 0)
+            else:
+                query, key = (x.transpose(1, 0) for x in (query, key))
+                value = key
+        else:
+            query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+    if not batched:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    L, B, _ = query.shape
+    H, d = mod.num_heads, mod.head_dim
+
+    kpm = _additive(key_padding_mask, query.dtype)  # (B, S)
+    causal_kernel = bool(is_causal) and kpm is None and not need_weights  # torch drops attn_mask, sdpa is_causal
+    attn = None if causal_kernel else _additive(attn_mask, query.dtype)  # (L, S) or (B*H, L, S)
+    attn_2d = attn is not None and attn.dim() == 2
+
+    q, k, v = _in_projection(mod, query, key, value)  # (T, B, E) each
+    extra = 0
+    if mod.bias_k is not None and mod.bias_v is not None:
+        k = torch.cat([k, mod.bias_k.repeat(1, B, 1)])
+        v = torch.cat([v, mod.bias_v.repeat(1, B, 1)])
+        attn = None if attn is None else F.pad(attn, (0, 1))
+        kpm = None if kpm is None else F.pad(kpm, (0, 1))
+        extra += 1
+    q = q.view(L, B * H, d).transpose(0, 1)  # (B*H, L, d)
+    k = k.view(k.shape[0], B * H, d).transpose(0, 1)
+    v = v.view(v.shape[0], B * H, d).transpose(0, 1)
+    if mod.add_zero_attn:
+        zeros = torch.zeros((B * H, 1, d), dtype=k.dtype, device=k.device)
+        k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
+        attn = None if attn is None else F.pad(attn, (0, 1))
+        kpm = None if kpm is None else F.pad(kpm, (0, 1))
+        extra += 1
+    S = k.shape[1]
+
+    mask = None
+    if attn is not None:
+        mask = attn.view(1, 1, L, S) if attn_2d else attn.view(B, H, L, S)
+    if kpm is not None:
+        kpm = kpm.view(B, 1, 1, S)
+        mask = kpm if mask is None else mask + kpm
+    if mask is None:
+        allowed, bias = torch.ones(B, 1, L, S, dtype=torch.bool, device=q.device), None
+    else:
+        allowed, bias = split_additive(mask)
+        allowed = allowed.expand(B, allowed.shape[1], L, S)
+    if causal_kernel:
+        allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+    return MHAParts(
+        q=q.view(B, H, L, d), k=k.view(B, H, S, d), v=v.view(B, H, S, d), allowed=allowed, bias=bias,
+        scaling=math.sqrt(1.0 / float(d)), extra_keys=extra, causal_kernel=causal_kernel,
+    )
+
+
+def _caller_average(per_head: torch.Tensor, batched: bool) -> torch.Tensor:
+    """The head average ``average_attn_weights=True`` returns, computed as torch computes it."""
+    if batched:
+        return per_head.mean(dim=1)
+    return per_head.unsqueeze(0).mean(dim=1).squeeze(0)
+
+
+def _pick(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
+    return t if index == tuple(range(t.shape[1])) else t[:, list(index)]
+
+
+def _output_tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+@dataclass
+class _Call:
+    bound: dict
+    forced: bool  # average_attn_weights was switched off to observe the per-head weights
+
+
+@dataclass
+class _Untouched:
+    """A call on nested tensors: it runs on torch's fast path, unrecorded, as it would without a capture."""
+
+    guard: object | None  # torch._C.DisableTorchFunction entered for this call (None if already disabled)
+    fastpath: bool  # the fast-path setting to restore afterwards
+
+
+class TorchMHAAdapter(Adapter):
+    """Reads ``torch.nn.MultiheadAttention`` modules (those that keep torch's own ``forward``)."""
+
+    name = "torch_mha"
+
+    def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
+        return [
+            Site(name, m, self, m.num_heads, m.num_heads, info={"strategy": "forward hooks + in-projection"})
+            for name, m in model.named_modules()
+            if isinstance(m, nn.MultiheadAttention)
+            and type(m).forward is nn.MultiheadAttention.forward
+            and id(m) not in claimed
+        ]
+
+    def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
+        selected = [s for s in sites if s.selected]
+        if not selected:
+            return
+        self._fastpath_before = torch.backends.mha.get_fastpath_enabled()
+        stack.enter_context(fastpath_disabled())
+        for site in selected:
+            self._attach_site(session, site, stack)
+
+    def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
+        calls: list[_Call | _Untouched | None] = []  # one per call in progress
+        warned: set[str] = set()
+
+        def before(mod, args, kwargs):
+            bound = _bind(args, kwargs)
+            if bound is not None and any(getattr(bound[n], "is_nested", False) for n in _PARAMS[:3]):
+                calls.append(self._let_nested_through(site, warned))
+                return None
+            forced = bound is not None and bool(bound["need_weights"]) and bool(bound["average_attn_weights"])
+            calls.append(None if bound is None else _Call(bound, forced))
+            if not forced:
+                return None
+            if len(args) > _AVERAGE_AT:
+                return args[:_AVERAGE_AT] + (False,) + args[_AVERAGE_AT + 1 :], kwargs
+            return args, {**kwargs, "average_attn_weights": False}
+
+        def after(mod, args, kwargs, output):
+            if not calls:
+                return None
+            call = calls.pop()
+            if isinstance(call, _Untouched):
+                torch.backends.mha.set_fastpath_enabled(call.fastpath)
+                if call.guard is not None:
+                    call.guard.__exit__(None, None, None)
+                return None
+            if call is None or output is None:
+                return None  # arguments we cannot read, or the forward raised
+            attn_output, per_head = output
+            batched = call.bound["query"].dim() == 3
+            if call.forced:
+                with torch._C.DisableTorchFunction():
+                    output = (attn_output, _caller_average(per_head, batched))
+            self._record(session, site, mod, call.bound, attn_output, per_head if call.bound["need_weights"] else None, warned)
+            return output if call.forced else None
+
+        handles = [
+            site.module.register_forward_pre_hook(before, with_kwargs=True),
+            site.module.register_forward_hook(after, with_kwargs=True, always_call=True),
+        ]
+        for h in handles:
+            stack.callback(h.remove)
+
+    def _let_nested_through(self, site: Site, warned: set[str]) -> _Untouched:
+        """Nested tensors run only on torch's fast path, which exposes no weights and refuses any
+        ``__torch_function__`` handler: let this one call run as if no capture were open."""
+        if "nested" not in warned:
+            warned.add("nested")
+            warnings.warn(
+                f"nn.MultiheadAttention {site.name!r} received nested tensors: such calls run on torch's fused fast "
+                "path, unchanged and not captured; pass a padded batch with key_padding_mask to capture them",
+                AttnprobeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        guard = None
+        if torch._C._is_torch_function_enabled():  # a capture's function mode would force the slow path
+            guard = torch._C.DisableTorchFunction()
+            guard.__enter__()
+        untouched = _Untouched(guard, torch.backends.mha.get_fastpath_enabled())
+        torch.backends.mha.set_fastpath_enabled(self._fastpath_before or untouched.fastpath)
+        return untouched
+
+    def _record(self, session, site: Site, mod: nn.MultiheadAttention, b: dict, attn_output, observed, warned) -> None:
+        query, key = b["query"], b["key"]
+        dropout = mod.dropout if mod.training else 0.0
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            parts = mha_parts(mod, query, key, b["value"], b["key_padding_mask"], b["attn_mask"],
+                              bool(b["is_causal"]), bool(b["need_weights"]))
+        B, H, L, _ = parts.q.shape
+        S = parts.k.shape[2]
+        heads = site.heads
+        # weights returned by the module are after dropout; in training with dropout they are recomputed
+        use_observed = observed is not None and dropout == 0.0
+        meta = {
+            "module_class": type(mod).__name__,
+            "batch_first": mod.batch_first,
+            "need_weights": bool(b["need_weights"]),
+            "extra_keys": parts.extra_keys,
+        }
+        cache: dict[str, torch.Tensor] = {}
+
+        def math_for_heads() -> dict[str, torch.Tensor]:
+            if cache:
+                return cache
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                q, k, v = _pick(parts.q, heads), _pick(parts.k, heads), _pick(parts.v, heads)
+                scores = (q * parts.scaling) @ k.transpose(-2, -1)
+                if parts.bias is not None:
+                    scores = scores + (parts.bias if parts.bias.shape[1] == 1 else _pick(parts.bias, heads))
+                allowed = parts.allowed if parts.allowed.shape[1] == 1 else _pick(parts.allowed, heads)
+                if use_observed:
+                    weights = _pick(observed.detach().reshape(B, H, L, S), heads)
+                else:
+                    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+                    weights = weights.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # no allowed key: zeros
+                cache.update(scores=scores, weights=weights)
+                if dropout == 0.0:
+                    cache["output"] = weights @ v
+                    if len(heads) == H:
+                        meta["output_error"] = self._output_error(mod, cache["output"], attn_output, query.dim() == 3)
+            return cache
+
+        def lazy(field: str, width: int) -> Lazy:
+            return Lazy((B, len(heads), L, width), parts.q.dtype, lambda: math_for_heads()[field])
+
+        self_attention = query is key
+        kpm = b["key_padding_mask"]
+        query_padding = None
+        if self_attention and kpm is not None:
+            query_padding = kpm if kpm.dtype == torch.bool else kpm <= MASKED_AT
+            query_padding = query_padding if query.dim() == 3 else query_padding.unsqueeze(0)
+        attn_mask = b["attn_mask"]
+        causal = bool(b["is_causal"]) or (
+            attn_mask is not None and forbids_future(split_additive(_additive(attn_mask, torch.float32))[0])
+        )
+        record = session.emit(
+            site,
+            kind="self" if self_attention else "cross",
+            q=parts.q,
+            k=parts.k,
+            v=parts.v,
+            scores=lazy("scores", S),
+            weights=lazy("weights", S),
+            output=lazy("output", parts.v.shape[-1]) if dropout == 0.0 else None,
+            allowed=parts.allowed,
+            query_padding=query_padding,
+            causal=causal,
+            scaling=parts.scaling,
+            backend="torch_mha",
+            dtype=query.dtype,
+            weights_source="observed" if use_observed else "recomputed",
+            dropout=float(dropout),
+            identified=frozenset({"q", "k", "v", "scores", "weights", "allowed"})
+            | ({"output"} if dropout == 0.0 else set())
+            | ({"query_padding"} if query_padding is not None else set()),
+            meta=meta,
+        )
+        error = meta.get("output_error")
+        if record is not None and error is not None and error > _output_tolerance(query.dtype) and "output" not in warned:
+            warned.add("output")
+            warnings.warn(
+                f"nn.MultiheadAttention {site.name!r}: weights @ V from its projection weights does not reproduce "
+                f"the module's output (max error {error:.3g}); its forward or parameters may have been patched, "
+                "so this record's q/k/v/weights may not be what ran",
+                AttnprobeWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    @staticmethod
+    def _output_error(mod, per_head: torch.Tensor, attn_output: torch.Tensor, batched: bool) -> float:
+        """Max |out_proj(merge(weights @ V)) - the module's output|."""
+        B, H, L, d = per_head.shape
+        merged = per_head.permute(2, 0, 1, 3).reshape(L, B, H * d)  # (L, B, E), torch's merge order
+        projected = F.linear(merged, mod.out_proj.weight, mod.out_proj.bias)
+        actual = attn_output.detach()
+        if not batched:
+            actual = actual.unsqueeze(1)
+        elif mod.batch_first:
+            actual = actual.transpose(0, 1)
+        scale = max(1.0, float(actual.abs().max())) if actual.numel() else 1.0
+        return float((projected - actual).abs().max()) / scale if actual.numel() else 0.0
