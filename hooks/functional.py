@@ -22,6 +22,8 @@ module named (or, with ``"auto"``, of the module holding the list) are the heads
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import sys
 import warnings
@@ -91,13 +93,60 @@ def _is_builtin(module: nn.Module) -> bool:
 
 
 def _may_call_sdpa(module: nn.Module, claimed: set[int]) -> bool:
-    """Whether code under ``module`` could call scaled_dot_product_attention itself: torch's own ``nn`` layers
-    reach it only through ``nn.MultiheadAttention``, which another adapter reads; any other code might."""
+    """Whether code under ``module`` could call scaled_dot_product_attention itself.
+
+    torch's own ``nn`` layers reach it only through ``nn.MultiheadAttention``, which another adapter reads;
+    for any other module class the code is read (``_code_reaches_sdpa``). Reading the code keeps the function
+    mode, which costs every torch call, off models such as Hugging Face ones whose attention is read elsewhere.
+    """
     if id(module) in claimed:
         return False
-    if not type(module).__module__.startswith("torch.nn."):
+    if not type(module).__module__.startswith("torch.nn.") and _code_reaches_sdpa(type(module)):
         return True
     return any(_may_call_sdpa(child, claimed) for child in module.children())
+
+
+_SDPA_NAME = "scaled_dot_product_attention"
+
+
+@functools.lru_cache(maxsize=None)
+def _code_reaches_sdpa(cls: type) -> bool:
+    """Whether the methods of ``cls`` (and the Python functions they name, followed through globals, across
+    modules) mention ``scaled_dot_product_attention`` under its name or any import alias.
+
+    Not seen: a call reached only through a function stored in a container or an attribute (a dict of
+    attention functions, ``self.attn_fn``); ``capture(..., modules="auto")`` intercepts every call instead.
+    """
+    seen: set[int] = set()
+    todo: list = []
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins")):
+            continue
+        for value in vars(klass).values():
+            func = getattr(value, "__func__", value)
+            if isinstance(func, property):
+                func = func.fget
+            if inspect.isfunction(func):
+                todo.append(func)
+    while todo:
+        func = todo.pop()
+        if id(func) in seen or not inspect.isfunction(func):
+            continue
+        seen.add(id(func))
+        codes = [func.__code__]
+        while codes:
+            code = codes.pop()
+            codes.extend(c for c in code.co_consts if inspect.iscode(c))
+            names = set(code.co_names)
+            if _SDPA_NAME in names:
+                return True
+            for name in names:
+                target = func.__globals__.get(name)
+                if target is _SDPA:
+                    return True
+                if inspect.isfunction(target) and not target.__module__.startswith("torch."):
+                    todo.append(target)
+    return False
 
 
 def _tensor_ids(value, found: set[int] | None = None) -> set[int]:
@@ -190,7 +239,7 @@ class FunctionalAdapter(Adapter):
         dynamic = selection.layers is None or any(layer >= n_static for layer in selection.layers)
         roots = [model] if (self.auto and dynamic) else [s.module for s in sites if s.selected or dynamic]
         claimed = {id(s.module) for s in session.sites if s.adapter is not self}
-        sdpa = dynamic and _may_call_sdpa(model, claimed)
+        sdpa = dynamic and (self.auto or _may_call_sdpa(model, claimed))
         if sdpa or roots:  # otherwise nothing this adapter could record: stay out of the way (no function mode)
             _Run(self, session, model, sites, claimed).start(stack, sdpa=sdpa, roots=roots)
 

@@ -233,3 +233,39 @@ def test_idle_and_static_only_captures_install_no_mode():
         m(X)
     assert [r.layer for r in cap] == [0, 1]
     assert leftovers(m) == []
+
+
+def _attend_helper(q, k, v):  # a module-level helper: the module's own code never names sdpa
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+class ThroughHelper(nn.Module):
+    def forward(self, x):
+        q = x.view(2, 6, 4, 4).transpose(1, 2)
+        return _attend_helper(q, q, q).transpose(1, 2).reshape(2, 6, 16)
+
+
+class NoAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.inner(x))
+
+
+def test_sdpa_reached_through_a_helper_function_is_found():
+    m = ThroughHelper()
+    with attnprobe.capture(m) as cap:
+        m(X)
+    assert len(cap) == 1 and cap[0].backend == "sdpa"
+
+
+def test_code_that_never_reaches_sdpa_runs_without_the_function_mode():
+    # the mode costs every torch call, so it is left out when no module's code can reach sdpa
+    m = nn.Sequential(attnprobe.MultiHeadAttention(16, 4), NoAttention())
+    with attnprobe.capture(m) as cap:
+        assert torch.overrides._get_current_function_mode_stack() == []
+        m(X)
+    assert [r.layer for r in cap] == [0]
+    assert leftovers(m) == []
