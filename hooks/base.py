@@ -42,6 +42,11 @@ class Adapter:
         """Sites for the modules of ``model`` this adapter reads, skipping ids in ``claimed``."""
         raise NotImplementedError
 
+    def may_find_more(self, model: nn.Module, claimed: set[int]) -> bool:
+        """For dynamic adapters: whether running ``model`` could reveal attention beyond the sites found
+        (``claimed`` holds their module ids). False lets the session check layer numbers up front."""
+        return self.dynamic
+
     def attach(self, session: "CaptureSession", model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
         """Install hooks for ``sites``; register every undo step on ``stack``."""
         raise NotImplementedError

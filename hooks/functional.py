@@ -189,6 +189,9 @@ class FunctionalAdapter(Adapter):
             if id(m) not in claimed
         ]
 
+    def may_find_more(self, model: nn.Module, claimed: set[int]) -> bool:
+        return self.auto or _may_call_sdpa(model, claimed)
+
     def _resolve(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         spec = self.modules
         self.auto = isinstance(spec, str) and spec == "auto"

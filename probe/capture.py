@@ -218,11 +218,14 @@ class CaptureSession:
         model = self._model
         self.discover()
         found = self._found
-        may_grow = any(a.dynamic for a in self.adapters)
+        claimed = {id(s.module) for s in self.sites}
+        may_grow = any(a.dynamic and a.may_find_more(model, claimed) for a in self.adapters)
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
                 f"no attention found in {self.model_class}: attnprobe reads its own MultiHeadAttention, "
-                "Hugging Face attention modules and torch.nn.MultiheadAttention"
+                "Hugging Face attention modules, torch.nn.MultiheadAttention and code that calls "
+                "scaled_dot_product_attention; for hand-written softmax attention pass "
+                "capture(model, modules=[...]) or modules='auto'"
             )
         self.static_sites = len(self.sites)
         self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)

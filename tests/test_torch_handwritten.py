@@ -121,11 +121,10 @@ def test_auto_finds_every_kind_and_numbers_by_first_call():
     assert [(r.name, r.layer, r.num_heads) for r in cap] == [("fused", 0, 4), ("heads", 1, 4), ("chunked", 2, 4)]
     assert cap.info["attention_modules"] == ("fused", "heads", "chunked")
     assert all(r.identified == ALL for r in cap)
-    # without modules= hand-written attention is not traced (and nothing else is found)
-    with pytest.warns(attnprobe.AttnprobeWarning, match="no attention found in Model"):
-        with attnprobe.capture(model) as nothing:
+    # without modules= hand-written attention is not traced, and nothing else can be found: said up front
+    with pytest.raises(attnprobe.UnsupportedModelError, match="no attention found in Model.*modules='auto'"):
+        with attnprobe.capture(model):
             model(X)
-    assert len(nothing) == 0
 
 
 def test_named_modules_are_layers_in_module_order_with_selection():

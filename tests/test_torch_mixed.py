@@ -105,11 +105,16 @@ def test_nested_captures_each_record_every_kind():
     assert leftovers(model) == []
 
 
-def test_a_model_with_no_attention_warns_clearly_at_exit():
+def test_a_model_with_no_attention_is_refused_up_front_or_warned_at_exit():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
-    with pytest.warns(attnprobe.AttnprobeWarning, match=r"no attention found in Sequential.*modules='auto'") as caught:
-        with attnprobe.capture(model) as cap:
+    # no module's code can reach attention that attnprobe reads without being asked: a clear error
+    with pytest.raises(attnprobe.UnsupportedModelError, match=r"no attention found in Sequential.*modules='auto'"):
+        with attnprobe.capture(model):
             model(X)
+    # code that might call sdpa but does not: only the run can tell, so a warning at exit
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"no attention found in SdpaBlock.*modules='auto'") as caught:
+        with attnprobe.capture(SdpaBlock()) as cap:
+            pass
     assert len(cap) == 0 and len(caught) == 1 and caught[0].filename == __file__
     with pytest.warns(attnprobe.AttnprobeWarning, match="no attention found in Sequential"):
         with attnprobe.capture(model, modules="auto"):
