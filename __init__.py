@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 
 from .probe.capture import Capture, capture, run
+from .probe.checks import CHECKS, assert_invariants, check
 from .probe.generation import stitch
 from .probe.errors import (
     AttnprobeError,
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionRecord",
+    "CHECKS",
     "AttnprobeError",
     "AttnprobeWarning",
     "Capture",
@@ -45,7 +47,9 @@ __all__ = [
     "TENSOR_FIELDS",
     "UnsupportedModelError",
     "Violation",
+    "assert_invariants",
     "capture",
+    "check",
     "run",
     "stitch",
 ]
