@@ -370,6 +370,15 @@ def _records(capture_or_record) -> tuple[list[AttentionRecord], tuple[str, ...] 
 
 
 # --------------------------------------------------------------------------- the checks
+def _has(run: _Run, p: _Prepared, check: str, *fields: str) -> bool:
+    """True when the record has every field ``check`` needs; otherwise say which are missing and skip."""
+    missing = [f for f in fields if getattr(p.rec, f) is None]
+    if missing:
+        names = ["the mask (allowed)" if f == "allowed" else f for f in missing]
+        run.skip(check, f"no {' and '.join(names)} captured", p.rec)
+    return not missing
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
@@ -426,8 +435,7 @@ def _finite_rows(p: _Prepared) -> torch.Tensor:
 
 
 def _check_range(run: _Run, p: _Prepared) -> None:
-    if p.w is None:
-        run.skip("range", "no weights captured", p.rec)
+    if not _has(run, p, "range", "weights"):
         return
     run.ran("range")
     atol = p.tol.atol
@@ -453,8 +461,7 @@ def _masked_scores(p: _Prepared) -> torch.Tensor:
 
 def _check_row_sum(run: _Run, p: _Prepared) -> None:
     rec = p.rec
-    if p.w is None:
-        run.skip("row_sum", "no weights captured", rec)
+    if not _has(run, p, "row_sum", "weights"):
         return
     expected = 1.0
     what = "1"
@@ -562,9 +569,7 @@ def _check_padding(run: _Run, p: _Prepared) -> None:
 
 
 def _check_mask(run: _Run, p: _Prepared) -> None:
-    rec = p.rec
-    if p.w is None or p.allowed is None:
-        run.skip("mask", "needs weights and the record's mask (allowed)", rec)
+    if not _has(run, p, "mask", "weights", "allowed"):
         return
     run.ran("mask")
     _check_forbidden(run, p, "mask", ~p.allowed, "key(s) the record's own mask disallows",
@@ -583,8 +588,7 @@ def _score_slack(p: _Prepared) -> torch.Tensor | float:
 
 def _check_softmax_match(run: _Run, p: _Prepared) -> None:
     rec = p.rec
-    if p.w is None or rec.scores is None or p.allowed is None:
-        run.skip("softmax_match", "needs weights, scores and the record's mask (allowed)", rec)
+    if not _has(run, p, "softmax_match", "weights", "scores", "allowed"):
         return
     run.ran("softmax_match")
     logits = _masked_scores(p)
@@ -604,8 +608,7 @@ def _check_softmax_match(run: _Run, p: _Prepared) -> None:
 
 def _check_output_match(run: _Run, p: _Prepared) -> None:
     rec = p.rec
-    if p.w is None or rec.v is None or rec.output is None:
-        run.skip("output_match", "needs weights, v and output", rec)
+    if not _has(run, p, "output_match", "weights", "v", "output"):
         return
     if rec.num_kv_heads <= 0 or rec.num_heads % rec.num_kv_heads:
         run.skip("output_match", f"{rec.num_heads} heads do not group over {rec.num_kv_heads} kv heads", rec)

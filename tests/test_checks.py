@@ -61,6 +61,16 @@ def test_correct_modules_pass_every_check(dtype, mask, assert_no_hooks):
         assert attnprobe.assert_invariants(cap, **declared) == result
 
 
+def test_head_and_layer_selections_check_what_was_kept():
+    model = TinyTransformer()
+    x, ctx = inputs()
+    with attnprobe.capture(model, layers=[1, 3], heads=[1, 3], keep=["weights", "v", "output"]) as cap:
+        model(x, ctx, LEFT_PADDED, CTX_MASK)
+    result = attnprobe.check(cap)
+    assert result.violations == () and result.coverage["output_match"] == 2
+    assert result.skipped == ("softmax_match: no scores captured (2 record(s), layers 1, 3)",)
+
+
 def test_padded_query_rows_are_dont_care():
     """Left padding under a causal mask: the padded rows have no allowed key (zeros here, uniform in
     eager, zeros in CPU sdpa) and produce no violation, declared or not."""

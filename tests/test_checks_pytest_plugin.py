@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 pytest_plugins = ["pytester"]
 
 README = Path(__file__).resolve().parents[1] / "README.md"

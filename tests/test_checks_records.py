@@ -195,8 +195,8 @@ def test_missing_fields_are_skipped_and_said():
     result = attnprobe.check(cap)
     assert result.ok and result.verified
     assert result.coverage["softmax_match"] == 0 and result.coverage["output_match"] == 0
-    assert any(s.startswith("softmax_match: needs weights, scores") and "layer 0" in s for s in result.skipped)
-    assert any(s.startswith("output_match: needs weights, v and output") for s in result.skipped)
+    assert "softmax_match: no scores captured (1 record(s), layer 0)" in result.skipped
+    assert "output_match: no v and output captured (1 record(s), layer 0)" in result.skipped
     assert "skipped (not verified):" in result.table()
     unknown = replace(cap[0], causal=None)
     assert any(s.startswith("causal: the record does not say") for s in attnprobe.check(unknown).skipped)
@@ -211,7 +211,7 @@ def test_weights_requested_from_a_backend_that_returns_none_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not asked for: skipped quietly, but said in `skipped`
         quiet = attnprobe.check(attnprobe.Capture([rec], {"selection": {"keep": ("q",)}}))
-    assert any(s.startswith("row_sum: no weights captured") for s in quiet.skipped)
+    assert "row_sum: no weights captured (1 record(s), layer 0)" in quiet.skipped
 
 
 def test_empty_capture_warns_and_verifies_nothing():
