@@ -76,6 +76,13 @@ def records_from_hooks(model, batch) -> attnprobe.Capture:
     return attnprobe.Capture(records, {"model_class": type(model).__name__})
 
 
+def broken_copy(cap) -> attnprobe.Capture:
+    """The same records with the padding mask ignored by the softmax: violations in every layer and head."""
+    from dataclasses import replace
+
+    return attnprobe.Capture([replace(r, weights=torch.softmax(r.scores, -1)) for r in cap], cap.info)
+
+
 def get_capture(model, batch):
     try:
         _, cap = attnprobe.run(model, batch)
@@ -97,7 +104,13 @@ def main(reps: int = 7) -> None:
         with torch.no_grad():
             model(**batch)
 
-    variants = {"forward": forward, "check (all)": lambda: attnprobe.check(cap, attention_mask=batch["attention_mask"])}
+    broken = broken_copy(cap)
+    assert not attnprobe.check(broken).ok
+    variants = {
+        "forward": forward,
+        "check (all)": lambda: attnprobe.check(cap, attention_mask=batch["attention_mask"]),
+        "check, broken": lambda: attnprobe.check(broken, attention_mask=batch["attention_mask"]),
+    }
     for name in attnprobe.CHECKS:
         variants[f"  {name}"] = lambda name=name: attnprobe.check(cap, checks=[name])
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -109,11 +122,14 @@ def main(reps: int = 7) -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["forward"])
+    n_broken = len(attnprobe.check(broken).violations)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; all-MiniLM-L6-v2 "
           f"({model.config._attn_implementation}), batch {BATCH} x {TOKENS}, {len(cap)} records, "
           f"{cap.nbytes / 2**20:.0f} MiB; records from {source}; median of {reps}")
+    print(f"  ('check, broken': the same records with the padding mask ignored, {n_broken} violations)")
     for name, ts in times.items():
         print(f"  {name:16s} {statistics.median(ts) / base:5.2f}x forward")
+    print("  (indented: check(cap, checks=[name]) alone)")
 
 
 if __name__ == "__main__":

@@ -307,21 +307,20 @@ class _Run:
         axis = bad.shape[1]
         if values is not None:
             values = values.expand(bad.shape)
-        groups = bad.flatten(2).any(-1).nonzero().tolist()  # [(b, h), ...]
+        by_group = bad.flatten(2).any(-1)  # (B, 1 or H)
+        groups = by_group.nonzero().tolist()  # [(b, h), ...]
         if len(groups) > MAX_GROUPS:  # sum over the batch rows instead
-            groups = [(None, h) for h in bad.flatten(2).any(-1).any(0).nonzero().flatten().tolist()]
+            groups = [(None, h) for h in by_group.any(0).nonzero().flatten().tolist()]
         for b, h in groups:
-            cells = bad[:, h] if b is None else bad[b, h]
-            idx = cells.nonzero()
-            if b is None:
-                idx = idx[:, 1:]  # drop the batch column
-            count = int(idx.shape[0])
+            cells = bad[:, h] if b is None else bad[b, h][None]  # (B or 1, Tq[, Tk])
+            rows = cells.any(-1).any(0) if per_key else cells.any(0)  # (Tq,)
+            queries = p.qpos[rows.nonzero().flatten()[:MAX_POSITIONS]].tolist()
+            keys = cells.any(-2).any(0).nonzero().flatten()[:MAX_POSITIONS].tolist() if per_key else []
+            count = int(cells.sum())
             worst = None
             if values is not None:
-                picked = (values[:, h] if b is None else values[b, h])[cells]
-                worst = float(picked.max()) if picked.numel() else None
-            queries = torch.unique(p.qpos[idx[:, 0]])[:MAX_POSITIONS].tolist()
-            keys = torch.unique(idx[:, 1])[:MAX_POSITIONS].tolist() if per_key else []
+                picked = values[:, h] if b is None else values[b, h][None]
+                worst = float(torch.where(cells, picked, -math.inf).amax())
             self.violations.append(Violation(
                 check=check, severity=severity, name=rec.name, layer=rec.layer,
                 head=p.head_label(h, axis), batch=b, call=rec.call, step=rec.step,
@@ -374,7 +373,7 @@ def _has(run: _Run, p: _Prepared, check: str, *fields: str) -> bool:
     """True when the record has every field ``check`` needs; otherwise say which are missing and skip."""
     missing = [f for f in fields if getattr(p.rec, f) is None]
     if missing:
-        names = ["the mask (allowed)" if f == "allowed" else f for f in missing]
+        names = ["mask (allowed)" if f == "allowed" else f for f in missing]
         run.skip(check, f"no {' and '.join(names)} captured", p.rec)
     return not missing
 
