@@ -82,6 +82,9 @@ class InvariantError(AssertionError):
         self.result = result
         super().__init__(result.table())
 
+    def __reduce__(self):  # pickles with its result (multiprocessing, test runners)
+        return (type(self), (self.result,))
+
 
 InvariantError.__module__ = "attnprobe"  # tracebacks and pytest show attnprobe.InvariantError
 
@@ -123,6 +126,14 @@ class CheckResult:
     def __post_init__(self) -> None:
         if not isinstance(self.coverage, MappingProxyType):
             object.__setattr__(self, "coverage", MappingProxyType(dict(self.coverage)))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "coverage": dict(self.coverage)}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     @property
     def ok(self) -> bool:

@@ -315,6 +315,17 @@ def test_result_table_frame_filter_and_raise():
     assert set(CHECK_DESCRIPTIONS) == set(attnprobe.CHECKS)
 
 
+def test_result_and_error_pickle():
+    import pickle
+
+    attn = BuggyAttention(8, num_heads=1, causal=True, bug="causal_plus_one")
+    result = attnprobe.check(capture_one(attn, torch.randn(1, 4, 8)))
+    copy = pickle.loads(pickle.dumps(result))
+    assert copy == result and copy.coverage == result.coverage and copy.table() == result.table()
+    error = pickle.loads(pickle.dumps(InvariantError(result)))
+    assert isinstance(error, AssertionError) and str(error) == result.table() and error.result == result
+
+
 def test_violation_rejects_unknown_severity():
     with pytest.raises(ValueError, match="severity"):
         Violation(check="x", severity="fatal", name="", layer=0)
