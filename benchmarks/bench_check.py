@@ -15,6 +15,8 @@ does -- and says so in its output. ``check`` costs the same on either: it sees o
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -83,6 +85,48 @@ def broken_copy(cap) -> attnprobe.Capture:
     return attnprobe.Capture([replace(r, weights=torch.softmax(r.scores, -1)) for r in cap], cap.info)
 
 
+LONG = (8, 4096)  # heads, tokens of the long-context record of the memory figure
+
+
+def long_record() -> attnprobe.AttentionRecord:
+    """One causal bf16 record of 8 heads x 4096 x 4096, built a few rows at a time (low peak memory)."""
+    heads, tokens = LONG
+    torch.manual_seed(0)
+    scores = torch.randn(1, heads, tokens, tokens, dtype=torch.bfloat16)
+    allowed = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]
+    weights = torch.empty_like(scores)
+    v = torch.randn(1, heads, tokens, 64, dtype=torch.bfloat16)
+    output = torch.empty(1, heads, tokens, 64, dtype=torch.bfloat16)
+    for a in range(0, tokens, 256):
+        rows = scores[:, :, a:a + 256].float().masked_fill_(~allowed[:, :, a:a + 256], float("-inf")).softmax(-1)
+        weights[:, :, a:a + 256] = rows
+        output[:, :, a:a + 256] = rows @ v.float()
+    return attnprobe.AttentionRecord(
+        name="attn", layer=0, call=0, kind="self", num_heads=heads, num_kv_heads=heads, heads=tuple(range(heads)),
+        kv_heads=tuple(range(heads)), scores=scores, weights=weights, v=v, output=output, allowed=allowed,
+        causal=True, dtype=torch.bfloat16,
+    )
+
+
+def check_peak_memory() -> None:
+    """In a fresh process: the peak memory check() adds on top of the record and of building it."""
+    import resource
+
+    rec = long_record()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    assert attnprobe.check(rec).ok
+    seconds = time.perf_counter() - t0
+    extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB on Linux
+    print(f"  one causal bf16 record, {LONG[0]} heads x {LONG[1]} x {LONG[1]} ({rec.nbytes / 2**20:.0f} MiB): check adds "
+          f"{extra / 1024:.0f} MiB of peak memory ({seconds:.1f} s)")
+
+
+def memory() -> None:
+    print("memory (fresh process):")
+    subprocess.run([sys.executable, __file__, "--peak-memory"], check=True)
+
+
 def get_capture(model, batch):
     try:
         _, cap = attnprobe.run(model, batch)
@@ -133,4 +177,8 @@ def main(reps: int = 7) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--peak-memory"]:
+        check_peak_memory()
+    else:
+        main()
+        memory()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -75,7 +75,11 @@ FORBIDDEN_WEIGHT = 1e-6
 #: Above this many (head, batch) groups per check and record, violations are summed over the batch.
 MAX_GROUPS = 64
 
-#: Where a record's key padding came from (``_Prepared.key_pad_source``).
+#: Query rows are checked in chunks so that no (batch, head, rows, key) temporary passes this many
+#: elements (16 MiB in float32): checking a long-context capture needs a bounded amount of extra memory.
+CHUNK_ELEMENTS = 1 << 22
+
+#: Where a record's key padding came from (``_Facts.key_pad_source``).
 _DECLARED_PADDING = "the declared attention_mask"
 _QUERY_PADDING = "the record's query_padding"
 _MASK_PADDING = "keys the record's mask lets no query attend"
@@ -147,24 +151,28 @@ def _validate_declarations(causal, attention_mask) -> None:
         _mask_tensor(attention_mask, "attention_mask")
 
 
-# --------------------------------------------------------------------------- one record, prepared
-class _Prepared:
-    """The tensors of one record in compute precision, and the rows and keys that count."""
+# --------------------------------------------------------------------------- one record
+class _Facts:
+    """What holds for a whole record: sizes, tolerance, declarations, key padding, query positions.
 
-    def __init__(self, run: "_Run", rec: AttentionRecord) -> None:
-        self.rec = rec
+    Nothing quadratic is computed here; ``rows(a, b)`` gives the tensors of query rows ``a:b``.
+    """
+
+    def __init__(self, run: "_Run", rec: AttentionRecord, index: int) -> None:
+        self.rec, self.index = rec, index
         self.B, self.Tq, self.Tk = rec.batch_size, rec.query_len, rec.key_len
         stored = [getattr(rec, f) for f in ("weights", "scores", "output", "v")]
         wide = any(t is not None and t.dtype == torch.float64 for t in stored)
         self.cdtype = torch.float64 if wide else torch.float32
         self.device = next((t.device for t in stored + [rec.allowed] if t is not None), torch.device("cpu"))
-        self.w = None if rec.weights is None else rec.weights.to(self.cdtype)
         self.tol = tolerance(rec.dtype, *(t.dtype for t in stored if t is not None), atol=run.atol, rtol=run.rtol)
         self.allowed = None if rec.allowed is None else rec.allowed.to(self.device, torch.bool)
-        self.qpos = torch.arange(self.Tq or 0, device=self.device) + rec.query_offset
+        self.qpos = torch.arange(self.Tq, device=self.device) + rec.query_offset  # reported query positions
         self.diag = None  # key index of each query (self-attention only)
         self.offset = None
-        if rec.kind == "self" and self.Tq is not None and self.Tk is not None:
+        if rec.kind == "self":
+            # the queries sit at query_offset in the keys; a cache that dropped old keys (sliding window)
+            # keeps the most recent ones, so the queries are then the last keys
             offset = rec.query_offset if rec.query_offset + self.Tq <= self.Tk else self.Tk - self.Tq
             if offset >= 0:
                 self.offset = offset
@@ -179,25 +187,8 @@ class _Prepared:
         query_pad = rec.query_padding.to(self.device, torch.bool) if rec.query_padding is not None else None
         if declared_query_pad is not None:
             query_pad = declared_query_pad if query_pad is None else query_pad | declared_query_pad
-        self.query_pad = query_pad
+        self.query_pad = query_pad  # (B, Tq) or None
 
-        # rows with no allowed key: under the record's own mask, or under what was declared
-        self.empty_known = False
-        empty = torch.zeros(self.B, 1, self.Tq, dtype=torch.bool, device=self.device)
-        if self.allowed is not None:
-            empty = empty | ~self.allowed.any(-1)
-            self.empty_known = True
-        declared = self.declared_allowed()
-        if declared is not None:
-            empty = empty | ~declared.any(-1)
-            self.empty_known = True
-        self.empty = empty  # (B, 1 or H, Tq)
-        real = torch.ones_like(empty) if query_pad is None else ~query_pad[:, None, :]
-        self.real = real  # (B, 1, Tq) or broadcastable
-        self.checked = real & ~empty  # (B, 1 or H, Tq): rows every value check looks at
-        self.finite_rows = None  # checked rows with finite weights, computed on first use
-
-    # -- declared padding and causality ----------------------------------------------------
     def _padding(self, run: "_Run"):
         """(key padding (B, Tk) or None, where it comes from, declared query padding or None)."""
         rec = self.rec
@@ -206,28 +197,70 @@ class _Prepared:
             mask = _mask_tensor(declared, "attention_mask").to(self.device)
             B, L = mask.shape
             if B != self.B:
-                run.skip("padding", f"the declared attention_mask has batch {B}, the record batch {self.B}", rec)
+                run.skip("padding", f"the declared attention_mask has batch {B}, the record batch {self.B}", self)
             elif rec.kind == "cross":
                 if L == self.Tk:
                     run.mask_fitted = True
                     return ~mask, _DECLARED_PADDING, None
                 run.skip("padding", f"the declared attention_mask has {L} positions but this cross-attention "
-                         f"has {self.Tk} keys; pass attention_mask={{layer: mask}} per layer", rec)
+                         f"has {self.Tk} keys; pass attention_mask={{layer: mask}} per layer", self)
             elif self.offset is not None and (L == self.Tk or (L > self.Tk and self.offset + self.Tq == self.Tk)):
-                run.mask_fitted = True
+                run.mask_fitted = True  # a generation step: the mask covers positions generated later too
                 real = mask[:, : self.Tk]
                 return ~real, _DECLARED_PADDING, ~real[:, self.offset : self.offset + self.Tq]
             else:
                 run.skip("padding", f"the declared attention_mask has {L} positions but the record has "
-                         f"{self.Tk} keys (a compressed or sliding-window cache?)", rec)
+                         f"{self.Tk} keys (a compressed or sliding-window cache?)", self)
             return None, "", None
-        # the record's own padding
-        if rec.kind == "self" and self.offset == 0 and self.Tq == self.Tk:
-            if rec.query_padding is not None:
-                return rec.query_padding.to(self.device, torch.bool), _QUERY_PADDING, None
+        if rec.kind == "self" and self.offset == 0 and self.Tq == self.Tk and rec.query_padding is not None:
+            return rec.query_padding.to(self.device, torch.bool), _QUERY_PADDING, None
         if self.allowed is not None and (rec.kind == "cross" or (self.offset == 0 and self.Tq == self.Tk)):
             return ~self.allowed.any(1).any(1), _MASK_PADDING, None
         return None, "", None
+
+    def chunks(self):
+        """Row ranges ``(a, b)`` such that no (batch, head, rows, key) temporary passes ``CHUNK_ELEMENTS``."""
+        per_row = self.B * max(len(self.rec.heads), 1) * self.Tk
+        step = max(1, CHUNK_ELEMENTS // max(per_row, 1))
+        for a in range(0, self.Tq, step):
+            yield a, min(a + step, self.Tq)
+
+
+class _Rows:
+    """Query rows ``a:b`` of one record, in compute precision, with the rows every value check looks at."""
+
+    def __init__(self, facts: _Facts, a: int, b: int) -> None:
+        rec = facts.rec
+        self.facts, self.rec, self.index = facts, rec, facts.index
+        self.B, self.Tq, self.Tk = facts.B, b - a, facts.Tk
+        self.device, self.cdtype, self.tol = facts.device, facts.cdtype, facts.tol
+        self.causal, self.causal_declared = facts.causal, facts.causal_declared
+        self.key_pad, self.key_pad_source = facts.key_pad, facts.key_pad_source
+        self.qpos = facts.qpos[a:b]
+        self.diag = None if facts.diag is None else facts.diag[a:b]
+
+        def rows(t):
+            return None if t is None else t[:, :, a:b]
+
+        self.w = None if rec.weights is None else rows(rec.weights).to(self.device, self.cdtype)
+        self.scores, self.output = rows(rec.scores), rows(rec.output)
+        self.allowed = rows(facts.allowed)
+        self.query_pad = None if facts.query_pad is None else facts.query_pad[:, a:b]
+
+        # rows with no allowed key: under the record's own mask, or under what was declared
+        self.empty_known = False
+        empty = torch.zeros(self.B, 1, self.Tq, dtype=torch.bool, device=self.device)
+        if self.allowed is not None:
+            empty = empty | ~self.allowed.any(-1)
+            self.empty_known = True
+        self.declared = self._declared_allowed()
+        if self.declared is not None:
+            empty = empty | ~self.declared.any(-1)
+            self.empty_known = True
+        self.empty = empty  # (B, 1 or H, Tq)
+        self.real = torch.ones_like(empty) if self.query_pad is None else ~self.query_pad[:, None, :]
+        self.checked = self.real & ~empty  # (B, 1 or H, Tq): the rows every value check looks at
+        self._finite_rows = None
 
     def future(self) -> torch.Tensor:
         """(Tq, Tk) bool: key index after the query's own key index."""
@@ -242,7 +275,7 @@ class _Prepared:
         keys = torch.arange(self.Tk, device=self.device)
         return keys[None, :] <= self.diag[:, None] - window
 
-    def declared_allowed(self) -> torch.Tensor | None:
+    def _declared_allowed(self) -> torch.Tensor | None:
         """(B, 1, Tq, Tk) what the declarations allow, or None when nothing was declared."""
         allowed = None
         if self.causal_declared and self.causal and self.diag is not None:
@@ -256,77 +289,134 @@ class _Prepared:
             allowed = keys.expand(self.B, 1, self.Tq, self.Tk) if allowed is None else allowed & keys
         return allowed
 
-    def head_label(self, index: int, axis_size: int) -> int | None:
-        if axis_size == 1:
-            return self.rec.heads[0] if len(self.rec.heads) == 1 else None
-        return self.rec.heads[index]
+    def finite_rows(self) -> torch.Tensor:
+        """Checked rows whose weights are all finite (non-finite ones are ``finite``'s business)."""
+        if self._finite_rows is None:
+            w = self.w
+            self._finite_rows = self.checked if _all_finite(w) else self.checked & torch.isfinite(w).all(-1)
+        return self._finite_rows
 
 
 # --------------------------------------------------------------------------- the run
+@dataclass
+class _Group:
+    """What one (batch row, head) contributes to one finding, summed over row chunks."""
+
+    count: int = 0
+    worst: float | None = None
+    queries: tuple[int, ...] = ()
+    keys: tuple[int, ...] = ()
+
+    def add(self, count: int, worst: float | None, queries, keys) -> None:
+        self.count += count
+        if worst is not None:
+            self.worst = worst if self.worst is None else max(self.worst, worst)
+        self.queries = tuple(sorted(set(self.queries) | set(queries)))[:MAX_POSITIONS]
+        self.keys = tuple(sorted(set(self.keys) | set(keys)))[:MAX_POSITIONS]
+
+
+@dataclass
+class _Finding:
+    """One kind of violation of one check in one record, per (batch, head) group."""
+
+    rec: AttentionRecord
+    check: str
+    severity: str
+    message: Callable[[int, float | None], str]
+    axis: int  # size of the head axis of the offending tensor (1 = a mask shared by the heads)
+    groups: dict = field(default_factory=dict)
+
+
 class _Run:
     def __init__(self, *, causal, attention_mask, checks, atol, rtol) -> None:
         self.causal = causal
         self.attention_mask = attention_mask
         self.atol, self.rtol = atol, rtol
         self.selected, self.lint_names = _select(checks)
-        self.violations: list[Violation] = []
-        self.skips: dict[tuple[str, str], list[int]] = {}
-        self.coverage: dict[str, int] = {c: 0 for c in self.selected}
+        self.findings: dict[tuple, _Finding] = {}
+        self.lint: list[Violation] = []
         self.lint_seen: list[str] = []
+        self.skips: dict[tuple[str, str], dict[int, int]] = {}
+        self.ran_on: dict[str, set[int]] = {c: set() for c in self.selected}
+        self.bidirectional: dict[int, list] = {}  # record index -> [record, later real keys, any attended]
         self.dropout_layers: dict[int, float] = {}
         self.mask_fitted = False
 
-    def skip(self, check: str, reason: str, rec: AttentionRecord) -> None:
+    def skip(self, check: str, reason: str, where) -> None:
+        """Say that ``check`` could not run on the record of ``where`` (anything with ``index`` and ``rec``)."""
         if check in self.selected:
-            self.skips.setdefault((check, reason), []).append(rec.layer)
+            self.skips.setdefault((check, reason), {})[where.index] = where.rec.layer
 
-    def ran(self, check: str) -> None:
-        self.coverage[check] += 1
+    def ran(self, check: str, p: _Rows) -> None:
+        self.ran_on[check].add(p.index)
 
-    # -- turning a bool tensor of offending rows/cells into Violations ------------------------
     def emit(
         self,
-        p: _Prepared,
+        p: _Rows,
         check: str,
+        kind: str,
         bad: torch.Tensor,
         message: Callable[[int, float | None], str],
         *,
         values: torch.Tensor | None = None,
         severity: str = "error",
     ) -> None:
-        """``bad``: (B, 1 or H, Tq, Tk) offending cells or (B, 1 or H, Tq) offending rows."""
+        """Add offending cells ``(B, 1 or H, Tq, Tk)`` or rows ``(B, 1 or H, Tq)`` of one kind of finding.
+
+        ``values`` (broadcastable to ``bad``) gives the error size for ``worst``. Positions and counts
+        are reduced on the tensor; Python only walks the (batch, head) groups that have any.
+        """
         if not bool(bad.any()):
             return
         rec = p.rec
         if check in _DROPOUT_SENSITIVE and rec.dropout > 0:
             self.dropout_layers[rec.layer] = rec.dropout
             self.skip(check, f"dropout p={rec.dropout:g} is active (train mode), so weights and outputs after "
-                      "dropout cannot sum to one or match; call model.eval() before capturing", rec)
+                      "dropout cannot sum to one or match; call model.eval() before capturing", p)
             return
         per_key = bad.dim() == 4
-        axis = bad.shape[1]
+        finding = self.findings.setdefault(
+            (p.index, check, kind), _Finding(rec, check, severity, message, axis=bad.shape[1])
+        )
+        flat = bad.flatten(2)
+        counts = flat.sum(-1)  # (B, 1 or H)
+        worst = None
         if values is not None:
-            values = values.expand(bad.shape)
-        by_group = bad.flatten(2).any(-1)  # (B, 1 or H)
-        groups = by_group.nonzero().tolist()  # [(b, h), ...]
-        if len(groups) > MAX_GROUPS:  # sum over the batch rows instead
-            groups = [(None, h) for h in by_group.any(0).nonzero().flatten().tolist()]
-        for b, h in groups:
-            cells = bad[:, h] if b is None else bad[b, h][None]  # (B or 1, Tq[, Tk])
-            rows = cells.any(-1).any(0) if per_key else cells.any(0)  # (Tq,)
-            queries = p.qpos[rows.nonzero().flatten()[:MAX_POSITIONS]].tolist()
-            keys = cells.any(-2).any(0).nonzero().flatten()[:MAX_POSITIONS].tolist() if per_key else []
-            count = int(cells.sum())
-            worst = None
-            if values is not None:
-                picked = values[:, h] if b is None else values[b, h][None]
-                worst = float(torch.where(cells, picked, -math.inf).amax())
-            self.violations.append(Violation(
-                check=check, severity=severity, name=rec.name, layer=rec.layer,
-                head=p.head_label(h, axis), batch=b, call=rec.call, step=rec.step,
-                queries=tuple(queries), keys=tuple(keys), count=count, worst=worst,
-                message=message(count, worst),
-            ))
+            worst = torch.where(bad, values, -math.inf).flatten(2).amax(-1).tolist()
+        rows = bad.any(-1) if per_key else bad  # (B, 1 or H, Tq)
+        keys = bad.any(-2) if per_key else None  # (B, 1 or H, Tk)
+        for b, h in (counts > 0).nonzero().tolist():
+            queries = p.qpos[rows[b, h].nonzero().flatten()[:MAX_POSITIONS]].tolist()
+            key_list = keys[b, h].nonzero().flatten()[:MAX_POSITIONS].tolist() if per_key else ()
+            finding.groups.setdefault((b, h), _Group()).add(
+                int(counts[b, h]), None if worst is None else worst[b][h], queries, key_list
+            )
+
+    def violations(self) -> list[Violation]:
+        out = []
+        for finding in self.findings.values():
+            rec, groups = finding.rec, finding.groups
+            if len(groups) > MAX_GROUPS:  # too many batch rows to list one by one: sum them per head
+                per_head: dict = {}
+                for (_, h), g in groups.items():
+                    per_head.setdefault((None, h), _Group()).add(g.count, g.worst, g.queries, g.keys)
+                groups = per_head
+            for (b, h), g in sorted(groups.items(), key=lambda kv: (-1 if kv[0][0] is None else kv[0][0], kv[0][1])):
+                head = rec.heads[h] if finding.axis > 1 else (rec.heads[0] if len(rec.heads) == 1 else None)
+                out.append(Violation(
+                    check=finding.check, severity=finding.severity, name=rec.name, layer=rec.layer, head=head,
+                    batch=b, call=rec.call, step=rec.step, queries=g.queries, keys=g.keys, count=g.count,
+                    worst=g.worst, message=finding.message(g.count, g.worst),
+                ))
+        for rec, later, attended in self.bidirectional.values():
+            if later and not attended:
+                out.append(Violation(
+                    check="causal", severity="error", name=rec.name, layer=rec.layer, call=rec.call, step=rec.step,
+                    count=later,
+                    message="declared causal=False, but no query attends any later key: the model applied a "
+                            "causal mask (is_causal left on, or a decoder mask in an encoder)",
+                ))
+        return out
 
 
 def _select(checks) -> tuple[tuple[str, ...], str | frozenset | None]:
@@ -359,8 +449,7 @@ def _records(capture_or_record) -> tuple[list[AttentionRecord], tuple[str, ...] 
         return list(capture_or_record), (tuple(keep) if keep is not None else None)
     if isinstance(capture_or_record, Iterable) and not isinstance(capture_or_record, (str, bytes, torch.Tensor)):
         records = list(capture_or_record)
-        wrong = [type(r).__name__ for r in records if not isinstance(r, AttentionRecord)]
-        if not wrong:
+        if all(isinstance(r, AttentionRecord) for r in records):
             return records, None
     raise TypeError(
         f"check() takes a Capture, an AttentionRecord or a list of records, got {type(capture_or_record).__name__}; "
@@ -369,12 +458,12 @@ def _records(capture_or_record) -> tuple[list[AttentionRecord], tuple[str, ...] 
 
 
 # --------------------------------------------------------------------------- the checks
-def _has(run: _Run, p: _Prepared, check: str, *fields: str) -> bool:
+def _has(run: _Run, p: _Rows, check: str, *fields: str) -> bool:
     """True when the record has every field ``check`` needs; otherwise say which are missing and skip."""
     missing = [f for f in fields if getattr(p.rec, f) is None]
     if missing:
         names = ["mask (allowed)" if f == "allowed" else f for f in missing]
-        run.skip(check, f"no {' and '.join(names)} captured", p.rec)
+        run.skip(check, f"no {' and '.join(names)} captured", p)
     return not missing
 
 
@@ -382,216 +471,197 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _check_empty_rows(run: _Run, p: _Prepared) -> None:
-    if not p.empty_known:
-        run.skip("empty_rows", "no mask recorded (allowed is None) and none declared", p.rec)
-        return
-    run.ran("empty_rows")
-    rows = p.empty & p.real
-    run.emit(p, "empty_rows", rows, lambda n, _: f"{n} query row(s) not marked as padding have no allowed key; "
-             "left out of the other checks (expected only for padded queries)", severity="info")
-
-
 def _all_finite(t: torch.Tensor) -> bool:
     """Fast path: a finite float32 sum means every entry is finite (an overflowing sum falls back)."""
     return bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)))
 
 
-def _check_finite(run: _Run, p: _Prepared) -> None:
-    rec = p.rec
-    if rec.weights is None and rec.output is None and rec.scores is None:
-        run.skip("finite", "no weights, output or scores captured", rec)
+def _check_empty_rows(run: _Run, p: _Rows) -> None:
+    if not p.empty_known:
+        run.skip("empty_rows", "no mask recorded (allowed is None) and none declared", p)
         return
-    run.ran("finite")
+    run.ran("empty_rows", p)
+    run.emit(p, "empty_rows", "rows", p.empty & p.real, lambda n, _: (
+        f"{n} query row(s) not marked as padding have no allowed key; left out of the other checks "
+        "(expected only for padded queries)"), severity="info")
+
+
+def _check_finite(run: _Run, p: _Rows) -> None:
+    if p.w is None and p.output is None and p.scores is None:
+        run.skip("finite", "no weights, output or scores captured", p)
+        return
+    run.ran("finite", p)
     dont_care = ~p.checked  # padded and fully masked query rows
 
     def both(what: str, bad: torch.Tensor) -> None:
         rows = dont_care if bad.dim() == 3 else dont_care[..., None]
-        run.emit(p, "finite", bad & ~rows, lambda n, _: f"{n} NaN/inf {what} in real query rows")
-        run.emit(p, "finite", bad & rows, lambda n, _: (
+        run.emit(p, "finite", what + ":real", bad & ~rows, lambda n, _: f"{n} NaN/inf {what} in real query rows")
+        run.emit(p, "finite", what + ":dont_care", bad & rows, lambda n, _: (
             f"{n} NaN/inf {what} in padded or fully masked query rows (a softmax over only -inf?): they reach "
             "real rows of the next layer through 0 * NaN; zero such rows after the softmax"))
 
-    if rec.weights is not None and not _all_finite(rec.weights):
-        both("weight(s)", ~torch.isfinite(rec.weights))
-    if rec.output is not None and not _all_finite(rec.output):
-        both("output row(s)", ~torch.isfinite(rec.output).all(-1))
-    if rec.scores is not None and not _all_finite(rec.scores):
-        s = rec.scores
-        allowed = p.allowed if p.allowed is not None else p.declared_allowed()
+    if p.w is not None and not _all_finite(p.w):
+        both("weight(s)", ~torch.isfinite(p.w))
+    if p.output is not None and not _all_finite(p.output):
+        both("output row(s)", ~torch.isfinite(p.output).all(-1))
+    if p.scores is not None and not _all_finite(p.scores):
+        s = p.scores
+        allowed = p.allowed if p.allowed is not None else p.declared
         if allowed is None:  # -inf may be how the scores were masked: count NaN and +inf only
             bad = torch.isnan(s) | (s == math.inf)
         else:
             bad = ~torch.isfinite(s) & allowed
-        run.emit(p, "finite", bad, lambda n, _: f"{n} NaN/inf score(s) at allowed positions")
+        run.emit(p, "finite", "scores", bad, lambda n, _: f"{n} NaN/inf score(s) at allowed positions")
 
 
-def _finite_rows(p: _Prepared) -> torch.Tensor:
-    """Checked rows whose weights are all finite (non-finite ones are ``finite``'s business)."""
-    if p.finite_rows is None:
-        p.finite_rows = p.checked if _all_finite(p.w) else p.checked & torch.isfinite(p.w).all(-1)
-    return p.finite_rows
-
-
-def _check_range(run: _Run, p: _Prepared) -> None:
+def _check_range(run: _Run, p: _Rows) -> None:
     if not _has(run, p, "range", "weights"):
         return
-    run.ran("range")
-    atol = p.tol.atol
-    w = p.w
+    run.ran("range", p)
+    atol, w = p.tol.atol, p.w
     low, high = torch.aminmax(w)  # NaN fails both tests below and takes the long way
     if float(low) >= -atol and float(high) <= 1 + atol:
         return
-    bad = ((w < -atol) | (w > 1 + atol)) & _finite_rows(p)[..., None]
-    run.emit(p, "range", bad, lambda n, worst: f"{n} weight(s) outside [0, 1] (worst {_fmt(worst)})",
-             values=torch.where(w < 0, w, w - 1).abs() if bool(bad.any()) else None)
+    bad = ((w < -atol) | (w > 1 + atol)) & p.finite_rows()[..., None]
+    run.emit(p, "range", "range", bad, lambda n, worst: f"{n} weight(s) outside [0, 1] (worst {_fmt(worst)})",
+             values=torch.where(w < 0, -w, w - 1))
 
 
-def _sink_logits(p: _Prepared) -> torch.Tensor:
+def _sink_logits(p: _Rows) -> torch.Tensor:
     """(B, H, Tq, 1) the sink logit of each head."""
     sinks = p.rec.sinks.to(p.device, p.cdtype).reshape(1, -1, 1, 1)
     return sinks.expand(p.B, sinks.shape[1], p.Tq, 1)
 
 
-def _masked_scores(p: _Prepared) -> torch.Tensor:
+def _masked_scores(p: _Rows) -> torch.Tensor:
     """Scores with disallowed keys at -inf (NaN scores of keys never computed are disallowed too)."""
-    return torch.where(p.allowed, p.rec.scores.to(p.cdtype), -math.inf)
+    return torch.where(p.allowed, p.scores.to(p.cdtype), -math.inf)
 
 
-def _check_row_sum(run: _Run, p: _Prepared) -> None:
-    rec = p.rec
+def _check_row_sum(run: _Run, p: _Rows) -> None:
     if not _has(run, p, "row_sum", "weights"):
         return
-    expected = 1.0
-    what = "1"
-    if rec.sinks is not None:
-        if rec.scores is None or p.allowed is None:
-            run.skip("row_sum", "the record has attention sinks but no scores or mask to compute the sink mass", rec)
+    expected, what = 1.0, "1"
+    if p.rec.sinks is not None:
+        if p.scores is None or p.allowed is None:
+            run.skip("row_sum", "the record has attention sinks but no scores or mask to compute the sink mass", p)
             return
         logits = torch.cat([_masked_scores(p), _sink_logits(p)], dim=-1)
-        expected = 1.0 - torch.softmax(logits, dim=-1)[..., -1]  # (B, H, Tq)
-        what = "1 - sink mass"
-    run.ran("row_sum")
+        expected, what = 1.0 - torch.softmax(logits, dim=-1)[..., -1], "1 - sink mass"  # (B, H, Tq)
+    run.ran("row_sum", p)
     err = (p.w.sum(-1) - expected).abs()
     tol = p.tol.atol + p.tol.rtol
     if float(err.amax()) <= tol:  # fast path
         return
-    bad = (err > tol) & _finite_rows(p)
-    run.emit(p, "row_sum", bad, lambda n, worst: (
+    run.emit(p, "row_sum", "row_sum", (err > tol) & p.finite_rows(), lambda n, worst: (
         f"{n} row(s) do not sum to {what} (worst error {_fmt(worst)}, tolerance {tol:.2g}): a softmax over "
         "the wrong axis, weights changed after the softmax, or dropout on the weights"), values=err)
 
 
-def _check_causal(run: _Run, p: _Prepared) -> None:
+def _check_causal(run: _Run, p: _Rows) -> None:
     rec = p.rec
     if rec.kind != "self":
         return  # causality is about self-attention
     if p.causal is None:
-        run.skip("causal", "the record does not say whether it is causal; declare causal=True or False", rec)
+        run.skip("causal", "the record does not say whether it is causal; declare causal=True or False", p)
         return
     if p.diag is None:
-        run.skip("causal", "query positions unknown (more queries than keys)", rec)
+        run.skip("causal", "query positions unknown (more queries than keys)", p)
         return
     if p.w is None and p.allowed is None:
-        run.skip("causal", "no weights and no mask captured", rec)
+        run.skip("causal", "no weights and no mask captured", p)
         return
     if not p.causal and not p.causal_declared:
         return  # a bidirectional record: nothing to hold it to
-    run.ran("causal")
+    run.ran("causal", p)
     source = "declared causal=True" if p.causal_declared else "the module says it is causal"
     thr = p.tol.forbidden
     future = p.future()
     rows = p.checked[..., None]
-    if not p.causal:
+    if not p.causal:  # declared bidirectional: some query must attend some later real key
         later = future if p.key_pad is None else future & ~p.key_pad[:, None, None, :]
         candidates = later & rows
         attended = (p.w > thr) if p.w is not None else p.allowed
-        if bool(candidates.any()) and not bool((attended & candidates).any()):
-            run.violations.append(Violation(
-                check="causal", severity="error", name=rec.name, layer=rec.layer, call=rec.call, step=rec.step,
-                count=int(candidates.sum()),
-                message="declared causal=False, but no query attends any later key: the model applied a causal "
-                        "mask (is_causal left on, or a decoder mask in an encoder)",
-            ))
+        seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
+        seen[1] += int(candidates.sum())
+        seen[2] = seen[2] or bool((attended & candidates).any())
         return
     window = p.outside_window()
     if p.w is not None:
-        run.emit(p, "causal", (p.w > thr) & future & rows, lambda n, worst: (
+        run.emit(p, "causal", "future", (p.w > thr) & future & rows, lambda n, worst: (
             f"weight on {n} key(s) after the query's position (max {_fmt(worst)}; {source}): the causal mask is "
             "missing or shifted"), values=p.w)
         if window is not None:
-            run.emit(p, "causal", (p.w > thr) & window & rows, lambda n, worst: (
+            run.emit(p, "causal", "window", (p.w > thr) & window & rows, lambda n, worst: (
                 f"weight on {n} key(s) older than the sliding window of {rec.sliding_window} (max {_fmt(worst)})"),
                 values=p.w)
     else:
-        run.emit(p, "causal", p.allowed & future & rows, lambda n, _: (
+        run.emit(p, "causal", "future", p.allowed & future & rows, lambda n, _: (
             f"the mask lets queries attend {n} key(s) after their position ({source}; no weights captured)"))
         if window is not None:
-            run.emit(p, "causal", p.allowed & window & rows, lambda n, _: (
+            run.emit(p, "causal", "window", p.allowed & window & rows, lambda n, _: (
                 f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"))
-    if p.allowed is not None:
-        inside = p.diag < p.Tk
-        own = p.allowed[..., torch.arange(p.Tq, device=p.device), p.diag.clamp(max=p.Tk - 1)]  # (B, 1|H, Tq)
-        bad = ~own & p.checked & inside
+    if p.allowed is not None:  # a causal mask lets every real query attend its own position
+        own_key = p.diag.clamp(max=p.Tk - 1)
+        own = p.allowed[..., torch.arange(p.Tq, device=p.device), own_key]  # (B, 1 or H, Tq)
+        bad = ~own & p.checked & (p.diag < p.Tk)
         if p.key_pad is not None and p.key_pad_source != _MASK_PADDING:  # a buggy mask says nothing here
-            bad = bad & ~p.key_pad[:, None, :].gather(-1, p.diag.clamp(max=p.Tk - 1).expand(p.B, 1, p.Tq))
-        run.emit(p, "causal", bad, lambda n, _: (
+            bad = bad & ~p.key_pad[:, None, :].gather(-1, own_key.expand(p.B, 1, p.Tq))
+        run.emit(p, "causal", "own", bad, lambda n, _: (
             f"{n} query row(s) may not attend their own position: the causal mask is shifted by one "
             "(tril(diagonal=-1))"))
 
 
-def _check_forbidden(run: _Run, p: _Prepared, check: str, forbidden: torch.Tensor, what: str, why: str) -> None:
+def _check_forbidden(run: _Run, p: _Rows, check: str, forbidden: torch.Tensor, what: str, why: str) -> None:
     """Weight (or, without weights, permission) on keys that ``forbidden`` rules out, in checked rows."""
     rows = p.checked[..., None]
     if p.w is not None:
         if float(torch.where(forbidden, p.w, 0.0).amax()) <= p.tol.forbidden:  # fast path: nothing there
             return
-        run.emit(p, check, (p.w > p.tol.forbidden) & forbidden & rows,
+        run.emit(p, check, check, (p.w > p.tol.forbidden) & forbidden & rows,
                  lambda n, worst: f"weight on {n} {what} (max {_fmt(worst)}{why})", values=p.w)
     else:
-        run.emit(p, check, p.allowed & forbidden & rows,
+        run.emit(p, check, check, p.allowed & forbidden & rows,
                  lambda n, _: f"the mask lets queries attend {n} {what} (no weights captured{why})")
 
 
-def _check_padding(run: _Run, p: _Prepared) -> None:
-    rec = p.rec
+def _check_padding(run: _Run, p: _Rows) -> None:
     if p.key_pad is None:
-        if _declared_for(run.attention_mask, rec) is None:
-            run.skip("padding", "no key padding known from the record; declare attention_mask=(batch, key)", rec)
+        if _declared_for(run.attention_mask, p.rec) is None:
+            run.skip("padding", "no key padding known from the record; declare attention_mask=(batch, key)", p)
         return
     if p.w is None and p.allowed is None:
-        run.skip("padding", "no weights and no mask captured", rec)
+        run.skip("padding", "no weights and no mask captured", p)
         return
-    run.ran("padding")
+    run.ran("padding", p)
     _check_forbidden(run, p, "padding", p.key_pad[:, None, None, :], "padded key(s)",
                      f"; padding from {p.key_pad_source}")
 
 
-def _check_mask(run: _Run, p: _Prepared) -> None:
+def _check_mask(run: _Run, p: _Rows) -> None:
     if not _has(run, p, "mask", "weights", "allowed"):
         return
-    run.ran("mask")
+    run.ran("mask", p)
     _check_forbidden(run, p, "mask", ~p.allowed, "key(s) the record's own mask disallows",
                      "; the mask the module built did not reach the softmax: not applied, applied inverted, "
                      "or applied to a copy")
 
 
-def _score_slack(p: _Prepared) -> torch.Tensor | float:
+def _score_slack(p: _Rows) -> torch.Tensor | float:
     """Relative error the rounding of the scores can cause in the weights: 2 * eps * max|score| per row."""
-    if p.rec.scores is None or p.tol.eps < 1e-6:  # negligible in fp32 and fp64
+    if p.scores is None or p.tol.eps < 1e-6:  # negligible in fp32 and fp64
         return 0.0
-    s = p.rec.scores.to(p.cdtype).abs()
+    s = p.scores.to(p.cdtype).abs()
     s = torch.where(p.allowed if p.allowed is not None else torch.isfinite(s), s, 0.0).nan_to_num(0.0)
     return 2 * p.tol.eps * s.amax(-1, keepdim=True)
 
 
-def _check_softmax_match(run: _Run, p: _Prepared) -> None:
-    rec = p.rec
+def _check_softmax_match(run: _Run, p: _Rows) -> None:
     if not _has(run, p, "softmax_match", "weights", "scores", "allowed"):
         return
-    run.ran("softmax_match")
+    run.ran("softmax_match", p)
     logits = _masked_scores(p)
-    if rec.sinks is not None:
+    if p.rec.sinks is not None:
         ref = torch.softmax(torch.cat([logits, _sink_logits(p)], dim=-1), dim=-1)[..., :-1]
     else:
         ref = torch.softmax(logits, dim=-1)
@@ -599,42 +669,38 @@ def _check_softmax_match(run: _Run, p: _Prepared) -> None:
     if float(diff.amax()) <= p.tol.atol:  # fast path (NaN in rows left out fails it and goes the long way)
         return
     tol = p.tol.atol + (p.tol.rtol + _score_slack(p)) * ref
-    bad = (diff > tol) & _finite_rows(p)[..., None]
-    run.emit(p, "softmax_match", bad, lambda n, worst: (
+    run.emit(p, "softmax_match", "softmax_match", (diff > tol) & p.finite_rows()[..., None], lambda n, worst: (
         f"{n} weight(s) differ from the softmax of the masked scores (worst {_fmt(worst)}): the weights were "
         "not computed from these scores (scale, bias or mask applied elsewhere)"), values=diff)
 
 
-def _check_output_match(run: _Run, p: _Prepared) -> None:
+def _check_output_match(run: _Run, p: _Rows) -> None:
     rec = p.rec
     if not _has(run, p, "output_match", "weights", "v", "output"):
         return
     if rec.num_kv_heads <= 0 or rec.num_heads % rec.num_kv_heads:
-        run.skip("output_match", f"{rec.num_heads} heads do not group over {rec.num_kv_heads} kv heads", rec)
+        run.skip("output_match", f"{rec.num_heads} heads do not group over {rec.num_kv_heads} kv heads", p)
         return
     group = rec.num_heads // rec.num_kv_heads
     try:
         kv_index = [rec.kv_heads.index(h // group) for h in rec.heads]
     except ValueError:
-        run.skip("output_match", "the kv heads of some stored query heads were not captured", rec)
+        run.skip("output_match", "the kv heads of some stored query heads were not captured", p)
         return
-    run.ran("output_match")
+    run.ran("output_match", p)
     v = rec.v.to(p.device, p.cdtype)
     if kv_index != list(range(v.shape[1])):
         v = v[:, kv_index]  # (B, H, Tk, D): query head h reads kv head h // group
-    ref = p.w @ v
-    diff = (rec.output.to(p.cdtype) - ref).abs()
+    diff = (p.output.to(p.cdtype) - p.w @ v).abs()
     if float(diff.amax()) <= p.tol.atol:  # fast path
         return
     scale = p.w.abs() @ v.abs()  # what the rounding error of a weighted sum scales with
-    slack = _score_slack(p)
-    tol = p.tol.atol + (p.tol.rtol + slack) * scale
-    rows = (diff > tol).any(-1) & _finite_rows(p) & torch.isfinite(rec.output).all(-1)
-    worst = diff.amax(-1)
-    run.emit(p, "output_match", rows, lambda n, w: (
+    tol = p.tol.atol + (p.tol.rtol + _score_slack(p)) * scale
+    rows = (diff > tol).any(-1) & p.finite_rows() & torch.isfinite(p.output).all(-1)
+    run.emit(p, "output_match", "output_match", rows, lambda n, w: (
         f"{n} output row(s) differ from weights @ v (worst {_fmt(w)}): the kernel computed something else "
         "than its weights say (mask dropped inside the kernel, wrong kv head for grouped-query heads, "
-        "another scale, dropout)"), values=worst)
+        "another scale, dropout)"), values=diff.amax(-1))
 
 
 _RUNNERS = {
@@ -650,14 +716,16 @@ _RUNNERS = {
 }
 
 
-def _lint(run: _Run, rec: AttentionRecord) -> None:
+def _lint(run: _Run, rec: AttentionRecord, index: int) -> None:
+    """Findings an adapter recorded at capture time (``record.meta["lint"]``), as selected."""
     findings = rec.meta.get("lint", ()) if run.lint_names is not None else ()
     for v in findings:
         if not isinstance(v, Violation):
-            run.skips.setdefault(("lint", f"a lint finding is not a Violation ({type(v).__name__})"), []).append(rec.layer)
+            reason = f"a lint finding is not a Violation ({type(v).__name__})"
+            run.skips.setdefault(("lint", reason), {})[index] = rec.layer
             continue
         if run.lint_names == "all" or v.check in run.lint_names:
-            run.violations.append(v)
+            run.lint.append(v)
             if v.check not in run.lint_seen:
                 run.lint_seen.append(v.check)
 
@@ -693,21 +761,23 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     weightless: dict[int, str] = {}
     prepared = 0
     with torch.no_grad():
-        for rec in records:
-            _lint(run, rec)
+        for index, rec in enumerate(records):
+            _lint(run, rec, index)
             if not run.selected:
                 continue
             if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
                 for c in run.selected:
-                    run.skip(c, "the record has no tensors", rec)
+                    run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
                 continue
             if rec.weights is None and keep is not None and "weights" in keep:
                 weightless[rec.layer] = rec.backend
-            p = _Prepared(run, rec)
+            facts = _Facts(run, rec, index)
             prepared += 1
-            for name in CHECKS:
-                if name in run.selected:
-                    _RUNNERS[name](run, p)
+            for a, b in facts.chunks():
+                rows = _Rows(facts, a, b)
+                for name in CHECKS:
+                    if name in run.selected:
+                        _RUNNERS[name](run, rows)
     if isinstance(attention_mask, torch.Tensor) and prepared and not run.mask_fitted:
         raise ValueError(
             f"attention_mask of shape {tuple(attention_mask.shape)} fits none of the {len(records)} record(s) "
@@ -716,15 +786,16 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
         )
     _warn(run, records, weightless, stacklevel=3)
     skipped = tuple(
-        f"{c}: {reason} ({_layer_list(layers)})"
+        f"{c}: {reason} ({_layer_list(list(layers.values()))})"
         for (c, reason), layers in sorted(run.skips.items(), key=lambda kv: _order(kv[0][0]))
     )
-    coverage = dict(run.coverage)
+    coverage = {c: len(indices) for c, indices in run.ran_on.items()}
     for name in run.lint_seen:
         coverage[name] = sum(1 for r in records if any(getattr(v, "check", None) == name for v in r.meta.get("lint", ())))
+    violations = sorted(run.violations() + run.lint,
+                        key=lambda v: (v.layer if v.layer is not None else -1, v.call, _order(v.check)))
     return CheckResult(
-        violations=tuple(sorted(run.violations, key=lambda v: (v.layer if v.layer is not None else -1, v.call,
-                                                               _order(v.check)))),
+        violations=tuple(violations),
         checks=run.selected + tuple(run.lint_seen),
         records=len(records),
         skipped=skipped,

@@ -315,6 +315,21 @@ def test_result_table_frame_filter_and_raise():
     assert set(CHECK_DESCRIPTIONS) == set(attnprobe.CHECKS)
 
 
+@pytest.mark.parametrize("bug", ["mask_not_applied", "causal_minus_one", "nan_rows", "doubled_scale", None])
+def test_checking_in_row_chunks_gives_the_same_result(bug, monkeypatch):
+    """Long captures are checked a few query rows at a time; the result does not depend on the chunking."""
+    from attnprobe.probe import checks
+
+    torch.manual_seed(0)
+    attn = BuggyAttention(8, num_heads=2, causal=True, bug=bug)
+    cap = capture_one(attn, torch.randn(3, 9, 8), attention_mask=torch.tensor([[0, 0] + [1] * 7, [1] * 9, [1] * 7 + [0] * 2]))
+    whole = [attnprobe.check(cap), attnprobe.check(cap, causal=False)]
+    monkeypatch.setattr(checks, "CHUNK_ELEMENTS", 3 * 2 * 9 * 2)  # two query rows per chunk
+    chunked = [attnprobe.check(cap), attnprobe.check(cap, causal=False)]
+    assert chunked == whole
+    assert bug is None or not whole[0].ok
+
+
 def test_result_and_error_pickle():
     import pickle
 
