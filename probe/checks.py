@@ -95,6 +95,9 @@ class Tolerance:
     """Unit roundoff of the coarsest dtype (used to allow for rounded scores)."""
     forbidden: float
     """Largest weight tolerated on a key that may not be attended."""
+    row_sum: float
+    """Largest tolerated |row sum - expected|: ``atol + 2 * eps`` (rounding each weight moves a sum of
+    one by at most ``eps``)."""
 
 
 def tolerance(*dtypes: torch.dtype | None, atol: float | None = None, rtol: float | None = None) -> Tolerance:
@@ -102,11 +105,14 @@ def tolerance(*dtypes: torch.dtype | None, atol: float | None = None, rtol: floa
     known = [d for d in dtypes if d is not None and d.is_floating_point]
     coarse = max(known, key=lambda d: torch.finfo(d).eps, default=torch.float32)
     default_atol, default_rtol = DEFAULT_TOLERANCES.get(coarse, DEFAULT_TOLERANCES[torch.bfloat16])
+    abs_tol = default_atol if atol is None else float(atol)
+    eps = torch.finfo(coarse).eps / 2  # unit roundoff
     return Tolerance(
-        atol=default_atol if atol is None else float(atol),
+        atol=abs_tol,
         rtol=default_rtol if rtol is None else float(rtol),
-        eps=torch.finfo(coarse).eps / 2,
-        forbidden=FORBIDDEN_WEIGHT if atol is None else float(atol),
+        eps=eps,
+        forbidden=FORBIDDEN_WEIGHT if atol is None else abs_tol,
+        row_sum=abs_tol + 2 * eps,
     )
 
 
@@ -155,7 +161,7 @@ def _validate_declarations(causal, attention_mask) -> None:
 class _Facts:
     """What holds for a whole record: sizes, tolerance, declarations, key padding, query positions.
 
-    Nothing quadratic is computed here; ``rows(a, b)`` gives the tensors of query rows ``a:b``.
+    Nothing quadratic is computed here; ``_Rows(facts, a, b)`` holds the tensors of query rows ``a:b``.
     """
 
     def __init__(self, run: "_Run", rec: AttentionRecord, index: int) -> None:
@@ -231,7 +237,7 @@ class _Rows:
 
     def __init__(self, facts: _Facts, a: int, b: int) -> None:
         rec = facts.rec
-        self.facts, self.rec, self.index = facts, rec, facts.index
+        self.rec, self.index = rec, facts.index
         self.B, self.Tq, self.Tk = facts.B, b - a, facts.Tk
         self.device, self.cdtype, self.tol = facts.device, facts.cdtype, facts.tol
         self.causal, self.causal_declared = facts.causal, facts.causal_declared
@@ -550,7 +556,7 @@ def _check_row_sum(run: _Run, p: _Rows) -> None:
         expected, what = 1.0 - torch.softmax(logits, dim=-1)[..., -1], "1 - sink mass"  # (B, H, Tq)
     run.ran("row_sum", p)
     err = (p.w.sum(-1) - expected).abs()
-    tol = p.tol.atol + p.tol.rtol
+    tol = p.tol.row_sum
     if float(err.amax()) <= tol:  # fast path
         return
     run.emit(p, "row_sum", "row_sum", (err > tol) & p.finite_rows(), lambda n, worst: (

@@ -268,7 +268,8 @@ def test_atol_loosens_the_forbidden_weight_threshold():
 def test_tolerance_follows_the_coarsest_dtype():
     assert tolerance(torch.float32).atol < tolerance(torch.float16).atol < tolerance(torch.bfloat16).atol
     assert tolerance(torch.float32, torch.bfloat16) == tolerance(torch.bfloat16)
-    assert tolerance(torch.float32, atol=0.5).forbidden == 0.5
+    assert tolerance(torch.float32, atol=0.5).forbidden == 0.5 and tolerance(torch.float32).forbidden == 1e-6
+    assert tolerance(torch.bfloat16).row_sum == pytest.approx(4e-3 + 2 ** -7)  # atol + 2 * unit roundoff
 
 
 # --------------------------------------------------------------------------- result object
