@@ -124,11 +124,15 @@ def declarations(mask, ctx_mask) -> dict:
     }
 
 
-def capture_one(module: nn.Module, *args, **kwargs):
-    """Run ``module`` once in eval mode under capture; return the Capture."""
-    module.eval()
-    with torch.no_grad(), attnprobe.capture(module) as cap:
+def capture_one(module: nn.Module, *args, options: dict | None = None, train: bool = False, **kwargs):
+    """Run ``module`` once (eval mode unless ``train``) under ``attnprobe.capture(module, **options)``;
+    check that no hook is left behind and return the Capture."""
+    from conftest import hooks_on
+
+    module.train(train)
+    with torch.no_grad(), attnprobe.capture(module, **(options or {})) as cap:
         module(*args, **kwargs)
+    assert not hooks_on(module), hooks_on(module)
     return cap
 
 

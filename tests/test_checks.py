@@ -28,12 +28,10 @@ def inputs(dtype=torch.float32):
     return torch.randn(2, 7, 16, dtype=dtype), torch.randn(2, 6, 12, dtype=dtype)
 
 
-def run_model(model, mask, dtype=torch.float32, assert_no_hooks=None):
+def run_model(model, mask, dtype=torch.float32):
+    """One forward of ``TinyTransformer`` under capture (``capture_one`` checks that no hook is left)."""
     x, ctx = inputs(dtype)
-    cap = capture_one(model, x, ctx, mask, CTX_MASK)
-    if assert_no_hooks is not None:
-        assert_no_hooks(model)
-    return cap
+    return capture_one(model, x, ctx, mask, CTX_MASK)
 
 
 def errors_by_check(result) -> dict[str, list]:
@@ -46,9 +44,9 @@ def errors_by_check(result) -> dict[str, list]:
 # --------------------------------------------------------------------------- no false positives
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mask", [LEFT_PADDED, RIGHT_PADDED], ids=["left", "right"])
-def test_correct_modules_pass_every_check(dtype, mask, assert_no_hooks):
+def test_correct_modules_pass_every_check(dtype, mask):
     model = TinyTransformer().to(dtype)
-    cap = run_model(model, mask, dtype, assert_no_hooks)
+    cap = run_model(model, mask, dtype)
     for declared in ({}, declarations(mask, CTX_MASK)):
         result = attnprobe.check(cap, **declared)
         assert result.violations == (), result.table()
@@ -64,8 +62,8 @@ def test_correct_modules_pass_every_check(dtype, mask, assert_no_hooks):
 def test_head_and_layer_selections_check_what_was_kept():
     model = TinyTransformer()
     x, ctx = inputs()
-    with attnprobe.capture(model, layers=[1, 3], heads=[1, 3], keep=["weights", "v", "output"]) as cap:
-        model(x, ctx, LEFT_PADDED, CTX_MASK)
+    cap = capture_one(model, x, ctx, LEFT_PADDED, CTX_MASK,
+                      options={"layers": [1, 3], "heads": [1, 3], "keep": ["weights", "v", "output"]})
     result = attnprobe.check(cap)
     assert result.violations == () and result.coverage["output_match"] == 2
     assert result.skipped == ("softmax_match: no scores captured (2 record(s), layers 1, 3)",)
@@ -82,10 +80,10 @@ def test_padded_query_rows_are_dont_care():
 
 
 def test_storage_in_half_precision_keeps_tolerances_honest():
-    model = TinyTransformer().eval()
+    model = TinyTransformer()
     x, ctx = inputs()
-    with attnprobe.capture(model, dtype=torch.float16) as cap:
-        model(x * 4, ctx * 4, LEFT_PADDED, CTX_MASK)  # larger scores: rounding of fp16 scores matters
+    # larger scores: the rounding of fp16 scores matters
+    cap = capture_one(model, x * 4, ctx * 4, LEFT_PADDED, CTX_MASK, options={"dtype": torch.float16})
     assert cap[1].weights.dtype == torch.float16 and cap[1].dtype == torch.float32
     result = attnprobe.check(cap)
     assert result.violations == (), result.table()
@@ -113,10 +111,10 @@ def test_every_bug_has_an_expectation():
 
 
 @pytest.mark.parametrize("bug", BUGS)
-def test_broken_attention_is_caught_in_its_layer(bug, assert_no_hooks):
+def test_broken_attention_is_caught_in_its_layer(bug):
     torch.manual_seed(0)
     model = TinyTransformer(bug=bug)
-    cap = run_model(model, LEFT_PADDED, assert_no_hooks=assert_no_hooks)
+    cap = run_model(model, LEFT_PADDED)
     result = attnprobe.check(cap, **declarations(LEFT_PADDED, CTX_MASK))
     fired = errors_by_check(result)
     must, quiet = EXPECTED[bug]
@@ -229,11 +227,9 @@ def test_declared_causal_catches_a_bidirectional_decoder():
 
 
 # --------------------------------------------------------------------------- dropout
-def test_train_mode_dropout_is_recognised_not_reported(assert_no_hooks):
-    attn = MultiHeadAttention(8, num_heads=2, causal=True, dropout=0.3).train()
-    with attnprobe.capture(attn) as cap:
-        attn(torch.randn(2, 6, 8))
-    assert_no_hooks(attn)
+def test_train_mode_dropout_is_recognised_not_reported():
+    attn = MultiHeadAttention(8, num_heads=2, causal=True, dropout=0.3)
+    cap = capture_one(attn, torch.randn(2, 6, 8), train=True)
     assert cap[0].dropout == 0.3
     with pytest.warns(attnprobe.AttnprobeWarning, match=r"dropout \(p=0.3\).*model.eval\(\)"):
         result = attnprobe.check(cap)
@@ -244,16 +240,13 @@ def test_train_mode_dropout_is_recognised_not_reported(assert_no_hooks):
 
 
 def test_dropped_weights_in_train_mode_are_not_a_row_sum_failure():
-    attn = BuggyAttention(8, num_heads=2, dropout=0.5, bug="dropout_before_hook").train()
-    with attnprobe.capture(attn) as cap:
-        attn(torch.randn(2, 6, 8))
+    attn = BuggyAttention(8, num_heads=2, dropout=0.5, bug="dropout_before_hook")
+    cap = capture_one(attn, torch.randn(2, 6, 8), train=True)
     with pytest.warns(attnprobe.AttnprobeWarning, match="dropout"):
         result = attnprobe.check(cap)
     assert result.ok
     assert any(s.startswith("row_sum: dropout") for s in result.skipped)
-    attn.eval()  # the same module in eval: its dropout is a bug now
-    with attnprobe.capture(attn) as cap:
-        attn(torch.randn(2, 6, 8))
+    cap = capture_one(attn, torch.randn(2, 6, 8))  # the same module in eval: its dropout is a bug now
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "row_sum" in {v.check for v in attnprobe.check(cap).errors}

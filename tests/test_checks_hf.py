@@ -31,6 +31,9 @@ def capture_or_skip(model, inputs):
         pytest.skip(f"no adapter reads {type(model).__name__} in this checkout (needs the Hugging Face adapter): {exc}")
     if len(cap) == 0:
         pytest.skip(f"no attention record from {type(model).__name__}: the Hugging Face adapter is missing")
+    from conftest import hooks_on
+
+    assert not hooks_on(model), hooks_on(model)
     return out, cap
 
 

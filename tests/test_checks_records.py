@@ -190,8 +190,7 @@ def test_lint_findings_from_capture_time_are_part_of_the_result():
 # --------------------------------------------------------------------------- skipped, warned, refused
 def test_missing_fields_are_skipped_and_said():
     attn = MultiHeadAttention(8, num_heads=2, causal=True)
-    with attnprobe.capture(attn, keep=["weights"]) as cap:
-        attn(torch.randn(1, 5, 8))
+    cap = capture_one(attn, torch.randn(1, 5, 8), options={"keep": ["weights"]})
     result = attnprobe.check(cap)
     assert result.ok and result.verified
     assert result.coverage["softmax_match"] == 0 and result.coverage["output_match"] == 0
