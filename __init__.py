@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 
 from .probe.capture import Capture, capture, run
-from .probe.checks import CHECKS, assert_invariants, check
 from .probe.generation import stitch
 from .probe.errors import (
     AttnprobeError,
@@ -28,14 +27,15 @@ from .probe.errors import (
 from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
 from .probe.record import TENSOR_FIELDS, AttentionRecord
 from .probe.violations import CheckResult, InvariantError, Violation
+from .probe.checks import CHECKS, assert_invariants, check
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionRecord",
-    "CHECKS",
     "AttnprobeError",
     "AttnprobeWarning",
+    "CHECKS",
     "Capture",
     "CaptureBudgetError",
     "CheckResult",
@@ -47,9 +47,9 @@ __all__ = [
     "TENSOR_FIELDS",
     "UnsupportedModelError",
     "Violation",
-    "assert_invariants",
     "capture",
     "check",
+    "assert_invariants",
     "run",
     "stitch",
 ]
