@@ -27,6 +27,7 @@ from .probe.errors import (
 from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
 from .probe.record import TENSOR_FIELDS, AttentionRecord
 from .probe.violations import CheckResult, InvariantError, Violation
+from .probe.checks import CHECKS, assert_invariants, check
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "AttentionModule",    "AttentionRecord",
     "AttnprobeError",
     "AttnprobeWarning",
+    "CHECKS",
     "Capture",
     "CaptureBudgetError",
     "CheckResult",
@@ -47,6 +49,8 @@ __all__ = [
     "Violation",
     "attention_modules",
     "capture",
+    "check",
+    "assert_invariants",
     "run",
     "stitch",
 ]

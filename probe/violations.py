@@ -6,18 +6,31 @@ Checks return data; raising is a separate, opt-in call (``CheckResult.raise_if_f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Literal
 
 #: How many offending positions a Violation lists (``count`` has the total).
 MAX_POSITIONS = 8
 
 Severity = Literal["error", "warning", "info"]
+SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
+
+#: Columns of ``CheckResult.to_frame()``, in order.
+FRAME_COLUMNS: tuple[str, ...] = (
+    "check", "severity", "name", "layer", "head", "batch", "call", "step",
+    "queries", "keys", "count", "worst", "message",
+)
 
 
 @dataclass(frozen=True)
 class Violation:
-    """One broken invariant in one (record, head, batch row), or one finding about a record."""
+    """One broken invariant in one (record, head, batch row), or one finding about a record.
+
+    ``head`` is None when the finding concerns every head (a mask shared by the heads), ``batch``
+    is None when it was summed over the batch rows.
+    """
 
     check: str
     """Stable check name, e.g. ``"causal"``, ``"row_sum"``, ``"output_match"``."""
@@ -30,7 +43,7 @@ class Violation:
     batch: int | None = None
     call: int = 0
     queries: tuple[int, ...] = ()
-    """Offending query positions, at most ``MAX_POSITIONS`` of them."""
+    """Offending query positions (``query_pos``, the KV-cache offset included), at most ``MAX_POSITIONS``."""
     keys: tuple[int, ...] = ()
     """Offending key positions, at most ``MAX_POSITIONS`` of them (empty when not per key)."""
     count: int = 0
@@ -39,6 +52,12 @@ class Violation:
     """The worst error seen (e.g. the largest weight on a forbidden key)."""
     message: str = ""
     """One line saying what is wrong."""
+    step: int | None = None
+    """Generation step of the record (None outside ``generate``)."""
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
 
     def where(self) -> str:
         parts = [f"layer {self.layer}" if self.layer is not None else self.name or "?"]
@@ -48,7 +67,12 @@ class Violation:
             parts.append(f"batch {self.batch}")
         if self.call:
             parts.append(f"call {self.call}")
+        if self.step is not None:
+            parts.append(f"step {self.step}")
         return " ".join(parts)
+
+    def __str__(self) -> str:
+        return f"{self.check} [{self.severity}] {self.where()}: {self.message}"
 
 
 class InvariantError(AssertionError):
@@ -58,18 +82,58 @@ class InvariantError(AssertionError):
         self.result = result
         super().__init__(result.table())
 
+    def __reduce__(self):  # pickles with its result (multiprocessing, test runners)
+        return (type(self), (self.result,))
+
+
+InvariantError.__module__ = "attnprobe"  # tracebacks and pytest show attnprobe.InvariantError
+
+
+def _positions(values: tuple[int, ...], count: int) -> str:
+    if not values:
+        return "-"
+    capped = len(values) >= MAX_POSITIONS and count > len(values)  # the list stops at MAX_POSITIONS
+    return ",".join(map(str, values)) + (",..." if capped else "")
+
+
+def _plural(n: int, severity: str) -> str:
+    return f"{n} {severity}" if n == 1 or severity == "info" else f"{n} {severity}s"
+
+
+def _layers(layers: Iterable[int | None]) -> str:
+    known = sorted({layer for layer in layers if layer is not None})
+    return ", ".join(map(str, known)) if known else "-"
+
 
 @dataclass(frozen=True)
 class CheckResult:
-    """Violations found by ``attnprobe.check``; ``ok`` when there is no error-severity violation."""
+    """Violations found by ``attnprobe.check``; ``ok`` when there is no error-severity violation.
+
+    ``skipped`` says, per check, where it could not run and why (a missing field is never a pass);
+    ``coverage`` says on how many records each check did run.
+    """
 
     violations: tuple[Violation, ...] = ()
     checks: tuple[str, ...] = ()
-    """Names of the checks that ran."""
+    """Names of the checks that were asked for, built-in checks first, then lint findings seen."""
     records: int = 0
     """How many records were checked."""
     skipped: tuple[str, ...] = field(default=())
     """One line per check that could not run on some record, saying why (e.g. no scores captured)."""
+    coverage: Mapping[str, int] = field(default_factory=dict)
+    """Check name -> number of records it ran on (0 = it never ran)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.coverage, MappingProxyType):
+            object.__setattr__(self, "coverage", MappingProxyType(dict(self.coverage)))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "coverage": dict(self.coverage)}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     @property
     def ok(self) -> bool:
@@ -79,46 +143,127 @@ class CheckResult:
     def errors(self) -> tuple[Violation, ...]:
         return tuple(v for v in self.violations if v.severity == "error")
 
+    @property
+    def verified(self) -> bool:
+        """True when at least one check ran on at least one record (an empty capture verifies nothing)."""
+        return any(n > 0 for n in self.coverage.values())
+
     def __bool__(self) -> bool:  # `assert attnprobe.check(cap)` reads naturally
         return self.ok
 
+    def __len__(self) -> int:
+        return len(self.violations)
+
+    def __iter__(self):
+        return iter(self.violations)
+
+    def filter(self, *, checks=None, severity=None, layers=None, heads=None) -> "CheckResult":
+        """The same result restricted to some checks, severities, layers or heads.
+
+        ``checks``: names (``"lint"`` stands for every ``lint_*`` check); ``severity``: ``"error"``,
+        ``"warning"``, ``"info"`` or a list of them. Findings that concern every head (``head`` None)
+        are kept when ``heads`` is given.
+        """
+        check_set = None if checks is None else ({checks} if isinstance(checks, str) else set(checks))
+        sev_set = None if severity is None else ({severity} if isinstance(severity, str) else set(severity))
+        layer_set = None if layers is None else ({layers} if isinstance(layers, int) else set(layers))
+        head_set = None if heads is None else ({heads} if isinstance(heads, int) else set(heads))
+        if sev_set is not None and not sev_set <= set(SEVERITIES):
+            raise ValueError(f"severity must be among {SEVERITIES}, got {sorted(sev_set)}")
+
+        def wanted_check(name: str) -> bool:
+            return check_set is None or name in check_set or ("lint" in check_set and name.startswith("lint_"))
+
+        kept = tuple(
+            v for v in self.violations
+            if wanted_check(v.check)
+            and (sev_set is None or v.severity in sev_set)
+            and (layer_set is None or v.layer in layer_set)
+            and (head_set is None or v.head is None or v.head in head_set)
+        )
+        return replace(
+            self,
+            violations=kept,
+            checks=tuple(c for c in self.checks if wanted_check(c)),
+            skipped=tuple(s for s in self.skipped if wanted_check(s.split(":", 1)[0])),
+            coverage={c: n for c, n in self.coverage.items() if wanted_check(c)},
+        )
+
+    def counts(self) -> dict[str, int]:
+        """Check name -> number of violations (all severities), in the order of ``checks``."""
+        out = {c: 0 for c in self.checks}
+        for v in self.violations:
+            out[v.check] = out.get(v.check, 0) + 1
+        return out
+
     def to_frame(self):
-        """One row per violation (pandas)."""
+        """One row per violation (pandas), columns ``FRAME_COLUMNS``."""
         import pandas as pd
 
-        cols = ["check", "severity", "name", "layer", "head", "batch", "call", "queries", "keys", "count", "worst", "message"]
+        cols = list(FRAME_COLUMNS)
         rows = [{c: getattr(v, c) for c in cols} for v in self.violations]
         frame = pd.DataFrame(rows, columns=cols)
-        return frame.astype({"layer": "Int64", "head": "Int64", "batch": "Int64", "call": "int64", "count": "int64", "worst": "float64"})
+        return frame.astype({
+            "check": "string", "severity": "string", "name": "string", "message": "string",
+            "layer": "Int64", "head": "Int64", "batch": "Int64", "step": "Int64",
+            "call": "int64", "count": "int64", "worst": "float64",
+        })
+
+    def headline(self) -> str:
+        errors = len(self.errors)
+        others = len(self.violations) - errors
+        text = (
+            f"{errors} error(s), {others} other finding(s) in {self.records} record(s); "
+            f"checks: {', '.join(self.checks) or '-'}"
+        )
+        if not self.verified:
+            text += " -- NOTHING WAS VERIFIED"
+        return text
 
     def table(self, max_rows: int = 50) -> str:
-        """A readable text table of the violations."""
-        head = f"{len(self.errors)} error(s), {len(self.violations) - len(self.errors)} other finding(s) in {self.records} record(s); checks: {', '.join(self.checks) or '-'}"
-        if not self.violations:
-            return head
-        rows = [("check", "severity", "where", "queries", "keys", "worst", "message")]
-        for v in self.violations[:max_rows]:
-            more = f" (+{v.count - len(v.queries)})" if v.count > len(v.queries) and v.queries else ""
-            rows.append((
-                v.check,
-                v.severity,
-                v.where(),
-                (",".join(map(str, v.queries)) + more) or "-",
-                ",".join(map(str, v.keys)) or "-",
-                "-" if v.worst is None else f"{v.worst:.3g}",
-                v.message,
-            ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
-        if len(self.violations) > max_rows:
-            lines.append(f"... and {len(self.violations) - max_rows} more")
-        return head + "\n" + "\n".join(lines)
+        """A readable text table: a headline, one line per check that found something, the
+        violations (errors first, at most ``max_rows``) and what was skipped."""
+        lines = [self.headline()]
+        by_check: dict[str, list[Violation]] = {}
+        for v in self.violations:
+            by_check.setdefault(v.check, []).append(v)
+        for check, found in by_check.items():
+            severities = ", ".join(_plural(sum(v.severity == s for v in found), s) for s in SEVERITIES
+                                   if any(v.severity == s for v in found))
+            lines.append(f"  {check}: {severities} in layer(s) {_layers(v.layer for v in found)}")
+        if self.violations:
+            order = {s: i for i, s in enumerate(SEVERITIES)}
+            shown = sorted(self.violations, key=lambda v: order[v.severity])[:max_rows]
+            rows = [("check", "severity", "where", "queries", "keys", "count", "worst", "message")]
+            for v in shown:
+                rows.append((
+                    v.check,
+                    v.severity,
+                    v.where(),
+                    _positions(v.queries, v.count),
+                    _positions(v.keys, v.count),
+                    str(v.count),
+                    "-" if v.worst is None else f"{v.worst:.3g}",
+                    v.message,
+                ))
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+            lines.extend("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows)
+            if len(self.violations) > max_rows:
+                lines.append(f"... and {len(self.violations) - max_rows} more (CheckResult.to_frame() has them all)")
+        if self.skipped:
+            lines.append("skipped (not verified):")
+            lines.extend(f"  {s}" for s in self.skipped)
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
 
+    def __repr__(self) -> str:
+        return f"<CheckResult {self.headline()}>"
+
     def raise_if_failed(self) -> "CheckResult":
         """Raise ``InvariantError`` when there is an error-severity violation; return self otherwise."""
+        __tracebackhide__ = True  # pytest: show the caller's line, not this one
         if not self.ok:
             raise InvariantError(self)
         return self
