@@ -7,57 +7,66 @@
     >>> cap[0].weights.shape   # (batch, head, query, key)
     torch.Size([2, 4, 6, 6])
 
-Importing attnprobe registers, patches and prints nothing; pandas and matplotlib load only when a
-frame or a report is asked for.
+Importing attnprobe registers, patches and prints nothing, and loads nothing heavy: the public names
+below resolve on first use (so the pytest plugin installed with attnprobe costs other projects' test
+runs nothing); pandas and matplotlib load only when a frame or a report is asked for.
 """
 
 from __future__ import annotations
 
 import importlib
-
-from .probe.capture import AttentionModule, Capture, attention_modules, capture, run
-from .probe.generation import stitch
-from .probe.errors import (
-    AttnprobeError,
-    AttnprobeWarning,
-    CaptureBudgetError,
-    SelectionError,
-    UnsupportedModelError,
-)
-from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
-from .probe.record import TENSOR_FIELDS, AttentionRecord
-from .probe.violations import CheckResult, InvariantError, Violation
-from .probe.checks import CHECKS, assert_invariants, check
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AttentionModule",    "AttentionRecord",
-    "AttnprobeError",
-    "AttnprobeWarning",
-    "CHECKS",
-    "Capture",
-    "CaptureBudgetError",
-    "CheckResult",
-    "CrossAttention",
-    "HookPoint",
-    "InvariantError",
-    "MultiHeadAttention",
-    "SelectionError",
-    "TENSOR_FIELDS",
-    "UnsupportedModelError",
-    "Violation",
-    "attention_modules",
-    "capture",
-    "check",
-    "assert_invariants",
-    "run",
-    "stitch",
-]
+# public name -> module (relative to this package) that defines it
+_EXPORTS = {
+    "AttentionModule": ".probe.capture",
+    "Capture": ".probe.capture",
+    "attention_modules": ".probe.capture",
+    "capture": ".probe.capture",
+    "run": ".probe.capture",
+    "stitch": ".probe.generation",
+    "AttnprobeError": ".probe.errors",
+    "AttnprobeWarning": ".probe.errors",
+    "CaptureBudgetError": ".probe.errors",
+    "SelectionError": ".probe.errors",
+    "UnsupportedModelError": ".probe.errors",
+    "CrossAttention": ".probe.modules",
+    "HookPoint": ".probe.modules",
+    "MultiHeadAttention": ".probe.modules",
+    "TENSOR_FIELDS": ".probe.record",
+    "AttentionRecord": ".probe.record",
+    "CheckResult": ".probe.violations",
+    "InvariantError": ".probe.violations",
+    "Violation": ".probe.violations",
+    "CHECKS": ".probe.checks",
+    "assert_invariants": ".probe.checks",
+    "check": ".probe.checks",
+}
+_SUBPACKAGES = ("reports",)
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .probe.capture import AttentionModule, Capture, attention_modules, capture, run
+    from .probe.checks import CHECKS, assert_invariants, check
+    from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError
+    from .probe.generation import stitch
+    from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
+    from .probe.record import TENSOR_FIELDS, AttentionRecord
+    from .probe.violations import CheckResult, InvariantError, Violation
 
 
 def __getattr__(name: str):
-    # subpackages that pull heavy libraries load on first use: attnprobe.reports
-    if name in ("reports",):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value  # resolve once
+        return value
+    if name in _SUBPACKAGES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'attnprobe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))

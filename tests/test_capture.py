@@ -299,6 +299,7 @@ def test_import_is_quiet():
         "from torch.nn.modules import module as m\n"
         "before = (len(m._global_forward_hooks), len(m._global_forward_pre_hooks), torch.overrides._get_current_function_mode_stack())\n"
         "import attnprobe\n"
+        "public = [getattr(attnprobe, name) for name in attnprobe.__all__]\n"
         "after = (len(m._global_forward_hooks), len(m._global_forward_pre_hooks), torch.overrides._get_current_function_mode_stack())\n"
         "assert before == after, (before, after)\n"
         "heavy = [n for n in ('pandas', 'matplotlib', 'transformers', 'jinja2') if n in sys.modules]\n"
@@ -307,3 +308,10 @@ def test_import_is_quiet():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr == ""
+
+
+def test_pytest_plugin_costs_other_projects_nothing():
+    # the plugin loads in every pytest run of an environment with attnprobe: it must not pull torch in
+    code = "import sys, attnprobe.probe.pytest_plugin\nassert 'torch' not in sys.modules, 'torch imported'\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
