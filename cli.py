@@ -314,9 +314,8 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
                 raise UsageProblem(f"cannot create the folder {target.parent}: {exc.strerror}") from None
         written = []
         if "html" in targets:
-            checks = _run_checks(cap)
             written.append(reports.to_html(cap, targets["html"], tokens=tokens, key_tokens=key_tokens, batch=batch,
-                                           checks=checks, precision=precision, overwrite=overwrite,
+                                           precision=precision, overwrite=overwrite,
                                            title=f"attnprobe report: {work.source}"))
         if "grid" in targets:
             written.append(reports.save_grid(cap, targets["grid"], batch=batch, overwrite=overwrite))
@@ -328,18 +327,82 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
         click.echo(f"wrote {path}")
 
 
+@main.command()
+@model_and_input_options
+@click.option("--causal/--no-causal", default=None,
+              help="Declare the self-attention causal (or bidirectional) and check the model against it "
+                   "(default: each layer's own mask is the reference).")
+@click.option("--checks", "check_names", help="Only these checks, e.g. causal,padding (default: all).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@handle_errors
+def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+          causal, check_names, fmt):
+    """Capture MODEL on the input and check attention invariants (for CI).
+
+    Exit code 0 when clean, 1 when an invariant is violated, 2 on bad usage or input.
+    The input padding mask is declared for you (padded keys must get no weight).
+
+    \b
+    Examples:
+      attnprobe check                                   # the bundled MiniLM
+      attnprobe check ./my-gpt2 --causal --text "a" --text "longer input"
+      attnprobe check mypkg.models:decoder --ids "1 2 3" --checks causal,padding --format json
+    """
+    import warnings
+
+    import attnprobe
+
+    from .probe.checks import CHECKS
+
+    names = None
+    if check_names is not None:
+        names = [c.strip() for c in check_names.split(",") if c.strip()]
+        unknown = [c for c in names if c not in CHECKS and c != "lint" and not c.startswith("lint_")]
+        if unknown or not names:
+            raise UsageProblem(f"unknown check(s) {unknown or check_names!r}; choose from {', '.join(CHECKS)}, lint")
+    progress = Progress(4, quiet)
+    try:
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        cap = run_capture(work, layers, heads, max_bytes, progress)
+        progress.stage("checking")
+        mask = None if work.is_encoder_decoder else work.inputs.get("attention_mask")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = attnprobe.check(cap, causal=causal, attention_mask=mask, checks=names)
+    finally:
+        progress.close()
+    notes = [str(w.message) for w in caught]
+    if fmt == "json":
+        click.echo(json.dumps({
+            "model": work.source,
+            "ok": result.ok,
+            "records": result.records,
+            "checks": list(result.checks),
+            "violations": [_violation_json(v) for v in result.violations],
+            "skipped": list(result.skipped),
+            "warnings": notes,
+        }, indent=2))
+    else:
+        click.echo(f"model: {work.source}")
+        click.echo(result.table())
+        for note in notes:
+            click.echo(f"warning: {note}", err=True)
+    sys.exit(0 if result.ok else 1)
+
+
+def _violation_json(v) -> dict:
+    import dataclasses
+
+    out = dataclasses.asdict(v)
+    out["queries"], out["keys"] = list(v.queries), list(v.keys)
+    return out
+
+
 def token_labels(work):
     """(tokens, key_tokens) for frames and reports: decoder tokens query the encoder's in encoder-decoders."""
     if work.is_encoder_decoder:
         return work.decoder_tokens, work.tokens
     return work.tokens, None
-
-
-def _run_checks(cap):
-    import attnprobe
-
-    check = getattr(attnprobe, "check", None)
-    return None if check is None else check(cap)
 
 
 if __name__ == "__main__":  # pragma: no cover

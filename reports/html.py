@@ -444,7 +444,7 @@ def to_html(
     tokens=None,
     key_tokens=None,
     batch: int = 0,
-    checks: CheckResult | None = None,
+    checks: CheckResult | bool | None = True,
     title: str | None = None,
     precision: str = "exact",
     masked_scores: bool = False,
@@ -455,9 +455,10 @@ def to_html(
 
     ``tokens``: labels of the query sequence (and of the keys of self-attention), one list of strings
     or one list per batch row; ``key_tokens``: labels of the keys of cross-attention; ``batch``: the
-    batch row shown. ``checks``: an ``attnprobe.CheckResult`` for the checks panel (violating heads
-    are highlighted and linked). ``precision="exact"`` keeps every float32 value bit for bit;
-    ``"bfloat16"`` rounds values to about 3 significant digits for a file about half the size (the page
+    batch row shown. ``checks``: the checks panel (violating heads are highlighted and linked):
+    True (the default) runs ``attnprobe.check(capture)``; pass your own ``CheckResult`` (e.g. with
+    ``causal=`` or ``attention_mask=`` declared), or False for no panel. ``precision="exact"`` keeps
+    every float32 value bit for bit; ``"bfloat16"`` rounds values to about 3 significant digits for a file about half the size (the page
     says so). Scores of cells the query may not attend are left out unless ``masked_scores=True``.
     With ``path``, an existing file is replaced only with ``overwrite=True``; returns the path.
 
@@ -479,7 +480,11 @@ def to_html(
     data = build_data([records], batch=batch, tokens=tokens, key_tokens=key_tokens, precision=precision,
                       masked_scores=masked_scores, max_values=max_values)
     summary = Capture(records, capture.info).summary()
-    panel = check_panel(checks, data.meta["records"], batch)
+    if checks is True:
+        from ..probe.checks import check
+
+        checks = check(capture)
+    panel = check_panel(None if checks is False else checks, data.meta["records"], batch)
     data.meta["flags"] = panel["flags"]
     data.meta["summary"] = {
         f"{row.layer}-{row.head}": {c: finite_or_none(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}

@@ -194,7 +194,7 @@ def test_checks_panel_lists_violations_and_flags_heads(assert_no_hooks):
     assert meta["flags"]["0-0"]["marks"] == []  # batch row 1 is not shown: nothing to mark
     assert 'href="#head-1-1"' in document and "(batch row 1, not shown here)" in document
     assert "output_match: no output captured" in document
-    assert "No check results were given" in to_html(cap)
+    assert "Checks were not run" in to_html(cap, checks=False)
     with pytest.raises(TypeError, match="checks must be an attnprobe.CheckResult"):
         to_html(cap, checks=[])
 
@@ -257,3 +257,18 @@ def test_weight_on_masked_cells_is_counted_not_hidden(assert_no_hooks):
     src = meta["records"][0]["sources"][0]
     assert src["stats"][0]["leaks"] == 1
     assert decode_floats(blobs[src["weights"][0]], 25, "exact")[4] == np.float32(0.125)
+
+
+def test_report_runs_the_checks_by_default():
+    from checks_helpers import BuggyAttention
+
+    attn = BuggyAttention(8, num_heads=2, causal=True, bug="mask_not_applied")
+    with attnprobe.capture(attn) as cap:
+        attn(torch.randn(1, 5, 8))
+    meta, _ = report_meta(to_html(cap))
+    assert meta["flags"] and all(flag["errors"] for flag in meta["flags"].values())  # every head leaks
+    clean = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+    with attnprobe.capture(clean) as ok:
+        clean(torch.randn(1, 5, 8))
+    document = to_html(ok)
+    assert report_meta(document)[0]["flags"] == {} and "0 error(s)" in document
