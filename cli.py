@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -221,14 +221,14 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     out_path = Path(out)
     if out_path.suffix.lower() not in (".parquet", ".pq", ".csv"):
         raise UsageProblem(f"--out {out!r}: name the file .parquet or .csv")
-    if out_path.exists() and not overwrite:
-        raise UsageProblem(f"{out} already exists; pass --overwrite to replace it")
+    check_output(out_path, overwrite)
     progress = Progress(4, quiet)
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
         keep = ["scores", "weights"] if what == "frame" else ["weights"]
         cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep)
         progress.stage("building frame")
+        out_path.parent.mkdir(parents=True, exist_ok=True)
         frame = cap.to_frame(tokens=work.tokens if not work.is_encoder_decoder else None) if what == "frame" else cap.summary()
         written = write_frame(frame, out_path, overwrite=overwrite)
     finally:
@@ -262,14 +262,26 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
             targets["grid"] = path / "heads.png"
             targets["summary"] = path / "summary.png"
     for target in targets.values():
-        if target.exists() and not overwrite:
-            raise UsageProblem(f"{target} already exists; pass --overwrite to replace it")
-        parent = target.parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if not os.access(parent, os.W_OK):
-            raise UsageProblem(f"cannot write into {parent}: the folder is not writable")
+        check_output(target, overwrite)
     return targets
+
+
+def check_output(target: Path, overwrite: bool) -> None:
+    """Refuse an existing file (unless --overwrite) or a folder we cannot write, before any work."""
+    if target.is_dir():
+        raise UsageProblem(f"{target} is a folder; give a file name")
+    if target.exists() and not overwrite:
+        raise UsageProblem(f"{target} already exists; pass --overwrite to replace it")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # the folders below will be created
+    if not folder.is_dir():
+        raise UsageProblem(f"cannot write {target}: {folder} is not a folder")
+    try:  # os.access says yes to root everywhere; creating a file is the real test
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise UsageProblem(f"cannot write into {folder}: {exc.strerror or exc}") from None
 
 
 @main.command()

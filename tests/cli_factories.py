@@ -1,0 +1,50 @@
+"""Factories the CLI tests load with ``package.module:factory`` (tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import attnprobe
+
+
+class TinyDecoder(nn.Module):
+    """Token ids in, two causal attnprobe attention layers; forward(input_ids, attention_mask=None)."""
+
+    def __init__(self, vocab: int = 50, d: int = 16, heads: int = 4, layers: int = 2, bug: str | None = None):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        if bug is None:
+            self.layers = nn.ModuleList([attnprobe.MultiHeadAttention(d, num_heads=heads, causal=True) for _ in range(layers)])
+        else:
+            from checks_helpers import BuggyAttention
+
+            self.layers = nn.ModuleList([BuggyAttention(d, num_heads=heads, causal=True, bug=bug) for _ in range(layers)])
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = x + layer(x, attention_mask=attention_mask)
+        return x
+
+
+def tiny():
+    torch.manual_seed(0)
+    return TinyDecoder()
+
+
+def leaky():
+    """A decoder whose causal mask is built and never applied."""
+    torch.manual_seed(0)
+    return TinyDecoder(bug="mask_not_applied")
+
+
+def broken():
+    raise RuntimeError("the checkpoint is missing")
+
+
+def not_a_model():
+    return "hello"
+
+
+NOT_CALLABLE = 3

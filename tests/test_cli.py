@@ -1,0 +1,200 @@
+"""The attnprobe command line: every command, every bad input, and the installed console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from attnprobe.cli import main
+
+TESTS = Path(__file__).resolve().parent
+TINY = "cli_factories:tiny"
+IDS = ["--ids", "1 2 3 4", "--ids", "5 6"]
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch):
+    """Run the CLI in a temporary folder; returns the click Result."""
+    monkeypatch.chdir(tmp_path)
+
+    def invoke(*args):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    return invoke
+
+
+def one_line_error(result, code: int = 2) -> str:
+    assert result.exit_code == code, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- help
+@pytest.mark.parametrize("command", ["report", "check", "export", "info"])
+def test_every_command_has_examples_in_help(cli, command):
+    result = cli(command, "--help")
+    assert result.exit_code == 0 and "Examples:" in result.output and f"attnprobe {command}" in result.output
+
+
+# ---------------------------------------------------------------------------------------------- info
+def test_info_lists_attention_modules(cli):
+    result = cli("info", TINY)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "layers:   2 attention module(s)" in lines
+    assert any(line.split()[:5] == ["0", "layers.0", "MultiHeadAttention", "4/4", "hook"] for line in lines)
+    data = json.loads(cli("info", TINY, "--format", "json").output)
+    assert [m["name"] for m in data["attention_modules"]] == ["layers.0", "layers.1"]
+    assert data["attention_modules"][0]["strategy"] == "hook points"
+
+
+# ---------------------------------------------------------------------------------------------- export
+def test_export_frame_and_summary(cli, tmp_path):
+    result = cli("export", TINY, *IDS, "--out", "frame.parquet")
+    assert result.exit_code == 0, result.output
+    rows = 2 * 4 * 2 * 4 * 4  # layers x heads x batch x query x key
+    assert result.output.strip() == f"wrote frame.parquet ({rows} rows, frame)"
+    frame = pd.read_parquet(tmp_path / "frame.parquet")
+    assert len(frame) == rows
+    assert set(frame.query_token.dropna()) >= {"1", "2", "3", "4", "5", "6"}
+    result = cli("export", TINY, *IDS, "--what", "summary", "--layers", "1", "--heads", "0,2", "--out", "sub/heads.csv")
+    assert result.exit_code == 0, result.output
+    summary = pd.read_csv(tmp_path / "sub" / "heads.csv")
+    assert summary[["layer", "head"]].values.tolist() == [[1, 0], [1, 2]]
+
+
+# ---------------------------------------------------------------------------------------------- report
+def test_report_html_default_name(cli, tmp_path):
+    result = cli("report", TINY, *IDS)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "wrote attnprobe-report.html"
+    text = (tmp_path / "attnprobe-report.html").read_text()
+    assert text.startswith("<!doctype html>") and "cli_factories:tiny" in text
+
+
+def test_report_png_and_folder(cli, tmp_path):
+    result = cli("report", TINY, *IDS, "--format", "png", "--out", "heads.png")
+    assert result.exit_code == 0 and (tmp_path / "heads.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = cli("report", TINY, *IDS, "--format", "all", "--out", "out", "--layers", "0", "--batch", "1")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["heads.png", "report.html", "summary.png"]
+    assert result.output.splitlines() == [f"wrote {Path('out') / n}" for n in ("report.html", "heads.png", "summary.png")]
+
+
+# ---------------------------------------------------------------------------------------------- check
+def test_check_clean_exits_zero(cli):
+    result = cli("check", TINY, *IDS, "--causal")
+    assert result.exit_code == 0, result.output
+    assert "0 error(s)" in result.output
+
+
+def test_check_violations_exit_one_with_table_and_json(cli):
+    result = cli("check", "cli_factories:leaky", *IDS)
+    assert result.exit_code == 1
+    assert "causal" in result.output and "layer 0 head 0 batch 0" in result.output
+    result = cli("check", "cli_factories:leaky", *IDS, "--format", "json", "--checks", "causal")
+    assert result.exit_code == 1
+    data = json.loads(result.output)
+    assert data["ok"] is False and data["checks"] == ["causal"]
+    first = data["violations"][0]
+    assert first["check"] == "causal" and first["layer"] == 0 and first["keys"]
+
+
+def test_check_declared_bidirectional_fails_a_causal_model(cli):
+    result = cli("check", TINY, *IDS, "--no-causal", "--checks", "causal")
+    assert result.exit_code == 1 and "causal" in result.output
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["info", "./no/such/model"], "model path 'no/such/model' does not exist"),
+        (["info", "cli_factories:nope"], "has no attribute 'nope'"),
+        (["info", "no_such_module:factory"], "cannot import 'no_such_module'"),
+        (["info", "cli_factories:broken"], "raised RuntimeError: the checkpoint is missing"),
+        (["info", "cli_factories:not_a_model"], "returned str, not a torch.nn.Module"),
+        (["info", "cli_factories:NOT_CALLABLE"], "is not callable"),
+        (["report", TINY, "--text", "  "], "an input text is empty"),
+        (["report", TINY, "--ids", ""], "--ids got an empty row"),
+        (["report", TINY, "--ids", "1 x"], "write token ids as integers"),
+        (["report", TINY, "--text", "hello"], "has no tokenizer"),
+        (["report", TINY, *IDS, "--layers", "2"], "layer 2 is out of range: the model has 2 attention layer(s)"),
+        (["report", TINY, *IDS, "--layers", "one"], "cannot read --layers 'one'"),
+        (["report", TINY, *IDS, "--heads", "9"], r"head(s) [9] out of range"),
+        (["report", TINY, *IDS, "--max-bytes", "1KB"], "capture budget exceeded"),
+        (["report", TINY, *IDS, "--max-bytes", "lots"], "cannot read 'lots' as a size"),
+        (["report", TINY, *IDS, "--dtype", "int4"], "unknown dtype 'int4'"),
+        (["report", TINY, *IDS, "--batch", "5"], "--batch 5 is out of range"),
+        (["report", TINY, *IDS, "--out", "x.txt"], "give a .html file, a .png file or a folder"),
+        (["report", TINY, *IDS, "--file", "missing.txt"], "input file 'missing.txt' does not exist"),
+        (["export", TINY, *IDS, "--out", "frame.json"], "name the file .parquet or .csv"),
+        (["check", TINY, *IDS, "--checks", "bogus"], "unknown check(s) ['bogus']"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_two(cli, args, message):
+    line = one_line_error(cli(*args))
+    assert line.startswith("attnprobe: error: ") and message in line, line
+
+
+def test_a_folder_that_is_not_a_model(cli, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert "is not a Hugging Face model folder: it has no config.json" in one_line_error(cli("info", "empty"))
+
+
+def test_existing_output_is_refused_unless_overwrite(cli, tmp_path):
+    (tmp_path / "attnprobe-report.html").write_text("mine")
+    line = one_line_error(cli("report", TINY, *IDS))
+    assert "attnprobe-report.html already exists; pass --overwrite" in line
+    assert (tmp_path / "attnprobe-report.html").read_text() == "mine"  # untouched
+    assert cli("report", TINY, *IDS, "--overwrite").exit_code == 0
+    assert (tmp_path / "attnprobe-report.html").read_text() != "mine"
+    (tmp_path / "f.csv").write_text("mine")
+    assert "f.csv already exists" in one_line_error(cli("export", TINY, *IDS, "--out", "f.csv"))
+
+
+def test_unwritable_folder(cli, tmp_path):
+    if os.geteuid() == 0:
+        folder = Path("/sys")  # root may write anywhere a permission bit forbids; sysfs refuses new files
+    else:
+        folder = tmp_path / "locked"
+        folder.mkdir()
+        folder.chmod(0o555)
+    line = one_line_error(cli("report", TINY, *IDS, "--out", folder / "r.html"))
+    assert f"cannot write into {folder}" in line
+
+
+def test_debug_shows_the_traceback(cli):
+    with pytest.raises(Exception, match="the checkpoint is missing"):
+        cli("info", "cli_factories:broken", "--debug")
+
+
+def test_texts_from_a_file(cli, tmp_path):
+    (tmp_path / "inputs.txt").write_text("1 2 3\n")
+    line = one_line_error(cli("check", TINY, "--file", "inputs.txt"))
+    assert "has no tokenizer, so text cannot be used" in line
+
+
+# ---------------------------------------------------------------------------------------------- script
+def test_installed_console_script(tmp_path):
+    exe = shutil.which("attnprobe", path=os.path.dirname(sys.executable)) or shutil.which("attnprobe")
+    assert exe, "the attnprobe console script is not installed"
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    done = subprocess.run([exe, "check", TINY, "--ids", "1 2 3", "--format", "json"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["ok"] is True
+    done = subprocess.run([exe, "info", "./missing"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip() == "attnprobe: error: model path 'missing' does not exist"
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300)
+    assert version.stdout.startswith("attnprobe, version")
