@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 
+from .hooks.hf_tokens import token_strings
 from .probe.capture import Capture, capture, run
 from .probe.generation import stitch
 from .probe.errors import (
@@ -48,6 +49,7 @@ __all__ = [
     "capture",
     "run",
     "stitch",
+    "token_strings",
 ]
 
 
