@@ -284,6 +284,8 @@ class _Recorder:
         offset = state.position if state is not None else 0
         query_padding = state.query_padding(batch, q_len) if state is not None else None
         kind = self.kind or self.kind_probe.kind
+        if offset is None:  # a cache that cannot say its length: the keys before the queries are cached ones
+            offset = max(k_len - q_len, 0) if kind == "self" else 0
 
         out = result[0] if isinstance(result, tuple) and result else None
         output = out.transpose(1, 2) if (isinstance(out, torch.Tensor) and out.dim() == 4

@@ -18,6 +18,8 @@ from torch import nn
 
 INPUT_NAMES = ("input_ids", "inputs_embeds", "input_features", "pixel_values", "input_values", "decoder_input_ids")
 CROSS_NAMES = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
+#: forwards that take queries and keys separately (fsmt, sam, ...): cross when the keys are another tensor
+QUERY_KEY_NAMES = (("query", "key"), ("queries", "keys"), ("query_tensor", "key_tensor"))
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
@@ -86,7 +88,8 @@ def static_kind(module: nn.Module) -> str | None:
     if "Cross" in type(module).__name__:
         return "cross"
     params = forward_params(type(module))
-    return None if any(n in params for n in CROSS_NAMES) else "self"
+    per_call = any(n in params for n in CROSS_NAMES) or any(q in params and k in params for q, k in QUERY_KEY_NAMES)
+    return None if per_call else "self"
 
 
 class KindProbe:
@@ -100,6 +103,10 @@ class KindProbe:
 
     def _before(self, module, args, kwargs):
         cross = any(argument(self._params, n, args, kwargs) is not None for n in CROSS_NAMES)
+        for q_name, k_name in QUERY_KEY_NAMES:
+            if not cross and q_name in self._params and k_name in self._params:
+                key = argument(self._params, k_name, args, kwargs)
+                cross = key is not None and key is not argument(self._params, q_name, args, kwargs)
         self.kind = "cross" if cross else "self"
 
 
@@ -125,7 +132,7 @@ class StackState:
     def __init__(self, module: nn.Module, stack: ExitStack) -> None:
         self.padding: torch.Tensor | None = None  # (batch, positions) True = padding
         self.step: int | None = None
-        self.position = 0  # position of the first query of this call in its sequence
+        self.position: int | None = 0  # position of the first query of this call (None: the cache cannot say)
         self._params = forward_params(type(module))
         self._run_cache = None
         self._run_step = 0
@@ -147,7 +154,7 @@ class StackState:
             else:
                 self._run_cache, self._run_step = cache, 0
             self.step = self._run_step
-            self.position = int(cache.get_seq_length())
+            self.position = _cached_length(cache)
         else:
             self.step, self.position = None, 0
 
@@ -165,6 +172,19 @@ class StackState:
         if p is None or p.shape[0] != batch or p.shape[1] < q_len:
             return None
         return p[:, p.shape[1] - q_len:]
+
+
+def _cached_length(cache) -> int | None:
+    """Tokens already in the cache (the position of the next query); None when the cache cannot say.
+
+    Hybrid caches (Mamba + attention) refuse ``get_seq_length()`` on a layer without attention.
+    """
+    for layer in range(max(len(getattr(cache, "layers", ())), 1)):
+        try:
+            return int(cache.get_seq_length(layer))
+        except (ValueError, IndexError, TypeError, AttributeError):
+            continue
+    return None
 
 
 def _cache_type():

@@ -89,7 +89,7 @@ class _ForceAttentions:
         asked = argument(self.params, "output_attentions", args, kwargs)
         asked = bool(getattr(config, "output_attentions", False) if asked is None else asked)
         return_dict = argument(self.params, "return_dict", args, kwargs)
-        wants_tuple = (return_dict is False) or (return_dict is None and not getattr(config, "use_return_dict", True))
+        wants_tuple = (return_dict is False) or (return_dict is None and not getattr(config, "return_dict", True))
         self.calls.append((asked, wants_tuple))
         if asked:
             return None
@@ -116,14 +116,13 @@ class _ForceAttentions:
         )
 
 
-def _weights_in(output, batch_hint: int | None) -> torch.Tensor | None:
+def _weights_in(output) -> torch.Tensor | None:
     """The attention weights ``(batch, head, query, key)`` in an old-style module's return value."""
     if not isinstance(output, (tuple, list)):
         return None
-    for item in output[1:]:
+    for item in output[1:]:  # item 0 is the attention output (batch-first or, in fsmt, time-first)
         if isinstance(item, torch.Tensor) and item.dim() == 4 and item.dtype.is_floating_point:
-            if batch_hint is None or item.shape[0] == batch_hint:
-                return item
+            return item
     return None
 
 
@@ -137,14 +136,10 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
     parents = surroundings.parents
     forced: dict[int, _ForceAttentions] = {}
     for site in sites:
+        # models that take output_attentions are asked for weights; modules of the others (xglm)
+        # return their weights anyway, or fail with a clear error on their first call
         owners = [m for m in ancestors(site.module, parents) if is_old_style_model(m)
                   and "output_attentions" in forward_params(type(m))]
-        if not owners:
-            raise UnsupportedModelError(
-                f"no adapter can read attention module {site.name!r} ({type(site.module).__name__}, layer "
-                f"{site.layer}): it has no attention interface and no model above it takes output_attentions. "
-                "Exclude it with layers=[...]"
-            )
         if type(site.module).__name__ in _OWN_LAYOUT:
             raise UnsupportedModelError(
                 f"no adapter can read attention module {site.name!r} ({type(site.module).__name__}, layer "
@@ -157,7 +152,7 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
                 forced[id(owner)] = _ForceAttentions(owner, stack)
         _attach_site(session, site, surroundings, stack)
 
-    models = sorted({type(m).__name__ for m in (f.model for f in forced.values())})
+    models = sorted({type(m).__name__ for m in (f.model for f in forced.values())}) or [type(model).__name__]
     warnings.warn(
         f"{', '.join(models)} has no attention interface (old-style attention code in transformers): attnprobe "
         f"falls back to output_attentions for {len(sites)} module(s) and records post-softmax weights only "
@@ -196,24 +191,26 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
         meta["stack"] = part
 
     def after(mod, args, output):
-        first = output[0] if isinstance(output, (tuple, list)) and output else None
-        batch = first.shape[0] if isinstance(first, torch.Tensor) else None
-        weights = _weights_in(output, batch)
+        weights = _weights_in(output)
         if weights is None:
             raise UnsupportedModelError(
                 f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}): "
-                "it has no attention interface and returned no attention weights with output_attentions=True. "
-                f"Exclude it with layers=[...] (it is layer {site.layer})"
+                "it has no attention interface and returned no attention weights (call the model itself, which "
+                f"is asked for output_attentions, or exclude the module with layers=[...]; it is layer {site.layer})"
             )
-        b, heads, q_len, _ = weights.shape
+        b, heads, q_len, k_len = weights.shape
         if site.num_heads != heads:
             site.num_heads = heads
             site.num_kv_heads = site.num_kv_heads if site.num_kv_heads and heads % site.num_kv_heads == 0 else heads
             session._select_site(site)
         dropout = _dropout_of(mod)
+        kind_now = kind or probe.kind
+        offset = state.position if state is not None else 0
+        if offset is None:  # a cache that cannot say its length
+            offset = max(k_len - q_len, 0) if kind_now == "self" else 0
         session.emit(
             site,
-            kind=kind or probe.kind,
+            kind=kind_now,
             weights=weights,
             query_padding=state.query_padding(b, q_len) if state is not None else None,
             backend="eager",
@@ -221,7 +218,7 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
             weights_source="output_attentions",
             dropout=dropout,
             step=state.step if state is not None else None,
-            query_offset=state.position if state is not None else 0,
+            query_offset=offset,
             meta={**meta, "weights_after_dropout": True} if dropout else meta,
         )
 

@@ -256,3 +256,16 @@ def test_dtype_and_device_of_storage(models):
         model(**inputs("bert", "right"))
     r = cap[0]
     assert r.weights.dtype == torch.float16 and r.dtype == torch.float32 and r.allowed.dtype == torch.bool
+
+
+def test_the_effective_causal_flag_is_recorded(models):
+    """``model(..., is_causal=False)`` reaches the attention call while the module still says causal."""
+    model = models("llama")
+    ids = torch.randint(3, 100, (2, 6))
+    for kwargs, causal in (({}, True), ({"is_causal": False}, False)):
+        with torch.no_grad(), attnprobe.capture(model, layers=[0]) as cap:
+            model(input_ids=ids, **kwargs)
+        r = cap[0]
+        assert r.causal is causal and bool(r.allowed.all()) is (not causal)
+        v = r.v.repeat_interleave(2, dim=1)
+        assert torch.allclose(r.weights @ v, r.output, atol=1e-6)  # the weights are what sdpa used

@@ -120,3 +120,52 @@ def test_other_old_style_families(family, recwarn):
     assert len(cap) == 2 and all(r.weights_source == "output_attentions" for r in cap)
     rows = ~cap[0].query_padding
     assert torch.allclose(cap[0].weights.sum(-1)[rows[:, None].expand(-1, 4, -1)], torch.tensor(1.0))
+
+
+def test_encoder_decoder_fallback_tells_cross_attention(recwarn):
+    config = transformers.FSMTConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                     src_vocab_size=50, tgt_vocab_size=50, langs=["en", "de"])
+    model = transformers.FSMTModel(config).eval()
+    ids = torch.randint(3, 50, (2, 6))
+    with torch.no_grad():
+        plain = model(input_ids=ids, decoder_input_ids=ids[:, :4]).last_hidden_state
+        with attnprobe.capture(model) as cap:
+            out = model(input_ids=ids, decoder_input_ids=ids[:, :4]).last_hidden_state
+    assert torch.equal(plain, out)
+    # fsmt's attention returns time-first outputs and takes query= and key= separately
+    assert [(r.kind, tuple(r.weights.shape)) for r in cap] == [
+        ("self", (2, 2, 6, 6)), ("self", (2, 2, 4, 4)), ("cross", (2, 2, 4, 6))]
+
+
+def test_modules_that_always_return_weights_need_no_forcing(recwarn):
+    config = transformers.XGLMConfig(d_model=16, num_layers=2, attention_heads=4, ffn_dim=32, vocab_size=100,
+                                     max_position_embeddings=32)
+    model = transformers.XGLMModel(config).eval()
+    batch = inputs("llama", "left")
+    with torch.no_grad():
+        plain = model(**batch)
+        with attnprobe.capture(model) as cap:
+            out = model(**batch)
+    assert torch.equal(plain.last_hidden_state, out.last_hidden_state) and list(out.keys()) == list(plain.keys())
+    assert len(cap) == 2 and cap[0].weights_source == "output_attentions"
+
+
+def test_a_cache_that_cannot_say_its_length():
+    from attnprobe.hooks.hf_context import _cached_length
+
+    class Hybrid:  # like a Mamba + attention cache: layer 0 holds no attention
+        layers = [object(), object()]
+
+        def get_seq_length(self, layer=0):
+            if layer == 0:
+                raise ValueError("`get_seq_length` can only be called on Attention layers")
+            return 5
+
+    class Empty:
+        layers = []
+
+        def get_seq_length(self, layer=0):
+            raise ValueError("no attention layer")
+
+    assert _cached_length(Hybrid()) == 5 and _cached_length(Empty()) is None
