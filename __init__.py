@@ -43,6 +43,7 @@ _EXPORTS = {
     "CHECKS": ".probe.checks",
     "assert_invariants": ".probe.checks",
     "check": ".probe.checks",
+    "token_strings": ".hooks.hf_tokens",
 }
 _SUBPACKAGES = ("reports",)
 
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
     from .probe.record import TENSOR_FIELDS, AttentionRecord
     from .probe.violations import CheckResult, InvariantError, Violation
+    from .hooks.hf_tokens import token_strings
 
 
 def __getattr__(name: str):

@@ -11,10 +11,11 @@ def default_adapters(*, modules=None) -> list[Adapter]:
     ``modules``: hand-written attention to trace (``capture(..., modules=)``), passed to the functional adapter.
     """
     from .functional import FunctionalAdapter
+    from .hf import HuggingFaceAdapter
     from .own import OwnModuleAdapter
     from .torch_mha import TorchMHAAdapter
 
-    return [OwnModuleAdapter(), TorchMHAAdapter(), FunctionalAdapter(modules=modules)]
+    return [OwnModuleAdapter(), HuggingFaceAdapter(), TorchMHAAdapter(), FunctionalAdapter(modules=modules)]
 
 
 __all__ = ["Adapter", "Site", "default_adapters"]

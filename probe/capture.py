@@ -22,6 +22,7 @@ class Lazy:
     """A tensor an adapter can produce on demand, already restricted to the selected heads.
 
     ``shape`` and ``dtype`` are what ``fn()`` will return, so the budget is checked before the work.
+    ``fn()`` returns a tensor nothing else holds (the record keeps it without another copy).
     """
 
     shape: tuple[int, ...]
@@ -368,7 +369,8 @@ class CaptureSession:
         stored: dict[str, Any] = {}
         for f, t, index, _ in plan:
             if isinstance(t, Lazy):
-                stored[f] = self.store.put(t.fn())
+                fresh = t.fn()  # a new tensor already: move/convert it, no second copy
+                stored[f] = fresh.detach().to(device=self.selection.device, dtype=self.store.target_dtype(fresh.dtype))
             else:
                 stored[f] = self.store.put(t, None if f in preselected else index)
         if allowed is not None:

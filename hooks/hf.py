@@ -1,0 +1,541 @@
+"""Adapter for Hugging Face ``transformers`` 5.x: a private attention implementation around the backend.
+
+Interface-based attention modules ask ``ALL_ATTENTION_FUNCTIONS`` for the function named by
+``config._attn_implementation``. During a capture that name points to a private implementation
+(``attnprobe_sdp`` over sdpa, ``attnprobe_eager`` over the model file's own eager function) that
+calls the backend the model already used, returns its result untouched, and records what the
+call received. Both names are registered once, at the first capture, with ``AttentionInterface``
+and with ``AttentionMaskInterface`` (so masks are built exactly as for the base backend).
+
+The implementation of every reachable (sub)config is saved and restored on exit, also when the
+forward raises. Models built from the same config object see the private name meanwhile, but
+their modules are not part of the capture and go straight to the base backend, so nothing of
+theirs changes. Models without the attention interface use ``hf_fallback``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import threading
+import warnings
+from contextlib import ExitStack
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..probe.capture import Lazy
+from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from .base import Adapter, Site
+from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
+from .hf_math import MaskMemo, Recompute, kv_of_heads
+
+#: base backend -> the private name that wraps it. No "sdpa" and no "flash" inside the names:
+#: transformers treats names containing those substrings specially. Custom attention functions a
+#: user registered with ``AttentionInterface`` get names of their own (``attnprobe_fn1``, ...) on demand.
+PRIVATE_NAMES = {"sdpa": "attnprobe_sdp", "eager": "attnprobe_eager"}
+BASE_OF = {private: base for base, private in PRIVATE_NAMES.items()}
+#: Substrings of implementation names attnprobe does not wrap: kernels with their own dispatch,
+#: cache layouts or hub loading, whose calls do not receive a plain (q, k, v, mask).
+_NOT_WRAPPED = ("flash", "flex", "paged", "|", "/", ":")
+
+_STRATEGY = "attention interface"
+_HANDLERS: dict[int, list["_Recorder"]] = {}  # id(attention module) -> recorders of active captures
+_LOCK = threading.Lock()
+_WARNED: set = set()
+
+
+# --------------------------------------------------------------------------------------- classes
+@dataclass(frozen=True)
+class _ClassInfo:
+    uses_interface: bool
+    interface: object | None = None  # the ALL_ATTENTION_FUNCTIONS the forward reads (may be file-local)
+    eager: Callable | None = None  # the model file's own eager function (the dispatch default)
+
+
+def _code_names(code) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
+
+
+@lru_cache(maxsize=None)
+def class_info(cls: type) -> _ClassInfo:
+    """Whether ``cls.forward`` dispatches through the attention interface, and to what."""
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return _ClassInfo(False)
+    names = _code_names(code)
+    if "ALL_ATTENTION_FUNCTIONS" not in names:
+        return _ClassInfo(False)
+    g = forward.__globals__
+    eager = [g[n] for n in sorted(names) if "eager" in n and n.endswith("attention_forward") and callable(g.get(n))]
+    return _ClassInfo(True, g.get("ALL_ATTENTION_FUNCTIONS"), eager[0] if len(eager) == 1 else None)
+
+
+def _sdpa_forward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+@lru_cache(maxsize=None)
+def _base_function(cls: type, base: str) -> Callable:
+    """The function the dispatch of ``cls`` would have called for ``base``."""
+    info = class_info(cls)
+    if base != "eager":
+        return info.interface[base]
+    if info.eager is None:
+        raise UnsupportedModelError(
+            f"cannot find the eager attention function of {cls.__qualname__} (module {cls.__module__}): its forward "
+            "names no single `*eager_attention_forward` function; load the model with attn_implementation='sdpa'"
+        )
+    if hasattr(cls, "_upcast_and_reordered_attn"):  # GPT-2: the eager name selects this path when the flag is set
+        eager = info.eager
+
+        def gpt2_eager(module, query, key, value, attention_mask, *args, **kwargs):
+            if module.reorder_and_upcast_attn:
+                return module._upcast_and_reordered_attn(query, key, value, attention_mask)
+            return eager(module, query, key, value, attention_mask, *args, **kwargs)
+
+        return gpt2_eager
+    return info.eager
+
+
+_BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)""")
+_BASE_LITERAL = re.compile(r"""["'](?:sdpa|eager)["']""")
+_HANDLED = 'using_eager = self.config._attn_implementation == "eager"'  # GPT-2's path, see gpt2_eager
+
+
+@lru_cache(maxsize=None)
+def _name_branches(module_name: str) -> tuple[str, ...]:
+    """Lines of a modeling file that compare the implementation *name* with "sdpa" or "eager".
+
+    Under a capture such a comparison would see attnprobe's private name and take another path.
+    """
+    mod = sys.modules.get(module_name)
+    try:
+        source = inspect.getsource(mod) if mod is not None else ""
+    except (OSError, TypeError):
+        return ()
+    found = []
+    for line in source.splitlines():
+        m = _BRANCH.search(line)
+        if m and _BASE_LITERAL.search(m.group(1)) and _HANDLED not in line and not line.lstrip().startswith("#"):
+            found.append(line.strip())
+    return tuple(found)
+
+
+# ---------------------------------------------------------------------------- the private backend
+def _private_attention(base: str) -> Callable:
+    def attnprobe_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        result = _base_function(type(module), base)(module, query, key, value, attention_mask, *args, **kwargs)
+        recorders = _HANDLERS.get(id(module))
+        if recorders:
+            for recorder in tuple(recorders):
+                recorder.on_call(query, key, value, attention_mask, args, kwargs, result)
+        return result
+
+    attnprobe_attention.__qualname__ = attnprobe_attention.__name__ = f"attnprobe_over_{base}"
+    return attnprobe_attention
+
+
+_FUNCTIONS = {PRIVATE_NAMES[base]: _private_attention(base) for base in PRIVATE_NAMES}
+
+
+def private_name(base: str) -> str:
+    """The private name wrapping ``base`` (made on first need for a user's custom function)."""
+    with _LOCK:
+        name = PRIVATE_NAMES.get(base)
+        if name is None:
+            name = f"attnprobe_fn{len(PRIVATE_NAMES) - 1}"
+            PRIVATE_NAMES[base], BASE_OF[name] = name, base
+            _FUNCTIONS[name] = _private_attention(base)
+    return name
+
+
+def register() -> None:
+    """Register the private names with the attention and mask interfaces (global, idempotent).
+
+    Each private name gets the mask function of the backend it wraps, so masks are built exactly as
+    for that backend (a custom function registered without one gets none, as it would without us).
+    """
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    with _LOCK:
+        masks = AttentionMaskInterface._global_mapping
+        for private, fn in _FUNCTIONS.items():
+            if AttentionInterface._global_mapping.get(private) is not fn:
+                AttentionInterface.register(private, fn)
+            mask_fn = masks.get(BASE_OF[private])
+            if mask_fn is None:
+                masks.pop(private, None)
+            elif masks.get(private) is not mask_fn:
+                AttentionMaskInterface.register(private, mask_fn)
+
+
+def mask_style(base: str) -> str:
+    """How masks reach ``base``: "eager" (float, additive) or "sdpa" (bool, or None with is_causal)."""
+    if base in ("sdpa", "eager"):
+        return base
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    return "eager" if AttentionMaskInterface._global_mapping.get(base) is eager_mask else "sdpa"
+
+
+# ------------------------------------------------------------------------------------ configs
+def reachable_configs(model: nn.Module, modules) -> list:
+    """Every config object the model's modules read, with all their sub-configs (each once)."""
+    from transformers import PretrainedConfig
+
+    roots = [getattr(m, "config", None) for m in model.modules()] + [getattr(m, "config", None) for m in modules]
+    seen: dict[int, object] = {}
+    todo = [c for c in roots if isinstance(c, PretrainedConfig)]
+    while todo:
+        config = todo.pop()
+        if id(config) in seen:
+            continue
+        seen[id(config)] = config
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if isinstance(sub, PretrainedConfig):
+                todo.append(sub)
+    return list(seen.values())
+
+
+def base_of(config) -> str | None:
+    """The backend a config dispatches to ("sdpa", "eager" or the name of a custom function registered
+    with ``AttentionInterface``), None when attnprobe cannot wrap it."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is None:
+        return "eager"  # get_interface(None, default) falls back to the eager default
+    if impl in ("sdpa", "eager"):
+        return impl
+    if impl in BASE_OF:
+        return BASE_OF[impl]  # a capture is already active on this config (nested captures)
+    from transformers.modeling_utils import AttentionInterface
+
+    if impl in AttentionInterface._global_mapping and not any(s in impl for s in _NOT_WRAPPED):
+        return impl
+    return None
+
+
+def switch_configs(configs, stack: ExitStack) -> None:
+    """Point every wrappable config at its private name; restore each one on exit."""
+    saved = []
+
+    def restore():
+        for config, impl in reversed(saved):
+            config._attn_implementation_internal = impl
+
+    stack.callback(restore)  # registered first: a failure halfway still restores what was switched
+    for config in configs:
+        base = base_of(config)
+        impl = getattr(config, "_attn_implementation", None)
+        if base is None or impl in BASE_OF:
+            continue
+        saved.append((config, getattr(config, "_attn_implementation_internal", impl)))
+        config._attn_implementation_internal = private_name(base)
+
+
+# --------------------------------------------------------------------------------- recording
+class _Recorder:
+    """Turns the calls of one selected module into records for one capture session."""
+
+    def __init__(self, session, site: Site, base: str, surroundings: Surroundings, masks: MaskMemo,
+                 stack: ExitStack) -> None:
+        module = site.module
+        self.masks = masks
+        self.session, self.site, self.base = session, site, base
+        self.module = module
+        self.state = surroundings.stack_of(module)
+        kind = static_kind(module)
+        self.kind_probe = None if kind is not None else KindProbe(module, stack)
+        self.kind = kind
+        self.style = mask_style(base)
+        base_fn = _base_function(type(module), base)
+        # Weights are recomputed from what the call received with the textbook formula. For a custom
+        # function (or an overridden "sdpa") that is what the arguments ask for, not necessarily what
+        # the function did: the output it returned is recorded as it is, so `output_match` tells.
+        self.recomputable = True
+        self._bind_params = None
+        meta = {
+            "module_class": type(module).__name__,
+            "layer_idx": getattr(module, "layer_idx", None),
+            "base": base,
+        }
+        if base != "eager" and base_fn is not _sdpa_forward():
+            meta["base_function"] = getattr(base_fn, "__qualname__", repr(base_fn))
+        part = surroundings.part_of(module)
+        if part is not None:
+            meta["stack"] = part
+        self.meta = meta
+        self._kv_of_heads = None
+        self._verified: dict[frozenset, bool] = {}
+
+    # -- helpers --------------------------------------------------------------------------
+    def _sync_heads(self, heads: int, kv_heads: int) -> None:
+        site = self.site
+        if site.num_heads != heads or site.num_kv_heads != kv_heads:
+            site.num_heads, site.num_kv_heads = heads, kv_heads
+            self.session._select_site(site)
+            self._kv_of_heads = None
+
+    def _named(self, args: tuple, kwargs: dict) -> dict:
+        """kwargs with positional extras (after the mask) named by the base function's signature."""
+        if not args:
+            return kwargs
+        if self._bind_params is None:
+            fn = _base_function(type(self.module), self.base)
+            self._bind_params = list(inspect.signature(fn).parameters)[5:]
+        named = dict(zip(self._bind_params, args))
+        named.update(kwargs)
+        return named
+
+    # -- one call -------------------------------------------------------------------------
+    def on_call(self, q, k, v, mask, args, kwargs, result) -> None:
+        site, module, base = self.site, self.module, self.base
+        kwargs = self._named(args, kwargs)
+        batch, heads, q_len, _ = q.shape
+        kv_heads, k_len = k.shape[1], k.shape[2]
+        self._sync_heads(heads, kv_heads)
+
+        scaling = kwargs.get("scaling")
+        scaling = float(q.shape[-1] ** -0.5 if scaling is None else scaling)
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True if self.style == "sdpa" else None)
+        dropout = float(kwargs.get("dropout") or 0.0)
+        if base == "eager" and not module.training:
+            dropout = 0.0
+        position_bias = kwargs.get("position_bias")
+        softcap = kwargs.get("softcap")
+        sinks = kwargs.get("s_aux") if base == "eager" else None  # sdpa ignores s_aux
+        implicit_causal = self.style == "sdpa" and bool(is_causal) and mask is None and q_len > 1
+        mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
+                                   device=q.device)
+        allowed = mask_info.allowed
+
+        state = self.state
+        step = state.step if state is not None else None
+        offset = state.position if state is not None else 0
+        query_padding = state.query_padding(batch, q_len) if state is not None else None
+        kind = self.kind or self.kind_probe.kind
+        if offset is None:  # a cache that cannot say its length: the keys before the queries are cached ones
+            offset = max(k_len - q_len, 0) if kind == "self" else 0
+
+        out = result[0] if isinstance(result, tuple) and result else None
+        output = out.transpose(1, 2) if (isinstance(out, torch.Tensor) and out.dim() == 4
+                                          and tuple(out.shape[:3]) == (batch, q_len, heads)) else None
+        observed = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+        if not (base != "sdpa" and dropout == 0.0 and isinstance(observed, torch.Tensor)
+                and tuple(observed.shape) == (batch, heads, q_len, k_len)):
+            observed = None
+
+        wants = self.session.wants
+        values: dict = {}
+        identified = {"q", "k", "v", "allowed"}
+        weights_source = "none"
+        if self.recomputable and (wants(site, "scores") or (wants(site, "weights") and observed is None)):
+            if self._kv_of_heads is None:
+                self._kv_of_heads = kv_of_heads(site.heads, heads, kv_heads)
+            rec = Recompute(
+                q, k, mask_info, heads=site.heads, kv_heads=self._kv_of_heads, scaling=scaling,
+                additive=self.style == "eager" or position_bias is not None
+                or (mask is not None and mask.dtype.is_floating_point),
+                position_bias=position_bias, softcap=softcap, sinks=sinks,
+            )
+            shape = rec.shape
+            trusted = self._scores_trusted(rec, observed, kwargs)
+            if trusted:
+                values["scores"] = Lazy(shape, q.dtype, rec.scores)
+                identified.add("scores")
+            if observed is None:
+                values["weights"] = Lazy(shape, q.dtype, rec.weights)
+                weights_source = "recomputed"
+        if observed is not None:
+            values["weights"] = observed
+            weights_source = "observed"
+        elif self.recomputable and "weights" not in values:
+            weights_source = "recomputed"  # recomputable, only not kept
+        if weights_source != "none":
+            identified.add("weights")
+        if output is not None:
+            values["output"] = output
+            identified.add("output")
+        if query_padding is not None:
+            identified.add("query_padding")
+
+        meta = self.meta
+        if kind == "self" and state is not None and state.step is not None and k_len < offset + q_len:
+            meta = {**meta, "first_key_pos": offset + q_len - k_len}  # a sliding-window cache dropped keys
+        if scaling != getattr(module, "scaling", scaling):
+            meta = {**meta, "module_scaling": float(module.scaling)}  # e.g. Whisper scales q before the call
+
+        sliding = kwargs.get("sliding_window")
+        self.session.emit(
+            site,
+            kind=kind,
+            q=q, k=k, v=v,
+            allowed=allowed,
+            query_padding=query_padding,
+            causal=None if is_causal is None else bool(is_causal),
+            scaling=scaling,
+            backend=base,
+            dtype=q.dtype,
+            weights_source=weights_source,
+            dropout=dropout,
+            step=step,
+            query_offset=offset,
+            sinks=sinks,
+            softcap=None if softcap is None else float(softcap),
+            sliding_window=sliding if isinstance(sliding, int) else None,
+            identified=frozenset(identified),
+            meta=meta,
+            **values,
+        )
+
+    def _scores_trusted(self, rec: Recompute, observed, kwargs: dict) -> bool:
+        """Whether attnprobe's formula is what the backend computed.
+
+        sdpa's semantics are known (it ignores unknown keyword arguments). A model file's eager
+        function may do its own math: the first call with each set of argument names compares the
+        recomputed weights of the selected heads with the ones the function returned (before the
+        budget check, once). In training mode with dropout there is nothing to compare with, and
+        the formula every transformers eager function uses is assumed.
+        """
+        if self.base == "sdpa":
+            return True
+        key = frozenset(n for n, val in kwargs.items() if val is not None)
+        verdict = self._verified.get(key)
+        if verdict is None:
+            if observed is None:
+                return True  # dropout active: nothing to compare with; the formula is the standard one
+            with torch.no_grad():
+                mine = rec.weights().float()
+                theirs = observed.detach()
+                theirs = theirs.index_select(1, torch.tensor(self.site.heads, device=theirs.device)).float()
+                rows = rec._allowed().any(dim=-1, keepdim=True).expand_as(mine)
+                error = float((mine - theirs).abs().masked_fill(~rows, 0).max()) if mine.numel() else 0.0
+            tolerance = 1e-5 if observed.dtype in (torch.float32, torch.float64) else 1e-2
+            verdict = self._verified[key] = error <= tolerance
+            if not verdict:
+                _warn_once(
+                    ("eager-math", type(self.module)),
+                    f"the eager attention function of {type(self.module).__name__} computes weights attnprobe "
+                    f"does not reproduce (max difference {error:.2e}); records of {self.site.name!r} keep the "
+                    "function's own weights but no scores",
+                )
+        return verdict
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, AttnprobeWarning, stacklevel=4)
+
+
+# ------------------------------------------------------------------------------------ adapter
+class HuggingFaceAdapter(Adapter):
+    """Reads every transformers 5.x attention module that dispatches through the attention interface.
+
+    Modules of old-style models (no interface) get weights-only records through
+    ``output_attentions`` (see ``hf_fallback``), with a warning saying what is missing.
+    """
+
+    name = "huggingface"
+
+    def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
+        if "transformers" not in sys.modules:  # no transformers model can exist yet
+            return []
+        from .hf_fallback import find_old_style, is_old_style_model
+
+        sites, old_style = [], False
+        for name, module in model.named_modules():
+            old_style = old_style or is_old_style_model(module)
+            if id(module) in claimed or not class_info(type(module)).uses_interface:
+                continue
+            heads, kv_heads = head_counts(module)
+            sites.append(Site(name, module, self, heads, kv_heads, info={"strategy": _STRATEGY}))
+        if old_style:
+            taken = claimed | {id(s.module) for s in sites}
+            for name, module in find_old_style(model, taken, parents_of(model)):
+                heads, kv_heads = head_counts(module)
+                sites.append(Site(name, module, self, heads, kv_heads, info={"strategy": "output_attentions"}))
+        return sites
+
+    def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
+        selected = [s for s in sites if s.selected]
+        if not selected:
+            return  # an idle capture touches nothing
+        surroundings = Surroundings(model, stack)
+        interface = [s for s in selected if s.info["strategy"] == _STRATEGY]
+        old_style = [s for s in selected if s.info["strategy"] != _STRATEGY]
+        if interface:
+            self._attach_interface(session, model, sites, interface, surroundings, stack)
+        if old_style:
+            from .hf_fallback import attach_fallback
+
+            attach_fallback(session, model, old_style, surroundings, stack)
+
+    def _attach_interface(self, session, model, sites, selected, surroundings, stack) -> None:
+        bases = {id(s): self._check_site(s) for s in selected}
+        for base in set(bases.values()):
+            private_name(base)
+        register()
+        switch_configs(reachable_configs(model, [s.module for s in sites]), stack)
+        masks = MaskMemo()
+        stack.callback(masks.clear)
+        for site in selected:
+            recorder = _Recorder(session, site, bases[id(site)], surroundings, masks, stack)
+            key = id(site.module)
+            with _LOCK:
+                _HANDLERS.setdefault(key, []).append(recorder)
+            stack.callback(_unregister, key, recorder)
+
+    @staticmethod
+    def _check_site(site: Site) -> str:
+        """The base backend of ``site``, or a clear error when attnprobe cannot wrap it."""
+        module = site.module
+        cls = type(module)
+        config = getattr(module, "config", None)
+        where = f"attention module {site.name!r} ({cls.__name__}, layer {site.layer})"
+        if config is None or not hasattr(config, "_attn_implementation"):
+            raise UnsupportedModelError(
+                f"{where} has no `config` with an `_attn_implementation`, so its dispatch cannot be redirected; "
+                f"exclude it with layers=[...]"
+            )
+        base = base_of(config)
+        if base is None:
+            raise UnsupportedModelError(
+                f"{where} runs attn_implementation={config._attn_implementation!r}; attnprobe wraps 'sdpa', "
+                "'eager' and attention functions registered with AttentionInterface, not flash, flex, paged or "
+                "hub kernels. Load the model with attn_implementation='sdpa' (or call "
+                "model.set_attn_implementation('sdpa')) for the capture"
+            )
+        branches = _name_branches(cls.__module__)
+        if branches:
+            raise UnsupportedModelError(
+                f"{where}: {cls.__module__} branches on the attention implementation's name "
+                f"({branches[0]!r}); attnprobe's private name would change what the model computes, so it "
+                "does not capture this model"
+            )
+        _base_function(cls, base)  # raises when the eager default cannot be found
+        return base
+
+
+def _unregister(key: int, recorder: _Recorder) -> None:
+    with _LOCK:
+        recorders = _HANDLERS.get(key, [])
+        if recorder in recorders:
+            recorders.remove(recorder)
+        if not recorders:
+            _HANDLERS.pop(key, None)

@@ -1,0 +1,240 @@
+"""What surrounds one Hugging Face attention call: its stack, padding, generation step, kind and heads.
+
+A *stack* is the nearest module above an attention module whose forward takes the model inputs
+(``input_ids``, ``inputs_embeds``, ``pixel_values``, ...): ``LlamaModel``, ``BertModel``,
+``BartDecoder``, ``T5Stack``, ``WhisperEncoder``. Its call carries the 2-D ``attention_mask``
+(which query rows are padding) and the ``past_key_values`` cache (generation steps). One pre-hook
+per stack that holds a selected attention module reads both; the attention calls read the state.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import ExitStack
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+INPUT_NAMES = ("input_ids", "inputs_embeds", "input_features", "pixel_values", "input_values", "decoder_input_ids")
+CROSS_NAMES = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
+#: forwards that take queries and keys separately (fsmt, sam, ...): cross when the keys are another tensor
+QUERY_KEY_NAMES = (("query", "key"), ("queries", "keys"), ("query_tensor", "key_tensor"))
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn_heads")
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
+@lru_cache(maxsize=None)
+def forward_params(cls: type) -> dict[str, int]:
+    """Parameter name -> positional index (after ``self``) of ``cls.forward``; {} when unknown."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    return {
+        p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1) for i, p in enumerate(params)
+    }
+
+
+def argument(params: dict[str, int], name: str, args: tuple, kwargs: dict):
+    """The value passed for parameter ``name`` (keyword or positional), or None."""
+    if name in kwargs:
+        return kwargs[name]
+    i = params.get(name, -1)
+    return args[i] if 0 <= i < len(args) else None
+
+
+def parents_of(model: nn.Module) -> dict[int, nn.Module]:
+    """id(child) -> parent for every module under ``model``."""
+    parents = {}
+    for parent in model.modules():
+        for child in parent.children():
+            parents.setdefault(id(child), parent)
+    return parents
+
+
+def ancestors(module: nn.Module, parents: dict[int, nn.Module]):
+    """The modules above ``module``, nearest first."""
+    m = parents.get(id(module))
+    while m is not None:
+        yield m
+        m = parents.get(id(m))
+
+
+def head_counts(module: nn.Module) -> tuple[int | None, int | None]:
+    """(query heads, key/value heads) from the module's attributes or its config; None when unsure.
+
+    Only a hint for validating a head selection early: the first call corrects it from the tensors.
+    """
+    config = getattr(module, "config", None)
+    heads = next((v for a in HEAD_ATTRS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
+    if heads is None and config is not None:
+        heads = getattr(config, "num_attention_heads", None)
+        heads = heads if isinstance(heads, int) and heads > 0 else None
+    if heads is None:
+        return None, None
+    kv = next((v for a in KV_HEAD_ATTRS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
+    groups = getattr(module, "num_key_value_groups", None)
+    if kv is None and isinstance(groups, int) and groups > 0 and heads % groups == 0:
+        kv = heads // groups
+    return heads, kv or heads
+
+
+def static_kind(module: nn.Module) -> str | None:
+    """"self" or "cross" when the module always does the same; None when each call must tell."""
+    flag = getattr(module, "is_cross_attention", None)
+    if isinstance(flag, bool):
+        return "cross" if flag else "self"
+    if "Cross" in type(module).__name__:
+        return "cross"
+    params = forward_params(type(module))
+    per_call = any(n in params for n in CROSS_NAMES) or any(q in params and k in params for q, k in QUERY_KEY_NAMES)
+    return None if per_call else "self"
+
+
+class KindProbe:
+    """Reads, before each call of an attention module, whether it attends another sequence."""
+
+    def __init__(self, module: nn.Module, stack: ExitStack) -> None:
+        self.kind = "self"
+        self._params = forward_params(type(module))
+        handle = module.register_forward_pre_hook(self._before, with_kwargs=True)
+        stack.callback(handle.remove)
+
+    def _before(self, module, args, kwargs):
+        cross = any(argument(self._params, n, args, kwargs) is not None for n in CROSS_NAMES)
+        for q_name, k_name in QUERY_KEY_NAMES:
+            if not cross and q_name in self._params and k_name in self._params:
+                key = argument(self._params, k_name, args, kwargs)
+                cross = key is not None and key is not argument(self._params, q_name, args, kwargs)
+        self.kind = "cross" if cross else "self"
+
+
+def is_stack(module: nn.Module) -> bool:
+    params = forward_params(type(module))
+    return any(n in params for n in INPUT_NAMES)
+
+
+def padding_from(mask) -> torch.Tensor | None:
+    """True where a 2-D Hugging Face attention mask (1 = token, 0 = padding) marks padding."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    if mask.dtype == torch.bool:
+        return ~mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        return None  # not a 0/1 padding mask
+    return mask == 0
+
+
+class StackState:
+    """The current call of one stack: padded positions, generation step, position of the first query."""
+
+    def __init__(self, module: nn.Module, stack: ExitStack) -> None:
+        self.padding: torch.Tensor | None = None  # (batch, positions) True = padding
+        self.step: int | None = None
+        self.position: int | None = 0  # position of the first query of this call (None: the cache cannot say)
+        self._params = forward_params(type(module))
+        self._run_cache = None
+        self._run_step = 0
+        self._cache_type = _cache_type()
+        for handle in (
+            module.register_forward_pre_hook(self._before, with_kwargs=True),
+            module.register_forward_hook(self._after, always_call=True),
+        ):
+            stack.callback(handle.remove)
+        stack.callback(self._forget)
+
+    def _before(self, module, args, kwargs):
+        self.padding = padding_from(argument(self._params, "attention_mask", args, kwargs))
+        cache = argument(self._params, "past_key_values", args, kwargs)
+        if self._cache_type is not None and isinstance(cache, self._cache_type):
+            # generate() passes one cache object to every step: a new object starts a new run
+            if cache is self._run_cache:
+                self._run_step += 1
+            else:
+                self._run_cache, self._run_step = cache, 0
+            self.step = self._run_step
+            self.position = _cached_length(cache)
+        else:
+            self.step, self.position = None, 0
+
+    def _after(self, module, args, output):
+        # a module called on its own later must not see this call's state
+        self.padding, self.step, self.position = None, None, 0
+
+    def _forget(self) -> None:
+        self._run_cache = None
+        self.padding = None
+
+    def query_padding(self, batch: int, q_len: int) -> torch.Tensor | None:
+        """(batch, query) True for padded query rows of a call with ``q_len`` queries."""
+        p = self.padding
+        if p is None or p.shape[0] != batch or p.shape[1] < q_len:
+            return None
+        return p[:, p.shape[1] - q_len:]
+
+
+def _cached_length(cache) -> int | None:
+    """Tokens already in the cache (the position of the next query); None when the cache cannot say.
+
+    Hybrid caches (Mamba + attention) refuse ``get_seq_length()`` on a layer without attention.
+    """
+    for layer in range(max(len(getattr(cache, "layers", ())), 1)):
+        try:
+            return int(cache.get_seq_length(layer))
+        except (ValueError, IndexError, TypeError, AttributeError):
+            continue
+    return None
+
+
+def _cache_type():
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    return Cache
+
+
+class Surroundings:
+    """Per capture: the stacks above the selected attention modules and the encoder/decoder split."""
+
+    def __init__(self, model: nn.Module, stack: ExitStack) -> None:
+        self._stack = stack
+        self.parents = parents_of(model)
+        self._states: dict[int, StackState] = {}
+        self._encoder_ids, self._decoder_ids = _encoder_decoder_ids(model)
+
+    def stack_of(self, module: nn.Module) -> StackState | None:
+        for above in ancestors(module, self.parents):
+            if is_stack(above):
+                state = self._states.get(id(above))
+                if state is None:
+                    state = self._states[id(above)] = StackState(above, self._stack)
+                return state
+        return None
+
+    def part_of(self, module: nn.Module) -> str | None:
+        """"encoder" or "decoder" inside an encoder-decoder model, else None."""
+        if id(module) in self._encoder_ids:
+            return "encoder"
+        if id(module) in self._decoder_ids:
+            return "decoder"
+        return None
+
+
+def _encoder_decoder_ids(model: nn.Module) -> tuple[set[int], set[int]]:
+    encoder, decoder = set(), set()
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if not getattr(config, "is_encoder_decoder", False) or not hasattr(m, "get_encoder"):
+            continue
+        try:
+            enc = m.get_encoder()
+        except Exception:  # noqa: BLE001 - a best-effort label, never a reason to fail a capture
+            continue
+        if not isinstance(enc, nn.Module) or enc is m:
+            continue
+        inside = {id(x) for x in enc.modules()}
+        encoder |= inside
+        decoder |= {id(x) for x in m.modules()} - inside - encoder
+    return encoder, decoder

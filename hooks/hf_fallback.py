@@ -1,0 +1,226 @@
+"""Old-style Hugging Face models (no attention interface): weights only, through ``output_attentions``.
+
+About 90 model families in transformers 5.x (bloom, falcon, gpt_neo, gptj, codegen, deberta-v2, ...)
+compute attention inside their own module code, with no seam for a wrapper. For those, a capture
+asks the model for ``output_attentions=True`` and reads each attention module's weights from its
+return value. q, k, v, scores, output and the mask stay unobserved (None); the caller's output is
+handed back exactly as they asked for it (attentions removed when they did not ask for them).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+
+from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from .hf_context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
+
+_MISSING = ("q", "k", "v", "scores", "output", "allowed")
+#: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
+_OWN_LAYOUT = frozenset({
+    "LongformerSelfAttention", "LEDEncoderSelfAttention", "BigBirdBlockSparseAttention", "LSHSelfAttention",
+    "LocalSelfAttention", "NeighborhoodAttention",
+})
+
+
+def is_old_style_model(module: nn.Module) -> bool:
+    """A transformers model whose attention code does not go through the attention interface."""
+    can_set = getattr(type(module), "_can_set_attn_implementation", None)
+    return can_set is not None and _is_pretrained(module) and not can_set()
+
+
+def _is_pretrained(module: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel)
+
+
+def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tuple[str, nn.Module]]:
+    """Innermost ``*Attention*`` modules with a head count inside old-style transformers models."""
+    candidates = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        if id(module) in taken or "Attention" not in cls.__name__ or not cls.__module__.startswith("transformers."):
+            continue
+        if not any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS):
+            continue
+        owner = next((m for m in ancestors(module, parents) if is_old_style_model(m)), None)
+        if owner is not None:
+            candidates.append((name, module))
+    # keep the innermost: a wrapper around another attention module is not itself read
+    above = {id(a) for _, m in candidates for a in ancestors(m, parents)}
+    above |= {id(a) for key in taken for a in _ancestors_by_id(key, parents)}
+    return [(name, m) for name, m in candidates if id(m) not in above]
+
+
+def _ancestors_by_id(key: int, parents: dict[int, nn.Module]):
+    m = parents.get(key)
+    while m is not None:
+        yield m
+        m = parents.get(id(m))
+
+
+class _ForceAttentions:
+    """Makes one old-style model return attention weights, and hides them again from its caller."""
+
+    def __init__(self, model: nn.Module, stack: ExitStack) -> None:
+        self.model = model
+        self.params = forward_params(type(model))
+        self.calls: list[tuple[bool, bool]] = []  # (caller asked for attentions, caller wants a tuple)
+        for handle in (
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ):
+            stack.callback(handle.remove)
+
+    def _set(self, name: str, value, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        i = self.params.get(name, -1)
+        if name not in kwargs and 0 <= i < len(args):
+            args = args[:i] + (value,) + args[i + 1:]
+        else:
+            kwargs[name] = value
+        return args, kwargs
+
+    def _before(self, module, args, kwargs):
+        config = module.config
+        asked = argument(self.params, "output_attentions", args, kwargs)
+        asked = bool(getattr(config, "output_attentions", False) if asked is None else asked)
+        return_dict = argument(self.params, "return_dict", args, kwargs)
+        wants_tuple = (return_dict is False) or (return_dict is None and not getattr(config, "return_dict", True))
+        self.calls.append((asked, wants_tuple))
+        if asked:
+            return None
+        kwargs = dict(kwargs)
+        args, kwargs = self._set("output_attentions", True, args, kwargs)
+        if wants_tuple and "return_dict" in self.params:
+            args, kwargs = self._set("return_dict", True, args, kwargs)
+        return args, kwargs
+
+    def _after(self, module, args, kwargs, output):
+        if not self.calls:
+            return None
+        asked, wants_tuple = self.calls.pop()
+        if asked or output is None:
+            return None
+        if hasattr(output, "items") and hasattr(output, "to_tuple"):
+            # rebuild the output the model would have returned without output_attentions
+            output = type(output)(**{k: v for k, v in output.items() if not k.endswith("attentions")})
+            return output.to_tuple() if wants_tuple else output
+        raise UnsupportedModelError(
+            f"{type(module).__name__} returned a {type(output).__name__} with output_attentions forced on; "
+            "attnprobe cannot remove the attentions the caller did not ask for. Capture with layers=[] "
+            "for this model, or call it with output_attentions=True and return_dict=True"
+        )
+
+
+def _weights_in(output) -> torch.Tensor | None:
+    """The attention weights ``(batch, head, query, key)`` in an old-style module's return value."""
+    if not isinstance(output, (tuple, list)):
+        return None
+    for item in output[1:]:  # item 0 is the attention output (batch-first or, in fsmt, time-first)
+        if isinstance(item, torch.Tensor) and item.dim() == 4 and item.dtype.is_floating_point:
+            return item
+    return None
+
+
+def _dropout_of(module: nn.Module) -> float:
+    ps = [m.p for m in module.modules() if isinstance(m, nn.Dropout)]
+    return max(ps) if ps and module.training else 0.0
+
+
+def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitStack) -> None:
+    """Weights-only records for ``sites`` (selected old-style modules) through output_attentions."""
+    parents = surroundings.parents
+    forced: dict[int, _ForceAttentions] = {}
+    for site in sites:
+        # models that take output_attentions are asked for weights; modules of the others (xglm)
+        # return their weights anyway, or fail with a clear error on their first call
+        owners = [m for m in ancestors(site.module, parents) if is_old_style_model(m)
+                  and "output_attentions" in forward_params(type(m))]
+        if type(site.module).__name__ in _OWN_LAYOUT:
+            raise UnsupportedModelError(
+                f"no adapter can read attention module {site.name!r} ({type(site.module).__name__}, layer "
+                f"{site.layer}): its output_attentions weights are laid out per local window or bucket, not as "
+                "(query, key). Exclude it with layers=[...]"
+            )
+        _refuse_if_path_changes(site, owners)
+        for owner in owners:
+            if id(owner) not in forced:
+                forced[id(owner)] = _ForceAttentions(owner, stack)
+        _attach_site(session, site, surroundings, stack)
+
+    models = sorted({type(m).__name__ for m in (f.model for f in forced.values())}) or [type(model).__name__]
+    warnings.warn(
+        f"{', '.join(models)} has no attention interface (old-style attention code in transformers): attnprobe "
+        f"falls back to output_attentions for {len(sites)} module(s) and records post-softmax weights only "
+        f"(weights_source='output_attentions'). {', '.join(_MISSING)} are None because the model computes them "
+        "inside its own forward, where no hook point exists; the model may also take its eager path to return "
+        "weights. The output you asked for is unchanged.",
+        AttnprobeWarning,
+        stacklevel=5,
+    )
+
+
+def _refuse_if_path_changes(site, owners) -> None:
+    """Some old-style models compute attention another way when asked for weights (Falcon under sdpa)."""
+    from .hf import _name_branches
+
+    branches = _name_branches(type(site.module).__module__)
+    impls = {getattr(m.config, "_attn_implementation", None) for m in owners}
+    if branches and impls - {"eager", None}:
+        raise UnsupportedModelError(
+            f"attention module {site.name!r} ({type(site.module).__name__}, layer {site.layer}) computes attention "
+            f"another way when asked for weights (its code branches on {branches[0]!r}), so forcing "
+            "output_attentions would change the model's outputs. Load the model with attn_implementation='eager' "
+            "to capture its weights, or exclude it with layers=[...]"
+        )
+
+
+def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
+    module = site.module
+    state = surroundings.stack_of(module)
+    kind = static_kind(module)
+    probe = KindProbe(module, stack) if kind is None else None
+    meta = {"module_class": type(module).__name__, "layer_idx": getattr(module, "layer_idx", None),
+            "base": "output_attentions"}
+    part = surroundings.part_of(module)
+    if part is not None:
+        meta["stack"] = part
+
+    def after(mod, args, output):
+        weights = _weights_in(output)
+        if weights is None:
+            raise UnsupportedModelError(
+                f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}): "
+                "it has no attention interface and returned no attention weights (call the model itself, which "
+                f"is asked for output_attentions, or exclude the module with layers=[...]; it is layer {site.layer})"
+            )
+        b, heads, q_len, k_len = weights.shape
+        if site.num_heads != heads:
+            site.num_heads = heads
+            site.num_kv_heads = site.num_kv_heads if site.num_kv_heads and heads % site.num_kv_heads == 0 else heads
+            session._select_site(site)
+        dropout = _dropout_of(mod)
+        kind_now = kind or probe.kind
+        offset = state.position if state is not None else 0
+        if offset is None:  # a cache that cannot say its length
+            offset = max(k_len - q_len, 0) if kind_now == "self" else 0
+        session.emit(
+            site,
+            kind=kind_now,
+            weights=weights,
+            query_padding=state.query_padding(b, q_len) if state is not None else None,
+            backend="eager",
+            dtype=weights.dtype,
+            weights_source="output_attentions",
+            dropout=dropout,
+            step=state.step if state is not None else None,
+            query_offset=offset,
+            meta={**meta, "weights_after_dropout": True} if dropout else meta,
+        )
+
+    handle = module.register_forward_hook(after)
+    stack.callback(handle.remove)

@@ -1,0 +1,206 @@
+"""The math of one Hugging Face attention call, redone from the arguments the call received.
+
+Two mask semantics exist among the backends attnprobe wraps:
+
+* **additive** (the model file's own eager function; sdpa when a position bias is folded into a
+  float mask): ``softmax(logits + mask)`` with masked entries at ``finfo.min``. A row with no
+  allowed key comes out (nearly) uniform, exactly as the backend computes it.
+* **boolean** (sdpa with a bool mask or ``is_causal``): masked entries are ``-inf``; a row with no
+  allowed key has weight 0 everywhere, which is what CPU sdpa returns for it.
+
+Everything is computed in float32 from detached inputs, only for the selected heads, and cast to
+the dtype the attention ran in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..probe.selection import index_heads
+
+
+def as_4d(mask: torch.Tensor) -> torch.Tensor:
+    """A mask broadcastable to ``(batch, head, query, key)`` as a 4-D view."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask
+
+
+def allowed_from(mask, *, batch: int, q_len: int, k_len: int, implicit_causal: bool, device) -> torch.Tensor:
+    """Boolean ``(batch, 1 or head, query, key)``: True where the query may attend the key.
+
+    ``mask`` is what the attention function received: None, a bool mask (True = attend) or a float
+    additive mask where "masked" means ``<= finfo.min / 2`` (other values, e.g. Swin's relative
+    bias folded into the mask, are not masking). ``implicit_causal`` is sdpa's ``is_causal`` with
+    no mask, which sdpa aligns to the upper left (query i sees keys 0..i).
+    """
+    if mask is None:
+        if implicit_causal:
+            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril_()
+        else:
+            allowed = torch.ones(1, 1, dtype=torch.bool, device=device)
+        return allowed.view(1, 1, *allowed.shape).expand(batch, 1, q_len, k_len)
+    mask = as_4d(mask)[..., :k_len]
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.dtype.is_floating_point:
+        allowed = mask > torch.finfo(mask.dtype).min / 2
+    else:  # an integer 0/1 mask handed straight to the function
+        allowed = mask != 0
+    return allowed.expand(batch, allowed.shape[1], q_len, k_len)
+
+
+class MaskInfo:
+    """One mask as the softmax sees it, derived once and shared by every layer that receives it.
+
+    Hugging Face builds one mask per forward and hands the same tensor to every layer, so the
+    boolean ``allowed``, the float mask to add and the check for rows with no allowed key are
+    computed once per forward, not once per layer.
+    """
+
+    def __init__(self, mask, allowed: torch.Tensor) -> None:
+        self.mask, self.allowed = mask, allowed
+        self._add: dict = {}
+        self._empty = None
+
+    def to_add(self, fill: float, heads) -> torch.Tensor | None:
+        """Float ``(batch, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed)."""
+        key = (fill, heads if self.allowed.shape[1] > 1 else None)
+        if key not in self._add:
+            allowed = self.for_heads(heads)
+            if self.mask is None and bool(allowed.all()):
+                self._add[key] = None
+            else:
+                self._add[key] = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device
+                                             ).masked_fill_(~allowed, fill)
+        return self._add[key]
+
+    def for_heads(self, heads) -> torch.Tensor:
+        a = self.allowed
+        return index_heads(a, heads)[0] if a.shape[1] > 1 else a
+
+    def empty_rows(self, heads) -> torch.Tensor | None:
+        """``(batch, 1 or head, query, 1)`` True for rows with no allowed key; None when there are none."""
+        if self._empty is None or self.allowed.shape[1] > 1:
+            empty = ~self.for_heads(heads).any(dim=-1, keepdim=True)
+            self._empty = (empty if bool(empty.any()) else None,)
+        return self._empty[0]
+
+
+class MaskMemo:
+    """The last few masks seen in one capture, by identity."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._entries: list[tuple[tuple, MaskInfo]] = []
+
+    def get(self, mask, *, batch: int, q_len: int, k_len: int, implicit_causal: bool, device) -> MaskInfo:
+        # the version counter catches a mask tensor changed in place between two calls
+        key = (batch, q_len, k_len, implicit_causal, getattr(mask, "_version", None))
+        for k, info in self._entries:
+            if k == key and info.mask is mask:
+                return info
+        info = MaskInfo(mask, allowed_from(mask, batch=batch, q_len=q_len, k_len=k_len,
+                                           implicit_causal=implicit_causal, device=device))
+        self._entries = [(key, info)] + self._entries[: self.size - 1]
+        return info
+
+    def clear(self) -> None:
+        self._entries = []
+
+
+class Recompute:
+    """Scores and weights of the selected heads of one call, each computed at most once.
+
+    ``scores`` are the logits the softmax sees before masking: scaled ``q @ k``, plus any position
+    bias, softcapped, plus the non-masking part of a float mask. ``weights`` follow the backend's
+    own mask semantics (see the module docstring), including attention sinks. Both are new tensors
+    (a record keeps them without another copy); ``weights`` never changes what ``scores`` returned.
+    """
+
+    def __init__(self, q, k, mask_info: MaskInfo, *, heads, kv_heads, scaling, additive, position_bias=None,
+                 softcap=None, sinks=None, out_dtype=None):
+        self.q, self.k, self.info, self.mask = q, k, mask_info, mask_info.mask
+        self.heads, self.kv_heads = heads, kv_heads
+        self.scaling, self.additive = scaling, additive
+        self.position_bias, self.softcap, self.sinks = position_bias, softcap, sinks
+        self.out_dtype = out_dtype or q.dtype
+        self._logits = self._scores = self._weights = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.q.shape[0], len(self.heads), self.q.shape[2], self.k.shape[2])
+
+    def logits(self) -> torch.Tensor:
+        """float32 ``(batch, head, query, key)``: scaled q @ k (+ position bias), softcapped."""
+        if self._logits is None:
+            with torch.no_grad():
+                q = index_heads(self.q.detach(), self.heads)[0].float()
+                k = index_heads(self.k.detach(), self.kv_heads)[0].float()  # the kv head of each selected head
+                logits = torch.matmul(q, k.transpose(-1, -2))  # (B, h, Tq, D) @ (B, h, D, Tk), a new tensor
+                if self.scaling != 1.0:
+                    logits.mul_(self.scaling)
+                if self.position_bias is not None:
+                    logits.add_(self._per_head(self.position_bias).float())
+                if self.softcap is not None:
+                    logits.div_(self.softcap).tanh_().mul_(self.softcap)
+            self._logits = logits
+        return self._logits
+
+    def _per_head(self, t: torch.Tensor) -> torch.Tensor:
+        t = as_4d(t.detach())[..., : self.k.shape[2]]
+        return index_heads(t, self.heads)[0] if t.shape[1] > 1 else t
+
+    def _allowed(self) -> torch.Tensor:
+        return self.info.for_heads(self.heads)
+
+    def _mask_to_add(self) -> torch.Tensor | None:
+        """The float mask added to the logits before the softmax (None when nothing is added)."""
+        if self.mask is not None and self.mask.dtype.is_floating_point:
+            return self._per_head(self.mask).float()
+        # boolean semantics mask with -inf; sdpa with a position bias turns a bool or causal mask into
+        # finfo.min where masked (create_position_bias_mask), which is the additive semantics
+        fill = torch.finfo(self.q.dtype).min if self.additive else float("-inf")
+        return self.info.to_add(fill, self.heads)
+
+    def scores(self) -> torch.Tensor:
+        if self._scores is None:
+            logits = self.logits()
+            if self.mask is not None and self.mask.dtype.is_floating_point:
+                # a float mask may carry more than masking (Swin folds its relative bias into it)
+                with torch.no_grad():
+                    logits = torch.where(self._allowed(), logits + self._per_head(self.mask).float(), logits)
+            self._scores = logits
+        return self._scores.to(self.out_dtype)
+
+    def weights(self) -> torch.Tensor:
+        if self._weights is None:
+            with torch.no_grad():
+                logits = self.logits()
+                add = self._mask_to_add()
+                z = logits if add is None else logits + add
+                if self.sinks is not None:
+                    # attention sinks: one extra logit per head that takes probability mass and no value
+                    b, h, tq, _ = z.shape
+                    sink = self.sinks.detach().float().index_select(0, _index(self.heads, z.device))
+                    z = torch.cat([z, sink.view(1, h, 1, 1).expand(b, h, tq, 1)], dim=-1)
+                    z = z - z.max(dim=-1, keepdim=True).values
+                    weights = torch.softmax(z, dim=-1)[..., :-1].contiguous()
+                else:
+                    weights = torch.softmax(z, dim=-1)
+                if not self.additive and add is not None:
+                    empty = self.info.empty_rows(self.heads)
+                    if empty is not None:
+                        weights.masked_fill_(empty, 0.0)  # rows with no allowed key attend nothing
+            self._weights = weights
+        return self._weights.to(self.out_dtype)
+
+
+def _index(heads: tuple[int, ...], device) -> torch.Tensor:
+    return torch.tensor(heads, dtype=torch.long, device=device)
+
+
+def kv_of_heads(heads: tuple[int, ...], num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
+    """For each selected query head, the key/value head it reads (grouped-query attention)."""
+    group = num_heads // max(num_kv_heads, 1)
+    return tuple(h // group for h in heads)

@@ -1,0 +1,171 @@
+"""Old-style models (no attention interface): weights-only records through output_attentions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import attnprobe
+from attnprobe import AttnprobeWarning, UnsupportedModelError
+from hf_helpers import inputs
+
+
+def _gpt_neo():
+    config = transformers.GPTNeoConfig(hidden_size=16, num_layers=2, num_heads=4, vocab_size=100,
+                                       attention_types=[[["global", "local"], 1]], window_size=3,
+                                       max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.GPTNeoForCausalLM(config).eval()
+
+
+def _falcon(attn):
+    config = transformers.FalconConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    torch.manual_seed(0)
+    return transformers.FalconForCausalLM._from_config(config, attn_implementation=attn).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt_neo():
+    return _gpt_neo()
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_weights_only_records_and_unchanged_output(gpt_neo, return_dict, assert_no_hooks):
+    batch = inputs("llama", "left")
+    with torch.no_grad():
+        plain = gpt_neo(**batch, return_dict=return_dict)
+        with pytest.warns(AttnprobeWarning, match=r"GPTNeoForCausalLM.*output_attentions.*q, k, v, scores"):
+            with attnprobe.capture(gpt_neo, heads=[0, 2]) as cap:
+                out = gpt_neo(**batch, return_dict=return_dict)
+    assert type(out) is type(plain)
+    if return_dict:
+        assert list(out.keys()) == list(plain.keys()) and "attentions" not in out.keys()
+    assert len(out) == len(plain) and torch.equal(out[0], plain[0])
+    assert len(cap) == 2 and cap[0].name == "transformer.h.0.attn.attention"
+    for r in cap:
+        assert r.weights_source == "output_attentions" and r.weights.shape == (2, 2, 7, 7)
+        assert r.q is r.k is r.scores is r.output is r.allowed is None
+        assert r.identified == {"weights", "query_padding"} and r.meta["base"] == "output_attentions"
+        assert r.query_padding.tolist() == (batch["attention_mask"] == 0).tolist()
+    with torch.no_grad():
+        reference = gpt_neo(**batch, output_attentions=True).attentions  # the model's own weights
+    for r, w in zip(cap, reference):
+        assert torch.equal(r.weights, w[:, [0, 2]])
+    assert_no_hooks(gpt_neo)
+
+
+def test_caller_who_asked_for_attentions_keeps_them(gpt_neo, recwarn):
+    batch = inputs("llama", "right")
+    with torch.no_grad():
+        plain = gpt_neo(**batch, output_attentions=True)
+        with attnprobe.capture(gpt_neo) as cap:
+            out = gpt_neo(**batch, output_attentions=True)
+    assert len(out.attentions) == 2 and all(torch.equal(a, b) for a, b in zip(out.attentions, plain.attentions))
+    assert torch.equal(cap[1].weights, plain.attentions[1])
+
+
+def test_generation_steps_in_the_fallback(gpt_neo, recwarn):
+    batch = inputs("llama", "left", length=5)
+    with torch.no_grad(), attnprobe.capture(gpt_neo, layers=[0]) as cap:
+        gpt_neo.generate(**batch, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert [(r.step, r.query_offset, r.key_len) for r in cap] == [(0, 0, 5), (1, 5, 6), (2, 6, 7)]
+    assert attnprobe.stitch(cap)[0].weights.shape == (2, 4, 7, 7)
+
+
+def test_falcon_under_sdpa_is_refused_and_works_over_eager(assert_no_hooks, recwarn):
+    batch = inputs("llama", "right")
+    model = _falcon("sdpa")
+    with pytest.raises(UnsupportedModelError, match=r"another way when asked for weights.*attn_implementation='eager'"):
+        with attnprobe.capture(model):
+            pass
+    assert_no_hooks(model)
+    model = _falcon("eager")
+    with torch.no_grad():
+        plain = model(**batch).logits
+        with attnprobe.capture(model) as cap:
+            out = model(**batch).logits
+    assert torch.equal(plain, out) and len(cap) == 2 and cap[0].num_kv_heads == 1  # multi-query attention
+
+
+def test_a_module_that_returns_no_weights_is_a_clear_error(assert_no_hooks, recwarn):
+    model = _gpt_neo()
+    inner = model.transformer.h[1].attn.attention
+    original = inner.forward
+    inner.forward = lambda *a, **k: (original(*a, **k)[0], None)  # an attention that hides its weights
+    with pytest.raises(UnsupportedModelError, match=r"'transformer.h.1.attn.attention'.*GPTNeoSelfAttention.*layer 1"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(**inputs("llama", "right"))
+    assert_no_hooks(model)
+    with torch.no_grad(), attnprobe.capture(model, layers=[0]) as cap:  # the advice in the message works
+        model(**inputs("llama", "right"))
+    assert len(cap) == 1
+
+
+@pytest.mark.parametrize("family", ["bloom", "deberta_v2"])
+def test_other_old_style_families(family, recwarn):
+    if family == "bloom":
+        model = transformers.BloomModel(transformers.BloomConfig(hidden_size=16, n_layer=2, n_head=4, vocab_size=100))
+    else:
+        model = transformers.DebertaV2Model(transformers.DebertaV2Config(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32, vocab_size=100,
+            max_position_embeddings=32))
+    model.eval()
+    batch = inputs("llama", "right")
+    with torch.no_grad():
+        plain = model(**batch).last_hidden_state
+        with attnprobe.capture(model) as cap:
+            out = model(**batch).last_hidden_state
+    assert torch.equal(plain, out)
+    assert len(cap) == 2 and all(r.weights_source == "output_attentions" for r in cap)
+    rows = ~cap[0].query_padding
+    assert torch.allclose(cap[0].weights.sum(-1)[rows[:, None].expand(-1, 4, -1)], torch.tensor(1.0))
+
+
+def test_encoder_decoder_fallback_tells_cross_attention(recwarn):
+    config = transformers.FSMTConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                     src_vocab_size=50, tgt_vocab_size=50, langs=["en", "de"])
+    model = transformers.FSMTModel(config).eval()
+    ids = torch.randint(3, 50, (2, 6))
+    with torch.no_grad():
+        plain = model(input_ids=ids, decoder_input_ids=ids[:, :4]).last_hidden_state
+        with attnprobe.capture(model) as cap:
+            out = model(input_ids=ids, decoder_input_ids=ids[:, :4]).last_hidden_state
+    assert torch.equal(plain, out)
+    # fsmt's attention returns time-first outputs and takes query= and key= separately
+    assert [(r.kind, tuple(r.weights.shape)) for r in cap] == [
+        ("self", (2, 2, 6, 6)), ("self", (2, 2, 4, 4)), ("cross", (2, 2, 4, 6))]
+
+
+def test_modules_that_always_return_weights_need_no_forcing(recwarn):
+    config = transformers.XGLMConfig(d_model=16, num_layers=2, attention_heads=4, ffn_dim=32, vocab_size=100,
+                                     max_position_embeddings=32)
+    model = transformers.XGLMModel(config).eval()
+    batch = inputs("llama", "left")
+    with torch.no_grad():
+        plain = model(**batch)
+        with attnprobe.capture(model) as cap:
+            out = model(**batch)
+    assert torch.equal(plain.last_hidden_state, out.last_hidden_state) and list(out.keys()) == list(plain.keys())
+    assert len(cap) == 2 and cap[0].weights_source == "output_attentions"
+
+
+def test_a_cache_that_cannot_say_its_length():
+    from attnprobe.hooks.hf_context import _cached_length
+
+    class Hybrid:  # like a Mamba + attention cache: layer 0 holds no attention
+        layers = [object(), object()]
+
+        def get_seq_length(self, layer=0):
+            if layer == 0:
+                raise ValueError("`get_seq_length` can only be called on Attention layers")
+            return 5
+
+    class Empty:
+        layers = []
+
+        def get_seq_length(self, layer=0):
+            raise ValueError("no attention layer")
+
+    assert _cached_length(Hybrid()) == 5 and _cached_length(Empty()) is None

@@ -1,0 +1,101 @@
+"""generate() under capture: one record per module per step, stitched back into one forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import attnprobe
+from attnprobe import AttnprobeError
+from hf_helpers import build, inputs, real_rows
+
+NEW = 4
+
+
+def _greedy(model, batch, **kwargs):
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        seq = model.generate(**batch, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             **kwargs)
+    return seq, cap
+
+
+def _one_forward(model, **batch):
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model(**batch)
+    return {r.name: r for r in cap}
+
+
+def _assert_stitched_equal(stitched, reference):
+    assert len(stitched) == len(reference)
+    for r in stitched:
+        ref = reference[r.name]
+        assert r.weights.shape == ref.weights.shape and r.kind == ref.kind
+        rows = real_rows(ref).expand_as(ref.weights)
+        assert float((r.weights - ref.weights).abs()[rows].max()) <= 1e-5, r.name
+        assert torch.equal(r.allowed.expand_as(ref.allowed_for_heads())[rows],
+                           ref.allowed_for_heads()[rows]), r.name
+        assert torch.allclose(r.output.where(real_rows(ref), 0), ref.output.where(real_rows(ref), 0), atol=1e-5)
+
+
+def test_decoder_only_steps_stitch_to_one_forward(assert_no_hooks):
+    model = build("llama")
+    batch = inputs("llama", "left", length=5)
+    seq, cap = _greedy(model, batch)
+    assert len(cap) == 2 * NEW  # 2 layers x (prefill + 3 decoding steps): the last token is never fed back
+    assert [(r.step, r.query_offset, r.query_len, r.key_len) for r in cap.select(layers=[0])] == [
+        (0, 0, 5, 5), (1, 5, 1, 6), (2, 6, 1, 7), (3, 7, 1, 8)]
+    assert [r.call for r in cap.select(layers=[1])] == [0, 1, 2, 3]
+    # decoding rows are real tokens; the prefill keeps the left padding
+    assert cap[2].query_padding.tolist() == [[False], [False]] and cap[0].query_padding[0, :2].all()
+    full = attnprobe.stitch(cap)
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)[:, :-1]
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # generate's positions under left padding
+    _assert_stitched_equal(full, _one_forward(model, input_ids=seq[:, :-1], attention_mask=mask,
+                                              position_ids=position_ids))
+    assert_no_hooks(model)
+
+
+def test_encoder_decoder_steps_stitch_to_one_forward(assert_no_hooks):
+    model = build("t5")
+    full_batch = inputs("t5", "right")
+    batch = {"input_ids": full_batch["input_ids"], "attention_mask": full_batch["attention_mask"]}
+    seq, cap = _greedy(model, batch)
+    encoder = [r for r in cap if r.meta["stack"] == "encoder"]
+    assert len(encoder) == 2 and all(r.step is None for r in encoder)  # the encoder runs once, before the steps
+    cross = [r for r in cap if r.kind == "cross"]
+    assert [r.step for r in cross[::2]] == [0, 1, 2, 3] and all(r.key_len == 7 for r in cross)
+    full = attnprobe.stitch(cap)
+    assert {r.kind for r in full} == {"self", "cross"} and len(full) == 4
+    _assert_stitched_equal(full, {
+        name: r for name, r in _one_forward(model, **batch, decoder_input_ids=seq[:, :-1]).items()
+        if r.meta["stack"] == "decoder"
+    })
+    assert_no_hooks(model)
+
+
+def test_sliding_window_cache_cannot_be_stitched_and_a_full_cache_can():
+    model = build("mistral")  # window 3, prompt 5
+    batch = inputs("mistral", "right", length=5)
+    _, cap = _greedy(model, batch)
+    step1 = cap.select(layers=[0], steps=[1])[0]
+    assert step1.key_len == 3 and step1.query_offset == 5 and step1.meta["first_key_pos"] == 3
+    with pytest.raises(AttnprobeError, match="sliding-window"):
+        attnprobe.stitch(cap)
+    # a cache without sliding layers keeps every key: the steps then stitch
+    seq, cap = _greedy(model, batch, past_key_values=DynamicCache())
+    full = attnprobe.stitch(cap)
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)[:, :-1]
+    _assert_stitched_equal(full, _one_forward(model, input_ids=seq[:, :-1], attention_mask=mask))
+
+
+def test_plain_forwards_have_no_step():
+    model = build("gpt2")
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        out = model(**inputs("gpt2", "right"), use_cache=True)
+        model(input_ids=torch.tensor([[5], [6]]), past_key_values=out.past_key_values,
+              attention_mask=torch.ones(2, 8, dtype=torch.long))
+    first, second = cap.select(calls=[0]), cap.select(calls=[1])
+    assert all(r.step is None and r.query_offset == 0 for r in first)
+    # a cache handed in by the caller counts as a decoding step at its position
+    assert all(r.step == 0 and r.query_offset == 7 and r.key_len == 8 for r in second)

@@ -1,0 +1,162 @@
+"""The implementation switch is undone everywhere, also after errors; shared configs do not leak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import attnprobe
+from attnprobe import UnsupportedModelError
+from hf_helpers import build, inputs
+
+
+def _clip():
+    text = transformers.CLIPTextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, vocab_size=50, max_position_embeddings=16)
+    vision = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=8, patch_size=4)
+    config = transformers.CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=8)
+    torch.manual_seed(0)
+    return transformers.CLIPModel(config).eval()
+
+
+def _all_implementations(config):
+    found = {"": config._attn_implementation}
+    for key in config.sub_configs:
+        found[key] = getattr(config, key)._attn_implementation
+    return found
+
+
+def test_sub_configs_are_switched_and_restored(assert_no_hooks):
+    model = _clip()
+    before = _all_implementations(model.config)
+    batch = {"input_ids": torch.randint(0, 50, (2, 5)), "pixel_values": torch.randn(2, 3, 8, 8)}
+    with torch.no_grad():
+        plain = model(**batch)
+        with attnprobe.capture(model) as cap:
+            inside = _all_implementations(model.config)
+            captured = model(**batch)
+    assert set(inside.values()) == {"attnprobe_sdp"} and set(before.values()) == {"sdpa"}
+    assert _all_implementations(model.config) == before
+    assert torch.equal(plain.logits_per_image, captured.logits_per_image)
+    assert len(cap) == 2 and {r.name.split(".")[0] for r in cap} == {"text_model", "vision_model"}
+    causal = {r.name.split(".")[0]: r.causal for r in cap}
+    assert causal == {"text_model": True, "vision_model": False}  # CLIP text is causal, vision is not
+    assert_no_hooks(model)
+
+
+def test_restored_after_the_forward_raises(assert_no_hooks):
+    model = build("llama")
+
+    def fail(*_):
+        raise RuntimeError("boom in layer 1")
+
+    handle = model.model.layers[1].register_forward_hook(fail)  # after layer 0 was recorded
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            with torch.no_grad(), attnprobe.capture(model) as cap:
+                model(**inputs("llama", "left"))
+    finally:
+        handle.remove()
+    assert len(cap) == 2  # both attention calls ran before the failure
+    assert model.config._attn_implementation == "sdpa"
+    assert_no_hooks(model)
+    from attnprobe.hooks.hf import _HANDLERS
+
+    assert not _HANDLERS
+
+
+def test_a_second_model_on_the_same_config_is_unaffected(assert_no_hooks):
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100)
+    torch.manual_seed(0)
+    first = transformers.AutoModelForCausalLM.from_config(config).eval()
+    second = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert first.config is second.config  # transformers keeps the very object
+    batch = inputs("llama", "left")
+    with torch.no_grad():
+        plain = second(**batch).logits
+        with attnprobe.capture(first) as cap:
+            during = second(**batch).logits  # sees the private name, goes straight to sdpa
+            first(**batch)
+    assert torch.equal(plain, during)
+    assert len(cap) == 2 and all(r.name.startswith("model.layers") for r in cap)
+    assert second.config._attn_implementation == "sdpa"
+    assert_no_hooks(first)
+    assert_no_hooks(second)
+
+
+def test_nested_captures_record_independently(assert_no_hooks):
+    model = build("bert")
+    batch = inputs("bert", "right")
+    with torch.no_grad():
+        plain = model(**batch).last_hidden_state
+        with attnprobe.capture(model, layers=[0]) as outer:
+            with attnprobe.capture(model, heads=[1], keep=["weights"]) as inner:
+                out = model(**batch).last_hidden_state
+            assert model.config._attn_implementation == "attnprobe_sdp"
+            model(**batch)
+    assert torch.equal(plain, out)
+    assert [r.layer for r in outer] == [0, 0] and [r.layer for r in inner] == [0, 1]
+    assert torch.equal(inner[0].weights, outer[0].weights[:, 1:2])
+    assert model.config._attn_implementation == "sdpa"
+    assert_no_hooks(model)
+
+
+def test_registration_is_global_and_idempotent():
+    """(That nothing registers at import is tested in test_hf_errors: importing the adapter loads no transformers.)"""
+    import transformers.masking_utils as mu
+    import transformers.modeling_utils as mo
+
+    from attnprobe.hooks.hf import register
+
+    register()
+    first = dict(mo.AttentionInterface._global_mapping)
+    register()
+    assert mo.AttentionInterface._global_mapping == first
+    assert mu.AttentionMaskInterface._global_mapping["attnprobe_sdp"] is mu.sdpa_mask
+    assert mu.AttentionMaskInterface._global_mapping["attnprobe_eager"] is mu.eager_mask
+    ours = {k for k in first if k.startswith("attnprobe")}
+    assert {"attnprobe_sdp", "attnprobe_eager"} <= ours  # (+ attnprobe_fnN for custom functions other tests wrapped)
+    assert all(k in ("attnprobe_sdp", "attnprobe_eager") or k.startswith("attnprobe_fn") for k in ours)
+    assert not any("sdpa" in k or "flash" in k for k in first if k.startswith("attnprobe"))
+
+
+def test_unsupported_backend_is_a_clear_error(assert_no_hooks):
+    model = build("llama")
+    model.config._attn_implementation_internal = "flash_attention_2"  # as if loaded that way
+    with pytest.raises(UnsupportedModelError, match=r"'model.layers.0.self_attn'.*flash_attention_2.*sdpa"):
+        with attnprobe.capture(model):
+            pass
+    assert model.config._attn_implementation == "flash_attention_2"
+    # a layer that is not selected does not matter
+    with attnprobe.capture(model, layers=[]) as cap:
+        pass
+    assert len(cap) == 0
+    assert_no_hooks(model)
+
+
+def test_models_that_branch_on_the_implementation_name_are_refused():
+    import importlib
+
+    from attnprobe.hooks.hf import _name_branches
+
+    importlib.import_module("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+    flagged = _name_branches("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+    assert flagged and "sdpa" in flagged[0]
+    assert _name_branches("transformers.models.gpt2.modeling_gpt2") == ()  # its eager branch is handled
+    assert _name_branches("transformers.models.llama.modeling_llama") == ()
+
+
+def test_gpt2_reordered_upcast_path_is_kept():
+    config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
+                                     reorder_and_upcast_attn=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval()
+    batch = inputs("gpt2", "left")
+    with torch.no_grad():
+        plain = model(**batch).logits
+        with attnprobe.capture(model) as cap:
+            out = model(**batch).logits
+    assert torch.equal(plain, out) and cap[0].weights_source == "observed"
