@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .errors import AttnprobeError
+from .tokens import record_token_rows
 
 #: Column -> dtype of ``Capture.to_frame()``: the one schema, defined here only.
 FRAME_SCHEMA: dict[str, str] = {
@@ -48,19 +49,6 @@ SUMMARY_SCHEMA: dict[str, str] = {
 }
 
 
-def _per_batch_tokens(tokens, batch: int, what: str) -> list[Sequence[str]] | None:
-    if tokens is None:
-        return None
-    if isinstance(tokens, str):
-        raise AttnprobeError(f"{what} must be a list of token strings (or one list per batch row), not one string")
-    tokens = list(tokens)
-    if tokens and all(isinstance(t, str) for t in tokens):
-        return [tokens] * batch
-    if len(tokens) != batch:
-        raise AttnprobeError(f"{what} has {len(tokens)} rows but the capture has batch size {batch}")
-    return [list(row) for row in tokens]
-
-
 class _Vocab:
     """Token strings -> category codes, shared by every record of one frame."""
 
@@ -82,7 +70,11 @@ def _values(t: torch.Tensor | None, n: int) -> np.ndarray:
 
 
 def to_frame(cap, tokens=None, key_tokens=None):
-    """The tidy frame of ``cap`` (see ``FRAME_SCHEMA``; plus ``TOKEN_SCHEMA`` columns with tokens)."""
+    """The tidy frame of ``cap`` (see ``FRAME_SCHEMA``; plus ``TOKEN_SCHEMA`` columns with tokens).
+
+    ``tokens`` name the query sequence, ``key_tokens`` the context of cross-attention and of an encoder
+    (see ``attnprobe.probe.tokens``).
+    """
     import pandas as pd
 
     with_tokens = tokens is not None or key_tokens is not None
@@ -115,20 +107,12 @@ def to_frame(cap, tokens=None, key_tokens=None):
         )
         parts["allowed_known"].append(np.full(n, allowed is not None))
         if with_tokens:
-            where = f"layer {r.layer} ({r.name!r}, call {r.call})"
-            q_rows = _per_batch_tokens(tokens, B, "tokens")
-            k_rows = q_rows if r.kind == "self" else _per_batch_tokens(key_tokens, B, "key_tokens")
-            for col, rows, pos, length in (("query_token", q_rows, qpos, r.query_offset + Tq), ("key_token", k_rows, kpos, Tk)):
+            q_rows, k_rows = record_token_rows(r, tokens, key_tokens)
+            for col, rows, pos in (("query_token", q_rows, qpos), ("key_token", k_rows, kpos)):
                 if rows is None:
                     token_parts[col].append(np.full(n, -1, dtype=np.int64))
-                    continue
-                short = [len(row) for row in rows if len(row) < length]
-                if short:
-                    raise AttnprobeError(
-                        f"{'key_tokens' if col == 'key_token' and r.kind == 'cross' else 'tokens'} has {short[0]} "
-                        f"entries but {where} has {length} {col.split('_')[0]} positions"
-                    )
-                token_parts[col].append(vocab.codes(rows)[batch, pos])
+                else:
+                    token_parts[col].append(vocab.codes(rows)[batch, pos])
 
     def cat(col, dtype):
         return np.concatenate(parts[col]) if parts[col] else np.zeros(0, dtype=dtype)

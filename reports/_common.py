@@ -6,7 +6,6 @@ torch and numpy only; matplotlib, pandas and jinja2 are imported by the modules 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
+from ..probe.tokens import record_token_rows
 
 #: Colour of cells the query may not attend (light neutral grey: no sequential colour map uses it).
 DISALLOWED_COLOR = "#d4d4d4"
@@ -104,31 +104,6 @@ def head_view(record: AttentionRecord, head: int, batch: int = 0) -> HeadView:
 
 
 # --------------------------------------------------------------------------------------- tokens
-def token_rows(tokens, batch_size: int, what: str) -> list[list[str]] | None:
-    """``tokens`` (one list of strings, or one list per batch row) as one list per batch row."""
-    if tokens is None:
-        return None
-    if isinstance(tokens, (str, bytes)):
-        raise AttnprobeError(f"{what} must be a list of token strings (or one list per batch row), not one string")
-    rows = list(tokens)
-    if not rows or all(isinstance(t, str) for t in rows):
-        return [list(rows)] * batch_size
-    if not all(isinstance(r, Sequence) and not isinstance(r, str) for r in rows):
-        raise AttnprobeError(f"{what} must be a list of strings or a list of lists of strings")
-    if len(rows) != batch_size:
-        raise AttnprobeError(
-            f"{what} has {len(rows)} rows but the capture has batch size {batch_size}; give one list per batch row "
-            "or a single list for all rows"
-        )
-    out = []
-    for row in rows:
-        bad = [t for t in row if not isinstance(t, str)]
-        if bad:
-            raise AttnprobeError(f"{what} must hold strings, got {bad[0]!r} ({type(bad[0]).__name__})")
-        out.append(list(row))
-    return out
-
-
 def display_token(token: str, limit: int = 0) -> str:
     """A token as one line of visible text: control characters escaped, optionally shortened."""
     text = "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in token)
@@ -146,41 +121,10 @@ class Labels:
 
 
 def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> Labels:
-    """Query and key labels of ``record`` for batch row ``batch``.
-
-    ``tokens`` name the query sequence (and the keys of self-attention), ``key_tokens`` the keys of
-    cross-attention. A self-attention record as long as ``key_tokens`` but not as ``tokens`` runs
-    over the context (an encoder's layer) and is labelled with ``key_tokens``.
-    """
-    size = record.batch_size or 1
-    where = f"layer {record.layer} ({record.name!r}, call {record.call})"
-    q_rows = token_rows(tokens, size, "tokens")
-    context = token_rows(key_tokens, size, "key_tokens")
-    if record.kind == "self" and context is not None:
-        # an encoder's self-attention runs over the context: key_tokens name it when they fit and tokens do not
-        need = record.query_offset + record.query_len
-        if len(context[batch]) == need and (q_rows is None or len(q_rows[batch]) != need):
-            q_rows = context
-    k_rows = q_rows if record.kind == "self" else context
-    query = key = None
-    tq, tk = record.query_len, record.key_len
-    if q_rows is not None:
-        row = q_rows[batch]
-        need = record.query_offset + tq
-        if len(row) < need:
-            raise AttnprobeError(
-                f"tokens has {len(row)} entries but {where} has {need} query positions; give one token per position"
-            )
-        query = row[record.query_offset: need]
-    if k_rows is not None:
-        row = k_rows[batch]
-        if len(row) < tk:
-            name = "tokens" if record.kind == "self" else "key_tokens"
-            raise AttnprobeError(
-                f"{name} has {len(row)} entries but {where} has {tk} key positions; give one token per key"
-                + (" (key_tokens name the context of cross-attention)" if record.kind == "cross" else "")
-            )
-        key = row[:tk]
+    """Query and key labels of ``record`` for batch row ``batch`` (see ``attnprobe.probe.tokens``)."""
+    q_rows, k_rows = record_token_rows(record, tokens, key_tokens)
+    query = None if q_rows is None else q_rows[batch][record.query_offset: record.query_offset + record.query_len]
+    key = None if k_rows is None else k_rows[batch][: record.key_len]
     return Labels(query, key)
 
 

@@ -27,7 +27,8 @@ from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
 from ..probe.violations import CheckResult, Violation
 from . import encoding
-from ._common import check_batch, display_token, head_view, output_path, record_labels, token_rows
+from ..probe.tokens import token_rows
+from ._common import check_batch, display_token, head_view, output_path, record_labels
 
 #: Refuse reports that would hold more matrix values than this (about 4 bytes each, exact precision).
 MAX_VALUES = 80_000_000

@@ -122,3 +122,23 @@ def test_parquet_and_csv_writers(cap, tmp_path):
     assert (tmp_path / "frame.csv").read_text() == text
     with pytest.raises(FileNotFoundError, match="does not exist"):
         cap.to_csv(tmp_path / "missing" / "frame.csv")
+
+
+def test_encoder_decoder_frame_labels_each_stack_with_its_own_tokens():
+    from hf_helpers import build, inputs
+
+    model = build("bart")
+    batch = inputs("bart", "right", length=5)  # encoder and decoder inputs of the same length
+    with torch.no_grad(), attnprobe.capture(model, keep=["weights"]) as cap:
+        model(**batch)
+    enc_tokens = [f"e{i}" for i in range(5)]
+    dec_tokens = [f"d{i}" for i in range(5)]
+    df = cap.to_frame(tokens=dec_tokens, key_tokens=enc_tokens)
+    stack = {r.layer: (r.meta["stack"], r.kind) for r in cap}
+    for layer, (part, kind) in stack.items():
+        rows = df[df.layer == layer]
+        expect_q = "e" if part == "encoder" else "d"
+        expect_k = "e" if part == "encoder" or kind == "cross" else "d"
+        assert set(rows.query_token.str[0]) == {expect_q}, (layer, part, kind)
+        assert set(rows.key_token.str[0]) == {expect_k}, (layer, part, kind)
+    assert {v for v in stack.values()} == {("encoder", "self"), ("decoder", "self"), ("decoder", "cross")}
