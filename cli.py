@@ -229,7 +229,8 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
         cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep)
         progress.stage("building frame")
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        frame = cap.to_frame(tokens=work.tokens if not work.is_encoder_decoder else None) if what == "frame" else cap.summary()
+        tokens, key_tokens = token_labels(work)
+        frame = cap.to_frame(tokens=tokens, key_tokens=key_tokens) if what == "frame" else cap.summary()
         written = write_frame(frame, out_path, overwrite=overwrite)
     finally:
         progress.close()

