@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +40,10 @@ class Progress:
         if not quiet and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=stages, file=sys.stderr, leave=False, bar_format="{desc} [{n_fmt}/{total_fmt}] {elapsed}")
+            # a terminal that reports no size (0 x 0) would make tqdm hide the bar; fall back to 80 x 24
+            size = shutil.get_terminal_size((80, 24))
+            self.bar = tqdm(total=stages, file=sys.stderr, leave=False, ncols=size.columns or 80, nrows=size.lines or 24,
+                            bar_format="{desc} [{n_fmt}/{total_fmt}] {elapsed}")
 
     def stage(self, text: str) -> None:
         if self.bar is not None:

@@ -126,8 +126,7 @@ def bench(size: str, rounds: int) -> list[tuple[str, str, float, float]]:
     hand = nn.Sequential(*[HandBlock(d, h, T) for _ in range(layers)]).eval()
     models["hand-written"] = {
         "plain": lambda: hand(x),
-        "idle capture": captured(hand, lambda: hand(x), layers=[]),
-        "default capture (mode on, nothing to find)": captured(hand, lambda: hand(x)),
+        "idle capture (modules=[blocks], layers=[])": captured(hand, lambda: hand(x), modules=list(hand), layers=[]),
         "modules=[blocks], full": captured(hand, lambda: hand(x), modules=list(hand)),
         "modules='auto', full": captured(hand, lambda: hand(x), modules="auto"),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -263,3 +264,26 @@ def test_bundled_model_is_the_default(cli, tmp_path):
     result = cli("check", "--format", "json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["records"] == 6  # all-MiniLM-L6-v2: 6 layers
+
+
+# ---------------------------------------------------------------------------------------------- progress
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal, quiet, shown", [(True, False, True), (True, True, False), (False, False, False)])
+def test_progress_shows_stages_only_on_a_terminal_and_not_with_quiet(monkeypatch, terminal, quiet, shown):
+    from attnprobe.cli import Progress
+
+    stream = FakeTerminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(80, 24): os.terminal_size((0, 0)))
+    progress = Progress(2, quiet)
+    progress.stage("loading model")
+    progress.stage("capturing attention")
+    progress.close()
+    text = stream.getvalue()
+    assert ("loading model" in text and "capturing attention [1/2]" in text) is shown, text
+    if not shown:
+        assert text == ""
