@@ -91,7 +91,11 @@ class Capture(Sequence):
 
     # -- selection -------------------------------------------------------------------------
     def select(self, *, layers=None, heads=None, kind: str | None = None, calls=None, steps=None) -> "Capture":
-        """A new Capture with the matching records; ``heads`` slices tensors (views, no copy)."""
+        """A new Capture with the matching records.
+
+        ``heads`` (model head numbers) restricts the tensors: a view for a run of consecutive stored heads,
+        one copy otherwise.
+        """
         layer_set = None if layers is None else set(_int_list(layers, "layers"))
         call_set = None if calls is None else set(_int_list(calls, "calls"))
         step_set = None if steps is None else set(_int_list(steps, "steps"))
@@ -216,6 +220,17 @@ class CaptureSession:
         return self.sites
 
     def __enter__(self) -> Capture:
+        if self._stack is not None:
+            raise SelectionError(
+                "this capture is already active: a `with` block cannot enter the same capture again. "
+                "For a second, nested capture of the same model create another one: "
+                "`with attnprobe.capture(model, ...) as inner:`"
+            )
+        if self._model is None:
+            raise SelectionError(
+                "this capture has already run and let go of its model (its records stay on the Capture it "
+                "returned); start a new one: `with attnprobe.capture(model, ...) as cap:`"
+            )
         model = self._model
         self.discover()
         found = self._found
@@ -223,10 +238,12 @@ class CaptureSession:
         may_grow = any(a.dynamic and a.may_find_more(model, claimed) for a in self.adapters)
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
-                f"no attention found in {self.model_class}: attnprobe reads its own MultiHeadAttention, "
-                "Hugging Face attention modules, torch.nn.MultiheadAttention and code that calls "
-                "scaled_dot_product_attention; for hand-written softmax attention pass "
-                "capture(model, modules=[...]) or modules='auto'"
+                f"no attention found in {self.model_class}. attnprobe reads its own MultiHeadAttention, Hugging Face "
+                "attention modules, torch.nn.MultiheadAttention, and F.scaled_dot_product_attention calls it can see "
+                "in the model's code. A call reached indirectly (through a function kept in a dict or an attribute, "
+                "e.g. self.attn_fn) is found only with capture(model, modules='auto'), which intercepts every call "
+                "(slower). For hand-written softmax(q @ k) attention, name the modules that compute it: "
+                "capture(model, modules=[...]), or use modules='auto'"
             )
         self.static_sites = len(self.sites)
         self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)
@@ -265,10 +282,11 @@ class CaptureSession:
         if exc_type is None and not self.selection.idle and not self.sites:
             warnings.warn(
                 f"no attention found in {self.model_class} while the capture was open (was the model called inside "
-                "the `with` block?): attnprobe reads its own MultiHeadAttention, Hugging Face attention modules, "
-                "torch.nn.MultiheadAttention and direct F.scaled_dot_product_attention calls; "
-                "hand-written softmax attention is read when you ask for it: capture(model, modules=[...]) or "
-                "modules='auto'",
+                "the `with` block?). attnprobe reads its own MultiHeadAttention, Hugging Face attention modules, "
+                "torch.nn.MultiheadAttention and F.scaled_dot_product_attention calls it can see in the model's code; "
+                "a call reached indirectly (a function kept in a dict or an attribute) needs capture(model, "
+                "modules='auto'), and hand-written softmax attention is read when you ask for it: "
+                "capture(model, modules=[...]) or modules='auto'",
                 AttnprobeWarning,
                 stacklevel=3,
             )
@@ -351,34 +369,30 @@ class CaptureSession:
                 f for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding)) if t is not None
             )
 
-        # plan every copy first, so the budget fails before any memory is spent
-        plan = []
-        for f, t in tensors.items():
-            if t is None or f not in self.selection.keep:
+        # plan every copy first, with its exact stored size, so the budget fails before any memory is spent
+        masks = {"allowed": allowed, "query_padding": query_padding, "sinks": sinks}
+        plan = []  # (field, tensor or Lazy, head index or None, head axis, planned bytes)
+        for f, t in (*tensors.items(), *masks.items()):
+            if t is None or (f in tensors and f not in self.selection.keep):
                 continue
-            index = site.kv_heads if f in ("k", "v") else site.heads
-            shape = list(t.shape)
-            if not isinstance(t, Lazy) and f not in preselected:
-                shape[1] = len(index)
-            plan.append((f, t, index, self.store.planned_bytes(shape, self.store.target_dtype(t.dtype))))
-        extra = [(name, t) for name, t in (("allowed", allowed), ("query_padding", query_padding)) if t is not None]
-        total = sum(p[3] for p in plan) + sum(t.numel() * t.element_size() for _, t in extra)
-        self.store.reserve(total, f"layer {site.layer} ({site.name or type(site.module).__name__!r}, call {call}: "
-                           f"{', '.join(p[0] for p in plan) or 'masks only'})")
+            if isinstance(t, Lazy) or f in preselected or f == "query_padding":
+                index, axis = None, 1
+            elif f == "sinks":
+                index, axis = site.heads, 0
+            elif f == "allowed":
+                index, axis = (site.heads if t.shape[1] > 1 else None), 1
+            else:
+                index, axis = (site.kv_heads if f in ("k", "v") else site.heads), 1
+            plan.append((f, t, index, axis, self.store.planned_bytes(t.shape, t.dtype, index, axis)))
+        self.store.reserve(sum(p[4] for p in plan), f"layer {site.layer} ({site.name or type(site.module).__name__!r}, "
+                           f"call {call}: {', '.join(p[0] for p in plan) or 'nothing'})")
 
         stored: dict[str, Any] = {}
-        for f, t, index, _ in plan:
+        for f, t, index, axis, planned in plan:
             if isinstance(t, Lazy):
-                fresh = t.fn()  # a new tensor already: move/convert it, no second copy
-                stored[f] = fresh.detach().to(device=self.selection.device, dtype=self.store.target_dtype(fresh.dtype))
+                stored[f] = self.store.put_fresh(t.fn(), t.dtype, planned, f"layer {site.layer}, call {call}: {f}")
             else:
-                stored[f] = self.store.put(t, None if f in preselected else index)
-        if allowed is not None:
-            stored["allowed"] = self.store.put(allowed, site.heads if allowed.shape[1] > 1 and "allowed" not in preselected else None)
-        if query_padding is not None:
-            stored["query_padding"] = self.store.put(query_padding)
-        if sinks is not None:
-            stored["sinks"] = self.store.put(sinks, site.heads, axis=0)
+                stored[f] = self.store.put(t, index, axis)
 
         record = AttentionRecord(
             name=site.name,

@@ -1,0 +1,111 @@
+"""Bad capture requests fail early with attnprobe's own errors, saying what was wrong and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import attnprobe
+from attnprobe import MultiHeadAttention, SelectionError, UnsupportedModelError
+
+
+@pytest.fixture
+def model():
+    return nn.Sequential(*[MultiHeadAttention(8, num_heads=2) for _ in range(3)]).eval()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_storage_without_cuda(model, assert_no_hooks):
+    with pytest.raises(SelectionError, match=r"device='cuda'.*CUDA is not available.*device=None or 'cpu'"):
+        attnprobe.capture(model, device="cuda")
+    with pytest.raises(SelectionError, match="cuda:1"):
+        attnprobe.run(model, torch.randn(1, 3, 8), device="cuda:1")
+    assert_no_hooks(model)
+
+
+@pytest.mark.parametrize(
+    "device, match",
+    [("meta", "would store no data"), ("banana", "is not a torch device"), (3.5, "is not a torch device")],
+)
+def test_other_unusable_devices(device, match):
+    with pytest.raises(SelectionError, match=match):
+        attnprobe.capture(nn.Identity(), device=device)
+
+
+@pytest.mark.parametrize("keep", [5, 2.0, {"weights": True}, b"weights", object()])
+def test_keep_must_be_tensor_names(keep):
+    with pytest.raises(SelectionError, match=r"keep must be a tensor name or a list of them.*choose from"):
+        attnprobe.capture(nn.Identity(), keep=keep)
+
+
+def test_keep_accepts_a_name_a_list_a_set_and_nothing(model):
+    x = torch.randn(1, 3, 8)
+    for keep, kept in (("q", {"q"}), (["q", "k"], {"q", "k"}), ({"weights"}, {"weights"}), ((), set())):
+        _, cap = attnprobe.run(model, x, layers=[0], keep=keep)
+        present = {f for f in attnprobe.TENSOR_FIELDS if getattr(cap[0], f) is not None}
+        assert present == kept, keep
+    assert cap[0].allowed is not None  # masks are kept whatever keep says
+
+
+def test_reentering_an_active_capture_is_refused(model, assert_no_hooks):
+    x = torch.randn(1, 3, 8)
+    session = attnprobe.capture(model, layers=[0])
+    with session as cap:
+        with pytest.raises(SelectionError, match="already active.*create another one"):
+            with session:
+                pass
+        model(x)
+    assert len(cap) == 1  # the outer capture was not disturbed: one record, not two
+    assert_no_hooks(model)
+    with pytest.raises(SelectionError, match="already run.*start a new one"):
+        with session:
+            pass
+    assert_no_hooks(model)
+
+
+def test_two_captures_of_one_model_may_nest(model, assert_no_hooks):
+    x = torch.randn(1, 3, 8)
+    with attnprobe.capture(model, layers=[0]) as outer, attnprobe.capture(model, layers=[0]) as inner:
+        model(x)
+    assert len(outer) == len(inner) == 1 and torch.equal(outer[0].weights, inner[0].weights)
+    assert_no_hooks(model)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"layers": [-4]}, r"layer -4 is out of range: the model has 3 attention layer\(s\), numbered 0 to 2, or -1 to -3"),
+        ({"layers": [-1, -9]}, "layer -9 is out of range"),
+        ({"heads": {5: [0]}}, "layer 5 is out of range"),
+        ({"heads": {-4: [0]}}, "layer -4 is out of range"),
+        ({"layers": [0], "heads": {1: [0]}}, r"heads=\{\.\.\.\} names layer\(s\) \[1\] that layers=\[0\] does not select"),
+        ({"heads": {2: [0], -1: [1]}}, "names layer 2 twice with different heads"),
+        ({"heads": {"0": [1]}}, r"keys of heads=\{layer: heads\} must be layer numbers"),
+        ({"heads": {(0, 1): [1]}}, r"keys of heads=\{layer: heads\} must be layer numbers"),
+        ({"heads": {0: [2]}}, r"head\(s\) \[2\] out of range for layer 0"),
+    ],
+)
+def test_layer_and_head_errors(model, options, match, assert_no_hooks):
+    with pytest.raises(SelectionError, match=match):
+        with attnprobe.capture(model, **options):
+            model(torch.randn(1, 3, 8))
+    assert_no_hooks(model)
+
+
+def test_negative_layers_and_head_dicts_resolve(model):
+    x = torch.randn(1, 3, 8)
+    _, cap = attnprobe.run(model, x, layers=[-1, 2, 0])
+    assert cap.layers == (0, 2) and len(cap) == 2  # -1 and 2 are one layer, stored once
+    _, cap = attnprobe.run(model, x, heads={-1: [1], 0: None})
+    assert [(r.layer, r.heads) for r in cap] == [(0, (0, 1)), (2, (1,))]
+    _, cap = attnprobe.run(model, x, layers=[0, 1], heads={1: [0]})
+    assert [(r.layer, r.heads) for r in cap] == [(0, (0, 1)), (1, (0,))]
+
+
+def test_no_attention_message_says_what_to_do():
+    with pytest.raises(UnsupportedModelError) as err:
+        attnprobe.capture(nn.Sequential(nn.Linear(4, 4))).__enter__()
+    message = str(err.value)
+    assert "no attention found in Sequential" in message
+    assert "indirectly" in message and "modules='auto'" in message and "modules=[...]" in message
