@@ -16,7 +16,7 @@ the ``kv_head`` axis those in ``record.kv_heads``. A quantity the adapter could 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
@@ -196,5 +196,3 @@ class AttentionRecord:
         parts.append(f"backend={self.backend!r}")
         return f"AttentionRecord({', '.join(parts)})"
 
-
-RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AttentionRecord))
