@@ -93,7 +93,7 @@ def to_frame(cap, tokens=None, key_tokens=None):
 
     with_tokens = tokens is not None or key_tokens is not None
     vocab = _Vocab()
-    names = {r.name: i for i, r in enumerate({r.name: r for r in cap}.values())}
+    names: dict[str, int] = {}  # module path -> category code, in order of first appearance
     parts: dict[str, list[np.ndarray]] = {c: [] for c in FRAME_SCHEMA}
     parts["allowed_known"] = []
     token_parts: dict[str, list[np.ndarray]] = {"query_token": [], "key_token": []}
@@ -109,7 +109,7 @@ def to_frame(cap, tokens=None, key_tokens=None):
         qpos = np.tile(np.repeat(np.arange(Tq, dtype=np.int64) + r.query_offset, Tk), B * H)
         kpos = np.tile(np.arange(Tk, dtype=np.int64), B * H * Tq)
         parts["layer"].append(np.full(n, r.layer, dtype=np.int64))
-        parts["name"].append(np.full(n, names[r.name], dtype=np.int64))
+        parts["name"].append(np.full(n, names.setdefault(r.name, len(names)), dtype=np.int64))
         parts["call"].append(np.full(n, r.call, dtype=np.int64))
         parts["head"].append(np.tile(np.repeat(np.asarray(r.heads, dtype=np.int64), Tq * Tk), B))
         parts["batch"].append(batch)
