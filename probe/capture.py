@@ -207,11 +207,12 @@ class CaptureSession:
     def discover(self) -> list:
         """Ask every adapter for its sites; number them in module order. Attaches nothing."""
         model = self._model
-        order = {id(m): i for i, (_, m) in enumerate(model.named_modules(remove_duplicate=False))}
+        named = list(model.named_modules())  # walked once, shared by the adapters that accept it
+        order = {id(m): i for i, (_, m) in enumerate(named)}
         claimed: set[int] = set()
         self._found = []
         for adapter in self.adapters:
-            sites = adapter.find(model, claimed)
+            sites = adapter.find_named(model, named, claimed)
             claimed.update(id(s.module) for s in sites)
             self._found.append((adapter, sites))
         self.sites = sorted((s for _, sites in self._found for s in sites), key=lambda s: order.get(id(s.module), 1 << 30))
