@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
@@ -49,6 +50,10 @@ class Capture(Sequence):
         self._records: list[AttentionRecord] = list(records)
         self._info = MappingProxyType(dict(info or {}))
 
+    def __reduce__(self):
+        # pickle (torch.save, multiprocessing) cannot store the read-only info view: store a dict
+        return (Capture, (self._records, dict(self._info)))
+
     # -- sequence protocol ---------------------------------------------------------------
     @overload
     def __getitem__(self, index: int) -> AttentionRecord: ...
@@ -57,12 +62,12 @@ class Capture(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return Capture(self._records[index], self._info)
-        if isinstance(index, bool) or not isinstance(index, int):
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
             raise TypeError(
                 f"index a Capture with an int or a slice, got {type(index).__name__}; "
                 "use cap.select(layers=..., heads=...) or cap.record(layer) to pick by layer"
             )
-        return self._records[index]
+        return self._records[operator.index(index)]
 
     def __len__(self) -> int:
         return len(self._records)
@@ -463,14 +468,16 @@ class capture:
     ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
     ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
     ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
-    ``device``/``dtype``: where and as what to store (default: CPU, the model's dtype).
-    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this.
+    ``device``/``dtype``: where and as what to store (default: CPU, the model's dtype; ``dtype`` may be
+    named, e.g. ``"bfloat16"``).
+    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
+    such as ``"500MB"``; every stored tensor counts, masks included).
     ``modules``: hand-written softmax attention to read: modules of the model (or their names from
     ``named_modules()``), or ``"auto"`` to trace every module (slower; see README, "Code attnprobe has
     never seen").
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
-    raises; captures may nest.
+    raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
 
     Example::
 

@@ -16,7 +16,7 @@ the ``kv_head`` axis those in ``record.kv_heads``. A quantity the adapter could 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
@@ -129,6 +129,12 @@ class AttentionRecord:
             present = {f for f in TENSOR_FIELDS + ("allowed", "query_padding") if getattr(self, f) is not None}
             object.__setattr__(self, "identified", frozenset(present))
 
+    def __reduce__(self):
+        # pickle (torch.save, multiprocessing) cannot store the read-only meta view: store a dict
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["meta"] = dict(self.meta)
+        return (_rebuild_record, (state,))
+
     # ------------------------------------------------------------------ derived facts
     @property
     def batch_size(self) -> int | None:
@@ -196,3 +202,6 @@ class AttentionRecord:
         parts.append(f"backend={self.backend!r}")
         return f"AttentionRecord({', '.join(parts)})"
 
+
+def _rebuild_record(state: dict) -> AttentionRecord:
+    return AttentionRecord(**state)

@@ -8,6 +8,7 @@ the one copy that lands in a record. The budget is checked on the planned size, 
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,14 +19,27 @@ from .errors import CaptureBudgetError, SelectionError
 from .record import TENSOR_FIELDS
 
 
+def _as_int(item, what: str, value) -> int:
+    """``item`` as an int: Python, numpy and 0-d integer tensor numbers are accepted, bools are not."""
+    if isinstance(item, bool) or not hasattr(item, "__index__"):
+        raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}")
+    try:
+        return operator.index(item)
+    except TypeError:
+        raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}") from None
+
+
 def _int_list(value, what: str) -> tuple[int, ...]:
-    if isinstance(value, bool) or not isinstance(value, (int, Iterable)) or isinstance(value, (str, bytes)):
+    """An int or an iterable of ints (numpy and torch integers too) as a tuple, duplicates dropped."""
+    if isinstance(value, (bool, str, bytes, Mapping)):
         raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
-    items = (value,) if isinstance(value, int) else tuple(value)
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, int):
-            raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}")
-    return tuple(dict.fromkeys(items))  # dedupe, keep order
+    if getattr(value, "ndim", None) == 0 or (hasattr(value, "__index__") and not isinstance(value, Iterable)):
+        items: tuple = (value,)
+    elif isinstance(value, Iterable):
+        items = tuple(value)
+    else:
+        raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
+    return tuple(dict.fromkeys(_as_int(item, what, value) for item in items))  # dedupe, keep order
 
 
 def _keep_set(keep) -> frozenset[str]:
@@ -108,11 +122,12 @@ class Selection:
         if isinstance(heads, Mapping):
             by_layer = {}
             for layer, hs in heads.items():
-                if isinstance(layer, bool) or not isinstance(layer, int):
+                if isinstance(layer, bool) or not hasattr(layer, "__index__"):
                     raise SelectionError(
                         f"the keys of heads={{layer: heads}} must be layer numbers (int), got {layer!r}; "
                         "e.g. heads={0: [1, 2], -1: None}"
                     )
+                layer = _as_int(layer, "the keys of heads={layer: heads}", heads)
                 by_layer[layer] = None if hs is None else _int_list(hs, f"heads for layer {layer}")
             if layer_tuple is None:
                 layer_tuple = tuple(by_layer)
@@ -124,11 +139,21 @@ class Selection:
 
         keep_set = _keep_set(keep)
         dev = _storage_device(device)
+        if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
+            dtype = getattr(torch, dtype.removeprefix("torch."))  # "float16", "torch.bfloat16"
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise SelectionError(f"dtype must be a floating torch dtype such as torch.float16, got {dtype!r}")
+        if isinstance(max_bytes, str):
+            max_bytes = parse_bytes(max_bytes)  # "500MB", "2GiB"
+        elif isinstance(max_bytes, float) and max_bytes.is_integer():
+            max_bytes = int(max_bytes)  # 1e9
         if max_bytes is not None:
-            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-                raise SelectionError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
+            if isinstance(max_bytes, bool) or not hasattr(max_bytes, "__index__") or operator.index(max_bytes) <= 0:
+                raise SelectionError(
+                    f"max_bytes must be a positive whole number of bytes (such as 500_000_000 or 5e8) or a size "
+                    f"such as '500MB' or '2GiB', got {max_bytes!r}"
+                )
+            max_bytes = operator.index(max_bytes)
         return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes)
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":

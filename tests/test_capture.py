@@ -187,7 +187,7 @@ def test_budget_error_before_memory_is_spent(model, assert_no_hooks):
         ({"layers": ["1"]}, "integers"),
         ({"heads": [7]}, r"head\(s\) \[7\] out of range for layer 0"),
         ({"keep": ["pattern"]}, "unknown tensor name"),
-        ({"max_bytes": -1}, "positive int"),
+        ({"max_bytes": -1}, "max_bytes must be a positive whole number of bytes"),
         ({"dtype": torch.int8}, "floating torch dtype"),
     ],
 )

@@ -109,3 +109,48 @@ def test_no_attention_message_says_what_to_do():
     message = str(err.value)
     assert "no attention found in Sequential" in message
     assert "indirectly" in message and "modules='auto'" in message and "modules=[...]" in message
+
+
+def test_numpy_and_torch_integers_select(model):
+    np = pytest.importorskip("numpy")
+    x = torch.randn(1, 3, 8)
+    _, cap = attnprobe.run(model, x, layers=np.array([0, 2]), heads=torch.tensor([1]))
+    assert [(r.layer, r.heads) for r in cap] == [(0, (1,)), (2, (1,))]
+    _, cap = attnprobe.run(model, x, layers=np.int64(-1), heads={np.int64(2): [np.int64(0)]})
+    assert [(r.layer, r.heads) for r in cap] == [(2, (0,))]
+    assert cap[np.int64(0)] is cap[0] and cap.select(layers=np.array([2])).layers == (2,)
+    with pytest.raises(SelectionError, match="must be integers"):
+        attnprobe.capture(model, heads=[1.0])
+    with pytest.raises(SelectionError, match="must be integers"):
+        attnprobe.capture(model, layers=torch.tensor([0.5]))
+    with pytest.raises(SelectionError, match="must be an int or a list of ints"):
+        attnprobe.capture(model, layers=True)
+
+
+def test_sizes_and_dtypes_by_name(model):
+    x = torch.randn(1, 3, 8)
+    _, cap = attnprobe.run(model, x, layers=[0], dtype="bfloat16", max_bytes="1MB")
+    assert cap[0].weights.dtype == torch.bfloat16 and cap.info["selection"]["max_bytes"] == 10**6
+    _, cap = attnprobe.run(model, x, layers=[0], dtype="torch.float16", max_bytes=1e6)
+    assert cap[0].weights.dtype == torch.float16 and cap.info["selection"]["max_bytes"] == 10**6
+    for bad in (0, -5, 2.5, "lots", True, "0MB"):
+        with pytest.raises(SelectionError, match="max_bytes must be a positive|cannot read"):
+            attnprobe.capture(model, max_bytes=bad)
+    with pytest.raises(SelectionError, match="floating torch dtype"):
+        attnprobe.capture(model, dtype="int8")
+
+
+def test_captures_pickle_for_torch_save(model, tmp_path):
+    import pickle
+
+    _, cap = attnprobe.run(model, torch.randn(1, 3, 8), layers=[0, 1], heads=[1])
+    back = pickle.loads(pickle.dumps(cap))
+    assert isinstance(back, attnprobe.Capture) and back.info == cap.info and len(back) == 2
+    for a, b in zip(cap, back):
+        assert (a.layer, a.heads, a.kind, dict(a.meta)) == (b.layer, b.heads, b.kind, dict(b.meta))
+        assert torch.equal(a.weights, b.weights) and torch.equal(a.allowed, b.allowed)
+    with pytest.raises(TypeError):
+        back.info["model_class"] = "x"  # still read-only after the round trip
+    torch.save(cap, tmp_path / "cap.pt")
+    loaded = torch.load(tmp_path / "cap.pt", weights_only=False)
+    assert torch.equal(loaded[1].q, cap[1].q) and loaded.layers == (0, 1)
