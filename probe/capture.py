@@ -190,7 +190,7 @@ class CaptureSession:
 
     def __init__(self, model: nn.Module, selection: Selection, adapters=None, *, modules=None) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(
+            raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
                 "not its output or a pipeline (for a pipeline use pipeline.model)"
             )

@@ -206,7 +206,7 @@ def test_negative_layers_count_from_the_end(model):
 
 
 def test_not_a_module_is_a_clear_error():
-    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+    with pytest.raises(attnprobe.UnsupportedModelError, match="needs a torch.nn.Module"):  # also a TypeError
         attnprobe.capture(torch.randn(3))
 
 
