@@ -98,10 +98,11 @@ class Capture(Sequence):
     def select(self, *, layers=None, heads=None, kind: str | None = None, calls=None, steps=None) -> "Capture":
         """A new Capture with the matching records.
 
-        ``heads`` (model head numbers) restricts the tensors: a view for a run of consecutive stored heads,
-        one copy otherwise.
+        ``layers`` are the model's layer numbers, negative ones counted from the end of the model's attention
+        layers (as in ``capture``). ``heads`` (model head numbers) restricts the tensors: a view for a run of
+        consecutive stored heads, one copy otherwise.
         """
-        layer_set = None if layers is None else set(_int_list(layers, "layers"))
+        layer_set = None if layers is None else {self._layer_number(n) for n in _int_list(layers, "layers")}
         call_set = None if calls is None else set(_int_list(calls, "calls"))
         step_set = None if steps is None else set(_int_list(steps, "steps"))
         head_tuple = None if heads is None else _int_list(heads, "heads")
@@ -122,8 +123,21 @@ class Capture(Sequence):
             out.append(r)
         return Capture(out, self._info)
 
+    def _layer_number(self, layer: int) -> int:
+        if layer >= 0:
+            return layer
+        n = len(self._info.get("attention_modules", ()))
+        if not n or layer + n < 0:
+            raise SelectionError(
+                f"layer {layer} cannot count from the end: "
+                + (f"the model has {n} attention layer(s)" if n else "this Capture does not know the model's layers")
+                + f"; captured layers: {list(self.layers)}"
+            )
+        return layer + n
+
     def record(self, layer: int, *, call: int = 0) -> AttentionRecord:
-        """The one record of ``layer`` at call number ``call``."""
+        """The one record of ``layer`` at call number ``call`` (negative layers count from the end)."""
+        layer = self._layer_number(layer)
         for r in self._records:
             if r.layer == layer and r.call == call:
                 return r

@@ -154,3 +154,14 @@ def test_captures_pickle_for_torch_save(model, tmp_path):
     torch.save(cap, tmp_path / "cap.pt")
     loaded = torch.load(tmp_path / "cap.pt", weights_only=False)
     assert torch.equal(loaded[1].q, cap[1].q) and loaded.layers == (0, 1)
+
+
+def test_select_and_record_count_negative_layers_from_the_end(model):
+    _, cap = attnprobe.run(model, torch.randn(1, 3, 8), layers=[0, 2])
+    assert cap.select(layers=-1).layers == (2,) and cap.record(-1) is cap[1]
+    assert len(cap.select(layers=[-2])) == 0  # layer 1 exists but was not captured
+    with pytest.raises(SelectionError, match=r"layer -4 cannot count from the end: the model has 3 attention layer"):
+        cap.select(layers=[-4])
+    bare = attnprobe.Capture(list(cap))
+    with pytest.raises(SelectionError, match="does not know the model's layers"):
+        bare.record(-1)
