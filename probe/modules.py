@@ -100,12 +100,15 @@ class MultiHeadAttention(nn.Module):
     - ``attention_mask``: key padding in the Hugging Face convention, ``(batch, key)``, 1 = real token,
       0 = padding. For self-attention it also marks the padded query rows.
     - ``attn_mask``: an explicit mask in the ``F.scaled_dot_product_attention`` convention, bool
-      (True = may attend) or float (added to the scores), broadcastable to ``(batch, head, query, key)``.
+      (True = may attend) or float (added to the scores; -inf, or at most half the dtype's lowest value,
+      masks the key: weight exactly 0), broadcastable to ``(batch, head, query, key)`` (``(head, query, key)``
+      for unbatched input) without growing it.
     - ``is_causal``: overrides the module's ``causal`` for this call.
 
     Query rows with no allowed key (a padded query under a causal mask) get zero weights and a zero
     output, never NaN. Hook points: ``hook_q``, ``hook_k``, ``hook_v`` ``(batch, head, seq, d_head)``,
-    ``hook_scores`` (pre-softmax, before the mask), ``hook_allowed`` (bool), ``hook_weights``
+    ``hook_scores`` (pre-softmax, before masking; a float ``attn_mask``'s finite values are already added
+    there, as a bias), ``hook_allowed`` (bool), ``hook_weights``
     (post-softmax, before dropout), all ``(batch, head, query, key)``; ``hook_output`` the merged
     heads ``(batch, query, head * d_head)`` before the output projection.
 
@@ -157,7 +160,7 @@ class MultiHeadAttention(nn.Module):
         self.hook_q = HookPoint()  # (batch, head, query, d_head)
         self.hook_k = HookPoint()  # (batch, head, key, d_head)
         self.hook_v = HookPoint()  # (batch, head, key, d_head)
-        self.hook_scores = HookPoint()  # (batch, head, query, key), pre-softmax, before the mask
+        self.hook_scores = HookPoint()  # (batch, head, query, key), pre-softmax, float-mask bias added, not masked
         self.hook_allowed = HookPoint()  # (batch, 1 or head, query, key), bool, True = may attend
         self.hook_weights = HookPoint()  # (batch, head, query, key), post-softmax, before dropout
         self.hook_output = HookPoint()  # (batch, query, head * d_head), before out_proj
