@@ -408,11 +408,15 @@ class CaptureSession:
                            f"call {call}: {', '.join(p[0] for p in plan) or 'nothing'})")
 
         stored: dict[str, Any] = {}
-        for f, t, index, axis, planned in plan:
-            if isinstance(t, Lazy):
-                stored[f] = self.store.put_fresh(t.fn(), t.dtype, planned, f"layer {site.layer}, call {call}: {f}")
-            else:
-                stored[f] = self.store.put(t, index, axis)
+        with ExitStack() as modes:
+            if torch.is_inference_mode_enabled():  # records hold ordinary tensors, usable after the block
+                modes.enter_context(torch.inference_mode(False))
+            modes.enter_context(torch.no_grad())  # copies (and Lazy math) never join the model's graph
+            for f, t, index, axis, planned in plan:
+                if isinstance(t, Lazy):
+                    stored[f] = self.store.put_fresh(t.fn(), t.dtype, planned, f"layer {site.layer}, call {call}: {f}")
+                else:
+                    stored[f] = self.store.put(t, index, axis)
 
         record = AttentionRecord(
             name=site.name,

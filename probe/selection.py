@@ -136,6 +136,11 @@ class Selection:
         for h in (head_tuple or ()) + tuple(h for hs in (by_layer or {}).values() for h in (hs or ())):
             if h < 0:
                 raise SelectionError(f"heads must be non-negative head numbers, got {h}")
+        if head_tuple == () or any(hs == () for hs in (by_layer or {}).values()):
+            raise SelectionError(
+                "heads=[] selects no head, so its layers would store empty tensors; to capture nothing use "
+                "layers=[], to leave a layer out do not list it (heads={layer: None} keeps all its heads)"
+            )
 
         keep_set = _keep_set(keep)
         dev = _storage_device(device)

@@ -165,3 +165,20 @@ def test_select_and_record_count_negative_layers_from_the_end(model):
     bare = attnprobe.Capture(list(cap))
     with pytest.raises(SelectionError, match="does not know the model's layers"):
         bare.record(-1)
+
+
+def test_empty_head_lists_are_refused():
+    for heads in ([], {0: []}):
+        with pytest.raises(SelectionError, match=r"heads=\[\] selects no head.*layers=\[\]"):
+            attnprobe.capture(nn.Identity(), heads=heads)
+
+
+def test_records_made_under_inference_mode_are_ordinary_tensors(model):
+    x = torch.randn(1, 3, 8)
+    with torch.inference_mode():
+        out, cap = attnprobe.run(model, x, layers=[0], heads=[1])
+    assert out.is_inference()  # the model's own output is untouched
+    rec = cap[0]
+    assert not any(getattr(rec, f).is_inference() for f in ("q", "weights", "allowed"))
+    rec.q.requires_grad_()  # would raise on an inference tensor
+    torch.testing.assert_close(rec.weights, attnprobe.run(model, x, layers=[0], heads=[1])[1][0].weights)
