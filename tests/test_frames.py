@@ -189,3 +189,16 @@ def test_frames_name_the_records_they_leave_out():
         assert len(scores_only.to_frame()) == 2 * 2 * 3 * 3  # scores are enough for the frame: no warning
     with pytest.warns(attnprobe.AttnprobeWarning, match="summary"):
         scores_only.summary()
+
+
+def test_summary_of_a_model_with_attention_sinks():
+    from hf_helpers import build, inputs
+
+    model = build("gpt_oss", "eager")
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model(**inputs("gpt_oss", "left"))
+    assert all(r.sinks is not None for r in cap)
+    real = [r.weights.sum(-1)[r.allowed_for_heads().any(-1)] for r in cap]
+    assert max(float((1 - s).abs().max()) for s in real) > 1e-3  # the sinks take visible mass
+    s = cap.summary()
+    assert len(s) == 2 * 4 and (s.row_sum_error < 1e-5).all()
