@@ -284,8 +284,10 @@ class Store:
             raise CaptureBudgetError(
                 f"capture budget exceeded: storing {what} needs {format_bytes(nbytes)} more, "
                 f"{format_bytes(self.used)} is already stored and max_bytes is {format_bytes(limit)}. "
-                "Select fewer layers (layers=[...]) or heads (heads=[...]), keep fewer tensors "
-                "(keep=('weights',)), store a smaller dtype (dtype=torch.float16), or raise max_bytes."
+                "Select fewer layers (layers=[...]) or heads (heads=[...]), keep fewer tensors (keep=('weights',)), "
+                + ("" if self.selection.dtype is not None and self.selection.dtype.itemsize <= 2
+                   else "store a smaller dtype (dtype=torch.float16), ")
+                + "or raise max_bytes."
             )
         self.used += nbytes
 

@@ -165,3 +165,13 @@ def test_planned_bytes_equal_stored_bytes():
     ):
         out = store.put(t, index, axis)
         assert store.planned_bytes(t.shape, t.dtype, index, axis) == out.numel() * out.element_size()
+
+
+def test_budget_message_suggests_only_what_would_help():
+    attn = MultiHeadAttention(8, num_heads=2)
+    for dtype, suggests_dtype in ((None, True), (torch.float16, False)):
+        with pytest.raises(CaptureBudgetError) as err:
+            attnprobe.run(attn, torch.randn(1, 4, 8), dtype=dtype, max_bytes=10)
+        message = str(err.value)
+        assert "layers=[...]" in message and "raise max_bytes" in message
+        assert ("dtype=torch.float16" in message) == suggests_dtype
