@@ -42,6 +42,13 @@ class Adapter:
         """Sites for the modules of ``model`` this adapter reads, skipping ids in ``claimed``."""
         raise NotImplementedError
 
+    def find_named(self, model: nn.Module, named: list[tuple[str, nn.Module]], claimed: set[int]) -> list[Site]:
+        """``find`` given ``named = list(model.named_modules())``, walked once by the session for every adapter.
+
+        Adapters that walk the modules override this instead of walking them again; the default calls ``find``.
+        """
+        return self.find(model, claimed)
+
     def may_find_more(self, model: nn.Module, claimed: set[int]) -> bool:
         """For dynamic adapters: whether running ``model`` could reveal attention beyond the sites found
         (``claimed`` holds their module ids). False lets the session check layer numbers up front."""

@@ -17,9 +17,12 @@ class OwnModuleAdapter(Adapter):
     name = "attnprobe"
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
+        return self.find_named(model, list(model.named_modules()), claimed)
+
+    def find_named(self, model: nn.Module, named: list[tuple[str, nn.Module]], claimed: set[int]) -> list[Site]:
         return [
             Site(name, module, self, module.num_heads, module.num_heads, info={"strategy": "hook points", "backend": "attnprobe"})
-            for name, module in model.named_modules()
+            for name, module in named
             if isinstance(module, MultiHeadAttention) and id(module) not in claimed
         ]
 

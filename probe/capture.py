@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
@@ -49,6 +50,10 @@ class Capture(Sequence):
         self._records: list[AttentionRecord] = list(records)
         self._info = MappingProxyType(dict(info or {}))
 
+    def __reduce__(self):
+        # pickle (torch.save, multiprocessing) cannot store the read-only info view: store a dict
+        return (Capture, (self._records, dict(self._info)))
+
     # -- sequence protocol ---------------------------------------------------------------
     @overload
     def __getitem__(self, index: int) -> AttentionRecord: ...
@@ -57,12 +62,12 @@ class Capture(Sequence):
     def __getitem__(self, index):
         if isinstance(index, slice):
             return Capture(self._records[index], self._info)
-        if isinstance(index, bool) or not isinstance(index, int):
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
             raise TypeError(
                 f"index a Capture with an int or a slice, got {type(index).__name__}; "
                 "use cap.select(layers=..., heads=...) or cap.record(layer) to pick by layer"
             )
-        return self._records[index]
+        return self._records[operator.index(index)]
 
     def __len__(self) -> int:
         return len(self._records)
@@ -91,8 +96,13 @@ class Capture(Sequence):
 
     # -- selection -------------------------------------------------------------------------
     def select(self, *, layers=None, heads=None, kind: str | None = None, calls=None, steps=None) -> "Capture":
-        """A new Capture with the matching records; ``heads`` slices tensors (views, no copy)."""
-        layer_set = None if layers is None else set(_int_list(layers, "layers"))
+        """A new Capture with the matching records.
+
+        ``layers`` are the model's layer numbers, negative ones counted from the end of the model's attention
+        layers (as in ``capture``). ``heads`` (model head numbers) restricts the tensors: a view for a run of
+        consecutive stored heads, one copy otherwise.
+        """
+        layer_set = None if layers is None else {self._layer_number(n) for n in _int_list(layers, "layers")}
         call_set = None if calls is None else set(_int_list(calls, "calls"))
         step_set = None if steps is None else set(_int_list(steps, "steps"))
         head_tuple = None if heads is None else _int_list(heads, "heads")
@@ -113,8 +123,21 @@ class Capture(Sequence):
             out.append(r)
         return Capture(out, self._info)
 
+    def _layer_number(self, layer: int) -> int:
+        if layer >= 0:
+            return layer
+        n = len(self._info.get("attention_modules", ()))
+        if not n or layer + n < 0:
+            raise SelectionError(
+                f"layer {layer} cannot count from the end: "
+                + (f"the model has {n} attention layer(s)" if n else "this Capture does not know the model's layers")
+                + f"; captured layers: {list(self.layers)}"
+            )
+        return layer + n
+
     def record(self, layer: int, *, call: int = 0) -> AttentionRecord:
-        """The one record of ``layer`` at call number ``call``."""
+        """The one record of ``layer`` at call number ``call`` (negative layers count from the end)."""
+        layer = self._layer_number(layer)
         for r in self._records:
             if r.layer == layer and r.call == call:
                 return r
@@ -181,7 +204,7 @@ class CaptureSession:
 
     def __init__(self, model: nn.Module, selection: Selection, adapters=None, *, modules=None) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(
+            raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
                 "not its output or a pipeline (for a pipeline use pipeline.model)"
             )
@@ -203,11 +226,12 @@ class CaptureSession:
     def discover(self) -> list:
         """Ask every adapter for its sites; number them in module order. Attaches nothing."""
         model = self._model
-        order = {id(m): i for i, (_, m) in enumerate(model.named_modules(remove_duplicate=False))}
+        named = list(model.named_modules())  # walked once, shared by the adapters that accept it
+        order = {id(m): i for i, (_, m) in enumerate(named)}
         claimed: set[int] = set()
         self._found = []
         for adapter in self.adapters:
-            sites = adapter.find(model, claimed)
+            sites = adapter.find_named(model, named, claimed)
             claimed.update(id(s.module) for s in sites)
             self._found.append((adapter, sites))
         self.sites = sorted((s for _, sites in self._found for s in sites), key=lambda s: order.get(id(s.module), 1 << 30))
@@ -216,6 +240,17 @@ class CaptureSession:
         return self.sites
 
     def __enter__(self) -> Capture:
+        if self._stack is not None:
+            raise SelectionError(
+                "this capture is already active: a `with` block cannot enter the same capture again. "
+                "For a second, nested capture of the same model create another one: "
+                "`with attnprobe.capture(model, ...) as inner:`"
+            )
+        if self._model is None:
+            raise SelectionError(
+                "this capture has already run and let go of its model (its records stay on the Capture it "
+                "returned); start a new one: `with attnprobe.capture(model, ...) as cap:`"
+            )
         model = self._model
         self.discover()
         found = self._found
@@ -223,10 +258,12 @@ class CaptureSession:
         may_grow = any(a.dynamic and a.may_find_more(model, claimed) for a in self.adapters)
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
-                f"no attention found in {self.model_class}: attnprobe reads its own MultiHeadAttention, "
-                "Hugging Face attention modules, torch.nn.MultiheadAttention and code that calls "
-                "scaled_dot_product_attention; for hand-written softmax attention pass "
-                "capture(model, modules=[...]) or modules='auto'"
+                f"no attention found in {self.model_class}. attnprobe reads its own MultiHeadAttention, Hugging Face "
+                "attention modules, torch.nn.MultiheadAttention, and F.scaled_dot_product_attention calls it can see "
+                "in the model's code. A call reached indirectly (through a function kept in a dict or an attribute, "
+                "e.g. self.attn_fn) is found only with capture(model, modules='auto'), which intercepts every call "
+                "(slower). For hand-written softmax(q @ k) attention, name the modules that compute it: "
+                "capture(model, modules=[...]), or use modules='auto'"
             )
         self.static_sites = len(self.sites)
         self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)
@@ -265,10 +302,11 @@ class CaptureSession:
         if exc_type is None and not self.selection.idle and not self.sites:
             warnings.warn(
                 f"no attention found in {self.model_class} while the capture was open (was the model called inside "
-                "the `with` block?): attnprobe reads its own MultiHeadAttention, Hugging Face attention modules, "
-                "torch.nn.MultiheadAttention and direct F.scaled_dot_product_attention calls; "
-                "hand-written softmax attention is read when you ask for it: capture(model, modules=[...]) or "
-                "modules='auto'",
+                "the `with` block?). attnprobe reads its own MultiHeadAttention, Hugging Face attention modules, "
+                "torch.nn.MultiheadAttention and F.scaled_dot_product_attention calls it can see in the model's code; "
+                "a call reached indirectly (a function kept in a dict or an attribute) needs capture(model, "
+                "modules='auto'), and hand-written softmax attention is read when you ask for it: "
+                "capture(model, modules=[...]) or modules='auto'",
                 AttnprobeWarning,
                 stacklevel=3,
             )
@@ -351,34 +389,34 @@ class CaptureSession:
                 f for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding)) if t is not None
             )
 
-        # plan every copy first, so the budget fails before any memory is spent
-        plan = []
-        for f, t in tensors.items():
-            if t is None or f not in self.selection.keep:
+        # plan every copy first, with its exact stored size, so the budget fails before any memory is spent
+        masks = {"allowed": allowed, "query_padding": query_padding, "sinks": sinks}
+        plan = []  # (field, tensor or Lazy, head index or None, head axis, planned bytes)
+        for f, t in (*tensors.items(), *masks.items()):
+            if t is None or (f in tensors and f not in self.selection.keep):
                 continue
-            index = site.kv_heads if f in ("k", "v") else site.heads
-            shape = list(t.shape)
-            if not isinstance(t, Lazy) and f not in preselected:
-                shape[1] = len(index)
-            plan.append((f, t, index, self.store.planned_bytes(shape, self.store.target_dtype(t.dtype))))
-        extra = [(name, t) for name, t in (("allowed", allowed), ("query_padding", query_padding)) if t is not None]
-        total = sum(p[3] for p in plan) + sum(t.numel() * t.element_size() for _, t in extra)
-        self.store.reserve(total, f"layer {site.layer} ({site.name or type(site.module).__name__!r}, call {call}: "
-                           f"{', '.join(p[0] for p in plan) or 'masks only'})")
+            if isinstance(t, Lazy) or f in preselected or f == "query_padding":
+                index, axis = None, 1
+            elif f == "sinks":
+                index, axis = site.heads, 0
+            elif f == "allowed":
+                index, axis = (site.heads if t.shape[1] > 1 else None), 1
+            else:
+                index, axis = (site.kv_heads if f in ("k", "v") else site.heads), 1
+            plan.append((f, t, index, axis, self.store.planned_bytes(t.shape, t.dtype, index, axis)))
+        self.store.reserve(sum(p[4] for p in plan), f"layer {site.layer} ({site.name or type(site.module).__name__!r}, "
+                           f"call {call}: {', '.join(p[0] for p in plan) or 'nothing'})")
 
         stored: dict[str, Any] = {}
-        for f, t, index, _ in plan:
-            if isinstance(t, Lazy):
-                fresh = t.fn()  # a new tensor already: move/convert it, no second copy
-                stored[f] = fresh.detach().to(device=self.selection.device, dtype=self.store.target_dtype(fresh.dtype))
-            else:
-                stored[f] = self.store.put(t, None if f in preselected else index)
-        if allowed is not None:
-            stored["allowed"] = self.store.put(allowed, site.heads if allowed.shape[1] > 1 and "allowed" not in preselected else None)
-        if query_padding is not None:
-            stored["query_padding"] = self.store.put(query_padding)
-        if sinks is not None:
-            stored["sinks"] = self.store.put(sinks, site.heads, axis=0)
+        with ExitStack() as modes:
+            if torch.is_inference_mode_enabled():  # records hold ordinary tensors, usable after the block
+                modes.enter_context(torch.inference_mode(False))
+            modes.enter_context(torch.no_grad())  # copies (and Lazy math) never join the model's graph
+            for f, t, index, axis, planned in plan:
+                if isinstance(t, Lazy):
+                    stored[f] = self.store.put_fresh(t.fn(), t.dtype, planned, f"layer {site.layer}, call {call}: {f}")
+                else:
+                    stored[f] = self.store.put(t, index, axis)
 
         record = AttentionRecord(
             name=site.name,
@@ -448,14 +486,16 @@ class capture:
     ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
     ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
     ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
-    ``device``/``dtype``: where and as what to store (default: CPU, the model's dtype).
-    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this.
+    ``device``/``dtype``: where and as what to store (default: CPU, the model's dtype; ``dtype`` may be
+    named, e.g. ``"bfloat16"``).
+    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
+    such as ``"500MB"``; every stored tensor counts, masks included).
     ``modules``: hand-written softmax attention to read: modules of the model (or their names from
     ``named_modules()``), or ``"auto"`` to trace every module (slower; see README, "Code attnprobe has
     never seen").
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
-    raises; captures may nest.
+    raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
 
     Example::
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .errors import AttnprobeError
+from .errors import AttnprobeError, AttnprobeWarning
 from .tokens import record_token_rows
 
 #: Column -> dtype of ``Capture.to_frame()``: the one schema, defined here only.
@@ -45,7 +46,7 @@ SUMMARY_SCHEMA: dict[str, str] = {
     "diagonal_mass": "float32",  # mean weight on the query's own position (self-attention only)
     "previous_mass": "float32",  # mean weight on the position before the query (self-attention only)
     "masked_mass": "float32",  # mean weight on keys that were not allowed (should be 0)
-    "row_sum_error": "float32",  # worst |row sum - 1|
+    "row_sum_error": "float32",  # worst |row sum - expected|: 1, or 1 - sink mass with attention sinks
 }
 
 
@@ -61,6 +62,19 @@ class _Vocab:
         for b, row in enumerate(rows):
             out[b, : len(row)] = [self.index.setdefault(str(t), len(self.index)) for t in row]
         return out
+
+
+def _warn_left_out(records: list, what: str, needs: str, fix: str) -> None:
+    """Say which records a frame left out and why (instead of dropping them silently)."""
+    if not records:
+        return
+    shown = ", ".join(f"layer {r.layer} call {r.call} ({r.name!r})" for r in records[:5])
+    more = f" and {len(records) - 5} more" if len(records) > 5 else ""
+    warnings.warn(
+        f"{what} left out {len(records)} record(s) without {needs}: {shown}{more}; {fix}",
+        AttnprobeWarning,
+        stacklevel=4,
+    )
 
 
 def _values(t: torch.Tensor | None, n: int) -> np.ndarray:
@@ -79,13 +93,15 @@ def to_frame(cap, tokens=None, key_tokens=None):
 
     with_tokens = tokens is not None or key_tokens is not None
     vocab = _Vocab()
-    names = {r.name: i for i, r in enumerate({r.name: r for r in cap}.values())}
+    names: dict[str, int] = {}  # module path -> category code, in order of first appearance
     parts: dict[str, list[np.ndarray]] = {c: [] for c in FRAME_SCHEMA}
     parts["allowed_known"] = []
     token_parts: dict[str, list[np.ndarray]] = {"query_token": [], "key_token": []}
+    left_out = []
     for r in cap:
         t = r.weights if r.weights is not None else r.scores
         if t is None:
+            left_out.append(r)
             continue
         B, H, Tq, Tk = t.shape
         n = B * H * Tq * Tk
@@ -93,7 +109,7 @@ def to_frame(cap, tokens=None, key_tokens=None):
         qpos = np.tile(np.repeat(np.arange(Tq, dtype=np.int64) + r.query_offset, Tk), B * H)
         kpos = np.tile(np.arange(Tk, dtype=np.int64), B * H * Tq)
         parts["layer"].append(np.full(n, r.layer, dtype=np.int64))
-        parts["name"].append(np.full(n, names[r.name], dtype=np.int64))
+        parts["name"].append(np.full(n, names.setdefault(r.name, len(names)), dtype=np.int64))
         parts["call"].append(np.full(n, r.call, dtype=np.int64))
         parts["head"].append(np.tile(np.repeat(np.asarray(r.heads, dtype=np.int64), Tq * Tk), B))
         parts["batch"].append(batch)
@@ -113,6 +129,9 @@ def to_frame(cap, tokens=None, key_tokens=None):
                     token_parts[col].append(np.full(n, -1, dtype=np.int64))
                 else:
                     token_parts[col].append(vocab.codes(rows)[batch, pos])
+
+    _warn_left_out(left_out, "to_frame()", "scores or weights (one row per query and key needs one of them)",
+                   "capture with keep= including 'weights' or 'scores' to have them in the frame")
 
     def cat(col, dtype):
         return np.concatenate(parts[col]) if parts[col] else np.zeros(0, dtype=dtype)
@@ -143,8 +162,10 @@ def summary(cap):
     import pandas as pd
 
     acc: dict[tuple[int, int], dict] = {}
+    left_out = []
     for r in cap:
         if r.weights is None:
+            left_out.append(r)
             continue
         w = r.weights.detach().to("cpu", torch.float32)
         B, H, Tq, Tk = w.shape
@@ -163,7 +184,11 @@ def summary(cap):
         first = key_real.float().argmax(-1)  # first such key
         first_mass = w.gather(-1, first[:, :, None, None].expand(B, H, Tq, 1)).squeeze(-1)
         masked = torch.where(allowed, 0.0, w).sum(-1)
-        row_err = torch.where(real, (w.sum(-1) - 1).abs(), 0.0).amax(dim=(0, 2))
+        expected_sum = _expected_row_sum(r, allowed)  # (B, H, Tq), None when it cannot be known
+        if expected_sum is None:
+            row_err = torch.full((H,), math.nan)
+        else:
+            row_err = torch.where(real, (w.sum(-1) - expected_sum).abs(), 0.0).amax(dim=(0, 2))
         stats = {
             "entropy": row_mean(entropy),
             "max_weight": row_mean(w.amax(-1)),
@@ -179,12 +204,15 @@ def summary(cap):
                 stats[col] = torch.where(real & ok, vals, 0.0).sum(dim=(0, 2))
                 stats[col + "_rows"] = (real & ok).sum(dim=(0, 2))
         for i, head in enumerate(r.heads):
-            a = acc.setdefault((r.layer, head), {"name": r.name, "rows": 0, "row_sum_error": 0.0})
+            a = acc.setdefault((r.layer, head), {"name": r.name, "rows": 0, "row_sum_error": math.nan})
             a["rows"] += int(counts[i])
-            a["row_sum_error"] = max(a["row_sum_error"], float(row_err[i]))
+            err = float(row_err[i])
+            if not math.isnan(err):  # records whose expected row sum is unknown do not count
+                a["row_sum_error"] = err if math.isnan(a["row_sum_error"]) else max(a["row_sum_error"], err)
             for col, v in stats.items():
                 a[col] = a.get(col, 0.0) + float(v[i])
 
+    _warn_left_out(left_out, "summary()", "weights", "capture with keep= including 'weights' to summarize them")
     rows = []
     for (layer, head), a in sorted(acc.items()):
         n = a["rows"]
@@ -198,6 +226,22 @@ def summary(cap):
         rows.append(row)
     frame = pd.DataFrame(rows, columns=list(SUMMARY_SCHEMA))
     return frame.astype(SUMMARY_SCHEMA)
+
+
+def _expected_row_sum(r, allowed: torch.Tensor):
+    """What each query row of ``r.weights`` should sum to, ``(batch, head, query)`` or a float.
+
+    1 without attention sinks. With sinks the sink logit takes ``softmax([scores, sink])[-1]`` of the mass,
+    which needs the scores; without them the expected sum is unknown (None).
+    """
+    if r.sinks is None:
+        return 1.0
+    if r.scores is None:
+        return None
+    s = torch.where(allowed, r.scores.detach().to("cpu", torch.float32), -math.inf)  # (B, H, Tq, Tk)
+    B, H, Tq, _ = s.shape
+    sink = r.sinks.detach().to("cpu", torch.float32).view(1, H, 1, 1).expand(B, H, Tq, 1)
+    return 1.0 - torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., -1]
 
 
 def write_frame(frame, path, *, format: str | None = None, overwrite: bool = False):

@@ -72,7 +72,6 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
         )
     return replace(
         first,
-        call=first.call,
         step=None,
         q=cat("q", 0),
         k=last.k,

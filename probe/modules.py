@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -47,7 +46,8 @@ def sdpa_mask_to_allowed(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[t
     """An ``F.scaled_dot_product_attention``-style mask to (allowed, additive bias or None).
 
     A bool mask means True = take part in attention. A float mask is added to the scores; entries at
-    or below half the dtype's most negative value (or -inf) count as masked, the rest are a bias.
+    or below half the dtype's most negative value (or -inf) count as masked (their weight is exactly 0),
+    the rest are a bias. NaN or +inf in a float mask is refused (it would make the weights NaN).
     """
     if attn_mask.dtype == torch.bool:
         return attn_mask, None
@@ -55,9 +55,39 @@ def sdpa_mask_to_allowed(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[t
         raise TypeError(
             f"attn_mask must be bool (True = attend) or floating point (added to the scores), got {attn_mask.dtype}"
         )
+    if not bool((attn_mask < math.inf).all()):
+        raise ValueError(
+            "attn_mask holds NaN or +inf; a float mask is added to the scores: use 0 where a key may be attended "
+            "and -inf (or a large negative number) where it may not, or pass a bool mask (True = attend)"
+        )
     threshold = torch.finfo(attn_mask.dtype).min / 2
     allowed = attn_mask > threshold
     return allowed, attn_mask.masked_fill(~allowed, 0.0).to(dtype)
+
+
+def _check_attn_mask(attn_mask, shape: tuple[int, int, int, int], batched: bool) -> None:
+    """``attn_mask`` must be a bool or float tensor that broadcasts to ``shape`` = (batch, head, query, key)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a tensor (bool: True = attend, or float: added), got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(
+            f"attn_mask must be bool (True = attend) or floating point (added to the scores), got {attn_mask.dtype}; "
+            "for Hugging Face key padding (1 = real token, 0 = padding) use attention_mask= instead"
+        )
+    B, H, Tq, Tk = shape
+    target = (B, H, Tq, Tk) if batched else (H, Tq, Tk)
+    ok = attn_mask.dim() <= len(target)
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == target
+        except RuntimeError:
+            ok = False
+    if not ok:
+        what = "(batch, head, query, key)" if batched else "(head, query, key) for unbatched input"
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {what} = {target}; "
+            "give it shape (query, key) for one mask shared by all, or add batch/head axes of size 1 or of full size"
+        )
 
 
 class MultiHeadAttention(nn.Module):
@@ -70,12 +100,15 @@ class MultiHeadAttention(nn.Module):
     - ``attention_mask``: key padding in the Hugging Face convention, ``(batch, key)``, 1 = real token,
       0 = padding. For self-attention it also marks the padded query rows.
     - ``attn_mask``: an explicit mask in the ``F.scaled_dot_product_attention`` convention, bool
-      (True = may attend) or float (added to the scores), broadcastable to ``(batch, head, query, key)``.
+      (True = may attend) or float (added to the scores; -inf, or at most half the dtype's lowest value,
+      masks the key: weight exactly 0), broadcastable to ``(batch, head, query, key)`` (``(head, query, key)``
+      for unbatched input) without growing it.
     - ``is_causal``: overrides the module's ``causal`` for this call.
 
     Query rows with no allowed key (a padded query under a causal mask) get zero weights and a zero
     output, never NaN. Hook points: ``hook_q``, ``hook_k``, ``hook_v`` ``(batch, head, seq, d_head)``,
-    ``hook_scores`` (pre-softmax, before the mask), ``hook_allowed`` (bool), ``hook_weights``
+    ``hook_scores`` (pre-softmax, before masking; a float ``attn_mask``'s finite values are already added
+    there, as a bias), ``hook_allowed`` (bool), ``hook_weights``
     (post-softmax, before dropout), all ``(batch, head, query, key)``; ``hook_output`` the merged
     heads ``(batch, query, head * d_head)`` before the output projection.
 
@@ -127,7 +160,7 @@ class MultiHeadAttention(nn.Module):
         self.hook_q = HookPoint()  # (batch, head, query, d_head)
         self.hook_k = HookPoint()  # (batch, head, key, d_head)
         self.hook_v = HookPoint()  # (batch, head, key, d_head)
-        self.hook_scores = HookPoint()  # (batch, head, query, key), pre-softmax, before the mask
+        self.hook_scores = HookPoint()  # (batch, head, query, key), pre-softmax, float-mask bias added, not masked
         self.hook_allowed = HookPoint()  # (batch, 1 or head, query, key), bool, True = may attend
         self.hook_weights = HookPoint()  # (batch, head, query, key), post-softmax, before dropout
         self.hook_output = HookPoint()  # (batch, query, head * d_head), before out_proj
@@ -143,6 +176,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"x has width {x.shape[-1]}, this module expects d_model={self.d_model}")
         kind = "self" if context is None else "cross"
         if context is not None:
+            if not isinstance(context, torch.Tensor):
+                raise TypeError(f"context must be a tensor (batch, key, d_context), got {type(context).__name__}")
             if context.dim() != x.dim():
                 raise ValueError(
                     f"context must be batched like x ({'3' if batched else '2'}-D), got shape {tuple(context.shape)}"
@@ -163,8 +198,16 @@ class MultiHeadAttention(nn.Module):
                 f"causal attention needs as many keys as queries, got {x.shape[-2]} queries and {key_len} keys; "
                 "use is_causal=False for cross-attention"
             )
+        if attn_mask is not None:
+            batch = x.shape[0] if batched else 1
+            _check_attn_mask(attn_mask, (batch, self.num_heads, x.shape[-2], key_len), batched)
         query_padding = None
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(
+                    f"attention_mask must be a tensor (batch, key) with 1 = real token and 0 = padding, "
+                    f"got {type(attention_mask).__name__}"
+                )
             expected = (x.shape[0], key_len) if batched else (key_len,)
             if tuple(attention_mask.shape) != expected:
                 raise ValueError(
@@ -199,13 +242,7 @@ class MultiHeadAttention(nn.Module):
             mask_allowed, bias = sdpa_mask_to_allowed(attn_mask, scores.dtype)
             if bias is not None:
                 scores = scores + bias
-            try:
-                allowed = allowed & mask_allowed
-            except RuntimeError as exc:
-                raise ValueError(
-                    f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, head, query, key) = "
-                    f"{(B, H, Tq, Tk)}"
-                ) from exc
+            allowed = allowed & mask_allowed  # shape checked in resolve_call: (B, 1 or H, Tq, Tk)
         if attention_mask is not None:
             allowed = allowed & key_padding_to_bool(attention_mask)[:, None, None, :]
         if info.causal:

@@ -129,6 +129,12 @@ class AttentionRecord:
             present = {f for f in TENSOR_FIELDS + ("allowed", "query_padding") if getattr(self, f) is not None}
             object.__setattr__(self, "identified", frozenset(present))
 
+    def __reduce__(self):
+        # pickle (torch.save, multiprocessing) cannot store the read-only meta view: store a dict
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["meta"] = dict(self.meta)
+        return (_rebuild_record, (state,))
+
     # ------------------------------------------------------------------ derived facts
     @property
     def batch_size(self) -> int | None:
@@ -197,4 +203,5 @@ class AttentionRecord:
         return f"AttentionRecord({', '.join(parts)})"
 
 
-RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(AttentionRecord))
+def _rebuild_record(state: dict) -> AttentionRecord:
+    return AttentionRecord(**state)

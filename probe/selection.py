@@ -8,6 +8,7 @@ the one copy that lands in a record. The budget is checked on the planned size, 
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,14 +19,69 @@ from .errors import CaptureBudgetError, SelectionError
 from .record import TENSOR_FIELDS
 
 
+def _as_int(item, what: str, value) -> int:
+    """``item`` as an int: Python, numpy and 0-d integer tensor numbers are accepted, bools are not."""
+    if isinstance(item, bool) or not hasattr(item, "__index__"):
+        raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}")
+    try:
+        return operator.index(item)
+    except TypeError:
+        raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}") from None
+
+
 def _int_list(value, what: str) -> tuple[int, ...]:
-    if isinstance(value, bool) or not isinstance(value, (int, Iterable)) or isinstance(value, (str, bytes)):
+    """An int or an iterable of ints (numpy and torch integers too) as a tuple, duplicates dropped."""
+    if isinstance(value, (bool, str, bytes, Mapping)):
         raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
-    items = (value,) if isinstance(value, int) else tuple(value)
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, int):
-            raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}")
-    return tuple(dict.fromkeys(items))  # dedupe, keep order
+    if getattr(value, "ndim", None) == 0 or (hasattr(value, "__index__") and not isinstance(value, Iterable)):
+        items: tuple = (value,)
+    elif isinstance(value, Iterable):
+        items = tuple(value)
+    else:
+        raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
+    return tuple(dict.fromkeys(_as_int(item, what, value) for item in items))  # dedupe, keep order
+
+
+def _keep_set(keep) -> frozenset[str]:
+    if keep is None:
+        return frozenset(TENSOR_FIELDS)
+    if isinstance(keep, str):
+        items: tuple = (keep,)
+    elif isinstance(keep, Iterable) and not isinstance(keep, (bytes, Mapping)):
+        items = tuple(keep)
+    else:
+        raise SelectionError(
+            f"keep must be a tensor name or a list of them, e.g. keep=['weights'] or keep=('q', 'k'), "
+            f"got {keep!r}; choose from {list(TENSOR_FIELDS)} (None keeps all)"
+        )
+    unknown = [k for k in items if k not in TENSOR_FIELDS]
+    if unknown:
+        raise SelectionError(f"keep= got unknown tensor name(s) {unknown}; choose from {list(TENSOR_FIELDS)}")
+    return frozenset(items)
+
+
+def _storage_device(device) -> torch.device:
+    """The device records are stored on, checked to exist on this machine before anything runs."""
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise SelectionError(f"device={device!r} is not a torch device (try 'cpu' or 'cuda:0')") from exc
+    if dev.type == "meta":
+        raise SelectionError("device='meta' would store no data; store on 'cpu' (the default) or an accelerator")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SelectionError(
+            f"device={device!r}: CUDA is not available here (torch.cuda.is_available() is False); "
+            "store records on the CPU (device=None or 'cpu'), or install a CUDA build of torch on a machine with a GPU"
+        )
+    if dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except Exception as exc:  # noqa: BLE001 - torch raises AssertionError, RuntimeError, NotImplementedError
+            raise SelectionError(
+                f"device={device!r} cannot hold tensors on this machine ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); store records on the CPU (device=None or 'cpu')"
+            ) from exc
+    return dev
 
 
 def parse_bytes(text: str | int) -> int:
@@ -66,7 +122,12 @@ class Selection:
         if isinstance(heads, Mapping):
             by_layer = {}
             for layer, hs in heads.items():
-                (layer,) = _int_list(layer, "keys of heads={layer: heads}")
+                if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+                    raise SelectionError(
+                        f"the keys of heads={{layer: heads}} must be layer numbers (int), got {layer!r}; "
+                        "e.g. heads={0: [1, 2], -1: None}"
+                    )
+                layer = _as_int(layer, "the keys of heads={layer: heads}", heads)
                 by_layer[layer] = None if hs is None else _int_list(hs, f"heads for layer {layer}")
             if layer_tuple is None:
                 layer_tuple = tuple(by_layer)
@@ -75,25 +136,29 @@ class Selection:
         for h in (head_tuple or ()) + tuple(h for hs in (by_layer or {}).values() for h in (hs or ())):
             if h < 0:
                 raise SelectionError(f"heads must be non-negative head numbers, got {h}")
+        if head_tuple == () or any(hs == () for hs in (by_layer or {}).values()):
+            raise SelectionError(
+                "heads=[] selects no head, so its layers would store empty tensors; to capture nothing use "
+                "layers=[], to leave a layer out do not list it (heads={layer: None} keeps all its heads)"
+            )
 
-        if keep is None:
-            keep_set = frozenset(TENSOR_FIELDS)
-        else:
-            items = (keep,) if isinstance(keep, str) else tuple(keep)
-            unknown = [k for k in items if k not in TENSOR_FIELDS]
-            if unknown:
-                raise SelectionError(f"keep= got unknown tensor name(s) {unknown}; choose from {list(TENSOR_FIELDS)}")
-            keep_set = frozenset(items)
-
-        try:
-            dev = torch.device("cpu" if device is None else device)
-        except (RuntimeError, TypeError) as exc:
-            raise SelectionError(f"device={device!r} is not a torch device (try 'cpu' or 'cuda:0')") from exc
+        keep_set = _keep_set(keep)
+        dev = _storage_device(device)
+        if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
+            dtype = getattr(torch, dtype.removeprefix("torch."))  # "float16", "torch.bfloat16"
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise SelectionError(f"dtype must be a floating torch dtype such as torch.float16, got {dtype!r}")
+        if isinstance(max_bytes, str):
+            max_bytes = parse_bytes(max_bytes)  # "500MB", "2GiB"
+        elif isinstance(max_bytes, float) and max_bytes.is_integer():
+            max_bytes = int(max_bytes)  # 1e9
         if max_bytes is not None:
-            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-                raise SelectionError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
+            if isinstance(max_bytes, bool) or not hasattr(max_bytes, "__index__") or operator.index(max_bytes) <= 0:
+                raise SelectionError(
+                    f"max_bytes must be a positive whole number of bytes (such as 500_000_000 or 5e8) or a size "
+                    f"such as '500MB' or '2GiB', got {max_bytes!r}"
+                )
+            max_bytes = operator.index(max_bytes)
         return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes)
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
@@ -104,20 +169,42 @@ class Selection:
         """
         if self.layers is None:
             return self
-        resolved = []
-        for layer in self.layers:
-            if layer < 0:
-                layer += n_layers
-            if layer < 0 or (layer >= n_layers and not may_grow):
+
+        def resolve(layer: int, what: str) -> int:
+            number = layer + n_layers if layer < 0 else layer
+            if number < 0 or (number >= n_layers and not may_grow):
+                if not n_layers:
+                    raise SelectionError(
+                        f"{what} {layer} cannot count from the end: no attention layer was found before the run "
+                        "(attention found while the model runs is numbered from 0 as it appears); use layers >= 0"
+                    )
                 raise SelectionError(
-                    f"layer {layer} is out of range: the model has {n_layers} attention layer(s), numbered 0 to "
-                    f"{n_layers - 1} (negative numbers count from the end)"
+                    f"{what} {layer} is out of range: the model has {n_layers} attention layer(s), numbered 0 to "
+                    f"{n_layers - 1}, or -1 to {-n_layers} from the end; attnprobe.attention_modules(model) lists them"
                 )
-            resolved.append(layer)
+            return number
+
         by_layer = self.heads_by_layer
         if by_layer is not None:
-            by_layer = {(layer + n_layers if layer < 0 else layer): hs for layer, hs in by_layer.items()}
-        return Selection(tuple(resolved), self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes)
+            resolved_heads: dict[int, tuple[int, ...] | None] = {}
+            for layer, hs in by_layer.items():
+                number = resolve(layer, "layer")
+                if number in resolved_heads and resolved_heads[number] != hs:
+                    raise SelectionError(
+                        f"heads={{...}} names layer {number} twice with different heads "
+                        f"({list(resolved_heads[number] or ())} and {list(hs or ())}); give each layer once"
+                    )
+                resolved_heads[number] = hs
+            by_layer = resolved_heads
+        resolved = tuple(dict.fromkeys(resolve(layer, "layer") for layer in self.layers))
+        if by_layer is not None:
+            unselected = [layer for layer in by_layer if layer not in resolved]
+            if unselected:
+                raise SelectionError(
+                    f"heads={{...}} names layer(s) {unselected} that layers={list(self.layers)} does not select; "
+                    "add them to layers=, or leave layers out (the keys of heads={...} then choose the layers)"
+                )
+        return Selection(resolved, self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes)
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -161,6 +248,17 @@ def index_heads(t: torch.Tensor, index: tuple[int, ...] | None, axis: int = 1) -
     return t.index_select(axis, torch.tensor(index, dtype=torch.long, device=t.device)), True
 
 
+def _runs(index: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``index`` as runs of consecutive numbers: (position in index, first number, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, i in enumerate(index):
+        if runs and runs[-1][1] + runs[-1][2] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((pos, i, 1))
+    return runs
+
+
 class Store:
     """Copies selected tensors into storage and keeps the byte budget."""
 
@@ -172,9 +270,12 @@ class Store:
         """The dtype a tensor of ``dtype`` is stored as (only floating tensors are converted)."""
         return self.selection.dtype if (self.selection.dtype is not None and dtype.is_floating_point) else dtype
 
-    @staticmethod
-    def planned_bytes(shape, dtype: torch.dtype) -> int:
-        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    def planned_bytes(self, shape, dtype: torch.dtype, index: tuple[int, ...] | None = None, axis: int = 1) -> int:
+        """Exact bytes ``put`` will store for a tensor of ``shape`` and ``dtype`` restricted to ``index``."""
+        shape = list(shape)
+        if index is not None:
+            shape[axis] = len(index)
+        return math.prod(shape) * _element_size(self.target_dtype(dtype))
 
     def reserve(self, nbytes: int, what: str) -> None:
         """Fail before spending memory when ``nbytes`` more would pass ``max_bytes``."""
@@ -183,12 +284,48 @@ class Store:
             raise CaptureBudgetError(
                 f"capture budget exceeded: storing {what} needs {format_bytes(nbytes)} more, "
                 f"{format_bytes(self.used)} is already stored and max_bytes is {format_bytes(limit)}. "
-                "Select fewer layers (layers=[...]) or heads (heads=[...]), keep fewer tensors "
-                "(keep=('weights',)), store a smaller dtype (dtype=torch.float16), or raise max_bytes."
+                "Select fewer layers (layers=[...]) or heads (heads=[...]), keep fewer tensors (keep=('weights',)), "
+                + ("" if self.selection.dtype is not None and self.selection.dtype.itemsize <= 2
+                   else "store a smaller dtype (dtype=torch.float16), ")
+                + "or raise max_bytes."
             )
         self.used += nbytes
 
     def put(self, t: torch.Tensor, index: tuple[int, ...] | None = None, axis: int = 1) -> torch.Tensor:
-        """One detached copy of ``t`` restricted to ``index`` on ``axis`` (budget already reserved)."""
-        sliced, copied = index_heads(t.detach(), index, axis)
-        return sliced.to(device=self.selection.device, dtype=self.target_dtype(t.dtype), copy=not copied)
+        """One detached copy of ``t`` restricted to ``index`` on ``axis`` (budget already reserved).
+
+        Exactly one new tensor is allocated, also for scattered heads stored on another device or dtype.
+        """
+        t = t.detach()
+        device, dtype = self.selection.device, self.target_dtype(t.dtype)
+        if index is None or len(_runs(index)) == 1:  # all heads or one run of them: a view, then the one copy
+            return index_heads(t, index, axis)[0].to(device=device, dtype=dtype, copy=True)
+        if t.device == device and t.dtype == dtype:
+            return t.index_select(axis, torch.tensor(index, dtype=torch.long, device=t.device))
+        shape = list(t.shape)
+        shape[axis] = len(index)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for pos, first, length in _runs(index):  # copy_ converts dtype and device on the way
+            out.narrow(axis, pos, length).copy_(t.narrow(axis, first, length))
+        return out
+
+    def put_fresh(self, fresh: torch.Tensor, declared: torch.dtype, planned: int, what: str) -> torch.Tensor:
+        """Store a tensor an adapter computed for the record (a ``Lazy``): moved/converted, copied only if needed.
+
+        It is stored in the dtype the budget planned for. Should it be larger than planned, the difference is
+        reserved (and may fail) so ``used`` never under-counts.
+        """
+        view = fresh._is_view()
+        fresh = fresh.detach()
+        dtype = self.target_dtype(declared)
+        actual = fresh.numel() * _element_size(dtype)
+        if actual > planned:
+            self.reserve(actual - planned, what)
+        else:
+            self.used -= planned - actual
+        # a view may share memory with a tensor the model returned: copy it rather than keep the whole base
+        return fresh.to(device=self.selection.device, dtype=dtype, copy=view)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return dtype.itemsize

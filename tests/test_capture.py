@@ -187,7 +187,7 @@ def test_budget_error_before_memory_is_spent(model, assert_no_hooks):
         ({"layers": ["1"]}, "integers"),
         ({"heads": [7]}, r"head\(s\) \[7\] out of range for layer 0"),
         ({"keep": ["pattern"]}, "unknown tensor name"),
-        ({"max_bytes": -1}, "positive int"),
+        ({"max_bytes": -1}, "max_bytes must be a positive whole number of bytes"),
         ({"dtype": torch.int8}, "floating torch dtype"),
     ],
 )
@@ -206,7 +206,7 @@ def test_negative_layers_count_from_the_end(model):
 
 
 def test_not_a_module_is_a_clear_error():
-    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+    with pytest.raises(attnprobe.UnsupportedModelError, match="needs a torch.nn.Module"):  # also a TypeError
         attnprobe.capture(torch.randn(3))
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 
 import pandas as pd
 import pytest
@@ -142,3 +144,61 @@ def test_encoder_decoder_frame_labels_each_stack_with_its_own_tokens():
         assert set(rows.query_token.str[0]) == {expect_q}, (layer, part, kind)
         assert set(rows.key_token.str[0]) == {expect_k}, (layer, part, kind)
     assert {v for v in stack.values()} == {("encoder", "self"), ("decoder", "self"), ("decoder", "cross")}
+
+
+def sink_record(with_scores: bool = True) -> AttentionRecord:
+    """Weights computed with one sink logit per head: rows sum to 1 - sink mass, not 1."""
+    torch.manual_seed(1)
+    scores = torch.randn(2, 2, 4, 4)
+    allowed = torch.ones(4, 4, dtype=torch.bool).tril().expand(2, 1, 4, 4)
+    sinks = torch.tensor([0.5, -1.0])
+    logits = torch.cat([scores.masked_fill(~allowed, float("-inf")), sinks.view(1, 2, 1, 1).expand(2, 2, 4, 1)], -1)
+    weights = torch.softmax(logits, -1)[..., :-1]
+    return AttentionRecord(
+        name="attn", layer=0, call=0, kind="self", num_heads=2, num_kv_heads=2, heads=(0, 1), kv_heads=(0, 1),
+        scores=scores if with_scores else None, weights=weights, allowed=allowed.clone(), sinks=sinks,
+    )
+
+
+def test_summary_row_sum_error_accounts_for_sink_mass():
+    rec = sink_record()
+    assert (rec.weights.sum(-1) < 0.99).any()  # the sinks take visible mass
+    s = Capture([rec]).summary()
+    assert (s.row_sum_error < 1e-6).all()
+    leaky = dataclasses.replace(rec, weights=rec.weights * 1.01)  # now the rows are wrong by 1% of their sum
+    worst = float((rec.weights.sum(-1) * 0.01).amax())
+    assert Capture([leaky]).summary().row_sum_error.max() == pytest.approx(worst, rel=1e-4)
+    # without the scores the sink mass is unknown: NaN, not a false alarm
+    blind = Capture([sink_record(with_scores=False)]).summary()
+    assert blind.row_sum_error.isna().all() and (blind.rows == 8).all()
+
+
+def test_frames_name_the_records_they_leave_out():
+    model = torch.nn.Sequential(MultiHeadAttention(8, num_heads=2), MultiHeadAttention(8, num_heads=2))
+    with attnprobe.capture(model, keep=["q"]) as only_q:
+        model(torch.randn(1, 3, 8))
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"to_frame\(\) left out 2 record.*layer 0 call 0 \('0'\), layer 1"):
+        df = only_q.to_frame()
+    assert len(df) == 0
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"summary\(\) left out 2 record.*keep= including 'weights'"):
+        assert len(only_q.summary()) == 0
+    with attnprobe.capture(model, keep=["scores"]) as scores_only:
+        model(torch.randn(1, 3, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(scores_only.to_frame()) == 2 * 2 * 3 * 3  # scores are enough for the frame: no warning
+    with pytest.warns(attnprobe.AttnprobeWarning, match="summary"):
+        scores_only.summary()
+
+
+def test_summary_of_a_model_with_attention_sinks():
+    from hf_helpers import build, inputs
+
+    model = build("gpt_oss", "eager")
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model(**inputs("gpt_oss", "left"))
+    assert all(r.sinks is not None for r in cap)
+    real = [r.weights.sum(-1)[r.allowed_for_heads().any(-1)] for r in cap]
+    assert max(float((1 - s).abs().max()) for s in real) > 1e-3  # the sinks take visible mass
+    s = cap.summary()
+    assert len(s) == 2 * 4 and (s.row_sum_error < 1e-5).all()

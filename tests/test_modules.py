@@ -132,3 +132,71 @@ def test_constructor_errors():
 def test_public_names():
     for name in attnprobe.__all__:
         assert getattr(attnprobe, name) is not None
+
+
+def _projections(attn, x):
+    B, T, _ = x.shape
+    split = lambda t: t.view(B, T, attn.num_heads, attn.d_head).transpose(1, 2)  # noqa: E731
+    return split(attn.q_proj(x)), split(attn.k_proj(x)), split(attn.v_proj(x))
+
+
+@pytest.mark.parametrize("shape", [(5, 5), (2, 1, 5, 5), (1, 2, 5, 5), (2, 2, 5, 5), (2, 1, 1, 5)])
+def test_attn_mask_follows_sdpa_semantics(shape):
+    """bool: True = may attend; float: added to the scores (a finite bias changes weights, -inf masks)."""
+    attn = MultiHeadAttention(8, num_heads=2, out_proj=False).eval()
+    x = torch.randn(2, 5, 8)
+    q, k, v = _projections(attn, x)
+    allowed = (torch.rand(shape) > 0.4) | (torch.eye(5, dtype=torch.bool) if shape[-2] == 5 else True)
+    bias = torch.randn(shape)
+    additive = bias.masked_fill(~allowed, float("-inf"))
+    for mask in (allowed, bias, additive):
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(2, 5, 8)
+        torch.testing.assert_close(attn(x, attn_mask=mask), ref, atol=1e-6, rtol=1e-5)
+    with attnprobe.capture(attn) as cap:
+        attn(x, attn_mask=additive)
+    rec = cap[0]
+    expected_allowed = allowed.expand(2, 2 if shape[1:2] == (2,) and len(shape) == 4 else 1, 5, 5)
+    assert rec.allowed.shape == expected_allowed.shape and torch.equal(rec.allowed, expected_allowed)
+    assert torch.all(rec.weights[~rec.allowed_for_heads()] == 0)
+    # scores carry the finite part of the float mask (it is a bias), not the -inf
+    finite = torch.where(allowed, bias, 0.0)
+    torch.testing.assert_close(rec.scores, (q @ k.transpose(-2, -1)) * attn.scaling + finite)
+
+
+@pytest.mark.parametrize(
+    "mask, error, match",
+    [
+        (torch.ones(4, 5), ValueError, r"attn_mask of shape \(4, 5\) does not broadcast to \(batch, head, query, key\)"),
+        (torch.ones(3, 1, 5, 5), ValueError, r"does not broadcast.*\(2, 2, 5, 5\)"),
+        (torch.ones(1, 2, 2, 5, 5), ValueError, r"shape \(1, 2, 2, 5, 5\) does not broadcast"),
+        (torch.ones(5, 5, dtype=torch.long), TypeError, "bool .* or floating point.*use attention_mask= instead"),
+        ([[True] * 5] * 5, TypeError, "attn_mask must be a tensor"),
+        (torch.full((5, 5), float("nan")), ValueError, "NaN or \\+inf"),
+        (torch.full((5, 5), float("inf")), ValueError, "NaN or \\+inf"),
+    ],
+)
+def test_attn_mask_errors(mask, error, match, assert_no_hooks):
+    attn = MultiHeadAttention(8, num_heads=2)
+    with pytest.raises(error, match=match):
+        attn(torch.randn(2, 5, 8), attn_mask=mask)
+    with pytest.raises(error, match=match):  # the same error under capture, and no hook left behind
+        with attnprobe.capture(attn):
+            attn(torch.randn(2, 5, 8), attn_mask=mask)
+    assert_no_hooks(attn)
+
+
+def test_unbatched_attn_mask_per_head():
+    attn = MultiHeadAttention(8, num_heads=2).eval()
+    x = torch.randn(5, 8)
+    mask = (torch.rand(2, 5, 5) > 0.5) | torch.eye(5, dtype=torch.bool)
+    torch.testing.assert_close(attn(x, attn_mask=mask), attn(x[None], attn_mask=mask[None])[0])
+    with pytest.raises(ValueError, match=r"\(head, query, key\) for unbatched input"):
+        attn(x, attn_mask=torch.ones(2, 2, 5, 5, dtype=torch.bool))
+
+
+def test_non_tensor_arguments_are_clear_errors():
+    attn = MultiHeadAttention(8, num_heads=2)
+    with pytest.raises(TypeError, match="context must be a tensor"):
+        attn(torch.randn(2, 5, 8), [[0.0] * 8] * 4)
+    with pytest.raises(TypeError, match="attention_mask must be a tensor"):
+        attn(torch.randn(2, 5, 8), attention_mask=[[1] * 5] * 2)

@@ -1,0 +1,177 @@
+"""Storage and budget of the core: exact planned sizes (masks and sinks included), one copy per tensor."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnprobe
+from attnprobe import CaptureBudgetError, MultiHeadAttention
+from attnprobe.hooks.base import Adapter, Site
+from attnprobe.probe.capture import CaptureSession, Lazy
+from attnprobe.probe.selection import Selection, Store
+
+
+def per_head_mask(B=2, H=4, T=6) -> torch.Tensor:
+    """A bool attn_mask with a different pattern per head, so ``allowed`` is stored per head."""
+    mask = torch.rand(B, H, T, T) > 0.4
+    return mask | torch.eye(T, dtype=torch.bool)
+
+
+def test_budget_counts_the_stored_per_head_mask_exactly():
+    attn = MultiHeadAttention(16, num_heads=4).eval()
+    x, mask = torch.randn(2, 6, 16), per_head_mask()
+    with attnprobe.capture(attn, heads=[0, 3], keep="weights") as free:
+        attn(x, attn_mask=mask)
+    (rec,) = free
+    assert rec.allowed.shape == (2, 2, 6, 6)  # only the two selected heads of the mask are stored
+    assert rec.nbytes == 2 * 2 * 6 * 6 * 4 + 2 * 2 * 6 * 6
+    # exactly the record's size fits; one byte less fails before anything is stored
+    with attnprobe.capture(attn, heads=[0, 3], keep="weights", max_bytes=rec.nbytes) as cap:
+        attn(x, attn_mask=mask)
+    assert cap.nbytes == rec.nbytes
+    with pytest.raises(CaptureBudgetError, match="weights, allowed"):
+        with attnprobe.capture(attn, heads=[0, 3], keep="weights", max_bytes=rec.nbytes - 1) as cap:
+            attn(x, attn_mask=mask)
+    assert len(cap) == 0
+
+
+def test_budget_counts_query_padding_and_storage_dtype():
+    attn = MultiHeadAttention(8, num_heads=2, causal=True).eval()
+    x, pad = torch.randn(3, 5, 8), torch.tensor([[0, 1, 1, 1, 1]] * 3)
+    with attnprobe.capture(attn, dtype=torch.float16) as cap:
+        attn(x, attention_mask=pad)
+    (rec,) = cap
+    assert rec.query_padding is not None and rec.weights.dtype == torch.float16
+    with attnprobe.capture(attn, dtype=torch.float16, max_bytes=rec.nbytes) as again:
+        attn(x, attention_mask=pad)
+    assert again.nbytes == rec.nbytes
+    with pytest.raises(CaptureBudgetError):
+        with attnprobe.capture(attn, dtype=torch.float16, max_bytes=rec.nbytes - 1):
+            attn(x, attention_mask=pad)
+
+
+class _Fake(Adapter):
+    """An adapter with one site and no hooks: the test calls ``session.emit`` itself."""
+
+    name = "fake"
+
+    def __init__(self, module):
+        self.module = module
+
+    def find(self, model, claimed):
+        return [Site("attn", self.module, self, num_heads=4, num_kv_heads=2)]
+
+    def attach(self, session, model, sites, stack: ExitStack) -> None:
+        self.session, self.site = session, sites[0]
+
+
+def fake_session(**selection) -> tuple[CaptureSession, _Fake]:
+    module = torch.nn.Identity()
+    adapter = _Fake(module)
+    return CaptureSession(module, Selection.build(**selection), [adapter]), adapter
+
+
+def sink_values(B=2, H=4, Hkv=2, T=5):
+    return dict(
+        q=torch.randn(B, H, T, 8), k=torch.randn(B, Hkv, T, 8), weights=torch.rand(B, H, T, T),
+        allowed=torch.ones(B, 1, T, T, dtype=torch.bool), sinks=torch.randn(H, dtype=torch.float64),
+    )
+
+
+def test_budget_counts_sinks():
+    values = sink_values()
+    session, adapter = fake_session(heads=[1, 3], dtype=torch.float16)
+    with session as cap:
+        adapter.session.emit(adapter.site, kind="self", **values)
+    (rec,) = cap
+    assert rec.sinks.shape == (2,) and rec.sinks.dtype == torch.float16
+    torch.testing.assert_close(rec.sinks, values["sinks"][[1, 3]].half())
+    assert rec.kv_heads == (0, 1) and rec.k.shape[1] == 2  # heads 1 and 3 read kv heads 0 and 1
+    for budget, fits in ((rec.nbytes, True), (rec.nbytes - 1, False)):
+        session, adapter = fake_session(heads=[1, 3], dtype=torch.float16, max_bytes=budget)
+        if fits:
+            with session as cap:
+                adapter.session.emit(adapter.site, kind="self", **values)
+            assert cap.nbytes == rec.nbytes
+        else:
+            with pytest.raises(CaptureBudgetError, match="sinks"):
+                with session as cap:
+                    adapter.session.emit(adapter.site, kind="self", **values)
+            assert len(cap) == 0
+
+
+def test_lazy_larger_than_declared_is_charged_and_stored_as_planned():
+    session, adapter = fake_session(keep=["scores"], max_bytes=4 * 5 * 5 * 4 + 10)
+    wrong = Lazy((1, 4, 5, 5), torch.float32, lambda: torch.randn(2, 4, 5, 5))  # twice what it declared
+    with pytest.raises(CaptureBudgetError, match="scores"):
+        with session:
+            adapter.session.emit(adapter.site, kind="self", scores=wrong)
+    session, adapter = fake_session(keep=["scores"])
+    half = Lazy((1, 4, 5, 5), torch.float16, lambda: torch.randn(1, 4, 5, 5))  # computed in float32
+    with session as cap:
+        adapter.session.emit(adapter.site, kind="self", scores=half)
+    assert cap[0].scores.dtype == torch.float16 and session.store.used == cap.nbytes
+
+
+def test_lazy_view_is_copied_so_the_record_shares_no_memory():
+    base = torch.randn(1, 4, 5, 5)
+    session, adapter = fake_session(keep=["weights"])
+    with session as cap:
+        adapter.session.emit(adapter.site, kind="self", weights=Lazy((1, 4, 5, 5), torch.float32, lambda: base.view(1, 4, 5, 5)))
+    assert cap[0].weights.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    torch.testing.assert_close(cap[0].weights, base)
+
+
+class _Allocations(TorchDispatchMode):
+    """Counts aten calls that allocate a new tensor."""
+
+    ALLOCATING = ("index_select", "_to_copy", "clone", "empty", "contiguous", "cat", "index")
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.startswith(self.ALLOCATING):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+@pytest.mark.parametrize("heads", [(0, 5, 9), (1, 2, 3), (7, 0), (4, 5, 8, 9, 11)])
+def test_selected_heads_are_copied_once(heads, dtype):
+    t = torch.randn(2, 12, 3, 4).transpose(2, 3)  # a non-contiguous live tensor, as attention code makes them
+    store = Store(Selection.build(dtype=dtype))
+    with _Allocations() as seen:
+        out = store.put(t, heads)
+    assert len(seen.calls) == 1, seen.calls
+    expected = t[:, list(heads)].to(dtype or t.dtype)
+    assert torch.equal(out, expected) and out.dtype == (dtype or torch.float32)
+    assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_planned_bytes_equal_stored_bytes():
+    store = Store(Selection.build(dtype=torch.bfloat16))
+    for t, index, axis in (
+        (torch.randn(2, 6, 4, 4), (0, 2, 5), 1),
+        (torch.ones(2, 1, 4, 4, dtype=torch.bool), None, 1),
+        (torch.randn(6, dtype=torch.float64), (1, 4), 0),
+        (torch.zeros(2, 4, dtype=torch.bool), None, 1),
+    ):
+        out = store.put(t, index, axis)
+        assert store.planned_bytes(t.shape, t.dtype, index, axis) == out.numel() * out.element_size()
+
+
+def test_budget_message_suggests_only_what_would_help():
+    attn = MultiHeadAttention(8, num_heads=2)
+    for dtype, suggests_dtype in ((None, True), (torch.float16, False)):
+        with pytest.raises(CaptureBudgetError) as err:
+            attnprobe.run(attn, torch.randn(1, 4, 8), dtype=dtype, max_bytes=10)
+        message = str(err.value)
+        assert "layers=[...]" in message and "raise max_bytes" in message
+        assert ("dtype=torch.float16" in message) == suggests_dtype
