@@ -360,6 +360,20 @@ def test_bundled_model_is_the_default(cli, tmp_path):
     assert json.loads(result.output)["records"] == 6  # all-MiniLM-L6-v2: 6 layers
 
 
+def test_readme_first_run_then_try_commands_run_in_order(cli, tmp_path):
+    import re
+    import shlex
+
+    text = (TESTS.parent / "README.md").read_text()
+    section = text.split("## First run", 1)[1].split("\n## ", 1)[0]
+    commands = ["attnprobe report"] + [c for c in re.findall(r"`(attnprobe [^`]+)`", section.replace("\n", " "))]
+    assert len(commands) >= 4, commands
+    for command in commands:  # one folder: a later command must not trip over an earlier one's file
+        result = cli(*shlex.split(command)[1:])
+        assert result.exit_code == 0, (command, result.output)
+    assert (tmp_path / "attnprobe-report.html").exists() and len(list(tmp_path.glob("*.html"))) == 2
+
+
 # ---------------------------------------------------------------------------------------------- progress
 class FakeTerminal(io.StringIO):
     def isatty(self) -> bool:
