@@ -324,3 +324,33 @@ def test_report_runs_the_checks_by_default():
         clean(torch.randn(1, 5, 8))
     document = to_html(ok)
     assert report_meta(document)[0]["flags"] == {} and "0 error(s)" in document
+
+
+def test_blob_queue_is_bounded_so_matrices_are_not_all_held_at_once():
+    import threading
+    import time
+    import zlib
+
+    from attnprobe.reports.encoding import Blobs
+
+    lock = threading.Lock()
+    queued = {"now": 0, "most": 0}
+
+    def job(i):
+        def make():
+            time.sleep(0.005)  # slower than the producer, like zlib on a large head
+            with lock:
+                queued["now"] -= 1
+            return bytes([i]) * 100
+        return make
+
+    blobs = Blobs(workers=2, pending=3)
+    for i in range(20):
+        with lock:
+            queued["now"] += 1
+            queued["most"] = max(queued["most"], queued["now"])
+        blobs.add(job(i))
+    results = blobs.results()
+    assert queued["most"] <= 4  # the bound (3), plus the one being added
+    assert [ident for ident, _ in results] == [f"b{i}" for i in range(20)]
+    assert zlib.decompress(base64.b64decode(results[7][1])) == bytes([7]) * 100
