@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
 import torch
 
 from ..probe.errors import AttnprobeError
@@ -154,12 +153,17 @@ def compare(before, after, *, atol: float | None = None):
         >>> list(frame["head"]), bool((frame["max_abs_weight_diff"] > 0).all())
         ([0, 1], True)
     """
-    import pandas as pd
-
     from .html import shown_records
 
     rows_a, _, _ = shown_records(before)
     rows_b, _, _ = shown_records(after)
+    return _compare_records(rows_a, rows_b, atol)
+
+
+def _compare_records(rows_a: list[AttentionRecord], rows_b: list[AttentionRecord], atol: float | None):
+    """``compare`` of two lists of drawable records (generation steps already stitched)."""
+    import pandas as pd
+
     match_records(rows_a, rows_b)
     if atol is None:
         atol = _default_atol(rows_a + rows_b)
@@ -231,7 +235,7 @@ def diff_html(
     rows_a, undrawn, stitched = shown_records(before)
     rows_b, _, _ = shown_records(after)
     match_records(rows_a, rows_b)
-    frame = compare(before, after, atol=atol)
+    frame = _compare_records(rows_a, rows_b, atol)  # the stitched records once, not a second copy
     if atol is None:
         atol = _default_atol(rows_a + rows_b)
     data = build_data([rows_a, rows_b], batch=batch, tokens=tokens, key_tokens=key_tokens, precision=precision,
