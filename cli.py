@@ -317,7 +317,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     from . import reports
 
     targets = report_targets(out, fmt, overwrite)
-    progress = Progress(6, quiet)
+    progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
         n_rows = len(next(iter(work.inputs.values())))

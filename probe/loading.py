@@ -84,7 +84,10 @@ def _hf_quiet() -> None:
 def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None):
     """A model (and its tokenizer, when the folder has one) from a local Hugging Face directory."""
     if not path.exists():
-        raise InputError(f"model path {str(path)!r} does not exist")
+        hub_like = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not str(path).startswith(".")
+        raise InputError(f"model path {str(path)!r} does not exist" + (
+            " (attnprobe reads local folders only and never downloads: fetch the model first, e.g. with "
+            "huggingface_hub.snapshot_download, and pass its folder)" if hub_like else ""))
     if not path.is_dir():
         raise InputError(f"{str(path)!r} is a file; give a model folder (with config.json) or package.module:factory")
     if not (path / "config.json").exists():

@@ -135,6 +135,7 @@ def test_check_and_report_declare_the_input_padding(cli, tmp_path):
     "args, message",
     [
         (["info", "./no/such/model"], "model path 'no/such/model' does not exist"),
+        (["info", "google-bert/bert-base-uncased"], "does not exist (attnprobe reads local folders only and never downloads"),
         (["info", "cli_factories:nope"], "has no attribute 'nope'"),
         (["info", "no_such_module:factory"], "cannot import 'no_such_module'"),
         (["info", "cli_factories:broken"], "raised RuntimeError: the checkpoint is missing"),
