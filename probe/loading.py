@@ -176,7 +176,7 @@ def read_texts(texts: tuple[str, ...], file: str | None) -> list[str]:
         if not p.is_file():
             raise InputError(f"input file {file!r} does not exist")
         try:
-            text = p.read_text(encoding="utf-8")
+            text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the first input
         except UnicodeDecodeError as exc:
             raise InputError(f"input file {file!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         except OSError as exc:

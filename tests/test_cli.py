@@ -214,6 +214,13 @@ def test_an_input_file_without_text_is_refused(cli, tmp_path, content):
     assert "input file 'inputs.txt' has no text" in line  # not silently the default sentence
 
 
+def test_an_input_file_with_a_byte_order_mark(cli, tmp_path):
+    from attnprobe.probe.loading import read_texts
+
+    (tmp_path / "inputs.txt").write_bytes("\ufeffhello world\r\n\r\nsecond line\r\n".encode("utf-8"))
+    assert read_texts(("first",), "inputs.txt") == ["first", "hello world", "second line"]
+
+
 def test_an_input_file_that_is_not_utf8(cli, tmp_path):
     (tmp_path / "inputs.txt").write_bytes(b"caf\xe9\n")
     assert "input file 'inputs.txt' is not UTF-8 text" in one_line_error(cli("check", TINY, "--file", "inputs.txt"))
