@@ -241,10 +241,11 @@ def vocabulary_size(model: nn.Module) -> tuple[int, str] | None:
     return None
 
 
-def max_positions(model: nn.Module) -> tuple[int, str] | None:
+def max_positions(model: nn.Module, decoder: bool = False) -> tuple[int, str] | None:
     """(longest input the model's position embedding covers, the config field), when the config says."""
     config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_source_positions"):
+    own = "max_target_positions" if decoder else "max_source_positions"
+    for name in (own, "max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value, name
@@ -254,20 +255,19 @@ def max_positions(model: nn.Module) -> tuple[int, str] | None:
 def check_fits(model: nn.Module, inputs: dict[str, torch.Tensor], *, from_tokenizer: bool) -> None:
     """Token ids inside the vocabulary and sequences no longer than the position embedding, or one clear error."""
     vocab = vocabulary_size(model)
-    limit = max_positions(model)
     for key in ("input_ids", "decoder_input_ids"):
         ids = inputs.get(key)
         if ids is None or ids.numel() == 0:
             continue
         what = "input" if key == "input_ids" else "decoder input"
+        limit = max_positions(model, decoder=key != "input_ids")
         if vocab is not None:
             n, source = vocab
             bad = ids[(ids < 0) | (ids >= n)]
             if bad.numel():
-                origin = "the tokenizer produced" if from_tokenizer else "the"
                 raise InputError(
-                    f"{origin} {what} token id {int(bad[0])} is out of range: the model has {n} token ids "
-                    f"(0 to {n - 1}, from {source})"
+                    f"{what} token id {int(bad[0])}{' (from the tokenizer)' if from_tokenizer else ''} is out of range: "
+                    f"the model has {n} token ids (0 to {n - 1}, from {source})"
                 )
         if limit is not None and ids.shape[-1] > limit[0]:
             raise InputError(
