@@ -310,10 +310,14 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
       attnprobe report ./my-t5 --text "translate: hi" --decoder-text "<pad> hallo"
       attnprobe report mypkg.models:tiny --ids "1 5 9 2" --format png --out heads.png
     """
+    import warnings
+
+    import attnprobe
+
     from . import reports
 
     targets = report_targets(out, fmt, overwrite)
-    progress = Progress(5, quiet)
+    progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
         n_rows = len(next(iter(work.inputs.values())))
@@ -323,6 +327,11 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
         if len(cap) == 0:
             raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
         tokens, key_tokens = token_labels(work)
+        progress.stage("checking")
+        declared_causal, declared_mask = declarations(work, cap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # `attnprobe check` reports these; the report shows its panel
+            checks = attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask)
         progress.stage("writing report")
         for target in targets.values():
             try:
@@ -332,6 +341,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
         written = []
         if "html" in targets:
             written.append(reports.to_html(cap, targets["html"], tokens=tokens, key_tokens=key_tokens, batch=batch,
+                                           checks=checks,
                                            precision=precision, overwrite=overwrite,
                                            title=f"attnprobe report: {work.source}"))
         if "grid" in targets:
@@ -382,10 +392,10 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
         cap = run_capture(work, layers, heads, max_bytes, progress)
         progress.stage("checking")
-        mask = None if work.is_encoder_decoder else work.inputs.get("attention_mask")
+        declared_causal, declared_mask = declarations(work, cap, causal)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = attnprobe.check(cap, causal=causal, attention_mask=mask, checks=names)
+            result = attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask, checks=names)
     finally:
         progress.close()
     notes = [str(w.message) for w in caught]
@@ -413,6 +423,40 @@ def _violation_json(v) -> dict:
     out = dataclasses.asdict(v)
     out["queries"], out["keys"] = list(v.queries), list(v.keys)
     return out
+
+
+def declarations(work, cap, causal=None):
+    """(causal, attention_mask) to declare to the checks: the padding the user fed, per layer where needed.
+
+    A decoder-only or encoder model: the input's attention mask for every layer. An encoder-decoder:
+    per layer, the encoder mask for encoder self-attention and for cross-attention (its keys are the
+    encoder's positions), the decoder mask for decoder self-attention, which is also declared causal
+    unless ``causal`` says otherwise.
+    """
+    if not work.is_encoder_decoder:
+        mask = work.inputs.get("attention_mask")
+        if mask is not None and not any((r.batch_size, r.key_len) == tuple(mask.shape) for r in cap):
+            mask = None  # a model that changes the sequence (pooling, a prefix): each record's own mask
+        return causal, mask
+    encoder = work.inputs.get("attention_mask")
+    decoder = work.inputs.get("decoder_attention_mask")
+    masks, causal_by_layer = {}, {}
+    for record in cap:
+        stack = record.meta.get("stack")
+        if record.kind == "cross":
+            mask = encoder
+        elif stack == "encoder":
+            mask = encoder
+        elif stack == "decoder":
+            mask = decoder
+            causal_by_layer[record.layer] = True if causal is None else causal
+        else:
+            continue
+        if mask is not None:
+            masks[record.layer] = mask
+    if causal is not None:  # the user's declaration covers every self-attention layer
+        return causal, masks or None
+    return causal_by_layer or None, masks or None
 
 
 def token_labels(work):

@@ -84,7 +84,10 @@ def _hf_quiet() -> None:
 def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None):
     """A model (and its tokenizer, when the folder has one) from a local Hugging Face directory."""
     if not path.exists():
-        raise InputError(f"model path {str(path)!r} does not exist")
+        hub_like = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not str(path).startswith(".")
+        raise InputError(f"model path {str(path)!r} does not exist" + (
+            " (attnprobe reads local folders only and never downloads: fetch the model first, e.g. with "
+            "huggingface_hub.snapshot_download, and pass its folder)" if hub_like else ""))
     if not path.is_dir():
         raise InputError(f"{str(path)!r} is a file; give a model folder (with config.json) or package.module:factory")
     if not (path / "config.json").exists():
@@ -93,17 +96,23 @@ def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None):
     from transformers import AutoModel, AutoTokenizer
 
     kwargs = {} if dtype is None else {"dtype": dtype}
+    # corrupt or truncated weights fail deep inside safetensors / torch.load with their own exception
+    # types (SafetensorError, UnpicklingError, RuntimeError, ...): all of them are a bad model folder
     try:
         model = AutoModel.from_pretrained(str(path), **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"could not load a model from {str(path)!r}: {exc}".splitlines()[0]) from exc
+    except Exception as exc:
+        raise InputError(_first_line(f"could not load a model from {str(path)!r}: {type(exc).__name__}: {exc}")) from exc
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")):
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
-        except (OSError, ValueError) as exc:
-            raise InputError(f"could not load the tokenizer in {str(path)!r}: {exc}".splitlines()[0]) from exc
+        except Exception as exc:
+            raise InputError(_first_line(f"could not load the tokenizer in {str(path)!r}: {type(exc).__name__}: {exc}")) from exc
     return model.eval(), tokenizer
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0]
 
 
 def bundled_model_path() -> Path:
@@ -166,7 +175,17 @@ def read_texts(texts: tuple[str, ...], file: str | None) -> list[str]:
         p = Path(file)
         if not p.is_file():
             raise InputError(f"input file {file!r} does not exist")
-        out += [line.rstrip("\n") for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the first input
+        except UnicodeDecodeError as exc:
+            raise InputError(f"input file {file!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        except OSError as exc:
+            raise InputError(f"cannot read input file {file!r}: {exc.strerror or exc}") from None
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise InputError(f"input file {file!r} has no text (it is empty or has only blank lines); "
+                             "write one input per line")
+        out += lines
     for t in out:
         if not t.strip():
             raise InputError("an input text is empty; give at least one token of text")
@@ -182,6 +201,9 @@ def parse_ids(ids: tuple[str, ...]) -> list[list[int]]:
             raise InputError(f"--ids {row!r}: write token ids as integers separated by spaces") from None
         if not rows[-1]:
             raise InputError("--ids got an empty row; give at least one token id")
+        negative = [i for i in rows[-1] if i < 0]
+        if negative:
+            raise InputError(f"--ids {row!r}: token id {negative[0]} is negative; token ids start at 0")
     return rows
 
 
@@ -197,6 +219,61 @@ def _pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _token_strings(tokenizer, ids: torch.Tensor) -> list[list[str]]:
     return [tokenizer.convert_ids_to_tokens(row.tolist()) for row in ids]
+
+
+def vocabulary_size(model: nn.Module) -> tuple[int, str] | None:
+    """(number of token ids the model embeds, where that number comes from), when it can be known."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = None
+    if callable(get):
+        try:
+            embedding = get()
+        except (NotImplementedError, AttributeError):
+            embedding = None
+    if isinstance(embedding, nn.Embedding):
+        return embedding.num_embeddings, "the model's input embedding"
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size, "config.vocab_size"
+    for name, module in model.named_modules():  # a plain module: its first embedding takes the ids
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings, f"the embedding {name!r}"
+    return None
+
+
+def max_positions(model: nn.Module, decoder: bool = False) -> tuple[int, str] | None:
+    """(longest input the model's position embedding covers, the config field), when the config says."""
+    config = getattr(model, "config", None)
+    own = "max_target_positions" if decoder else "max_source_positions"
+    for name in (own, "max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value, name
+    return None
+
+
+def check_fits(model: nn.Module, inputs: dict[str, torch.Tensor], *, from_tokenizer: bool) -> None:
+    """Token ids inside the vocabulary and sequences no longer than the position embedding, or one clear error."""
+    vocab = vocabulary_size(model)
+    for key in ("input_ids", "decoder_input_ids"):
+        ids = inputs.get(key)
+        if ids is None or ids.numel() == 0:
+            continue
+        what = "input" if key == "input_ids" else "decoder input"
+        limit = max_positions(model, decoder=key != "input_ids")
+        if vocab is not None:
+            n, source = vocab
+            bad = ids[(ids < 0) | (ids >= n)]
+            if bad.numel():
+                raise InputError(
+                    f"{what} token id {int(bad[0])}{' (from the tokenizer)' if from_tokenizer else ''} is out of range: "
+                    f"the model has {n} token ids (0 to {n - 1}, from {source})"
+                )
+        if limit is not None and ids.shape[-1] > limit[0]:
+            raise InputError(
+                f"the {what} has {ids.shape[-1]} tokens but the model takes at most {limit[0]} positions "
+                f"(config.{limit[1]}); give a shorter input"
+            )
 
 
 def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_texts: list[str], ids: list[list[int]],
@@ -244,6 +321,7 @@ def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_t
             raise InputError(
                 f"{source}: {type(model).__name__}.forward takes no input_ids; give a factory whose model takes token ids"
             )
+    check_fits(model, work.inputs, from_tokenizer=bool(texts))
     if device is not None:
         try:
             work.model = model.to(device)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import time
 
-import numpy as np
 import torch
 
 from ..probe.errors import AttnprobeError
@@ -22,21 +21,17 @@ COMPARE_SCHEMA: dict[str, str] = {
     "head": "int64",
     "name": "object",
     "kind": "object",
-    "max_abs_weight_diff": "float64",  # largest |after - before| of a weight, any cell either side allows
+    "max_abs_weight_diff": "float64",  # largest |after - before| of a weight, any key of a real query row
     "mean_tvd": "float64",  # mean over real query rows of the total variation distance of the two weight rows
     "max_tvd": "float64",  # worst row
     "argmax_agreement": "float64",  # fraction of real query rows whose most-attended key is the same
-    "max_abs_score_diff": "float64",  # largest |after - before| of a score, cells both sides allow
+    "max_abs_score_diff": "float64",  # largest |after - before| of a score, cells both sides allow, real rows
     "mask_changed": "int64",  # cells allowed on one side only
     "changed": "bool",  # max_abs_weight_diff > atol, or the mask changed (scores when weights are missing)
 }
 
 #: Default tolerance by the coarser stored dtype of the two captures.
 ATOL = {torch.float64: 1e-6, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-def _float64(t):
-    return None if t is None else t.detach().to("cpu", torch.float64)
 
 
 def _describe(r: AttentionRecord) -> str:
@@ -60,6 +55,77 @@ def match_records(before: list[AttentionRecord], after: list[AttentionRecord]) -
             )
 
 
+def _slice64(t: torch.Tensor | None, batch: int, head: int) -> torch.Tensor | None:
+    """One (query, key) matrix as float64 on the CPU: never a float64 copy of a whole record."""
+    return None if t is None else t[batch, head].detach().to("cpu", torch.float64)
+
+
+def _allowed(r: AttentionRecord, batch: int, head: int) -> torch.Tensor:
+    allowed = r.allowed_for_heads()
+    if allowed is None:
+        return torch.ones(r.query_len, r.key_len, dtype=torch.bool)
+    return allowed[min(batch, allowed.shape[0] - 1), head].cpu()
+
+
+def _head_stats(a: AttentionRecord, b: AttentionRecord, i: int) -> dict:
+    """The ``compare`` columns of head index ``i``, one batch row at a time (memory: a few (query, key) matrices)."""
+    weights = a.weights is not None and b.weights is not None
+    scores = a.scores is not None and b.scores is not None
+    if not weights and not scores:
+        raise AttnprobeError(
+            f"{_describe(a)}: the captures share neither weights nor scores to compare "
+            f"(before has {_has(a)}, after has {_has(b)}); capture the same quantities on both sides"
+        )
+    max_w = max_s = 0.0
+    tvd_sum = tvd_max = agree = 0.0
+    rows = mask_changed = 0
+    for batch in range(a.batch_size):
+        al, bl = _allowed(a, batch, i), _allowed(b, batch, i)
+        mask_changed += int((al != bl).sum())
+        # real rows: some key allowed on either side, not padding on either side (padded rows are "don't care")
+        real = (al | bl).any(-1)
+        for pad in (a.query_padding, b.query_padding):
+            if pad is not None:
+                real &= ~pad[batch].cpu()
+        n = int(real.sum())
+        rows += n
+        if n == 0:
+            continue
+        if weights:
+            x, y = _slice64(a.weights, batch, i)[real], _slice64(b.weights, batch, i)[real]  # (rows, key)
+            d = (y - x).abs()  # every key of a real row: a masked cell that gained weight counts
+            max_w = max(max_w, float(d.nan_to_num(math.inf).max()))
+            tvd = 0.5 * d.sum(-1)
+            tvd_sum += float(tvd.sum())
+            tvd_max = max(tvd_max, float(tvd.nan_to_num(math.inf).max()))
+            agree += float((x.argmax(-1) == y.argmax(-1)).sum())
+            del x, y, d
+        if scores:
+            both = (al & bl)[real]
+            x, y = _slice64(a.scores, batch, i)[real], _slice64(b.scores, batch, i)[real]
+            fx, fy = torch.isfinite(x), torch.isfinite(y)
+            if (both & (fx != fy)).any():  # a score that became non-finite (or stopped being) is an infinite change
+                max_s = math.inf
+            ok = both & fx & fy
+            if ok.any():
+                max_s = max(max_s, float((y - x).abs()[ok].max()))
+            del x, y
+    nan = math.nan
+    return {
+        "max_abs_weight_diff": max_w if weights else nan,
+        "mean_tvd": tvd_sum / rows if weights and rows else nan,
+        "max_tvd": tvd_max if weights else nan,
+        "argmax_agreement": agree / rows if weights and rows else nan,
+        "max_abs_score_diff": max_s if scores else nan,
+        "mask_changed": mask_changed,
+    }
+
+
+def _has(r: AttentionRecord) -> str:
+    found = [name for name in ("weights", "scores") if getattr(r, name) is not None]
+    return " and ".join(found) or "neither weights nor scores"
+
+
 def _default_atol(records) -> float:
     worst = 0.0
     for r in records:
@@ -71,8 +137,9 @@ def _default_atol(records) -> float:
 def compare(before, after, *, atol: float | None = None):
     """One row per (layer, call, head) saying how much ``after`` differs from ``before`` (see ``COMPARE_SCHEMA``).
 
-    Over every batch row; padded query rows and rows with no allowed key are left out of the
-    row statistics. ``atol`` decides ``changed`` (default by the coarser stored dtype: 1e-6 for
+    Over every batch row; padded query rows (don't care) and rows with no allowed key are left out
+    of every statistic but ``mask_changed``. Memory: one head of one batch row at a time is compared
+    in float64, never whole records. ``atol`` decides ``changed`` (default by the coarser stored dtype: 1e-6 for
     float32, 1e-3 for float16, 1e-2 for bfloat16). Generation captures are compared stitched.
 
     Example::
@@ -86,55 +153,27 @@ def compare(before, after, *, atol: float | None = None):
         >>> list(frame["head"]), bool((frame["max_abs_weight_diff"] > 0).all())
         ([0, 1], True)
     """
-    import pandas as pd
-
     from .html import shown_records
 
     rows_a, _, _ = shown_records(before)
     rows_b, _, _ = shown_records(after)
+    return _compare_records(rows_a, rows_b, atol)
+
+
+def _compare_records(rows_a: list[AttentionRecord], rows_b: list[AttentionRecord], atol: float | None):
+    """``compare`` of two lists of drawable records (generation steps already stitched)."""
+    import pandas as pd
+
     match_records(rows_a, rows_b)
     if atol is None:
         atol = _default_atol(rows_a + rows_b)
     out = []
     for a, b in zip(rows_a, rows_b):
-        wa, wb, sa, sb = _float64(a.weights), _float64(b.weights), _float64(a.scores), _float64(b.scores)
-        B = a.batch_size
-        shape = (B, len(a.heads), a.query_len, a.key_len)
-        al = torch.ones(shape, dtype=torch.bool) if a.allowed is None else a.allowed_for_heads().cpu().expand(shape)
-        bl = torch.ones(shape, dtype=torch.bool) if b.allowed is None else b.allowed_for_heads().cpu().expand(shape)
-        either, both = al | bl, al & bl
-        real = either.any(-1)  # (B, H, Tq)
-        for pad in (a.query_padding, b.query_padding):
-            if pad is not None:
-                real &= ~pad.cpu()[:, None, :]
-        stats: dict[str, torch.Tensor] = {}
-        if wa is not None and wb is not None:
-            d = (wb - wa).abs()
-            d = torch.where(either | (d != 0), d, 0.0)  # a masked cell that gained weight counts
-            tvd = 0.5 * d.sum(-1)  # (B, H, Tq)
-            n = real.sum(dim=(0, 2)).clamp_min(1)
-            stats["max_abs_weight_diff"] = d.nan_to_num(math.inf).amax(dim=(0, 2, 3))
-            stats["mean_tvd"] = torch.where(real, tvd, 0.0).sum(dim=(0, 2)) / n
-            stats["max_tvd"] = torch.where(real, tvd, 0.0).amax(dim=(0, 2))
-            agree = wa.argmax(-1) == wb.argmax(-1)
-            stats["argmax_agreement"] = torch.where(real, agree, False).sum(dim=(0, 2)) / n
-            no_rows = real.sum(dim=(0, 2)) == 0
-            for col in ("mean_tvd", "argmax_agreement"):
-                stats[col] = torch.where(no_rows, math.nan, stats[col])
-        if sa is not None and sb is not None:
-            ds = (sb - sa).abs()
-            ok = both & torch.isfinite(sa) & torch.isfinite(sb)
-            stats["max_abs_score_diff"] = torch.where(ok, ds, 0.0).amax(dim=(0, 2, 3))
-            # a score that became non-finite (or stopped being) is an infinite change
-            flipped = both & (torch.isfinite(sa) != torch.isfinite(sb))
-            stats["max_abs_score_diff"] = torch.where(flipped.any(-1).any(-1).any(0), math.inf, stats["max_abs_score_diff"])
-        mask_changed = (al != bl).sum(dim=(0, 2, 3))
         for i, head in enumerate(a.heads):
             row = {"layer": a.layer, "call": a.call, "head": head, "name": a.name, "kind": a.kind}
-            for col in ("max_abs_weight_diff", "mean_tvd", "max_tvd", "argmax_agreement", "max_abs_score_diff"):
-                row[col] = float(stats[col][i]) if col in stats else math.nan
-            row["mask_changed"] = int(mask_changed[i])
-            measure = row["max_abs_weight_diff"] if "max_abs_weight_diff" in stats else row["max_abs_score_diff"]
+            row.update(_head_stats(a, b, i))
+            both_weights = a.weights is not None and b.weights is not None
+            measure = row["max_abs_weight_diff"] if both_weights else row["max_abs_score_diff"]
             row["changed"] = bool(row["mask_changed"] > 0 or not (measure <= atol))
             out.append(row)
     frame = pd.DataFrame(out, columns=list(COMPARE_SCHEMA))
@@ -179,11 +218,12 @@ def diff_html(
         MAX_VALUES,
         build_data,
         describe_info,
-        finite_or_none,
+        _number,
         input_facts,
         render,
         script_json,
         shown_records,
+        weights_note,
         write_or_return,
     )
 
@@ -195,7 +235,7 @@ def diff_html(
     rows_a, undrawn, stitched = shown_records(before)
     rows_b, _, _ = shown_records(after)
     match_records(rows_a, rows_b)
-    frame = compare(before, after, atol=atol)
+    frame = _compare_records(rows_a, rows_b, atol)  # the stitched records once, not a second copy
     if atol is None:
         atol = _default_atol(rows_a + rows_b)
     data = build_data([rows_a, rows_b], batch=batch, tokens=tokens, key_tokens=key_tokens, precision=precision,
@@ -208,11 +248,17 @@ def diff_html(
         row["target"] = f"#head-{r}-{row['head']}"
         rows.append(row)
         changes[f"{r}-{row['head']}"] = {
-            "max_abs_weight_diff": finite_or_none(row["max_abs_weight_diff"]),
-            "mean_tvd": finite_or_none(row["mean_tvd"]),
+            "max_abs_weight_diff": _number(row["max_abs_weight_diff"]),
+            "max_abs_score_diff": _number(row["max_abs_score_diff"]),
+            "mean_tvd": _number(row["mean_tvd"]),
             "changed": row["changed"],
         }
-    rows.sort(key=lambda row: -np.nan_to_num(row["max_abs_weight_diff"], nan=-1.0, posinf=np.inf))
+    def size(row) -> float:  # largest change first; scores stand in for missing weights; NaN last
+        x = row["max_abs_weight_diff"]
+        x = row["max_abs_score_diff"] if math.isnan(x) else x
+        return -1.0 if math.isnan(x) else x
+
+    rows.sort(key=lambda row: (not row["changed"], -size(row)))
     data.meta.update(labels=list(labels), changes=changes, flags={})
     model = before.info.get("model_class", "model")
     chunks = render(
@@ -226,6 +272,7 @@ def diff_html(
         atol=atol,
         records=list(zip(rows_a, data.meta["records"])),
         undrawn=undrawn,
+        weightless=weights_note(rows_a + rows_b, before.info),
         stitched=stitched,
         input=input_facts(rows_a, batch, data, tokens, key_tokens),
         precision=precision,

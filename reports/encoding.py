@@ -37,12 +37,21 @@ LEVEL = 1
 class Blobs:
     """Collects compressed payloads; each gets an element id (``b0``, ``b1``, ...)."""
 
-    def __init__(self, workers: int = 2) -> None:
+    def __init__(self, workers: int = 2, pending: int = 8) -> None:
         self._jobs: list = []
         self._pool = ThreadPoolExecutor(max_workers=workers)  # zlib releases the GIL
+        # each queued job keeps its input matrix alive: without a bound, a producer faster than zlib
+        # would hold every head of the capture in memory at once
+        self._pending = max(pending, workers)
+        self._waited = 0  # jobs before this index are known to be done
 
     def add(self, make_bytes) -> str:
-        """Schedule ``make_bytes()`` (raw bytes, compressed here) and return the blob id."""
+        """Schedule ``make_bytes()`` (raw bytes, compressed here) and return the blob id.
+
+        Blocks while ``pending`` jobs are still queued or running."""
+        while len(self._jobs) - self._waited >= self._pending:
+            self._jobs[self._waited].result()
+            self._waited += 1
         ident = f"b{len(self._jobs)}"
         self._jobs.append(self._pool.submit(lambda: base64.b64encode(zlib.compress(make_bytes(), LEVEL)).decode("ascii")))
         return ident

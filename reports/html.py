@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -68,6 +69,15 @@ def _dtype_name(t) -> str | None:
 def finite_or_none(x) -> float | None:
     x = float(x)
     return x if math.isfinite(x) else None
+
+
+def _number(x) -> float | int | None:
+    """A summary or comparison value for the page: NaN and infinities kept (``script_json`` encodes them)."""
+    if x is None:
+        return None
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        return int(x)
+    return float(x)
 
 
 # ----------------------------------------------------------------------------------- data builder
@@ -200,9 +210,12 @@ def build_data(
                 vs = [views[i] for _, views in meta["sources"]]
                 if diff:
                     image, allowed = _difference(vs[0], vs[1])
-                    t = encoding.thumbnail(image, allowed)
-                    if np.isfinite(t).any():
-                        thumb_max = max(thumb_max, float(np.nanmax(t)))
+                    # a value that became non-finite, or a cell allowed on one side only: the signal colour
+                    signal = (allowed & ~np.isfinite(image)) | (vs[0].allowed != vs[1].allowed)
+                    t = encoding.thumbnail(image, allowed, signal)
+                    shown = t[np.isfinite(t) & (t >= 0)]
+                    if shown.size:
+                        thumb_max = max(thumb_max, float(shown.max()))
                 else:
                     v = vs[0]
                     if v.weights is not None:
@@ -307,9 +320,29 @@ def _static(name: str) -> str:
     return resources.files("attnprobe.reports").joinpath("static", name).read_text(encoding="utf-8")
 
 
+def strict_json_value(x: Any) -> Any:
+    """``x`` with every non-finite float as ``{"$float": "NaN" | "Infinity" | "-Infinity"}``.
+
+    Strict JSON has no NaN or infinity (``JSON.parse`` refuses Python's ``NaN`` token); the page's
+    reviver turns these objects back into numbers, so an infinite difference reads "inf", not a blank.
+    """
+    if isinstance(x, float):
+        if math.isfinite(x):
+            return x
+        return {"$float": "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")}
+    if isinstance(x, dict):
+        return {k: strict_json_value(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json_value(v) for v in x]
+    if isinstance(x, np.generic):
+        return strict_json_value(x.item())
+    return x
+
+
 def script_json(data: Any) -> str:
-    """JSON safe inside a ``<script>`` element: ``<``, ``>`` and ``&`` escaped, ASCII only, no NaN."""
-    text = json.dumps(data, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    """Strict JSON safe inside a ``<script>`` element: ``<``, ``>`` and ``&`` escaped, ASCII only,
+    non-finite floats encoded as ``{"$float": ...}`` (see ``strict_json_value``)."""
+    text = json.dumps(strict_json_value(data), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
@@ -324,11 +357,15 @@ def fmt(x, digits: int = 4) -> str:
 
 
 def sort_value(x) -> str:
+    """A table cell's sort key, readable by the page's ``Number()`` (``Infinity``, not Python's ``inf``)."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return ""
     if isinstance(x, (bool, np.bool_)):
         return "1" if x else "0"
-    return repr(float(x)) if isinstance(x, (float, np.floating)) else str(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return repr(x) if math.isfinite(x) else ("Infinity" if x > 0 else "-Infinity")
+    return str(x)
 
 
 def render(template: str, **context):
@@ -403,6 +440,28 @@ def describe_info(info) -> list[tuple[str, str]]:
         if key not in names and key != "selection":
             out.append((str(key), str(value)))
     return out
+
+
+def weights_note(records: list[AttentionRecord], info) -> dict[str, Any] | None:
+    """What the page says when drawn records carry scores but no weights, and why they have none."""
+    missing = [r for r in records if r.weights is None]
+    if not missing:
+        return None
+    selection = info.get("selection") if isinstance(info, Mapping) else None
+    keep = selection.get("keep") if isinstance(selection, Mapping) else None
+    if keep is not None and "weights" not in keep:
+        why = (f"weights were not asked for (keep={list(keep)!r}); capture with keep=[..., 'weights'] "
+               "(or keep=None) to see them")
+    else:
+        backends = ", ".join(sorted({str(r.backend) for r in missing}))
+        why = (f"the attention code (backend: {backends}) computes none that could be observed; switch the model "
+               "to eager attention or capture through an adapter that recomputes them")
+    return {
+        "count": len(missing),
+        "all": len(missing) == len(records),
+        "layers": ", ".join(str(x) for x in dict.fromkeys(r.layer for r in missing)),
+        "why": why,
+    }
 
 
 def input_facts(records: list[AttentionRecord], batch: int, data: ReportData, tokens, key_tokens) -> dict[str, Any]:
@@ -488,7 +547,7 @@ def to_html(
     panel = check_panel(None if checks is False else checks, data.meta["records"], batch)
     data.meta["flags"] = panel["flags"]
     data.meta["summary"] = {
-        f"{row.layer}-{row.head}": {c: finite_or_none(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
+        f"{row.layer}-{row.head}": {c: _number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
         for row in summary.itertuples()
     }
     model = capture.info.get("model_class", "model")
@@ -499,6 +558,7 @@ def to_html(
         info=describe_info(capture.info),
         records=list(zip(records, data.meta["records"])),
         undrawn=undrawn,
+        weightless=weights_note(records, capture.info),
         stitched=stitched,
         input=input_facts(records, batch, data, tokens, key_tokens),
         precision=precision,

@@ -180,7 +180,14 @@ def heatmap(
 
 
 def _grid_records(capture) -> list[AttentionRecord]:
-    records = [r for r in capture if r.weights is not None or r.scores is not None]
+    records = list(capture)
+    if any(r.step is not None for r in records):  # a generation: one stitched matrix per module, as in the HTML
+        from ..probe.generation import stitch
+
+        from ..probe.capture import Capture
+
+        records = [r for r in records if r.step is None] + list(stitch(Capture(records, getattr(capture, "info", {}))))
+    records = [r for r in records if r.weights is not None or r.scores is not None]
     if not records:
         raise AttnprobeError("nothing to draw: no record in this capture has weights or scores")
     return records
@@ -311,9 +318,32 @@ def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", anno
 
 
 # ------------------------------------------------------------------------------------ file writers
-def _save(fig, path, *, overwrite: bool, dpi: float):
+#: File suffix -> matplotlib format of the ``save_*`` writers.
+FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
+def image_path(path, *, overwrite: bool):
+    """(path, format) for a ``save_*`` writer: the suffix names the format; existing files are refused."""
     p = output_path(path, overwrite=overwrite)
-    fig.savefig(p, dpi=dpi)
+    fmt = FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        raise AttnprobeError(
+            f"cannot tell the image format of {p}: name the file {', '.join(FORMATS)}"
+        )
+    return p, fmt
+
+
+def _save(fig, path, *, overwrite: bool, dpi: float):
+    p, fmt = image_path(path, overwrite=overwrite)
+    # savefig would add a suffix of its own choosing and replace any file; write exactly here, and with
+    # "x" never replace a file that appeared since the check unless asked
+    with open(p, "wb" if overwrite else "xb") as f:
+        try:
+            fig.savefig(f, dpi=dpi, format=fmt)
+        except BaseException:
+            f.close()
+            p.unlink(missing_ok=True)  # no half-written image left behind
+            raise
     return p
 
 
@@ -326,7 +356,7 @@ def save_heatmap(record: AttentionRecord, path, head: int | None = None, *, figs
     """
     from matplotlib.figure import Figure
 
-    output_path(path, overwrite=overwrite)  # fail before drawing
+    image_path(path, overwrite=overwrite)  # fail before drawing
     fig = Figure(figsize=figsize, layout="constrained")
     heatmap(record, head, ax=fig.add_subplot(), **options)
     return _save(fig, path, overwrite=overwrite, dpi=dpi)
@@ -336,7 +366,7 @@ def save_grid(capture, path, *, figsize=None, dpi: float = 100, overwrite: bool 
     """Write ``head_grid(capture, **options)`` to ``path``; returns the path."""
     from matplotlib.figure import Figure
 
-    output_path(path, overwrite=overwrite)
+    image_path(path, overwrite=overwrite)
     fig = None if figsize is None else Figure(figsize=figsize, layout="constrained")
     fig = head_grid(capture, fig=fig, **options)
     return _save(fig, path, overwrite=overwrite, dpi=dpi)
@@ -347,7 +377,7 @@ def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsiz
     """Write one ``summary_plot`` panel per summary column to ``path``; returns the path."""
     from matplotlib.figure import Figure
 
-    output_path(path, overwrite=overwrite)
+    image_path(path, overwrite=overwrite)
     frame = _summary_frame(data)
     columns = list(columns)
     if not columns:

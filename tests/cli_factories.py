@@ -11,11 +11,12 @@ import attnprobe
 class TinyDecoder(nn.Module):
     """Token ids in, two causal attnprobe attention layers; forward(input_ids, attention_mask=None)."""
 
-    def __init__(self, vocab: int = 50, d: int = 16, heads: int = 4, layers: int = 2, bug: str | None = None):
+    def __init__(self, vocab: int = 50, d: int = 16, heads: int = 4, layers: int = 2, bug: str | None = None,
+                 causal: bool = True):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         if bug is None:
-            self.layers = nn.ModuleList([attnprobe.MultiHeadAttention(d, num_heads=heads, causal=True) for _ in range(layers)])
+            self.layers = nn.ModuleList([attnprobe.MultiHeadAttention(d, num_heads=heads, causal=causal) for _ in range(layers)])
         else:
             from checks_helpers import BuggyAttention
 
@@ -48,3 +49,16 @@ def not_a_model():
 
 
 NOT_CALLABLE = 3
+
+
+class IgnoresPadding(TinyDecoder):
+    """A bidirectional encoder that takes the attention mask and drops it: padded keys get weight,
+    which only the declared input mask can reveal."""
+
+    def forward(self, input_ids, attention_mask=None):
+        return super().forward(input_ids)
+
+
+def ignores_padding():
+    torch.manual_seed(0)
+    return IgnoresPadding(causal=False)

@@ -116,11 +116,26 @@ def test_check_declared_bidirectional_fails_a_causal_model(cli):
     assert result.exit_code == 1 and "causal" in result.output
 
 
+def test_check_and_report_declare_the_input_padding(cli, tmp_path):
+    # the model drops the mask it is given: its records know no padding, only the input does
+    result = cli("check", "cli_factories:ignores_padding", *IDS, "--checks", "padding", "--format", "json")
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.output)
+    assert {v["check"] for v in data["violations"]} == {"padding"}
+    assert all(v["batch"] == 1 and v["keys"] == [2, 3] for v in data["violations"])
+    assert cli("check", "cli_factories:ignores_padding", "--ids", "1 2 3", "--checks", "padding").exit_code == 0
+    result = cli("report", "cli_factories:ignores_padding", *IDS, "--batch", "1")
+    assert result.exit_code == 0, result.output
+    html = (tmp_path / "attnprobe-report.html").read_text()
+    assert "&#10007; failed" in html and "the declared attention_mask" in html
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "args, message",
     [
         (["info", "./no/such/model"], "model path 'no/such/model' does not exist"),
+        (["info", "google-bert/bert-base-uncased"], "does not exist (attnprobe reads local folders only and never downloads"),
         (["info", "cli_factories:nope"], "has no attribute 'nope'"),
         (["info", "no_such_module:factory"], "cannot import 'no_such_module'"),
         (["info", "cli_factories:broken"], "raised RuntimeError: the checkpoint is missing"),
@@ -141,6 +156,12 @@ def test_check_declared_bidirectional_fails_a_causal_model(cli):
         (["report", TINY, *IDS, "--file", "missing.txt"], "input file 'missing.txt' does not exist"),
         (["export", TINY, *IDS, "--out", "frame.json"], "name the file .parquet or .csv"),
         (["check", TINY, *IDS, "--checks", "bogus"], "unknown check(s) ['bogus']"),
+        (["report", TINY, "--ids", "1 50"], "token id 50 is out of range: the model has 50 token ids (0 to 49"),
+        (["check", TINY, "--ids", "1 99999"], "token id 99999 is out of range"),
+        (["report", TINY, "--ids", "3 -1"], "token id -1 is negative"),
+        (["report", TINY, "--ids", "1 2.5"], "write token ids as integers"),
+        (["check", TINY, *IDS, "--device", "nowhere"], "cannot use device 'nowhere'"),
+        (["check", TINY, *IDS, "--dtype", "float8"], "unknown dtype 'float8'"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_two(cli, args, message):
@@ -184,6 +205,50 @@ def test_texts_from_a_file(cli, tmp_path):
     (tmp_path / "inputs.txt").write_text("1 2 3\n")
     line = one_line_error(cli("check", TINY, "--file", "inputs.txt"))
     assert "has no tokenizer, so text cannot be used" in line
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "  \n\t\n"])
+def test_an_input_file_without_text_is_refused(cli, tmp_path, content):
+    (tmp_path / "inputs.txt").write_text(content)
+    line = one_line_error(cli("check", TINY, "--file", "inputs.txt"))
+    assert "input file 'inputs.txt' has no text" in line  # not silently the default sentence
+
+
+def test_an_input_file_with_a_byte_order_mark(cli, tmp_path):
+    from attnprobe.probe.loading import read_texts
+
+    (tmp_path / "inputs.txt").write_bytes("\ufeffhello world\r\n\r\nsecond line\r\n".encode("utf-8"))
+    assert read_texts(("first",), "inputs.txt") == ["first", "hello world", "second line"]
+
+
+def test_an_input_file_that_is_not_utf8(cli, tmp_path):
+    (tmp_path / "inputs.txt").write_bytes(b"caf\xe9\n")
+    assert "input file 'inputs.txt' is not UTF-8 text" in one_line_error(cli("check", TINY, "--file", "inputs.txt"))
+
+
+def test_device_and_dtype_options(cli, tmp_path):
+    result = cli("check", TINY, *IDS, "--device", "cpu", "--dtype", "float32", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["ok"] is True
+    result = cli("export", TINY, *IDS, "--dtype", "bfloat16", "--out", "bf16.parquet")
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "bf16.parquet")
+    weights = frame.weight.dropna().to_numpy()
+    # bfloat16 keeps 8 significant bits: every weight is a float32 whose low 16 bits are zero
+    assert len(weights) and not (weights.astype("float32").view("uint32") & 0xFFFF).any()
+    exact = cli("export", TINY, *IDS, "--dtype", "float32", "--out", "fp32.parquet")
+    assert exact.exit_code == 0, exact.output
+    fp32 = pd.read_parquet(tmp_path / "fp32.parquet").weight.dropna().to_numpy().astype("float32")
+    assert (fp32.view("uint32") & 0xFFFF).any()  # the float32 run is not rounded
+
+
+def test_unavailable_device_is_exit_two(cli):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is available here")
+    line = one_line_error(cli("report", TINY, *IDS, "--device", "cuda:0"))
+    assert line.startswith("attnprobe: error: cannot use device 'cuda:0'")
 
 
 # ---------------------------------------------------------------------------------------------- script
@@ -255,6 +320,43 @@ def test_hf_encoder_decoder_needs_and_uses_decoder_text(cli, hf_dirs, tmp_path):
     assert "only for encoder-decoder models" in line
 
 
+def test_hf_encoder_decoder_declares_masks_per_layer(cli, hf_dirs):
+    from attnprobe.cli import declarations
+    from attnprobe.probe import loading
+
+    net, tokenizer, source = loading.load_model(str(hf_dirs / "bart"))
+    work = loading.build_workload(net, tokenizer, source, texts=["hello world", "a much longer input text"],
+                                  decoder_texts=["bonjour", "a longer decoder input"], ids=[])
+    _, cap = __import__("attnprobe").run(work.model, work.inputs)
+    stacks = {r.layer: (r.meta.get("stack"), r.kind) for r in cap}
+    assert stacks == {0: ("encoder", "self"), 1: ("decoder", "self"), 2: ("decoder", "cross")}
+    causal, masks = declarations(work, cap)
+    assert causal == {1: True}
+    assert masks[0] is work.inputs["attention_mask"] and masks[2] is work.inputs["attention_mask"]
+    assert masks[1] is work.inputs["decoder_attention_mask"]
+    assert not work.inputs["attention_mask"].all() and not work.inputs["decoder_attention_mask"].all()  # padded
+    assert declarations(work, cap, causal=False)[0] is False
+    result = cli("check", hf_dirs / "bart", "--text", "hello world", "--text", "a much longer input text",
+                 "--decoder-text", "bonjour", "--decoder-text", "a longer decoder input", "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["ok"] is True and data["records"] == 3
+    assert not [s for s in data["skipped"] if s.startswith(("padding", "causal"))], data["skipped"]
+
+
+def test_hf_corrupt_weights_and_too_long_input(cli, hf_dirs, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dirs / "bert", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a truncated download
+    line = one_line_error(cli("info", broken))
+    assert line.startswith(f"attnprobe: error: could not load a model from '{broken}'")
+    weights.write_bytes(b"\x00" * 64)
+    assert "could not load a model" in one_line_error(cli("report", broken, "--text", "hi"))
+    line = one_line_error(cli("check", hf_dirs / "bert", "--text", "word " * 600))
+    assert "has 602 tokens but the model takes at most 512 positions (config.max_position_embeddings)" in line
+
+
 def test_bundled_model_is_the_default(cli, tmp_path):
     result = cli("report")
     assert result.exit_code == 0, result.output
@@ -264,6 +366,20 @@ def test_bundled_model_is_the_default(cli, tmp_path):
     result = cli("check", "--format", "json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["records"] == 6  # all-MiniLM-L6-v2: 6 layers
+
+
+def test_readme_first_run_then_try_commands_run_in_order(cli, tmp_path):
+    import re
+    import shlex
+
+    text = (TESTS.parent / "README.md").read_text()
+    section = text.split("## First run", 1)[1].split("\n## ", 1)[0]
+    commands = ["attnprobe report"] + [c for c in re.findall(r"`(attnprobe [^`]+)`", section.replace("\n", " "))]
+    assert len(commands) >= 4, commands
+    for command in commands:  # one folder: a later command must not trip over an earlier one's file
+        result = cli(*shlex.split(command)[1:])
+        assert result.exit_code == 0, (command, result.output)
+    assert (tmp_path / "attnprobe-report.html").exists() and len(list(tmp_path.glob("*.html"))) == 2
 
 
 # ---------------------------------------------------------------------------------------------- progress

@@ -257,3 +257,29 @@ def test_diff_report_shows_both_captures_and_the_difference_side_by_side(tmp_pat
     assert as_float32(readout["rows"][0]["weight"]) == w_old and as_float32(readout["rows"][1]["weight"]) == w_new
     assert float(readout["rows"][2]["weight"]) == w_new - w_old
     report.assert_clean()
+
+
+def test_infinite_change_and_scores_only_capture_render(tmp_path, open_report, assert_no_hooks):
+    from dataclasses import replace
+
+    before = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=1, padded=False)
+    weights = before[0].weights.clone()
+    weights[0, 1, 3, 0] = float("nan")
+    after = attnprobe.Capture([replace(before[0], weights=weights)], before.info)
+    report = open_report(diff_html(before, after, tmp_path / "diff.html"))
+    page = report.page
+    caption = page.locator('a.thumb[data-rid="0"][data-head="1"]')
+    assert caption.text_content().strip().endswith("inf") and "max |\u0394 weight| inf" in caption.get_attribute("title")
+    assert "inf" in page.locator("table.summary tbody tr").first.text_content()  # ranked first, shown as inf
+    report.assert_clean()
+
+    scores_only = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=1, keep=["scores"])
+    report = open_report(to_html(scores_only, tmp_path / "scores.html"), "#head-0-1")
+    page = report.page
+    page.wait_for_function("window.attnprobe.state().viewers === 1")
+    assert page.eval_on_selector("#colour-by", "e => e.value") == "scores"
+    assert canvas_colours(page, "#viewers canvas.view") > 3
+    readout = hover_cell(page, 4, 2)
+    assert readout["rows"][0]["weight"] == "not captured"
+    assert as_float32(readout["rows"][0]["score"]) == scores_only[0].scores[0, 1, 4, 2].item()
+    report.assert_clean()

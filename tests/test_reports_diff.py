@@ -45,8 +45,9 @@ def test_the_changed_head_is_found_and_measured(assert_no_hooks):
     assert list(zip(changed["layer"], changed["head"])) == [(1, 1)]
     row = changed.iloc[0]
     w0, w1 = before[1].weights[:, 1].double(), after[1].weights[:, 1].double()
-    assert row["max_abs_weight_diff"] == pytest.approx((w1 - w0).abs().max().item())
     real = before[1].allowed.any(-1)[:, 0] & ~before[1].query_padding
+    assert before[1].query_padding.any()  # padded rows exist and are left out
+    assert row["max_abs_weight_diff"] == pytest.approx((w1 - w0).abs()[real].max().item())
     tvd = 0.5 * (w1 - w0).abs().sum(-1)
     assert row["mean_tvd"] == pytest.approx(tvd[real].mean().item())
     assert row["max_tvd"] == pytest.approx(tvd[real].max().item())
@@ -100,3 +101,74 @@ def test_diff_report_ranks_heads_and_holds_both_captures(tmp_path, assert_no_hoo
     with pytest.raises(FileExistsError):
         diff_html(before, after, path)
     assert not math.isnan(compare(before, after)["mean_tvd"].iloc[0])
+
+
+def test_padded_query_rows_are_dont_care(assert_no_hooks):
+    from dataclasses import replace
+
+    import attnprobe
+
+    before, _ = pair(assert_no_hooks)
+    rec = before[0]
+    assert rec.query_padding[0, :2].all()  # batch row 0 is left-padded by two positions
+    weights = rec.weights.clone()
+    weights[0, :, :2] = 1.0 / rec.key_len  # eager would give padded rows uniform weights, sdpa something else
+    after = attnprobe.Capture([replace(rec, weights=weights)] + list(before)[1:], before.info)
+    frame = compare(before, after)
+    assert not frame["changed"].any() and (frame["max_abs_weight_diff"] == 0).all()
+    weights[0, 1, 3, 4] += 0.5  # a real row: counted
+    frame = compare(before, attnprobe.Capture([replace(rec, weights=weights)] + list(before)[1:], before.info))
+    assert list(frame[frame["changed"]]["head"]) == [1] and frame["max_abs_weight_diff"].max() == pytest.approx(0.5)
+
+
+def test_compare_works_one_matrix_at_a_time(assert_no_hooks, monkeypatch):
+    from attnprobe.reports import diff
+
+    seen = []
+    original = diff._slice64
+
+    def spy(t, batch, head):
+        out = original(t, batch, head)
+        seen.append(None if out is None else tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(diff, "_slice64", spy)
+    before, after = pair(assert_no_hooks)
+    compare(before, after)
+    assert seen and set(seen) == {(6, 6)}  # (query, key) of one head of one batch row, never a whole record
+
+
+def test_nan_and_mismatched_quantities(assert_no_hooks):
+    from dataclasses import replace
+
+    import attnprobe
+    from test_reports_html import report_meta
+
+    before, _ = pair(assert_no_hooks, padded=False)
+    rec = before[1]
+    weights = rec.weights.clone()
+    weights[1, 2, 4, 0] = float("nan")
+    after = attnprobe.Capture([before[0], replace(rec, weights=weights)], before.info)
+    frame = compare(before, after)
+    row = frame[(frame["layer"] == 1) & (frame["head"] == 2)].iloc[0]
+    assert row["changed"] and row["max_abs_weight_diff"] == math.inf
+    assert frame["changed"].sum() == 1
+    document = diff_html(before, after)  # strict JSON even with an infinite change
+    meta, _ = report_meta(document)
+    assert meta["changes"]["1-2"]["max_abs_weight_diff"] == math.inf and math.isfinite(meta["thumbMax"])
+    assert document.index('href="#head-1-2"') < document.index('href="#head-0-0"')  # the changed head ranks first
+    scores_only = attnprobe.Capture([replace(r, weights=None) for r in before], before.info)
+    weights_only = attnprobe.Capture([replace(r, scores=None) for r in before], before.info)
+    with pytest.raises(AttnprobeError, match="share neither weights nor scores .*before has weights, after has scores"):
+        compare(weights_only, scores_only)
+    assert compare(scores_only, scores_only)["max_abs_score_diff"].eq(0).all()
+
+
+def test_diff_of_different_shapes_is_refused_clearly(assert_no_hooks):
+    before, _ = pair(assert_no_hooks)
+    shorter = stack_capture(assert_no_hooks, layers=2, heads=3, length=5)
+    with pytest.raises(AttnprobeError, match="the captures differ: layer 0 .* 2x6x6.* vs .* 2x5x5"):
+        diff_html(before, shorter)
+    fewer_heads = before.select(heads=[0, 1])
+    with pytest.raises(AttnprobeError, match=r"heads \[0, 1, 2\].* heads \[0, 1\]"):
+        compare(before, fewer_heads)

@@ -53,9 +53,20 @@ def parse(document: str) -> Elements:
     return p
 
 
+def strict_loads(text: str):
+    """JSON as the browser's JSON.parse reads it (no NaN/Infinity tokens), with the page's reviver."""
+    def refuse(token):
+        raise ValueError(f"not strict JSON: {token}")
+
+    def revive(obj):
+        return float(obj["$float"].replace("Infinity", "inf")) if set(obj) == {"$float"} else obj
+
+    return json.loads(text, parse_constant=refuse, object_hook=revive)
+
+
 def report_meta(document: str) -> tuple[dict, dict[str, str]]:
     p = parse(document)
-    meta = next(json.loads(text) for attrs, text in p.scripts if attrs.get("id") == "attnprobe-meta")
+    meta = next(strict_loads(text) for attrs, text in p.scripts if attrs.get("id") == "attnprobe-meta")
     blobs = {attrs["id"]: text for attrs, text in p.scripts if attrs.get("type") == "application/x-attnprobe-blob"}
     return meta, blobs
 
@@ -218,6 +229,47 @@ def test_scores_only_and_cross_and_generation_captures(assert_no_hooks):
     np.testing.assert_array_equal(weights, full[1].weights[0, 0].numpy())
 
 
+def test_embedded_json_is_strict_and_keeps_nan_and_infinities(assert_no_hooks):
+    from attnprobe.reports.html import script_json, sort_value
+
+    text = script_json({"a": float("inf"), "b": [float("-inf"), float("nan"), 1.5], "c": np.float32("nan"), "t": "NaN"})
+    assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text.replace('"Infinity"', "").replace('"-Infinity"', "")
+    back = strict_loads(text)
+    assert back["a"] == float("inf") and back["b"][0] == float("-inf") and np.isnan(back["b"][1]) and back["b"][2] == 1.5
+    assert np.isnan(back["c"]) and back["t"] == "NaN"  # a token that reads NaN stays a string
+    assert (sort_value(float("inf")), sort_value(float("-inf")), sort_value(0.5)) == ("Infinity", "-Infinity", "0.5")
+    # a head whose weights hold NaN: its summary says so instead of failing or going blank
+    cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=1, padded=False)
+    weights = cap[0].weights.clone()
+    weights[0, 1, 3, 0] = float("nan")
+    meta, _ = report_meta(to_html(attnprobe.Capture([replace(cap[0], weights=weights)], cap.info), checks=False))
+    assert meta["records"][0]["sources"][0]["stats"][1]["nonfinite"] == 1
+    assert any(isinstance(v, float) and not np.isfinite(v) for v in meta["summary"]["0-1"].values())
+
+
+def test_a_scores_only_capture_says_why_and_draws_scores(assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=1, keep=["scores"])
+    document = to_html(cap)
+    text = re.sub(r"\s+", " ", document)
+    assert ("Weights (post-softmax) not captured in 2 record(s) (layers 0, 1): weights were not asked for "
+            "(keep=[&#39;scores&#39;])") in text
+    assert "The grid and the head views show the pre-softmax scores instead" in text
+    assert "thumbnails: pre-softmax scores (no weights captured)" in text
+    meta, blobs = report_meta(document)
+    src = meta["records"][0]["sources"][0]
+    assert src["weights"] is None and len(src["scores"]) == 2
+    allowed = cap[0].allowed[0, 0].numpy()
+    scores = decode_floats(blobs[src["scores"][1]], 25, "exact").reshape(5, 5)
+    np.testing.assert_array_equal(scores[allowed], cap[0].scores[0, 1].numpy()[allowed])
+    full = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=1)
+    assert "not captured in" not in to_html(full)
+    # weights missing because the backend has none: the message says that, not "not asked for"
+    bare = attnprobe.Capture([replace(r, weights=None) for r in full], full.info)
+    with pytest.warns(attnprobe.AttnprobeWarning, match="came without them"):  # the checks say it too
+        text = re.sub(r"\s+", " ", to_html(bare))
+    assert "the attention code (backend: attnprobe) computes none" in text and "not asked for" not in text
+
+
 def test_bad_input_gets_clear_errors(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=2)
     with pytest.raises(TypeError, match="expected an attnprobe.Capture"):
@@ -272,3 +324,33 @@ def test_report_runs_the_checks_by_default():
         clean(torch.randn(1, 5, 8))
     document = to_html(ok)
     assert report_meta(document)[0]["flags"] == {} and "0 error(s)" in document
+
+
+def test_blob_queue_is_bounded_so_matrices_are_not_all_held_at_once():
+    import threading
+    import time
+    import zlib
+
+    from attnprobe.reports.encoding import Blobs
+
+    lock = threading.Lock()
+    queued = {"now": 0, "most": 0}
+
+    def job(i):
+        def make():
+            time.sleep(0.005)  # slower than the producer, like zlib on a large head
+            with lock:
+                queued["now"] -= 1
+            return bytes([i]) * 100
+        return make
+
+    blobs = Blobs(workers=2, pending=3)
+    for i in range(20):
+        with lock:
+            queued["now"] += 1
+            queued["most"] = max(queued["most"], queued["now"])
+        blobs.add(job(i))
+    results = blobs.results()
+    assert queued["most"] <= 4  # the bound (3), plus the one being added
+    assert [ident for ident, _ in results] == [f"b{i}" for i in range(20)]
+    assert zlib.decompress(base64.b64decode(results[7][1])) == bytes([7]) * 100

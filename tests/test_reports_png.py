@@ -17,7 +17,7 @@ from attnprobe import AttnprobeError
 from attnprobe.reports import head_grid, heatmap, save_grid, save_heatmap, save_summary, summary_plot
 from attnprobe.reports._common import DISALLOWED_COLOR, LEAK_COLOR
 
-from reports_helpers import cross_capture, stack_capture, words
+from reports_helpers import cross_capture, generation_capture, stack_capture, words
 
 
 def pixel(ax, q: int, k: int) -> tuple[int, int, int]:
@@ -148,6 +148,42 @@ def test_head_grid_has_one_panel_per_layer_and_head(tmp_path, assert_no_hooks):
     path = save_grid(cap, tmp_path / "grid.png", figsize=(8, 6), dpi=50)
     with Image.open(path) as image:
         assert image.size == (400, 300)
+
+
+def test_head_grid_of_a_generation_draws_one_stitched_matrix_per_layer(tmp_path, assert_no_hooks):
+    steps, full = generation_capture(assert_no_hooks, length=8, prefill=4)
+    fig = head_grid(steps)
+    panels = [ax for ax in fig.axes if ax.images]
+    assert len(panels) == 2 * 2  # 2 layers x 2 heads, not one row per generation step
+    assert [ax.get_ylabel() for ax in panels[::2]] == ["L0", "L1"]
+    shown = panels[0].images[0].get_array()
+    assert shown.shape == (8, 8)
+    expected = full[0].weights[0, 0].numpy()
+    allowed = ~np.ma.getmaskarray(shown)
+    assert allowed.sum() == 8 * 9 // 2  # the causal triangle, every step's row
+    np.testing.assert_allclose(shown.data[allowed], expected[allowed], rtol=0, atol=0)
+    path = save_grid(steps, tmp_path / "generation.png", dpi=40)
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+
+
+def test_image_writers_follow_the_suffix_and_never_overwrite(tmp_path, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=1)
+    svg = save_grid(cap, tmp_path / "grid.svg", dpi=40)
+    assert svg == tmp_path / "grid.svg" and b"<svg" in svg.read_bytes()[:400]
+    for writer, args in ((save_grid, (cap,)), (save_summary, (cap,)), (save_heatmap, (cap[0],))):
+        for name in ("heads", "heads.txt"):  # matplotlib would have written heads.png / refused late
+            with pytest.raises(AttnprobeError, match="cannot tell the image format"):
+                writer(*args, tmp_path / name, **({"head": 0} if writer is save_heatmap else {}))
+            assert not (tmp_path / name).exists() and not (tmp_path / (name + ".png")).exists()
+        mine = tmp_path / "mine.png"
+        mine.write_bytes(b"mine")
+        with pytest.raises(FileExistsError, match="overwrite=True"):
+            writer(*args, mine, **({"head": 0} if writer is save_heatmap else {}))
+        assert mine.read_bytes() == b"mine"
+        writer(*args, mine, overwrite=True, dpi=30, **({"head": 0} if writer is save_heatmap else {}))
+        assert mine.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        mine.unlink()
 
 
 def test_summary_plot_draws_a_layer_by_head_map(tmp_path, assert_no_hooks):

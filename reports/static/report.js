@@ -4,7 +4,10 @@
 (function () {
   "use strict";
 
-  const META = JSON.parse(document.getElementById("attnprobe-meta").textContent);
+  // Strict JSON has no NaN or infinity: the report writes them as {"$float": "NaN" | "Infinity" | "-Infinity"}.
+  const META = JSON.parse(document.getElementById("attnprobe-meta").textContent, (key, v) =>
+    v !== null && typeof v === "object" && !Array.isArray(v) && typeof v.$float === "string" &&
+    Object.keys(v).length === 1 ? Number(v.$float) : v);
   const RECORDS = META.records;
   const DIFF = META.mode === "diff";
   const PLANES = META.precision === "exact" ? 4 : 2;
@@ -109,6 +112,7 @@
   }
   function short(x) {
     if (x === null || x === undefined || Number.isNaN(x)) return "–";
+    if (!Number.isFinite(x)) return x > 0 ? "inf" : "-inf";
     return Math.abs(x) >= 1e-3 || x === 0 ? String(Number(x.toPrecision(3))) : x.toExponential(1);
   }
   const CONTROL = /[\u0000-\u001f\u007f-\u009f\u2028\u2029]/g;
@@ -654,10 +658,20 @@
       parts.push("summary (all batch rows): " + Object.keys(sum).map((k) => k + " " + short(sum[k])).join(", "));
     }
     const change = (META.changes || {})[rid + "-" + head];
-    if (change) parts.push("max |\u0394 weight| " + f32(change.max_abs_weight_diff) + ", mean TVD " + short(change.mean_tvd));
+    if (change) parts.push(changeText(change) + ", mean TVD " + short(change.mean_tvd));
     const flag = (META.flags || {})[rid + "-" + head];
     if (flag) parts.push("checks: " + flag.errors + " error(s), " + flag.other + " other finding(s); offending rows and keys are marked red in the gutters");
     for (const p of parts) box.appendChild(el("div", null, p));
+  }
+
+  // A head's change: weights when both captures have them, else pre-softmax scores.
+  function changeSize(change) {
+    return change.max_abs_weight_diff === null || Number.isNaN(change.max_abs_weight_diff)
+      ? change.max_abs_score_diff : change.max_abs_weight_diff;
+  }
+  function changeText(change) {
+    const weights = !(change.max_abs_weight_diff === null || Number.isNaN(change.max_abs_weight_diff));
+    return "max |\u0394 " + (weights ? "weight" : "score") + "| " + f32(changeSize(change));
   }
 
   function showCell(cell) {
@@ -774,8 +788,8 @@
         }
         const change = (META.changes || {})[r.id + "-" + h];
         if (change) {
-          cap.appendChild(el("span", null, " " + short(change.max_abs_weight_diff)));
-          a.title = "max |\u0394 weight| " + f32(change.max_abs_weight_diff);
+          cap.appendChild(el("span", null, " " + short(changeSize(change))));
+          a.title = changeText(change);
           if (change.changed) a.classList.add("warned");
         }
         box.appendChild(a);
