@@ -866,7 +866,8 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     found = _output_product(softmax, w)
     if found is not None and product is not None:
         out_node, v, out, out_letters, dropout = found
-        finding.dropout = dropout
+        finding.dropout = dropout  # as applied: F.dropout(training=True) drops whatever the module's mode is
+        finding.meta["dropout_in_eval"] = dropout > 0 and not scope.module.training
         vr = _to_record(_fit_lead(v.detach(), lead_shape), lead, unfold)
         if vr.shape[0] == 1 and finding.weights.shape[0] > 1:
             vr = vr.expand(finding.weights.shape[0], *vr.shape[1:])

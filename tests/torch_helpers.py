@@ -193,3 +193,8 @@ def leftovers(model: nn.Module) -> list[str]:
     if not torch.backends.mha.get_fastpath_enabled():
         left.append("mha fast path still disabled")
     return left
+
+
+def attend_heads(q, k, v):
+    """A helper in another module, called as ``torch_helpers.attend_heads`` (module attribute access)."""
+    return F.scaled_dot_product_attention(q, k, v)
