@@ -22,8 +22,11 @@ How a call is read without changing what the caller gets:
   ``check()``'s ``output_match`` therefore compares ``weights @ v`` with what the module really computed. Where that input cannot be seen (a torch whose
   ``multi_head_attention_forward`` no longer multiplies by ``out_proj.weight``), ``output`` is
   ``weights @ V`` recomputed by attnprobe (``meta["output_source"] = "recomputed"``), which
-  ``output_match`` cannot contradict, and None in training with dropout. Ops run as called under the
-  mode (the same kernels: outputs stay bitwise equal); each op of the call passes through Python once.
+  ``output_match`` cannot contradict, and None in training with dropout. This is also the case under
+  ``torch.inference_mode()`` (there torch gives a dispatch mode whole ``linear``/``sdpa`` ops, which could run
+  on other kernels, so none is installed) and under autocast (the product uses a cast copy of the weight).
+  With grad or ``no_grad`` the ops run as called under the mode (the same kernels: outputs stay bitwise
+  equal); each op of the call passes through Python once.
 - The post-hook is registered first (``prepend=True``), so it reads the module's own ``(output, weights)``
   before any forward hook of the caller's changes it, and those hooks see what the caller asked for.
 - The fused fast path (``torch._native_multi_head_attention``, ``TransformerEncoder``'s nested tensors)
@@ -284,7 +287,10 @@ class TorchMHAAdapter(Adapter):
             if bound is None:
                 calls.append(None)
                 return None
-            calls.append(_Call(bound, forced, _OutProjInput(mod.out_proj.weight).start()))
+            # no dispatch mode under inference_mode: there torch hands a dispatch mode whole ops (linear, sdpa)
+            # that may then run on other kernels; the output is recomputed instead
+            watch = None if torch.is_inference_mode_enabled() else _OutProjInput(mod.out_proj.weight).start()
+            calls.append(_Call(bound, forced, watch))
             if not forced:
                 return None
             if len(args) > _AVERAGE_AT:
@@ -429,7 +435,7 @@ class TorchMHAAdapter(Adapter):
             causal=causal,
             scaling=parts.scaling,
             backend="torch_mha",
-            dtype=query.dtype,
+            dtype=parts.q.dtype,  # the dtype the projections ran in (autocast included)
             weights_source="observed" if use_observed else "recomputed",
             dropout=float(dropout),
             identified=frozenset({"q", "k", "v", "scores", "weights", "allowed"})
@@ -438,7 +444,7 @@ class TorchMHAAdapter(Adapter):
             meta=meta,
         )
         error = meta.get("output_error")
-        if record is not None and error is not None and error > _output_tolerance(query.dtype) and "output" not in warned:
+        if record is not None and error is not None and error > _output_tolerance(parts.q.dtype) and "output" not in warned:
             warned.add("output")
             warnings.warn(
                 f"nn.MultiheadAttention {site.name!r}: weights @ V from its projection weights does not reproduce "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -166,6 +168,25 @@ def test_output_is_what_the_module_computed_per_head(need_weights):
         mha(x, x, x, key_padding_mask=KPM, need_weights=need_weights)
     torch.testing.assert_close(merged_output(mha, full[0]), out, rtol=0, atol=1e-6)
     assert torch.equal(rec.output, full[0].output[:, [1, 3]])
+    assert attnprobe.check(cap).ok
+
+
+def test_inference_mode_and_autocast_run_untouched_with_a_recomputed_output():
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.inference_mode(), fastpath_disabled():
+        plain = mha(x, x, x, need_weights=False)[0]
+    with torch.inference_mode(), attnprobe.capture(mha) as cap:
+        got = mha(x, x, x, need_weights=False)[0]
+    assert torch.equal(got, plain) and cap[0].meta["output_source"] == "recomputed"
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        with fastpath_disabled():
+            plain = mha(x, x, x, need_weights=False)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # bfloat16 rounding is not taken for a patched module
+            with attnprobe.capture(mha) as cap:
+                got = mha(x, x, x, need_weights=False)[0]
+    assert torch.equal(got, plain) and cap[0].dtype == torch.bfloat16 == cap[0].q.dtype
     assert attnprobe.check(cap).ok
 
 
