@@ -257,13 +257,22 @@ class TorchMHAAdapter(Adapter):
     name = "torch_mha"
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
-        return [
-            Site(name, m, self, m.num_heads, m.num_heads, info={"strategy": "forward hooks + in-projection"})
-            for name, m in model.named_modules()
-            if isinstance(m, nn.MultiheadAttention)
-            and type(m).forward is nn.MultiheadAttention.forward
-            and id(m) not in claimed
-        ]
+        sites, skipped = [], []
+        for name, m in model.named_modules():
+            if not isinstance(m, nn.MultiheadAttention) or id(m) in claimed:
+                continue
+            if type(m).forward is nn.MultiheadAttention.forward:
+                sites.append(Site(name, m, self, m.num_heads, m.num_heads, info={"strategy": "forward hooks + in-projection"}))
+            else:
+                skipped.append(f"{name!r} ({type(m).__name__})")
+        if skipped:  # its forward may change what reaches torch's attention: the hooks could not tell
+            warnings.warn(
+                f"nn.MultiheadAttention subclass(es) overriding forward are not read: {', '.join(skipped[:5])}"
+                + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""),
+                AttnprobeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return sites
 
     def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
         selected = [s for s in sites if s.selected]

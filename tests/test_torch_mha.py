@@ -265,6 +265,22 @@ def test_nested_in_captured_and_traced_modules(modules):
     assert leftovers(model) == []
 
 
+class _OwnForward(nn.MultiheadAttention):
+    def forward(self, query, key, value, **kwargs):
+        return super().forward(query * 2, key, value, **kwargs)
+
+
+def test_subclass_overriding_forward_is_not_read_and_says_so():
+    model = nn.Sequential(_OwnForward(16, 4, batch_first=True))
+    model.add_module("plain", nn.MultiheadAttention(16, 4, batch_first=True))
+    x = torch.randn(2, 5, 16)
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"overriding forward are not read: '0' \(_OwnForward\)"):
+        with torch.no_grad(), attnprobe.capture(model) as cap:
+            model[0](x, x, x)
+            model.plain(x, x, x)
+    assert [r.name for r in cap] == ["plain"]
+
+
 def test_forward_that_raises_leaves_no_dispatch_mode():
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
