@@ -12,6 +12,10 @@ made while a module another adapter reads is running (Hugging Face attention, ``
 attnprobe's own modules) are skipped, so no attention is recorded twice. The record has q, k, v and the
 output as the call received/returned them, the mask (``allowed``), the causal flag, the scale (explicit or
 default) and the weights recomputed for the selected heads only (``weights_source="recomputed"``).
+``dropout`` is ``dropout_p`` as passed, since sdpa applies it whatever ``module.training`` says; a
+``dropout_p > 0`` in eval mode is flagged (``meta["dropout_in_eval"]``) and warned. Once the mode is in (for
+direct calls the code reading of ``_code_reaches_sdpa`` found, or for tracing), every direct call is read; a
+module named in ``modules=`` that calls sdpa has its first call site as its own layer.
 
 **Hand-written attention** (opt-in: ``capture(model, modules=[...])`` or ``modules="auto"``) is traced:
 see ``hooks/trace.py``. Named modules are layers found before the run (in module order with the others);
