@@ -298,7 +298,8 @@ class TorchMHAAdapter(Adapter):
                 return None
             # no dispatch mode under inference_mode: there torch hands a dispatch mode whole ops (linear, sdpa)
             # that may then run on other kernels; the output is recomputed instead
-            watch = None if torch.is_inference_mode_enabled() else _OutProjInput(mod.out_proj.weight).start()
+            observe = session.wants(site, "output") and not torch.is_inference_mode_enabled()
+            watch = _OutProjInput(mod.out_proj.weight).start() if observe else None
             calls.append(_Call(bound, forced, watch))
             if not forced:
                 return None

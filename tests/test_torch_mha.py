@@ -190,6 +190,22 @@ def test_inference_mode_and_autocast_run_untouched_with_a_recomputed_output():
     assert attnprobe.check(cap).ok
 
 
+def test_no_dispatch_mode_when_the_output_is_not_kept(monkeypatch):
+    from attnprobe.hooks import torch_mha
+
+    started = []
+    real_start = torch_mha._OutProjInput.start
+    monkeypatch.setattr(torch_mha._OutProjInput, "start", lambda self: started.append(1) or real_start(self))
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), attnprobe.capture(mha, keep=["weights"]) as cap:
+        mha(x, x, x)
+    assert started == [] and cap[0].output is None and cap[0].weights is not None
+    with torch.no_grad(), attnprobe.capture(mha) as cap:
+        mha(x, x, x)
+    assert started == [1] and cap[0].meta["output_source"] == "observed"
+
+
 def test_a_broken_kernel_is_caught_by_output_match(monkeypatch):
     """The record's output is the module's own, so output_match can fail: here sdpa inside torch's
     multi_head_attention_forward is replaced by one with a doubled scale."""
