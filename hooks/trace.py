@@ -67,7 +67,7 @@ def _op_table() -> dict:
         _T.view_as, _T.reshape_as, _T.squeeze, _T.unsqueeze, torch.squeeze, torch.unsqueeze)
     put("pass", _T.contiguous, _T.float, _T.half, _T.double, _T.bfloat16, _T.to, _T.type_as, _T.clone, torch.clone,
         _T.type)
-    put("dropout", F.dropout)
+    put("dropout", F.dropout, torch.dropout)  # (input, p, training) in both
     put("split", _T.chunk, torch.chunk, _T.split, torch.split, _T.unbind, torch.unbind, _T.tensor_split,
         torch.tensor_split)
     put("getitem", _T.__getitem__)
@@ -625,7 +625,7 @@ def _output_product(softmax: Node, weights: torch.Tensor):
                 if c.op in ("pass", "dropout") and c.inputs and c.inputs[0] is t and isinstance(c.out, torch.Tensor):
                     if c.op == "dropout":
                         p = c.args[1] if len(c.args) > 1 else c.kwargs.get("p", 0.5)
-                        training = c.args[2] if len(c.args) > 2 else c.kwargs.get("training", True)
+                        training = c.args[2] if len(c.args) > 2 else c.kwargs.get("training", c.kwargs.get("train", True))
                         dropout = float(p) if training else dropout
                     following.append((c, c.out))
                 elif c.op == "module" and isinstance(c.module, (nn.Dropout, nn.Identity)) and c.inputs and c.inputs[0] is t:

@@ -223,3 +223,21 @@ def test_hand_written_functional_dropout_in_eval_is_flagged():
         with attnprobe.capture(m, modules=[m]) as cap:
             m(X)
     assert cap[0].dropout == 0.5 and cap[0].meta["dropout_in_eval"] is True
+
+
+class HandTorchDropout(nn.Module):
+    def forward(self, x):
+        q = heads(x)
+        w = torch.dropout(torch.softmax(q @ q.transpose(-2, -1), dim=-1), 0.3, self.training)
+        return merge(w @ q.flip(-1))
+
+
+@pytest.mark.parametrize("training, p", [(True, 0.3), (False, 0.0)])
+def test_hand_written_torch_dropout_follows_its_train_argument(training, p):
+    m = HandTorchDropout().train(training)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with attnprobe.capture(m, modules=[m]) as cap:
+            m(X)
+    (rec,) = cap
+    assert rec.dropout == p and rec.meta["dropout_in_eval"] is False and rec.output is not None
