@@ -19,10 +19,11 @@ How a call is read without changing what the caller gets:
   of each call a small ``TorchDispatchMode`` keeps the input of that product, the heads' outputs merged
   as ``(query, batch, head * d_head)``, and the record's ``output`` is that tensor split per head
   (``meta["output_source"] = "observed"``; in training it is after dropout, like the module's).
-  ``check()``'s ``output_match`` therefore compares ``weights @ v`` with what the module really computed. Where that input cannot be seen (a torch whose
-  ``multi_head_attention_forward`` no longer multiplies by ``out_proj.weight``), ``output`` is
-  ``weights @ V`` recomputed by attnprobe (``meta["output_source"] = "recomputed"``), which
-  ``output_match`` cannot contradict, and None in training with dropout. This is also the case under
+  ``check()``'s ``output_match`` therefore compares ``weights @ v`` with what the module really computed.
+  Where that input cannot be seen (a torch whose ``multi_head_attention_forward`` no longer multiplies by
+  ``out_proj.weight``), ``output`` is ``weights @ V`` recomputed by attnprobe
+  (``meta["output_source"] = "recomputed"``), which ``output_match`` cannot contradict, and None in
+  training with dropout. This is also the case under
   ``torch.inference_mode()`` (there torch gives a dispatch mode whole ``linear``/``sdpa`` ops, which could run
   on other kernels, so none is installed) and under autocast (the product uses a cast copy of the weight).
   With grad or ``no_grad`` the ops run as called under the mode (the same kernels: outputs stay bitwise
@@ -48,7 +49,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..probe.capture import Lazy
-from ..probe.errors import AttnprobeWarning
+from ..probe.errors import AttnprobeError, AttnprobeWarning
 from .base import Adapter, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, forbids_future, split_additive
@@ -216,12 +217,16 @@ class _OutProjInput(TorchDispatchMode):
         if func in _MM and len(args) >= 2:
             mat1, mat2 = (args[1], args[2]) if func is _MM[0] else (args[0], args[1])
             w = self.weight
-            if (
-                isinstance(mat2, torch.Tensor)
-                and mat2.data_ptr() == w.data_ptr()
-                and tuple(mat2.shape) == (w.shape[1], w.shape[0])
-                and mat2.stride() == (w.stride()[1], w.stride()[0])
-            ):
+            try:
+                same = (
+                    isinstance(mat2, torch.Tensor)
+                    and mat2.data_ptr() == w.data_ptr()
+                    and tuple(mat2.shape) == (w.shape[1], w.shape[0])
+                    and mat2.stride() == (w.stride()[1], w.stride()[0])
+                )
+            except Exception:  # tensors without storage (fake, functional): nothing to observe, the op runs anyway
+                same = False
+            if same:
                 self.merged = mat1  # the out-projection is the last product with this weight
         return func(*args, **kwargs)
 
@@ -329,8 +334,20 @@ class TorchMHAAdapter(Adapter):
                 with torch._C.DisableTorchFunction():
                     output = (attn_output, _caller_average(per_head, batched))
             merged = call.watch.merged if call.watch is not None else None
-            self._record(session, site, mod, call.bound, attn_output, per_head if call.bound["need_weights"] else None,
-                         merged, warned)
+            try:
+                self._record(session, site, mod, call.bound, attn_output,
+                             per_head if call.bound["need_weights"] else None, merged, warned)
+            except AttnprobeError:
+                raise  # the byte budget, a selection error: the user's to see
+            except Exception as exc:  # never break the model's forward over a reading problem
+                if "record-error" not in warned:
+                    warned.add("record-error")
+                    warnings.warn(
+                        f"attnprobe could not read nn.MultiheadAttention {site.name!r} ({type(exc).__name__}: {exc}); "
+                        "the module ran unchanged, its calls are not in the capture",
+                        AttnprobeWarning,
+                        stacklevel=user_stacklevel(),
+                    )
             return output if call.forced else None
 
         handles = [
@@ -387,7 +404,7 @@ class TorchMHAAdapter(Adapter):
         d_v = parts.v.shape[-1]
         per_head_out = None  # (B, H, L, d): what the module computed per head, from the out-projection's input
         if isinstance(merged, torch.Tensor) and merged.shape == (L * B, H * d_v):
-            per_head_out = merged.detach().view(L, B, H, d_v).permute(1, 2, 0, 3)
+            per_head_out = merged.detach().reshape(L, B, H, d_v).permute(1, 2, 0, 3)
         meta = {
             "module_class": type(mod).__name__,
             "batch_first": mod.batch_first,

@@ -297,6 +297,25 @@ def test_subclass_overriding_forward_is_not_read_and_says_so():
     assert [r.name for r in cap] == ["plain"]
 
 
+def test_a_reading_problem_never_breaks_the_forward(monkeypatch):
+    from attnprobe.hooks import torch_mha
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot take this call apart")
+
+    monkeypatch.setattr(torch_mha, "mha_parts", broken)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        with fastpath_disabled():
+            plain = mha(x, x, x)
+        with pytest.warns(attnprobe.AttnprobeWarning, match="could not read.*cannot take this call apart"):
+            with attnprobe.capture(mha) as cap:
+                got = mha(x, x, x)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])  # still the head average asked for
+    assert len(cap) == 0 and leftovers(mha) == []
+
+
 def test_forward_that_raises_leaves_no_dispatch_mode():
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
