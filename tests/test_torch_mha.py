@@ -297,6 +297,7 @@ def test_subclass_overriding_forward_is_not_read_and_says_so():
     assert [r.name for r in cap] == ["plain"]
 
 
+@pytest.mark.filterwarnings("ignore:the capture of MultiheadAttention saw no attention call")
 def test_a_reading_problem_never_breaks_the_forward(monkeypatch):
     from attnprobe.hooks import torch_mha
 
