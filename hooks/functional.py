@@ -132,7 +132,7 @@ def _code_reaches_sdpa(cls: type) -> bool:
     Starting from the class attributes of ``cls`` and its bases (methods, static/class methods,
     properties, and plain attributes such as ``attn_fn = F.scaled_dot_product_attention``), it follows:
     the names a function's code uses, looked up in its globals (functions in any module, and
-    ``helpers.attend`` attributes of imported modules); closures and ``__wrapped__`` (decorators);
+    ``helpers.attend`` / ``Helpers.attend`` attributes of imported modules and classes); closures and ``__wrapped__`` (decorators);
     ``functools.partial`` objects; dicts, lists and tuples of functions (``ATTENTION = {"sdpa": ...}``).
     It is True when it meets the function itself, its name among the names a code object uses (any
     ``F.`` / ``torch.nn.functional.`` spelling) or the string ``"scaled_dot_product_attention"`` as a
@@ -204,7 +204,10 @@ def _function_reaches(func, todo: list) -> bool:
             if target.__name__ == "torch" or target.__name__.startswith("torch."):
                 continue
             _queue(todo, (vars(target).get(n) for n in names))
-        else:  # classes are read when they are modules of the model
+        elif inspect.isclass(target):  # Helpers.attend(...): the class's own attributes named in this code
+            if not target.__module__.startswith(("torch.", "builtins")):
+                _queue(todo, (vars(target).get(n) for n in names))
+        else:
             _queue(todo, (target,))
     return False
 

@@ -51,6 +51,17 @@ class ViaModuleAttribute(nn.Module):
         return merge(torch_helpers.attend_heads(*qkv(x)))
 
 
+class Kernels:
+    @staticmethod
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+class ViaHelperClass(nn.Module):
+    def forward(self, x):
+        return merge(Kernels.attend(*qkv(x)))
+
+
 class ViaDecorator(nn.Module):
     @_traced
     def attend(self, q, k, v):
@@ -93,7 +104,7 @@ class NoSdpa(nn.Module):
         return self.act(self.table["relu"](x))
 
 
-@pytest.mark.parametrize("cls", [ViaModuleAttribute, ViaDecorator, ViaClassAttribute, ViaDict, ViaPartial, ViaGetattr])
+@pytest.mark.parametrize("cls", [ViaModuleAttribute, ViaHelperClass, ViaDecorator, ViaClassAttribute, ViaDict, ViaPartial, ViaGetattr])
 def test_code_reading_follows_helpers_decorators_attributes_tables_partials_and_getattr(cls):
     assert _code_reaches_sdpa(cls)
     m = nn.Sequential(attnprobe.MultiHeadAttention(16, 4), cls())  # the own module alone needs no function mode
