@@ -10,7 +10,12 @@ Rows per model: plain forward; an idle capture (``layers=[]``); a default captur
 code, tracing the named attention modules and ``modules="auto"``. Configurations run interleaved, round after
 round, and each row is the median; timings on a shared machine are noisy, ratios are what to compare.
 
-    python benchmarks/bench_torch_capture.py [--rounds 15] [--threads 1]
+``--memory`` adds, per row, the peak of bytes torch allocated during one call (the forward's temporaries plus
+what the capture stores and recomputes), read from torch.profiler's memory events (CPU allocator, so exact and
+deterministic, unlike the process's resident size), and its ratio to the plain row's peak. One extra profiled
+call per row; torch's profiler may log a line per call on stderr.
+
+    python benchmarks/bench_torch_capture.py [--rounds 15] [--threads 1] [--memory]
 """
 
 from __future__ import annotations
@@ -85,6 +90,23 @@ def run_configs(configs: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def peak_bytes(fn) -> int:
+    """Peak of the bytes torch allocated (and had not freed) at any moment during ``fn()``, from the profiler."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()  # garbage of earlier rows is not freed inside this one
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def captured(model, call, **options):
     def fn():
         with warnings.catch_warnings():
@@ -94,7 +116,7 @@ def captured(model, call, **options):
     return fn
 
 
-def bench(size: str, rounds: int) -> list[tuple[str, str, float, float]]:
+def bench(size: str, rounds: int, memory: bool = False) -> list[tuple]:
     d, h, layers, B, T = {"small": (32, 4, 2, 2, 16), "medium": (128, 4, 4, 8, 64)}[size]
     torch.manual_seed(0)
     x = torch.randn(B, T, d)
@@ -134,8 +156,13 @@ def bench(size: str, rounds: int) -> list[tuple[str, str, float, float]]:
         for model, configs in models.items():
             result = run_configs(configs, rounds)
             base = next(iter(result.values()))
+            peaks = {name: peak_bytes(fn) for name, fn in configs.items()} if memory else {}
+            base_peak = next(iter(peaks.values()), 0)
             for name, seconds in result.items():
-                rows.append((f"{model} ({size})", name, seconds * 1e3, seconds / base))
+                row = (f"{model} ({size})", name, seconds * 1e3, seconds / base)
+                if memory:
+                    row += (peaks[name] / 2**20, peaks[name] / base_peak if base_peak else float("nan"))
+                rows.append(row)
     return rows
 
 
@@ -144,13 +171,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sizes", default="small,medium")
+    parser.add_argument("--memory", action="store_true", help="also print peak allocated memory and its ratio to plain")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.rounds} interleaved rounds")
-    print(f"{'model':<22} {'configuration':<44} {'ms':>9} {'x plain':>8}")
+    header = f"{'model':<22} {'configuration':<44} {'ms':>9} {'x plain':>8}"
+    print(header + (f" {'peak MiB':>9} {'x plain':>8}" if args.memory else ""))
     for size in args.sizes.split(","):
-        for model, name, ms, ratio in bench(size, args.rounds):
-            print(f"{model:<22} {name:<44} {ms:>9.2f} {ratio:>8.2f}")
+        for model, name, ms, ratio, *mem in bench(size, args.rounds, args.memory):
+            line = f"{model:<22} {name:<44} {ms:>9.2f} {ratio:>8.2f}"
+            if mem:
+                line += f" {mem[0]:>9.3f} {mem[1]:>8.2f}"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ made while a module another adapter reads is running (Hugging Face attention, ``
 attnprobe's own modules) are skipped, so no attention is recorded twice. The record has q, k, v and the
 output as the call received/returned them, the mask (``allowed``), the causal flag, the scale (explicit or
 default) and the weights recomputed for the selected heads only (``weights_source="recomputed"``).
+``dropout`` is ``dropout_p`` as passed, since sdpa applies it whatever ``module.training`` says; a
+``dropout_p > 0`` in eval mode is flagged (``meta["dropout_in_eval"]``) and warned. Once the mode is in (for
+direct calls the code reading of ``_code_reaches_sdpa`` found, or for tracing), every direct call is read; a
+module named in ``modules=`` that calls sdpa has its first call site as its own layer.
 
 **Hand-written attention** (opt-in: ``capture(model, modules=[...])`` or ``modules="auto"``) is traced:
 see ``hooks/trace.py``. Named modules are layers found before the run (in module order with the others);
@@ -107,45 +111,104 @@ def _may_call_sdpa(module: nn.Module, claimed: set[int]) -> bool:
 
 
 _SDPA_NAME = "scaled_dot_product_attention"
+_READ_LIMIT = 20_000  # code objects and containers read per class; past it the class counts as reaching sdpa
+_CONTAINER_LIMIT = 1_000  # larger dicts/lists/tuples are data, not tables of functions: not read
+_CODE_LIKE = (staticmethod, classmethod, property, functools.partial, dict, list, tuple)
+
+
+def _is_torch_code(func) -> bool:
+    return (getattr(func, "__module__", None) or "").startswith("torch.")
+
+
+def _queue(todo: list, values) -> None:
+    """Queue the values that may lead to code: functions, methods, partials, containers, sdpa itself."""
+    todo.extend(v for v in values if v is _SDPA or inspect.isfunction(v) or inspect.ismethod(v) or isinstance(v, _CODE_LIKE))
 
 
 @functools.lru_cache(maxsize=None)
 def _code_reaches_sdpa(cls: type) -> bool:
-    """Whether the methods of ``cls`` (and the Python functions they name, followed through globals, across
-    modules) mention ``scaled_dot_product_attention`` under its name or any import alias.
+    """Whether the code of ``cls`` may call ``scaled_dot_product_attention``, read without running it.
 
-    Not seen: a call reached only through a function stored in a container or an attribute (a dict of
-    attention functions, ``self.attn_fn``); ``capture(..., modules="auto")`` intercepts every call instead.
+    Starting from the class attributes of ``cls`` and its bases (methods, static/class methods,
+    properties, and plain attributes such as ``attn_fn = F.scaled_dot_product_attention``), it follows:
+    the names a function's code uses, looked up in its globals (functions in any module, and
+    ``helpers.attend`` / ``Helpers.attend`` attributes of imported modules and classes); closures and ``__wrapped__`` (decorators);
+    ``functools.partial`` objects; dicts, lists and tuples of functions (``ATTENTION = {"sdpa": ...}``).
+    It is True when it meets the function itself, its name among the names a code object uses (any
+    ``F.`` / ``torch.nn.functional.`` spelling) or the string ``"scaled_dot_product_attention"`` as a
+    constant (``getattr(F, "scaled_dot_product_attention")``).
+
+    Not seen: a function that reaches the model only at run time (passed as an argument, set on an
+    instance from outside the class's code, ``torch.ops.aten`` calls); ``capture(..., modules="auto")``
+    installs the interception whatever the code reading says.
     """
     seen: set[int] = set()
     todo: list = []
     for klass in cls.__mro__:
         if klass.__module__.startswith(("torch.", "builtins")):
             continue
-        for value in vars(klass).values():
-            func = getattr(value, "__func__", value)
-            if isinstance(func, property):
-                func = func.fget
-            if inspect.isfunction(func):
-                todo.append(func)
+        _queue(todo, vars(klass).values())
+    looked = 0
     while todo:
-        func = todo.pop()
-        if id(func) in seen or not inspect.isfunction(func):
+        value = todo.pop()
+        if id(value) in seen:
             continue
-        seen.add(id(func))
-        codes = [func.__code__]
-        while codes:
-            code = codes.pop()
-            codes.extend(c for c in code.co_consts if inspect.iscode(c))
-            names = set(code.co_names)
-            if _SDPA_NAME in names:
+        seen.add(id(value))
+        looked += 1
+        if looked > _READ_LIMIT:
+            return True  # too much code to read: better the interception than a missed call
+        if value is _SDPA:
+            return True
+        if isinstance(value, (staticmethod, classmethod)) or inspect.ismethod(value):
+            _queue(todo, (value.__func__,))
+        elif isinstance(value, property):
+            _queue(todo, (value.fget, value.fset))
+        elif isinstance(value, functools.partial):
+            _queue(todo, (value.func, *value.args, *value.keywords.values()))
+        elif isinstance(value, (dict, list, tuple)) and len(value) <= _CONTAINER_LIMIT:
+            _queue(todo, value.values() if isinstance(value, dict) else value)
+        elif inspect.isfunction(value) and not _is_torch_code(value):
+            if _function_reaches(value, todo):
                 return True
-            for name in names:
-                target = func.__globals__.get(name)
-                if target is _SDPA:
-                    return True
-                if inspect.isfunction(target) and not target.__module__.startswith("torch."):
-                    todo.append(target)
+    return False
+
+
+def _function_reaches(func, todo: list) -> bool:
+    """Whether ``func``'s own code names sdpa; queues what it refers to (globals, closure, wrapped)."""
+    cells = []
+    for cell in func.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    _queue(todo, (getattr(func, "__wrapped__", None), *cells, *(func.__defaults__ or ()),
+                  *(func.__kwdefaults__ or {}).values()))
+    names: set[str] = set()
+    codes = [func.__code__]
+    while codes:
+        code = codes.pop()
+        for const in code.co_consts:
+            if inspect.iscode(const):
+                codes.append(const)
+            elif const == _SDPA_NAME:  # getattr(F, "scaled_dot_product_attention")
+                return True
+        names.update(code.co_names)
+    if _SDPA_NAME in names:
+        return True
+    scope = func.__globals__
+    for name in names:
+        target = scope.get(name)
+        if target is None:
+            continue
+        if inspect.ismodule(target):  # helpers.attend(...): the module's attributes named in this code
+            if target.__name__ == "torch" or target.__name__.startswith("torch."):
+                continue
+            _queue(todo, (vars(target).get(n) for n in names))
+        elif inspect.isclass(target):  # Helpers.attend(...): the class's own attributes named in this code
+            if not target.__module__.startswith(("torch.", "builtins")):
+                _queue(todo, (vars(target).get(n) for n in names))
+        else:
+            _queue(todo, (target,))
     return False
 
 
@@ -180,9 +243,11 @@ class FunctionalAdapter(Adapter):
     def __init__(self, modules=None) -> None:
         self.modules = modules
         self.auto = False
+        self._named_ids: frozenset[int] = frozenset()
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
         named = self._resolve(model)
+        self._named_ids = frozenset(id(m) for _, m in named)
         return [
             Site(name, m, self, info={"strategy": "traced softmax (named)"})
             for name, m in named
@@ -190,7 +255,12 @@ class FunctionalAdapter(Adapter):
         ]
 
     def may_find_more(self, model: nn.Module, claimed: set[int]) -> bool:
-        return self.auto or _may_call_sdpa(model, claimed)
+        """True with ``modules="auto"``, with modules named (one of them may hold several softmax attentions or
+        call sdpa: each is a layer of its own), or when code of the model may call sdpa. ``claimed`` holds the
+        ids of every site found, this adapter's named modules included: those are still read here."""
+        if self.auto or self._named_ids:
+            return True
+        return _may_call_sdpa(model, claimed)
 
     def _resolve(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         spec = self.modules
@@ -244,7 +314,8 @@ class FunctionalAdapter(Adapter):
         claimed = {id(s.module) for s in session.sites if s.adapter is not self}
         sdpa = dynamic and (self.auto or _may_call_sdpa(model, claimed))
         if sdpa or roots:  # otherwise nothing this adapter could record: stay out of the way (no function mode)
-            _Run(self, session, model, sites, claimed).start(stack, sdpa=sdpa, roots=roots)
+            # once the mode is in, every direct sdpa call is read (the code reading may have missed some)
+            _Run(self, session, model, sites, claimed).start(stack, roots=roots)
 
 
 class _Run:
@@ -271,15 +342,15 @@ class _Run:
         return self._names
 
     # -- setup -----------------------------------------------------------------------------
-    def start(self, stack: ExitStack, *, sdpa: bool, roots: list[nn.Module]) -> None:
-        """Push the function mode (sdpa calls when ``sdpa``) and trace the module trees under ``roots``."""
+    def start(self, stack: ExitStack, *, roots: list[nn.Module]) -> None:
+        """Push the function mode (direct sdpa calls) and trace the module trees under ``roots``."""
         if roots:
             self.tracer = Tracer()
             self.owner_of = {id(c): m for m in self.model.modules() for c in m.children()}
             seen: set[int] = set()
             for root in roots:
                 self._hook_tree(root, stack, seen)
-        stack.enter_context(_CaptureMode(self._on_sdpa if sdpa else None, self.tracer))
+        stack.enter_context(_CaptureMode(self._on_sdpa, self.tracer))
         stack.push(self._close)
 
     def _hook_tree(self, module: nn.Module, stack: ExitStack, seen: set[int]) -> None:
@@ -379,9 +450,17 @@ class _Run:
         site = self.sdpa_sites.get(key)
         if site is None:
             at = format_location(key[1][0])
-            site = Site(self.names[id(module)], module, self.adapter, H, Hkv, info={"strategy": "sdpa call", "sdpa_at": at})
-            self.session.add_site(site)
+            static = self.named.get(id(module))
+            if static is not None and not ({"softmax_at", "sdpa_at"} & static.info.keys()):
+                site = static  # a module named in modules= that calls sdpa: its first call site is its layer
+                site.info["sdpa_at"] = at
+            else:
+                site = Site(self.names[id(module)], module, self.adapter, H, Hkv, info={"strategy": "sdpa call", "sdpa_at": at})
+                self.session.add_site(site)
             self.sdpa_sites[key] = site
+        if site.num_heads is None:
+            site.num_heads, site.num_kv_heads = H, Hkv
+            self.session._select_site(site)
         if not site.selected:
             self.session.emit(site, kind="self" if L == S else "cross")
             return
@@ -421,6 +500,9 @@ class _Run:
                     cache.update(scores=scores, weights=weights.masked_fill(~a.any(-1, keepdim=True), 0.0))
             return cache
 
+        # sdpa applies dropout_p whatever module.training says: record it as applied, and flag it in eval mode
+        dropout = float(call["dropout_p"])
+        dropout_in_eval = dropout > 0 and not module.training
         lints = ()
         if tensors[1] is tensors[2] or (k.shape == v.shape and (k.data_ptr() == v.data_ptr() and k.stride() == v.stride() or torch.equal(k, v))):
             lints = (lint_violation(LINT_SAME_KV, name=site.name, layer=site.layer, call=site.calls,
@@ -440,11 +522,12 @@ class _Run:
             backend="sdpa",
             dtype=q.dtype,
             weights_source="recomputed",
-            dropout=float(call["dropout_p"]),
+            dropout=dropout,
             identified=frozenset({"q", "k", "v", "scores", "weights", "output", "allowed"}),
             meta={
                 "module_class": type(module).__name__,
                 "sdpa_at": site.info["sdpa_at"],
+                "dropout_in_eval": dropout_in_eval,
                 "scale": "explicit" if call["scale"] is not None else "default",
                 "enable_gqa": bool(call["enable_gqa"]),
                 "kind_from": "lengths",
@@ -453,6 +536,15 @@ class _Run:
         )
         if record is not None:
             self._warn_lints(record.meta["lint"])
+            if dropout_in_eval:
+                self._warn_eval_dropout(site, f"scaled_dot_product_attention got dropout_p={dropout:g}", "sdpa applies "
+                                        "dropout_p whatever module.training says; pass dropout_p=p if self.training else 0.0")
+
+    def _warn_eval_dropout(self, site: Site, what: str, why: str) -> None:
+        self._warn_once(("eval-dropout", site.layer),
+                        f"layer {site.layer} ({site.name!r}): {what} while {type(site.module).__name__} is in eval mode, "
+                        f"so the output is randomly dropped ({why}); the record's dropout says so, its weights are "
+                        "before dropout and record.meta['dropout_in_eval'] is True")
 
     def _warn_lints(self, violations) -> None:
         for v in violations:
@@ -548,7 +640,7 @@ class _Run:
         if site is None:
             static = self.named.get(id(owner))
             at = group[0].meta.get("softmax_at", "?")
-            if static is not None and "softmax_at" not in static.info:
+            if static is not None and not ({"softmax_at", "sdpa_at"} & static.info.keys()):
                 site = static
                 site.info["softmax_at"] = at
             else:
@@ -606,6 +698,7 @@ class _Run:
             "softmax_at": first.meta.get("softmax_at", "?"),
             "kind_from": first.meta.get("kind_from", "lengths"),
             "lint": violations,
+            "dropout_in_eval": any(f.meta.get("dropout_in_eval", False) for f in group),
         }
         if stacked:
             meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
@@ -625,3 +718,7 @@ class _Run:
         )
         if record is not None:
             self._warn_lints(violations)
+            if meta["dropout_in_eval"]:
+                self._warn_eval_dropout(site, f"F.dropout(p={first.dropout:g}) on the attention weights runs",
+                                        "F.dropout's training argument defaults to True; pass training=self.training "
+                                        "or use nn.Dropout")

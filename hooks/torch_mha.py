@@ -14,6 +14,22 @@ How a call is read without changing what the caller gets:
   ``add_zero_attn``, ``kdim``/``vdim``): they are the tensors the module computed. The post-hook checks
   that ``weights @ V``, merged and projected, reproduces the module's output (``meta["output_error"]``)
   and warns when it does not.
+- The per-head output is observed, not recomputed: torch applies the out-projection as
+  ``F.linear(merged, out_proj.weight, out_proj.bias)`` (no module call a hook could see), so for the length
+  of each call a small ``TorchDispatchMode`` keeps the input of that product, the heads' outputs merged
+  as ``(query, batch, head * d_head)``, and the record's ``output`` is that tensor split per head
+  (``meta["output_source"] = "observed"``; in training it is after dropout, like the module's).
+  ``check()``'s ``output_match`` therefore compares ``weights @ v`` with what the module really computed.
+  Where that input cannot be seen (a torch whose ``multi_head_attention_forward`` no longer multiplies by
+  ``out_proj.weight``), ``output`` is ``weights @ V`` recomputed by attnprobe
+  (``meta["output_source"] = "recomputed"``), which ``output_match`` cannot contradict, and None in
+  training with dropout. This is also the case under
+  ``torch.inference_mode()`` (there torch gives a dispatch mode whole ``linear``/``sdpa`` ops, which could run
+  on other kernels, so none is installed) and under autocast (the product uses a cast copy of the weight).
+  With grad or ``no_grad`` the ops run as called under the mode (the same kernels: outputs stay bitwise
+  equal); each op of the call passes through Python once.
+- The post-hook is registered first (``prepend=True``), so it reads the module's own ``(output, weights)``
+  before any forward hook of the caller's changes it, and those hooks see what the caller asked for.
 - The fused fast path (``torch._native_multi_head_attention``, ``TransformerEncoder``'s nested tensors)
   exposes no weights; it is switched off with ``torch.backends.mha.set_fastpath_enabled(False)`` while a
   capture with a selected ``MultiheadAttention`` is open, and restored on exit. Nested tensors the caller
@@ -30,9 +46,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..probe.capture import Lazy
-from ..probe.errors import AttnprobeWarning
+from ..probe.errors import AttnprobeError, AttnprobeWarning
 from .base import Adapter, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, forbids_future, split_additive
@@ -177,10 +194,58 @@ def _output_tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
 
 
+_MM = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+
+
+class _OutProjInput(TorchDispatchMode):
+    """Active for the length of one ``nn.MultiheadAttention`` call: keeps the first operand of the last matrix
+    product with the module's ``out_proj.weight`` (transposed), i.e. the heads' outputs merged,
+    ``(query * batch, head * d_head)``. Every op runs as called and returns its own result.
+
+    A dispatch mode, not a function mode: ``F.multi_head_attention_forward`` handles function modes itself,
+    so a function mode never sees the calls inside it; ``F.linear`` reaches aten as ``t`` + ``addmm``/``mm``.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+        self.merged: torch.Tensor | None = None
+        self.entered = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MM and len(args) >= 2:
+            mat1, mat2 = (args[1], args[2]) if func is _MM[0] else (args[0], args[1])
+            w = self.weight
+            try:
+                same = (
+                    isinstance(mat2, torch.Tensor)
+                    and mat2.data_ptr() == w.data_ptr()
+                    and tuple(mat2.shape) == (w.shape[1], w.shape[0])
+                    and mat2.stride() == (w.stride()[1], w.stride()[0])
+                )
+            except Exception:  # tensors without storage (fake, functional): nothing to observe, the op runs anyway
+                same = False
+            if same:
+                self.merged = mat1  # the out-projection is the last product with this weight
+        return func(*args, **kwargs)
+
+    def start(self) -> "_OutProjInput":
+        self.__enter__()
+        self.entered = True
+        return self
+
+    def stop(self) -> None:
+        if self.entered:
+            self.entered = False
+            self.__exit__(None, None, None)
+
+
 @dataclass
 class _Call:
     bound: dict
     forced: bool  # average_attn_weights was switched off to observe the per-head weights
+    watch: _OutProjInput | None = None  # the out-projection's input, seen while the call runs
 
 
 @dataclass
@@ -197,13 +262,22 @@ class TorchMHAAdapter(Adapter):
     name = "torch_mha"
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
-        return [
-            Site(name, m, self, m.num_heads, m.num_heads, info={"strategy": "forward hooks + in-projection"})
-            for name, m in model.named_modules()
-            if isinstance(m, nn.MultiheadAttention)
-            and type(m).forward is nn.MultiheadAttention.forward
-            and id(m) not in claimed
-        ]
+        sites, skipped = [], []
+        for name, m in model.named_modules():
+            if not isinstance(m, nn.MultiheadAttention) or id(m) in claimed:
+                continue
+            if type(m).forward is nn.MultiheadAttention.forward:
+                sites.append(Site(name, m, self, m.num_heads, m.num_heads, info={"strategy": "forward hooks + in-projection"}))
+            else:
+                skipped.append(f"{name!r} ({type(m).__name__})")
+        if skipped:  # its forward may change what reaches torch's attention: the hooks could not tell
+            warnings.warn(
+                f"nn.MultiheadAttention subclass(es) overriding forward are not read: {', '.join(skipped[:5])}"
+                + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""),
+                AttnprobeWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return sites
 
     def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
         selected = [s for s in sites if s.selected]
@@ -224,7 +298,14 @@ class TorchMHAAdapter(Adapter):
                 calls.append(self._let_nested_through(site, warned))
                 return None
             forced = bound is not None and bool(bound["need_weights"]) and bool(bound["average_attn_weights"])
-            calls.append(None if bound is None else _Call(bound, forced))
+            if bound is None:
+                calls.append(None)
+                return None
+            # no dispatch mode under inference_mode: there torch hands a dispatch mode whole ops (linear, sdpa)
+            # that may then run on other kernels; the output is recomputed instead
+            observe = session.wants(site, "output") and not torch.is_inference_mode_enabled()
+            watch = _OutProjInput(mod.out_proj.weight).start() if observe else None
+            calls.append(_Call(bound, forced, watch))
             if not forced:
                 return None
             if len(args) > _AVERAGE_AT:
@@ -240,22 +321,54 @@ class TorchMHAAdapter(Adapter):
                 if call.guard is not None:
                     call.guard.__exit__(None, None, None)
                 return None
+            if call is not None and call.watch is not None:
+                call.watch.stop()
             if call is None or output is None:
                 return None  # arguments we cannot read, or the forward raised
+            if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)):
+                self._warn_unreadable(site, output, warned)  # a forward hook that ran before ours changed it
+                return None
             attn_output, per_head = output
             batched = call.bound["query"].dim() == 3
             if call.forced:
                 with torch._C.DisableTorchFunction():
                     output = (attn_output, _caller_average(per_head, batched))
-            self._record(session, site, mod, call.bound, attn_output, per_head if call.bound["need_weights"] else None, warned)
+            merged = call.watch.merged if call.watch is not None else None
+            try:
+                self._record(session, site, mod, call.bound, attn_output,
+                             per_head if call.bound["need_weights"] else None, merged, warned)
+            except AttnprobeError:
+                raise  # the byte budget, a selection error: the user's to see
+            except Exception as exc:  # never break the model's forward over a reading problem
+                if "record-error" not in warned:
+                    warned.add("record-error")
+                    warnings.warn(
+                        f"attnprobe could not read nn.MultiheadAttention {site.name!r} ({type(exc).__name__}: {exc}); "
+                        "the module ran unchanged, its calls are not in the capture",
+                        AttnprobeWarning,
+                        stacklevel=user_stacklevel(),
+                    )
             return output if call.forced else None
 
         handles = [
             site.module.register_forward_pre_hook(before, with_kwargs=True),
-            site.module.register_forward_hook(after, with_kwargs=True, always_call=True),
+            # first among the forward hooks: it reads (and, when it forced per-head weights, restores) the module's
+            # own return value before any hook of the caller's sees or changes it
+            site.module.register_forward_hook(after, with_kwargs=True, always_call=True, prepend=True),
         ]
         for h in handles:
             stack.callback(h.remove)
+
+    @staticmethod
+    def _warn_unreadable(site: Site, output, warned: set[str]) -> None:
+        if "unreadable" not in warned:
+            warned.add("unreadable")
+            warnings.warn(
+                f"nn.MultiheadAttention {site.name!r} returned {type(output).__name__}, not torch's (output, weights) "
+                "pair; its calls are not recorded",
+                AttnprobeWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def _let_nested_through(self, site: Site, warned: set[str]) -> _Untouched:
         """Nested tensors run only on torch's fast path, which exposes no weights and refuses any
@@ -276,7 +389,8 @@ class TorchMHAAdapter(Adapter):
         torch.backends.mha.set_fastpath_enabled(self._fastpath_before or untouched.fastpath)
         return untouched
 
-    def _record(self, session, site: Site, mod: nn.MultiheadAttention, b: dict, attn_output, observed, warned) -> None:
+    def _record(self, session, site: Site, mod: nn.MultiheadAttention, b: dict, attn_output, observed,
+                merged: torch.Tensor | None, warned) -> None:
         query, key = b["query"], b["key"]
         dropout = mod.dropout if mod.training else 0.0
         with torch.no_grad(), torch._C.DisableTorchFunction():
@@ -287,11 +401,16 @@ class TorchMHAAdapter(Adapter):
         heads = site.heads
         # weights returned by the module are after dropout; in training with dropout they are recomputed
         use_observed = observed is not None and dropout == 0.0
+        d_v = parts.v.shape[-1]
+        per_head_out = None  # (B, H, L, d): what the module computed per head, from the out-projection's input
+        if isinstance(merged, torch.Tensor) and merged.shape == (L * B, H * d_v):
+            per_head_out = merged.detach().reshape(L, B, H, d_v).permute(1, 2, 0, 3)
         meta = {
             "module_class": type(mod).__name__,
             "batch_first": mod.batch_first,
             "need_weights": bool(b["need_weights"]),
             "extra_keys": parts.extra_keys,
+            "output_source": "observed" if per_head_out is not None else "recomputed",
         }
         cache: dict[str, torch.Tensor] = {}
 
@@ -337,22 +456,22 @@ class TorchMHAAdapter(Adapter):
             v=parts.v,
             scores=lazy("scores", S),
             weights=lazy("weights", S),
-            output=lazy("output", parts.v.shape[-1]) if dropout == 0.0 else None,
+            output=per_head_out if per_head_out is not None else (lazy("output", d_v) if dropout == 0.0 else None),
             allowed=parts.allowed,
             query_padding=query_padding,
             causal=causal,
             scaling=parts.scaling,
             backend="torch_mha",
-            dtype=query.dtype,
+            dtype=parts.q.dtype,  # the dtype the projections ran in (autocast included)
             weights_source="observed" if use_observed else "recomputed",
             dropout=float(dropout),
             identified=frozenset({"q", "k", "v", "scores", "weights", "allowed"})
-            | ({"output"} if dropout == 0.0 else set())
+            | ({"output"} if per_head_out is not None or dropout == 0.0 else set())
             | ({"query_padding"} if query_padding is not None else set()),
             meta=meta,
         )
         error = meta.get("output_error")
-        if record is not None and error is not None and error > _output_tolerance(query.dtype) and "output" not in warned:
+        if record is not None and error is not None and error > _output_tolerance(parts.q.dtype) and "output" not in warned:
             warned.add("output")
             warnings.warn(
                 f"nn.MultiheadAttention {site.name!r}: weights @ V from its projection weights does not reproduce "

@@ -67,7 +67,7 @@ def _op_table() -> dict:
         _T.view_as, _T.reshape_as, _T.squeeze, _T.unsqueeze, torch.squeeze, torch.unsqueeze)
     put("pass", _T.contiguous, _T.float, _T.half, _T.double, _T.bfloat16, _T.to, _T.type_as, _T.clone, torch.clone,
         _T.type)
-    put("dropout", F.dropout)
+    put("dropout", F.dropout, torch.dropout)  # (input, p, training) in both
     put("split", _T.chunk, torch.chunk, _T.split, torch.split, _T.unbind, torch.unbind, _T.tensor_split,
         torch.tensor_split)
     put("getitem", _T.__getitem__)
@@ -594,7 +594,8 @@ def _scores_product(node: Node, out: torch.Tensor) -> _Product | None:
 
 
 def _output_product(softmax: Node, weights: torch.Tensor):
-    """(node of weights @ V, V (…, key, dv), output (…, query, dv), einsum output letters or None, dropout p)."""
+    """(node of weights @ V, V (…, key, dv), output (…, query, dv), dropout p, and for an einsum
+    (its output letters, the same letters as lead + query + d_head) else None)."""
     frontier = [(softmax, weights)]
     dropout = 0.0
     for _ in range(6):
@@ -620,11 +621,11 @@ def _output_product(softmax: Node, weights: torch.Tensor):
                     if k_letter in so or k_letter not in sb or len(rest) != 1 or set(so) != set(lead) | {q_letter, rest[0]}:
                         continue
                     v = _permuted(b, sb, lead + k_letter + rest[0])
-                    return c, v, _permuted(c.out, so, lead + q_letter + rest[0]), so, dropout
+                    return c, v, _permuted(c.out, so, lead + q_letter + rest[0]), (so, lead + q_letter + rest[0]), dropout
                 if c.op in ("pass", "dropout") and c.inputs and c.inputs[0] is t and isinstance(c.out, torch.Tensor):
                     if c.op == "dropout":
                         p = c.args[1] if len(c.args) > 1 else c.kwargs.get("p", 0.5)
-                        training = c.args[2] if len(c.args) > 2 else c.kwargs.get("training", True)
+                        training = c.args[2] if len(c.args) > 2 else c.kwargs.get("training", c.kwargs.get("train", True))
                         dropout = float(p) if training else dropout
                     following.append((c, c.out))
                 elif c.op == "module" and isinstance(c.module, (nn.Dropout, nn.Identity)) and c.inputs and c.inputs[0] is t:
@@ -685,13 +686,18 @@ def _head_merge_lint(out_node: Node, out: torch.Tensor, axes: list[list[tuple[st
     for _ in range(8):
         nxt = None
         for c in node.consumers:
-            if c.inputs and c.inputs[0] is t and isinstance(c.out, torch.Tensor) and c.op in ("transpose", "permute", "mT", "pass", "reshape"):
+            if c.inputs and c.inputs[0] is t and isinstance(c.out, torch.Tensor) and c.op in ("transpose", "permute", "mT", "pass", "reshape", "einsum"):
                 nxt = c
                 break
         if nxt is None:
             return None
         nd = t.dim()
-        if nxt.op == "transpose":
+        if nxt.op == "einsum":
+            order = _einsum_permutation(nxt, nd)
+            if order is None:  # a product with another tensor: axes are matched by letter, not by memory order
+                return None
+            axes = [axes[d] for d in order]
+        elif nxt.op == "transpose":
             a, b = (d % nd for d in nxt.args[1:3])
             axes[a], axes[b] = axes[b], axes[a]
         elif nxt.op == "mT":
@@ -719,6 +725,21 @@ def _head_merge_lint(out_node: Node, out: torch.Tensor, axes: list[list[tuple[st
             axes = regrouped
         node, t = nxt, nxt.out
     return None
+
+
+def _einsum_permutation(node: Node, nd: int) -> list[int] | None:
+    """The axis order of a one-operand einsum that only moves axes (``"bhqd->bqhd"``), else None."""
+    args = node.args
+    if len(args) != 2 or not isinstance(args[0], str):
+        return None
+    eq = args[0].replace(" ", "")
+    operand = args[1][0] if isinstance(args[1], (list, tuple)) and len(args[1]) == 1 else args[1]
+    if not isinstance(operand, torch.Tensor) or "->" not in eq or "." in eq or "," in eq:
+        return None
+    src, out = eq.split("->")
+    if len(src) != nd or len(set(src)) != nd or sorted(src) != sorted(out):
+        return None
+    return [src.index(c) for c in out]
 
 
 def _unused_masks(scope: Scope, chain: set[int], returned: set[int]) -> list[tuple[str, str]]:
@@ -866,7 +887,8 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     found = _output_product(softmax, w)
     if found is not None and product is not None:
         out_node, v, out, out_letters, dropout = found
-        finding.dropout = dropout
+        finding.dropout = dropout  # as applied: F.dropout(training=True) drops whatever the module's mode is
+        finding.meta["dropout_in_eval"] = dropout > 0 and not scope.module.training
         vr = _to_record(_fit_lead(v.detach(), lead_shape), lead, unfold)
         if vr.shape[0] == 1 and finding.weights.shape[0] > 1:
             vr = vr.expand(finding.weights.shape[0], *vr.shape[1:])
@@ -877,13 +899,18 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
                 lint_rules.LINT_SAME_KV,
                 "the same tensor is used as keys and as values (weights @ K): values need their own projection",
             ))
-        if finding.heads > 1 and out.dim() == nd and out_letters is None and lead in (1, 2):
+        if finding.heads > 1 and out.dim() == nd and lead in (1, 2):
             tail = [[("q", out.shape[-2])], [("d", out.shape[-1])]]
             if lead == 2:
                 axes = [[("b", out.shape[0])], [("h", out.shape[1])], *tail]
             else:  # (B*H, T, D) from bmm
                 axes = [[("b", unfold[0]), ("h", unfold[1])], *tail]
-            lint = _head_merge_lint(out_node, out, axes)
+            merged_from = out
+            if out_letters is not None:  # an einsum: its own output axes, in its letters' order
+                letters, order = out_letters
+                by_letter = dict(zip(order, axes))
+                axes, merged_from = [by_letter[c] for c in letters], out_node.out
+            lint = _head_merge_lint(out_node, merged_from, axes)
             if lint is not None:
                 finding.lints.append(lint)
         chain_ids.add(id(out_node))

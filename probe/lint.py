@@ -7,7 +7,10 @@ Each lint has its own name and is reported as a ``Violation`` with severity ``"w
                        ``scores.masked_fill(mask, -inf)`` is not used; ``masked_fill_`` was meant)
 ``lint_same_kv``       the same tensor is used as keys and as values
 ``lint_head_merge``    heads are merged by a reshape that does not put the head axis right before
-                       ``d_head`` (``(B, H, T, D).reshape(B, T, H * D)`` without ``transpose(1, 2)``)
+                       ``d_head`` (``(B, H, T, D).reshape(B, T, H * D)`` without ``transpose(1, 2)``);
+                       followed through transposes, permutes and one-operand einsums
+                       (``"bhqd->bqhd"``), also from an einsum ``weights @ V`` that writes
+                       ``(B, T, D, H)``; a merge by einsum with the output weights is by name: fine
 ``lint_softmax_axis``  the softmax runs over an axis that is not the key axis
 =====================  ==========================================================================
 

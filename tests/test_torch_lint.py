@@ -9,7 +9,7 @@ import torch
 
 import attnprobe
 from attnprobe.probe.lint import LINT_CHECKS, head_merge_problem, lints, reshape_groups
-from torch_helpers import FusedSplit, Head, HeadList, leftovers
+from torch_helpers import ChunkedQKV, EinsumHeads, FusedSplit, Head, HeadList, leftovers
 
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
 
@@ -31,6 +31,8 @@ def capture_lints(model, *args):
         ("lint_same_kv", lambda: Head(bug="same_kv")),
         ("lint_softmax_axis", lambda: Head(bug="softmax_axis")),
         ("lint_head_merge", lambda: FusedSplit(bug="head_merge")),
+        ("lint_head_merge", lambda: EinsumHeads(merge="reshape")),
+        ("lint_head_merge", lambda: EinsumHeads(merge="bqdh")),
     ],
 )
 def test_lint_fires_on_the_broken_variant(check, broken):
@@ -45,7 +47,10 @@ def test_lint_fires_on_the_broken_variant(check, broken):
     assert warned[0].filename == __file__  # the warning points at the user's code, not at attnprobe
 
 
-@pytest.mark.parametrize("correct", [Head, HeadList, FusedSplit])
+@pytest.mark.parametrize(
+    "correct",
+    [Head, HeadList, FusedSplit, ChunkedQKV, EinsumHeads, lambda: EinsumHeads(merge="project"), lambda: EinsumHeads(merge="bqhd")],
+)
 def test_lints_stay_quiet_on_correct_code(correct):
     cap, warned = capture_lints(correct().eval(), X)
     assert lints(cap) == () and warned == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -142,11 +144,186 @@ def test_training_dropout_records_pre_dropout_weights():
     mha = nn.MultiheadAttention(16, 4, dropout=0.5, batch_first=True).train()
     x = torch.randn(2, 5, 16)
     with attnprobe.capture(mha) as cap:
-        mha(x, x, x, average_attn_weights=False)
+        out, _ = mha(x, x, x, average_attn_weights=False)
     (rec,) = cap
-    assert rec.dropout == 0.5 and rec.weights_source == "recomputed" and rec.output is None
-    assert "output" not in rec.identified
+    assert rec.dropout == 0.5 and rec.weights_source == "recomputed"
     torch.testing.assert_close(rec.weights.sum(-1), torch.ones(2, 4, 5))  # before dropout: rows sum to 1
+    # the output is the module's own, after dropout: it reproduces what the caller got, not weights @ v
+    assert rec.meta["output_source"] == "observed" and "output" in rec.identified
+    torch.testing.assert_close(merged_output(mha, rec), out.detach(), rtol=0, atol=1e-6)
+    assert not torch.allclose(rec.output, rec.weights @ rec.v, atol=1e-3)
+    with pytest.warns(attnprobe.AttnprobeWarning, match="dropout"):
+        assert "output_match" not in {v.check for v in attnprobe.check(cap).errors}  # dropout: skipped, not failed
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_output_is_what_the_module_computed_per_head(need_weights):
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), attnprobe.capture(mha, heads=[1, 3]) as cap:
+        out, _ = mha(x, x, x, key_padding_mask=KPM, need_weights=need_weights)
+    (rec,) = cap
+    assert rec.meta["output_source"] == "observed" and rec.output.shape == (2, 2, 5, 4)
+    with torch.no_grad(), attnprobe.capture(mha) as full:
+        mha(x, x, x, key_padding_mask=KPM, need_weights=need_weights)
+    torch.testing.assert_close(merged_output(mha, full[0]), out, rtol=0, atol=1e-6)
+    assert torch.equal(rec.output, full[0].output[:, [1, 3]])
+    assert attnprobe.check(cap).ok
+
+
+def test_inference_mode_and_autocast_run_untouched_with_a_recomputed_output():
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.inference_mode(), fastpath_disabled():
+        plain = mha(x, x, x, need_weights=False)[0]
+    with torch.inference_mode(), attnprobe.capture(mha) as cap:
+        got = mha(x, x, x, need_weights=False)[0]
+    assert torch.equal(got, plain) and cap[0].meta["output_source"] == "recomputed"
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        with fastpath_disabled():
+            plain = mha(x, x, x, need_weights=False)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # bfloat16 rounding is not taken for a patched module
+            with attnprobe.capture(mha) as cap:
+                got = mha(x, x, x, need_weights=False)[0]
+    assert torch.equal(got, plain) and cap[0].dtype == torch.bfloat16 == cap[0].q.dtype
+    assert attnprobe.check(cap).ok
+
+
+def test_no_dispatch_mode_when_the_output_is_not_kept(monkeypatch):
+    from attnprobe.hooks import torch_mha
+
+    started = []
+    real_start = torch_mha._OutProjInput.start
+    monkeypatch.setattr(torch_mha._OutProjInput, "start", lambda self: started.append(1) or real_start(self))
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), attnprobe.capture(mha, keep=["weights"]) as cap:
+        mha(x, x, x)
+    assert started == [] and cap[0].output is None and cap[0].weights is not None
+    with torch.no_grad(), attnprobe.capture(mha) as cap:
+        mha(x, x, x)
+    assert started == [1] and cap[0].meta["output_source"] == "observed"
+
+
+def test_a_broken_kernel_is_caught_by_output_match(monkeypatch):
+    """The record's output is the module's own, so output_match can fail: here sdpa inside torch's
+    multi_head_attention_forward is replaced by one with a doubled scale."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+
+    def doubled_scale(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=2 / q.shape[-1] ** 0.5)
+
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), attnprobe.capture(mha) as good:
+        mha(x, x, x, need_weights=False)
+    assert attnprobe.check(good).ok
+    monkeypatch.setattr(F, "scaled_dot_product_attention", doubled_scale)
+    with torch.no_grad(), pytest.warns(attnprobe.AttnprobeWarning, match="does not reproduce"):
+        with attnprobe.capture(mha) as bad:
+            mha(x, x, x, need_weights=False)
+    assert bad[0].meta["output_source"] == "observed"
+    assert "output_match" in {v.check for v in attnprobe.check(bad).errors}
+
+
+def test_forward_hooks_of_the_caller_see_what_the_caller_asked_for():
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    seen = []
+    first = mha.register_forward_hook(lambda m, a, o: seen.append(o[1].shape) or None)
+    only_output = mha.register_forward_hook(lambda m, a, o: o[0])  # the caller's hook changes the return value
+    try:
+        with torch.no_grad():
+            with fastpath_disabled():
+                plain = mha(x, x, x)
+            with attnprobe.capture(mha) as cap:
+                got = mha(x, x, x)
+    finally:
+        first.remove()
+        only_output.remove()
+    assert torch.equal(got, plain) and seen == [(2, 5, 5), (2, 5, 5)]  # head-averaged, as asked, both times
+    (rec,) = cap
+    assert rec.weights.shape == (2, 4, 5, 5) and rec.meta["output_source"] == "observed"
+    assert leftovers(mha) == []
+
+
+class _Wrapper(nn.Module):
+    """nn.MultiheadAttention inside modules that are themselves captured or traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.own = attnprobe.MultiHeadAttention(16, 4)
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.mha(self.own(x), x, x)[0]
+        q = self.q(y)
+        return torch.softmax(q @ q.transpose(-2, -1) / 4, dim=-1) @ y  # hand-written, around the MHA
+
+
+@pytest.mark.parametrize("modules", [None, "auto", "self"])
+def test_nested_in_captured_and_traced_modules(modules):
+    model = _Wrapper().eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        with fastpath_disabled():
+            plain = model(x)
+        with attnprobe.capture(model, modules=[model] if modules == "self" else modules) as cap:
+            got = model(x)
+    assert torch.equal(got, plain)
+    backends = sorted(r.backend for r in cap)
+    assert backends == (["attnprobe", "torch_mha"] if modules is None else ["attnprobe", "hand-written", "torch_mha"])
+    assert attnprobe.check(cap).ok
+    assert leftovers(model) == []
+
+
+class _OwnForward(nn.MultiheadAttention):
+    def forward(self, query, key, value, **kwargs):
+        return super().forward(query * 2, key, value, **kwargs)
+
+
+def test_subclass_overriding_forward_is_not_read_and_says_so():
+    model = nn.Sequential(_OwnForward(16, 4, batch_first=True))
+    model.add_module("plain", nn.MultiheadAttention(16, 4, batch_first=True))
+    x = torch.randn(2, 5, 16)
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"overriding forward are not read: '0' \(_OwnForward\)"):
+        with torch.no_grad(), attnprobe.capture(model) as cap:
+            model[0](x, x, x)
+            model.plain(x, x, x)
+    assert [r.name for r in cap] == ["plain"]
+
+
+@pytest.mark.filterwarnings("ignore:the capture of MultiheadAttention saw no attention call")
+def test_a_reading_problem_never_breaks_the_forward(monkeypatch):
+    from attnprobe.hooks import torch_mha
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot take this call apart")
+
+    monkeypatch.setattr(torch_mha, "mha_parts", broken)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        with fastpath_disabled():
+            plain = mha(x, x, x)
+        with pytest.warns(attnprobe.AttnprobeWarning, match="could not read.*cannot take this call apart"):
+            with attnprobe.capture(mha) as cap:
+                got = mha(x, x, x)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])  # still the head average asked for
+    assert len(cap) == 0 and leftovers(mha) == []
+
+
+def test_forward_that_raises_leaves_no_dispatch_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    with pytest.raises(AssertionError), attnprobe.capture(mha):
+        mha(torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 16), key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+    assert _get_current_dispatch_mode_stack() == [] and leftovers(mha) == []
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")

@@ -111,6 +111,33 @@ class ChunkedQKV(nn.Module):
         return self.out(o.reshape(B, T, self.h * self.d))
 
 
+class EinsumHeads(nn.Module):
+    """Products and the head merge written with einsum, (B, H, T, D) layout; ``merge`` picks how heads are merged:
+    ``"einsum"`` (``bhqd->bqhd`` then reshape), ``"project"`` (einsum with the output weights, per head),
+    ``"bqhd"`` (the product writes (B, T, H, D) directly); bugs: ``"reshape"`` (no transpose), ``"bqdh"``."""
+
+    def __init__(self, d_model: int = D_MODEL, n_heads: int = N_HEADS, merge: str = "einsum"):
+        super().__init__()
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.w_o = nn.Parameter(torch.randn(n_heads, d_model // n_heads, d_model) / d_model**0.5)
+        self.h, self.d, self.merge = n_heads, d_model // n_heads, merge
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, self.d).permute(2, 0, 3, 1, 4)  # (B, H, T, D) each
+        w = torch.einsum("bhqd,bhkd->bhqk", q, k).mul(self.d**-0.5).softmax(-1)
+        if self.merge == "bqhd":
+            return torch.einsum("bhqk,bhkd->bqhd", w, v).reshape(B, T, C)
+        if self.merge == "bqdh":
+            return torch.einsum("bhqk,bhkd->bqdh", w, v).reshape(B, T, C)  # bug: d_head before head
+        o = torch.einsum("bhqk,bhkd->bhqd", w, v)  # (B, H, T, D)
+        if self.merge == "project":
+            return torch.einsum("bhqd,hde->bqe", o, self.w_o)
+        if self.merge == "reshape":
+            return o.reshape(B, T, C)  # bug: heads merged without moving H next to D
+        return torch.einsum("bhqd->bqhd", o).reshape(B, T, C)
+
+
 # ---------------------------------------------------------------------------------------------- style 4
 class RawCrossAttention(nn.Module):
     """Cross-attention from raw parameter matrices, heads folded into the batch for bmm."""
@@ -193,3 +220,8 @@ def leftovers(model: nn.Module) -> list[str]:
     if not torch.backends.mha.get_fastpath_enabled():
         left.append("mha fast path still disabled")
     return left
+
+
+def attend_heads(q, k, v):
+    """A helper in another module, called as ``torch_helpers.attend_heads`` (module attribute access)."""
+    return F.scaled_dot_product_attention(q, k, v)
