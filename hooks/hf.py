@@ -109,6 +109,20 @@ def _base_function(cls: type, base: str) -> Callable:
     return info.eager
 
 
+_SOFTMAX_DTYPE = re.compile(r"softmax\([^\n]*dtype=torch\.(float32|float16|bfloat16)")
+
+
+@lru_cache(maxsize=None)
+def _softmax_dtype(fn: Callable) -> torch.dtype | None:
+    """The dtype an attention function's own softmax runs in (``softmax(..., dtype=torch.float32)``)."""
+    try:
+        source = inspect.getsource(inspect.unwrap(fn))
+    except (OSError, TypeError):
+        return None
+    m = _SOFTMAX_DTYPE.search(source)
+    return getattr(torch, m.group(1)) if m else None
+
+
 _BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)""")
 _BASE_LITERAL = re.compile(r"""["'](?:sdpa|eager)["']""")
 _HANDLED = 'using_eager = self.config._attn_implementation == "eager"'  # GPT-2's path, see gpt2_eager
@@ -278,6 +292,9 @@ class _Recorder:
         if part is not None:
             meta["stack"] = part
         self.meta = meta
+        # many eager functions run their softmax in float32 whatever the model's dtype: the weights of a
+        # float64 model are then only float32-accurate, and the record says so (checks use its dtype)
+        self.softmax_dtype = _softmax_dtype(base_fn) if base == "eager" else None
         self._kv_of_heads = None
         self._verified: dict[frozenset, bool] = {}
 
@@ -380,6 +397,12 @@ class _Recorder:
         if scaling != getattr(module, "scaling", scaling):
             meta = {**meta, "module_scaling": float(module.scaling)}  # e.g. Whisper scales q before the call
 
+        dtype = q.dtype
+        coarser = self.softmax_dtype
+        if coarser is not None and dtype.is_floating_point and torch.finfo(coarser).eps > torch.finfo(dtype).eps:
+            dtype = coarser
+            meta = {**meta, "softmax_dtype": str(coarser).removeprefix("torch.")}
+
         sliding = kwargs.get("sliding_window")
         self.session.emit(
             site,
@@ -390,7 +413,7 @@ class _Recorder:
             causal=None if is_causal is None else bool(is_causal),
             scaling=scaling,
             backend=base,
-            dtype=q.dtype,
+            dtype=dtype,
             weights_source=weights_source,
             dropout=dropout,
             step=step,
