@@ -86,12 +86,21 @@ def _sdpa_forward():
     return sdpa_attention_forward
 
 
-@lru_cache(maxsize=None)
 def _base_function(cls: type, base: str) -> Callable:
-    """The function the dispatch of ``cls`` would have called for ``base``."""
+    """The function the dispatch of ``cls`` calls for ``base`` right now.
+
+    Looked up on every call for registered names: a user may register another function under the
+    same name at any time, and the capture must call what the model would call.
+    """
+    if base == "eager":
+        return _eager_function(cls)
+    return class_info(cls).interface[base]
+
+
+@lru_cache(maxsize=None)
+def _eager_function(cls: type) -> Callable:
+    """The model file's own eager function (the dispatch default of ``cls``), which never changes."""
     info = class_info(cls)
-    if base != "eager":
-        return info.interface[base]
     if info.eager is None:
         raise UnsupportedModelError(
             f"cannot find the eager attention function of {cls.__qualname__} (module {cls.__module__}): its forward "
@@ -197,12 +206,53 @@ def register() -> None:
 
 
 def mask_style(base: str) -> str:
-    """How masks reach ``base``: "eager" (float, additive) or "sdpa" (bool, or None with is_causal)."""
+    """How masks reach ``base``.
+
+    "eager": float, additive (``eager_mask``); "sdpa": bool, or None with ``is_causal`` (``sdpa_mask``);
+    "none": no mask function is registered for ``base``, so transformers hands it no mask at all;
+    "custom": the user's own mask function, whose result is read on each call if it is a 4-D tensor.
+    Raises for mask functions whose result is not a ``(query, key)`` mask (flash's 2-D padding mask,
+    flex's BlockMask).
+    """
     if base in ("sdpa", "eager"):
         return base
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers import masking_utils
 
-    return "eager" if AttentionMaskInterface._global_mapping.get(base) is eager_mask else "sdpa"
+    fn = masking_utils.AttentionMaskInterface._global_mapping.get(base)
+    if fn is None:
+        return "none"
+    if fn is masking_utils.eager_mask:
+        return "eager"
+    if fn is masking_utils.sdpa_mask:
+        return "sdpa"
+    unreadable = {getattr(masking_utils, n, None) for n in ("flash_attention_mask", "flex_attention_mask")}
+    if fn in unreadable:
+        raise UnsupportedModelError(
+            f"the attention function registered as {base!r} gets its masks from {fn.__name__}, which builds no "
+            "(query, key) mask attnprobe can read (a 2-D padding mask or a flex BlockMask). Register the function "
+            f"with sdpa_mask or eager_mask (AttentionMaskInterface.register({base!r}, sdpa_mask)), or capture "
+            "with attn_implementation='sdpa'"
+        )
+    return "custom"
+
+
+def _check_mask(mask, base: str, *, batch: int, q_len: int, k_len: int) -> None:
+    """Refuse, by name, a mask from a user's own mask function that is not a (query, key) mask."""
+    if mask is None:
+        return
+    readable = (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] in (1, batch)
+                and mask.shape[2] in (1, q_len) and mask.shape[3] >= k_len)
+    if not readable:
+        from transformers.masking_utils import AttentionMaskInterface
+
+        fn = AttentionMaskInterface._global_mapping.get(base)
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else None
+        raise UnsupportedModelError(
+            f"the mask function registered for {base!r} ({getattr(fn, '__qualname__', fn)!r}) handed the attention "
+            f"function a {type(mask).__name__}{'' if shape is None else f' of shape {shape}'}; attnprobe reads "
+            f"4-D (batch, 1 or head, query={q_len}, key>={k_len}) bool or float masks only. Register the function "
+            "with sdpa_mask or eager_mask, or capture with attn_implementation='sdpa'"
+        )
 
 
 # ------------------------------------------------------------------------------------ configs
@@ -243,7 +293,20 @@ def base_of(config) -> str | None:
 
 
 def switch_configs(configs, stack: ExitStack) -> None:
-    """Point every wrappable config at its private name; restore each one on exit."""
+    """Point every wrappable config at its private name; restore each one on exit.
+
+    Every private name is made and registered before the first config switches: a sub-config
+    whose backend no selected module uses (a vision tower on a custom function while only text
+    layers are selected) still runs its modules, and an unregistered name would fail there, or
+    lose its masks.
+    """
+    plan = []
+    for config in configs:
+        base = base_of(config)
+        impl = getattr(config, "_attn_implementation", None)
+        if base is not None and impl not in BASE_OF:
+            plan.append((config, getattr(config, "_attn_implementation_internal", impl), private_name(base)))
+    register()
     saved = []
 
     def restore():
@@ -251,13 +314,9 @@ def switch_configs(configs, stack: ExitStack) -> None:
             config._attn_implementation_internal = impl
 
     stack.callback(restore)  # registered first: a failure halfway still restores what was switched
-    for config in configs:
-        base = base_of(config)
-        impl = getattr(config, "_attn_implementation", None)
-        if base is None or impl in BASE_OF:
-            continue
-        saved.append((config, getattr(config, "_attn_implementation_internal", impl)))
-        config._attn_implementation_internal = private_name(base)
+    for config, impl, private in plan:
+        saved.append((config, impl))
+        config._attn_implementation_internal = private
 
 
 # --------------------------------------------------------------------------------- recording
@@ -329,14 +388,16 @@ class _Recorder:
         scaling = float(q.shape[-1] ** -0.5 if scaling is None else scaling)
         is_causal = kwargs.get("is_causal")
         if is_causal is None:
-            is_causal = getattr(module, "is_causal", True if self.style == "sdpa" else None)
+            is_causal = getattr(module, "is_causal", True if self.style != "eager" else None)
         dropout = float(kwargs.get("dropout") or 0.0)
         if base == "eager" and not module.training:
             dropout = 0.0
         position_bias = kwargs.get("position_bias")
         softcap = kwargs.get("softcap")
-        sinks = kwargs.get("s_aux") if base == "eager" else None  # sdpa ignores s_aux
-        implicit_causal = self.style == "sdpa" and bool(is_causal) and mask is None and q_len > 1
+        sinks = kwargs.get("s_aux") if base != "sdpa" else None  # sdpa ignores s_aux; eager and others take it
+        if self.style == "custom":
+            _check_mask(mask, base, batch=batch, q_len=q_len, k_len=k_len)
+        implicit_causal = self.style != "eager" and bool(is_causal) and mask is None and q_len > 1
         mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
                                    device=q.device)
         allowed = mask_info.allowed
@@ -511,9 +572,6 @@ class HuggingFaceAdapter(Adapter):
 
     def _attach_interface(self, session, model, sites, selected, surroundings, stack) -> None:
         bases = {id(s): self._check_site(s) for s in selected}
-        for base in set(bases.values()):
-            private_name(base)
-        register()
         switch_configs(reachable_configs(model, [s.module for s in sites]), stack)
         masks = MaskMemo()
         stack.callback(masks.clear)
@@ -552,6 +610,7 @@ class HuggingFaceAdapter(Adapter):
                 "does not capture this model"
             )
         _base_function(cls, base)  # raises when the eager default cannot be found
+        mask_style(base)  # raises for mask functions whose masks attnprobe cannot read
         return base
 
 
