@@ -122,8 +122,10 @@ class _ForceAttentions:
 
 def _weights_in(output) -> torch.Tensor | None:
     """The attention weights (4-D, in the module's own layout) in an old-style module's return value."""
-    if not isinstance(output, (tuple, list)):
+    if not isinstance(output, (tuple, list)) or not output:
         return None
+    if isinstance(output[0], (tuple, list)):  # (outputs, scaling factor), as I-BERT returns
+        return _weights_in(output[0])
     for item in output[1:]:  # item 0 is the attention output (batch-first or, in fsmt, time-first)
         if isinstance(item, torch.Tensor) and item.dim() == 4 and item.dtype.is_floating_point:
             return item

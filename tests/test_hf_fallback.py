@@ -229,3 +229,30 @@ def test_weights_in_another_layout_are_refused_not_misread(monkeypatch, recwarn)
     with pytest.raises(UnsupportedModelError, match=r"has 2 heads but returned weights of shape \(5, 5, 2, 2\)"):
         with torch.no_grad(), attnprobe.capture(model):
             model(torch.randint(1, 50, (2, 5)))
+
+
+def test_weights_nested_in_the_first_item_are_found(recwarn, assert_no_hooks):
+    """I-BERT's attention returns ((context, weights), scaling factor)."""
+    model = transformers.IBertModel(transformers.IBertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50)).eval()
+    ids = torch.randint(1, 50, (2, 6))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask)
+        with attnprobe.capture(model) as cap:
+            captured = model(ids, attention_mask=mask)
+        reference = model(ids, attention_mask=mask, output_attentions=True).attentions
+    assert torch.equal(plain.last_hidden_state, captured.last_hidden_state)
+    assert len(cap) == 1 and torch.equal(cap[0].weights, reference[0])
+    assert attnprobe.check(cap).ok
+    assert_no_hooks(model)
+
+
+def test_pre_softmax_scores_returned_as_attentions_are_not_taken_for_weights(recwarn):
+    """SqueezeBERT's output_attentions are its scores, in a dict: no weights to record."""
+    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, embedding_size=16,
+        vocab_size=50)).eval()
+    with pytest.raises(UnsupportedModelError, match="returned no attention weights"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(torch.randint(1, 50, (1, 6)))
