@@ -159,11 +159,12 @@ def _name_branches(module_name: str) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------- the private backend
 def _private_attention(base: str) -> Callable:
     def attnprobe_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        result = _base_function(type(module), base)(module, query, key, value, attention_mask, *args, **kwargs)
+        fn = _base_function(type(module), base)
+        result = fn(module, query, key, value, attention_mask, *args, **kwargs)
         recorders = _HANDLERS.get(id(module))
         if recorders:
             for recorder in tuple(recorders):
-                recorder.on_call(query, key, value, attention_mask, args, kwargs, result)
+                recorder.on_call(fn, query, key, value, attention_mask, args, kwargs, result)
         return result
 
     attnprobe_attention.__qualname__ = attnprobe_attention.__name__ = f"attnprobe_over_{base}"
@@ -334,26 +335,23 @@ class _Recorder:
         self.kind_probe = None if kind is not None else KindProbe(module, stack)
         self.kind = kind
         self.style = mask_style(base)
-        base_fn = _base_function(type(module), base)
         # Weights are recomputed from what the call received with the textbook formula. For a custom
         # function (or an overridden "sdpa") that is what the arguments ask for, not necessarily what
         # the function did: the output it returned is recorded as it is, so `output_match` tells.
         self.recomputable = True
-        self._bind_params = None
+        self._fn, self._fn_params = None, []
         meta = {
             "module_class": type(module).__name__,
             "layer_idx": getattr(module, "layer_idx", None),
             "base": base,
         }
-        if base != "eager" and base_fn is not _sdpa_forward():
-            meta["base_function"] = getattr(base_fn, "__qualname__", repr(base_fn))
         part = surroundings.part_of(module)
         if part is not None:
             meta["stack"] = part
         self.meta = meta
         # many eager functions run their softmax in float32 whatever the model's dtype: the weights of a
         # float64 model are then only float32-accurate, and the record says so (checks use its dtype)
-        self.softmax_dtype = _softmax_dtype(base_fn) if base == "eager" else None
+        self.softmax_dtype = _softmax_dtype(_base_function(type(module), base)) if base == "eager" else None
         self._kv_of_heads = None
         self._verified: dict[frozenset, bool] = {}
 
@@ -365,19 +363,30 @@ class _Recorder:
             self.session._select_site(site)
             self._kv_of_heads = None
 
+    def _use(self, fn: Callable) -> None:
+        """Describe the function this call ran (a user may register another one under the same name)."""
+        self._fn = fn
+        self._fn_params = None
+        self._verified = {}  # another function: its math is judged afresh
+        meta = {k: v for k, v in self.meta.items() if k != "base_function"}
+        if self.base != "eager" and fn is not _sdpa_forward():
+            meta["base_function"] = getattr(fn, "__qualname__", repr(fn))
+        self.meta = meta
+
     def _named(self, args: tuple, kwargs: dict) -> dict:
         """kwargs with positional extras (after the mask) named by the base function's signature."""
         if not args:
             return kwargs
-        if self._bind_params is None:
-            fn = _base_function(type(self.module), self.base)
-            self._bind_params = list(inspect.signature(fn).parameters)[5:]
-        named = dict(zip(self._bind_params, args))
+        if self._fn_params is None:
+            self._fn_params = list(inspect.signature(self._fn).parameters)[5:]
+        named = dict(zip(self._fn_params, args))
         named.update(kwargs)
         return named
 
     # -- one call -------------------------------------------------------------------------
-    def on_call(self, q, k, v, mask, args, kwargs, result) -> None:
+    def on_call(self, fn, q, k, v, mask, args, kwargs, result) -> None:
+        if fn is not self._fn:
+            self._use(fn)
         site, module, base = self.site, self.module, self.base
         kwargs = self._named(args, kwargs)
         batch, heads, q_len, _ = q.shape
