@@ -237,12 +237,13 @@ def mask_style(base: str) -> str:
     return "custom"
 
 
-def _check_mask(mask, base: str, *, batch: int, q_len: int, k_len: int) -> None:
+def _check_mask(mask, base: str, *, batch: int, heads: int, q_len: int, k_len: int) -> None:
     """Refuse, by name, a mask from a user's own mask function that is not a (query, key) mask."""
     if mask is None:
         return
     readable = (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] in (1, batch)
-                and mask.shape[2] in (1, q_len) and mask.shape[3] >= k_len)
+                and mask.shape[1] in (1, heads) and mask.shape[2] in (1, q_len) and mask.shape[3] >= k_len
+                and (mask.dtype == torch.bool or mask.dtype.is_floating_point))
     if not readable:
         from transformers.masking_utils import AttentionMaskInterface
 
@@ -251,7 +252,7 @@ def _check_mask(mask, base: str, *, batch: int, q_len: int, k_len: int) -> None:
         raise UnsupportedModelError(
             f"the mask function registered for {base!r} ({getattr(fn, '__qualname__', fn)!r}) handed the attention "
             f"function a {type(mask).__name__}{'' if shape is None else f' of shape {shape}'}; attnprobe reads "
-            f"4-D (batch, 1 or head, query={q_len}, key>={k_len}) bool or float masks only. Register the function "
+            f"4-D (batch, 1 or head={heads}, query={q_len}, key>={k_len}) bool or float masks only. Register the function "
             "with sdpa_mask or eager_mask, or capture with attn_implementation='sdpa'"
         )
 
@@ -405,7 +406,7 @@ class _Recorder:
         softcap = kwargs.get("softcap")
         sinks = kwargs.get("s_aux") if base != "sdpa" else None  # sdpa ignores s_aux; eager and others take it
         if self.style == "custom":
-            _check_mask(mask, base, batch=batch, q_len=q_len, k_len=k_len)
+            _check_mask(mask, base, batch=batch, heads=heads, q_len=q_len, k_len=k_len)
         implicit_causal = self.style != "eager" and bool(is_causal) and mask is None and q_len > 1
         mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
                                    device=q.device)
