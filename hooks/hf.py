@@ -252,8 +252,8 @@ def _check_mask(mask, base: str, *, batch: int, heads: int, q_len: int, k_len: i
         raise UnsupportedModelError(
             f"the mask function registered for {base!r} ({getattr(fn, '__qualname__', fn)!r}) handed the attention "
             f"function a {type(mask).__name__}{'' if shape is None else f' of shape {shape}'}; attnprobe reads "
-            f"4-D (batch, 1 or head={heads}, query={q_len}, key>={k_len}) bool or float masks only. Register the function "
-            "with sdpa_mask or eager_mask, or capture with attn_implementation='sdpa'"
+            f"4-D (batch, 1 or head={heads}, query={q_len}, key>={k_len}) bool or float masks only. Register "
+            "the function with sdpa_mask or eager_mask, or capture with attn_implementation='sdpa'"
         )
 
 
