@@ -119,17 +119,28 @@ def _eager_function(cls: type) -> Callable:
 
 
 _SOFTMAX_DTYPE = re.compile(r"softmax\([^\n]*dtype=torch\.(float32|float16|bfloat16)")
+_SOFTMAX_FLOAT = re.compile(r"softmax\([^\n,]*\.float\(\)")
 
 
 @lru_cache(maxsize=None)
-def _softmax_dtype(fn: Callable) -> torch.dtype | None:
-    """The dtype an attention function's own softmax runs in (``softmax(..., dtype=torch.float32)``)."""
+def softmax_dtype(fn: Callable) -> torch.dtype | None:
+    """The dtype an attention function's own softmax runs in: ``softmax(..., dtype=torch.float32)``
+    or ``softmax(x.float(), ...)``; None when its source does not say."""
     try:
         source = inspect.getsource(inspect.unwrap(fn))
     except (OSError, TypeError):
         return None
     m = _SOFTMAX_DTYPE.search(source)
-    return getattr(torch, m.group(1)) if m else None
+    if m:
+        return getattr(torch, m.group(1))
+    return torch.float32 if _SOFTMAX_FLOAT.search(source) else None
+
+
+def record_dtype(dtype: torch.dtype, softmax: torch.dtype | None) -> torch.dtype:
+    """The dtype the attention ran in: the coarser of the inputs' and the softmax's."""
+    if softmax is not None and dtype.is_floating_point and torch.finfo(softmax).eps > torch.finfo(dtype).eps:
+        return softmax
+    return dtype
 
 
 _BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)""")
@@ -352,7 +363,7 @@ class _Recorder:
         self.meta = meta
         # many eager functions run their softmax in float32 whatever the model's dtype: the weights of a
         # float64 model are then only float32-accurate, and the record says so (checks use its dtype)
-        self.softmax_dtype = _softmax_dtype(_base_function(type(module), base)) if base == "eager" else None
+        self.softmax_dtype = softmax_dtype(_base_function(type(module), base)) if base == "eager" else None
         self._kv_of_heads = None
         self._verified: dict[frozenset, bool] = {}
 
@@ -468,11 +479,9 @@ class _Recorder:
         if scaling != getattr(module, "scaling", scaling):
             meta = {**meta, "module_scaling": float(module.scaling)}  # e.g. Whisper scales q before the call
 
-        dtype = q.dtype
-        coarser = self.softmax_dtype
-        if coarser is not None and dtype.is_floating_point and torch.finfo(coarser).eps > torch.finfo(dtype).eps:
-            dtype = coarser
-            meta = {**meta, "softmax_dtype": str(coarser).removeprefix("torch.")}
+        dtype = record_dtype(q.dtype, self.softmax_dtype)
+        if dtype != q.dtype:
+            meta = {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
 
         sliding = kwargs.get("sliding_window")
         self.session.emit(

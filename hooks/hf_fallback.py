@@ -213,6 +213,9 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
     if part is not None:
         meta["stack"] = part
 
+    from .hf import record_dtype, softmax_dtype
+
+    softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the model's dtype
     time_first = type(module).__name__ in _TIME_FIRST
     declared = _declared_heads(module)
 
@@ -251,18 +254,20 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
             offset = k_len - q_len  # keys = the memory, then this call's positions
         if offset is None:  # a cache that cannot say its length
             offset = max(k_len - q_len, 0) if kind_now == "self" else 0
+        dtype = record_dtype(weights.dtype, softmax)
+        meta_now = meta if dtype == weights.dtype else {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
         session.emit(
             site,
             kind=kind_now,
             weights=weights,
             query_padding=state.query_padding(b, q_len) if state is not None else None,
             backend="eager",
-            dtype=weights.dtype,
+            dtype=dtype,
             weights_source="output_attentions",
             dropout=dropout,
             step=state.step if state is not None else None,
             query_offset=offset,
-            meta={**meta, "weights_after_dropout": True} if dropout else meta,
+            meta={**meta_now, "weights_after_dropout": True} if dropout else meta_now,
         )
 
     handle = module.register_forward_hook(after)

@@ -89,3 +89,32 @@ def test_bfloat16_weights_are_computed_in_float32_and_stored_in_bfloat16():
     expected = logits.masked_fill(~r.allowed_for_heads(), float("-inf")).softmax(-1).to(torch.bfloat16)
     assert torch.equal(r.weights, expected)
     assert attnprobe.check(cap).ok
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt", "gpt_neo"])
+def test_old_style_float64_models_say_when_their_softmax_ran_in_float32(family, recwarn):
+    """Bloom (softmax dtype=float32) and MPT (softmax of x.float()) give float32-accurate weights; GPT-Neo does not."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "bloom":
+        model = transformers.BloomModel(transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=100))
+    elif family == "mpt":
+        model = transformers.MptModel(transformers.MptConfig(d_model=16, n_layers=1, n_heads=2, vocab_size=100,
+                                                             max_seq_len=32))
+    else:
+        model = transformers.GPTNeoModel(transformers.GPTNeoConfig(
+            hidden_size=16, num_layers=1, num_heads=2, vocab_size=100, attention_types=[[["global"], 1]]))
+    model = model.double().eval()
+    with torch.no_grad():
+        plain = model(**inputs("llama", "right")).last_hidden_state
+        with attnprobe.capture(model) as cap:
+            captured = model(**inputs("llama", "right")).last_hidden_state
+    assert torch.equal(plain, captured)
+    r = cap[0]
+    assert r.weights.dtype == torch.float64 and r.weights_source == "output_attentions"
+    float32_softmax = family != "gpt_neo"
+    assert r.dtype == (torch.float32 if float32_softmax else torch.float64)
+    assert r.meta.get("softmax_dtype") == ("float32" if float32_softmax else None)
+    result = attnprobe.check(cap)
+    assert result.ok, result.violations
