@@ -86,12 +86,21 @@ def _sdpa_forward():
     return sdpa_attention_forward
 
 
-@lru_cache(maxsize=None)
 def _base_function(cls: type, base: str) -> Callable:
-    """The function the dispatch of ``cls`` would have called for ``base``."""
+    """The function the dispatch of ``cls`` calls for ``base`` right now.
+
+    Looked up on every call for registered names: a user may register another function under the
+    same name at any time, and the capture must call what the model would call.
+    """
+    if base == "eager":
+        return _eager_function(cls)
+    return class_info(cls).interface[base]
+
+
+@lru_cache(maxsize=None)
+def _eager_function(cls: type) -> Callable:
+    """The model file's own eager function (the dispatch default of ``cls``), which never changes."""
     info = class_info(cls)
-    if base != "eager":
-        return info.interface[base]
     if info.eager is None:
         raise UnsupportedModelError(
             f"cannot find the eager attention function of {cls.__qualname__} (module {cls.__module__}): its forward "
@@ -107,6 +116,31 @@ def _base_function(cls: type, base: str) -> Callable:
 
         return gpt2_eager
     return info.eager
+
+
+_SOFTMAX_DTYPE = re.compile(r"softmax\([^\n]*dtype=torch\.(float32|float16|bfloat16)")
+_SOFTMAX_FLOAT = re.compile(r"softmax\([^\n,]*\.float\(\)")
+
+
+@lru_cache(maxsize=None)
+def softmax_dtype(fn: Callable) -> torch.dtype | None:
+    """The dtype an attention function's own softmax runs in: ``softmax(..., dtype=torch.float32)``
+    or ``softmax(x.float(), ...)``; None when its source does not say."""
+    try:
+        source = inspect.getsource(inspect.unwrap(fn))
+    except (OSError, TypeError):
+        return None
+    m = _SOFTMAX_DTYPE.search(source)
+    if m:
+        return getattr(torch, m.group(1))
+    return torch.float32 if _SOFTMAX_FLOAT.search(source) else None
+
+
+def record_dtype(dtype: torch.dtype, softmax: torch.dtype | None) -> torch.dtype:
+    """The dtype the attention ran in: the coarser of the inputs' and the softmax's."""
+    if softmax is not None and dtype.is_floating_point and torch.finfo(softmax).eps > torch.finfo(dtype).eps:
+        return softmax
+    return dtype
 
 
 _BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)""")
@@ -136,11 +170,12 @@ def _name_branches(module_name: str) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------- the private backend
 def _private_attention(base: str) -> Callable:
     def attnprobe_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        result = _base_function(type(module), base)(module, query, key, value, attention_mask, *args, **kwargs)
+        fn = _base_function(type(module), base)
+        result = fn(module, query, key, value, attention_mask, *args, **kwargs)
         recorders = _HANDLERS.get(id(module))
         if recorders:
             for recorder in tuple(recorders):
-                recorder.on_call(query, key, value, attention_mask, args, kwargs, result)
+                recorder.on_call(fn, query, key, value, attention_mask, args, kwargs, result)
         return result
 
     attnprobe_attention.__qualname__ = attnprobe_attention.__name__ = f"attnprobe_over_{base}"
@@ -183,12 +218,54 @@ def register() -> None:
 
 
 def mask_style(base: str) -> str:
-    """How masks reach ``base``: "eager" (float, additive) or "sdpa" (bool, or None with is_causal)."""
+    """How masks reach ``base``.
+
+    "eager": float, additive (``eager_mask``); "sdpa": bool, or None with ``is_causal`` (``sdpa_mask``);
+    "none": no mask function is registered for ``base``, so transformers hands it no mask at all;
+    "custom": the user's own mask function, whose result is read on each call if it is a 4-D tensor.
+    Raises for mask functions whose result is not a ``(query, key)`` mask (flash's 2-D padding mask,
+    flex's BlockMask).
+    """
     if base in ("sdpa", "eager"):
         return base
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers import masking_utils
 
-    return "eager" if AttentionMaskInterface._global_mapping.get(base) is eager_mask else "sdpa"
+    fn = masking_utils.AttentionMaskInterface._global_mapping.get(base)
+    if fn is None:
+        return "none"
+    if fn is masking_utils.eager_mask:
+        return "eager"
+    if fn is masking_utils.sdpa_mask:
+        return "sdpa"
+    unreadable = {getattr(masking_utils, n, None) for n in ("flash_attention_mask", "flex_attention_mask")}
+    if fn in unreadable:
+        raise UnsupportedModelError(
+            f"the attention function registered as {base!r} gets its masks from {fn.__name__}, which builds no "
+            "(query, key) mask attnprobe can read (a 2-D padding mask or a flex BlockMask). Register the function "
+            f"with sdpa_mask or eager_mask (AttentionMaskInterface.register({base!r}, sdpa_mask)), or capture "
+            "with attn_implementation='sdpa'"
+        )
+    return "custom"
+
+
+def _check_mask(mask, base: str, *, batch: int, heads: int, q_len: int, k_len: int) -> None:
+    """Refuse, by name, a mask from a user's own mask function that is not a (query, key) mask."""
+    if mask is None:
+        return
+    readable = (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] in (1, batch)
+                and mask.shape[1] in (1, heads) and mask.shape[2] in (1, q_len) and mask.shape[3] >= k_len
+                and (mask.dtype == torch.bool or mask.dtype.is_floating_point))
+    if not readable:
+        from transformers.masking_utils import AttentionMaskInterface
+
+        fn = AttentionMaskInterface._global_mapping.get(base)
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else None
+        raise UnsupportedModelError(
+            f"the mask function registered for {base!r} ({getattr(fn, '__qualname__', fn)!r}) handed the attention "
+            f"function a {type(mask).__name__}{'' if shape is None else f' of shape {shape}'}; attnprobe reads "
+            f"4-D (batch, 1 or head={heads}, query={q_len}, key>={k_len}) bool or float masks only. Register "
+            "the function with sdpa_mask or eager_mask, or capture with attn_implementation='sdpa'"
+        )
 
 
 # ------------------------------------------------------------------------------------ configs
@@ -229,7 +306,20 @@ def base_of(config) -> str | None:
 
 
 def switch_configs(configs, stack: ExitStack) -> None:
-    """Point every wrappable config at its private name; restore each one on exit."""
+    """Point every wrappable config at its private name; restore each one on exit.
+
+    Every private name is made and registered before the first config switches: a sub-config
+    whose backend no selected module uses (a vision tower on a custom function while only text
+    layers are selected) still runs its modules, and an unregistered name would fail there, or
+    lose its masks.
+    """
+    plan = []
+    for config in configs:
+        base = base_of(config)
+        impl = getattr(config, "_attn_implementation", None)
+        if base is not None and impl not in BASE_OF:
+            plan.append((config, getattr(config, "_attn_implementation_internal", impl), private_name(base)))
+    register()
     saved = []
 
     def restore():
@@ -237,13 +327,9 @@ def switch_configs(configs, stack: ExitStack) -> None:
             config._attn_implementation_internal = impl
 
     stack.callback(restore)  # registered first: a failure halfway still restores what was switched
-    for config in configs:
-        base = base_of(config)
-        impl = getattr(config, "_attn_implementation", None)
-        if base is None or impl in BASE_OF:
-            continue
-        saved.append((config, getattr(config, "_attn_implementation_internal", impl)))
-        config._attn_implementation_internal = private_name(base)
+    for config, impl, private in plan:
+        saved.append((config, impl))
+        config._attn_implementation_internal = private
 
 
 # --------------------------------------------------------------------------------- recording
@@ -261,23 +347,23 @@ class _Recorder:
         self.kind_probe = None if kind is not None else KindProbe(module, stack)
         self.kind = kind
         self.style = mask_style(base)
-        base_fn = _base_function(type(module), base)
         # Weights are recomputed from what the call received with the textbook formula. For a custom
         # function (or an overridden "sdpa") that is what the arguments ask for, not necessarily what
         # the function did: the output it returned is recorded as it is, so `output_match` tells.
         self.recomputable = True
-        self._bind_params = None
+        self._fn, self._fn_params = None, []
         meta = {
             "module_class": type(module).__name__,
             "layer_idx": getattr(module, "layer_idx", None),
             "base": base,
         }
-        if base != "eager" and base_fn is not _sdpa_forward():
-            meta["base_function"] = getattr(base_fn, "__qualname__", repr(base_fn))
         part = surroundings.part_of(module)
         if part is not None:
             meta["stack"] = part
         self.meta = meta
+        # many eager functions run their softmax in float32 whatever the model's dtype: the weights of a
+        # float64 model are then only float32-accurate, and the record says so (checks use its dtype)
+        self.softmax_dtype = softmax_dtype(_base_function(type(module), base)) if base == "eager" else None
         self._kv_of_heads = None
         self._verified: dict[frozenset, bool] = {}
 
@@ -289,19 +375,30 @@ class _Recorder:
             self.session._select_site(site)
             self._kv_of_heads = None
 
+    def _use(self, fn: Callable) -> None:
+        """Describe the function this call ran (a user may register another one under the same name)."""
+        self._fn = fn
+        self._fn_params = None
+        self._verified = {}  # another function: its math is judged afresh
+        meta = {k: v for k, v in self.meta.items() if k != "base_function"}
+        if self.base != "eager" and fn is not _sdpa_forward():
+            meta["base_function"] = getattr(fn, "__qualname__", repr(fn))
+        self.meta = meta
+
     def _named(self, args: tuple, kwargs: dict) -> dict:
         """kwargs with positional extras (after the mask) named by the base function's signature."""
         if not args:
             return kwargs
-        if self._bind_params is None:
-            fn = _base_function(type(self.module), self.base)
-            self._bind_params = list(inspect.signature(fn).parameters)[5:]
-        named = dict(zip(self._bind_params, args))
+        if self._fn_params is None:
+            self._fn_params = list(inspect.signature(self._fn).parameters)[5:]
+        named = dict(zip(self._fn_params, args))
         named.update(kwargs)
         return named
 
     # -- one call -------------------------------------------------------------------------
-    def on_call(self, q, k, v, mask, args, kwargs, result) -> None:
+    def on_call(self, fn, q, k, v, mask, args, kwargs, result) -> None:
+        if fn is not self._fn:
+            self._use(fn)
         site, module, base = self.site, self.module, self.base
         kwargs = self._named(args, kwargs)
         batch, heads, q_len, _ = q.shape
@@ -312,14 +409,16 @@ class _Recorder:
         scaling = float(q.shape[-1] ** -0.5 if scaling is None else scaling)
         is_causal = kwargs.get("is_causal")
         if is_causal is None:
-            is_causal = getattr(module, "is_causal", True if self.style == "sdpa" else None)
+            is_causal = getattr(module, "is_causal", True if self.style != "eager" else None)
         dropout = float(kwargs.get("dropout") or 0.0)
         if base == "eager" and not module.training:
             dropout = 0.0
         position_bias = kwargs.get("position_bias")
         softcap = kwargs.get("softcap")
-        sinks = kwargs.get("s_aux") if base == "eager" else None  # sdpa ignores s_aux
-        implicit_causal = self.style == "sdpa" and bool(is_causal) and mask is None and q_len > 1
+        sinks = kwargs.get("s_aux") if base != "sdpa" else None  # sdpa ignores s_aux; eager and others take it
+        if self.style == "custom":
+            _check_mask(mask, base, batch=batch, heads=heads, q_len=q_len, k_len=k_len)
+        implicit_causal = self.style != "eager" and bool(is_causal) and mask is None and q_len > 1
         mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
                                    device=q.device)
         allowed = mask_info.allowed
@@ -380,6 +479,10 @@ class _Recorder:
         if scaling != getattr(module, "scaling", scaling):
             meta = {**meta, "module_scaling": float(module.scaling)}  # e.g. Whisper scales q before the call
 
+        dtype = record_dtype(q.dtype, self.softmax_dtype)
+        if dtype != q.dtype:
+            meta = {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
+
         sliding = kwargs.get("sliding_window")
         self.session.emit(
             site,
@@ -390,7 +493,7 @@ class _Recorder:
             causal=None if is_causal is None else bool(is_causal),
             scaling=scaling,
             backend=base,
-            dtype=q.dtype,
+            dtype=dtype,
             weights_source=weights_source,
             dropout=dropout,
             step=step,
@@ -488,9 +591,6 @@ class HuggingFaceAdapter(Adapter):
 
     def _attach_interface(self, session, model, sites, selected, surroundings, stack) -> None:
         bases = {id(s): self._check_site(s) for s in selected}
-        for base in set(bases.values()):
-            private_name(base)
-        register()
         switch_configs(reachable_configs(model, [s.module for s in sites]), stack)
         masks = MaskMemo()
         stack.callback(masks.clear)
@@ -529,6 +629,7 @@ class HuggingFaceAdapter(Adapter):
                 "does not capture this model"
             )
         _base_function(cls, base)  # raises when the eager default cannot be found
+        mask_style(base)  # raises for mask functions whose masks attnprobe cannot read
         return base
 
 

@@ -167,11 +167,21 @@ class StackState:
         self.padding = None
 
     def query_padding(self, batch: int, q_len: int) -> torch.Tensor | None:
-        """(batch, query) True for padded query rows of a call with ``q_len`` queries."""
+        """(batch, query) True for padded query rows of a call with ``q_len`` queries.
+
+        The stack's mask covers the cached positions and this call's queries, so its length must be
+        exactly ``position + q_len``. Anything else is a mask over other positions (speech models
+        take a mask over audio samples, which the feature encoder downsamples into frames) and says
+        nothing about the query rows: None then, never a guess.
+        """
         p = self.padding
-        if p is None or p.shape[0] != batch or p.shape[1] < q_len:
+        if p is None or p.shape[0] != batch:
             return None
-        return p[:, p.shape[1] - q_len:]
+        if self.position is None:  # a cache that cannot say its length: the queries are the last positions
+            return p[:, p.shape[1] - q_len:] if p.shape[1] >= q_len else None
+        if p.shape[1] != self.position + q_len:
+            return None
+        return p[:, self.position:]
 
 
 def _cached_length(cache) -> int | None:

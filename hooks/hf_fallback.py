@@ -24,6 +24,10 @@ _OWN_LAYOUT = frozenset({
     "LongformerSelfAttention", "LEDEncoderSelfAttention", "BigBirdBlockSparseAttention", "LSHSelfAttention",
     "LocalSelfAttention", "NeighborhoodAttention",
 })
+#: Old-style modules that return their weights time-first, ``(query, key, batch, head)`` (XLNet's
+#: "ijbn"); the fallback permutes them to ``(batch, head, query, key)``. Their keys after a memory
+#: (XLNet's ``mems``) come after the remembered ones, so the first query sits at ``key - query``.
+_TIME_FIRST = frozenset({"XLNetRelativeAttention"})
 
 
 def is_old_style_model(module: nn.Module) -> bool:
@@ -117,13 +121,32 @@ class _ForceAttentions:
 
 
 def _weights_in(output) -> torch.Tensor | None:
-    """The attention weights ``(batch, head, query, key)`` in an old-style module's return value."""
-    if not isinstance(output, (tuple, list)):
+    """The attention weights (4-D, in the module's own layout) in an old-style module's return value."""
+    if not isinstance(output, (tuple, list)) or not output:
         return None
+    if isinstance(output[0], (tuple, list)):  # (outputs, scaling factor), as I-BERT returns
+        return _weights_in(output[0])
     for item in output[1:]:  # item 0 is the attention output (batch-first or, in fsmt, time-first)
         if isinstance(item, torch.Tensor) and item.dim() == 4 and item.dtype.is_floating_point:
             return item
     return None
+
+
+def _several_weights(output) -> int:
+    """How many 4-D weight tensors an old-style module returned inside one tuple item (XLNet's two streams)."""
+    if not isinstance(output, (tuple, list)):
+        return 0
+    for item in output[1:]:
+        if isinstance(item, (tuple, list)):
+            found = [t for t in item if isinstance(t, torch.Tensor) and t.dim() == 4]
+            if len(found) > 1:
+                return len(found)
+    return 0
+
+
+def _declared_heads(module: nn.Module) -> int | None:
+    """The head count the module itself declares (an attribute, not the config)."""
+    return next((v for a in HEAD_ATTRS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
 
 
 def _dropout_of(module: nn.Module) -> float:
@@ -190,8 +213,29 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
     if part is not None:
         meta["stack"] = part
 
+    from .hf import record_dtype, softmax_dtype
+
+    softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the model's dtype
+    time_first = type(module).__name__ in _TIME_FIRST
+    declared = _declared_heads(module)
+
     def after(mod, args, output):
         weights = _weights_in(output)
+        if weights is None and _several_weights(output):
+            raise UnsupportedModelError(
+                f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) returned "
+                f"{_several_weights(output)} weight matrices for one call (XLNet's two-stream attention, used with "
+                "target_mapping); attnprobe records one (query, key) matrix per call. Capture a forward without "
+                "target_mapping, or exclude the module with layers=[...]"
+            )
+        if weights is not None and time_first:
+            weights = weights.permute(2, 3, 0, 1)  # (query, key, batch, head) -> (batch, head, query, key)
+        if weights is not None and declared is not None and weights.shape[1] != declared:
+            raise UnsupportedModelError(
+                f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) has {declared} heads but "
+                f"returned weights of shape {tuple(weights.shape)}: not laid out as (batch, head, query, key), so "
+                "attnprobe cannot read them. Exclude the module with layers=[...]"
+            )
         if weights is None:
             raise UnsupportedModelError(
                 f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}): "
@@ -206,20 +250,24 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
         dropout = _dropout_of(mod)
         kind_now = kind or probe.kind
         offset = state.position if state is not None else 0
+        if time_first and kind_now == "self":
+            offset = k_len - q_len  # keys = the memory, then this call's positions
         if offset is None:  # a cache that cannot say its length
             offset = max(k_len - q_len, 0) if kind_now == "self" else 0
+        dtype = record_dtype(weights.dtype, softmax)
+        meta_now = meta if dtype == weights.dtype else {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
         session.emit(
             site,
             kind=kind_now,
             weights=weights,
             query_padding=state.query_padding(b, q_len) if state is not None else None,
             backend="eager",
-            dtype=weights.dtype,
+            dtype=dtype,
             weights_source="output_attentions",
             dropout=dropout,
             step=state.step if state is not None else None,
             query_offset=offset,
-            meta={**meta, "weights_after_dropout": True} if dropout else meta,
+            meta={**meta_now, "weights_after_dropout": True} if dropout else meta_now,
         )
 
     handle = module.register_forward_hook(after)

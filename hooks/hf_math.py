@@ -8,8 +8,9 @@ Two mask semantics exist among the backends attnprobe wraps:
 * **boolean** (sdpa with a bool mask or ``is_causal``): masked entries are ``-inf``; a row with no
   allowed key has weight 0 everywhere, which is what CPU sdpa returns for it.
 
-Everything is computed in float32 from detached inputs, only for the selected heads, and cast to
-the dtype the attention ran in.
+Everything is computed in ``torch.promote_types(q.dtype, float32)`` (float32 for half precision,
+float64 for float64 models, whose weights must sum to 1 within float64's tolerance) from detached
+inputs, only for the selected heads, and cast to the dtype the attention ran in.
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ class MaskInfo:
         self._add: dict = {}
         self._empty = None
 
-    def to_add(self, fill: float, heads) -> torch.Tensor | None:
-        """Float ``(batch, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed)."""
-        key = (fill, heads if self.allowed.shape[1] > 1 else None)
+    def to_add(self, fill: float, heads, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """``dtype`` ``(batch, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed)."""
+        key = (fill, dtype, heads if self.allowed.shape[1] > 1 else None)
         if key not in self._add:
             allowed = self.for_heads(heads)
             if self.mask is None and bool(allowed.all()):
                 self._add[key] = None
             else:
-                self._add[key] = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device
+                self._add[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device
                                              ).masked_fill_(~allowed, fill)
         return self._add[key]
 
@@ -125,6 +126,7 @@ class Recompute:
         self.scaling, self.additive = scaling, additive
         self.position_bias, self.softcap, self.sinks = position_bias, softcap, sinks
         self.out_dtype = out_dtype or q.dtype
+        self.compute_dtype = torch.promote_types(q.dtype, torch.float32)
         self._logits = self._scores = self._weights = None
 
     @property
@@ -132,16 +134,17 @@ class Recompute:
         return (self.q.shape[0], len(self.heads), self.q.shape[2], self.k.shape[2])
 
     def logits(self) -> torch.Tensor:
-        """float32 ``(batch, head, query, key)``: scaled q @ k (+ position bias), softcapped."""
+        """``(batch, head, query, key)`` in the compute dtype: scaled q @ k (+ position bias), softcapped."""
         if self._logits is None:
             with torch.no_grad():
-                q = index_heads(self.q.detach(), self.heads)[0].float()
-                k = index_heads(self.k.detach(), self.kv_heads)[0].float()  # the kv head of each selected head
+                dtype = self.compute_dtype
+                q = index_heads(self.q.detach(), self.heads)[0].to(dtype)
+                k = index_heads(self.k.detach(), self.kv_heads)[0].to(dtype)  # the kv head of each selected head
                 logits = torch.matmul(q, k.transpose(-1, -2))  # (B, h, Tq, D) @ (B, h, D, Tk), a new tensor
                 if self.scaling != 1.0:
                     logits.mul_(self.scaling)
                 if self.position_bias is not None:
-                    logits.add_(self._per_head(self.position_bias).float())
+                    logits.add_(self._per_head(self.position_bias).to(dtype))
                 if self.softcap is not None:
                     logits.div_(self.softcap).tanh_().mul_(self.softcap)
             self._logits = logits
@@ -157,11 +160,11 @@ class Recompute:
     def _mask_to_add(self) -> torch.Tensor | None:
         """The float mask added to the logits before the softmax (None when nothing is added)."""
         if self.mask is not None and self.mask.dtype.is_floating_point:
-            return self._per_head(self.mask).float()
+            return self._per_head(self.mask).to(self.compute_dtype)
         # boolean semantics mask with -inf; sdpa with a position bias turns a bool or causal mask into
         # finfo.min where masked (create_position_bias_mask), which is the additive semantics
         fill = torch.finfo(self.q.dtype).min if self.additive else float("-inf")
-        return self.info.to_add(fill, self.heads)
+        return self.info.to_add(fill, self.heads, self.compute_dtype)
 
     def scores(self) -> torch.Tensor:
         if self._scores is None:
@@ -169,7 +172,7 @@ class Recompute:
             if self.mask is not None and self.mask.dtype.is_floating_point:
                 # a float mask may carry more than masking (Swin folds its relative bias into it)
                 with torch.no_grad():
-                    logits = torch.where(self._allowed(), logits + self._per_head(self.mask).float(), logits)
+                    logits = torch.where(self._allowed(), logits + self._per_head(self.mask).to(logits.dtype), logits)
             self._scores = logits
         return self._scores.to(self.out_dtype)
 
@@ -182,7 +185,7 @@ class Recompute:
                 if self.sinks is not None:
                     # attention sinks: one extra logit per head that takes probability mass and no value
                     b, h, tq, _ = z.shape
-                    sink = self.sinks.detach().float().index_select(0, _index(self.heads, z.device))
+                    sink = self.sinks.detach().to(z.dtype).index_select(0, _index(self.heads, z.device))
                     z = torch.cat([z, sink.view(1, h, 1, 1).expand(b, h, tq, 1)], dim=-1)
                     z = z - z.max(dim=-1, keepdim=True).values
                     weights = torch.softmax(z, dim=-1)[..., :-1].contiguous()

@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from numbers import Integral
 
 import torch
 
 from ..probe.errors import AttnprobeError
+
+
+def _as_lists(ids, what: str = "token ids"):
+    """A tensor or numpy array of ids as nested lists of ints; anything else unchanged."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() not in (1, 2) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise AttnprobeError(f"{what} must be an integer tensor (batch, position) or (position,), got "
+                                 f"{ids.dtype} of shape {tuple(ids.shape)}")
+        return ids.tolist()
+    dtype = getattr(ids, "dtype", None)
+    if getattr(dtype, "kind", None) is not None and hasattr(ids, "ndim") and hasattr(ids, "tolist"):  # numpy
+        if ids.ndim not in (0, 1, 2) or dtype.kind not in "iu":
+            raise AttnprobeError(f"{what} must be an integer array (batch, position) or (position,), got "
+                                 f"{dtype} of shape {tuple(ids.shape)}")
+        return ids.tolist()
+    return ids
+
+
+def _ints(row) -> list[int] | None:
+    row = _as_lists(row, "a row of token ids")
+    if not isinstance(row, Sequence) or isinstance(row, (str, bytes)):
+        return None
+    if not all(isinstance(i, Integral) and not isinstance(i, bool) for i in row):
+        return None
+    return [int(i) for i in row]
 
 
 def _rows(batch) -> list[list[int]]:
@@ -21,32 +47,29 @@ def _rows(batch) -> list[list[int]]:
             raise AttnprobeError(
                 f"token_strings() needs token ids; the batch has {sorted(data)[:6]} but no 'input_ids'"
             )
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() not in (1, 2) or ids.dtype.is_floating_point:
-            raise AttnprobeError(f"token ids must be an integer tensor (batch, position) or (position,), got "
-                                 f"{ids.dtype} of shape {tuple(ids.shape)}")
-        ids = ids.tolist()
+    ids = _as_lists(ids)
     if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
         raise AttnprobeError(
-            "token_strings() takes a tokenizer's BatchEncoding or input_ids (a tensor or lists), "
+            "token_strings() takes a tokenizer's BatchEncoding or input_ids (a tensor, a numpy array or lists), "
             f"got {type(batch).__name__}"
         )
-    if ids and all(isinstance(i, int) for i in ids):
-        return [list(ids)]
+    if ids and all(isinstance(i, Integral) and not isinstance(i, bool) for i in ids):
+        return [[int(i) for i in ids]]
     rows = []
     for row in ids:
-        row = row.tolist() if isinstance(row, torch.Tensor) else row
-        if not isinstance(row, Sequence) or not all(isinstance(i, int) for i in row):
-            raise AttnprobeError("token ids must be integers, one list (or tensor row) per batch row")
-        rows.append(list(row))
+        ints = _ints(row)
+        if ints is None:
+            raise AttnprobeError("token ids must be integers, one list (or tensor or array row) per batch row")
+        rows.append(ints)
     return rows
 
 
 def token_strings(tokenizer, batch, *, style: str = "tokens") -> list[list[str]]:
     """One list of strings per batch row, one string per position (padding included).
 
-    ``batch``: a tokenizer's ``BatchEncoding`` (or any mapping with ``input_ids``), a tensor
-    ``(batch, position)`` or ``(position,)``, or lists of ids. ``style="tokens"`` gives the
+    ``batch``: a tokenizer's ``BatchEncoding`` (or any mapping with ``input_ids``; tensors, numpy
+    arrays or lists inside), a tensor or numpy array ``(batch, position)`` or ``(position,)``, or
+    lists of ids (rows may be tensors or arrays). ``style="tokens"`` gives the
     tokenizer's own token names (``'##ing'``, ``'Ġthe'``, ``'[PAD]'``); ``style="text"`` gives what
     each token reads as on its own (``' the'``).
 

@@ -169,3 +169,90 @@ def test_a_cache_that_cannot_say_its_length():
             raise ValueError("no attention layer")
 
     assert _cached_length(Hybrid()) == 5 and _cached_length(Empty()) is None
+
+
+def _xlnet(cls=None):
+    config = transformers.XLNetConfig(d_model=16, n_layer=2, n_head=2, d_inner=32, vocab_size=50)
+    torch.manual_seed(0)
+    return (cls or transformers.XLNetModel)(config).eval()
+
+
+def test_xlnet_time_first_weights_are_laid_out_as_batch_head_query_key(recwarn, assert_no_hooks):
+    model = _xlnet()
+    ids = torch.randint(1, 50, (2, 5))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask)
+        with attnprobe.capture(model) as cap:
+            captured = model(ids, attention_mask=mask)
+        reference = model(ids, attention_mask=mask, output_attentions=True).attentions  # the model permutes them
+    assert torch.equal(plain.last_hidden_state, captured.last_hidden_state)
+    assert len(cap) == 2
+    for r, weights in zip(cap, reference):
+        # XLNet's module returns (query, key, batch, head) = (5, 5, 2, 2); read as batch 5, head 5 before
+        assert r.num_heads == 2 and r.weights.shape == (2, 2, 5, 5)
+        assert torch.equal(r.weights, weights)
+        assert r.query_padding.tolist() == (mask == 0).tolist() and r.query_offset == 0
+    assert attnprobe.check(cap).ok
+    assert_no_hooks(model)
+
+
+def test_xlnet_memory_keys_come_before_the_queries(recwarn):
+    model = _xlnet()
+    with torch.no_grad():
+        first = model(torch.randint(1, 50, (1, 4)), use_mems=True)
+        with attnprobe.capture(model) as cap:
+            model(torch.randint(1, 50, (1, 3)), mems=first.mems)
+    r = cap[0]
+    assert r.weights.shape == (1, 2, 3, 7) and r.query_offset == 4
+    assert attnprobe.check(cap).ok
+
+
+def test_xlnet_two_stream_attention_is_a_clear_error(recwarn, assert_no_hooks):
+    model = _xlnet(transformers.XLNetLMHeadModel)
+    ids = torch.randint(1, 50, (1, 5))
+    perm_mask = torch.zeros(1, 5, 5)
+    perm_mask[:, :, -1] = 1.0
+    target_mapping = torch.zeros(1, 1, 5)
+    target_mapping[0, 0, -1] = 1.0
+    with pytest.raises(UnsupportedModelError, match=r"2 weight matrices.*two-stream.*target_mapping"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(ids, perm_mask=perm_mask, target_mapping=target_mapping)
+    assert_no_hooks(model)
+
+
+def test_weights_in_another_layout_are_refused_not_misread(monkeypatch, recwarn):
+    from attnprobe.hooks import hf_fallback
+
+    monkeypatch.setattr(hf_fallback, "_TIME_FIRST", frozenset())  # as if attnprobe did not know XLNet's layout
+    model = _xlnet()
+    with pytest.raises(UnsupportedModelError, match=r"has 2 heads but returned weights of shape \(5, 5, 2, 2\)"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(torch.randint(1, 50, (2, 5)))
+
+
+def test_weights_nested_in_the_first_item_are_found(recwarn, assert_no_hooks):
+    """I-BERT's attention returns ((context, weights), scaling factor)."""
+    model = transformers.IBertModel(transformers.IBertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50)).eval()
+    ids = torch.randint(1, 50, (2, 6))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask)
+        with attnprobe.capture(model) as cap:
+            captured = model(ids, attention_mask=mask)
+        reference = model(ids, attention_mask=mask, output_attentions=True).attentions
+    assert torch.equal(plain.last_hidden_state, captured.last_hidden_state)
+    assert len(cap) == 1 and torch.equal(cap[0].weights, reference[0])
+    assert attnprobe.check(cap).ok
+    assert_no_hooks(model)
+
+
+def test_pre_softmax_scores_returned_as_attentions_are_not_taken_for_weights(recwarn):
+    """SqueezeBERT's output_attentions are its scores, in a dict: no weights to record."""
+    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, embedding_size=16,
+        vocab_size=50)).eval()
+    with pytest.raises(UnsupportedModelError, match="returned no attention weights"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(torch.randint(1, 50, (1, 6)))

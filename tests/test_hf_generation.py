@@ -99,3 +99,27 @@ def test_plain_forwards_have_no_step():
     assert all(r.step is None and r.query_offset == 0 for r in first)
     # a cache handed in by the caller counts as a decoding step at its position
     assert all(r.step == 0 and r.query_offset == 7 and r.key_len == 8 for r in second)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma2", "bart", "t5"])
+def test_left_padded_generation_is_unchanged_and_checks_clean(name, assert_no_hooks):
+    model = build(name)
+    batch = {k: v for k, v in inputs(name, "left", length=5).items() if not k.startswith("decoder")}
+    options = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        plain = model.generate(**batch, **options)
+    seq, cap = _greedy(model, batch)
+    assert torch.equal(plain, seq)
+    assert sorted({r.step for r in cap if r.step is not None}) == list(range(NEW))
+    encoder_decoder = name in ("bart", "t5")
+    for r in cap:
+        if r.meta.get("stack") == "encoder" or (r.step == 0 and not encoder_decoder):
+            # the prompt's left padding marks its query rows
+            assert r.query_padding is not None and r.query_padding[0, :2].all() and not r.query_padding[1].any()
+        elif r.step > 0:
+            assert r.query_len == 1
+            # generate() hands a decoder-only model the grown mask; an encoder-decoder decoder gets none
+            assert (r.query_padding is None) if encoder_decoder else not r.query_padding.any()
+    result = attnprobe.check(cap)
+    assert result.ok, result.violations
+    assert_no_hooks(model)

@@ -52,3 +52,27 @@ def test_bad_input_is_a_clear_error(byte_level):
         attnprobe.token_strings("not a tokenizer", [1, 2])
     with pytest.raises(AttnprobeError, match="BatchEncoding"):
         attnprobe.token_strings(byte_level, "the cat")
+
+
+def test_numpy_arrays_and_numpy_integers_are_ids_too(byte_level):
+    import numpy as np
+
+    pt = byte_level(["the cat sat", "the dog"], padding=True, return_tensors="pt")
+    rows = attnprobe.token_strings(byte_level, pt)
+    batch = byte_level(["the cat sat", "the dog"], padding=True, return_tensors="np")
+    assert isinstance(batch["input_ids"], np.ndarray)
+    assert attnprobe.token_strings(byte_level, batch) == rows
+    assert attnprobe.token_strings(byte_level, batch["input_ids"]) == rows
+    assert attnprobe.token_strings(byte_level, batch["input_ids"].astype(np.int32)) == rows
+    assert attnprobe.token_strings(byte_level, batch["input_ids"][1]) == rows[1:]
+    assert attnprobe.token_strings(byte_level, list(batch["input_ids"])) == rows  # a list of array rows
+    assert attnprobe.token_strings(byte_level, [list(r) for r in batch["input_ids"]]) == rows  # numpy ints
+    assert attnprobe.token_strings(byte_level, list(pt["input_ids"])) == rows  # a list of tensor rows
+    assert attnprobe.token_strings(byte_level, batch, style="text") == attnprobe.token_strings(
+        byte_level, pt, style="text")
+    with pytest.raises(AttnprobeError, match="integer array"):
+        attnprobe.token_strings(byte_level, np.zeros((2, 3)))
+    with pytest.raises(AttnprobeError, match="integer tensor"):
+        attnprobe.token_strings(byte_level, torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(AttnprobeError, match="must be integers"):
+        attnprobe.token_strings(byte_level, [[1.0, 2.0]])
