@@ -96,6 +96,11 @@ class MaskMemo:
         self._entries: list[tuple[tuple, MaskInfo]] = []
 
     def get(self, mask, *, batch: int, q_len: int, k_len: int, implicit_causal: bool, device) -> MaskInfo:
+        if isinstance(mask, torch.Tensor) and mask.is_inference():
+            # inference tensors (torch.inference_mode) keep no version counter, so an in-place change
+            # between two calls could not be seen: read such a mask afresh every call
+            return MaskInfo(mask, allowed_from(mask, batch=batch, q_len=q_len, k_len=k_len,
+                                               implicit_causal=implicit_causal, device=device))
         # the version counter catches a mask tensor changed in place between two calls
         key = (batch, q_len, k_len, implicit_causal, getattr(mask, "_version", None))
         for k, info in self._entries:
