@@ -174,8 +174,10 @@ class _Facts:
         self.tol = tolerance(rec.dtype, *(t.dtype for t in stored if t is not None), atol=run.atol, rtol=run.rtol)
         self.allowed = None if rec.allowed is None else rec.allowed.to(self.device, torch.bool)
         self.qpos = torch.arange(self.Tq, device=self.device) + rec.query_offset  # reported query positions
-        self.diag = None  # key index of each query (self-attention only)
+        self.kpos = torch.arange(self.Tk, device=self.device)  # reported key positions
+        self.diag = None  # key index (cache slot) of each query (self-attention only)
         self.offset = None
+        self.key_start = 0  # position of the first key: > 0 when a sliding-window cache dropped older keys
         if rec.kind == "self":
             # the queries sit at query_offset in the keys; a cache that dropped old keys (sliding window)
             # keeps the most recent ones, so the queries are then the last keys
@@ -183,6 +185,8 @@ class _Facts:
             if offset >= 0:
                 self.offset = offset
                 self.diag = torch.arange(self.Tq, device=self.device) + offset
+                self.key_start = rec.query_offset - offset
+                self.kpos = self.kpos + self.key_start
 
         self.causal = _declared_for(run.causal, rec)
         self.causal_declared = self.causal is not None
@@ -194,6 +198,25 @@ class _Facts:
         if declared_query_pad is not None:
             query_pad = declared_query_pad if query_pad is None else query_pad | declared_query_pad
         self.query_pad = query_pad  # (B, Tq) or None
+        self.own, self.own_excused = self._own_position()
+
+    def _own_position(self):
+        """(may each query attend its own position, is that position a padded key): ``(B, 1 or H, Tq)`` each,
+        or None without a mask. Linear in the sequence: one entry per query row."""
+        if self.diag is None or self.allowed is None:
+            return None, None
+        own_key = self.diag.clamp(max=self.Tk - 1)
+        own = self.allowed[..., torch.arange(self.Tq, device=self.device), own_key]  # (B, 1 or H, Tq)
+        if self.key_pad is None:
+            return own, torch.zeros_like(own)
+        excused = self.key_pad[:, own_key][:, None, :].expand_as(own)  # a padded token: its row is padding too
+        if self.key_pad_source == _MASK_PADDING:
+            # padding read off the mask (keys no query attends) is also what a mask shifted by one gives
+            # the last key; trust it only where no other row of that (batch, head) misses its own key
+            real = torch.ones_like(own) if self.query_pad is None else ~self.query_pad[:, None, :]
+            shifted = (~own & ~excused & real & self.allowed.any(-1)).any(-1, keepdim=True)
+            excused = excused & ~shifted
+        return own, excused
 
     def _padding(self, run: "_Run"):
         """(key padding (B, Tk) or None, where it comes from, declared query padding or None)."""
@@ -210,13 +233,22 @@ class _Facts:
                     return ~mask, _DECLARED_PADDING, None
                 run.skip("padding", f"the declared attention_mask has {L} positions but this cross-attention "
                          f"has {self.Tk} keys; pass attention_mask={{layer: mask}} per layer", self)
-            elif self.offset is not None and (L == self.Tk or (L > self.Tk and self.offset + self.Tq == self.Tk)):
-                run.mask_fitted = True  # a generation step: the mask covers positions generated later too
-                real = mask[:, : self.Tk]
+            elif self.offset is not None and L >= self.key_start + self.Tk:
+                # positions of the whole sequence: a KV-cache step reads the positions of its keys (a
+                # sliding-window cache keeps only the most recent ones); later positions are not used
+                run.mask_fitted = True
+                real = mask[:, self.key_start : self.key_start + self.Tk]
                 return ~real, _DECLARED_PADDING, ~real[:, self.offset : self.offset + self.Tq]
+            elif self.offset is not None and L == self.Tk:
+                run.mask_fitted = True  # one entry per cache slot
+                return ~mask, _DECLARED_PADDING, ~mask[:, self.offset : self.offset + self.Tq]
+            elif self.offset is not None:
+                run.skip("padding", f"the declared attention_mask has {L} positions, fewer than the keys of "
+                         "these records reach (KV-cache steps?); under generate, declare the mask of the whole "
+                         "sequence: the prompt's mask followed by ones for the generated tokens", self)
             else:
                 run.skip("padding", f"the declared attention_mask has {L} positions but the record has "
-                         f"{self.Tk} keys (a compressed or sliding-window cache?)", self)
+                         f"{self.Tq} queries and {self.Tk} keys, which no cache layout explains", self)
             return None, "", None
         if rec.kind == "self" and self.offset == 0 and self.Tq == self.Tk and rec.query_padding is not None:
             return rec.query_padding.to(self.device, torch.bool), _QUERY_PADDING, None
@@ -242,8 +274,12 @@ class _Rows:
         self.device, self.cdtype, self.tol = facts.device, facts.cdtype, facts.tol
         self.causal, self.causal_declared = facts.causal, facts.causal_declared
         self.key_pad, self.key_pad_source = facts.key_pad, facts.key_pad_source
+        self.start, self.all_qpos = a, facts.qpos
         self.qpos = facts.qpos[a:b]
         self.diag = None if facts.diag is None else facts.diag[a:b]
+        self.kpos = facts.kpos
+        self.own = None if facts.own is None else facts.own[:, :, a:b]
+        self.own_excused = None if facts.own_excused is None else facts.own_excused[:, :, a:b]
 
         def rows(t):
             return None if t is None else t[:, :, a:b]
@@ -310,15 +346,26 @@ class _Group:
 
     count: int = 0
     worst: float | None = None
-    queries: tuple[int, ...] = ()
-    keys: tuple[int, ...] = ()
+    rows: torch.Tensor | None = None
+    """(query,) bool: offending query rows of the whole record."""
+    keys: torch.Tensor | None = None
+    """(key,) bool: offending keys (None for findings about rows)."""
 
-    def add(self, count: int, worst: float | None, queries, keys) -> None:
+    def add(self, count: int, worst: float | None, rows: torch.Tensor, keys: torch.Tensor | None) -> None:
         self.count += count
         if worst is not None:
             self.worst = worst if self.worst is None else max(self.worst, worst)
-        self.queries = tuple(sorted(set(self.queries) | set(queries)))[:MAX_POSITIONS]
-        self.keys = tuple(sorted(set(self.keys) | set(keys)))[:MAX_POSITIONS]
+        self.rows = rows.clone() if self.rows is None else self.rows | rows
+        if keys is not None:
+            self.keys = keys.clone() if self.keys is None else self.keys | keys
+
+
+def _listed(flags: torch.Tensor | None, positions: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """(the first ``MAX_POSITIONS`` flagged positions, how many are flagged)."""
+    if flags is None:
+        return (), 0
+    where = flags.nonzero().flatten()
+    return tuple(positions[where[:MAX_POSITIONS]].tolist()), int(where.numel())
 
 
 @dataclass
@@ -330,6 +377,8 @@ class _Finding:
     severity: str
     message: Callable[[int, float | None], str]
     axis: int  # size of the head axis of the offending tensor (1 = a mask shared by the heads)
+    qpos: torch.Tensor  # (query,) reported position of each query row of the record
+    kpos: torch.Tensor  # (key,) reported position of each key
     groups: dict = field(default_factory=dict)
 
 
@@ -382,7 +431,8 @@ class _Run:
             return
         per_key = bad.dim() == 4
         finding = self.findings.setdefault(
-            (p.index, check, kind), _Finding(rec, check, severity, message, axis=bad.shape[1])
+            (p.index, check, kind),
+            _Finding(rec, check, severity, message, axis=bad.shape[1], qpos=p.all_qpos, kpos=p.kpos),
         )
         flat = bad.flatten(2)
         counts = flat.sum(-1)  # (B, 1 or H)
@@ -392,10 +442,10 @@ class _Run:
         rows = bad.any(-1) if per_key else bad  # (B, 1 or H, Tq)
         keys = bad.any(-2) if per_key else None  # (B, 1 or H, Tk)
         for b, h in (counts > 0).nonzero().tolist():
-            queries = p.qpos[rows[b, h].nonzero().flatten()[:MAX_POSITIONS]].tolist()
-            key_list = keys[b, h].nonzero().flatten()[:MAX_POSITIONS].tolist() if per_key else ()
+            all_rows = torch.zeros(len(p.all_qpos), dtype=torch.bool, device=bad.device)
+            all_rows[p.start : p.start + p.Tq] = rows[b, h]
             finding.groups.setdefault((b, h), _Group()).add(
-                int(counts[b, h]), None if worst is None else worst[b][h], queries, key_list
+                int(counts[b, h]), None if worst is None else worst[b][h], all_rows, keys[b, h] if per_key else None
             )
 
     def violations(self) -> list[Violation]:
@@ -405,14 +455,17 @@ class _Run:
             if len(groups) > MAX_GROUPS:  # too many batch rows to list one by one: sum them per head
                 per_head: dict = {}
                 for (_, h), g in groups.items():
-                    per_head.setdefault((None, h), _Group()).add(g.count, g.worst, g.queries, g.keys)
+                    per_head.setdefault((None, h), _Group()).add(g.count, g.worst, g.rows, g.keys)
                 groups = per_head
             for (b, h), g in sorted(groups.items(), key=lambda kv: (-1 if kv[0][0] is None else kv[0][0], kv[0][1])):
                 head = rec.heads[h] if finding.axis > 1 else (rec.heads[0] if len(rec.heads) == 1 else None)
+                queries, query_count = _listed(g.rows, finding.qpos)
+                keys, key_count = _listed(g.keys, finding.kpos)
                 out.append(Violation(
                     check=finding.check, severity=finding.severity, name=rec.name, layer=rec.layer, head=head,
-                    batch=b, call=rec.call, step=rec.step, queries=g.queries, keys=g.keys, count=g.count,
-                    worst=g.worst, message=finding.message(g.count, g.worst),
+                    batch=b, call=rec.call, step=rec.step, queries=queries, keys=keys, count=g.count,
+                    worst=g.worst, message=finding.message(g.count, g.worst), query_count=query_count,
+                    key_count=key_count,
                 ))
         for rec, later, attended in self.bidirectional.values():
             if later and not attended:
@@ -607,12 +660,8 @@ def _check_causal(run: _Run, p: _Rows) -> None:
         if window is not None:
             run.emit(p, "causal", "window", p.allowed & window & rows, lambda n, _: (
                 f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"))
-    if p.allowed is not None:  # a causal mask lets every real query attend its own position
-        own_key = p.diag.clamp(max=p.Tk - 1)
-        own = p.allowed[..., torch.arange(p.Tq, device=p.device), own_key]  # (B, 1 or H, Tq)
-        bad = ~own & p.checked & (p.diag < p.Tk)
-        if p.key_pad is not None and p.key_pad_source != _MASK_PADDING:  # a buggy mask says nothing here
-            bad = bad & ~p.key_pad[:, None, :].gather(-1, own_key.expand(p.B, 1, p.Tq))
+    if p.own is not None:  # a causal mask lets every real query attend its own position
+        bad = ~p.own & ~p.own_excused & p.checked
         run.emit(p, "causal", "own", bad, lambda n, _: (
             f"{n} query row(s) may not attend their own position: the causal mask is shifted by one "
             "(tril(diagonal=-1))"))

@@ -4,6 +4,7 @@ what is skipped and warned, and the result object."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import replace
 
@@ -104,6 +105,25 @@ def test_kv_cache_decode_step_uses_the_query_offset():
     causal = [v for v in attnprobe.check(leaky).errors if v.check == "causal"]
     assert causal and all(v.queries == (4,) and v.keys == (5,) and v.step == 2 for v in causal)
     assert "step 2" in causal[0].where()
+
+
+def test_right_padding_without_query_padding_is_not_a_shifted_mask():
+    """A right-padded causal record that does not mark its padded queries (a direct sdpa call): the padded
+    queries may not attend their own (padded) key, which is padding, not a mask shifted by one."""
+    q, k, v = qkv()
+    right = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    rec = reference_record(q, k, v, allowed=causal_allowed(B, T, T, padding=right), causal=True)
+    assert rec.query_padding is None
+    assert attnprobe.check(rec).violations == () and attnprobe.check(rec, causal=True).violations == ()
+    # a mask shifted by one (tril(-1)) still fails on every row, the last one included
+    shifted = causal_allowed(B, T, T, offset=-1)
+    bad = reference_record(q, k, v, allowed=shifted, causal=True)
+    causal = [v for v in attnprobe.check(bad).errors if v.check == "causal"]
+    assert causal and all(v.queries == (1, 2, 3, 4, 5) and "own position" in v.message for v in causal)
+    # ... and so does a right-padded one: the rows that miss a real own key give the shift away
+    bad_right = reference_record(q, k, v, allowed=causal_allowed(B, T, T, offset=-1, padding=right), causal=True)
+    causal = {v.batch: v.queries for v in attnprobe.check(bad_right).errors if v.check == "causal"}
+    assert causal == {0: (1, 2, 3, 4, 5), 1: (1, 2, 3, 4, 5)}
 
 
 def test_declared_mask_longer_than_a_cache_step_is_sliced():
@@ -278,7 +298,22 @@ def test_positions_are_capped_and_counted():
     (v,) = [v for v in attnprobe.check(cap).errors if v.check == "padding"]
     assert len(v.queries) == len(v.keys) == MAX_POSITIONS and v.count == 10 * 10
     assert v.queries == tuple(range(MAX_POSITIONS)) and v.keys == tuple(range(10, 10 + MAX_POSITIONS))
-    assert "0,1,2,3,4,5,6,7,..." in attnprobe.check(cap).table()
+    assert v.query_count == v.key_count == 10
+    table = attnprobe.check(cap).table()
+    assert "0,1,2,3,4,5,6,7,... of 10" in table and "10,11,12,13,14,15,16,17,... of 10" in table
+
+
+def test_a_complete_position_list_is_not_marked_as_capped():
+    """Exactly MAX_POSITIONS offending queries, more offending cells than that: the list is whole."""
+    attn = BuggyAttention(8, num_heads=1, bug="mask_not_applied")
+    mask = torch.tensor([[1] * MAX_POSITIONS + [0] * 3])
+    cap = capture_one(attn, torch.randn(1, MAX_POSITIONS + 3, 8), attention_mask=mask)
+    (v,) = [v for v in attnprobe.check(cap).errors if v.check == "padding"]
+    assert v.count == MAX_POSITIONS * 3 and v.query_count == MAX_POSITIONS and v.key_count == 3
+    line = next(line for line in attnprobe.check(cap).table().splitlines() if line.startswith("padding "))
+    assert re.search(r" 0,1,2,3,4,5,6,7 +8,9,10 ", line) and "..." not in line, line
+    frame = attnprobe.check(cap).to_frame()
+    assert frame.loc[frame["check"] == "padding", "query_count"].tolist() == [MAX_POSITIONS]
 
 
 def test_many_broken_batch_rows_are_summed_per_head():
