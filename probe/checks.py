@@ -39,7 +39,6 @@ from typing import Callable
 import torch
 
 from .errors import AttnprobeWarning
-from .modules import key_padding_to_bool
 from .record import AttentionRecord
 from .violations import MAX_POSITIONS, CheckResult, InvariantError, Violation
 
@@ -124,37 +123,131 @@ def _declared_for(value, record: AttentionRecord):
     return value
 
 
+_MASK_FORM = "the input padding mask (batch, key) with 1 = real token and 0 = padding (the Hugging Face convention)"
+
+
 def _mask_tensor(mask, what: str) -> torch.Tensor:
+    """A declared padding mask as bool ``(batch, key)``, True = real token; a clear error for anything else."""
+    if isinstance(mask, Mapping):
+        hint = (" (this looks like a tokenizer's output: pass inputs['attention_mask'])"
+                if "attention_mask" in mask or "input_ids" in mask else "")
+        raise TypeError(f"{what} must be {_MASK_FORM}, got a {type(mask).__name__}{hint}")
     if not isinstance(mask, torch.Tensor):
         try:
             mask = torch.as_tensor(mask)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"{what} must be a tensor (batch, key) with 1 = real token, 0 = padding") from exc
+            raise TypeError(f"{what} must be {_MASK_FORM}, got a {type(mask).__name__}") from exc
     if mask.dim() == 1:
         mask = mask.unsqueeze(0)
     if mask.dim() != 2:
         raise ValueError(
-            f"{what} must be the input padding mask (batch, key) with 1 = real token and 0 = padding "
-            f"(the Hugging Face convention), got shape {tuple(mask.shape)}; a 4-D mask is the model's own "
+            f"{what} must be {_MASK_FORM}, got shape {tuple(mask.shape)}; a 4-D mask is the model's own "
             "business: checks read it from the record"
         )
-    return key_padding_to_bool(mask)
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex() or not (mask.is_floating_point() or mask.dtype in _INTEGER_DTYPES):
+        raise TypeError(f"{what} must be {_MASK_FORM}, got dtype {mask.dtype}")
+    values = torch.unique(mask)
+    if not bool(((values == 0) | (values == 1)).all()):
+        shown = ", ".join(f"{x:g}" for x in values[:6].tolist()) + (", ..." if len(values) > 6 else "")
+        raise ValueError(
+            f"{what} must hold 1 for real tokens and 0 for padding (or True/False), got values {shown}: pass "
+            "the tokenizer's attention_mask (not input_ids, nor an additive mask of 0 and -inf)"
+        )
+    return mask != 0
+
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _validate_declarations(causal, attention_mask) -> None:
     items = causal.items() if isinstance(causal, Mapping) else [(None, causal)]
     for layer, value in items:
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+            raise TypeError(f"causal={{layer: bool}} needs integer layer numbers (record.layer), got {layer!r}")
         if value is not None and not isinstance(value, bool):
             where = "" if layer is None else f" for layer {layer!r}"
             raise TypeError(f"causal{where} must be True, False or None (not declared), got {value!r}")
-    if isinstance(attention_mask, Mapping):
+    if isinstance(attention_mask, Mapping) and not ("attention_mask" in attention_mask or "input_ids" in attention_mask):
         for layer, mask in attention_mask.items():
             if isinstance(layer, bool) or not isinstance(layer, int):
-                raise TypeError(f"attention_mask={{layer: mask}} needs integer layer numbers, got {layer!r}")
+                raise TypeError(f"attention_mask={{layer: mask}} needs integer layer numbers (record.layer), "
+                                f"got {layer!r}")
             if mask is not None:
                 _mask_tensor(mask, f"attention_mask[{layer}]")
     elif attention_mask is not None:
         _mask_tensor(attention_mask, "attention_mask")
+
+
+def _declared_layers_exist(causal, attention_mask, records: list[AttentionRecord], stacklevel: int) -> None:
+    """Warn when ``{layer: ...}`` declarations name layers no record has (a typo, or another numbering)."""
+    layers = {r.layer for r in records}
+    for what, value in (("causal", causal), ("attention_mask", attention_mask)):
+        if isinstance(value, Mapping) and records:
+            unknown = sorted(set(value) - layers)
+            if unknown:
+                warnings.warn(
+                    f"{what} was declared for layer(s) {unknown} but the records have layers {sorted(layers)}: "
+                    "those declarations were not used (layers are record.layer, counted over every attention "
+                    "module of the model; a capture of some layers keeps the model's numbers)",
+                    AttnprobeWarning, stacklevel=stacklevel,
+                )
+
+
+# --------------------------------------------------------------------------- record shapes
+#: The axes of each record field (see ``attnprobe.probe.record``); "heads" = the stored query heads,
+#: "heads|1" = one entry shared by the heads or one per head.
+_AXES: dict[str, tuple[str, ...]] = {
+    "q": ("batch", "heads", "query", "d_qk"),
+    "k": ("batch", "kv_heads", "key", "d_qk"),
+    "v": ("batch", "kv_heads", "key", "d_v"),
+    "scores": ("batch", "heads", "query", "key"),
+    "weights": ("batch", "heads", "query", "key"),
+    "output": ("batch", "heads", "query", "d_v"),
+    "allowed": ("batch", "heads|1", "query", "key"),
+    "query_padding": ("batch", "query"),
+    "sinks": ("heads",),
+}
+
+
+def _record_shapes(rec: AttentionRecord, index: int) -> None:
+    """Raise a ValueError naming the record when its tensors disagree on a size (instead of a broadcasting
+    error deep inside a check)."""
+    where = f"record {index} ({rec.name!r}, layer {rec.layer}, call {rec.call})"
+    sizes: dict[str, dict[int, list[str]]] = {
+        "heads": {len(rec.heads): ["heads"]}, "kv_heads": {len(rec.kv_heads): ["kv_heads"]},
+    }
+    problems = []
+    for name, axes in _AXES.items():
+        t = getattr(rec, name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name} is a {type(t).__name__}, not a tensor")
+            continue
+        if t.dim() != len(axes):
+            problems.append(f"{name} has shape {tuple(t.shape)}, expected ({', '.join(axes)})")
+            continue
+        for axis, size in zip(axes, t.shape):
+            if axis == "heads|1":
+                if size == 1:
+                    continue
+                axis = "heads"
+            sizes.setdefault(axis, {}).setdefault(int(size), []).append(name)
+    for axis, seen in sizes.items():
+        if len(seen) > 1:
+            said = "; ".join(f"{size} in {', '.join(names)}" for size, names in seen.items())
+            problems.append(f"the {axis.replace('|1', '')} sizes disagree ({said})")
+    if problems:
+        shapes = ", ".join(f"{f}={tuple(getattr(rec, f).shape)}" for f in _AXES
+                           if isinstance(getattr(rec, f), torch.Tensor))
+        raise ValueError(
+            f"{where} has inconsistent tensors: {'; '.join(problems)} [{shapes}]. Every field follows the "
+            "notation of attnprobe.AttentionRecord (q (batch, head, query, d_head), weights (batch, head, query, "
+            "key), ...); a record edited with dataclasses.replace must change every field together "
+            "(Capture.select slices them consistently)"
+        )
 
 
 # --------------------------------------------------------------------------- one record
@@ -242,6 +335,9 @@ class _Facts:
             elif self.offset is not None and L == self.Tk:
                 run.mask_fitted = True  # one entry per cache slot
                 return ~mask, _DECLARED_PADDING, ~mask[:, self.offset : self.offset + self.Tq]
+            elif self.offset is not None and not rec.query_offset and rec.step is None:
+                run.skip("padding", f"the declared attention_mask has {L} positions but the record has {self.Tk} "
+                         "keys", self)
             elif self.offset is not None:
                 run.skip("padding", f"the declared attention_mask has {L} positions, fewer than the keys of "
                          "these records reach (KV-cache steps?); under generate, declare the mask of the whole "
@@ -482,7 +578,12 @@ def _select(checks) -> tuple[tuple[str, ...], str | frozenset | None]:
     """(built-in checks to run, lint selection: "all", a set of lint names, or None)."""
     if checks is None:
         return CHECKS, "all"
+    if not isinstance(checks, (str, Iterable)):
+        raise TypeError(f"checks must be a check name or a list of them, got {checks!r}; choose from {list(CHECKS)}")
     names = (checks,) if isinstance(checks, str) else tuple(checks)
+    if not names:
+        raise ValueError(f"checks={checks!r} selects nothing; leave it None for every check, or choose from "
+                         f"{list(CHECKS)}")
     bad = [n for n in names if not isinstance(n, str) or (n not in CHECKS and n != "lint" and not n.startswith("lint_"))]
     if bad:
         raise ValueError(
@@ -809,9 +910,12 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     """
     _validate_declarations(causal, attention_mask)
     for name, value in (("atol", atol), ("rtol", rtol)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name} must be a non-negative finite number (or None for the dtype's default, "
+                             f"see DEFAULT_TOLERANCES), got {value!r}")
     records, keep = _records(capture_or_record)
+    _declared_layers_exist(causal, attention_mask, records, stacklevel=3)
     run = _Run(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
     weightless: dict[int, str] = {}
     prepared = 0
@@ -820,6 +924,7 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
             _lint(run, rec, index)
             if not run.selected:
                 continue
+            _record_shapes(rec, index)
             if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
                 for c in run.selected:
                     run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
@@ -833,9 +938,17 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
                 for name in CHECKS:
                     if name in run.selected:
                         _RUNNERS[name](run, rows)
-    if isinstance(attention_mask, torch.Tensor) and prepared and not run.mask_fitted:
+    if attention_mask is not None and not isinstance(attention_mask, Mapping) and prepared and not run.mask_fitted:
+        shape = tuple(_mask_tensor(attention_mask, "attention_mask").shape)
+        batches = sorted({r.batch_size for r in records if r.batch_size is not None})
+        if shape[0] not in batches:
+            raise ValueError(
+                f"attention_mask has batch {shape[0]} but the records have batch {', '.join(map(str, batches))}: "
+                "declare the mask of the inputs that were captured (generate with num_return_sequences or beam "
+                "search repeats each row: torch.repeat_interleave(mask, n, dim=0))"
+            )
         raise ValueError(
-            f"attention_mask of shape {tuple(attention_mask.shape)} fits none of the {len(records)} record(s) "
+            f"attention_mask of shape {shape} fits none of the {len(records)} record(s) "
             f"(batch, key) shapes {sorted({(r.batch_size, r.key_len) for r in records})}; pass the input "
             "padding mask (batch, key), or {layer: mask} for models whose layers see different sequences"
         )

@@ -249,14 +249,74 @@ def test_empty_capture_warns_and_verifies_nothing():
         ({"causal": {1: 1}}, TypeError, "causal for layer 1"),
         ({"attention_mask": torch.ones(2, 1, 6, 6)}, ValueError, r"\(batch, key\).*got shape \(2, 1, 6, 6\)"),
         ({"attention_mask": torch.full((2, 6), 0.5)}, ValueError, "1 for real tokens and 0 for padding"),
-        ({"attention_mask": torch.ones(3, 6)}, ValueError, "fits none of the 1 record"),
+        ({"attention_mask": torch.ones(3, 6)}, ValueError, r"attention_mask has batch 3 but the records have batch 2"),
+        ({"attention_mask": torch.ones(2, 4)}, ValueError, r"shape \(2, 4\) fits none of the 1 record.*\(2, 6\)"),
+        ({"attention_mask": torch.randint(3, 50, (2, 6))}, ValueError, r"got values .*not input_ids"),
+        ({"attention_mask": torch.zeros(2, 6).masked_fill(PAD == 0, float("-inf"))}, ValueError,
+         "got values -inf, 0.*additive mask"),
+        ({"attention_mask": "1 1 0"}, TypeError, r"attention_mask must be the input padding mask.*got a str"),
+        ({"attention_mask": {"input_ids": torch.ones(2, 6), "attention_mask": torch.ones(2, 6)}}, TypeError,
+         r"tokenizer's output: pass inputs\['attention_mask'\]"),
+        ({"attention_mask": torch.ones(2, 6, dtype=torch.complex64)}, TypeError, "got dtype torch.complex64"),
         ({"attention_mask": {"dec": torch.ones(2, 6)}}, TypeError, "integer layer numbers"),
-        ({"atol": -1}, ValueError, "atol must be a non-negative number"),
+        ({"attention_mask": {0: torch.full((2, 6), 2)}}, ValueError, r"attention_mask\[0\] must hold 1"),
+        ({"causal": {"dec": True}}, TypeError, r"causal=\{layer: bool\} needs integer layer numbers"),
+        ({"checks": []}, ValueError, r"checks=\[\] selects nothing"),
+        ({"checks": 3}, TypeError, "checks must be a check name or a list"),
+        ({"checks": ["causal", 3]}, ValueError, r"unknown check name\(s\) \[3\]"),
+        ({"atol": -1}, ValueError, "atol must be a non-negative finite number"),
+        ({"atol": float("nan")}, ValueError, "atol must be a non-negative finite number"),
+        ({"rtol": float("inf")}, ValueError, "rtol must be a non-negative finite number"),
+        ({"atol": True}, ValueError, "atol must be a non-negative finite number"),
+        ({"atol": "1e-3"}, ValueError, "atol must be a non-negative finite number"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         attnprobe.check(causal_record(), **kwargs)
+
+
+def test_well_formed_masks_of_every_kind_are_accepted():
+    rec = causal_record()
+    for mask in (PAD, PAD.bool(), PAD.float(), PAD.tolist(), PAD.numpy(), {0: PAD}):
+        result = attnprobe.check(rec, attention_mask=mask)
+        assert result.violations == () and result.coverage["padding"] == 1
+
+
+def test_declarations_for_layers_no_record_has_warn():
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"attention_mask was declared for layer\(s\) \[3\].*layers \[0\]"):
+        attnprobe.check(causal_record(), attention_mask={0: PAD, 3: PAD})
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"causal was declared for layer\(s\) \[1, 2\]"):
+        attnprobe.check(causal_record(), causal={1: True, 2: True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attnprobe.check(causal_record(), causal={0: True}, attention_mask={0: PAD})
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda r: {"weights": r.weights[:, :, :5]}, r"the query sizes disagree \(6 in q, scores, output, allowed, "
+         r"query_padding; 5 in weights\)"),
+        (lambda r: {"scores": r.scores[..., :4]}, r"the key sizes disagree \(6 in k, v, weights, allowed; 4 in scores\)"),
+        (lambda r: {"weights": r.weights[:, :2], "output": r.output[:, :2]},
+         r"the heads sizes disagree \(4 in heads, q, scores; 2 in weights, output\)"),
+        (lambda r: {"v": r.v[:1]}, r"the batch sizes disagree \(2 in q, k, scores, weights, output, allowed, "
+         r"query_padding; 1 in v\)"),
+        (lambda r: {"weights": r.weights[0]}, r"weights has shape \(4, 6, 6\), expected \(batch, heads, query, key\)"),
+        (lambda r: {"k": r.k[..., :4]}, r"the d_qk sizes disagree \(8 in q; 4 in k\)"),
+        (lambda r: {"sinks": torch.zeros(3)}, r"the heads sizes disagree \(4 in heads, q, scores, weights, output; 3 in sinks\)"),
+        (lambda r: {"query_padding": [[False] * 6] * 2}, r"query_padding is a list, not a tensor"),
+    ],
+)
+def test_a_record_with_inconsistent_shapes_is_a_clear_error(change, match):
+    good = causal_record()
+    bad = replace(good, **change(good))
+    with pytest.raises(ValueError, match=match) as err:
+        attnprobe.check([good, bad])
+    message = str(err.value)
+    assert message.startswith("record 1 ('attn', layer 0, call 0) has inconsistent tensors: ")
+    assert "dataclasses.replace must change every field together" in message
 
 
 def test_not_a_capture_is_a_clear_error():
