@@ -40,6 +40,7 @@ import torch
 
 from .errors import AttnprobeWarning
 from .record import AttentionRecord
+from .sinks import sink_mass
 from .violations import MAX_POSITIONS, CheckResult, InvariantError, Violation
 
 #: Built-in checks, in the order they run and are reported.
@@ -706,8 +707,8 @@ def _check_row_sum(run: _Run, p: _Rows) -> None:
         if p.scores is None or p.allowed is None:
             run.skip("row_sum", "the record has attention sinks but no scores or mask to compute the sink mass", p)
             return
-        logits = torch.cat([_masked_scores(p), _sink_logits(p)], dim=-1)
-        expected, what = 1.0 - torch.softmax(logits, dim=-1)[..., -1], "1 - sink mass"  # (B, H, Tq)
+        expected = 1.0 - sink_mass(p.scores.to(p.cdtype), p.allowed, p.rec.sinks)  # (B, H, Tq)
+        what = "1 - sink mass"
     run.ran("row_sum", p)
     err = (p.w.sum(-1) - expected).abs()
     tol = p.tol.row_sum

@@ -72,6 +72,20 @@ def test_sinks_lower_the_row_sum_and_are_accounted_for():
     assert any(s.startswith("row_sum: the record has attention sinks") for s in result.skipped)
 
 
+def test_expected_row_sums_is_what_rows_with_sinks_sum_to():
+    """The one rule for sink row sums (shared by row_sum and anything reporting row-sum errors)."""
+    from attnprobe.probe.sinks import expected_row_sums
+
+    rec = causal_record(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    expected = expected_row_sums(rec)
+    assert expected.shape == (B, H, T)
+    real = ~rec.query_padding[:, None, :].expand(B, H, T)
+    torch.testing.assert_close(rec.weights.sum(-1)[real], expected[real])
+    assert bool((expected[real] < 1 - 1e-3).all())  # the sinks take a visible share
+    assert expected_row_sums(causal_record()) == 1.0
+    assert expected_row_sums(replace(rec, scores=None)) is None
+
+
 def test_position_bias_and_softcap_live_in_the_scores():
     bias = torch.randn(1, H, T, T)  # T5-style: added to the scores before the mask
     assert attnprobe.check(causal_record(bias=bias)).violations == ()
