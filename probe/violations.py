@@ -106,9 +106,17 @@ def _plural(n: int, severity: str) -> str:
     return f"{n} {severity}" if n == 1 or severity == "info" else f"{n} {severity}s"
 
 
-def _layers(layers: Iterable[int | None]) -> str:
-    known = sorted({layer for layer in layers if layer is not None})
-    return ", ".join(map(str, known)) if known else "-"
+def _layers(found: Iterable[Violation], shown: int = 6) -> str:
+    """``0 (model.layers.0.self_attn), 1 (...)``: each layer with its module path, the first ``shown``."""
+    names: dict[int, str] = {}
+    for v in found:
+        if v.layer is not None:
+            names.setdefault(v.layer, v.name)
+    if not names:
+        return "-"
+    layers = sorted(names)
+    text = ", ".join(f"{layer} ({names[layer]})" if names[layer] else str(layer) for layer in layers[:shown])
+    return text + (f", ... ({len(layers)} layers)" if len(layers) > shown else "")
 
 
 @dataclass(frozen=True)
@@ -237,7 +245,7 @@ class CheckResult:
         for check, found in by_check.items():
             severities = ", ".join(_plural(sum(v.severity == s for v in found), s) for s in SEVERITIES
                                    if any(v.severity == s for v in found))
-            lines.append(f"  {check}: {severities} in layer(s) {_layers(v.layer for v in found)}")
+            lines.append(f"  {check}: {severities} in layer(s) {_layers(found)}")
         if self.violations:
             order = {s: i for i, s in enumerate(SEVERITIES)}
             shown = sorted(self.violations, key=lambda v: order[v.severity])[:max_rows]

@@ -74,7 +74,7 @@ def test_torch_mha_causal_right_padded():
     """Left padding under a causal mask leaves rows with no key, which torch's MHA fills with NaN (a real
     hazard that ``finite`` reports); right padding keeps a key in every row."""
     mha = nn.MultiheadAttention(16, 4, batch_first=True)
-    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)  # torch's convention: True = may not attend
     t = x()
     cap = captured(mha, t, t, t, attn_mask=causal, key_padding_mask=RIGHT == 0, is_causal=True)
     assert cap[0].causal is True and cap[0].kind == "self"

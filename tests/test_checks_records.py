@@ -390,6 +390,16 @@ def test_a_complete_position_list_is_not_marked_as_capped():
     assert frame.loc[frame["check"] == "padding", "query_count"].tolist() == [MAX_POSITIONS]
 
 
+def test_table_names_the_module_of_each_layer():
+    leaky = causal_record()
+    w = leaky.weights.clone()
+    w[1, :, 0, 1] = 0.5  # query 0 puts weight on key 1
+    records = [replace(leaky, weights=w, output=None, scores=None, layer=i, name=f"blocks.{i}.attn") for i in range(8)]
+    table = attnprobe.check(records).table()
+    assert ("  causal: 8 errors in layer(s) 0 (blocks.0.attn), 1 (blocks.1.attn), 2 (blocks.2.attn), "
+            "3 (blocks.3.attn), 4 (blocks.4.attn), 5 (blocks.5.attn), ... (8 layers)") in table.splitlines()
+
+
 def test_many_broken_batch_rows_are_summed_per_head():
     attn = BuggyAttention(8, num_heads=2, causal=True, bug="causal_plus_one")
     cap = capture_one(attn, torch.randn(MAX_GROUPS, 4, 8))
