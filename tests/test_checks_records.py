@@ -395,8 +395,8 @@ def test_table_names_the_module_of_each_layer():
     w = leaky.weights.clone()
     w[1, :, 0, 1] = 0.5  # query 0 puts weight on key 1
     records = [replace(leaky, weights=w, output=None, scores=None, layer=i, name=f"blocks.{i}.attn") for i in range(8)]
-    table = attnprobe.check(records).table()
-    assert ("  causal: 8 errors in layer(s) 0 (blocks.0.attn), 1 (blocks.1.attn), 2 (blocks.2.attn), "
+    table = attnprobe.check(records, checks=["causal"]).table()
+    assert ("  causal: 32 errors in layer(s) 0 (blocks.0.attn), 1 (blocks.1.attn), 2 (blocks.2.attn), "
             "3 (blocks.3.attn), 4 (blocks.4.attn), 5 (blocks.5.attn), ... (8 layers)") in table.splitlines()
 
 
