@@ -9,8 +9,10 @@ Each check has a stable name (``CHECKS``) and returns ``Violation`` records, one
 - ``range``: weights within [0, 1].
 - ``row_sum``: every real query row sums to 1 (1 minus the sink mass where ``record.sinks`` exist).
 - ``causal``: no weight on keys after the query's position (``record.query_offset`` places the queries
-  of a KV-cache step, ``record.sliding_window`` also forbids keys older than the window), and a causal
-  mask lets each real query attend its own position. With ``causal=False`` declared, a model that
+  of a KV-cache step; a sliding-window cache that dropped old keys holds the latest ones, and keys are
+  reported by position, not cache slot; ``record.sliding_window`` also forbids keys older than the
+  window), and a causal mask lets each real query attend its own position (a right-padded query whose
+  own key is padding is padding, not a shifted mask). With ``causal=False`` declared, a model that
   masks every later key is reported.
 - ``padding``: no weight on padded keys, from the declared ``attention_mask`` or the record's own.
 - ``mask``: no weight where the record's own ``allowed`` mask disallows.
@@ -895,7 +897,10 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     or as ``{layer: bool}``; None uses each record's own flag. ``attention_mask``: the input padding
     mask ``(batch, key)``, 1 = real token (Hugging Face convention), for every layer or as
     ``{layer: mask}`` (encoder-decoder models: the encoder mask for the encoder and cross-attention
-    layers). Without declarations each record's own mask is the reference. ``checks``: names from
+    layers). For a capture of ``generate``, declare the mask of the whole sequence (the prompt's mask
+    followed by ones for the generated tokens): each KV-cache step reads the positions of its own keys,
+    also when a sliding-window cache kept only the latest ones. Without declarations each record's own
+    mask is the reference. Reported key positions are positions in the sequence, not cache slots. ``checks``: names from
     ``CHECKS``, ``"lint"`` or ``lint_*`` names (None = all). ``atol``/``rtol`` override the dtype
     defaults (``DEFAULT_TOLERANCES``).
 
