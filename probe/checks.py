@@ -450,13 +450,21 @@ class _Group:
     keys: torch.Tensor | None = None
     """(key,) bool: offending keys (None for findings about rows)."""
 
-    def add(self, count: int, worst: float | None, rows: torch.Tensor, keys: torch.Tensor | None) -> None:
+    def add(self, count: int, worst: float | None, rows: torch.Tensor, keys: torch.Tensor | None, *,
+            start: int = 0, queries: int | None = None) -> None:
+        """Add offending ``rows`` (query rows ``start:start + len(rows)`` of a record of ``queries`` rows)
+        and ``keys``; one allocation per group, then in-place unions (a long record has many chunks)."""
         self.count += count
         if worst is not None:
             self.worst = worst if self.worst is None else max(self.worst, worst)
-        self.rows = rows.clone() if self.rows is None else self.rows | rows
+        if self.rows is None:
+            self.rows = torch.zeros(len(rows) if queries is None else queries, dtype=torch.bool, device=rows.device)
+        self.rows[start : start + len(rows)] |= rows
         if keys is not None:
-            self.keys = keys.clone() if self.keys is None else self.keys | keys
+            if self.keys is None:
+                self.keys = keys.clone()
+            else:
+                self.keys |= keys
 
 
 def _listed(flags: torch.Tensor | None, positions: torch.Tensor) -> tuple[tuple[int, ...], int]:
@@ -541,10 +549,9 @@ class _Run:
         rows = bad.any(-1) if per_key else bad  # (B, 1 or H, Tq)
         keys = bad.any(-2) if per_key else None  # (B, 1 or H, Tk)
         for b, h in (counts > 0).nonzero().tolist():
-            all_rows = torch.zeros(len(p.all_qpos), dtype=torch.bool, device=bad.device)
-            all_rows[p.start : p.start + p.Tq] = rows[b, h]
             finding.groups.setdefault((b, h), _Group()).add(
-                int(counts[b, h]), None if worst is None else worst[b][h], all_rows, keys[b, h] if per_key else None
+                int(counts[b, h]), None if worst is None else worst[b][h], rows[b, h],
+                keys[b, h] if per_key else None, start=p.start, queries=len(p.all_qpos),
             )
 
     def violations(self) -> list[Violation]:
