@@ -41,14 +41,20 @@ def generate(model, ids, mask=None):
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_sliding_window_generation_with_declarations_has_no_false_positive(attn, padding):
-    model = build("mistral", attn)  # sliding_window=3: decode steps keep the 2 latest keys plus the new one
+@pytest.mark.parametrize("family, attn", [("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager"),
+                                          ("gpt_oss", "eager")])
+def test_sliding_window_generation_with_declarations_has_no_false_positive(family, attn, padding):
+    """sliding_window=3: decode steps of sliding layers keep the 2 latest keys plus the new one (Gemma2 and
+    GPT-OSS alternate them with full-cache layers; GPT-OSS adds sinks)."""
+    model = build(family, attn)
     ids, mask = prompt(padding)
     full, cap = generate(model, ids, mask)
     steps = [r for r in cap if r.step]
+    assert all(r.query_offset == PROMPT + r.step - 1 for r in steps)
     # the cache dropped old keys: keys are slots, not positions (query 8 sees keys 6, 7, 8 in slots 0, 1, 2)
-    assert all(r.key_len == 3 and r.query_offset == PROMPT + r.step - 1 for r in steps)
+    sliding = [r for r in steps if r.sliding_window]
+    assert sliding and all(r.key_len == 3 for r in sliding)
+    assert all(r.key_len == r.query_offset + 1 for r in steps if not r.sliding_window)
     result = attnprobe.check(cap, causal=True, attention_mask=full)
     assert result.violations == (), result.table()
     assert result.skipped == () and result.coverage["padding"] == result.coverage["causal"] == len(cap)
