@@ -9,8 +9,10 @@ Each check has a stable name (``CHECKS``) and returns ``Violation`` records, one
 - ``range``: weights within [0, 1].
 - ``row_sum``: every real query row sums to 1 (1 minus the sink mass where ``record.sinks`` exist).
 - ``causal``: no weight on keys after the query's position (``record.query_offset`` places the queries
-  of a KV-cache step, ``record.sliding_window`` also forbids keys older than the window), and a causal
-  mask lets each real query attend its own position. With ``causal=False`` declared, a model that
+  of a KV-cache step; a sliding-window cache that dropped old keys holds the latest ones, and keys are
+  reported by position, not cache slot; ``record.sliding_window`` also forbids keys older than the
+  window), and a causal mask lets each real query attend its own position (a right-padded query whose
+  own key is padding is padding, not a shifted mask). With ``causal=False`` declared, a model that
   masks every later key is reported.
 - ``padding``: no weight on padded keys, from the declared ``attention_mask`` or the record's own.
 - ``mask``: no weight where the record's own ``allowed`` mask disallows.
@@ -39,8 +41,8 @@ from typing import Callable
 import torch
 
 from .errors import AttnprobeWarning
-from .modules import key_padding_to_bool
 from .record import AttentionRecord
+from .sinks import sink_mass
 from .violations import MAX_POSITIONS, CheckResult, InvariantError, Violation
 
 #: Built-in checks, in the order they run and are reported.
@@ -124,37 +126,131 @@ def _declared_for(value, record: AttentionRecord):
     return value
 
 
+_MASK_FORM = "the input padding mask (batch, key) with 1 = real token and 0 = padding (the Hugging Face convention)"
+
+
 def _mask_tensor(mask, what: str) -> torch.Tensor:
+    """A declared padding mask as bool ``(batch, key)``, True = real token; a clear error for anything else."""
+    if isinstance(mask, Mapping):
+        hint = (" (this looks like a tokenizer's output: pass inputs['attention_mask'])"
+                if "attention_mask" in mask or "input_ids" in mask else "")
+        raise TypeError(f"{what} must be {_MASK_FORM}, got a {type(mask).__name__}{hint}")
     if not isinstance(mask, torch.Tensor):
         try:
             mask = torch.as_tensor(mask)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"{what} must be a tensor (batch, key) with 1 = real token, 0 = padding") from exc
+            raise TypeError(f"{what} must be {_MASK_FORM}, got a {type(mask).__name__}") from exc
     if mask.dim() == 1:
         mask = mask.unsqueeze(0)
     if mask.dim() != 2:
         raise ValueError(
-            f"{what} must be the input padding mask (batch, key) with 1 = real token and 0 = padding "
-            f"(the Hugging Face convention), got shape {tuple(mask.shape)}; a 4-D mask is the model's own "
+            f"{what} must be {_MASK_FORM}, got shape {tuple(mask.shape)}; a 4-D mask is the model's own "
             "business: checks read it from the record"
         )
-    return key_padding_to_bool(mask)
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex() or not (mask.is_floating_point() or mask.dtype in _INTEGER_DTYPES):
+        raise TypeError(f"{what} must be {_MASK_FORM}, got dtype {mask.dtype}")
+    values = torch.unique(mask)
+    if not bool(((values == 0) | (values == 1)).all()):
+        shown = ", ".join(f"{x:g}" for x in values[:6].tolist()) + (", ..." if len(values) > 6 else "")
+        raise ValueError(
+            f"{what} must hold 1 for real tokens and 0 for padding (or True/False), got values {shown}: pass "
+            "the tokenizer's attention_mask (not input_ids, nor an additive mask of 0 and -inf)"
+        )
+    return mask != 0
+
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _validate_declarations(causal, attention_mask) -> None:
     items = causal.items() if isinstance(causal, Mapping) else [(None, causal)]
     for layer, value in items:
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+            raise TypeError(f"causal={{layer: bool}} needs integer layer numbers (record.layer), got {layer!r}")
         if value is not None and not isinstance(value, bool):
             where = "" if layer is None else f" for layer {layer!r}"
             raise TypeError(f"causal{where} must be True, False or None (not declared), got {value!r}")
-    if isinstance(attention_mask, Mapping):
+    if isinstance(attention_mask, Mapping) and not ("attention_mask" in attention_mask or "input_ids" in attention_mask):
         for layer, mask in attention_mask.items():
             if isinstance(layer, bool) or not isinstance(layer, int):
-                raise TypeError(f"attention_mask={{layer: mask}} needs integer layer numbers, got {layer!r}")
+                raise TypeError(f"attention_mask={{layer: mask}} needs integer layer numbers (record.layer), "
+                                f"got {layer!r}")
             if mask is not None:
                 _mask_tensor(mask, f"attention_mask[{layer}]")
     elif attention_mask is not None:
         _mask_tensor(attention_mask, "attention_mask")
+
+
+def _declared_layers_exist(causal, attention_mask, records: list[AttentionRecord], stacklevel: int) -> None:
+    """Warn when ``{layer: ...}`` declarations name layers no record has (a typo, or another numbering)."""
+    layers = {r.layer for r in records}
+    for what, value in (("causal", causal), ("attention_mask", attention_mask)):
+        if isinstance(value, Mapping) and records:
+            unknown = sorted(set(value) - layers)
+            if unknown:
+                warnings.warn(
+                    f"{what} was declared for layer(s) {unknown} but the records have layers {sorted(layers)}: "
+                    "those declarations were not used (layers are record.layer, counted over every attention "
+                    "module of the model; a capture of some layers keeps the model's numbers)",
+                    AttnprobeWarning, stacklevel=stacklevel,
+                )
+
+
+# --------------------------------------------------------------------------- record shapes
+#: The axes of each record field (see ``attnprobe.probe.record``); "heads" = the stored query heads,
+#: "heads|1" = one entry shared by the heads or one per head.
+_AXES: dict[str, tuple[str, ...]] = {
+    "q": ("batch", "heads", "query", "d_qk"),
+    "k": ("batch", "kv_heads", "key", "d_qk"),
+    "v": ("batch", "kv_heads", "key", "d_v"),
+    "scores": ("batch", "heads", "query", "key"),
+    "weights": ("batch", "heads", "query", "key"),
+    "output": ("batch", "heads", "query", "d_v"),
+    "allowed": ("batch", "heads|1", "query", "key"),
+    "query_padding": ("batch", "query"),
+    "sinks": ("heads",),
+}
+
+
+def _record_shapes(rec: AttentionRecord, index: int) -> None:
+    """Raise a ValueError naming the record when its tensors disagree on a size (instead of a broadcasting
+    error deep inside a check)."""
+    where = f"record {index} ({rec.name!r}, layer {rec.layer}, call {rec.call})"
+    sizes: dict[str, dict[int, list[str]]] = {
+        "heads": {len(rec.heads): ["heads"]}, "kv_heads": {len(rec.kv_heads): ["kv_heads"]},
+    }
+    problems = []
+    for name, axes in _AXES.items():
+        t = getattr(rec, name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name} is a {type(t).__name__}, not a tensor")
+            continue
+        if t.dim() != len(axes):
+            problems.append(f"{name} has shape {tuple(t.shape)}, expected ({', '.join(axes)})")
+            continue
+        for axis, size in zip(axes, t.shape):
+            if axis == "heads|1":
+                if size == 1:
+                    continue
+                axis = "heads"
+            sizes.setdefault(axis, {}).setdefault(int(size), []).append(name)
+    for axis, seen in sizes.items():
+        if len(seen) > 1:
+            said = "; ".join(f"{size} in {', '.join(names)}" for size, names in seen.items())
+            problems.append(f"the {axis.replace('|1', '')} sizes disagree ({said})")
+    if problems:
+        shapes = ", ".join(f"{f}={tuple(getattr(rec, f).shape)}" for f in _AXES
+                           if isinstance(getattr(rec, f), torch.Tensor))
+        raise ValueError(
+            f"{where} has inconsistent tensors: {'; '.join(problems)} [{shapes}]. Every field follows the "
+            "notation of attnprobe.AttentionRecord (q (batch, head, query, d_head), weights (batch, head, query, "
+            "key), ...); a record edited with dataclasses.replace must change every field together "
+            "(Capture.select slices them consistently)"
+        )
 
 
 # --------------------------------------------------------------------------- one record
@@ -174,8 +270,10 @@ class _Facts:
         self.tol = tolerance(rec.dtype, *(t.dtype for t in stored if t is not None), atol=run.atol, rtol=run.rtol)
         self.allowed = None if rec.allowed is None else rec.allowed.to(self.device, torch.bool)
         self.qpos = torch.arange(self.Tq, device=self.device) + rec.query_offset  # reported query positions
-        self.diag = None  # key index of each query (self-attention only)
+        self.kpos = torch.arange(self.Tk, device=self.device)  # reported key positions
+        self.diag = None  # key index (cache slot) of each query (self-attention only)
         self.offset = None
+        self.key_start = 0  # position of the first key: > 0 when a sliding-window cache dropped older keys
         if rec.kind == "self":
             # the queries sit at query_offset in the keys; a cache that dropped old keys (sliding window)
             # keeps the most recent ones, so the queries are then the last keys
@@ -183,6 +281,8 @@ class _Facts:
             if offset >= 0:
                 self.offset = offset
                 self.diag = torch.arange(self.Tq, device=self.device) + offset
+                self.key_start = rec.query_offset - offset
+                self.kpos = self.kpos + self.key_start
 
         self.causal = _declared_for(run.causal, rec)
         self.causal_declared = self.causal is not None
@@ -194,6 +294,25 @@ class _Facts:
         if declared_query_pad is not None:
             query_pad = declared_query_pad if query_pad is None else query_pad | declared_query_pad
         self.query_pad = query_pad  # (B, Tq) or None
+        self.own, self.own_excused = self._own_position()
+
+    def _own_position(self):
+        """(may each query attend its own position, is that position a padded key): ``(B, 1 or H, Tq)`` each,
+        or None without a mask. Linear in the sequence: one entry per query row."""
+        if self.diag is None or self.allowed is None:
+            return None, None
+        own_key = self.diag.clamp(max=self.Tk - 1)
+        own = self.allowed[..., torch.arange(self.Tq, device=self.device), own_key]  # (B, 1 or H, Tq)
+        if self.key_pad is None:
+            return own, torch.zeros_like(own)
+        excused = self.key_pad[:, own_key][:, None, :].expand_as(own)  # a padded token: its row is padding too
+        if self.key_pad_source == _MASK_PADDING:
+            # padding read off the mask (keys no query attends) is also what a mask shifted by one gives
+            # the last key; trust it only where no other row of that (batch, head) misses its own key
+            real = torch.ones_like(own) if self.query_pad is None else ~self.query_pad[:, None, :]
+            shifted = (~own & ~excused & real & self.allowed.any(-1)).any(-1, keepdim=True)
+            excused = excused & ~shifted
+        return own, excused
 
     def _padding(self, run: "_Run"):
         """(key padding (B, Tk) or None, where it comes from, declared query padding or None)."""
@@ -210,13 +329,25 @@ class _Facts:
                     return ~mask, _DECLARED_PADDING, None
                 run.skip("padding", f"the declared attention_mask has {L} positions but this cross-attention "
                          f"has {self.Tk} keys; pass attention_mask={{layer: mask}} per layer", self)
-            elif self.offset is not None and (L == self.Tk or (L > self.Tk and self.offset + self.Tq == self.Tk)):
-                run.mask_fitted = True  # a generation step: the mask covers positions generated later too
-                real = mask[:, : self.Tk]
+            elif self.offset is not None and L >= self.key_start + self.Tk:
+                # positions of the whole sequence: a KV-cache step reads the positions of its keys (a
+                # sliding-window cache keeps only the most recent ones); later positions are not used
+                run.mask_fitted = True
+                real = mask[:, self.key_start : self.key_start + self.Tk]
                 return ~real, _DECLARED_PADDING, ~real[:, self.offset : self.offset + self.Tq]
+            elif self.offset is not None and L == self.Tk:
+                run.mask_fitted = True  # one entry per cache slot
+                return ~mask, _DECLARED_PADDING, ~mask[:, self.offset : self.offset + self.Tq]
+            elif self.offset is not None and not rec.query_offset and rec.step is None:
+                run.skip("padding", f"the declared attention_mask has {L} positions but the record has {self.Tk} "
+                         "keys", self)
+            elif self.offset is not None:
+                run.skip("padding", f"the declared attention_mask has {L} positions, fewer than the keys of "
+                         "these records reach (KV-cache steps?); under generate, declare the mask of the whole "
+                         "sequence: the prompt's mask followed by ones for the generated tokens", self)
             else:
                 run.skip("padding", f"the declared attention_mask has {L} positions but the record has "
-                         f"{self.Tk} keys (a compressed or sliding-window cache?)", self)
+                         f"{self.Tq} queries and {self.Tk} keys, which no cache layout explains", self)
             return None, "", None
         if rec.kind == "self" and self.offset == 0 and self.Tq == self.Tk and rec.query_padding is not None:
             return rec.query_padding.to(self.device, torch.bool), _QUERY_PADDING, None
@@ -242,8 +373,12 @@ class _Rows:
         self.device, self.cdtype, self.tol = facts.device, facts.cdtype, facts.tol
         self.causal, self.causal_declared = facts.causal, facts.causal_declared
         self.key_pad, self.key_pad_source = facts.key_pad, facts.key_pad_source
+        self.start, self.all_qpos = a, facts.qpos
         self.qpos = facts.qpos[a:b]
         self.diag = None if facts.diag is None else facts.diag[a:b]
+        self.kpos = facts.kpos
+        self.own = None if facts.own is None else facts.own[:, :, a:b]
+        self.own_excused = None if facts.own_excused is None else facts.own_excused[:, :, a:b]
 
         def rows(t):
             return None if t is None else t[:, :, a:b]
@@ -310,15 +445,34 @@ class _Group:
 
     count: int = 0
     worst: float | None = None
-    queries: tuple[int, ...] = ()
-    keys: tuple[int, ...] = ()
+    rows: torch.Tensor | None = None
+    """(query,) bool: offending query rows of the whole record."""
+    keys: torch.Tensor | None = None
+    """(key,) bool: offending keys (None for findings about rows)."""
 
-    def add(self, count: int, worst: float | None, queries, keys) -> None:
+    def add(self, count: int, worst: float | None, rows: torch.Tensor, keys: torch.Tensor | None, *,
+            start: int = 0, queries: int | None = None) -> None:
+        """Add offending ``rows`` (query rows ``start:start + len(rows)`` of a record of ``queries`` rows)
+        and ``keys``; one allocation per group, then in-place unions (a long record has many chunks)."""
         self.count += count
         if worst is not None:
             self.worst = worst if self.worst is None else max(self.worst, worst)
-        self.queries = tuple(sorted(set(self.queries) | set(queries)))[:MAX_POSITIONS]
-        self.keys = tuple(sorted(set(self.keys) | set(keys)))[:MAX_POSITIONS]
+        if self.rows is None:
+            self.rows = torch.zeros(len(rows) if queries is None else queries, dtype=torch.bool, device=rows.device)
+        self.rows[start : start + len(rows)] |= rows
+        if keys is not None:
+            if self.keys is None:
+                self.keys = keys.clone()
+            else:
+                self.keys |= keys
+
+
+def _listed(flags: torch.Tensor | None, positions: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """(the first ``MAX_POSITIONS`` flagged positions, how many are flagged)."""
+    if flags is None:
+        return (), 0
+    where = flags.nonzero().flatten()
+    return tuple(positions[where[:MAX_POSITIONS]].tolist()), int(where.numel())
 
 
 @dataclass
@@ -330,6 +484,8 @@ class _Finding:
     severity: str
     message: Callable[[int, float | None], str]
     axis: int  # size of the head axis of the offending tensor (1 = a mask shared by the heads)
+    qpos: torch.Tensor  # (query,) reported position of each query row of the record
+    kpos: torch.Tensor  # (key,) reported position of each key
     groups: dict = field(default_factory=dict)
 
 
@@ -382,7 +538,8 @@ class _Run:
             return
         per_key = bad.dim() == 4
         finding = self.findings.setdefault(
-            (p.index, check, kind), _Finding(rec, check, severity, message, axis=bad.shape[1])
+            (p.index, check, kind),
+            _Finding(rec, check, severity, message, axis=bad.shape[1], qpos=p.all_qpos, kpos=p.kpos),
         )
         flat = bad.flatten(2)
         counts = flat.sum(-1)  # (B, 1 or H)
@@ -392,10 +549,9 @@ class _Run:
         rows = bad.any(-1) if per_key else bad  # (B, 1 or H, Tq)
         keys = bad.any(-2) if per_key else None  # (B, 1 or H, Tk)
         for b, h in (counts > 0).nonzero().tolist():
-            queries = p.qpos[rows[b, h].nonzero().flatten()[:MAX_POSITIONS]].tolist()
-            key_list = keys[b, h].nonzero().flatten()[:MAX_POSITIONS].tolist() if per_key else ()
             finding.groups.setdefault((b, h), _Group()).add(
-                int(counts[b, h]), None if worst is None else worst[b][h], queries, key_list
+                int(counts[b, h]), None if worst is None else worst[b][h], rows[b, h],
+                keys[b, h] if per_key else None, start=p.start, queries=len(p.all_qpos),
             )
 
     def violations(self) -> list[Violation]:
@@ -405,14 +561,17 @@ class _Run:
             if len(groups) > MAX_GROUPS:  # too many batch rows to list one by one: sum them per head
                 per_head: dict = {}
                 for (_, h), g in groups.items():
-                    per_head.setdefault((None, h), _Group()).add(g.count, g.worst, g.queries, g.keys)
+                    per_head.setdefault((None, h), _Group()).add(g.count, g.worst, g.rows, g.keys)
                 groups = per_head
             for (b, h), g in sorted(groups.items(), key=lambda kv: (-1 if kv[0][0] is None else kv[0][0], kv[0][1])):
                 head = rec.heads[h] if finding.axis > 1 else (rec.heads[0] if len(rec.heads) == 1 else None)
+                queries, query_count = _listed(g.rows, finding.qpos)
+                keys, key_count = _listed(g.keys, finding.kpos)
                 out.append(Violation(
                     check=finding.check, severity=finding.severity, name=rec.name, layer=rec.layer, head=head,
-                    batch=b, call=rec.call, step=rec.step, queries=g.queries, keys=g.keys, count=g.count,
-                    worst=g.worst, message=finding.message(g.count, g.worst),
+                    batch=b, call=rec.call, step=rec.step, queries=queries, keys=keys, count=g.count,
+                    worst=g.worst, message=finding.message(g.count, g.worst), query_count=query_count,
+                    key_count=key_count,
                 ))
         for rec, later, attended in self.bidirectional.values():
             if later and not attended:
@@ -429,7 +588,12 @@ def _select(checks) -> tuple[tuple[str, ...], str | frozenset | None]:
     """(built-in checks to run, lint selection: "all", a set of lint names, or None)."""
     if checks is None:
         return CHECKS, "all"
+    if not isinstance(checks, (str, Iterable)):
+        raise TypeError(f"checks must be a check name or a list of them, got {checks!r}; choose from {list(CHECKS)}")
     names = (checks,) if isinstance(checks, str) else tuple(checks)
+    if not names:
+        raise ValueError(f"checks={checks!r} selects nothing; leave it None for every check, or choose from "
+                         f"{list(CHECKS)}")
     bad = [n for n in names if not isinstance(n, str) or (n not in CHECKS and n != "lint" and not n.startswith("lint_"))]
     if bad:
         raise ValueError(
@@ -552,8 +716,8 @@ def _check_row_sum(run: _Run, p: _Rows) -> None:
         if p.scores is None or p.allowed is None:
             run.skip("row_sum", "the record has attention sinks but no scores or mask to compute the sink mass", p)
             return
-        logits = torch.cat([_masked_scores(p), _sink_logits(p)], dim=-1)
-        expected, what = 1.0 - torch.softmax(logits, dim=-1)[..., -1], "1 - sink mass"  # (B, H, Tq)
+        expected = 1.0 - sink_mass(p.scores.to(p.cdtype), p.allowed, p.rec.sinks)  # (B, H, Tq)
+        what = "1 - sink mass"
     run.ran("row_sum", p)
     err = (p.w.sum(-1) - expected).abs()
     tol = p.tol.row_sum
@@ -607,12 +771,8 @@ def _check_causal(run: _Run, p: _Rows) -> None:
         if window is not None:
             run.emit(p, "causal", "window", p.allowed & window & rows, lambda n, _: (
                 f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"))
-    if p.allowed is not None:  # a causal mask lets every real query attend its own position
-        own_key = p.diag.clamp(max=p.Tk - 1)
-        own = p.allowed[..., torch.arange(p.Tq, device=p.device), own_key]  # (B, 1 or H, Tq)
-        bad = ~own & p.checked & (p.diag < p.Tk)
-        if p.key_pad is not None and p.key_pad_source != _MASK_PADDING:  # a buggy mask says nothing here
-            bad = bad & ~p.key_pad[:, None, :].gather(-1, own_key.expand(p.B, 1, p.Tq))
+    if p.own is not None:  # a causal mask lets every real query attend its own position
+        bad = ~p.own & ~p.own_excused & p.checked
         run.emit(p, "causal", "own", bad, lambda n, _: (
             f"{n} query row(s) may not attend their own position: the causal mask is shifted by one "
             "(tril(diagonal=-1))"))
@@ -744,7 +904,10 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     or as ``{layer: bool}``; None uses each record's own flag. ``attention_mask``: the input padding
     mask ``(batch, key)``, 1 = real token (Hugging Face convention), for every layer or as
     ``{layer: mask}`` (encoder-decoder models: the encoder mask for the encoder and cross-attention
-    layers). Without declarations each record's own mask is the reference. ``checks``: names from
+    layers). For a capture of ``generate``, declare the mask of the whole sequence (the prompt's mask
+    followed by ones for the generated tokens): each KV-cache step reads the positions of its own keys,
+    also when a sliding-window cache kept only the latest ones. Without declarations each record's own
+    mask is the reference. Reported key positions are positions in the sequence, not cache slots. ``checks``: names from
     ``CHECKS``, ``"lint"`` or ``lint_*`` names (None = all). ``atol``/``rtol`` override the dtype
     defaults (``DEFAULT_TOLERANCES``).
 
@@ -760,9 +923,12 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     """
     _validate_declarations(causal, attention_mask)
     for name, value in (("atol", atol), ("rtol", rtol)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-            raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name} must be a non-negative finite number (or None for the dtype's default, "
+                             f"see DEFAULT_TOLERANCES), got {value!r}")
     records, keep = _records(capture_or_record)
+    _declared_layers_exist(causal, attention_mask, records, stacklevel=3)
     run = _Run(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
     weightless: dict[int, str] = {}
     prepared = 0
@@ -771,6 +937,7 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
             _lint(run, rec, index)
             if not run.selected:
                 continue
+            _record_shapes(rec, index)
             if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
                 for c in run.selected:
                     run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
@@ -784,9 +951,17 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
                 for name in CHECKS:
                     if name in run.selected:
                         _RUNNERS[name](run, rows)
-    if isinstance(attention_mask, torch.Tensor) and prepared and not run.mask_fitted:
+    if attention_mask is not None and not isinstance(attention_mask, Mapping) and prepared and not run.mask_fitted:
+        shape = tuple(_mask_tensor(attention_mask, "attention_mask").shape)
+        batches = sorted({r.batch_size for r in records if r.batch_size is not None})
+        if shape[0] not in batches:
+            raise ValueError(
+                f"attention_mask has batch {shape[0]} but the records have batch {', '.join(map(str, batches))}: "
+                "declare the mask of the inputs that were captured (generate with num_return_sequences or beam "
+                "search repeats each row: torch.repeat_interleave(mask, n, dim=0))"
+            )
         raise ValueError(
-            f"attention_mask of shape {tuple(attention_mask.shape)} fits none of the {len(records)} record(s) "
+            f"attention_mask of shape {shape} fits none of the {len(records)} record(s) "
             f"(batch, key) shapes {sorted({(r.batch_size, r.key_len) for r in records})}; pass the input "
             "padding mask (batch, key), or {layer: mask} for models whose layers see different sequences"
         )

@@ -88,10 +88,11 @@ def assert_attention(request):
     fail the test with the violation table when an attention invariant is broken (or nothing could be
     verified). Without ``cap``, checks every capture taken with ``attnprobe_capture`` in this test."""
 
-    def assert_attention_(capture_or_record=None, **options):
+    def assert_attention_(cap=None, **options):
         __tracebackhide__ = True
         import attnprobe
 
+        capture_or_record = cap
         if capture_or_record is None:
             if "attnprobe_capture" not in request.fixturenames:
                 raise pytest.UsageError(

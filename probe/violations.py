@@ -20,7 +20,7 @@ SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 #: Columns of ``CheckResult.to_frame()``, in order.
 FRAME_COLUMNS: tuple[str, ...] = (
     "check", "severity", "name", "layer", "head", "batch", "call", "step",
-    "queries", "keys", "count", "worst", "message",
+    "queries", "keys", "query_count", "key_count", "count", "worst", "message",
 )
 
 
@@ -54,6 +54,11 @@ class Violation:
     """One line saying what is wrong."""
     step: int | None = None
     """Generation step of the record (None outside ``generate``)."""
+    query_count: int = 0
+    """How many distinct query positions offend (``queries`` lists the first ``MAX_POSITIONS``);
+    0 when no position is known."""
+    key_count: int = 0
+    """How many distinct key positions offend (``keys`` lists the first ``MAX_POSITIONS``)."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -89,20 +94,29 @@ class InvariantError(AssertionError):
 InvariantError.__module__ = "attnprobe"  # tracebacks and pytest show attnprobe.InvariantError
 
 
-def _positions(values: tuple[int, ...], count: int) -> str:
+def _positions(values: tuple[int, ...], total: int) -> str:
+    """``0,1,2`` or, when the list was capped at ``MAX_POSITIONS``, ``0,1,...,7,... of 20``."""
     if not values:
         return "-"
-    capped = len(values) >= MAX_POSITIONS and count > len(values)  # the list stops at MAX_POSITIONS
-    return ",".join(map(str, values)) + (",..." if capped else "")
+    shown = ",".join(map(str, values))
+    return f"{shown},... of {total}" if total > len(values) else shown
 
 
 def _plural(n: int, severity: str) -> str:
     return f"{n} {severity}" if n == 1 or severity == "info" else f"{n} {severity}s"
 
 
-def _layers(layers: Iterable[int | None]) -> str:
-    known = sorted({layer for layer in layers if layer is not None})
-    return ", ".join(map(str, known)) if known else "-"
+def _layers(found: Iterable[Violation], shown: int = 6) -> str:
+    """``0 (model.layers.0.self_attn), 1 (...)``: each layer with its module path, the first ``shown``."""
+    names: dict[int, str] = {}
+    for v in found:
+        if v.layer is not None:
+            names.setdefault(v.layer, v.name)
+    if not names:
+        return "-"
+    layers = sorted(names)
+    text = ", ".join(f"{layer} ({names[layer]})" if names[layer] else str(layer) for layer in layers[:shown])
+    return text + (f", ... ({len(layers)} layers)" if len(layers) > shown else "")
 
 
 @dataclass(frozen=True)
@@ -206,7 +220,8 @@ class CheckResult:
         return frame.astype({
             "check": "string", "severity": "string", "name": "string", "message": "string",
             "layer": "Int64", "head": "Int64", "batch": "Int64", "step": "Int64",
-            "call": "int64", "count": "int64", "worst": "float64",
+            "call": "int64", "count": "int64", "query_count": "int64", "key_count": "int64",
+            "worst": "float64",
         })
 
     def headline(self) -> str:
@@ -230,7 +245,7 @@ class CheckResult:
         for check, found in by_check.items():
             severities = ", ".join(_plural(sum(v.severity == s for v in found), s) for s in SEVERITIES
                                    if any(v.severity == s for v in found))
-            lines.append(f"  {check}: {severities} in layer(s) {_layers(v.layer for v in found)}")
+            lines.append(f"  {check}: {severities} in layer(s) {_layers(found)}")
         if self.violations:
             order = {s: i for i, s in enumerate(SEVERITIES)}
             shown = sorted(self.violations, key=lambda v: order[v.severity])[:max_rows]
@@ -240,8 +255,8 @@ class CheckResult:
                     v.check,
                     v.severity,
                     v.where(),
-                    _positions(v.queries, v.count),
-                    _positions(v.keys, v.count),
+                    _positions(v.queries, v.query_count),
+                    _positions(v.keys, v.key_count),
                     str(v.count),
                     "-" if v.worst is None else f"{v.worst:.3g}",
                     v.message,

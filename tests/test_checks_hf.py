@@ -21,7 +21,9 @@ LEFT = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
 RIGHT = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
 
 
-def capture_or_skip(model, inputs):
+def captured_forward(model, inputs):
+    """One forward under capture: (the model's output, the Capture), after asserting that attention was
+    recorded and that no hook is left on the model."""
     with torch.no_grad(), attnprobe.capture(model) as cap:
         out = model(**inputs)
     assert len(cap) > 0, f"no attention record from {type(model).__name__}"
@@ -105,13 +107,13 @@ def test_broken_backends_really_change_the_output(custom_backends):
 
 
 def test_correct_custom_backend_passes(custom_backends):
-    _, cap = capture_or_skip(tiny_llama("attnprobe_test_correct"), llama_inputs())
+    _, cap = captured_forward(tiny_llama("attnprobe_test_correct"), llama_inputs())
     result = attnprobe.check(cap, causal=True, attention_mask=LEFT)
     assert result.ok and result.coverage["output_match"] == len(cap), result.table()
 
 
 def test_backend_that_ignores_the_mask_is_caught_by_output_match(custom_backends):
-    _, cap = capture_or_skip(tiny_llama("attnprobe_test_ignores_mask"), llama_inputs())
+    _, cap = captured_forward(tiny_llama("attnprobe_test_ignores_mask"), llama_inputs())
     result = attnprobe.check(cap, causal=True, attention_mask=LEFT)
     assert {v.check for v in result.errors} == {"output_match"}, result.table()
     assert {v.batch for v in result.errors} == {0}  # only the padded batch row
@@ -119,7 +121,7 @@ def test_backend_that_ignores_the_mask_is_caught_by_output_match(custom_backends
 
 
 def test_backend_with_a_wrong_gqa_mapping_is_caught_by_output_match(custom_backends):
-    _, cap = capture_or_skip(tiny_llama("attnprobe_test_wrong_gqa"), llama_inputs())
+    _, cap = captured_forward(tiny_llama("attnprobe_test_wrong_gqa"), llama_inputs())
     result = attnprobe.check(cap, causal=True, attention_mask=LEFT)
     assert {v.check for v in result.errors} == {"output_match"}, result.table()
     # 4 query heads over 2 kv heads: heads 1 and 2 read the wrong kv head
@@ -195,7 +197,7 @@ def test_no_false_positives_on_hugging_face_families(family, padding, dtype, bas
         inputs[key] = inputs[key].to(model.dtype)
     with torch.no_grad():
         plain = model(**inputs)
-    out, cap = capture_or_skip(model, inputs)
+    out, cap = captured_forward(model, inputs)
     first = plain[0] if isinstance(plain, tuple) else plain.last_hidden_state
     assert torch.equal(first, out[0] if isinstance(out, tuple) else out.last_hidden_state)  # capture perturbs nothing
     result = attnprobe.check(cap)

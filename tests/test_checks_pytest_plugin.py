@@ -5,7 +5,23 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _adapters_loaded_before_pytester():
+    """In-process pytester runs drop the modules imported during the run when they end. attnprobe loads
+    its adapters on the first capture; if that happened inside a run, the next runs (and every later test
+    file) would find adapter modules that no longer match the classes already imported. Capture once here."""
+    import torch
+
+    import attnprobe
+
+    attn = attnprobe.MultiHeadAttention(8, num_heads=2)
+    with attnprobe.capture(attn):
+        attn(torch.randn(1, 2, 8))
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -109,6 +125,14 @@ def test_nothing_captured(attnprobe_capture, assert_attention):
         "E       attnprobe.InvariantError: 0 error(s), 0 other finding(s) in 0 record(s); * NOTHING WAS VERIFIED",
         "*AttnprobeWarning: nothing to check*",
     ])
+
+
+def test_assert_attention_takes_the_capture_by_keyword(pytester):
+    pytester.makepyfile(test_keyword=FAILING.replace("assert_attention(cap, causal=True)",
+                                                     "assert_attention(cap=cap, causal=True)"))
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["E       attnprobe.InvariantError: 8 error(s), 0 other finding(s) in 1 record(s); *"])
 
 
 def test_every_capture_of_the_test_is_checked(pytester):

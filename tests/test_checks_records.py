@@ -4,6 +4,7 @@ what is skipped and warned, and the result object."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import replace
 
@@ -71,6 +72,20 @@ def test_sinks_lower_the_row_sum_and_are_accounted_for():
     assert any(s.startswith("row_sum: the record has attention sinks") for s in result.skipped)
 
 
+def test_expected_row_sums_is_what_rows_with_sinks_sum_to():
+    """The one rule for sink row sums (shared by row_sum and anything reporting row-sum errors)."""
+    from attnprobe.probe.sinks import expected_row_sums
+
+    rec = causal_record(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    expected = expected_row_sums(rec)
+    assert expected.shape == (B, H, T)
+    real = ~rec.query_padding[:, None, :].expand(B, H, T)
+    torch.testing.assert_close(rec.weights.sum(-1)[real], expected[real])
+    assert bool((expected[real] < 1 - 1e-3).all())  # the sinks take a visible share
+    assert expected_row_sums(causal_record()) == 1.0
+    assert expected_row_sums(replace(rec, scores=None)) is None
+
+
 def test_position_bias_and_softcap_live_in_the_scores():
     bias = torch.randn(1, H, T, T)  # T5-style: added to the scores before the mask
     assert attnprobe.check(causal_record(bias=bias)).violations == ()
@@ -104,6 +119,25 @@ def test_kv_cache_decode_step_uses_the_query_offset():
     causal = [v for v in attnprobe.check(leaky).errors if v.check == "causal"]
     assert causal and all(v.queries == (4,) and v.keys == (5,) and v.step == 2 for v in causal)
     assert "step 2" in causal[0].where()
+
+
+def test_right_padding_without_query_padding_is_not_a_shifted_mask():
+    """A right-padded causal record that does not mark its padded queries (a direct sdpa call): the padded
+    queries may not attend their own (padded) key, which is padding, not a mask shifted by one."""
+    q, k, v = qkv()
+    right = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    rec = reference_record(q, k, v, allowed=causal_allowed(B, T, T, padding=right), causal=True)
+    assert rec.query_padding is None
+    assert attnprobe.check(rec).violations == () and attnprobe.check(rec, causal=True).violations == ()
+    # a mask shifted by one (tril(-1)) still fails on every row, the last one included
+    shifted = causal_allowed(B, T, T, offset=-1)
+    bad = reference_record(q, k, v, allowed=shifted, causal=True)
+    causal = [v for v in attnprobe.check(bad).errors if v.check == "causal"]
+    assert causal and all(v.queries == (1, 2, 3, 4, 5) and "own position" in v.message for v in causal)
+    # ... and so does a right-padded one: the rows that miss a real own key give the shift away
+    bad_right = reference_record(q, k, v, allowed=causal_allowed(B, T, T, offset=-1, padding=right), causal=True)
+    causal = {v.batch: v.queries for v in attnprobe.check(bad_right).errors if v.check == "causal"}
+    assert causal == {0: (1, 2, 3, 4, 5), 1: (1, 2, 3, 4, 5)}
 
 
 def test_declared_mask_longer_than_a_cache_step_is_sliced():
@@ -229,14 +263,74 @@ def test_empty_capture_warns_and_verifies_nothing():
         ({"causal": {1: 1}}, TypeError, "causal for layer 1"),
         ({"attention_mask": torch.ones(2, 1, 6, 6)}, ValueError, r"\(batch, key\).*got shape \(2, 1, 6, 6\)"),
         ({"attention_mask": torch.full((2, 6), 0.5)}, ValueError, "1 for real tokens and 0 for padding"),
-        ({"attention_mask": torch.ones(3, 6)}, ValueError, "fits none of the 1 record"),
+        ({"attention_mask": torch.ones(3, 6)}, ValueError, r"attention_mask has batch 3 but the records have batch 2"),
+        ({"attention_mask": torch.ones(2, 4)}, ValueError, r"shape \(2, 4\) fits none of the 1 record.*\(2, 6\)"),
+        ({"attention_mask": torch.randint(3, 50, (2, 6))}, ValueError, r"got values .*not input_ids"),
+        ({"attention_mask": torch.zeros(2, 6).masked_fill(PAD == 0, float("-inf"))}, ValueError,
+         "got values -inf, 0.*additive mask"),
+        ({"attention_mask": "1 1 0"}, TypeError, r"attention_mask must be the input padding mask.*got a str"),
+        ({"attention_mask": {"input_ids": torch.ones(2, 6), "attention_mask": torch.ones(2, 6)}}, TypeError,
+         r"tokenizer's output: pass inputs\['attention_mask'\]"),
+        ({"attention_mask": torch.ones(2, 6, dtype=torch.complex64)}, TypeError, "got dtype torch.complex64"),
         ({"attention_mask": {"dec": torch.ones(2, 6)}}, TypeError, "integer layer numbers"),
-        ({"atol": -1}, ValueError, "atol must be a non-negative number"),
+        ({"attention_mask": {0: torch.full((2, 6), 2)}}, ValueError, r"attention_mask\[0\] must hold 1"),
+        ({"causal": {"dec": True}}, TypeError, r"causal=\{layer: bool\} needs integer layer numbers"),
+        ({"checks": []}, ValueError, r"checks=\[\] selects nothing"),
+        ({"checks": 3}, TypeError, "checks must be a check name or a list"),
+        ({"checks": ["causal", 3]}, ValueError, r"unknown check name\(s\) \[3\]"),
+        ({"atol": -1}, ValueError, "atol must be a non-negative finite number"),
+        ({"atol": float("nan")}, ValueError, "atol must be a non-negative finite number"),
+        ({"rtol": float("inf")}, ValueError, "rtol must be a non-negative finite number"),
+        ({"atol": True}, ValueError, "atol must be a non-negative finite number"),
+        ({"atol": "1e-3"}, ValueError, "atol must be a non-negative finite number"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         attnprobe.check(causal_record(), **kwargs)
+
+
+def test_well_formed_masks_of_every_kind_are_accepted():
+    rec = causal_record()
+    for mask in (PAD, PAD.bool(), PAD.float(), PAD.tolist(), PAD.numpy(), {0: PAD}):
+        result = attnprobe.check(rec, attention_mask=mask)
+        assert result.violations == () and result.coverage["padding"] == 1
+
+
+def test_declarations_for_layers_no_record_has_warn():
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"attention_mask was declared for layer\(s\) \[3\].*layers \[0\]"):
+        attnprobe.check(causal_record(), attention_mask={0: PAD, 3: PAD})
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"causal was declared for layer\(s\) \[1, 2\]"):
+        attnprobe.check(causal_record(), causal={1: True, 2: True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attnprobe.check(causal_record(), causal={0: True}, attention_mask={0: PAD})
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda r: {"weights": r.weights[:, :, :5]}, r"the query sizes disagree \(6 in q, scores, output, allowed, "
+         r"query_padding; 5 in weights\)"),
+        (lambda r: {"scores": r.scores[..., :4]}, r"the key sizes disagree \(6 in k, v, weights, allowed; 4 in scores\)"),
+        (lambda r: {"weights": r.weights[:, :2], "output": r.output[:, :2]},
+         r"the heads sizes disagree \(4 in heads, q, scores; 2 in weights, output\)"),
+        (lambda r: {"v": r.v[:1]}, r"the batch sizes disagree \(2 in q, k, scores, weights, output, allowed, "
+         r"query_padding; 1 in v\)"),
+        (lambda r: {"weights": r.weights[0]}, r"weights has shape \(4, 6, 6\), expected \(batch, heads, query, key\)"),
+        (lambda r: {"k": r.k[..., :4]}, r"the d_qk sizes disagree \(8 in q; 4 in k\)"),
+        (lambda r: {"sinks": torch.zeros(3)}, r"the heads sizes disagree \(4 in heads, q, scores, weights, output; 3 in sinks\)"),
+        (lambda r: {"query_padding": [[False] * 6] * 2}, r"query_padding is a list, not a tensor"),
+    ],
+)
+def test_a_record_with_inconsistent_shapes_is_a_clear_error(change, match):
+    good = causal_record()
+    bad = replace(good, **change(good))
+    with pytest.raises(ValueError, match=match) as err:
+        attnprobe.check([good, bad])
+    message = str(err.value)
+    assert message.startswith("record 1 ('attn', layer 0, call 0) has inconsistent tensors: ")
+    assert "dataclasses.replace must change every field together" in message
 
 
 def test_not_a_capture_is_a_clear_error():
@@ -278,7 +372,32 @@ def test_positions_are_capped_and_counted():
     (v,) = [v for v in attnprobe.check(cap).errors if v.check == "padding"]
     assert len(v.queries) == len(v.keys) == MAX_POSITIONS and v.count == 10 * 10
     assert v.queries == tuple(range(MAX_POSITIONS)) and v.keys == tuple(range(10, 10 + MAX_POSITIONS))
-    assert "0,1,2,3,4,5,6,7,..." in attnprobe.check(cap).table()
+    assert v.query_count == v.key_count == 10
+    table = attnprobe.check(cap).table()
+    assert "0,1,2,3,4,5,6,7,... of 10" in table and "10,11,12,13,14,15,16,17,... of 10" in table
+
+
+def test_a_complete_position_list_is_not_marked_as_capped():
+    """Exactly MAX_POSITIONS offending queries, more offending cells than that: the list is whole."""
+    attn = BuggyAttention(8, num_heads=1, bug="mask_not_applied")
+    mask = torch.tensor([[1] * MAX_POSITIONS + [0] * 3])
+    cap = capture_one(attn, torch.randn(1, MAX_POSITIONS + 3, 8), attention_mask=mask)
+    (v,) = [v for v in attnprobe.check(cap).errors if v.check == "padding"]
+    assert v.count == MAX_POSITIONS * 3 and v.query_count == MAX_POSITIONS and v.key_count == 3
+    line = next(line for line in attnprobe.check(cap).table().splitlines() if line.startswith("padding "))
+    assert re.search(r" 0,1,2,3,4,5,6,7 +8,9,10 ", line) and "..." not in line, line
+    frame = attnprobe.check(cap).to_frame()
+    assert frame.loc[frame["check"] == "padding", "query_count"].tolist() == [MAX_POSITIONS]
+
+
+def test_table_names_the_module_of_each_layer():
+    leaky = causal_record()
+    w = leaky.weights.clone()
+    w[1, :, 0, 1] = 0.5  # query 0 puts weight on key 1
+    records = [replace(leaky, weights=w, output=None, scores=None, layer=i, name=f"blocks.{i}.attn") for i in range(8)]
+    table = attnprobe.check(records, checks=["causal"]).table()
+    assert ("  causal: 32 errors in layer(s) 0 (blocks.0.attn), 1 (blocks.1.attn), 2 (blocks.2.attn), "
+            "3 (blocks.3.attn), 4 (blocks.4.attn), 5 (blocks.5.attn), ... (8 layers)") in table.splitlines()
 
 
 def test_many_broken_batch_rows_are_summed_per_head():

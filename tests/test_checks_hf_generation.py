@@ -1,0 +1,106 @@
+"""Invariant checks on ``generate`` captures of tiny Hugging Face models: KV-cache steps (query positions
+offset), sliding-window caches (keys are cache slots holding the most recent positions) and right-padded
+causal batches give no false positive with declarations, and a padding bug is still caught at the step
+where it happens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnprobe
+
+pytest.importorskip("transformers")
+from hf_helpers import build, hook_counts  # noqa: E402
+
+PROMPT = 6
+NEW = 4
+
+
+def prompt(padding: str):
+    """Two prompts of 6 tokens, row 0 padded by two on ``padding``'s side. No token is the pad id (0), so
+    ``generate`` cannot infer the mask when it is not passed: the padded tokens are then attended."""
+    ids = torch.randint(3, 100, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[0, :2] = 0 if padding == "left" else 1
+    mask[0, -2:] = 0 if padding == "right" else 1
+    return ids, mask
+
+
+def generate(model, ids, mask=None):
+    """Greedy ``generate`` under capture; returns (the mask of the whole sequence, the capture)."""
+    before = hook_counts(model)
+    kwargs = {} if mask is None else {"attention_mask": mask}
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        out = model.generate(input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, **kwargs)
+    assert hook_counts(model) == before
+    assert out.shape[1] == PROMPT + NEW and len(cap) == 2 * NEW  # 2 layers, prefill + 3 decode steps
+    base = torch.ones_like(ids) if mask is None else mask
+    return torch.cat([base, torch.ones(2, NEW, dtype=torch.long)], dim=1), cap
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("family, attn", [("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager"),
+                                          ("gpt_oss", "eager")])
+def test_sliding_window_generation_with_declarations_has_no_false_positive(family, attn, padding):
+    """sliding_window=3: decode steps of sliding layers keep the 2 latest keys plus the new one (Gemma2 and
+    GPT-OSS alternate them with full-cache layers; GPT-OSS adds sinks)."""
+    model = build(family, attn)
+    ids, mask = prompt(padding)
+    full, cap = generate(model, ids, mask)
+    steps = [r for r in cap if r.step]
+    assert all(r.query_offset == PROMPT + r.step - 1 for r in steps)
+    # the cache dropped old keys: keys are slots, not positions (query 8 sees keys 6, 7, 8 in slots 0, 1, 2)
+    sliding = [r for r in steps if r.sliding_window]
+    assert sliding and all(r.key_len == 3 for r in sliding)
+    assert all(r.key_len == r.query_offset + 1 for r in steps if not r.sliding_window)
+    result = attnprobe.check(cap, causal=True, attention_mask=full)
+    assert result.violations == (), result.table()
+    assert result.skipped == () and result.coverage["padding"] == result.coverage["causal"] == len(cap)
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_right_and_left_padded_gpt2_generation_has_no_false_positive(attn, padding):
+    model = build("gpt2", attn)
+    ids, mask = prompt(padding)
+    full, cap = generate(model, ids, mask)
+    for declared in ({}, {"causal": True}, {"causal": True, "attention_mask": full}):
+        result = attnprobe.check(cap, **declared)
+        assert result.ok and result.verified, (declared, result.table())
+    assert attnprobe.check(cap, causal=True, attention_mask=full).coverage["padding"] == len(cap)
+    stitched = attnprobe.stitch(cap)
+    assert attnprobe.check(stitched, causal=True, attention_mask=full).violations == ()
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt2"])
+def test_generation_without_the_padding_mask_is_caught_at_the_decode_steps(family):
+    """Right padding, ``generate`` called without ``attention_mask``: the prompt's padded queries only
+    look back, but every new token attends the two padded keys (positions 4 and 5)."""
+    model = build(family, "sdpa")
+    ids, mask = prompt("right")
+    _, cap = generate(model, ids)  # the bug: attention_mask not passed
+    full = torch.cat([mask, torch.ones(2, NEW, dtype=torch.long)], dim=1)
+    assert attnprobe.check(cap, causal=True).ok  # self-consistent: only the declaration knows the padding
+    result = attnprobe.check(cap, causal=True, attention_mask=full)
+    errors = result.errors
+    assert errors and {v.check for v in errors} == {"padding"}, result.table()
+    assert {v.batch for v in errors} == {0}
+    # key positions, not cache slots: under the window of 3, query 6 holds keys 4, 5, 6 in slots 0, 1, 2
+    keys_by_query = {v.queries: v.keys for v in errors}
+    if family == "mistral":
+        assert keys_by_query == {(6,): (4, 5), (7,): (5,)} and {v.step for v in errors} == {1, 2}, result.table()
+    else:
+        assert keys_by_query == {(6,): (4, 5), (7,): (4, 5), (8,): (4, 5)}, result.table()
+
+def test_prompt_mask_declared_for_a_generation_says_what_to_declare():
+    model = build("gpt2", "sdpa")
+    ids, mask = prompt("left")
+    _, cap = generate(model, ids, mask)
+    result = attnprobe.check(cap, causal=True, attention_mask=mask)  # the prompt's mask only
+    assert result.ok and result.coverage["padding"] == 2  # the prefill records
+    (reason,) = {s for s in result.skipped if s.startswith("padding")}
+    assert reason.startswith("padding: the declared attention_mask has 6 positions, fewer than the keys")
+    assert reason.endswith("(6 record(s), layers 0, 1)")
+    assert "the prompt's mask followed by ones for the generated tokens" in reason
