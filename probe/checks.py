@@ -533,8 +533,14 @@ class _Run:
         rec = p.rec
         if check in _DROPOUT_SENSITIVE and rec.dropout > 0:
             self.dropout_layers[rec.layer] = rec.dropout
-            self.skip(check, f"dropout p={rec.dropout:g} is active (train mode), so weights and outputs after "
-                      "dropout cannot sum to one or match; call model.eval() before capturing", p)
+            if rec.meta.get("dropout_in_eval"):
+                why = (f"dropout p={rec.dropout:g} was applied although the module is in eval mode (the code passes "
+                       "dropout_p to scaled_dot_product_attention whatever module.training is), so weights and "
+                       "outputs after dropout cannot sum to one or match; pass dropout_p=0 when not training")
+            else:
+                why = (f"dropout p={rec.dropout:g} is active (train mode), so weights and outputs after dropout "
+                       "cannot sum to one or match; call model.eval() before capturing")
+            self.skip(check, why, p)
             return
         per_key = bad.dim() == 4
         finding = self.findings.setdefault(
@@ -633,7 +639,8 @@ def _has(run: _Run, p: _Rows, check: str, *fields: str) -> bool:
     missing = [f for f in fields if getattr(p.rec, f) is None]
     if missing:
         names = ["mask (allowed)" if f == "allowed" else f for f in missing]
-        run.skip(check, f"no {' and '.join(names)} captured", p)
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        run.skip(check, f"no {listed} captured", p)
     return not missing
 
 
@@ -988,10 +995,14 @@ def _order(check: str) -> int:
     return CHECKS.index(check) if check in CHECKS else len(CHECKS)
 
 
-def _layer_list(layers: list[int]) -> str:
+def _layers_only(layers) -> str:
     unique = sorted(set(layers))
     shown = ", ".join(map(str, unique[:12])) + (", ..." if len(unique) > 12 else "")
-    return f"{len(layers)} record(s), layer{'s' if len(unique) > 1 else ''} {shown}"
+    return f"layer{'s' if len(unique) > 1 else ''} {shown}"
+
+
+def _layer_list(layers: list[int]) -> str:
+    return f"{len(layers)} record(s), {_layers_only(layers)}"
 
 
 def _warn(run: _Run, records: list[AttentionRecord], weightless: dict[int, str], stacklevel: int) -> None:
@@ -1004,7 +1015,7 @@ def _warn(run: _Run, records: list[AttentionRecord], weightless: dict[int, str],
     if weightless:
         backends = ", ".join(sorted({b for b in weightless.values()}))
         warnings.warn(
-            f"weights were asked for but layer(s) {_layer_list(list(weightless))} came without them "
+            f"weights were asked for but {_layers_only(weightless)} came without them "
             f"(backend: {backends}), so range, row_sum, mask, softmax_match and output_match could not run "
             "there: that backend returns no weights. Capture through an adapter that recomputes them (the "
             "Hugging Face adapter does for sdpa) or switch the model to eager attention "
@@ -1014,9 +1025,9 @@ def _warn(run: _Run, records: list[AttentionRecord], weightless: dict[int, str],
     if run.dropout_layers:
         ps = ", ".join(sorted({f"{p:g}" for p in run.dropout_layers.values()}))
         warnings.warn(
-            f"dropout (p={ps}) was active in layer(s) {_layer_list(list(run.dropout_layers))}: weights and outputs "
+            f"dropout (p={ps}) was active in {_layers_only(run.dropout_layers)}: weights and outputs "
             "after dropout cannot sum to one or match, so those failures were not reported. Call model.eval() "
-            "before capturing to check them",
+            "(and pass dropout_p=0 to scaled_dot_product_attention outside training) before capturing to check them",
             AttnprobeWarning, stacklevel=stacklevel,
         )
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .errors import AttnprobeError, AttnprobeWarning
+from .sinks import sink_mass
 from .tokens import record_token_rows
 
 #: Column -> dtype of ``Capture.to_frame()``: the one schema, defined here only.
@@ -229,19 +230,14 @@ def summary(cap):
 
 
 def _expected_row_sum(r, allowed: torch.Tensor):
-    """What each query row of ``r.weights`` should sum to, ``(batch, head, query)`` or a float.
-
-    1 without attention sinks. With sinks the sink logit takes ``softmax([scores, sink])[-1]`` of the mass,
-    which needs the scores; without them the expected sum is unknown (None).
-    """
+    """What each query row of ``r.weights`` should sum to, ``(batch, head, query)`` or a float: 1 without
+    attention sinks, ``1 - sink mass`` with them (the rule ``row_sum`` checks, probe/sinks.py), None when
+    the scores needed for the sink mass were not kept."""
     if r.sinks is None:
         return 1.0
     if r.scores is None:
         return None
-    s = torch.where(allowed, r.scores.detach().to("cpu", torch.float32), -math.inf)  # (B, H, Tq, Tk)
-    B, H, Tq, _ = s.shape
-    sink = r.sinks.detach().to("cpu", torch.float32).view(1, H, 1, 1).expand(B, H, Tq, 1)
-    return 1.0 - torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., -1]
+    return 1.0 - sink_mass(r.scores.detach().to("cpu", torch.float32), allowed, r.sinks.detach().cpu())
 
 
 def write_frame(frame, path, *, format: str | None = None, overwrite: bool = False):

@@ -539,7 +539,8 @@ def to_html(
     records, undrawn, stitched = shown_records(capture)
     data = build_data([records], batch=batch, tokens=tokens, key_tokens=key_tokens, precision=precision,
                       masked_scores=masked_scores, max_values=max_values)
-    summary = Capture(records, capture.info).summary()
+    # records without weights (a scores-only capture) have no summary row; the report says why elsewhere
+    summary = Capture([r for r in records if r.weights is not None], capture.info).summary()
     if checks is True:
         from ..probe.checks import check
 

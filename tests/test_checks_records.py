@@ -229,7 +229,7 @@ def test_missing_fields_are_skipped_and_said():
     assert result.ok and result.verified
     assert result.coverage["softmax_match"] == 0 and result.coverage["output_match"] == 0
     assert "softmax_match: no scores captured (1 record(s), layer 0)" in result.skipped
-    assert "output_match: no v and output captured (1 record(s), layer 0)" in result.skipped
+    assert "output_match: no v or output captured (1 record(s), layer 0)" in result.skipped
     assert "skipped (not verified):" in result.table()
     unknown = replace(cap[0], causal=None)
     assert any(s.startswith("causal: the record does not say") for s in attnprobe.check(unknown).skipped)
