@@ -635,7 +635,9 @@ class _Run:
         )
 
     def _site_for(self, owner: nn.Module, group: list[Finding], heads: int, kv_heads: int) -> Site:
-        key = (id(owner), group[0].key)
+        # one softmax line run by two submodules of a named module (a decoder block's self- and cross-attention
+        # of one class) is two layers; single-head modules stacked as the heads of one layer are one
+        key = (id(owner), group[0].key, id(group[0].module) if len(group) == 1 else None)
         site = self.traced_sites.get(key)
         if site is None:
             static = self.named.get(id(owner))

@@ -487,6 +487,64 @@ def _unfolded_heads(t: torch.Tensor, parent: Node | None, n: int) -> tuple[int, 
     return None
 
 
+_REPEAT_INTERLEAVE = frozenset({_T.repeat_interleave, torch.repeat_interleave})
+_EXPAND = frozenset({_T.expand, _T.expand_as})
+
+
+def _unrepeated_heads(t: torch.Tensor, parent: Node | None) -> tuple[torch.Tensor, Node | None] | None:
+    """Keys or values ``(B, H, T, D)`` repeated from fewer heads (grouped-query attention) -> the tensor before the
+    repeat ``(B, KV, T, D)`` and its producer, else None. Read: ``repeat_interleave(n, dim=<head axis>)`` and
+    ``expand`` of a new axis after the head axis then merged into it (Llama's ``repeat_kv``), also before a
+    transpose: both give query head ``h`` the key/value head ``h // n``, the grouping records use.
+    ``repeat``/``tile`` (head ``h`` reads ``h % KV``) is left as it is."""
+    if t.dim() != 4:
+        return None
+    axis, moves = 1, []  # the head axis where the walk is; axis moves walked through, to replay on the result
+    for _ in range(12):
+        if parent is None or not parent.inputs:
+            return None
+        src, op, nd = parent.inputs[0], parent.op, t.dim()
+        if op == "pass" and src.shape == t.shape:
+            pass
+        elif op in ("transpose", "permute", "mT"):
+            if op == "mT":
+                dims = list(range(nd - 2)) + [nd - 1, nd - 2]
+            elif op == "transpose":
+                a, b = (d % nd for d in parent.args[1:3])
+                dims = list(range(nd))
+                dims[a], dims[b] = b, a
+            else:
+                raw = parent.args[1] if len(parent.args) == 2 and isinstance(parent.args[1], (list, tuple)) else parent.args[1:]
+                dims = [d % nd for d in raw]
+            moves.append(dims)
+            axis = dims[axis]
+        elif op == "repeat" and parent.func in _REPEAT_INTERLEAVE:
+            repeats = parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("repeats")
+            dim = parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim")
+            if not isinstance(repeats, int) or not isinstance(dim, int) or dim % nd != axis:
+                return None
+            base, base_parent = src, parent.parent_of(src)
+            break
+        elif op == "reshape" and src.dim() == nd + 1 and src.shape[:axis] == t.shape[:axis] \
+                and src.shape[axis + 2:] == t.shape[axis + 1:]:
+            expand = parent.parent_of(src)  # (…, KV, n, …) merged into (…, KV * n, …): n made by expand?
+            if expand is None or expand.func not in _EXPAND or not expand.inputs:
+                return None
+            grown = expand.inputs[0]
+            if grown.dim() != src.dim() or grown.shape[axis + 1] != 1 or grown.shape[axis] != src.shape[axis]:
+                return None
+            base, base_parent = grown.squeeze(axis + 1), expand.parent_of(grown)
+            break
+        else:
+            return None
+        t, parent = src, parent.parent_of(src)
+    else:
+        return None
+    for dims in reversed(moves):
+        base = base.permute(dims)
+    return base, base_parent
+
+
 def _source(parent: Node | None) -> torch.Tensor | None:
     """The tensor a projection was computed from (the module input behind q, k or v): the input of the module
     (e.g. an ``nn.Linear``) or of the product with a parameter that made it. None when it cannot be followed."""
@@ -494,7 +552,12 @@ def _source(parent: Node | None) -> torch.Tensor | None:
         if parent is None:
             return None
         if parent.op == "module":
-            return parent.inputs[0] if parent.inputs else None
+            if not parent.inputs:
+                return None
+            if _reshapes_nothing(parent):  # qk-norm, Identity, dropout: not where q and k part ways
+                parent = parent.parent_of(parent.inputs[0])
+                continue
+            return parent.inputs[0]
         if parent.op == "item":
             split = parent.parents[0]
             if split is None or not split.inputs:
@@ -513,6 +576,14 @@ def _source(parent: Node | None) -> torch.Tensor | None:
             continue
         return None
     return None
+
+
+def _reshapes_nothing(node: Node) -> bool:
+    """Whether a child-module call keeps its input's shape and has no matrix parameter (a norm, ``Identity``,
+    dropout): it transforms q or k in place rather than projecting them from a source."""
+    module = node.module
+    return (isinstance(module, nn.Module) and isinstance(node.out, torch.Tensor) and node.inputs[0].shape == node.out.shape
+            and all(p.dim() <= 1 for p in module.parameters()))
 
 
 def _einsum_parts(node: Node):
@@ -557,19 +628,23 @@ def _scores_product(node: Node, out: torch.Tensor) -> _Product | None:
             return None
         q, qp, fq, _ = _strip(a, node.parent_of(a))
         k, kp, fk, swaps = _strip(b, node.parent_of(b), transposes=True)
+        k, kp = _unrepeated_heads(k, kp) or (k, kp)
         if swaps % 2 == 0:
             k = k.transpose(-2, -1)
         return _Product(q, qp, k, kp, fq * fk)
-    if op == "baddbmm":
-        if len(args) < 3:
+    if op == "baddbmm":  # baddbmm(input, batch1, batch2), also input.baddbmm(batch1=..., batch2=...) as Bloom calls it
+        named = (node.kwargs.get("input"), node.kwargs.get("batch1"), node.kwargs.get("batch2"))
+        extra, a, b = (args[i] if len(args) > i else named[i] for i in range(3))
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             return None
-        extra, a, b = args[0], args[1], args[2]
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         q, qp, fq, _ = _strip(a, node.parent_of(a))
         k, kp, fk, swaps = _strip(b, node.parent_of(b), transposes=True)
+        k, kp = _unrepeated_heads(k, kp) or (k, kp)
         if swaps % 2 == 0:
             k = k.transpose(-2, -1)
-        additive = extra * beta if isinstance(extra, torch.Tensor) else None
+        # beta=0 ignores the input, NaN and -inf included (GPT-2 passes an uninitialised torch.empty buffer)
+        additive = extra * beta if isinstance(extra, torch.Tensor) and beta != 0 else None
         return _Product(q, qp, k, kp, fq * fk * float(alpha), additive=additive)
     if op == "einsum":
         parts = _einsum_parts(node)
@@ -622,7 +697,10 @@ def _output_product(softmax: Node, weights: torch.Tensor):
                         continue
                     v = _permuted(b, sb, lead + k_letter + rest[0])
                     return c, v, _permuted(c.out, so, lead + q_letter + rest[0]), (so, lead + q_letter + rest[0]), dropout
-                if c.op in ("pass", "dropout") and c.inputs and c.inputs[0] is t and isinstance(c.out, torch.Tensor):
+                if c.op == "reshape" and c.inputs and c.inputs[0] is t and isinstance(c.out, torch.Tensor) \
+                        and c.out.shape[-2:] == t.shape[-2:]:  # (B, H, T, T) viewed (B*H, T, T) for a bmm
+                    following.append((c, c.out))
+                elif c.op in ("pass", "dropout") and c.inputs and c.inputs[0] is t and isinstance(c.out, torch.Tensor):
                     if c.op == "dropout":
                         p = c.args[1] if len(c.args) > 1 else c.kwargs.get("p", 0.5)
                         training = c.args[2] if len(c.args) > 2 else c.kwargs.get("training", c.kwargs.get("train", True))
@@ -637,8 +715,10 @@ def _output_product(softmax: Node, weights: torch.Tensor):
     return None
 
 
-def _to_record(t: torch.Tensor, lead: int, unfold: tuple[int, int] | None) -> torch.Tensor:
-    """(*lead, a, b) -> (batch, head, a, b)."""
+def _to_record(t: torch.Tensor, lead: int, unfold: tuple[int, int] | None, grouped: bool = False) -> torch.Tensor:
+    """(*lead, a, b) -> (batch, head, a, b); ``grouped``: lead (batch, kv_head, group), query head = kv_head * group."""
+    if grouped and lead == 3:
+        return t.flatten(1, 2)
     if lead == 0:
         return t[None, None]
     if lead == 1:
@@ -651,6 +731,8 @@ def _to_record(t: torch.Tensor, lead: int, unfold: tuple[int, int] | None) -> to
 
 
 def _fit_lead(t: torch.Tensor, lead_shape: torch.Size) -> torch.Tensor:
+    if t.dim() == 3 and len(lead_shape) == 2 and t.shape[0] == lead_shape.numel() > 1:
+        return t.unflatten(0, lead_shape)  # (B*H, T, D) from a bmm whose scores were viewed (B, H, T, T)
     if t.dim() - 2 < len(lead_shape):
         return t.expand(*lead_shape, *t.shape[-2:])
     return t
@@ -833,20 +915,24 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     if product is not None and lead == 1:
         unfold = _unfolded_heads(product.q, product.q_parent, x.shape[0]) or _unfolded_heads(product.k, product.k_parent, x.shape[0])
 
+    # grouped-query attention kept grouped: q (B, KV, G, T, D) against k (B, KV, 1, T, D) broadcast over the group
+    grouped = (product is not None and lead == 3 and product.q.dim() == 5 and product.k.dim() == 5
+               and product.k.shape[2] == 1 and product.q.shape[2] == x.shape[2] > 1)
+
     finding = Finding(
         key=softmax.where or ("?", 0),
         module=scope.module,
         heads=1,
         kv_heads=1,
         dtype=x.dtype,
-        weights=_to_record(w.detach(), lead, unfold),
-        scores=_to_record(scores, lead, unfold),
+        weights=_to_record(w.detach(), lead, unfold, grouped),
+        scores=_to_record(scores, lead, unfold, grouped),
     )
     finding.heads = finding.weights.shape[1]
     finding.kv_heads = finding.heads
     finding.meta["softmax_at"] = format_location(softmax.where)
     if allowed is not None:
-        finding.allowed = compress_heads(_to_record(allowed, lead, unfold))
+        finding.allowed = compress_heads(_to_record(allowed, lead, unfold, grouped))
         finding.causal = forbids_future(finding.allowed) if masks else False
 
     if dim != nd - 1:
@@ -863,8 +949,8 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
         for s in forward:
             scaling *= s.factor
         finding.scaling = scaling
-        q = _to_record(_fit_lead(product.q.detach(), lead_shape), lead, unfold)
-        k = _to_record(_fit_lead(product.k.detach(), lead_shape), lead, unfold)
+        q = _to_record(_fit_lead(product.q.detach(), lead_shape), lead, unfold, grouped)
+        k = product.k.detach()[:, :, 0] if grouped else _to_record(_fit_lead(product.k.detach(), lead_shape), lead, unfold)
         if k.shape[0] == 1 and q.shape[0] > 1:
             k = k.expand(q.shape[0], *k.shape[1:])
         if k.shape[1] not in (q.shape[1], 1) and q.shape[1] % k.shape[1]:
@@ -889,11 +975,29 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
         out_node, v, out, out_letters, dropout = found
         finding.dropout = dropout  # as applied: F.dropout(training=True) drops whatever the module's mode is
         finding.meta["dropout_in_eval"] = dropout > 0 and not scope.module.training
-        vr = _to_record(_fit_lead(v.detach(), lead_shape), lead, unfold)
+        if not grouped and finding.k is not None and finding.k.shape[1] < finding.heads:  # v repeated like k?
+            fewer = _unrepeated_heads(v, out_node.parent_of(v))
+            if fewer is not None and fewer[0].shape[1] == finding.k.shape[1]:
+                v = fewer[0]
+            else:  # keep k and v alike: k repeated back as the code repeated it
+                finding.k = finding.k.repeat_interleave(finding.heads // finding.k.shape[1], dim=1)
+                finding.kv_heads = finding.heads
+        if grouped and v.dim() == 5 and v.shape[2] == 1:
+            vr = v.detach()[:, :, 0]
+        elif grouped:  # v has a value per query head: k repeated to match
+            vr = _to_record(v.detach(), lead, unfold, grouped)
+            if finding.k is not None:
+                finding.k = finding.k.repeat_interleave(finding.heads // finding.k.shape[1], dim=1)
+                finding.kv_heads = finding.heads
+        else:
+            vr = _to_record(_fit_lead(v.detach(), lead_shape), lead, unfold)
         if vr.shape[0] == 1 and finding.weights.shape[0] > 1:
             vr = vr.expand(finding.weights.shape[0], *vr.shape[1:])
         finding.v = vr
-        finding.output = _to_record(out.detach(), lead, unfold) if out.dim() == nd else None
+        out_rec = out
+        if out.dim() == 3 and lead == 2 and out.shape[0] == lead_shape.numel():  # weights viewed (B*H, T, T) for bmm
+            out_rec = out.unflatten(0, lead_shape)
+        finding.output = _to_record(out_rec.detach(), lead, unfold, grouped) if out_rec.dim() == nd else None
         if finding.k is not None and _same_tensor(finding.k, finding.v):
             finding.lints.append((
                 lint_rules.LINT_SAME_KV,
