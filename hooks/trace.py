@@ -190,8 +190,9 @@ class Scope:
         return node
 
 
-#: In-place masking whose input is copied first, so the scores before the mask stay observable.
-SNAPSHOT_BEFORE = frozenset({_T.masked_fill_})
+#: In-place masking whose input is copied first, so the scores before the mask stay observable: masked_fill_,
+#: and an added mask or bias (``scores += mask`` runs as add_) when the tensor comes from a product.
+SNAPSHOT_BEFORE = frozenset({_T.masked_fill_, _T.add_, _T.sub_})
 
 
 class Tracer:
@@ -204,6 +205,9 @@ class Tracer:
         """A copy of an in-place mask's input, taken before the op runs (traced scopes only)."""
         if not self.stack or not self.stack[-1].traced or not args or not isinstance(args[0], torch.Tensor):
             return None
+        scope = self.stack[-1]
+        if func is not _T.masked_fill_ and not _reaches(args[0], scope.producer.get(id(args[0]))):
+            return None  # an in-place add on something else (a residual, a counter): no copy
         with torch._C.DisableTorchFunction(), torch.no_grad():
             return args[0].clone()
 
@@ -361,6 +365,8 @@ def _chain_step(node: Node, out: torch.Tensor) -> _Step | None:
             return None
         inp, parent = picked
         other = args[1] if inp is args[0] else args[0]
+        if inp is args[0] and node.before is not None:  # scores += mask overwrote the scores: the copy before it
+            inp = node.before
         if not isinstance(other, torch.Tensor) or other.is_nested or not other.is_floating_point():
             return None
         if op == "sub" and inp is not args[0]:

@@ -13,7 +13,8 @@ import attnprobe
 from torch_helpers import leftovers
 from wild_models import (
     AlibiAttention, BloomStyleAlibi, CausalSelfAttention, DecoderBlock, EinsumAttention, FoldedHeadsAttention,
-    GroupedQueryAttention, LlamaReferenceAttention, MultiHeadedAttention, RelativeBiasAttention, VitAttention,
+    GroupedQueryAttention, LlamaReferenceAttention, MultiHeadedAttention, RelativeBiasAttention, T5StyleAttention,
+    VitAttention,
     alibi_slopes, llama_mask, subsequent_mask,
 )
 
@@ -278,3 +279,17 @@ def test_llama_reference_rotary_repeat_kv_and_additive_mask(mode):
     k = rotary(heads_of(model.wk(X), 2), pos)
     expect(cap[0], q, k, heads_of(model.wv(X), 2), HD ** -0.5, TRIL, causal=True, atol=1e-5)
     assert errors(cap, causal=True) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_t5_style_bias_and_mask_added_in_place(mode):
+    # scores += position_bias overwrites the scores: the record keeps them as they were before the add
+    model = build(T5StyleAttention)
+    cap = run(model, X, PADDING.float(), **MODES[mode](model))
+    q, k, v = (heads_of(f(X)) for f in (model.q, model.k, model.v))
+    allowed = PADDING.bool()[:, None, None, :].expand(B, 1, T, T)
+    # where the padding's finfo.min swallowed the position bias, no bias is left to know
+    bias = model.position_bias(T).detach().masked_fill(~allowed, 0.0)
+    expect(cap[0], q, k, v, 1.0, allowed, bias=bias, causal=False)
+    assert cap[0].scores.abs().max() < 100
+    assert errors(cap, causal=False, attention_mask=PADDING) == []

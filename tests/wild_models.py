@@ -368,3 +368,28 @@ class LlamaReferenceAttention(nn.Module):
 
 def llama_mask(seqlen):
     return torch.full((seqlen, seqlen), float("-inf")).triu(1)
+
+
+class T5StyleAttention(nn.Module):
+    """T5/mT5 reference style: no scaling, a bucketed relative position bias with the padding mask folded in as
+    ``finfo.min``, added in place (``scores += position_bias``)."""
+
+    def __init__(self, dim=D, heads=H, max_distance=5, bug=None):
+        super().__init__()
+        self.h, self.hd, self.max_distance, self.bug = heads, dim // heads, max_distance, bug
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.relative_attention_bias = nn.Embedding(2 * max_distance + 1, heads)
+
+    def position_bias(self, T):
+        i = torch.arange(T)
+        bucket = (i[None, :] - i[:, None]).clamp(-self.max_distance, self.max_distance) + self.max_distance
+        return self.relative_attention_bias(bucket).permute(2, 0, 1)[None]  # (1, H, T, T)
+
+    def forward(self, x, mask):
+        B, T, _ = x.shape
+        q, k, v = (f(x).view(B, T, self.h, self.hd).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = torch.matmul(q, k.transpose(3, 2))
+        position_bias = self.position_bias(T) + (1.0 - mask[:, None, None, :]) * torch.finfo(x.dtype).min
+        scores += position_bias
+        w = F.softmax(scores.float(), dim=-1).type_as(scores)
+        return torch.matmul(w, v).transpose(1, 2).reshape(B, T, -1)
