@@ -500,8 +500,9 @@ _EXPAND = frozenset({_T.expand, _T.expand_as})
 def _unrepeated_heads(t: torch.Tensor, parent: Node | None) -> tuple[torch.Tensor, Node | None] | None:
     """Keys or values ``(B, H, T, D)`` repeated from fewer heads (grouped-query attention) -> the tensor before the
     repeat ``(B, KV, T, D)`` and its producer, else None. Read: ``repeat_interleave(n, dim=<head axis>)`` and
-    ``expand`` of a new axis after the head axis then merged into it (Llama's ``repeat_kv``), also before a
-    transpose: both give query head ``h`` the key/value head ``h // n``, the grouping records use.
+    ``expand`` of a single head (multi-query) or of a new axis after the head axis then merged into it (Llama's
+    ``repeat_kv``), also before a transpose: all give query head ``h`` the key/value head ``h // n``, the grouping
+    records use.
     ``repeat``/``tile`` (head ``h`` reads ``h % KV``) is left as it is."""
     if t.dim() != 4:
         return None
@@ -530,6 +531,9 @@ def _unrepeated_heads(t: torch.Tensor, parent: Node | None) -> tuple[torch.Tenso
             if not isinstance(repeats, int) or not isinstance(dim, int) or dim % nd != axis:
                 return None
             base, base_parent = src, parent.parent_of(src)
+            break
+        elif op == "repeat" and parent.func in _EXPAND and src.dim() == nd and src.shape[axis] == 1:
+            base, base_parent = src, parent.parent_of(src)  # one key/value head for all (multi-query)
             break
         elif op == "reshape" and src.dim() == nd + 1 and src.shape[:axis] == t.shape[:axis] \
                 and src.shape[axis + 2:] == t.shape[axis + 1:]:

@@ -173,7 +173,8 @@ def test_einsum_softmax_over_queries_is_caught():
 
 # ------------------------------------------------------------------------------------------------ 5 MQA / GQA
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("repeat, kv_heads", [("interleave", 2), ("expand", 2), ("expand", 1), ("grouped", 2)])
+@pytest.mark.parametrize("repeat, kv_heads", [("interleave", 2), ("expand", 2), ("expand", 1), ("expand_one", 1),
+                                             ("grouped", 2)])
 def test_grouped_query_attention_keeps_the_kv_heads(mode, repeat, kv_heads):
     model = build(GroupedQueryAttention, kv_heads=kv_heads, repeat=repeat)
     cap = run(model, X, **MODES[mode](model))
@@ -192,6 +193,13 @@ def test_alibi_bias_is_part_of_the_scores_and_the_inf_mask_is_the_mask(mode):
     bias = alibi_slopes(H)[:, None, None] * (pos[None, :] - pos[:, None])
     expect(cap[0], q, k, v, HD ** -0.5, TRIL, bias=bias, causal=True)
     assert errors(cap, causal=True) == []
+
+
+def test_alibi_without_the_causal_mask_is_caught():
+    model = build(AlibiAttention, bug="causal_mask_forgotten")
+    cap = run(model, X, modules=[model])
+    assert cap[0].causal is False and cap[0].allowed.all()  # the ALiBi bias alone is no mask
+    assert errors(cap, causal=True) == ["causal"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -293,3 +301,15 @@ def test_t5_style_bias_and_mask_added_in_place(mode):
     expect(cap[0], q, k, v, 1.0, allowed, bias=bias, causal=False)
     assert cap[0].scores.abs().max() < 100
     assert errors(cap, causal=False, attention_mask=PADDING) == []
+
+
+def test_t5_style_padding_folded_on_the_query_axis_is_caught():
+    model = build(T5StyleAttention, bug="mask_on_queries")
+    cap = run(model, X, PADDING.float(), modules=[model])
+    assert "padding" in errors(cap, causal=False, attention_mask=PADDING)
+
+
+def test_llama_reference_mask_transposed_is_caught():
+    model = build(LlamaReferenceAttention)
+    cap = run(model, X, llama_mask(T).T, modules=[model])  # -inf below the diagonal: the past is masked
+    assert cap[0].causal is False and "causal" in errors(cap, causal=True)

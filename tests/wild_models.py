@@ -162,6 +162,8 @@ class GroupedQueryAttention(nn.Module):
         elif self.repeat == "expand":  # Llama's repeat_kv
             k = k[:, :, None].expand(B, self.kv, rep, T, self.hd).reshape(B, self.h, T, self.hd)
             v = v[:, :, None].expand(B, self.kv, rep, T, self.hd).reshape(B, self.h, T, self.hd)
+        elif self.repeat == "expand_one":  # multi-query: the single head expanded
+            k, v = k.expand(B, self.h, T, self.hd), v.expand(B, self.h, T, self.hd)
         elif self.repeat == "grouped":  # no copy: (B, KV, G, T, D) x (B, KV, 1, T, D)
             q = q.view(B, self.kv, rep, T, self.hd)
             k, v = k[:, :, None], v[:, :, None]
@@ -197,7 +199,7 @@ class AlibiAttention(nn.Module):
         alibi = self.slopes[:, None, None] * distance[None]  # (H, T, T)
         causal = torch.full((T, T), float("-inf"), device=x.device).triu(1)
         scores = q @ k.transpose(-2, -1) * self.hd ** -0.5
-        scores = scores + alibi + causal
+        scores = scores + alibi if self.bug == "causal_mask_forgotten" else scores + alibi + causal
         w = F.softmax(scores, dim=-1)
         return (w @ v).transpose(1, 2).reshape(B, T, C)
 
@@ -389,7 +391,8 @@ class T5StyleAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = (f(x).view(B, T, self.h, self.hd).transpose(1, 2) for f in (self.q, self.k, self.v))
         scores = torch.matmul(q, k.transpose(3, 2))
-        position_bias = self.position_bias(T) + (1.0 - mask[:, None, None, :]) * torch.finfo(x.dtype).min
+        padding = mask[:, None, :, None] if self.bug == "mask_on_queries" else mask[:, None, None, :]
+        position_bias = self.position_bias(T) + (1.0 - padding) * torch.finfo(x.dtype).min
         scores += position_bias
         w = F.softmax(scores.float(), dim=-1).type_as(scores)
         return torch.matmul(w, v).transpose(1, 2).reshape(B, T, -1)
