@@ -715,6 +715,7 @@ class _Run:
             dtype=first.dtype,
             weights_source="observed",
             dropout=first.dropout,
+            query_offset=first.query_offset,
             identified=identified,
             meta=meta,
         )

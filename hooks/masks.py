@@ -48,10 +48,11 @@ def compress_heads(allowed: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def forbids_future(allowed: torch.Tensor) -> bool:
-    """True when no query may attend a later key (the mask is causal); needs as many queries as keys."""
+def forbids_future(allowed: torch.Tensor, query_offset: int | None = None) -> bool:
+    """True when no query may attend a later key (the mask is causal); needs as many queries as keys, or
+    ``query_offset``: the key index of the first query (cached keys before it)."""
     tq, tk = allowed.shape[-2:]
-    if tq != tk:
+    if query_offset is None and tq != tk:
         return False
-    future = torch.ones(tq, tk, dtype=torch.bool, device=allowed.device).triu(1)
+    future = torch.ones(tq, tk, dtype=torch.bool, device=allowed.device).triu(1 + (query_offset or 0))
     return not bool((allowed & future).any())

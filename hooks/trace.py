@@ -71,6 +71,7 @@ def _op_table() -> dict:
     put("split", _T.chunk, torch.chunk, _T.split, torch.split, _T.unbind, torch.unbind, _T.tensor_split,
         torch.tensor_split)
     put("getitem", _T.__getitem__)
+    put("cat", torch.cat, g(torch, "concat", None), g(torch, "concatenate", None))
     put("repeat", _T.expand, _T.expand_as, _T.repeat, _T.repeat_interleave, torch.repeat_interleave)
     return ops
 
@@ -263,6 +264,7 @@ class Finding:
     scaling: float | None = None
     causal: bool | None = None
     kind: str = "self"
+    query_offset: int = 0  # cached keys before the first query (self-attention with a KV cache)
     dropout: float = 0.0
     lints: list[tuple[str, str]] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
@@ -574,6 +576,9 @@ def _source(parent: Node | None) -> torch.Tensor | None:
                 return None
             parent = split.parent_of(split.inputs[0])
             continue
+        if parent.op == "cat":  # a KV cache: cat([past, new]): the part computed in this call says where it came from
+            found = {id(s): s for s in (_source(parent.parent_of(x)) for x in parent.inputs) if s is not None}
+            return next(iter(found.values())) if len(found) == 1 else None
         if parent.op in ("matmul", "rmatmul"):
             operands = [x for x in parent.inputs if not isinstance(x, nn.Parameter)]
             if len(operands) == 1 and len(parent.inputs) == 2:
@@ -943,7 +948,6 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     finding.meta["softmax_at"] = format_location(softmax.where)
     if allowed is not None:
         finding.allowed = compress_heads(_to_record(allowed, lead, unfold, grouped))
-        finding.causal = forbids_future(finding.allowed) if masks else False
 
     if dim != nd - 1:
         axis = "query axis" if dim == nd - 2 else f"axis {dim}"
@@ -978,6 +982,11 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     else:
         finding.kind = "self" if x.shape[-1] == x.shape[-2] else "cross"
         finding.meta["kind_from"] = "lengths"
+    if finding.kind == "self" and x.shape[-1] > x.shape[-2]:  # KV cache: the queries are the latest keys
+        finding.query_offset = x.shape[-1] - x.shape[-2]
+    if finding.allowed is not None:
+        offset = finding.query_offset if finding.kind == "self" and x.shape[-1] >= x.shape[-2] else None
+        finding.causal = forbids_future(finding.allowed, offset) if masks else False
 
     # -- forwards: weights -> (dropout) -> weights @ V
     found = _output_product(softmax, w)

@@ -12,7 +12,7 @@ import torch
 import attnprobe
 from torch_helpers import leftovers
 from wild_models import (
-    AlibiAttention, BloomStyleAlibi, CausalSelfAttention, DecoderBlock, EinsumAttention, FoldedHeadsAttention,
+    AlibiAttention, BloomStyleAlibi, CachedCausalSelfAttention, CausalSelfAttention, DecoderBlock, EinsumAttention, FoldedHeadsAttention,
     GroupedQueryAttention, LlamaReferenceAttention, MultiHeadedAttention, RelativeBiasAttention, T5StyleAttention,
     VitAttention,
     alibi_slopes, llama_mask, subsequent_mask,
@@ -90,6 +90,28 @@ def test_nanogpt_mask_compared_with_one_is_caught():
     cap = run(model, X, modules=[model])
     assert not cap[0].causal and not cap[0].allowed[0, 0, 0, 0] and cap[0].allowed[0, 0, 0, 1]
     assert "causal" in errors(cap, causal=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nanogpt_with_a_kv_cache_is_self_attention_at_an_offset(mode):
+    model = build(CachedCausalSelfAttention)
+    prompt, new = X[:, :4], X[:, 4:]
+    _, past = model(prompt)
+    cap = run(model, new, past, **MODES[mode](model))
+    (rec,) = cap
+    q, k, v = (heads_of(t) for t in model.c_attn(X).split(D, dim=2))
+    # the two new queries at positions 4 and 5 against all six keys: the last two rows of the causal mask
+    expect(rec, q[:, :, 4:], k, v, HD ** -0.5, TRIL[4:], causal=True)
+    assert rec.meta["kind_from"] == "sources" and rec.query_offset == 4
+    assert errors(cap, causal=True, attention_mask=torch.ones(B, T)) == []
+
+
+def test_nanogpt_kv_cache_mask_rows_from_zero_is_not_causal_at_the_offset():
+    model = build(CachedCausalSelfAttention, bug="mask_rows_from_zero")
+    _, past = model(X[:, :4])
+    (rec,) = run(model, X[:, 4:], past, modules=[model])
+    # rows 0-1 of the tril: the new queries see only keys 0 and 0-1, still causal but not their own position
+    assert rec.causal is True and rec.query_offset == 4 and not rec.allowed[0, 0, :, 4:].any()
 
 
 @pytest.mark.parametrize("mode", ["list", "auto", "default"])

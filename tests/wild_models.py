@@ -396,3 +396,19 @@ class T5StyleAttention(nn.Module):
         scores += position_bias
         w = F.softmax(scores.float(), dim=-1).type_as(scores)
         return torch.matmul(w, v).transpose(1, 2).reshape(B, T, -1)
+
+
+class CachedCausalSelfAttention(CausalSelfAttention):
+    """nanoGPT with a KV cache for generation: past keys/values concatenated, the mask rows of the new queries."""
+
+    def forward(self, x, past=None):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=-2), torch.cat([past[1], v], dim=-2)
+        Tk = k.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, Tk)
+        rows = slice(0, T) if self.bug == "mask_rows_from_zero" else slice(Tk - T, Tk)
+        att = att.masked_fill(self.bias[:, :, rows, :Tk] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), (k, v)
