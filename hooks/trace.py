@@ -71,6 +71,7 @@ def _op_table() -> dict:
     put("split", _T.chunk, torch.chunk, _T.split, torch.split, _T.unbind, torch.unbind, _T.tensor_split,
         torch.tensor_split)
     put("getitem", _T.__getitem__)
+    put("setitem", _T.__setitem__)
     put("cat", torch.cat, g(torch, "concat", None), g(torch, "concatenate", None))
     put("repeat", _T.expand, _T.expand_as, _T.repeat, _T.repeat_interleave, torch.repeat_interleave)
     return ops
@@ -78,7 +79,7 @@ def _op_table() -> dict:
 
 _OPS = _op_table()
 _SOFTMAX_FUNCS = frozenset(f for f, name in _OPS.items() if name == "softmax")
-_WHERE_OPS = frozenset({"softmax", "masked_fill", "where", "reshape", "add", "sub"})
+_WHERE_OPS = frozenset({"softmax", "masked_fill", "where", "reshape", "add", "sub", "setitem"})
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the attnprobe package
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep,) + tuple(
     os.path.join(_ROOT, d) + os.sep for d in ("hooks", "probe", "reports")
@@ -192,8 +193,9 @@ class Scope:
 
 
 #: In-place masking whose input is copied first, so the scores before the mask stay observable: masked_fill_,
-#: and an added mask or bias (``scores += mask`` runs as add_) when the tensor comes from a product.
-SNAPSHOT_BEFORE = frozenset({_T.masked_fill_, _T.add_, _T.sub_})
+#: and, when the tensor comes from a product, an added mask or bias (``scores += mask`` runs as add_) and
+#: an assigned masking value (``scores[..., future] = -inf``).
+SNAPSHOT_BEFORE = frozenset({_T.masked_fill_, _T.add_, _T.sub_, _T.__setitem__})
 
 
 class Tracer:
@@ -207,6 +209,8 @@ class Tracer:
         if not self.stack or not self.stack[-1].traced or not args or not isinstance(args[0], torch.Tensor):
             return None
         scope = self.stack[-1]
+        if func is _T.__setitem__ and (len(args) != 3 or not is_masking_value(args[2])):
+            return None
         if func is not _T.masked_fill_ and not _reaches(args[0], scope.producer.get(id(args[0]))):
             return None  # an in-place add on something else (a residual, a counter): no copy
         with torch._C.DisableTorchFunction(), torch.no_grad():
@@ -216,6 +220,10 @@ class Tracer:
         scope = self.stack[-1] if self.stack else None
         if scope is None or not scope.traced:
             return
+        if func is _T.__setitem__:  # returns None; recorded (as the tensor it masked) only when it masks scores
+            if before is None:
+                return
+            out = args[0]
         if not isinstance(out, torch.Tensor) and not (
             isinstance(out, (tuple, list)) and not isinstance(out, torch.Size) and any(isinstance(x, torch.Tensor) for x in out)
         ):
@@ -384,6 +392,13 @@ def _chain_step(node: Node, out: torch.Tensor) -> _Step | None:
             return None
         inp = node.before if node.before is not None else args[0]  # masked_fill_ overwrote args[0]
         return _Step("mask", node, inp, node.parent_of(args[0]), allowed=~args[1].detach().bool())
+    if op == "setitem":  # scores[index] = -inf: whatever the index, the assigned entries are the masked ones
+        allowed = torch.ones(args[0].shape, dtype=torch.bool, device=args[0].device)
+        try:
+            allowed[args[1]] = False
+        except (IndexError, RuntimeError, TypeError):
+            return None
+        return _Step("mask", node, node.before, node.parent_of(args[0]), allowed=allowed)
     if op == "where":
         if node.func is torch.where and len(args) == 3:
             cond, a, b = args

@@ -76,9 +76,11 @@ def lints(cap):
 
 
 # ------------------------------------------------------------------------------------------------ 1 nanoGPT
+@pytest.mark.parametrize("masking", ["fill", "assign"])
 @pytest.mark.parametrize("mode", MODES)
-def test_nanogpt_causal_self_attention(mode):
-    model = build(CausalSelfAttention)
+def test_nanogpt_causal_self_attention(mode, masking):
+    # "assign": att[:, :, future] = -inf, an in-place mask by index assignment
+    model = build(CausalSelfAttention, masking=masking)
     (rec,) = run(model, X, **MODES[mode](model))
     q, k, v = (heads_of(t) for t in model.c_attn(X).split(D, dim=2))
     expect(rec, q, k, v, HD ** -0.5, TRIL, causal=True)

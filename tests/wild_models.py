@@ -21,8 +21,9 @@ HD = D // H
 class CausalSelfAttention(nn.Module):
     """nanoGPT: one fused c_attn, a registered tril buffer, an optional flash (sdpa) branch."""
 
-    def __init__(self, n_embd=D, n_head=H, block_size=8, flash=False, dropout=0.0, bug=None):
+    def __init__(self, n_embd=D, n_head=H, block_size=8, flash=False, dropout=0.0, masking="fill", bug=None):
         super().__init__()
+        self.masking = masking  # "fill": masked_fill; "assign": att[:, :, future] = -inf
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.attn_dropout, self.resid_dropout = nn.Dropout(dropout), nn.Dropout(dropout)
@@ -41,7 +42,10 @@ class CausalSelfAttention(nn.Module):
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
             keep = self.bias[:, :, :T, :T] == (1 if self.bug == "mask_eq_1" else 0)
-            att = att.masked_fill(keep, float("-inf"))
+            if self.masking == "assign":
+                att[:, :, keep[0, 0]] = float("-inf")
+            else:
+                att = att.masked_fill(keep, float("-inf"))
             att = F.softmax(att, dim=-1)
             att = self.attn_dropout(att)
             y = att @ v  # (B, nh, T, hs)
