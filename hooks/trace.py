@@ -220,8 +220,8 @@ class Tracer:
         scope = self.stack[-1] if self.stack else None
         if scope is None or not scope.traced:
             return
-        if func is _T.__setitem__:  # returns None; recorded (as the tensor it masked) only when it masks scores
-            if before is None:
+        if func is _T.__setitem__:  # returns None: recorded as the tensor it wrote to (a mask, a KV cache)
+            if not args or not isinstance(args[0], torch.Tensor):
                 return
             out = args[0]
         if not isinstance(out, torch.Tensor) and not (
@@ -393,6 +393,8 @@ def _chain_step(node: Node, out: torch.Tensor) -> _Step | None:
         inp = node.before if node.before is not None else args[0]  # masked_fill_ overwrote args[0]
         return _Step("mask", node, inp, node.parent_of(args[0]), allowed=~args[1].detach().bool())
     if op == "setitem":  # scores[index] = -inf: whatever the index, the assigned entries are the masked ones
+        if node.before is None:  # not a masking value on scores (see Tracer.before_op)
+            return None
         allowed = torch.ones(args[0].shape, dtype=torch.bool, device=args[0].device)
         try:
             allowed[args[1]] = False
@@ -572,9 +574,12 @@ def _unrepeated_heads(t: torch.Tensor, parent: Node | None) -> tuple[torch.Tenso
     return base, base_parent
 
 
-def _source(parent: Node | None) -> torch.Tensor | None:
+def _source(parent: Node | None, memo: dict | None = None) -> torch.Tensor | None:
     """The tensor a projection was computed from (the module input behind q, k or v): the input of the module
-    (e.g. an ``nn.Linear``) or of the product with a parameter that made it. None when it cannot be followed."""
+    (e.g. an ``nn.Linear``) or of the product with a parameter that made it. Other ops (reshapes, scaling,
+    rotary embeddings, a KV cache concatenated or written in place) are walked through their inputs computed in
+    this call. None when it cannot be followed, or when those inputs come from different sources."""
+    memo = {} if memo is None else memo
     for _ in range(32):
         if parent is None:
             return None
@@ -591,20 +596,20 @@ def _source(parent: Node | None) -> torch.Tensor | None:
                 return None
             parent = split.parent_of(split.inputs[0])
             continue
-        if parent.op == "cat":  # a KV cache: cat([past, new]): the part computed in this call says where it came from
-            found = {id(s): s for s in (_source(parent.parent_of(x)) for x in parent.inputs) if s is not None}
-            return next(iter(found.values())) if len(found) == 1 else None
         if parent.op in ("matmul", "rmatmul"):
             operands = [x for x in parent.inputs if not isinstance(x, nn.Parameter)]
             if len(operands) == 1 and len(parent.inputs) == 2:
                 return operands[0]
             return None
-        if parent.op in ("pass", "mul", "div", "transpose", "permute", "reshape", "mT", "getitem", "split", "add",
-                         "repeat") and parent.inputs:
-            src = next((x for x in parent.inputs if not isinstance(x, nn.Parameter)), parent.inputs[0])
-            parent = parent.parent_of(src)
+        produced = list({id(p): p for p in parent.parents if p is not None}.values())
+        if len(produced) == 1:
+            parent = produced[0]
             continue
-        return None
+        if id(parent) not in memo:  # q * cos + rotate_half(q) * sin, cat([past_k, k]): one source or none
+            memo[id(parent)] = None
+            found = {id(s): s for s in (_source(p, memo) for p in produced) if s is not None}
+            memo[id(parent)] = next(iter(found.values())) if len(found) == 1 else None
+        return memo[id(parent)]
     return None
 
 
@@ -1001,7 +1006,8 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
         finding.query_offset = x.shape[-1] - x.shape[-2]
     if finding.allowed is not None:
         offset = finding.query_offset if finding.kind == "self" and x.shape[-1] >= x.shape[-2] else None
-        finding.causal = forbids_future(finding.allowed, offset) if masks else False
+        # a decode step needs no mask: its one query is the latest key
+        finding.causal = forbids_future(finding.allowed, offset) if masks or offset else False
 
     # -- forwards: weights -> (dropout) -> weights @ V
     found = _output_product(softmax, w)

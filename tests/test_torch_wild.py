@@ -310,6 +310,7 @@ def test_llama_reference_rotary_repeat_kv_and_additive_mask(mode):
     q = rotary(heads_of(model.wq(X)), pos)
     k = rotary(heads_of(model.wk(X), 2), pos)
     expect(cap[0], q, k, heads_of(model.wv(X), 2), HD ** -0.5, TRIL, causal=True, atol=1e-5)
+    assert cap[0].meta["kind_from"] == "sources"  # followed through the complex rotary embedding
     assert errors(cap, causal=True) == []
 
 
@@ -331,6 +332,20 @@ def test_t5_style_padding_folded_on_the_query_axis_is_caught():
     model = build(T5StyleAttention, bug="mask_on_queries")
     cap = run(model, X, PADDING.float(), modules=[model])
     assert "padding" in errors(cap, causal=False, attention_mask=PADDING)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_llama_reference_kv_cache_written_in_place(mode):
+    model = build(LlamaReferenceAttention)
+    model(X[:, :4], llama_mask(4), 0)  # prefill the cache
+    cap = run(model, X[:, 4:5], None, 4, **MODES[mode](model))  # one decode step at position 4
+    pos = torch.arange(T)
+    q = rotary(heads_of(model.wq(X)), pos)[:, :, 4:5]
+    k = rotary(heads_of(model.wk(X), 2), pos)[:, :, :5]
+    allowed = torch.ones(1, 5, dtype=torch.bool)
+    expect(cap[0], q, k, heads_of(model.wv(X), 2)[:, :, :5], HD ** -0.5, allowed, causal=True, atol=1e-5)
+    assert cap[0].meta["kind_from"] == "sources" and cap[0].query_offset == 4
+    assert errors(cap, causal=True, attention_mask=torch.ones(B, 5)) == []
 
 
 def test_llama_reference_mask_transposed_is_caught():

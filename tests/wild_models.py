@@ -352,16 +352,25 @@ class LlamaReferenceAttention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.hd, bias=False)
         self.wo = nn.Linear(n_heads * self.hd, dim, bias=False)
         self.register_buffer("freqs_cis", precompute_freqs_cis(self.hd, max_len), persistent=False)
+        # the KV cache as Meta's generation code keeps it: buffers written in place
+        self.register_buffer("cache_k", torch.zeros(2, max_len, n_kv_heads, self.hd), persistent=False)
+        self.register_buffer("cache_v", torch.zeros(2, max_len, n_kv_heads, self.hd), persistent=False)
 
-    def forward(self, x, mask):
+    def forward(self, x, mask, start_pos=None):
+        """``start_pos``: None runs without the cache, else the position of x's first token in the cache."""
         bsz, seqlen, _ = x.shape
         xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.hd)
         xk = self.wk(x).view(bsz, seqlen, self.n_kv, self.hd)
         xv = self.wv(x).view(bsz, seqlen, self.n_kv, self.hd)
-        xq, xk = apply_rotary_emb(xq, xk, self.freqs_cis[:seqlen])
-        n_rep = self.n_heads // self.n_kv
-        keys = xk[:, :, :, None, :].expand(bsz, seqlen, self.n_kv, n_rep, self.hd).reshape(bsz, seqlen, self.n_heads, self.hd)
-        values = xv[:, :, :, None, :].expand(bsz, seqlen, self.n_kv, n_rep, self.hd).reshape(bsz, seqlen, self.n_heads, self.hd)
+        first = start_pos or 0
+        xq, xk = apply_rotary_emb(xq, xk, self.freqs_cis[first:first + seqlen])
+        if start_pos is not None:
+            self.cache_k[:bsz, start_pos:start_pos + seqlen] = xk
+            self.cache_v[:bsz, start_pos:start_pos + seqlen] = xv
+            xk, xv = self.cache_k[:bsz, :start_pos + seqlen], self.cache_v[:bsz, :start_pos + seqlen]
+        n_rep, tk = self.n_heads // self.n_kv, xk.shape[1]
+        keys = xk[:, :, :, None, :].expand(bsz, tk, self.n_kv, n_rep, self.hd).reshape(bsz, tk, self.n_heads, self.hd)
+        values = xv[:, :, :, None, :].expand(bsz, tk, self.n_kv, n_rep, self.hd).reshape(bsz, tk, self.n_heads, self.hd)
         xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(self.hd)
         if mask is not None:
