@@ -4,8 +4,9 @@ Interface-based attention modules ask ``ALL_ATTENTION_FUNCTIONS`` for the functi
 ``config._attn_implementation``. During a capture that name points to a private implementation
 (``attnprobe_sdp`` over sdpa, ``attnprobe_eager`` over the model file's own eager function) that
 calls the backend the model already used, returns its result untouched, and records what the
-call received. Both names are registered once, at the first capture, with ``AttentionInterface``
-and with ``AttentionMaskInterface`` (so masks are built exactly as for the base backend).
+call received. Both names are registered with ``AttentionInterface`` and with ``AttentionMaskInterface``
+(so masks are built exactly as for the base backend) while a capture is open; after the last one
+closes, both registries hold the names they held before.
 
 The implementation of every reachable (sub)config is saved and restored on exit, also when the
 forward raises. Models built from the same config object see the private name meanwhile, but
@@ -217,6 +218,47 @@ def register() -> None:
                 AttentionMaskInterface.register(private, mask_fn)
 
 
+_ACTIVE = 0  # captures that hold the private names registered (see ``hold_registration``)
+_ADDED: set[tuple[str, str]] = set()  # ("attention" or "mask", name) entries the first of them added
+
+
+def hold_registration(stack: ExitStack) -> None:
+    """Register the private names for the length of a capture (``register``); the last capture open removes
+    again every entry the registries did not hold before the first one, so their keys are left as found."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    global _ACTIVE
+    with _LOCK:
+        if _ACTIVE == 0:
+            _ADDED.clear()
+        # (with captures open, only a private name made meanwhile for a custom function is missing)
+        for kind, mapping in (("attention", AttentionInterface._global_mapping),
+                              ("mask", AttentionMaskInterface._global_mapping)):
+            _ADDED.update((kind, name) for name in _FUNCTIONS if name not in mapping)
+        _ACTIVE += 1
+    stack.callback(_release_registration)
+    register()
+
+
+def _release_registration() -> None:
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    global _ACTIVE
+    with _LOCK:
+        _ACTIVE -= 1
+        if _ACTIVE:
+            return
+        mappings = {"attention": AttentionInterface._global_mapping, "mask": AttentionMaskInterface._global_mapping}
+        for kind, name in _ADDED:
+            mapping = mappings[kind]
+            ours = _FUNCTIONS[name] if kind == "attention" else mappings["mask"].get(BASE_OF[name])
+            if mapping.get(name) is ours:  # not if the user registered something else under the name meanwhile
+                mapping.pop(name, None)
+        _ADDED.clear()
+
+
 def mask_style(base: str) -> str:
     """How masks reach ``base``.
 
@@ -319,7 +361,7 @@ def switch_configs(configs, stack: ExitStack) -> None:
         impl = getattr(config, "_attn_implementation", None)
         if base is not None and impl not in BASE_OF:
             plan.append((config, getattr(config, "_attn_implementation_internal", impl), private_name(base)))
-    register()
+    hold_registration(stack)  # its undo runs after the configs are restored (the stack unwinds in reverse)
     saved = []
 
     def restore():

@@ -1,0 +1,272 @@
+"""A capture never perturbs the model: autograd, the RNG stream, global torch / transformers state, the
+user's objects, with every adapter (own modules, Hugging Face eager and sdpa, nn.MultiheadAttention and
+TransformerEncoder, direct sdpa calls, hand-written attention traced by name and with ``modules="auto"``)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attnprobe
+from attnprobe import CaptureBudgetError
+from hf_helpers import build, inputs as hf_inputs
+from torch_helpers import FusedSplit, HeadList
+
+D, H = 16, 4
+
+
+# ------------------------------------------------------------------------------------------ models
+class MHACall(nn.Module):
+    """One nn.MultiheadAttention called with the given flags and a key padding mask."""
+
+    def __init__(self, batch_first: bool, need_weights: bool):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(D, H, dropout=0.2, batch_first=batch_first)
+        self.need_weights = need_weights
+
+    def forward(self, x, padding):
+        out, w = self.mha(x, x, x, key_padding_mask=padding, need_weights=self.need_weights)
+        return out if w is None else out + w.sum()
+
+
+class Encoder(nn.Module):
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(D, H, 32, dropout=0.2, batch_first=batch_first)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x, padding):
+        return self.enc(x, src_key_padding_mask=padding)
+
+
+class SdpaDropout(nn.Module):
+    """Direct sdpa call with dropout in training, causal."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.2 if self.training else 0.0)
+        return self.o(o.transpose(1, 2).reshape(B, T, D))
+
+
+class OwnStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = attnprobe.MultiHeadAttention(D, num_heads=H, causal=True, dropout=0.2)
+        self.b = attnprobe.MultiHeadAttention(D, num_heads=H, dropout=0.2)
+
+    def forward(self, x, padding):
+        return self.b(self.a(x, attention_mask=padding), attention_mask=padding)
+
+
+def _x(time_first=False):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, D, generator=g)
+    return x.transpose(0, 1).contiguous() if time_first else x
+
+
+def _padding_bool():
+    p = torch.zeros(2, 6, dtype=torch.bool)
+    p[0, -2:] = True  # True = padded (torch's convention)
+    return p
+
+
+TORCH_CASES = {
+    "own": (OwnStack, lambda: (_x(), torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])), {}),
+    "mha-bf-weights": (lambda: MHACall(True, True), lambda: (_x(), _padding_bool()), {}),
+    "mha-tf-noweights": (lambda: MHACall(False, False), lambda: (_x(True), _padding_bool()), {}),
+    "encoder-bf": (lambda: Encoder(True), lambda: (_x(), _padding_bool()), {}),
+    "encoder-tf": (lambda: Encoder(False), lambda: (_x(True), _padding_bool()), {}),
+    "sdpa": (SdpaDropout, lambda: (_x(),), {}),
+    "hand-named": (HeadList, lambda: (_x(),), {"modules": ["heads"]}),
+    "hand-auto": (FusedSplit, lambda: (_x(), torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])), {"modules": "auto"}),
+}
+HF_CASES = [(name, attn) for name in ("bert", "gpt2", "llama", "t5") for attn in ("eager", "sdpa")]
+ALL = [*TORCH_CASES, *(f"hf-{n}-{a}" for n, a in HF_CASES)]
+
+
+def make(case: str, seed: int = 0):
+    """(model, positional args, keyword args, capture options) for ``case``, the model in train mode."""
+    if case.startswith("hf-"):
+        _, name, attn = case.split("-")
+        model = build(name, attn, seed=seed)
+        if name == "llama":
+            model.config.attention_dropout = 0.2
+            for layer in model.model.layers:
+                layer.self_attn.attention_dropout = 0.2
+        return model.train(), (), hf_inputs(name, "right"), {}
+    factory, args, options = TORCH_CASES[case]
+    torch.manual_seed(seed)
+    return factory().train(), args(), {}, options
+
+
+def loss_of(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        t = out
+    else:
+        t = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    return (t.float() ** 2).mean()
+
+
+def run_train(model, args, kwargs, seed: int = 7):
+    """Seeded train-mode forward + backward: (loss, {param: grad}, rng state after the forward)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_of(model(*args, **kwargs))
+    rng = torch.get_rng_state()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, rng
+
+
+# ------------------------------------------------------------------------------------------ state
+def _configs(model):
+    seen = {}
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        todo = [c] if c is not None and hasattr(c, "_attn_implementation") else []
+        while todo:
+            c = todo.pop()
+            if id(c) in seen:
+                continue
+            seen[id(c)] = c
+            todo.extend(getattr(c, k) for k in (getattr(c, "sub_configs", None) or {}) if hasattr(getattr(c, k, None), "_attn_implementation"))
+    return list(seen.values())
+
+
+def global_state(model=None) -> dict:
+    """Everything a capture could switch: torch's global and thread-local settings, the model's hooks,
+    flags and attention implementations, and the transformers registries."""
+    from torch.nn.modules import module as module_mod
+
+    state = {
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+        "default_dtype": torch.get_default_dtype(),
+        "fastpath": torch.backends.mha.get_fastpath_enabled(),
+        "function_modes": torch._C._len_torch_function_stack(),
+        "function_enabled": torch._C._is_torch_function_enabled(),
+        "dispatch_modes": torch._C._len_torch_dispatch_stack(),
+        "threads": torch.get_num_threads(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "autocast": torch.is_autocast_enabled("cpu"),
+        "autocast_dtype": torch.get_autocast_dtype("cpu"),
+        "global_hooks": tuple(len(getattr(module_mod, a)) for a in (
+            "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+            "_global_backward_pre_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")),
+    }
+    import sys
+
+    if "transformers" in sys.modules:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        state["attention_functions"] = tuple(sorted(ALL_ATTENTION_FUNCTIONS.valid_keys()))
+        state["mask_functions"] = tuple(sorted(ALL_MASK_ATTENTION_FUNCTIONS.valid_keys()))
+    if model is not None:
+        state["training"] = tuple(m.training for m in model.modules())
+        state["hooks"] = tuple(
+            (name, tuple(tuple(getattr(m, a)) for a in (
+                "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")))
+            for name, m in model.named_modules())
+        state["implementations"] = tuple(c._attn_implementation for c in _configs(model))
+    return state
+
+
+def snapshot(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def assert_same_tensors(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: different names"
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what} differ with capture on: {differ[:5]}"
+
+
+# ------------------------------------------------------------------------------------------ 1, 2: autograd and RNG
+@pytest.mark.parametrize("case", ALL)
+def test_train_forward_backward_is_bitwise_unchanged(case):
+    """Train mode, dropout on: loss, every gradient, the RNG stream and the parameters are those of a run
+    without capture; records hold no graph; the state around is what it was."""
+    model, args, kwargs, options = make(case)
+    params = snapshot(model)
+    loss_off, grads_off, rng_off = run_train(model, args, kwargs)
+    before = global_state(model)
+    kept = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    kept_args = [a.clone() for a in args]
+    with attnprobe.capture(model, **options) as cap:
+        loss_on, grads_on, rng_on = run_train(model, args, kwargs)
+    assert global_state(model) == before
+    assert len(cap) > 0
+    assert torch.equal(loss_on, loss_off), f"loss {loss_on.item()} != {loss_off.item()}"
+    assert torch.equal(rng_on, rng_off), "the capture consumed random numbers"
+    assert_same_tensors(grads_on, grads_off, "gradients")
+    for r in cap:
+        for f in ("q", "k", "v", "scores", "weights", "output", "allowed"):
+            t = getattr(r, f)
+            assert t is None or (not t.requires_grad and t.grad_fn is None), f"{r.name}.{f} holds the graph"
+    for k, v in kept.items():
+        assert torch.equal(kwargs[k], v), f"input {k!r} was changed"
+    assert all(torch.equal(a, b) for a, b in zip(args, kept_args)), "an input tensor was changed"
+    model.zero_grad(set_to_none=True)
+    for name, p in params.items():  # the backward above did not step: parameters and buffers as they were
+        assert torch.equal(model.state_dict()[name], p), name
+
+
+@pytest.mark.parametrize("case", ["own", "mha-bf-weights", "encoder-tf", "sdpa", "hand-auto", "hf-llama-sdpa", "hf-bert-eager"])
+def test_backward_inside_the_capture(case):
+    model, args, kwargs, options = make(case)
+    loss_off, grads_off, _ = run_train(model, args, kwargs)
+    with attnprobe.capture(model, **options) as cap:
+        torch.manual_seed(7)
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(model(*args, **kwargs))
+        loss.backward()  # while every hook is still attached
+        n = len(cap)
+        loss.detach_()
+    assert n > 0 and len(cap) == n  # the backward recorded nothing more
+    assert torch.equal(loss, loss_off)
+    assert_same_tensors({k: p.grad for k, p in model.named_parameters() if p.grad is not None}, grads_off, "gradients")
+
+
+@pytest.mark.parametrize("case", ["own", "mha-tf-noweights", "encoder-bf", "sdpa", "hand-named", "hand-auto",
+                                  "hf-gpt2-eager", "hf-t5-sdpa"])
+def test_records_do_not_keep_the_model_activations_alive(case):
+    """After exit the records are copies: every module's output (and with it the graph) is freed with the
+    model's output, and the Capture does not keep the model alive."""
+    model, args, kwargs, options = make(case)
+    activations = []
+
+    def keep_ref(_m, _a, out):
+        for t in (out if isinstance(out, tuple) else (out,)):
+            if isinstance(t, torch.Tensor):
+                activations.append(weakref.ref(t))
+
+    handles = [m.register_forward_hook(keep_ref) for m in model.modules()]
+    with attnprobe.capture(model, **options) as cap:
+        out = model(*args, **kwargs)
+        loss = loss_of(out)
+    for h in handles:
+        h.remove()
+    assert len(cap) > 0 and len(activations) >= 2
+    del out, loss
+    gc.collect()
+    alive = sum(r() is not None for r in activations)
+    assert alive == 0, f"{alive} of {len(activations)} module outputs are still alive after the capture"
+    model_ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert model_ref() is None, "the Capture keeps the model alive"
+    assert all(r.weights is None or r.weights._base is None for r in cap)
