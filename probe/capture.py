@@ -284,8 +284,8 @@ class CaptureSession:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if self._stack is not None:
-                self._stack.close()  # reverse order, also when the forward raised
+            if self._stack is not None:  # reverse order, also when the forward raised; the undo steps see the
+                self._stack.__exit__(exc_type, exc, tb)  # exception (torch runs no hook for a Ctrl-C)
         finally:
             self._stack = None
             self._model = None

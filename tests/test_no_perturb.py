@@ -4,8 +4,10 @@ TransformerEncoder, direct sdpa calls, hand-written attention traced by name and
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -270,3 +272,133 @@ def test_records_do_not_keep_the_model_activations_alive(case):
     gc.collect()
     assert model_ref() is None, "the Capture keeps the model alive"
     assert all(r.weights is None or r.weights._base is None for r in cap)
+
+
+# ------------------------------------------------------------------------------------------ 3: state on exceptions
+#: a module inside (or right after) the attention of each case, where a failure is injected mid-forward
+INSIDE = {"own": "a", "mha-bf-weights": "mha", "mha-tf-noweights": "mha", "encoder-bf": "enc.layers.0.self_attn",
+          "encoder-tf": "enc.layers.0.self_attn", "sdpa": "o", "hand-named": "heads.1", "hand-auto": "c_proj"}
+
+
+def _inside(case: str, model) -> nn.Module:
+    if case.startswith("hf-"):
+        return dict(model.named_modules())[attnprobe.attention_modules(model)[0].name]
+    return dict(model.named_modules())[INSIDE[case]]
+
+
+def _plain_eval(model, args, kwargs, *, slow_path=False):
+    """Eval-mode loss; ``slow_path``: on torch's non-fused MHA path, the kernels a capture keeps
+    (the fused fast path computes the same math with other kernels)."""
+    from attnprobe.hooks.torch_mha import fastpath_disabled
+
+    with torch.no_grad(), fastpath_disabled() if slow_path else contextlib.nullcontext():
+        return loss_of(model.eval()(*args, **kwargs))
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("case", ALL)
+def test_state_restored_when_the_forward_raises_mid_attention(case, error):
+    """A failure inside the attention module, after the capture's own pre-hooks ran (also a BaseException such as
+    Ctrl-C, for which torch runs no always-called hook): everything is restored, the next capture works."""
+    model, args, kwargs, options = make(case)
+    reference = _plain_eval(model, args, kwargs, slow_path=True)
+    model.train()
+    before = global_state(model)
+
+    def fail(*_):
+        raise error("injected")
+
+    with pytest.raises(error, match="injected"), warnings.catch_warnings():
+        warnings.simplefilter("error", attnprobe.AttnprobeWarning)  # a failed forward is not "found nothing"
+        with attnprobe.capture(model, **options):
+            handle = _inside(case, model).register_forward_pre_hook(fail)  # runs after the capture's pre-hooks
+            try:
+                model(*args, **kwargs)
+            finally:
+                handle.remove()
+    assert global_state(model) == before
+    with attnprobe.capture(model, **options) as cap:
+        again = _plain_eval(model, args, kwargs)
+    assert len(cap) > 0 and torch.equal(again, reference)
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_state_restored_when_the_budget_runs_out_mid_forward(case):
+    model, args, kwargs, options = make(case)
+    model.eval()
+    with torch.no_grad(), attnprobe.capture(model, **options) as cap:
+        model(*args, **kwargs)
+    budget = cap[0].nbytes + 1 if len(cap) > 1 else 1  # the second record (or the only one) does not fit
+    model.train()
+    before = global_state(model)
+    with pytest.raises(CaptureBudgetError):
+        with attnprobe.capture(model, max_bytes=budget, **options):
+            loss_of(model(*args, **kwargs)).backward()
+    assert global_state(model) == before
+
+
+@pytest.mark.parametrize("case", ["own", "encoder-bf", "mha-bf-weights", "sdpa", "hand-auto", "hf-llama-sdpa",
+                                  "hf-t5-eager"])
+def test_nested_captures_and_generators_leave_state_as_found(case):
+    """Nested captures, and captures closed out of order (generators suspended inside their `with`)."""
+    model, args, kwargs, options = make(case)
+    other, o_args, o_kwargs, o_options = make(case, seed=1)
+    model.eval(), other.eval()
+    expected = _plain_eval(model, args, kwargs, slow_path=True)
+    expected_other = _plain_eval(other, o_args, o_kwargs, slow_path=True)
+    before, before_other = global_state(model), global_state(other)
+
+    with attnprobe.capture(model, **options) as outer, attnprobe.capture(model, **options) as inner:
+        assert torch.equal(_plain_eval(model, args, kwargs), expected)
+    assert len(outer) == len(inner) > 0
+    assert global_state(model) == before
+
+    def session(m, opts):
+        with attnprobe.capture(m, **opts) as cap:
+            yield cap
+
+    first, second = session(model, options), session(other, o_options)
+    cap_first, cap_second = next(first), next(second)
+    first.close()  # the first capture closes while the second is still open
+    assert torch.equal(_plain_eval(other, o_args, o_kwargs), expected_other)
+    second.close()
+    assert torch.equal(_plain_eval(model, args, kwargs, slow_path=True), expected)
+    assert len(cap_first) == 0 and len(cap_second) > 0  # the second capture still saw its model
+    assert global_state(model) == before and global_state(other) == before_other
+
+
+@pytest.mark.parametrize("case", ["encoder-bf", "own", "hf-bert-sdpa"])
+def test_captures_in_two_threads_leave_state_as_found(case):
+    """Two threads, each capturing its own model; the captures open and close interleaved."""
+    models = [make(case, seed=s) for s in (0, 1)]
+    for m in models:
+        m[0].eval()
+    expected = [_plain_eval(m, a, k, slow_path=True) for m, a, k, _ in models]
+    before = global_state()
+    entered, first_closed = threading.Barrier(2), threading.Event()
+    results, errors = {}, []
+
+    def work(i):
+        model, args, kwargs, options = models[i]
+        try:
+            with attnprobe.capture(model, **options) as cap:
+                entered.wait(timeout=30)
+                if i == 1:
+                    first_closed.wait(timeout=30)  # closes after thread 0 has closed
+                results[i] = (_plain_eval(model, args, kwargs), cap)
+            if i == 0:
+                first_closed.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            first_closed.set()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for i in (0, 1):
+        out, cap = results[i]
+        assert torch.equal(out, expected[i]) and len(cap) > 0
+    assert global_state() == before
