@@ -402,3 +402,92 @@ def test_captures_in_two_threads_leave_state_as_found(case):
         out, cap = results[i]
         assert torch.equal(out, expected[i]) and len(cap) > 0
     assert global_state() == before
+
+
+# ------------------------------------------------------------------------------------------ 4: other modes
+def _eval_out(model, args, kwargs, options=None, *, grad=False):
+    """(eval-mode loss, Capture or None), under the modes the caller entered."""
+    with contextlib.nullcontext() if grad else torch.no_grad():
+        if options is None:
+            return loss_of(model(*args, **kwargs)), None
+        with attnprobe.capture(model, **options) as cap:
+            out = loss_of(model(*args, **kwargs))
+        return out, cap
+
+
+def _check_records(cap, dtype=None):
+    assert len(cap) > 0
+    for r in cap:
+        for f in ("q", "weights"):
+            t = getattr(r, f)
+            if t is not None:
+                assert not t.is_inference() and not t.requires_grad
+                assert dtype is None or t.dtype == dtype, (r.name, f, t.dtype)
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_autocast_bf16_outputs_and_gradients_unchanged(case):
+    model, args, kwargs, options = make(case)
+    before = global_state(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inner = global_state(model)
+        loss_off, grads_off, rng_off = run_train(model, args, kwargs)
+        _, grads_again, _ = run_train(model, args, kwargs)
+        with attnprobe.capture(model, **options) as cap:
+            loss_on, grads_on, rng_on = run_train(model, args, kwargs)
+        assert global_state(model) == inner
+    assert global_state(model) == before
+    assert torch.equal(loss_on, loss_off) and torch.equal(rng_on, rng_off)
+    # T5's tied embedding gets a bf16 gradient that differs from run to run without any capture (the CPU
+    # embedding backward accumulates in parallel): compare the gradients that are reproducible at all
+    noisy = {k for k in grads_off if not torch.equal(grads_off[k], grads_again[k])}
+    assert noisy <= {"shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}, noisy
+    assert_same_tensors({k: v for k, v in grads_on.items() if k not in noisy},
+                        {k: v for k, v in grads_off.items() if k not in noisy}, "gradients under autocast")
+    _check_records(cap)
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_inference_mode_outputs_unchanged(case):
+    from attnprobe.hooks.torch_mha import fastpath_disabled
+
+    model, args, kwargs, options = make(case)
+    model.eval()
+    with torch.inference_mode():
+        with fastpath_disabled():  # the kernels a capture keeps (see _plain_eval)
+            plain, _ = _eval_out(model, args, kwargs)
+        captured, cap = _eval_out(model, args, kwargs, options)
+        assert torch.is_inference_mode_enabled()
+    assert torch.equal(plain, captured)
+    _check_records(cap)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("case", ALL)
+def test_bf16_and_float64_models_unchanged(case, dtype):
+    model, args, kwargs, options = make(case)
+    model.to(dtype)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    if case == "hand-auto" and dtype == torch.bfloat16:
+        args = args[:1]  # FusedSplit's float32 padding mask promotes its bf16 scores: it cannot run padded in bf16
+    loss_off, grads_off, _ = run_train(model, args, kwargs)
+    with attnprobe.capture(model, **options) as cap:
+        loss_on, grads_on, _ = run_train(model, args, kwargs)
+    assert torch.equal(loss_on, loss_off)
+    assert_same_tensors(grads_on, grads_off, f"gradients in {dtype}")
+    assert len(cap) > 0 and all(r.weights is None or r.weights.dtype in (dtype, torch.float32) for r in cap)
+
+
+def test_inference_mode_records_are_copies_of_what_the_caller_got():
+    """Inference tensors keep no view information: a record must still not share memory with the per-head weights
+    the module returned to the caller (which the caller may change in place)."""
+    mha = nn.MultiheadAttention(D, H, batch_first=True).eval()
+    x = _x()
+    with torch.inference_mode():
+        with attnprobe.capture(mha) as cap:
+            _, w = mha(x, x, x, average_attn_weights=False)
+        kept = w.clone()
+        w.zero_()  # the caller's tensor, changed after the capture
+    rec = cap[0]
+    assert not rec.weights.is_inference()
+    assert torch.equal(rec.weights, kept) and rec.weights.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
