@@ -491,3 +491,44 @@ def test_inference_mode_records_are_copies_of_what_the_caller_got():
     rec = cap[0]
     assert not rec.weights.is_inference()
     assert torch.equal(rec.weights, kept) and rec.weights.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("case", ["own", "sdpa", "hand-auto", "mha-bf-weights"])
+def test_compiled_models_keep_their_outputs_and_say_when_nothing_was_recorded(case):
+    """torch.compile (the eager backend, to stay fast): outputs unchanged, and either records or a warning that
+    names torch.compile, never an empty capture blamed on something else."""
+    model, args, kwargs, options = make(case)
+    model.eval()
+    expected = _plain_eval(model, args, kwargs, slow_path=True)
+    compiled = torch.compile(model, backend="eager")
+    try:
+        _plain_eval(compiled, args, kwargs)  # compiled before the capture, as a user's model would be
+        before = global_state(compiled)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", attnprobe.AttnprobeWarning)
+            with torch.no_grad(), attnprobe.capture(compiled, **options) as cap:
+                out = loss_of(compiled(*args, **kwargs))
+        assert torch.equal(out, expected)
+        assert global_state(compiled) == before
+        ours = [str(w.message) for w in seen if issubclass(w.category, attnprobe.AttnprobeWarning)]
+        if len(cap) == 0:
+            assert ours and all("torch.compile" in m and "_orig_mod" in m for m in ours[-1:]), ours
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("make_module", [
+    lambda: nn.MultiheadAttention(D, H, batch_first=True),
+    lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(D, H, 32, batch_first=True), 1, enable_nested_tensor=False),
+], ids=["mha", "encoder"])
+def test_torchscript_modules_are_refused_by_name(make_module):
+    scripted = torch.jit.script(make_module().eval())
+    before = global_state(scripted)
+    with pytest.raises(attnprobe.UnsupportedModelError, match="TorchScript.*before scripting"):
+        with attnprobe.capture(scripted):
+            pass
+    holder = nn.Sequential(attnprobe.MultiHeadAttention(D, num_heads=H), scripted)  # one part scripted: warned
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"'1'.*TorchScript"), attnprobe.capture(holder) as cap:
+        y = holder[0](_x())
+        scripted(y, y, y) if isinstance(make_module(), nn.MultiheadAttention) else scripted(y)
+    assert len(cap) == 1 and global_state(scripted) == before
