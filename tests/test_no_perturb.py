@@ -122,13 +122,18 @@ def loss_of(out) -> torch.Tensor:
 
 
 def run_train(model, args, kwargs, seed: int = 7):
-    """Seeded train-mode forward + backward: (loss, {param: grad}, rng state after the forward)."""
+    """Seeded train-mode forward + backward: (loss, {param: grad} and the input's grad, rng state after the
+    forward). A floating input gets a gradient too."""
     model.zero_grad(set_to_none=True)
+    if args and args[0].is_floating_point():
+        args = (args[0].detach().clone().requires_grad_(), *args[1:])
     torch.manual_seed(seed)
     loss = loss_of(model(*args, **kwargs))
     rng = torch.get_rng_state()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if args and args[0].requires_grad:
+        grads["<input>"] = args[0].grad
     return loss.detach(), grads, rng
 
 
@@ -240,6 +245,7 @@ def test_backward_inside_the_capture(case):
         loss.detach_()
     assert n > 0 and len(cap) == n  # the backward recorded nothing more
     assert torch.equal(loss, loss_off)
+    grads_off.pop("<input>", None)
     assert_same_tensors({k: p.grad for k, p in model.named_parameters() if p.grad is not None}, grads_off, "gradients")
 
 
@@ -532,3 +538,160 @@ def test_torchscript_modules_are_refused_by_name(make_module):
         y = holder[0](_x())
         scripted(y, y, y) if isinstance(make_module(), nn.MultiheadAttention) else scripted(y)
     assert len(cap) == 1 and global_state(scripted) == before
+
+
+# ------------------------------------------------------------------------------------------ 4, 5: the user's hooks and objects
+def _scale_first(factor):
+    def pre(_m, args):
+        return (args[0] * factor, *args[1:])
+    return pre
+
+
+def _shift_output(_m, _args, out):
+    return (out[0] + 1.0, *out[1:]) if isinstance(out, tuple) else out + 1.0
+
+
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_user_hooks_that_change_inputs_and_outputs_are_kept_and_seen(case):
+    """The user's pre-hook halves the model's input, their forward hook shifts its output: with capture on the
+    caller gets the same, and the records are those of the model run on the halved input."""
+    model, args, kwargs, options = make(case)
+    model.eval()
+    handles = [model.register_forward_pre_hook(_scale_first(0.5)), model.register_forward_hook(_shift_output)]
+    try:
+        expected = _plain_eval(model, args, kwargs, slow_path=True)
+        with torch.no_grad(), attnprobe.capture(model, **options) as hooked:
+            out = loss_of(model(*args, **kwargs))
+        assert torch.equal(out, expected)
+        assert list(model._forward_pre_hooks) == [handles[0].id]  # the capture's hooks are gone, the user's stay
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad(), attnprobe.capture(model, **options) as direct:
+        model(args[0] * 0.5, *args[1:], **kwargs)
+    assert len(hooked) == len(direct) > 0
+    for a, b in zip(hooked, direct):
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("q", "weights") if getattr(a, f) is not None)
+
+
+def test_mha_user_hooks_see_what_the_caller_asked_for():
+    """README: attnprobe's post-hook runs first, so the user's hooks on nn.MultiheadAttention see (and may change)
+    the head-averaged weights the caller asked for, also when the capture needed per-head weights."""
+    mha = nn.MultiheadAttention(D, H, batch_first=True).eval()
+    x = _x()
+    seen = []
+
+    def user_hook(_m, _args, out):
+        seen.append(out[1].shape)
+        return out[0] * 2.0, out[1] + 1.0
+
+    handle = mha.register_forward_hook(user_hook)
+    try:
+        with torch.no_grad():
+            plain = mha(x, x, x)
+            with attnprobe.capture(mha) as cap:
+                captured = mha(x, x, x)
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([2, 6, 6])] * 2
+    assert torch.equal(plain[0], captured[0]) and torch.equal(plain[1], captured[1])
+    assert cap[0].weights.shape == (2, H, 6, 6)  # the module's own per-head weights, before the user's change
+    assert torch.allclose(cap[0].weights.mean(1), plain[1] - 1.0, atol=1e-6)
+
+
+def test_own_module_hook_point_changes_are_recorded_as_they_ran():
+    """A user's hook on a hook point (head ablation) changes the module's output; the record holds what ran."""
+    attn = attnprobe.MultiHeadAttention(D, num_heads=H).eval()
+    x = _x()
+
+    def ablate(_m, _args, w):
+        w = w.clone()
+        w[:, 0] = 0.0
+        return w
+
+    handle = attn.hook_weights.register_forward_hook(ablate)
+    try:
+        with torch.no_grad():
+            plain = attn(x)
+            with attnprobe.capture(attn) as cap:
+                captured = attn(x)
+    finally:
+        handle.remove()
+    assert torch.equal(plain, captured)
+    assert bool((cap[0].weights[:, 0] == 0).all()) and bool((cap[0].weights[:, 1:] > 0).any())
+    assert torch.allclose(cap[0].output, cap[0].weights @ cap[0].v, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["hf-bert-sdpa", "hf-t5-eager", "hf-llama-eager", "hf-gpt2-sdpa"])
+def test_hf_inputs_dict_and_model_unchanged(case):
+    model, _, batch, options = make(case)
+    model.eval()
+    batch_before = {k: v.clone() for k, v in batch.items()}
+    ids_before = {k: id(v) for k, v in batch.items()}
+    params = snapshot(model)
+    config_before = model.config.to_dict()
+    with torch.no_grad(), attnprobe.capture(model, **options) as cap:
+        model(**batch)
+    assert len(cap) > 0
+    assert {k: id(v) for k, v in batch.items()} == ids_before
+    assert_same_tensors(batch, batch_before, "inputs")
+    assert_same_tensors(snapshot(model), params, "parameters and buffers")
+    assert model.config.to_dict() == config_before
+
+
+@pytest.mark.parametrize("case", ["own", "encoder-tf", "sdpa", "hand-named", "hf-llama-sdpa", "hf-bert-eager"])
+def test_deterministic_algorithms_and_gradient_checkpointing(case):
+    """With torch.use_deterministic_algorithms(True) the capture runs no op that refuses it; under gradient
+    checkpointing (attention re-run in backward) the loss and gradients are unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, args, kwargs, options = make(case)
+    torch.use_deterministic_algorithms(True)
+    try:
+        loss_off, grads_off, _ = run_train(model, args, kwargs)
+        with attnprobe.capture(model, **options) as cap:
+            loss_on, grads_on, _ = run_train(model, args, kwargs)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(cap) > 0 and torch.equal(loss_on, loss_off)
+    assert_same_tensors(grads_on, grads_off, "gradients (deterministic)")
+
+    if case.startswith("hf-"):
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+        wrapped = model
+    else:
+        inner = model
+
+        class Checkpointed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, *a, **k):
+                return checkpoint(self.inner, *a, use_reentrant=False, **k)
+
+        wrapped = Checkpointed().train()
+        if isinstance(options.get("modules"), list):
+            options = {**options, "modules": [f"inner.{n}" for n in options["modules"]]}
+    loss_off, grads_off, _ = run_train(wrapped, args, kwargs)
+    with attnprobe.capture(wrapped, **options) as cap:
+        loss_on, grads_on, _ = run_train(wrapped, args, kwargs)
+    assert len(cap) > 0 and torch.equal(loss_on, loss_off)
+    assert_same_tensors(grads_on, grads_off, "gradients (checkpointing)")
+
+
+def test_sampling_generate_unchanged():
+    """generate(do_sample=True) draws from the RNG at every step: the capture must not move the stream."""
+    model, _, batch, options = make("hf-gpt2-sdpa")
+    model.eval()
+    batch = {k: v[1:] for k, v in batch.items()}  # one unpadded row
+    kwargs = dict(max_new_tokens=4, do_sample=True, top_k=0, pad_token_id=0)
+    torch.manual_seed(5)
+    plain = model.generate(**batch, **kwargs)
+    rng = torch.get_rng_state()
+    torch.manual_seed(5)
+    with attnprobe.capture(model) as cap:
+        captured = model.generate(**batch, **kwargs)
+    assert torch.equal(plain, captured) and torch.equal(torch.get_rng_state(), rng)
+    assert len(cap) == 2 * 4  # two layers, four steps
