@@ -347,31 +347,48 @@ def base_of(config) -> str | None:
     return None
 
 
+_SWITCHED: dict[int, list] = {}  # id(config) -> [config, its implementation before, captures holding it]
+
+
 def switch_configs(configs, stack: ExitStack) -> None:
     """Point every wrappable config at its private name; restore each one on exit.
 
     Every private name is made and registered before the first config switches: a sub-config
     whose backend no selected module uses (a vision tower on a custom function while only text
     layers are selected) still runs its modules, and an unregistered name would fail there, or
-    lose its masks.
+    lose its masks. A config several captures switched (nested, or closed out of order) keeps the
+    private name until the last of them closes, then gets back what it had before the first.
     """
     plan = []
     for config in configs:
         base = base_of(config)
         impl = getattr(config, "_attn_implementation", None)
-        if base is not None and impl not in BASE_OF:
+        if base is not None and (impl not in BASE_OF or id(config) in _SWITCHED):
             plan.append((config, getattr(config, "_attn_implementation_internal", impl), private_name(base)))
     hold_registration(stack)  # its undo runs after the configs are restored (the stack unwinds in reverse)
-    saved = []
+    held = []
 
     def restore():
-        for config, impl in reversed(saved):
-            config._attn_implementation_internal = impl
+        with _LOCK:
+            for config in reversed(held):
+                entry = _SWITCHED.get(id(config))
+                if entry is None:
+                    continue
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _SWITCHED[id(config)]
+                    config._attn_implementation_internal = entry[1]
 
     stack.callback(restore)  # registered first: a failure halfway still restores what was switched
-    for config, impl, private in plan:
-        saved.append((config, impl))
-        config._attn_implementation_internal = private
+    with _LOCK:
+        for config, impl, private in plan:
+            entry = _SWITCHED.get(id(config))
+            if entry is None:
+                _SWITCHED[id(config)] = [config, impl, 1]
+                config._attn_implementation_internal = private
+            else:
+                entry[2] += 1
+            held.append(config)
 
 
 # --------------------------------------------------------------------------------- recording

@@ -372,6 +372,14 @@ def test_nested_captures_and_generators_leave_state_as_found(case):
     assert len(cap_first) == 0 and len(cap_second) > 0  # the second capture still saw its model
     assert global_state(model) == before and global_state(other) == before_other
 
+    first, second = session(model, options), session(model, options)  # the same model, closed out of order
+    cap_first, cap_second = next(first), next(second)
+    first.close()
+    assert torch.equal(_plain_eval(model, args, kwargs), expected)
+    second.close()
+    assert len(cap_first) == 0 and len(cap_second) > 0, "the capture still open stopped recording"
+    assert global_state(model) == before
+
 
 @pytest.mark.parametrize("case", ["encoder-bf", "own", "hf-bert-sdpa"])
 def test_captures_in_two_threads_leave_state_as_found(case):
