@@ -169,6 +169,9 @@ def global_state(model=None) -> dict:
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "autocast": torch.is_autocast_enabled("cpu"),
         "autocast_dtype": torch.get_autocast_dtype("cpu"),
+        "anomaly": torch.is_anomaly_enabled(),
+        "sdp_backends": (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                         torch.backends.cuda.math_sdp_enabled()),
         "global_hooks": tuple(len(getattr(module_mod, a)) for a in (
             "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
             "_global_backward_pre_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")),
@@ -183,6 +186,7 @@ def global_state(model=None) -> dict:
         state["mask_functions"] = tuple(sorted(ALL_MASK_ATTENTION_FUNCTIONS.valid_keys()))
     if model is not None:
         state["training"] = tuple(m.training for m in model.modules())
+        state["requires_grad"] = tuple(p.requires_grad for p in model.parameters())
         state["hooks"] = tuple(
             (name, tuple(tuple(getattr(m, a)) for a in (
                 "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -213,8 +217,11 @@ def test_train_forward_backward_is_bitwise_unchanged(case):
     before = global_state(model)
     kept = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     kept_args = [a.clone() for a in args]
+    versions = [t._version for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     with attnprobe.capture(model, **options) as cap:
         loss_on, grads_on, rng_on = run_train(model, args, kwargs)
+        with torch.no_grad():
+            model(*args, **kwargs)  # the user's own tensors go in as they are
     assert global_state(model) == before
     assert len(cap) > 0
     assert torch.equal(loss_on, loss_off), f"loss {loss_on.item()} != {loss_off.item()}"
@@ -227,6 +234,7 @@ def test_train_forward_backward_is_bitwise_unchanged(case):
     for k, v in kept.items():
         assert torch.equal(kwargs[k], v), f"input {k!r} was changed"
     assert all(torch.equal(a, b) for a, b in zip(args, kept_args)), "an input tensor was changed"
+    assert versions == [t._version for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)], "in-place op on an input"
     model.zero_grad(set_to_none=True)
     for name, p in params.items():  # the backward above did not step: parameters and buffers as they were
         assert torch.equal(model.state_dict()[name], p), name
