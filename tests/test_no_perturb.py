@@ -711,3 +711,24 @@ def test_sampling_generate_unchanged():
         captured = model.generate(**batch, **kwargs)
     assert torch.equal(plain, captured) and torch.equal(torch.get_rng_state(), rng)
     assert len(cap) == 2 * 4  # two layers, four steps
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_mha_nested_tensor_call_interrupted_restores_torch_function_and_fast_path(error):
+    """A call on nested tensors runs on torch's fast path with torch functions disabled for its length; a failure
+    inside it (Ctrl-C included) must not leave either switched."""
+    mha = nn.MultiheadAttention(D, H, batch_first=True).eval()
+    nested = torch.nested.nested_tensor([torch.randn(3, D), torch.randn(5, D)])
+    before = global_state(mha)
+
+    def fail(*_):
+        raise error("injected")
+
+    with torch.no_grad(), pytest.raises(error, match="injected"), pytest.warns(attnprobe.AttnprobeWarning, match="nested"):
+        with attnprobe.capture(mha):
+            handle = mha.register_forward_pre_hook(fail)
+            try:
+                mha(nested, nested, nested, need_weights=False)
+            finally:
+                handle.remove()
+    assert global_state(mha) == before
