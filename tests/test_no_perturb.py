@@ -265,10 +265,13 @@ def test_records_do_not_keep_the_model_activations_alive(case):
     model, args, kwargs, options = make(case)
     activations = []
 
+    storages = set()
+
     def keep_ref(_m, _a, out):
         for t in (out if isinstance(out, tuple) else (out,)):
             if isinstance(t, torch.Tensor):
                 activations.append(weakref.ref(t))
+                storages.add(t.untyped_storage().data_ptr())
 
     handles = [m.register_forward_hook(keep_ref) for m in model.modules()]
     with attnprobe.capture(model, **options) as cap:
@@ -286,6 +289,10 @@ def test_records_do_not_keep_the_model_activations_alive(case):
     gc.collect()
     assert model_ref() is None, "the Capture keeps the model alive"
     assert all(r.weights is None or r.weights._base is None for r in cap)
+    for r in cap:  # allocated while the module outputs were alive: a copy has an address of its own
+        for f in ("q", "k", "v", "scores", "weights", "output"):
+            t = getattr(r, f)
+            assert t is None or t.untyped_storage().data_ptr() not in storages, f"{r.name}.{f} shares a module output"
 
 
 # ------------------------------------------------------------------------------------------ 3: state on exceptions
