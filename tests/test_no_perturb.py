@@ -265,13 +265,13 @@ def test_records_do_not_keep_the_model_activations_alive(case):
     model, args, kwargs, options = make(case)
     activations = []
 
-    storages = set()
+    held = []  # strong references while the forward runs: no output's memory is reused by a record meanwhile
 
     def keep_ref(_m, _a, out):
         for t in (out if isinstance(out, tuple) else (out,)):
             if isinstance(t, torch.Tensor):
                 activations.append(weakref.ref(t))
-                storages.add(t.untyped_storage().data_ptr())
+                held.append(t)
 
     handles = [m.register_forward_hook(keep_ref) for m in model.modules()]
     with attnprobe.capture(model, **options) as cap:
@@ -279,6 +279,8 @@ def test_records_do_not_keep_the_model_activations_alive(case):
         loss = loss_of(out)
     for h in handles:
         h.remove()
+    storages = {t.untyped_storage().data_ptr() for t in held}
+    held.clear()
     assert len(cap) > 0 and len(activations) >= 2
     del out, loss
     gc.collect()
