@@ -45,6 +45,7 @@ from ..probe.lint import LINT_SAME_KV, lint_violation
 from .base import Adapter, Site
 from .calls import bind_arguments
 from .masks import compress_heads, forbids_future, split_additive
+from .modes import exit_mode
 from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
 
 _SDPA = F.scaled_dot_product_attention
@@ -350,7 +351,9 @@ class _Run:
             seen: set[int] = set()
             for root in roots:
                 self._hook_tree(root, stack, seen)
-        stack.enter_context(_CaptureMode(self._on_sdpa, self.tracer))
+        mode = _CaptureMode(self._on_sdpa, self.tracer)
+        mode.__enter__()
+        stack.callback(exit_mode, mode, dispatch=False)  # ours, also when it is no longer on top of the stack
         stack.push(self._close)
 
     def _hook_tree(self, module: nn.Module, stack: ExitStack, seen: set[int]) -> None:

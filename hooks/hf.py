@@ -4,8 +4,9 @@ Interface-based attention modules ask ``ALL_ATTENTION_FUNCTIONS`` for the functi
 ``config._attn_implementation``. During a capture that name points to a private implementation
 (``attnprobe_sdp`` over sdpa, ``attnprobe_eager`` over the model file's own eager function) that
 calls the backend the model already used, returns its result untouched, and records what the
-call received. Both names are registered once, at the first capture, with ``AttentionInterface``
-and with ``AttentionMaskInterface`` (so masks are built exactly as for the base backend).
+call received. Both names are registered with ``AttentionInterface`` and with ``AttentionMaskInterface``
+(so masks are built exactly as for the base backend) while a capture is open; after the last one
+closes, both registries hold the names they held before.
 
 The implementation of every reachable (sub)config is saved and restored on exit, also when the
 forward raises. Models built from the same config object see the private name meanwhile, but
@@ -217,6 +218,47 @@ def register() -> None:
                 AttentionMaskInterface.register(private, mask_fn)
 
 
+_ACTIVE = 0  # captures that hold the private names registered (see ``hold_registration``)
+_ADDED: set[tuple[str, str]] = set()  # ("attention" or "mask", name) entries the first of them added
+
+
+def hold_registration(stack: ExitStack) -> None:
+    """Register the private names for the length of a capture (``register``); the last capture open removes
+    again every entry the registries did not hold before the first one, so their keys are left as found."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    global _ACTIVE
+    with _LOCK:
+        if _ACTIVE == 0:
+            _ADDED.clear()
+        # (with captures open, only a private name made meanwhile for a custom function is missing)
+        for kind, mapping in (("attention", AttentionInterface._global_mapping),
+                              ("mask", AttentionMaskInterface._global_mapping)):
+            _ADDED.update((kind, name) for name in _FUNCTIONS if name not in mapping)
+        _ACTIVE += 1
+    stack.callback(_release_registration)
+    register()
+
+
+def _release_registration() -> None:
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    global _ACTIVE
+    with _LOCK:
+        _ACTIVE -= 1
+        if _ACTIVE:
+            return
+        mappings = {"attention": AttentionInterface._global_mapping, "mask": AttentionMaskInterface._global_mapping}
+        for kind, name in _ADDED:
+            mapping = mappings[kind]
+            ours = _FUNCTIONS[name] if kind == "attention" else mappings["mask"].get(BASE_OF[name])
+            if mapping.get(name) is ours:  # not if the user registered something else under the name meanwhile
+                mapping.pop(name, None)
+        _ADDED.clear()
+
+
 def mask_style(base: str) -> str:
     """How masks reach ``base``.
 
@@ -305,31 +347,48 @@ def base_of(config) -> str | None:
     return None
 
 
+_SWITCHED: dict[int, list] = {}  # id(config) -> [config, its implementation before, captures holding it]
+
+
 def switch_configs(configs, stack: ExitStack) -> None:
     """Point every wrappable config at its private name; restore each one on exit.
 
     Every private name is made and registered before the first config switches: a sub-config
     whose backend no selected module uses (a vision tower on a custom function while only text
     layers are selected) still runs its modules, and an unregistered name would fail there, or
-    lose its masks.
+    lose its masks. A config several captures switched (nested, or closed out of order) keeps the
+    private name until the last of them closes, then gets back what it had before the first.
     """
     plan = []
     for config in configs:
         base = base_of(config)
         impl = getattr(config, "_attn_implementation", None)
-        if base is not None and impl not in BASE_OF:
+        if base is not None and (impl not in BASE_OF or id(config) in _SWITCHED):
             plan.append((config, getattr(config, "_attn_implementation_internal", impl), private_name(base)))
-    register()
-    saved = []
+    hold_registration(stack)  # its undo runs after the configs are restored (the stack unwinds in reverse)
+    held = []
 
     def restore():
-        for config, impl in reversed(saved):
-            config._attn_implementation_internal = impl
+        with _LOCK:
+            for config in reversed(held):
+                entry = _SWITCHED.get(id(config))
+                if entry is None:
+                    continue
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _SWITCHED[id(config)]
+                    config._attn_implementation_internal = entry[1]
 
     stack.callback(restore)  # registered first: a failure halfway still restores what was switched
-    for config, impl, private in plan:
-        saved.append((config, impl))
-        config._attn_implementation_internal = private
+    with _LOCK:
+        for config, impl, private in plan:
+            entry = _SWITCHED.get(id(config))
+            if entry is None:
+                _SWITCHED[id(config)] = [config, impl, 1]
+                config._attn_implementation_internal = private
+            else:
+                entry[2] += 1
+            held.append(config)
 
 
 # --------------------------------------------------------------------------------- recording

@@ -39,6 +39,7 @@ How a call is read without changing what the caller gets:
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from ..probe.errors import AttnprobeError, AttnprobeWarning
 from .base import Adapter, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, forbids_future, split_additive
+from .modes import exit_mode
 from .trace import user_stacklevel
 
 #: ``nn.MultiheadAttention.forward`` parameters, in order.
@@ -61,15 +63,31 @@ _DEFAULTS = {"key_padding_mask": None, "need_weights": True, "attn_mask": None, 
 _AVERAGE_AT = _PARAMS.index("average_attn_weights")
 
 
+_FASTPATH_LOCK = threading.Lock()
+_fastpath_holders = 0  # blocks (captures) inside fastpath_disabled, in any thread, in any order
+_fastpath_outside = True  # the setting before the first of them
+
+
 @contextmanager
 def fastpath_disabled():
-    """``torch.backends.mha`` fast path off inside the block, the previous setting restored after."""
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
+    """``torch.backends.mha`` fast path off inside the block, the previous setting restored after.
+
+    The setting is process-wide while blocks may overlap without nesting (captures in two threads, or closed
+    out of order): the first block to open saves it, the last to close restores it.
+    """
+    global _fastpath_holders, _fastpath_outside
+    with _FASTPATH_LOCK:
+        if _fastpath_holders == 0:
+            _fastpath_outside = torch.backends.mha.get_fastpath_enabled()
+        _fastpath_holders += 1
+        torch.backends.mha.set_fastpath_enabled(False)
     try:
         yield
     finally:
-        torch.backends.mha.set_fastpath_enabled(before)
+        with _FASTPATH_LOCK:
+            _fastpath_holders -= 1
+            if _fastpath_holders == 0:
+                torch.backends.mha.set_fastpath_enabled(_fastpath_outside)
 
 
 def _bind(args: tuple, kwargs: dict) -> dict | None:
@@ -238,7 +256,7 @@ class _OutProjInput(TorchDispatchMode):
     def stop(self) -> None:
         if self.entered:
             self.entered = False
-            self.__exit__(None, None, None)
+            exit_mode(self, dispatch=True)
 
 
 @dataclass
@@ -283,7 +301,6 @@ class TorchMHAAdapter(Adapter):
         selected = [s for s in sites if s.selected]
         if not selected:
             return
-        self._fastpath_before = torch.backends.mha.get_fastpath_enabled()
         stack.enter_context(fastpath_disabled())
         for site in selected:
             self._attach_site(session, site, stack)
@@ -312,17 +329,28 @@ class TorchMHAAdapter(Adapter):
                 return args[:_AVERAGE_AT] + (False,) + args[_AVERAGE_AT + 1 :], kwargs
             return args, {**kwargs, "average_attn_weights": False}
 
-        def after(mod, args, kwargs, output):
-            if not calls:
-                return None
-            call = calls.pop()
+        def undo(call) -> None:
+            """Undo what the pre-hook switched for ``call`` (the dispatch mode, or the nested-tensor bypass)."""
             if isinstance(call, _Untouched):
                 torch.backends.mha.set_fastpath_enabled(call.fastpath)
                 if call.guard is not None:
                     call.guard.__exit__(None, None, None)
-                return None
-            if call is not None and call.watch is not None:
+            elif call is not None and call.watch is not None:
                 call.watch.stop()
+
+        def unwind() -> None:
+            # torch runs no always-called hook for a BaseException (Ctrl-C) raised in the forward: calls left in
+            # progress must not leave their dispatch mode, or torch functions disabled, behind the capture
+            while calls:
+                undo(calls.pop())
+
+        def after(mod, args, kwargs, output):
+            if not calls:
+                return None
+            call = calls.pop()
+            undo(call)
+            if isinstance(call, _Untouched):
+                return None
             if call is None or output is None:
                 return None  # arguments we cannot read, or the forward raised
             if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)):
@@ -358,6 +386,7 @@ class TorchMHAAdapter(Adapter):
         ]
         for h in handles:
             stack.callback(h.remove)
+        stack.callback(unwind)
 
     @staticmethod
     def _warn_unreadable(site: Site, output, warned: set[str]) -> None:
@@ -386,7 +415,7 @@ class TorchMHAAdapter(Adapter):
             guard = torch._C.DisableTorchFunction()
             guard.__enter__()
         untouched = _Untouched(guard, torch.backends.mha.get_fastpath_enabled())
-        torch.backends.mha.set_fastpath_enabled(self._fastpath_before or untouched.fastpath)
+        torch.backends.mha.set_fastpath_enabled(_fastpath_outside or untouched.fastpath)
         return untouched
 
     def _record(self, session, site: Site, mod: nn.MultiheadAttention, b: dict, attn_output, observed,

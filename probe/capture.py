@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
@@ -214,6 +215,7 @@ class CaptureSession:
             adapters = default_adapters(modules=modules)
         self.model_class = type(model).__name__
         self._model = model  # dropped on exit; the Capture never holds it
+        self._compiled = compiled_modules(model)
         self.selection = selection
         self.store = Store(selection)
         self.adapters = list(adapters)
@@ -256,6 +258,20 @@ class CaptureSession:
         found = self._found
         claimed = {id(s.module) for s in self.sites}
         may_grow = any(a.dynamic and a.may_find_more(model, claimed) for a in self.adapters)
+        scripted = scripted_modules(model)
+        if scripted and not self.sites and not may_grow:
+            raise UnsupportedModelError(
+                f"{self.model_class} runs TorchScript ({', '.join(map(repr, scripted[:3]))} made with torch.jit.script/trace): "
+                "its code runs inside the TorchScript interpreter, where no hook or torch function mode can see "
+                "attention. Capture the Python module before scripting it (outputs are the same)"
+            )
+        if scripted:
+            warnings.warn(
+                f"{', '.join(map(repr, scripted[:3]))} in {self.model_class} run TorchScript (torch.jit.script/trace): attention "
+                "inside them cannot be seen and is not recorded; capture the Python modules before scripting",
+                AttnprobeWarning,
+                stacklevel=3,
+            )
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
                 f"no attention found in {self.model_class}. attnprobe reads its own MultiHeadAttention, Hugging Face "
@@ -284,8 +300,8 @@ class CaptureSession:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if self._stack is not None:
-                self._stack.close()  # reverse order, also when the forward raised
+            if self._stack is not None:  # reverse order, also when the forward raised; the undo steps see the
+                self._stack.__exit__(exc_type, exc, tb)  # exception (torch runs no hook for a Ctrl-C)
         finally:
             self._stack = None
             self._model = None
@@ -299,6 +315,19 @@ class CaptureSession:
                 f"({self.static_sites} found before the run, {n - self.static_sites} while it ran); "
                 "negative numbers count from the end of the layers found before the run"
             )
+        if exc_type is None and not self.selection.idle and self._compiled:
+            silent = [s.name or "<root>" for s in self.sites[: self.static_sites] if s.selected and not s.calls]
+            if not len(self.capture) or silent:
+                what = "nothing was recorded" if not len(self.capture) else f"no call of {silent[:5]} was recorded"
+                warnings.warn(
+                    f"{self.model_class} is compiled with torch.compile ({', '.join(self._compiled[:3])}) and {what}: "
+                    "compiled code may run without attnprobe's hooks and function mode (its outputs are not "
+                    "changed). Capture and call the module before compilation (`compiled._orig_mod`, or the "
+                    "module before `.compile()`)",
+                    AttnprobeWarning,
+                    stacklevel=3,
+                )
+                return
         if exc_type is None and not self.selection.idle and not self.sites:
             warnings.warn(
                 f"no attention found in {self.model_class} while the capture was open (was the model called inside "
@@ -433,6 +462,23 @@ class CaptureSession:
         )
         self.capture._append(record)
         return record
+
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    """Names of ``model``'s modules compiled with ``torch.compile`` (wrapped, or ``module.compile()``)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported here: no compile, no dynamo
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return [name or "<root>" for name, m in model.named_modules()
+            if (wrapper is not None and isinstance(m, wrapper)) or getattr(m, "_compiled_call_impl", None) is not None]
+
+
+def scripted_modules(model: nn.Module) -> list[str]:
+    """Names of the outermost TorchScript modules in ``model`` (their code is opaque to hooks and modes)."""
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and not any(name.startswith(f + ".") or f == "<root>" for f in found):
+            found.append(name or "<root>")
+    return found
 
 
 @dataclass(frozen=True)

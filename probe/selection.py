@@ -315,7 +315,8 @@ class Store:
         It is stored in the dtype the budget planned for. Should it be larger than planned, the difference is
         reserved (and may fail) so ``used`` never under-counts.
         """
-        view = fresh._is_view()
+        # inference tensors keep no view information: one may be a view of what the model returned
+        view = fresh._is_view() or fresh.is_inference()
         fresh = fresh.detach()
         dtype = self.target_dtype(declared)
         actual = fresh.numel() * _element_size(dtype)
@@ -324,6 +325,7 @@ class Store:
         else:
             self.used -= planned - actual
         # a view may share memory with a tensor the model returned: copy it rather than keep the whole base
+        # (a copy made here, in emit, is also an ordinary tensor, usable after an inference_mode block)
         return fresh.to(device=self.selection.device, dtype=dtype, copy=view)
 
 
