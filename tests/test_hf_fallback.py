@@ -248,11 +248,37 @@ def test_weights_nested_in_the_first_item_are_found(recwarn, assert_no_hooks):
     assert_no_hooks(model)
 
 
-def test_pre_softmax_scores_returned_as_attentions_are_not_taken_for_weights(recwarn):
-    """SqueezeBERT's output_attentions are its scores, in a dict: no weights to record."""
+def test_pre_softmax_scores_returned_as_attentions_become_the_weights_the_module_used(recwarn, assert_no_hooks):
+    """SqueezeBERT's output_attentions are its masked scores, in a dict: the record holds the softmax the
+    module applies next, equal to what its own nn.Softmax returned."""
     model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, embedding_size=16,
         vocab_size=50)).eval()
-    with pytest.raises(UnsupportedModelError, match="returned no attention weights"):
+    ids, mask = torch.randint(1, 50, (2, 6)), torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    probs = []
+    softmax = model.encoder.layers[0].attention.softmax  # the module's own nn.Softmax(dim=-1)
+    handle = softmax.register_forward_hook(lambda m, a, out: probs.append(out))
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask)
+        with attnprobe.capture(model) as cap:
+            captured = model(ids, attention_mask=mask)
+    handle.remove()
+    assert torch.equal(plain.last_hidden_state, captured.last_hidden_state)
+    assert len(cap) == 1 and cap[0].weights_source == "output_attentions"
+    assert cap[0].weights.shape == (2, 2, 6, 6) and torch.equal(cap[0].weights, probs[1])
+    assert attnprobe.check(cap, attention_mask=mask).ok
+    assert_no_hooks(model)
+
+
+def test_returned_attentions_that_are_not_probabilities_are_refused(recwarn, monkeypatch):
+    """Logits returned as output_attentions by a module attnprobe does not know are refused by name, not
+    recorded as weights (ProphetNet's and SqueezeBERT's were, before they were known)."""
+    from attnprobe.hooks import hf_fallback
+
+    monkeypatch.setattr(hf_fallback, "_PRE_SOFTMAX", frozenset())
+    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, embedding_size=16,
+        vocab_size=50)).eval()
+    with pytest.raises(UnsupportedModelError, match=r"SqueezeBertSelfAttention.*not post-softmax weights"):
         with torch.no_grad(), attnprobe.capture(model):
             model(torch.randint(1, 50, (1, 6)))
