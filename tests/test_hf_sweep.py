@@ -195,6 +195,16 @@ FAMILIES = {
     "clip": ("CLIPConfig", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
              "text-image"),
     "siglip": ("SiglipConfig", dict(text_config=TEXT, vision_config=VISION), "text-image"),
+    "llava": ("LlavaConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+                                  vision_config=dict(VISION, model_type="clip_vision_model"), image_token_index=110,
+                                  vision_feature_layer=-1), "vlm"),
+    "owlvit": ("OwlViTConfig", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
+               "text-image"),
+    "chinese-clip": ("ChineseCLIPConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16),
+                     "text-image"),
+    "altclip": ("AltCLIPConfig", dict(text_config=dict(TEXT, pad_token_id=1), vision_config=VISION,
+                                      projection_dim=16), "text-image"),
+    "blip": ("BlipConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16), "text-image"),
     # random masking: a fixed noise makes it deterministic
     "vit-mae": ("ViTMAEConfig", dict(VISION, mask_ratio=0.5), "image",
                 {"inputs": {"noise": torch.rand(2, 16, generator=torch.Generator().manual_seed(2))}}),
@@ -278,6 +288,13 @@ def make_inputs(kind: str, config) -> tuple[dict, dict]:
         size = config.vision_config.image_size
         return ({"input_ids": ids(7), "attention_mask": mask,
                  "pixel_values": torch.randn(2, 3, size, size, generator=g)}, {"encoder": mask})
+    if kind == "vlm":  # 16 image tokens (one per patch) after two left-padded positions
+        mask = padding_mask(24, "left")
+        input_ids = ids(24)
+        input_ids[:, 2:18] = config.image_token_index
+        size = config.vision_config.image_size
+        return ({"input_ids": input_ids, "attention_mask": mask,
+                 "pixel_values": torch.randn(2, 3, size, size, generator=g)}, {"decoder": mask})
     if kind == "spectrogram":
         return {"input_values": torch.randn(2, config.max_length, config.num_mel_bins, generator=g)}, {}
     if kind == "audio":
@@ -334,7 +351,9 @@ def eager_reference(model, batch, kind: str) -> tuple[dict, int]:
     counter = SoftmaxCount()
     with torch.no_grad(), counter:
         out = reference(**batch, output_attentions=True)
-    if kind == "text-image":
+    if kind == "vlm":  # LLaVA returns the language model's attentions only
+        groups = {(None, "self", "language_model"): out.attentions}
+    elif kind == "text-image":
         groups = {(None, "self", "text_model"): out.text_model_output.attentions,
                   (None, "self", "vision_model"): out.vision_model_output.attentions}
     elif getattr(out, "encoder_attentions", None) is not None or getattr(out, "decoder_attentions", None) is not None:
@@ -346,8 +365,15 @@ def eager_reference(model, batch, kind: str) -> tuple[dict, int]:
 
 
 def tower(record, kind: str):
-    """Which tower of a two-tower model (CLIP, SigLIP) a record belongs to; None for the others."""
+    """Which tower of a two-tower model (CLIP, SigLIP) or a vision-language model (LLaVA) a record
+    belongs to; None for the others."""
+    if kind == "vlm":
+        return "vision_tower" if ".vision_tower." in f".{record.name}" else "language_model"
     return record.name.split(".")[0] if kind == "text-image" else None
+
+
+#: two-tower families whose text tower is causal (CLIP's text transformer and those built on it)
+CAUSAL_TEXT = frozenset({"clip", "owlvit"})
 
 
 def declarations(cap, name: str, masks: dict) -> tuple[dict, dict]:
@@ -355,9 +381,12 @@ def declarations(cap, name: str, masks: dict) -> tuple[dict, dict]:
     kind = FAMILIES[name][2]
     causal, mask = {}, {}
     for r in cap:
-        if kind == "text-image":
+        if kind == "vlm":
+            language = tower(r, kind) == "language_model"
+            is_causal, side = language, "decoder" if language else None
+        elif kind == "text-image":
             text = tower(r, kind) == "text_model"
-            is_causal, side = text and name == "clip", "encoder" if text else None  # CLIP's text tower is causal
+            is_causal, side = text and name in CAUSAL_TEXT, "encoder" if text else None
         else:
             stack = r.meta.get("stack") or ("decoder" if kind == "causal" else "encoder")
             is_causal, side = stack == "decoder", "encoder" if r.kind == "cross" else stack
@@ -458,7 +487,7 @@ def _one_thread():
 #: Families without the attention interface (wholly or partly): weights-only records, with a warning.
 FALLBACK = frozenset({
     "mpnet", "megatron-bert", "deberta", "deberta-v2", "convbert", "canine", "rembert", "ibert", "nystromformer",
-    "big-bird", "xlm", "flaubert", "xlnet", "squeezebert", "gpt-neo", "gptj", "bloom", "falcon-eager", "codegen",
+    "big-bird", "xlm", "flaubert", "xlnet", "squeezebert", "blip", "gpt-neo", "gptj", "bloom", "falcon-eager", "codegen",
     "mpt", "xglm", "openai-gpt", "prophetnet", "fsmt", "bigbird-pegasus", "swinv2", "pvt",
     "data2vec-vision-eager", "wavlm",
 })
@@ -471,7 +500,8 @@ REFUSED = {
     "longt5": "layers=[...]",  # local-block encoder attention next to an interface decoder
 }
 #: Families whose output_attentions leave out some attention calls (nothing to compare those with).
-PARTIAL_REFERENCE = {"canine": "its outputs hold 4 of the 5 attention calls"}
+PARTIAL_REFERENCE = {"canine": "its outputs hold 4 of the 5 attention calls",
+                     "llava": "its outputs hold the language model's attentions, not the vision tower's"}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
