@@ -156,6 +156,13 @@ def _several_weights(output) -> int:
     return 0
 
 
+def _chunked(module: nn.Module, parents: dict) -> bool:
+    """Called once per local chunk by its parent (Canine's ``local=True`` attention): each call's weights
+    cover one window whose position in the sequence the call does not say."""
+    parent = parents.get(id(module))
+    return getattr(parent, "local", None) is True and hasattr(parent, "attend_from_chunk_stride")
+
+
 def _probabilities(weights: torch.Tensor) -> bool:
     """Whether returned weights lie in [0, 1] (within the dtype's rounding), as post-softmax weights do."""
     if not weights.dtype.is_floating_point or weights.numel() == 0:
@@ -191,7 +198,7 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
                 "output_attentions, and has no attention interface. Load the model with attn_implementation='eager' "
                 "to capture its weights, or exclude it with layers=[...]"
             )
-        if type(site.module).__name__ in _OWN_LAYOUT:
+        if type(site.module).__name__ in _OWN_LAYOUT or _chunked(site.module, parents):
             raise UnsupportedModelError(
                 f"no adapter can read attention module {site.name!r} ({type(site.module).__name__}, layer "
                 f"{site.layer}): its output_attentions weights are laid out per local window or bucket, not as "

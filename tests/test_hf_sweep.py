@@ -486,7 +486,7 @@ def _one_thread():
 
 #: Families without the attention interface (wholly or partly): weights-only records, with a warning.
 FALLBACK = frozenset({
-    "mpnet", "megatron-bert", "deberta", "deberta-v2", "convbert", "canine", "rembert", "ibert", "nystromformer",
+    "mpnet", "megatron-bert", "deberta", "deberta-v2", "convbert", "rembert", "ibert", "nystromformer",
     "big-bird", "xlm", "flaubert", "xlnet", "squeezebert", "blip", "gpt-neo", "gptj", "bloom", "falcon-eager", "codegen",
     "mpt", "xglm", "openai-gpt", "prophetnet", "fsmt", "bigbird-pegasus", "swinv2", "pvt",
     "data2vec-vision-eager", "wavlm",
@@ -498,10 +498,10 @@ REFUSED = {
     "longformer": "layers=[...]",  # local-window weights
     "led": "layers=[...]",
     "longt5": "layers=[...]",  # local-block encoder attention next to an interface decoder
+    "canine": "layers=[...]",  # its character encoders attend chunk by chunk
 }
 #: Families whose output_attentions leave out some attention calls (nothing to compare those with).
-PARTIAL_REFERENCE = {"canine": "its outputs hold 4 of the 5 attention calls",
-                     "llava": "its outputs hold the language model's attentions, not the vision tower's"}
+PARTIAL_REFERENCE = {"llava": "its outputs hold the language model's attentions, not the vision tower's"}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -548,6 +548,28 @@ def test_jetmoe_with_more_kv_heads_than_query_heads_is_captured():
             captured = model(**batch).last_hidden_state
     assert torch.equal(plain, captured) and len(cap) == 2
     assert attnprobe.check(cap, causal=True, attention_mask=batch["attention_mask"]).ok
+
+
+def test_canine_deep_layers_are_captured_when_its_chunked_layers_are_excluded():
+    """Canine's local character encoders are refused by name; its deep encoder, chosen with layers=[...],
+    is read and its records equal the model's own output_attentions."""
+    model = build("canine")
+    batch, _ = make_inputs("encoder", model.config)
+    with pytest.raises(attnprobe.UnsupportedModelError, match=r"CanineSelfAttention.*per local window"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(**batch)
+    names = [m.name for m in attnprobe.attention_modules(model)]
+    deep = [i for i, n in enumerate(names) if n.startswith("encoder.")]
+    assert 0 < len(deep) < len(names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", attnprobe.AttnprobeWarning)
+        with torch.no_grad(), attnprobe.capture(model, layers=deep) as cap:
+            model(**batch)
+        reference = model(**batch, output_attentions=True).attentions
+    assert [r.name for r in cap] == [names[i] for i in deep]
+    # Canine's own attentions: its initial encoder's last chunk, the deep layers, its final encoder
+    assert len(reference) == len(deep) + 2
+    assert all(torch.equal(r.weights, w) for r, w in zip(cap, reference[1:-1], strict=True))
 
 
 def test_inner_encoder_stacks_take_query_padding_from_the_model_mask():
