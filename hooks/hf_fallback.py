@@ -164,12 +164,15 @@ def _chunked(module: nn.Module, parents: dict) -> bool:
 
 
 def _probabilities(weights: torch.Tensor) -> bool:
-    """Whether returned weights lie in [0, 1] (within the dtype's rounding), as post-softmax weights do."""
+    """Whether returned weights lie in [0, 1] (within the dtype's rounding), as post-softmax weights do.
+
+    NaN is not evidence either way: Bloom and MPT in float64 return NaN rows for fully masked queries,
+    which are their own weights (and reach their outputs)."""
     if not weights.dtype.is_floating_point or weights.numel() == 0:
         return True
     slack = 1e-3 if weights.dtype in (torch.float32, torch.float64) else 1e-2
-    lo, hi = torch.aminmax(weights.detach())
-    return bool(lo >= -slack) and bool(hi <= 1 + slack)
+    w = weights.detach()
+    return not bool(((w < -slack) | (w > 1 + slack)).any())  # comparisons with NaN are False
 
 
 def _declared_heads(module: nn.Module) -> int | None:
@@ -273,8 +276,8 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
         if weights is not None and not _probabilities(weights):
             raise UnsupportedModelError(
                 f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) returned output_attentions "
-                f"values in [{float(weights.min()):.3g}, {float(weights.max()):.3g}]: not post-softmax weights, so "
-                "attnprobe cannot record them as weights. Exclude the module with layers=[...]"
+                f"values in [{float(weights.nan_to_num().min()):.3g}, {float(weights.nan_to_num().max()):.3g}]: not "
+                "post-softmax weights, so attnprobe cannot record them as weights. Exclude the module with layers=[...]"
             )
         if weights is not None and declared is not None and weights.shape[1] != declared:
             raise UnsupportedModelError(

@@ -282,3 +282,18 @@ def test_returned_attentions_that_are_not_probabilities_are_refused(recwarn, mon
     with pytest.raises(UnsupportedModelError, match=r"SqueezeBertSelfAttention.*not post-softmax weights"):
         with torch.no_grad(), attnprobe.capture(model):
             model(torch.randint(1, 50, (1, 6)))
+
+def test_nan_rows_of_an_old_style_model_are_recorded_as_it_returns_them(recwarn):
+    """Bloom in float64 returns NaN weights for left-padded (fully masked) query rows: they are its own
+    weights, recorded as they are, not mistaken for values outside [0, 1]."""
+    config = transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=50)
+    torch.manual_seed(0)
+    model = transformers.BloomModel(config).eval().double()
+    ids, mask = torch.randint(1, 50, (2, 6)), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask, output_attentions=True).attentions[0]
+        with attnprobe.capture(model) as cap:
+            model(ids, attention_mask=mask)
+    assert reference.isnan().any(), "Bloom no longer returns NaN rows here: the test checks nothing"
+    assert len(cap) == 1 and torch.equal(cap[0].weights.isnan(), reference.isnan())
+    assert torch.equal(cap[0].weights.nan_to_num(), reference.nan_to_num())
