@@ -211,7 +211,10 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
         for owner in owners:
             if id(owner) not in forced:
                 forced[id(owner)] = _ForceAttentions(owner, stack)
-        _attach_site(session, site, surroundings, stack)
+        # inside a model that otherwise uses the interface, a module whose weights cannot be read (MiniMax's
+        # lightning attention, deformable attention) is left out with a warning; old-style models refuse
+        strict = any(is_old_style_model(m) for m in ancestors(site.module, parents))
+        _attach_site(session, site, surroundings, stack, strict)
 
     models = sorted({type(m).__name__ for m in (f.model for f in forced.values())}) or [type(model).__name__]
     warnings.warn(
@@ -241,7 +244,7 @@ def _refuse_if_path_changes(site, owners) -> None:
         )
 
 
-def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
+def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) -> None:
     module = site.module
     state = surroundings.stack_of(module)
     kind = static_kind(module)
@@ -259,7 +262,23 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
     pre_softmax = type(module).__name__ in _PRE_SOFTMAX
     declared = _declared_heads(module)
 
+    warned = []  # this capture has said once that the module is left out
+
     def after(mod, args, output):
+        try:
+            weights = readable(mod, output)
+        except UnsupportedModelError as e:
+            if strict:
+                raise
+            if not warned:
+                warned.append(True)
+                warnings.warn(f"{e}; it is not recorded (the model's other attention modules are)", AttnprobeWarning,
+                              stacklevel=2)
+            return None
+        record(mod, weights)
+
+    def readable(mod, output) -> torch.Tensor:
+        """The (batch, head, query, key) weights in ``output``; UnsupportedModelError naming what is wrong."""
         weights = _weights_in(output)
         if weights is None and _several_weights(output):
             raise UnsupportedModelError(
@@ -291,6 +310,9 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
                 "it has no attention interface and returned no attention weights (call the model itself, which "
                 f"is asked for output_attentions, or exclude the module with layers=[...]; it is layer {site.layer})"
             )
+        return weights
+
+    def record(mod, weights: torch.Tensor) -> None:
         b, heads, q_len, k_len = weights.shape
         if site.num_heads != heads:
             site.num_heads = heads

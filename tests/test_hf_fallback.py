@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -297,3 +300,26 @@ def test_nan_rows_of_an_old_style_model_are_recorded_as_it_returns_them(recwarn)
     assert reference.isnan().any(), "Bloom no longer returns NaN rows here: the test checks nothing"
     assert len(cap) == 1 and torch.equal(cap[0].weights.isnan(), reference.isnan())
     assert torch.equal(cap[0].weights.nan_to_num(), reference.nan_to_num())
+
+def test_unreadable_old_style_modules_inside_an_interface_model_are_left_out_with_a_warning(assert_no_hooks):
+    """MiniMax mixes lightning (linear) attention, which has no softmax weights, with interface attention:
+    the interface layers are captured, the lightning layer is named in a warning, the output is unchanged."""
+    config = transformers.MiniMaxConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=100, num_local_experts=2, num_experts_per_tok=1, block_size=4,
+        layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.MiniMaxModel(config).eval()
+    ids, mask = torch.randint(1, 100, (2, 6)), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).last_hidden_state
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", AttnprobeWarning)
+            with attnprobe.capture(model) as cap:
+                captured = model(ids, attention_mask=mask).last_hidden_state
+    said = [str(w.message) for w in caught if issubclass(w.category, AttnprobeWarning)]
+    assert any(re.search(r"MiniMaxLightningAttention.*not post-softmax.*not recorded", m) for m in said), said
+    assert torch.equal(plain, captured)
+    assert [r.name for r in cap] == ["layers.1.self_attn"] and cap[0].weights_source == "recomputed"
+    assert attnprobe.check(cap, causal=True, attention_mask=mask).ok
+    assert_no_hooks(model)
