@@ -11,7 +11,7 @@ import transformers
 
 import attnprobe
 from attnprobe import AttnprobeWarning, UnsupportedModelError
-from hf_helpers import inputs
+from hf_helpers import hook_counts, inputs
 
 
 def _gpt_neo():
@@ -323,3 +323,27 @@ def test_unreadable_old_style_modules_inside_an_interface_model_are_left_out_wit
     assert [r.name for r in cap] == ["layers.1.self_attn"] and cap[0].weights_source == "recomputed"
     assert attnprobe.check(cap, causal=True, attention_mask=mask).ok
     assert_no_hooks(model)
+
+
+def test_old_style_text_layers_of_an_interface_model_are_recorded(recwarn):
+    """GIT's vision tower uses the attention interface, its text layers (GitSelfAttention) do not: both are
+    recorded, the text layers with the model's own output_attentions weights."""
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16,
+                  patch_size=4)
+    config = transformers.GitConfig(vision_config=vision, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.GitModel(config).eval()
+    ids, mask = torch.randint(3, 100, (2, 7)), torch.tensor([[1] * 5 + [0, 0], [1] * 7])
+    batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(2, 3, 16, 16)}
+    with torch.no_grad():
+        reference = model(**batch, output_attentions=True).attentions  # installs transformers' own hooks
+        hooks = hook_counts(model)
+        plain = model(**batch).last_hidden_state
+        with attnprobe.capture(model) as cap:
+            captured = model(**batch).last_hidden_state
+    assert torch.equal(plain, captured) and hook_counts(model) == hooks
+    text = [r for r in cap if r.name.startswith("encoder.")]
+    assert [r.meta["module_class"] for r in text] == ["GitSelfAttention"] * 2 and len(cap) == 3
+    assert all(torch.equal(r.weights, w) for r, w in zip(text, reference, strict=True))
+    assert attnprobe.check(cap).ok
