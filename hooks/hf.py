@@ -618,16 +618,18 @@ class HuggingFaceAdapter(Adapter):
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
         if "transformers" not in sys.modules:  # no transformers model can exist yet
             return []
-        from .hf_fallback import find_old_style, is_old_style_model
+        from transformers import PreTrainedModel
 
-        sites, old_style = [], False
+        from .hf_fallback import find_old_style
+
+        sites, pretrained = [], False
         for name, module in model.named_modules():
-            old_style = old_style or is_old_style_model(module)
+            pretrained = pretrained or isinstance(module, PreTrainedModel)
             if id(module) in claimed or not class_info(type(module)).uses_interface:
                 continue
             heads, kv_heads = head_counts(module)
             sites.append(Site(name, module, self, heads, kv_heads, info={"strategy": _STRATEGY}))
-        if old_style:
+        if pretrained:  # old-style modules (whole models, or next to interface ones: LongT5, BigBirdPegasus)
             taken = claimed | {id(s.module) for s in sites}
             for name, module in find_old_style(model, taken, parents_of(model)):
                 heads, kv_heads = head_counts(module)

@@ -77,6 +77,8 @@ def head_counts(module: nn.Module) -> tuple[int | None, int | None]:
     groups = getattr(module, "num_key_value_groups", None)
     if kv is None and isinstance(groups, int) and groups > 0 and heads % groups == 0:
         kv = heads // groups
+    if kv is not None and (kv > heads or heads % kv):
+        kv = None  # attributes that do not describe grouped-query attention (JetMoE's per-expert kv heads)
     return heads, kv or heads
 
 
@@ -131,6 +133,8 @@ class StackState:
 
     def __init__(self, module: nn.Module, stack: ExitStack) -> None:
         self.padding: torch.Tensor | None = None  # (batch, positions) True = padding
+        self.built_mask = False  # the call received a mask that is no 2-D padding mask (a 4-D one built above)
+        self.outer: StackState | None = None  # the next stack above, whose 2-D mask this one's was built from
         self.step: int | None = None
         self.position: int | None = 0  # position of the first query of this call (None: the cache cannot say)
         self._params = forward_params(type(module))
@@ -145,7 +149,9 @@ class StackState:
         stack.callback(self._forget)
 
     def _before(self, module, args, kwargs):
-        self.padding = padding_from(argument(self._params, "attention_mask", args, kwargs))
+        mask = argument(self._params, "attention_mask", args, kwargs)
+        self.padding = padding_from(mask)
+        self.built_mask = self.padding is None and isinstance(mask, torch.Tensor) and mask.dim() > 2
         cache = argument(self._params, "past_key_values", args, kwargs)
         if self._cache_type is not None and isinstance(cache, self._cache_type):
             # generate() passes one cache object to every step: a new object starts a new run
@@ -160,7 +166,7 @@ class StackState:
 
     def _after(self, module, args, output):
         # a module called on its own later must not see this call's state
-        self.padding, self.step, self.position = None, None, 0
+        self.padding, self.step, self.position, self.built_mask = None, None, 0, False
 
     def _forget(self) -> None:
         self._run_cache = None
@@ -175,6 +181,9 @@ class StackState:
         nothing about the query rows: None then, never a guess.
         """
         p = self.padding
+        if p is None and self.built_mask and self.outer is not None:
+            # an inner stack (CLIPEncoder) handed the 4-D mask its model built from the 2-D one
+            return self.outer.query_padding(batch, q_len)
         if p is None or p.shape[0] != batch:
             return None
         if self.position is None:  # a cache that cannot say its length: the queries are the last positions
@@ -215,11 +224,13 @@ class Surroundings:
         self._encoder_ids, self._decoder_ids = _encoder_decoder_ids(model)
 
     def stack_of(self, module: nn.Module) -> StackState | None:
+        """The state of the nearest stack above ``module``, linked to the stacks above it."""
         for above in ancestors(module, self.parents):
             if is_stack(above):
                 state = self._states.get(id(above))
                 if state is None:
                     state = self._states[id(above)] = StackState(above, self._stack)
+                    state.outer = self.stack_of(above)
                 return state
         return None
 

@@ -22,12 +22,16 @@ _MISSING = ("q", "k", "v", "scores", "output", "allowed")
 #: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
 _OWN_LAYOUT = frozenset({
     "LongformerSelfAttention", "LEDEncoderSelfAttention", "BigBirdBlockSparseAttention", "LSHSelfAttention",
-    "LocalSelfAttention", "NeighborhoodAttention",
+    "LocalSelfAttention", "NeighborhoodAttention", "LongT5LocalAttention", "LongT5TransientGlobalAttention",
 })
 #: Old-style modules that return their weights time-first, ``(query, key, batch, head)`` (XLNet's
 #: "ijbn"); the fallback permutes them to ``(batch, head, query, key)``. Their keys after a memory
 #: (XLNet's ``mems``) come after the remembered ones, so the first query sits at ``key - query``.
 _TIME_FIRST = frozenset({"XLNetRelativeAttention"})
+#: Old-style modules whose output_attentions are the logits (plus the additive mask) the softmax is about
+#: to see, not its result (ProphetNet's encoder and cross-attention, SqueezeBERT); the fallback applies
+#: that very softmax call, ``softmax(x, dim=-1)``, to record the weights the module went on to use.
+_PRE_SOFTMAX = frozenset({"ProphetNetAttention", "SqueezeBertSelfAttention"})
 
 
 def is_old_style_model(module: nn.Module) -> bool:
@@ -43,7 +47,13 @@ def _is_pretrained(module: nn.Module) -> bool:
 
 
 def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tuple[str, nn.Module]]:
-    """Innermost ``*Attention*`` modules with a head count inside old-style transformers models."""
+    """Innermost ``*Attention*`` modules with a head count inside transformers models, outside ``taken``
+    (the modules the attention interface or another adapter reads).
+
+    Old-style models have only such modules; a few models mix both kinds (LongT5's local encoder
+    attention, BigBirdPegasus's encoder next to an interface decoder), and their old-style modules
+    must not go unrecorded without a word.
+    """
     candidates = []
     for name, module in model.named_modules():
         cls = type(module)
@@ -51,7 +61,7 @@ def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tup
             continue
         if not any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS):
             continue
-        owner = next((m for m in ancestors(module, parents) if is_old_style_model(m)), None)
+        owner = next((m for m in ancestors(module, parents) if _is_pretrained(m)), None)
         if owner is not None:
             candidates.append((name, module))
     # keep the innermost: a wrapper around another attention module is not itself read
@@ -122,6 +132,8 @@ class _ForceAttentions:
 
 def _weights_in(output) -> torch.Tensor | None:
     """The attention weights (4-D, in the module's own layout) in an old-style module's return value."""
+    if isinstance(output, dict):  # SqueezeBERT: {"context_layer": ..., "attention_score": ...}
+        output = tuple(output.values())
     if not isinstance(output, (tuple, list)) or not output:
         return None
     if isinstance(output[0], (tuple, list)):  # (outputs, scaling factor), as I-BERT returns
@@ -144,6 +156,25 @@ def _several_weights(output) -> int:
     return 0
 
 
+def _chunked(module: nn.Module, parents: dict) -> bool:
+    """Called once per local chunk by its parent (Canine's ``local=True`` attention): each call's weights
+    cover one window whose position in the sequence the call does not say."""
+    parent = parents.get(id(module))
+    return getattr(parent, "local", None) is True and hasattr(parent, "attend_from_chunk_stride")
+
+
+def _probabilities(weights: torch.Tensor) -> bool:
+    """Whether returned weights lie in [0, 1] (within the dtype's rounding), as post-softmax weights do.
+
+    NaN is not evidence either way: Bloom and MPT in float64 return NaN rows for fully masked queries,
+    which are their own weights (and reach their outputs)."""
+    if not weights.dtype.is_floating_point or weights.numel() == 0:
+        return True
+    slack = 1e-3 if weights.dtype in (torch.float32, torch.float64) else 1e-2
+    w = weights.detach()
+    return not bool(((w < -slack) | (w > 1 + slack)).any())  # comparisons with NaN are False
+
+
 def _declared_heads(module: nn.Module) -> int | None:
     """The head count the module itself declares (an attribute, not the config)."""
     return next((v for a in HEAD_ATTRS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
@@ -161,9 +192,16 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
     for site in sites:
         # models that take output_attentions are asked for weights; modules of the others (xglm)
         # return their weights anyway, or fail with a clear error on their first call
-        owners = [m for m in ancestors(site.module, parents) if is_old_style_model(m)
+        owners = [m for m in ancestors(site.module, parents) if _is_pretrained(m)
                   and "output_attentions" in forward_params(type(m))]
-        if type(site.module).__name__ in _OWN_LAYOUT:
+        if "Sdpa" in type(site.module).__name__:
+            raise UnsupportedModelError(
+                f"attention module {site.name!r} ({type(site.module).__name__}, layer {site.layer}) is the sdpa "
+                "variant of an old-style attention class: it returns no weights even when asked for "
+                "output_attentions, and has no attention interface. Load the model with attn_implementation='eager' "
+                "to capture its weights, or exclude it with layers=[...]"
+            )
+        if type(site.module).__name__ in _OWN_LAYOUT or _chunked(site.module, parents):
             raise UnsupportedModelError(
                 f"no adapter can read attention module {site.name!r} ({type(site.module).__name__}, layer "
                 f"{site.layer}): its output_attentions weights are laid out per local window or bucket, not as "
@@ -173,11 +211,15 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
         for owner in owners:
             if id(owner) not in forced:
                 forced[id(owner)] = _ForceAttentions(owner, stack)
-        _attach_site(session, site, surroundings, stack)
+        # inside a model that otherwise uses the interface, a module whose weights cannot be read (MiniMax's
+        # lightning attention, deformable attention) is left out with a warning; old-style models refuse
+        strict = any(is_old_style_model(m) for m in ancestors(site.module, parents))
+        _attach_site(session, site, surroundings, stack, strict)
 
     models = sorted({type(m).__name__ for m in (f.model for f in forced.values())}) or [type(model).__name__]
     warnings.warn(
-        f"{', '.join(models)} has no attention interface (old-style attention code in transformers): attnprobe "
+        f"{', '.join(models)}: no attention interface in {', '.join(sorted({type(s.module).__name__ for s in sites}))} "
+        "(old-style attention code in transformers): attnprobe "
         f"falls back to output_attentions for {len(sites)} module(s) and records post-softmax weights only "
         f"(weights_source='output_attentions'). {', '.join(_MISSING)} are None because the model computes them "
         "inside its own forward, where no hook point exists; the model may also take its eager path to return "
@@ -202,7 +244,7 @@ def _refuse_if_path_changes(site, owners) -> None:
         )
 
 
-def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
+def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) -> None:
     module = site.module
     state = surroundings.stack_of(module)
     kind = static_kind(module)
@@ -217,9 +259,26 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
 
     softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the model's dtype
     time_first = type(module).__name__ in _TIME_FIRST
+    pre_softmax = type(module).__name__ in _PRE_SOFTMAX
     declared = _declared_heads(module)
 
+    warned = []  # this capture has said once that the module is left out
+
     def after(mod, args, output):
+        try:
+            weights = readable(mod, output)
+        except UnsupportedModelError as e:
+            if strict:
+                raise
+            if not warned:
+                warned.append(True)
+                warnings.warn(f"{e}; it is not recorded (the model's other attention modules are)", AttnprobeWarning,
+                              stacklevel=2)
+            return None
+        record(mod, weights)
+
+    def readable(mod, output) -> torch.Tensor:
+        """The (batch, head, query, key) weights in ``output``; UnsupportedModelError naming what is wrong."""
         weights = _weights_in(output)
         if weights is None and _several_weights(output):
             raise UnsupportedModelError(
@@ -230,6 +289,15 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
             )
         if weights is not None and time_first:
             weights = weights.permute(2, 3, 0, 1)  # (query, key, batch, head) -> (batch, head, query, key)
+        if weights is not None and pre_softmax:
+            with torch.no_grad():
+                weights = nn.functional.softmax(weights, dim=-1)
+        if weights is not None and not _probabilities(weights):
+            raise UnsupportedModelError(
+                f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) returned output_attentions "
+                f"values in [{float(weights.nan_to_num().min()):.3g}, {float(weights.nan_to_num().max()):.3g}]: not "
+                "post-softmax weights, so attnprobe cannot record them as weights. Exclude the module with layers=[...]"
+            )
         if weights is not None and declared is not None and weights.shape[1] != declared:
             raise UnsupportedModelError(
                 f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) has {declared} heads but "
@@ -242,6 +310,9 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
                 "it has no attention interface and returned no attention weights (call the model itself, which "
                 f"is asked for output_attentions, or exclude the module with layers=[...]; it is layer {site.layer})"
             )
+        return weights
+
+    def record(mod, weights: torch.Tensor) -> None:
         b, heads, q_len, k_len = weights.shape
         if site.num_heads != heads:
             site.num_heads = heads
@@ -267,7 +338,7 @@ def _attach_site(session, site, surroundings, stack: ExitStack) -> None:
             dropout=dropout,
             step=state.step if state is not None else None,
             query_offset=offset,
-            meta={**meta_now, "weights_after_dropout": True} if dropout else meta_now,
+            meta={**meta_now, "weights_after_dropout": True} if dropout and not pre_softmax else meta_now,
         )
 
     handle = module.register_forward_hook(after)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 import transformers
 
 import attnprobe
 from attnprobe import AttnprobeWarning, UnsupportedModelError
-from hf_helpers import inputs
+from hf_helpers import hook_counts, inputs
 
 
 def _gpt_neo():
@@ -248,11 +251,99 @@ def test_weights_nested_in_the_first_item_are_found(recwarn, assert_no_hooks):
     assert_no_hooks(model)
 
 
-def test_pre_softmax_scores_returned_as_attentions_are_not_taken_for_weights(recwarn):
-    """SqueezeBERT's output_attentions are its scores, in a dict: no weights to record."""
+def test_pre_softmax_scores_returned_as_attentions_become_the_weights_the_module_used(recwarn, assert_no_hooks):
+    """SqueezeBERT's output_attentions are its masked scores, in a dict: the record holds the softmax the
+    module applies next, equal to what its own nn.Softmax returned."""
     model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, embedding_size=16,
         vocab_size=50)).eval()
-    with pytest.raises(UnsupportedModelError, match="returned no attention weights"):
+    ids, mask = torch.randint(1, 50, (2, 6)), torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    probs = []
+    softmax = model.encoder.layers[0].attention.softmax  # the module's own nn.Softmax(dim=-1)
+    handle = softmax.register_forward_hook(lambda m, a, out: probs.append(out))
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask)
+        with attnprobe.capture(model) as cap:
+            captured = model(ids, attention_mask=mask)
+    handle.remove()
+    assert torch.equal(plain.last_hidden_state, captured.last_hidden_state)
+    assert len(cap) == 1 and cap[0].weights_source == "output_attentions"
+    assert cap[0].weights.shape == (2, 2, 6, 6) and torch.equal(cap[0].weights, probs[1])
+    assert attnprobe.check(cap, attention_mask=mask).ok
+    assert_no_hooks(model)
+
+
+def test_returned_attentions_that_are_not_probabilities_are_refused(recwarn, monkeypatch):
+    """Logits returned as output_attentions by a module attnprobe does not know are refused by name, not
+    recorded as weights (ProphetNet's and SqueezeBERT's were, before they were known)."""
+    from attnprobe.hooks import hf_fallback
+
+    monkeypatch.setattr(hf_fallback, "_PRE_SOFTMAX", frozenset())
+    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, embedding_size=16,
+        vocab_size=50)).eval()
+    with pytest.raises(UnsupportedModelError, match=r"SqueezeBertSelfAttention.*not post-softmax weights"):
         with torch.no_grad(), attnprobe.capture(model):
             model(torch.randint(1, 50, (1, 6)))
+
+def test_nan_rows_of_an_old_style_model_are_recorded_as_it_returns_them(recwarn):
+    """Bloom in float64 returns NaN weights for left-padded (fully masked) query rows: they are its own
+    weights, recorded as they are, not mistaken for values outside [0, 1]."""
+    config = transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=50)
+    torch.manual_seed(0)
+    model = transformers.BloomModel(config).eval().double()
+    ids, mask = torch.randint(1, 50, (2, 6)), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask, output_attentions=True).attentions[0]
+        with attnprobe.capture(model) as cap:
+            model(ids, attention_mask=mask)
+    assert reference.isnan().any(), "Bloom no longer returns NaN rows here: the test checks nothing"
+    assert len(cap) == 1 and torch.equal(cap[0].weights.isnan(), reference.isnan())
+    assert torch.equal(cap[0].weights.nan_to_num(), reference.nan_to_num())
+
+def test_unreadable_old_style_modules_inside_an_interface_model_are_left_out_with_a_warning(assert_no_hooks):
+    """MiniMax mixes lightning (linear) attention, which has no softmax weights, with interface attention:
+    the interface layers are captured, the lightning layer is named in a warning, the output is unchanged."""
+    config = transformers.MiniMaxConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=100, num_local_experts=2, num_experts_per_tok=1, block_size=4,
+        layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.MiniMaxModel(config).eval()
+    ids, mask = torch.randint(1, 100, (2, 6)), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).last_hidden_state
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", AttnprobeWarning)
+            with attnprobe.capture(model) as cap:
+                captured = model(ids, attention_mask=mask).last_hidden_state
+    said = [str(w.message) for w in caught if issubclass(w.category, AttnprobeWarning)]
+    assert any(re.search(r"MiniMaxLightningAttention.*not post-softmax.*not recorded", m) for m in said), said
+    assert torch.equal(plain, captured)
+    assert [r.name for r in cap] == ["layers.1.self_attn"] and cap[0].weights_source == "recomputed"
+    assert attnprobe.check(cap, causal=True, attention_mask=mask).ok
+    assert_no_hooks(model)
+
+
+def test_old_style_text_layers_of_an_interface_model_are_recorded(recwarn):
+    """GIT's vision tower uses the attention interface, its text layers (GitSelfAttention) do not: both are
+    recorded, the text layers with the model's own output_attentions weights."""
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16,
+                  patch_size=4)
+    config = transformers.GitConfig(vision_config=vision, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.GitModel(config).eval()
+    ids, mask = torch.randint(3, 100, (2, 7)), torch.tensor([[1] * 5 + [0, 0], [1] * 7])
+    batch = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(2, 3, 16, 16)}
+    with torch.no_grad():
+        reference = model(**batch, output_attentions=True).attentions  # installs transformers' own hooks
+        hooks = hook_counts(model)
+        plain = model(**batch).last_hidden_state
+        with attnprobe.capture(model) as cap:
+            captured = model(**batch).last_hidden_state
+    assert torch.equal(plain, captured) and hook_counts(model) == hooks
+    text = [r for r in cap if r.name.startswith("encoder.")]
+    assert [r.meta["module_class"] for r in text] == ["GitSelfAttention"] * 2 and len(cap) == 3
+    assert all(torch.equal(r.weights, w) for r, w in zip(text, reference, strict=True))
+    assert attnprobe.check(cap).ok

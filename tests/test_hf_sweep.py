@@ -1,0 +1,584 @@
+"""A sweep over Hugging Face model families built from tiny configs (no download).
+
+For every family: outputs bitwise unchanged under a default capture, one record per attention call,
+every (sub)config's implementation restored, records equal to the model's own eager weights, and
+``attnprobe.check`` ok. Old-style families must warn and fall back to output_attentions weights.
+A family whose *construction* fails in the installed transformers is skipped with the reason; a
+capture failure is never skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import attnprobe
+from hf_helpers import hook_counts, max_error_on_real_rows, transformers, twin
+
+VOCAB = 99
+TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+DECODER = dict(TEXT, num_key_value_heads=2, head_dim=8)
+SEQ2SEQ = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+               encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=VOCAB,
+          relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+              patch_size=4, num_channels=3)
+AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
+             conv_dim=(16, 16), conv_stride=(4, 4), conv_kernel=(8, 4), num_feat_extract_layers=2,
+             num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
+
+# family -> (config class, config kwargs, inputs kind); inputs kinds are described in `make_inputs`
+FAMILIES = {
+    # ---- encoders (bidirectional, right padding)
+    "bert": ("BertConfig", TEXT, "encoder"),
+    "roberta": ("RobertaConfig", dict(TEXT, pad_token_id=1), "encoder"),
+    "xlm-roberta": ("XLMRobertaConfig", dict(TEXT, pad_token_id=1), "encoder"),
+    "camembert": ("CamembertConfig", dict(TEXT, pad_token_id=1), "encoder"),
+    "roberta-prelayernorm": ("RobertaPreLayerNormConfig", dict(TEXT, pad_token_id=1), "encoder"),
+    "data2vec-text": ("Data2VecTextConfig", dict(TEXT, pad_token_id=1), "encoder"),
+    "electra": ("ElectraConfig", dict(TEXT, embedding_size=16), "encoder"),
+    "albert": ("AlbertConfig", dict(TEXT, embedding_size=16), "encoder"),
+    "distilbert": ("DistilBertConfig", dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=VOCAB,
+                                            max_position_embeddings=64, pad_token_id=0), "encoder"),
+    "mpnet": ("MPNetConfig", dict(TEXT, pad_token_id=1), "encoder"),
+    "ernie": ("ErnieConfig", TEXT, "encoder"),
+    "megatron-bert": ("MegatronBertConfig", TEXT, "encoder"),
+    "esm": ("EsmConfig", dict(TEXT, pad_token_id=1, mask_token_id=3), "encoder"),
+    "deberta": ("DebertaConfig", TEXT, "encoder"),
+    "deberta-v2": ("DebertaV2Config", TEXT, "encoder"),
+    "squeezebert": ("SqueezeBertConfig", dict(TEXT, embedding_size=32), "encoder"),
+    "mobilebert": ("MobileBertConfig", dict(TEXT, embedding_size=16, intra_bottleneck_size=32, true_hidden_size=32,
+                                            num_feedforward_networks=1), "encoder"),
+    "convbert": ("ConvBertConfig", dict(TEXT, embedding_size=32, head_ratio=2), "encoder"),
+    "canine": ("CanineConfig", dict(TEXT, downsampling_rate=2, num_hash_buckets=64, num_hash_functions=2,
+                                    local_transformer_stride=4), "encoder"),
+    "rembert": ("RemBertConfig", dict(TEXT, input_embedding_size=16, output_embedding_size=16), "encoder"),
+    "xmod": ("XmodConfig", dict(TEXT, pad_token_id=1, languages=["en_XX"], default_language="en_XX"), "encoder"),
+    "ibert": ("IBertConfig", dict(TEXT, pad_token_id=1), "encoder"),
+    "nystromformer": ("NystromformerConfig", dict(TEXT, num_landmarks=7, segment_means_seq_len=7), "encoder"),
+    "big-bird": ("BigBirdConfig", dict(TEXT, attention_type="original_full"), "encoder"),
+    "longformer": ("LongformerConfig", dict(TEXT, pad_token_id=1, attention_window=4), "encoder"),
+    "layoutlm": ("LayoutLMConfig", TEXT, "encoder"),
+    "markuplm": ("MarkupLMConfig", dict(TEXT, pad_token_id=1), "encoder"),
+    "roc-bert": ("RoCBertConfig", dict(TEXT, pronunciation_vocab_size=16, shape_vocab_size=16), "encoder"),
+    "xlm": ("XLMConfig", dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=64,
+                              pad_index=0), "encoder"),
+    "flaubert": ("FlaubertConfig", dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4,
+                                        max_position_embeddings=64, pad_index=0), "encoder"),
+    "xlnet": ("XLNetConfig", dict(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, d_inner=64), "encoder"),
+    "modernbert": ("ModernBertConfig", dict(TEXT, global_attn_every_n_layers=2, local_attention=4), "encoder"),
+    # ---- decoders (causal, left padding)
+    "gpt2": ("GPT2Config", dict(TEXT, n_positions=64), "causal"),
+    "gpt-neo": ("GPTNeoConfig", dict(TEXT, attention_types=[[["global", "local"], 1]], window_size=4), "causal"),
+    "gptj": ("GPTJConfig", dict(TEXT, rotary_dim=4), "causal"),
+    "gpt-neox": ("GPTNeoXConfig", TEXT, "causal"),
+    "gpt-bigcode": ("GPTBigCodeConfig", dict(TEXT, multi_query=True), "causal"),
+    "opt": ("OPTConfig", dict(TEXT, ffn_dim=64, word_embed_proj_dim=32), "causal"),
+    "bloom": ("BloomConfig", TEXT, "causal"),
+    "falcon": ("FalconConfig", dict(TEXT, new_decoder_architecture=True, num_kv_heads=2), "causal"),
+    "falcon-eager": ("FalconConfig", dict(TEXT, new_decoder_architecture=True, num_kv_heads=2), "causal",
+                     {"attn": "eager"}),
+    "codegen": ("CodeGenConfig", dict(TEXT, rotary_dim=4, n_ctx=64), "causal"),
+    "mpt": ("MptConfig", dict(TEXT, expansion_ratio=2), "causal"),
+    "xglm": ("XGLMConfig", dict(TEXT, ffn_dim=64), "causal"),
+    "biogpt": ("BioGptConfig", TEXT, "causal"),
+    "openai-gpt": ("OpenAIGPTConfig", TEXT, "causal"),
+    "llama": ("LlamaConfig", DECODER, "causal"),
+    "mistral": ("MistralConfig", dict(DECODER, sliding_window=3), "causal"),
+    "mixtral": ("MixtralConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1), "causal"),
+    "qwen2": ("Qwen2Config", DECODER, "causal"),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32), "causal"),
+    "qwen3": ("Qwen3Config", DECODER, "causal"),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
+                  "causal"),
+    "phi": ("PhiConfig", TEXT, "causal"),
+    "phi3": ("Phi3Config", DECODER, "causal"),
+    "gemma": ("GemmaConfig", DECODER, "causal"),
+    "gemma2": ("Gemma2Config", dict(DECODER, sliding_window=3, attn_logit_softcapping=0.5, query_pre_attn_scalar=8),
+               "causal"),
+    "gemma3-text": ("Gemma3TextConfig", dict(DECODER, sliding_window=3, query_pre_attn_scalar=8), "causal"),
+    "starcoder2": ("Starcoder2Config", DECODER, "causal"),
+    "cohere": ("CohereConfig", DECODER, "causal"),
+    "cohere2": ("Cohere2Config", dict(DECODER, sliding_window=3), "causal"),
+    "olmo": ("OlmoConfig", DECODER, "causal"),
+    "olmo2": ("Olmo2Config", DECODER, "causal"),
+    "olmoe": ("OlmoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1), "causal"),
+    "stablelm": ("StableLmConfig", DECODER, "causal"),
+    "granite": ("GraniteConfig", DECODER, "causal"),
+    "granitemoe": ("GraniteMoeConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1), "causal"),
+    "persimmon": ("PersimmonConfig", TEXT, "causal"),
+    "glm": ("GlmConfig", DECODER, "causal"),
+    "glm4": ("Glm4Config", DECODER, "causal"),
+    "helium": ("HeliumConfig", DECODER, "causal"),
+    "nemotron": ("NemotronConfig", DECODER, "causal"),
+    "gpt-oss": ("GptOssConfig", dict(DECODER, intermediate_size=32, num_local_experts=2, num_experts_per_tok=1,
+                                     sliding_window=3), "causal"),
+    "smollm3": ("SmolLM3Config", DECODER, "causal"),
+    "ctrl": ("CTRLConfig", dict(TEXT, dff=64), "causal"),
+    "dbrx": ("DbrxConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
+                                attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0), ffn_config=dict(ffn_hidden_size=32, moe_num_experts=2,
+                                                                                moe_top_k=1)), "causal"),
+    "jetmoe": ("JetMoeConfig", dict(TEXT, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=2,
+                                    kv_channels=8), "causal"),
+    "bitnet": ("BitNetConfig", DECODER, "causal"),
+    "exaone4": ("Exaone4Config", dict(DECODER, sliding_window=3), "causal"),
+    "arcee": ("ArceeConfig", DECODER, "causal"),
+    "ministral": ("MinistralConfig", dict(DECODER, sliding_window=3), "causal"),
+    "deepseek-v3": ("DeepseekV3Config", dict(TEXT, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                                             qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2,
+                                             num_experts_per_tok=1, moe_intermediate_size=16, first_k_dense_replace=1,
+                                             n_group=1, topk_group=1), "causal"),
+    "hunyuan-dense": ("HunYuanDenseV1Config", DECODER, "causal"),
+    "seed-oss": ("SeedOssConfig", DECODER, "causal"),
+    "jamba": ("JambaConfig", dict(DECODER, attn_layer_period=2, attn_layer_offset=1, num_experts=2,
+                                  num_experts_per_tok=1, expert_layer_period=2, mamba_d_state=8, mamba_d_conv=2,
+                                  mamba_dt_rank=4, mamba_expand=2, use_mamba_kernels=False), "causal"),
+    # ---- encoder-decoders (right padding on both sides)
+    "t5": ("T5Config", T5, "seq2seq"),
+    "mt5": ("MT5Config", T5, "seq2seq"),
+    "umt5": ("UMT5Config", T5, "seq2seq"),
+    "longt5": ("LongT5Config", T5, "seq2seq"),
+    "switch-transformers": ("SwitchTransformersConfig", dict(T5, num_experts=2, encoder_sparse_step=2,
+                                                             decoder_sparse_step=2), "seq2seq"),
+    "bart": ("BartConfig", SEQ2SEQ, "seq2seq"),
+    "mbart": ("MBartConfig", SEQ2SEQ, "seq2seq"),
+    "pegasus": ("PegasusConfig", SEQ2SEQ, "seq2seq"),
+    "marian": ("MarianConfig", dict(SEQ2SEQ, decoder_start_token_id=0), "seq2seq"),
+    "m2m100": ("M2M100Config", SEQ2SEQ, "seq2seq"),
+    "nllb-moe": ("NllbMoeConfig", dict(SEQ2SEQ, num_experts=2, encoder_sparse_step=2, decoder_sparse_step=2),
+                 "seq2seq"),
+    "blenderbot": ("BlenderbotConfig", SEQ2SEQ, "seq2seq"),
+    "blenderbot-small": ("BlenderbotSmallConfig", SEQ2SEQ, "seq2seq"),
+    "plbart": ("PLBartConfig", SEQ2SEQ, "seq2seq"),
+    "prophetnet": ("ProphetNetConfig", dict(hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                            num_encoder_layers=2, num_decoder_layers=2,
+                                            num_encoder_attention_heads=4, num_decoder_attention_heads=4,
+                                            vocab_size=VOCAB, ngram=2, num_buckets=8, relative_max_distance=16,
+                                            pad_token_id=0, decoder_start_token_id=1), "seq2seq"),
+    # FSMT builds no causal mask when use_cache is on (its default): check() flags the decoder's future
+    # weights, which is what the model computes; a full forward without the cache is causal
+    "fsmt": ("FSMTConfig", dict(SEQ2SEQ, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, langs=["en", "de"]),
+             "seq2seq", {"inputs": {"use_cache": False}}),
+    "led": ("LEDConfig", dict(SEQ2SEQ, attention_window=4, max_encoder_position_embeddings=64,
+                              max_decoder_position_embeddings=64), "seq2seq"),
+    "bigbird-pegasus": ("BigBirdPegasusConfig", dict(SEQ2SEQ, attention_type="original_full"), "seq2seq"),
+    "whisper": ("WhisperConfig", dict(SEQ2SEQ, num_mel_bins=8, max_source_positions=6, max_target_positions=16),
+                "whisper"),
+    "speech-to-text": ("Speech2TextConfig", dict(SEQ2SEQ, input_feat_per_channel=8, num_conv_layers=1,
+                                                 conv_kernel_sizes=(5,), conv_channels=16,
+                                                 max_source_positions=32, max_target_positions=16),
+                       "speech2text"),
+    # ---- vision (no mask)
+    "vit": ("ViTConfig", VISION, "image"),
+    "deit": ("DeiTConfig", VISION, "image"),
+    "beit": ("BeitConfig", dict(VISION, use_relative_position_bias=True), "image"),
+    "data2vec-vision": ("Data2VecVisionConfig", dict(VISION, use_relative_position_bias=True), "image"),
+    "data2vec-vision-eager": ("Data2VecVisionConfig", dict(VISION, use_relative_position_bias=True), "image",
+                              {"attn": "eager"}),
+    "dinov2": ("Dinov2Config", dict(VISION, mlp_ratio=2), "image"),
+    "yolos": ("YolosConfig", dict(VISION, image_size=[16, 16], num_detection_tokens=2), "image"),
+    "swin": ("SwinConfig", dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                                window_size=4), "image"),
+    "swinv2": ("Swinv2Config", dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                                    window_size=4), "image"),
+    "clip-vision": ("CLIPVisionConfig", VISION, "image"),
+    "siglip-vision": ("SiglipVisionConfig", VISION, "image"),
+    "clip-text": ("CLIPTextConfig", dict(TEXT, eos_token_id=2), "causal"),
+    "siglip-text": ("SiglipTextConfig", TEXT, "encoder", {"model": "SiglipTextModel"}),
+    "clip": ("CLIPConfig", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
+             "text-image"),
+    "siglip": ("SiglipConfig", dict(text_config=TEXT, vision_config=VISION), "text-image"),
+    "llava": ("LlavaConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+                                  vision_config=dict(VISION, model_type="clip_vision_model"), image_token_index=110,
+                                  vision_feature_layer=-1), "vlm"),
+    "owlvit": ("OwlViTConfig", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
+               "text-image"),
+    "chinese-clip": ("ChineseCLIPConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16),
+                     "text-image"),
+    "altclip": ("AltCLIPConfig", dict(text_config=dict(TEXT, pad_token_id=1), vision_config=VISION,
+                                      projection_dim=16), "text-image"),
+    "blip": ("BlipConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16), "text-image"),
+    # random masking: a fixed noise makes it deterministic
+    "vit-mae": ("ViTMAEConfig", dict(VISION, mask_ratio=0.5), "image",
+                {"inputs": {"noise": torch.rand(2, 16, generator=torch.Generator().manual_seed(2))}}),
+    "dpt": ("DPTConfig", dict(VISION, neck_hidden_sizes=[8, 8], fusion_hidden_size=8, backbone_out_indices=[0, 1]),
+            "image"),
+    "pvt": ("PvtConfig", dict(image_size=16, num_encoder_blocks=2, depths=[1, 1], sequence_reduction_ratios=[2, 1],
+                              hidden_sizes=[16, 32], patch_sizes=[4, 2], strides=[4, 2], num_attention_heads=[2, 4],
+                              mlp_ratios=[2, 2]), "image"),
+    "segformer": ("SegformerConfig", dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                          patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[2, 4],
+                                          mlp_ratios=[2, 2], image_size=16), "image"),
+    "audio-spectrogram-transformer": ("ASTConfig", dict(VISION, patch_size=4, frequency_stride=4, time_stride=4,
+                                                        max_length=16, num_mel_bins=16), "spectrogram"),
+    # ---- audio (raw samples, no mask)
+    "wav2vec2": ("Wav2Vec2Config", AUDIO, "audio"),
+    "hubert": ("HubertConfig", AUDIO, "audio"),
+    "data2vec-audio": ("Data2VecAudioConfig", AUDIO, "audio"),
+    "sew": ("SEWConfig", dict(AUDIO, squeeze_factor=1), "audio"),
+    "unispeech": ("UniSpeechConfig", AUDIO, "audio"),
+    "wavlm": ("WavLMConfig", dict(AUDIO, num_buckets=8, max_bucket_distance=16), "audio"),
+}
+
+
+# ------------------------------------------------------------------------------ building
+def build(name: str):
+    """A fresh tiny model of ``name`` in eval mode on its default backend; pytest.skip when this
+    transformers cannot construct the family (a missing class or a config it rejects)."""
+    config_name, kwargs, _, *extras = FAMILIES[name]
+    extras = extras[0] if extras else {}
+    missing = [n for n in (config_name, extras.get("model")) if n and not hasattr(transformers, n)]
+    if missing:
+        pytest.skip(f"transformers {transformers.__version__} has no {missing[0]}")
+    attn = {"attn_implementation": extras["attn"]} if "attn" in extras else {}
+    try:
+        config = getattr(transformers, config_name)(**copy.deepcopy(kwargs))
+        torch.manual_seed(0)
+        if "model" in extras:
+            model = getattr(transformers, extras["model"])._from_config(config, **attn)
+        else:
+            model = transformers.AutoModel.from_config(config, **attn)
+    except Exception as e:  # noqa: BLE001 - construction only; the capture below is never excused
+        pytest.skip(f"{name}: cannot build from a tiny config in transformers {transformers.__version__}: "
+                    f"{type(e).__name__}: {str(e)[:200]}")
+    return model.eval()
+
+
+def padding_mask(length: int, side: str) -> torch.Tensor:
+    """(2, length) 1 = token; row 0 padded by 2 on ``side``, row 1 full."""
+    mask = torch.ones(2, length, dtype=torch.long)
+    if side == "left":
+        mask[0, :2] = 0
+    else:
+        mask[0, -2:] = 0
+    return mask
+
+
+def make_inputs(kind: str, config) -> tuple[dict, dict]:
+    """(model inputs, declarations for ``check``: the padding masks of the encoder/decoder sides)."""
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(3, VOCAB, (2, n), generator=g)  # noqa: E731
+    if kind in ("encoder", "causal"):
+        mask = padding_mask(7, "left" if kind == "causal" else "right")
+        return {"input_ids": ids(7), "attention_mask": mask}, {"encoder": mask}
+    if kind == "seq2seq":
+        enc, dec = padding_mask(7, "right"), padding_mask(5, "right")
+        return ({"input_ids": ids(7), "attention_mask": enc, "decoder_input_ids": ids(5),
+                 "decoder_attention_mask": dec}, {"encoder": enc, "decoder": dec})
+    if kind == "whisper":
+        dec = padding_mask(5, "right")
+        features = torch.randn(2, config.num_mel_bins, 2 * config.max_source_positions, generator=g)
+        return {"input_features": features, "decoder_input_ids": ids(5), "decoder_attention_mask": dec}, {"decoder": dec}
+    if kind == "speech2text":
+        dec = padding_mask(5, "right")
+        features = torch.randn(2, 16, config.input_feat_per_channel, generator=g)
+        return {"input_features": features, "decoder_input_ids": ids(5), "decoder_attention_mask": dec}, {"decoder": dec}
+    if kind == "image":
+        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        return {"pixel_values": torch.randn(2, config.num_channels, size, size, generator=g)}, {}
+    if kind == "text-image":
+        mask = padding_mask(7, "right")
+        size = config.vision_config.image_size
+        return ({"input_ids": ids(7), "attention_mask": mask,
+                 "pixel_values": torch.randn(2, 3, size, size, generator=g)}, {"encoder": mask})
+    if kind == "vlm":  # 16 image tokens (one per patch) after two left-padded positions
+        mask = padding_mask(24, "left")
+        input_ids = ids(24)
+        input_ids[:, 2:18] = config.image_token_index
+        size = config.vision_config.image_size
+        return ({"input_ids": input_ids, "attention_mask": mask,
+                 "pixel_values": torch.randn(2, 3, size, size, generator=g)}, {"decoder": mask})
+    if kind == "spectrogram":
+        return {"input_values": torch.randn(2, config.max_length, config.num_mel_bins, generator=g)}, {}
+    if kind == "audio":
+        return {"input_values": torch.randn(2, 400, generator=g)}, {}
+    raise ValueError(kind)
+
+
+# ------------------------------------------------------------------------------ observing
+def tensors_of(output) -> list[torch.Tensor]:
+    """Every tensor in a model output, in a fixed order (nested tuples and ModelOutputs included)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if hasattr(output, "to_tuple"):
+        output = output.to_tuple()
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in tensors_of(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in tensors_of(item)]
+    return []
+
+
+def implementations(model) -> dict[int, object]:
+    """id(config) -> _attn_implementation for every config the modules hold, with sub-configs."""
+    found, todo = {}, [m.config for m in model.modules() if hasattr(m, "config")]
+    while todo:
+        config = todo.pop()
+        if id(config) in found:
+            continue
+        found[id(config)] = getattr(config, "_attn_implementation", None)
+        subs = (getattr(config, k, None) for k in (getattr(config, "sub_configs", None) or {}))
+        todo += [sub for sub in subs if sub is not None]
+    return found
+
+
+class SoftmaxCount(torch.overrides.TorchFunctionMode):
+    """Counts softmax calls over the last axis of 4-D tensors: one per attention call in an eager model."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "softmax" and args and isinstance(args[0], torch.Tensor):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if args[0].dim() == 4 and dim in (-1, 3):
+                self.count += 1
+        return func(*args, **kwargs)
+
+
+def eager_reference(model, batch, kind: str) -> tuple[dict, int]:
+    """(the eager twin's own output_attentions weights keyed by (stack, kind, tower), its attention calls)."""
+    reference = twin(model, "eager")
+    counter = SoftmaxCount()
+    with torch.no_grad(), counter:
+        out = reference(**batch, output_attentions=True)
+    if kind == "vlm":  # LLaVA returns the language model's attentions only
+        groups = {(None, "self", "language_model"): out.attentions}
+    elif kind == "text-image":
+        groups = {(None, "self", "text_model"): out.text_model_output.attentions,
+                  (None, "self", "vision_model"): out.vision_model_output.attentions}
+    elif getattr(out, "encoder_attentions", None) is not None or getattr(out, "decoder_attentions", None) is not None:
+        groups = {("encoder", "self", None): out.encoder_attentions, ("decoder", "self", None): out.decoder_attentions,
+                  ("decoder", "cross", None): out.cross_attentions}
+    else:
+        groups = {(None, "self", None): getattr(out, "attentions", None)}
+    return {k: list(v) for k, v in groups.items() if v}, counter.count
+
+
+def tower(record, kind: str):
+    """Which tower of a two-tower model (CLIP, SigLIP) or a vision-language model (LLaVA) a record
+    belongs to; None for the others."""
+    if kind == "vlm":
+        return "vision_tower" if ".vision_tower." in f".{record.name}" else "language_model"
+    return record.name.split(".")[0] if kind == "text-image" else None
+
+
+#: two-tower families whose text tower is causal (CLIP's text transformer and those built on it)
+CAUSAL_TEXT = frozenset({"clip", "owlvit"})
+
+
+def declarations(cap, name: str, masks: dict) -> tuple[dict, dict]:
+    """``causal`` and ``attention_mask`` per layer, as a user of this family would declare them."""
+    kind = FAMILIES[name][2]
+    causal, mask = {}, {}
+    for r in cap:
+        if kind == "vlm":
+            language = tower(r, kind) == "language_model"
+            is_causal, side = language, "decoder" if language else None
+        elif kind == "text-image":
+            text = tower(r, kind) == "text_model"
+            is_causal, side = text and name in CAUSAL_TEXT, "encoder" if text else None
+        else:
+            stack = r.meta.get("stack") or ("decoder" if kind == "causal" else "encoder")
+            is_causal, side = stack == "decoder", "encoder" if r.kind == "cross" else stack
+        if r.kind == "self":
+            causal[r.layer] = is_causal
+        if side in masks:
+            mask[r.layer] = masks[side]
+    return causal, mask
+
+
+#: ProphetNet's own output_attentions hold the logits before the softmax for these groups (its ngram
+#: decoder self-attention returns probabilities); the reference is their softmax, as the model computes it
+PRE_SOFTMAX_REFERENCE = {"prophetnet": {("encoder", "self", None), ("decoder", "cross", None)},
+                         "squeezebert": {(None, "self", None)}}
+
+
+def run_plain(model, batch, name):
+    """Two plain forwards; pytest.skip when the family cannot run this tiny config at all."""
+    try:
+        with torch.no_grad():
+            plain, again = tensors_of(model(**batch)), tensors_of(model(**batch))
+    except Exception as e:  # noqa: BLE001 - no capture is involved yet
+        pytest.skip(f"{name}: the tiny model does not run without a capture: {type(e).__name__}: {str(e)[:200]}")
+    assert len(plain) == len(again) and all(torch.equal(a, b) for a, b in zip(plain, again)), \
+        f"{name} is not deterministic without a capture: the comparison with a capture would mean nothing"
+    return plain
+
+
+def sweep(name: str) -> dict:
+    """Capture one family with default settings and report what holds (the tests assert on it)."""
+    model = build(name)
+    _, _, kind, *extras = FAMILIES[name]
+    batch, masks = make_inputs(kind, model.config)
+    batch.update((extras[0] if extras else {}).get("inputs", {}))
+    before = implementations(model)
+    plain = run_plain(model, batch, name)
+    hooks = hook_counts(model)
+    result = {"family": name}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", attnprobe.AttnprobeWarning)
+        try:
+            with torch.no_grad(), attnprobe.capture(model) as cap:
+                captured = tensors_of(model(**batch))
+        except attnprobe.UnsupportedModelError as e:
+            result.update(outcome="refused", error=str(e), restored=implementations(model) == before,
+                          hooks_left=hook_counts(model) != hooks)
+            return result
+    fallback = [str(w.message) for w in caught if issubclass(w.category, attnprobe.AttnprobeWarning)
+                and "no attention interface" in str(w.message)]
+    hf = [r for r in cap if "base" in r.meta]  # records of the Hugging Face adapter (SigLIP's pooling head is torch's)
+    result.update(
+        outcome="fallback" if fallback else "full",
+        outputs_equal=len(plain) == len(captured) and all(torch.equal(a, b) for a, b in zip(plain, captured)),
+        restored=implementations(model) == before,
+        hooks_left=hook_counts(model) != hooks,
+        records=len(hf),
+        other_records=len(cap) - len(hf),
+        sources=sorted({r.weights_source for r in cap}),
+    )
+    reference, calls = eager_reference(model, batch, kind)
+    result["eager_calls"] = calls
+    result["reference"] = sum(len(v) for v in reference.values())
+    groups: dict = {}
+    for r in hf:
+        groups.setdefault((r.meta.get("stack"), r.kind, tower(r, kind)), []).append(r)
+    errors, uncompared = [], []
+    for key, records in groups.items():
+        weights = reference.get(key, [])
+        if len(weights) != len(records):
+            uncompared.append(key)  # the model's output_attentions leave out some calls (Canine)
+            continue
+        for record, w in zip(records, weights):
+            if key in PRE_SOFTMAX_REFERENCE.get(name, ()):
+                w = torch.softmax(w, dim=-1)
+            if record.weights is None or record.weights.shape != w.shape:
+                errors.append(float("inf"))
+            else:
+                errors.append(max_error_on_real_rows(record, w))
+    result["max_error"] = max(errors) if errors else None
+    result["uncompared"] = uncompared
+    causal, mask = declarations(cap, name, masks)
+    checked = attnprobe.check(cap, causal=causal, attention_mask=mask or None)
+    result["check_ok"] = checked.ok
+    result["violations"] = [str(v) for v in checked.errors][:3]
+    return result
+
+
+# ------------------------------------------------------------------------------ the tests
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; on a busy machine their hand-offs cost ~8x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+#: Families without the attention interface (wholly or partly): weights-only records, with a warning.
+FALLBACK = frozenset({
+    "mpnet", "megatron-bert", "deberta", "deberta-v2", "convbert", "rembert", "ibert", "nystromformer",
+    "big-bird", "xlm", "flaubert", "xlnet", "squeezebert", "blip", "gpt-neo", "gptj", "bloom", "falcon-eager", "codegen",
+    "mpt", "xglm", "openai-gpt", "prophetnet", "fsmt", "bigbird-pegasus", "swinv2", "pvt",
+    "data2vec-vision-eager", "wavlm",
+})
+#: Families refused before the forward, and what the error tells the user to do.
+REFUSED = {
+    "falcon": "attn_implementation='eager'",  # computes another way when asked for weights
+    "data2vec-vision": "attn_implementation='eager'",  # its sdpa class returns no weights
+    "longformer": "layers=[...]",  # local-window weights
+    "led": "layers=[...]",
+    "longt5": "layers=[...]",  # local-block encoder attention next to an interface decoder
+    "canine": "layers=[...]",  # its character encoders attend chunk by chunk
+}
+#: Families whose output_attentions leave out some attention calls (nothing to compare those with).
+PARTIAL_REFERENCE = {"llava": "its outputs hold the language model's attentions, not the vision tower's"}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family(name):
+    result = sweep(name)
+    expected = "refused" if name in REFUSED else "fallback" if name in FALLBACK else "full"
+    assert result["outcome"] == expected, result
+    assert result["restored"], "an attention implementation was not restored"
+    assert not result["hooks_left"], "a hook was left behind"
+    if expected == "refused":
+        assert REFUSED[name] in result["error"], result["error"]
+        return
+    assert result["outputs_equal"], "outputs changed under capture"
+    # every attention call recorded: the eager twin's output_attentions and its softmax calls both count them
+    assert result["records"] == max(result["eager_calls"], result["reference"]) > 0, result
+    if name in PARTIAL_REFERENCE:
+        assert result["uncompared"], PARTIAL_REFERENCE[name]
+    else:
+        assert not result["uncompared"] and result["max_error"] is not None, result
+    assert result["max_error"] is None or result["max_error"] <= 1e-5, result
+    assert result["check_ok"], result["violations"]
+
+
+def test_head_counts_ignore_kv_heads_that_do_not_group_the_query_heads():
+    """A kv-head attribute larger than the query heads (JetMoE built with num_attention_heads given) is not
+    grouped-query attention: the hint falls back to the query heads instead of dividing by zero."""
+    from attnprobe.hooks.hf_context import head_counts
+
+    module = torch.nn.Module()
+    module.num_heads, module.num_key_value_heads = 4, 16
+    assert head_counts(module) == (4, 4)
+    module.num_key_value_heads = 2
+    assert head_counts(module) == (4, 2)
+
+
+def test_jetmoe_with_more_kv_heads_than_query_heads_is_captured():
+    config = transformers.JetMoeConfig(**dict(TEXT, num_local_experts=2, num_experts_per_tok=1, kv_channels=8))
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).eval()
+    batch, _ = make_inputs("causal", config)
+    with torch.no_grad():
+        plain = model(**batch).last_hidden_state
+        with attnprobe.capture(model) as cap:
+            captured = model(**batch).last_hidden_state
+    assert torch.equal(plain, captured) and len(cap) == 2
+    assert attnprobe.check(cap, causal=True, attention_mask=batch["attention_mask"]).ok
+
+
+def test_canine_deep_layers_are_captured_when_its_chunked_layers_are_excluded():
+    """Canine's local character encoders are refused by name; its deep encoder, chosen with layers=[...],
+    is read and its records equal the model's own output_attentions."""
+    model = build("canine")
+    batch, _ = make_inputs("encoder", model.config)
+    with pytest.raises(attnprobe.UnsupportedModelError, match=r"CanineSelfAttention.*per local window"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(**batch)
+    names = [m.name for m in attnprobe.attention_modules(model)]
+    deep = [i for i, n in enumerate(names) if n.startswith("encoder.")]
+    assert 0 < len(deep) < len(names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", attnprobe.AttnprobeWarning)
+        with torch.no_grad(), attnprobe.capture(model, layers=deep) as cap:
+            model(**batch)
+        reference = model(**batch, output_attentions=True).attentions
+    assert [r.name for r in cap] == [names[i] for i in deep]
+    # Canine's own attentions: its initial encoder's last chunk, the deep layers, its final encoder
+    assert len(reference) == len(deep) + 2
+    assert all(torch.equal(r.weights, w) for r, w in zip(cap, reference[1:-1], strict=True))
+
+
+def test_inner_encoder_stacks_take_query_padding_from_the_model_mask():
+    """CLIP's text encoder receives the 4-D mask its model built; the padded query rows still come from
+    the model's 2-D attention_mask."""
+    model = build("clip-text")
+    batch, _ = make_inputs("causal", model.config)
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model(**batch)
+    assert len(cap) == 2
+    for r in cap:
+        assert r.query_padding is not None and torch.equal(r.query_padding, batch["attention_mask"] == 0)
