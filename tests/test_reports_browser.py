@@ -73,6 +73,22 @@ def test_grid_and_head_view_render_exact_values_offline(tmp_path, open_report, a
     report.assert_clean()
 
 
+def test_detail_title_names_the_batch_row_it_shows(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5)
+    report = open_report(to_html(cap, tmp_path / "row1.html", tokens=words(5), batch=1))
+    page = report.page
+    page.click('a.thumb[data-rid="1"][data-head="0"]')
+    page.wait_for_function("window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+                           ".textContent.includes('loading')")
+    title = page.text_content("#detail-title")
+    assert "layer 1" in title and "head 0" in title and "batch row 1" in title, title
+    assert "--batch" in page.text_content("#overview")  # how to pick another row, also from the command line
+    readout = hover_cell(page, 3, 1)  # and the matrix is that row's
+    assert as_float32(readout["rows"][0]["weight"]) == cap[1].weights[1, 0, 3, 1].item()
+    assert cap[1].weights[1, 0, 3, 1].item() != cap[1].weights[0, 0, 3, 1].item()
+    report.assert_clean()
+
+
 HOSTILE = [
     "<script>window.__pwned = 1</script>",
     '"><img src=x onerror="window.__pwned = 2">',

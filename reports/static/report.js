@@ -562,7 +562,8 @@
     const body = $("detail-body");
     body.hidden = false;
     $("detail-title").textContent = "layer " + r.layer + " \u00b7 head " + head +
-      (r.call ? " \u00b7 call " + r.call : "") + " \u00b7 " + (r.name || "(model itself)") + " \u00b7 " + r.kind +
+      (r.call ? " \u00b7 call " + r.call : "") + " \u00b7 batch row " + META.batch +
+      " \u00b7 " + (r.name || "(model itself)") + " \u00b7 " + r.kind +
       (r.stitched ? " \u00b7 " + r.stitched + " generation steps stitched" : "") + " \u00b7 loading\u2026";
     document.querySelectorAll("a.thumb.current").forEach((a) => a.classList.remove("current"));
     const thumb = document.querySelector('a.thumb[data-rid="' + rid + '"][data-head="' + head + '"]');
