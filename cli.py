@@ -127,6 +127,7 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
     import attnprobe
 
     from .probe import loading
+    from .probe.errors import CaptureBudgetError, SelectionError
     from .probe.selection import parse_bytes
 
     options = {
@@ -136,7 +137,14 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
         "keep": keep,
     }
     progress.stage("capturing attention")
-    _, cap = attnprobe.run(work.model, work.inputs, **options)
+    try:
+        _, cap = attnprobe.run(work.model, work.inputs, **options)
+    except CaptureBudgetError as exc:  # the library's advice names Python arguments (keep=, dtype=) a CLI user lacks
+        what = str(exc).split(". Select", 1)[0]
+        raise UsageProblem(f"{what}; select fewer layers (--layers) or heads (--heads), or raise --max-bytes") from None
+    except SelectionError as exc:
+        raise UsageProblem(str(exc).replace("attnprobe.attention_modules(model) lists them",
+                                            "`attnprobe info` lists them")) from None
     return cap
 
 

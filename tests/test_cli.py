@@ -251,6 +251,17 @@ def test_unavailable_device_is_exit_two(cli):
     assert line.startswith("attnprobe: error: cannot use device 'cuda:0'")
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--max-bytes", "1KB"], "select fewer layers (--layers) or heads (--heads), or raise --max-bytes"),
+    (["--layers", "7"], "`attnprobe info` lists them"),
+])
+def test_selection_errors_give_advice_in_command_line_terms(cli, args, says):
+    # the library's advice names Python arguments (keep=('weights',), dtype=torch.float16, attention_modules(model))
+    for command in ("report", "check"):
+        line = one_line_error(cli(command, TINY, *IDS, *args))
+        assert says in line and "=" not in line.split(": error: ", 1)[1], line
+
+
 @pytest.mark.parametrize("command", ["report", "check", "export"])
 def test_meta_device_is_refused_before_the_forward(cli, command):
     # meta tensors carry no values: the forward used to die inside the capture (exit 3, internal error)
