@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -253,8 +254,10 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
     """Where ``report`` writes: {"html": file, "grid": file, "summary": file, "heads": folder}, checked up front."""
     if out is None:
         out = "attnprobe-report.html" if fmt == "html" else "attnprobe-report"
+    if not out.strip():
+        raise UsageProblem("--out is empty: give a .html file, a .png file or a folder")
     path = Path(out)
-    suffix = path.suffix.lower()
+    suffix = "" if out.endswith(("/", os.sep)) else path.suffix.lower()  # "x.html/" asks for a folder
     if suffix == ".html":
         if fmt not in ("html",):
             raise UsageProblem(f"--out {out!r} is an HTML file but --format {fmt} asks for PNGs: give a folder")

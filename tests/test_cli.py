@@ -262,6 +262,15 @@ def test_selection_errors_give_advice_in_command_line_terms(cli, args, says):
         assert says in line and "=" not in line.split(": error: ", 1)[1], line
 
 
+def test_report_out_names_a_folder_by_a_trailing_slash_and_is_never_empty(cli, tmp_path):
+    result = cli("report", TINY, *IDS, "--out", "run.html/")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "run.html").is_dir() and (tmp_path / "run.html" / "report.html").is_file()
+    assert result.output.strip() == f"wrote {Path('run.html') / 'report.html'}"
+    line = one_line_error(cli("report", TINY, *IDS, "--out", ""))
+    assert "--out is empty" in line and not (tmp_path / "report.html").exists()
+
+
 @pytest.mark.parametrize("command", ["report", "check", "export"])
 def test_meta_device_is_refused_before_the_forward(cli, command):
     # meta tensors carry no values: the forward used to die inside the capture (exit 3, internal error)
