@@ -234,6 +234,32 @@ def test_long_input_renders_scrolls_and_zooms_without_freezing(tmp_path, open_re
     report.assert_clean()
 
 
+def test_thinned_token_labels_say_their_positions(tmp_path, open_report):
+    torch.manual_seed(0)
+    attn = attnprobe.MultiHeadAttention(16, num_heads=1, causal=True).eval()
+    _, cap = attnprobe.run(attn, torch.randn(1, 200, 16), keep=["weights"])
+    tokens = ["beta", "delta"] * 100  # thinned to every n-th, bare tokens read as neighbours
+    report = open_report(to_html(cap, tmp_path / "thin.html", tokens=[tokens]))
+    page = report.page
+    page.evaluate("""() => { window.__labels = []; const draw = CanvasRenderingContext2D.prototype.fillText;
+        CanvasRenderingContext2D.prototype.fillText = function (t, ...rest) { window.__labels.push(String(t));
+        return draw.call(this, t, ...rest); }; }""")
+    page.evaluate("window.attnprobe.openHead(0, 0)")
+    page.click("#zoom-fit")
+    page.wait_for_timeout(100)
+    assert page.evaluate("window.attnprobe.state().cell") < 5
+    drawn = [t for t in page.evaluate("window.__labels") if "beta" in t or "delta" in t]
+    assert len(drawn) > 4
+    for label in drawn:  # "10 beta": the position, and the token really at that position
+        pos, token = label.split(" ")
+        assert tokens[int(pos)] == token, label
+    page.evaluate("window.__labels = []")
+    page.click("#zoom-cells")  # every row labelled: the tokens alone
+    page.wait_for_timeout(100)
+    assert set(t for t in page.evaluate("window.__labels") if "beta" in t or "delta" in t) == {"beta", "delta"}
+    report.assert_clean()
+
+
 def test_bfloat16_report_says_values_are_rounded(tmp_path, open_report, assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=6, batch=1, padded=False)
     path = to_html(cap, tmp_path / "bf16.html", precision="bfloat16")
