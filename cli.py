@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -127,6 +128,7 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
     import attnprobe
 
     from .probe import loading
+    from .probe.errors import CaptureBudgetError, SelectionError
     from .probe.selection import parse_bytes
 
     options = {
@@ -136,7 +138,14 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
         "keep": keep,
     }
     progress.stage("capturing attention")
-    _, cap = attnprobe.run(work.model, work.inputs, **options)
+    try:
+        _, cap = attnprobe.run(work.model, work.inputs, **options)
+    except CaptureBudgetError as exc:  # the library's advice names Python arguments (keep=, dtype=) a CLI user lacks
+        what = str(exc).split(". Select", 1)[0]
+        raise UsageProblem(f"{what}; select fewer layers (--layers) or heads (--heads), or raise --max-bytes") from None
+    except SelectionError as exc:
+        raise UsageProblem(str(exc).replace("attnprobe.attention_modules(model) lists them",
+                                            "`attnprobe info` lists them")) from None
     return cap
 
 
@@ -245,8 +254,10 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
     """Where ``report`` writes: {"html": file, "grid": file, "summary": file, "heads": folder}, checked up front."""
     if out is None:
         out = "attnprobe-report.html" if fmt == "html" else "attnprobe-report"
+    if not out.strip():
+        raise UsageProblem("--out is empty: give a .html file, a .png file or a folder")
     path = Path(out)
-    suffix = path.suffix.lower()
+    suffix = "" if out.endswith(("/", os.sep)) else path.suffix.lower()  # "x.html/" asks for a folder
     if suffix == ".html":
         if fmt not in ("html",):
             raise UsageProblem(f"--out {out!r} is an HTML file but --format {fmt} asks for PNGs: give a folder")

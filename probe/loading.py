@@ -280,6 +280,12 @@ def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_t
                    device: str | None = None) -> Workload:
     """Inputs for one forward: texts through the tokenizer, or raw ids; decoder inputs for encoder-decoders."""
     work = Workload(model=model, source=source, tokenizer=tokenizer, texts=list(texts))
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if isinstance(main_input, str) and main_input != "input_ids":  # pixel_values, input_features, input_values
+        raise InputError(
+            f"{source}: {type(model).__name__} takes {main_input} (images or audio), not token ids, and the command "
+            f"line feeds only text or token ids; capture it from Python: attnprobe.run(model, {{{main_input!r}: ...}})"
+        )
     if texts and ids:
         raise InputError("give either texts (--text/--file) or token ids (--ids), not both")
     if not texts and not ids:
@@ -323,6 +329,9 @@ def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_t
             )
     check_fits(model, work.inputs, from_tokenizer=bool(texts))
     if device is not None:
+        if device.strip().lower().startswith("meta"):
+            raise InputError(f"cannot use device {device!r}: meta tensors hold no values to capture; "
+                             "choose a real device such as cpu or cuda:0")
         try:
             work.model = model.to(device)
             work.inputs = {k: v.to(device) for k, v in work.inputs.items()}

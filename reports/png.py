@@ -313,7 +313,11 @@ def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", anno
                 ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize="xx-small",
                         color="white" if v < middle else "black")
     if colorbar:
-        ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
+        bar = ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
+        # nearly equal heads (entropy 1.97081 to 1.97086) would otherwise get ticks "3.5 .. 6.0" and an
+        # offset "1e-5+1.9708" printed over the neighbouring panel: label the ticks with the values themselves
+        bar.formatter.set_useOffset(False)
+        bar.update_ticks()
     return ax
 
 

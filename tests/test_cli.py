@@ -251,6 +251,34 @@ def test_unavailable_device_is_exit_two(cli):
     assert line.startswith("attnprobe: error: cannot use device 'cuda:0'")
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--max-bytes", "1KB"], "select fewer layers (--layers) or heads (--heads), or raise --max-bytes"),
+    (["--layers", "7"], "`attnprobe info` lists them"),
+])
+def test_selection_errors_give_advice_in_command_line_terms(cli, args, says):
+    # the library's advice names Python arguments (keep=('weights',), dtype=torch.float16, attention_modules(model))
+    for command in ("report", "check"):
+        line = one_line_error(cli(command, TINY, *IDS, *args))
+        assert says in line and "=" not in line.split(": error: ", 1)[1], line
+
+
+def test_report_out_names_a_folder_by_a_trailing_slash_and_is_never_empty(cli, tmp_path):
+    result = cli("report", TINY, *IDS, "--out", "run.html/")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "run.html").is_dir() and (tmp_path / "run.html" / "report.html").is_file()
+    assert result.output.strip() == f"wrote {Path('run.html') / 'report.html'}"
+    line = one_line_error(cli("report", TINY, *IDS, "--out", ""))
+    assert "--out is empty" in line and not (tmp_path / "report.html").exists()
+
+
+@pytest.mark.parametrize("command", ["report", "check", "export"])
+def test_meta_device_is_refused_before_the_forward(cli, command):
+    # meta tensors carry no values: the forward used to die inside the capture (exit 3, internal error)
+    extra = ["--out", "x.csv"] if command == "export" else []
+    line = one_line_error(cli(command, TINY, *IDS, "--device", "meta", *extra))
+    assert line.startswith("attnprobe: error: cannot use device 'meta'") and "cpu" in line
+
+
 # ---------------------------------------------------------------------------------------------- script
 def test_installed_console_script(tmp_path):
     exe = shutil.which("attnprobe", path=os.path.dirname(sys.executable)) or shutil.which("attnprobe")
@@ -288,6 +316,28 @@ def hf_dirs(tmp_path_factory):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
     return root
+
+
+@pytest.fixture(scope="module")
+def vit_dir(tmp_path_factory):
+    """A tiny ViT folder: its forward takes pixel_values, and it has no tokenizer."""
+    import torch
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("models") / "vit"
+    ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                       image_size=16, patch_size=8)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("inputs", [[], ["--ids", "1 2 3"], ["--text", "hello"]])
+def test_image_model_is_refused_clearly(cli, vit_dir, inputs):
+    # without the check: "has no tokenizer: give token ids with --ids", and with --ids an internal error (exit 3)
+    line = one_line_error(cli("report", vit_dir, *inputs))
+    assert "ViTModel takes pixel_values" in line and "attnprobe.run(model" in line
+    assert "--ids" not in line
+    assert cli("info", vit_dir).exit_code == 0  # listing its attention needs no input
 
 
 def test_hf_folder_info_report_and_check(cli, hf_dirs, tmp_path):

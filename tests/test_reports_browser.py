@@ -73,6 +73,22 @@ def test_grid_and_head_view_render_exact_values_offline(tmp_path, open_report, a
     report.assert_clean()
 
 
+def test_detail_title_names_the_batch_row_it_shows(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5)
+    report = open_report(to_html(cap, tmp_path / "row1.html", tokens=words(5), batch=1))
+    page = report.page
+    page.click('a.thumb[data-rid="1"][data-head="0"]')
+    page.wait_for_function("window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+                           ".textContent.includes('loading')")
+    title = page.text_content("#detail-title")
+    assert "layer 1" in title and "head 0" in title and "batch row 1" in title, title
+    assert "--batch" in page.text_content("#overview")  # how to pick another row, also from the command line
+    readout = hover_cell(page, 3, 1)  # and the matrix is that row's
+    assert as_float32(readout["rows"][0]["weight"]) == cap[1].weights[1, 0, 3, 1].item()
+    assert cap[1].weights[1, 0, 3, 1].item() != cap[1].weights[0, 0, 3, 1].item()
+    report.assert_clean()
+
+
 HOSTILE = [
     "<script>window.__pwned = 1</script>",
     '"><img src=x onerror="window.__pwned = 2">',
@@ -215,6 +231,32 @@ def test_long_input_renders_scrolls_and_zooms_without_freezing(tmp_path, open_re
     # canvases, not one element per cell; no task blocked the page for long
     assert page.evaluate("document.getElementsByTagName('*').length") < 3000
     assert page.evaluate("window.__longest") < 3000
+    report.assert_clean()
+
+
+def test_thinned_token_labels_say_their_positions(tmp_path, open_report):
+    torch.manual_seed(0)
+    attn = attnprobe.MultiHeadAttention(16, num_heads=1, causal=True).eval()
+    _, cap = attnprobe.run(attn, torch.randn(1, 200, 16), keep=["weights"])
+    tokens = ["beta", "delta"] * 100  # thinned to every n-th, bare tokens read as neighbours
+    report = open_report(to_html(cap, tmp_path / "thin.html", tokens=[tokens]))
+    page = report.page
+    page.evaluate("""() => { window.__labels = []; const draw = CanvasRenderingContext2D.prototype.fillText;
+        CanvasRenderingContext2D.prototype.fillText = function (t, ...rest) { window.__labels.push(String(t));
+        return draw.call(this, t, ...rest); }; }""")
+    page.evaluate("window.attnprobe.openHead(0, 0)")
+    page.click("#zoom-fit")
+    page.wait_for_timeout(100)
+    assert page.evaluate("window.attnprobe.state().cell") < 5
+    drawn = [t for t in page.evaluate("window.__labels") if "beta" in t or "delta" in t]
+    assert len(drawn) > 4
+    for label in drawn:  # "10 beta": the position, and the token really at that position
+        pos, token = label.split(" ")
+        assert tokens[int(pos)] == token, label
+    page.evaluate("window.__labels = []")
+    page.click("#zoom-cells")  # every row labelled: the tokens alone
+    page.wait_for_timeout(100)
+    assert set(t for t in page.evaluate("window.__labels") if "beta" in t or "delta" in t) == {"beta", "delta"}
     report.assert_clean()
 
 

@@ -210,6 +210,21 @@ def test_checks_panel_lists_violations_and_flags_heads(assert_no_hooks):
         to_html(cap, checks=[])
 
 
+def test_checks_panel_counts_more_positions_only_when_the_list_was_cut(assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=6, batch=1, padded=False)
+    cells = Violation("padding", "error", "layers.0", 0, head=0, batch=0, queries=(0, 1), keys=(4, 5), count=4,
+                      query_count=2, key_count=2, message="weight on 4 padded key(s)")
+    cut = replace(cells, check="mask", queries=(0, 1), keys=(2,), query_count=5, key_count=3, count=9)
+    document = to_html(cap, checks=CheckResult((cells, cut), ("padding", "mask"), 1))
+    rows = {}
+    for tr in re.findall(r'<tr class="sev-error">(.*?)</tr>', document, re.S):
+        texts = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", tr, re.S)]
+        rows[texts[0]] = texts
+    # 4 offending cells over 2 queries: every query is listed, no "(+2)" claiming more
+    assert rows["padding"][3:6] == ["0, 1", "4, 5", "4"]
+    assert rows["mask"][3:6] == ["0, 1 (+3 more)", "2 (+2 more)", "9"]
+
+
 def test_scores_only_and_cross_and_generation_captures(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=1, keep=["scores"])
     meta, _ = report_meta(to_html(cap))

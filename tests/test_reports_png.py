@@ -202,6 +202,18 @@ def test_summary_plot_draws_a_layer_by_head_map(tmp_path, assert_no_hooks):
         assert image.size == (630, 340)
 
 
+def test_summary_colour_bar_labels_nearly_equal_values_as_themselves(assert_no_hooks):
+    frame = stack_capture(assert_no_hooks, layers=2, heads=2, length=6).summary()
+    frame["entropy"] = 1.9708 + np.array([3.2, 6.1, 4.4, 5.0]) * 1e-5  # heads that differ in the 5th digit
+    ax = Figure().add_subplot()
+    summary_plot(frame, "entropy", ax=ax)
+    FigureCanvasAgg(ax.figure).draw()
+    bar = ax.figure.axes[-1]
+    assert bar is not ax and bar.yaxis.get_offset_text().get_text() == ""
+    ticks = [float(t.get_text().replace("\u2212", "-")) for t in bar.get_yticklabels() if t.get_text()]
+    assert ticks and all(abs(t - 1.97084) < 1e-4 for t in ticks), ticks  # the values, not "3.5 .. 6.0"
+
+
 def test_file_writers_do_not_touch_pyplot(tmp_path):
     code = f"""
 import sys, torch, attnprobe

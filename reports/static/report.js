@@ -179,12 +179,14 @@
     for (let i = 0; i < r.tk; i++) k.push(kt ? kt[i] : null);
     return { q, k, hasQ: !!qt, hasK: !!kt };
   }
-  function qLabel(r, labels, i) {
+  // `numbered`: labels are thinned to every n-th row, so each token says its position (else "beta delta"
+  // read as neighbours that are ten positions apart)
+  function qLabel(r, labels, i, numbered) {
     const pos = i + r.queryOffset;
-    return labels.hasQ ? clip(visible(labels.q[i]), 18) : String(pos);
+    return labels.hasQ ? (numbered ? pos + " " : "") + clip(visible(labels.q[i]), 18) : String(pos);
   }
-  function kLabel(r, labels, i) {
-    return labels.hasK ? clip(visible(labels.k[i]), 18) : String(i);
+  function kLabel(r, labels, i, numbered) {
+    return labels.hasK ? (numbered ? i + " " : "") + clip(visible(labels.k[i]), 18) : String(i);
   }
 
   // ------------------------------------------------------------------ head data
@@ -300,8 +302,9 @@
       const probe = el("canvas").getContext("2d");
       probe.font = FONT;
       let wq = 0, wk = 0;
-      for (let i = 0; i < r.tq; i++) wq = Math.max(wq, probe.measureText(qLabel(r, labels, i)).width);
-      for (let i = 0; i < r.tk; i++) wk = Math.max(wk, probe.measureText(kLabel(r, labels, i)).width);
+      const numbered = r.tq > 40 || r.tk > 40; // may be thinned when zoomed out: room for the positions
+      for (let i = 0; i < r.tq; i++) wq = Math.max(wq, probe.measureText(qLabel(r, labels, i, numbered)).width);
+      for (let i = 0; i < r.tk; i++) wk = Math.max(wk, probe.measureText(kLabel(r, labels, i, numbered)).width);
       this.LW = Math.ceil(Math.min(150, Math.max(28, wq + 10)));
       this.TH = Math.ceil(Math.min(130, Math.max(28, wk + 10)));
     }
@@ -496,11 +499,11 @@
       ctx.textAlign = "right"; ctx.textBaseline = "middle";
       for (let q = Math.ceil(q0 / step) * step; q < q1; q += step) {
         ctx.fillStyle = cell && cell.q === q ? "#ff6f00" : "#1d1f21";
-        ctx.fillText(qLabel(r, g.labels, q), LW - 5, TH + (q + 0.5) * c - sy);
+        ctx.fillText(qLabel(r, g.labels, q, step > 1), LW - 5, TH + (q + 0.5) * c - sy);
       }
       if (cell && cell.q % step !== 0 && cell.q >= q0 && cell.q < q1) {
         ctx.fillStyle = "#ff6f00";
-        ctx.fillText(qLabel(r, g.labels, cell.q), LW - 5, TH + (cell.q + 0.5) * c - sy);
+        ctx.fillText(qLabel(r, g.labels, cell.q, step > 1), LW - 5, TH + (cell.q + 0.5) * c - sy);
       }
       ctx.fillStyle = "#c01c28";
       for (const q of g.marks.queries) {
@@ -516,7 +519,7 @@
         ctx.translate(LW + (k + 0.5) * c - sx, TH - 5);
         ctx.rotate(-Math.PI / 2);
         ctx.fillStyle = colour;
-        ctx.fillText(kLabel(r, g.labels, k), 0, 0);
+        ctx.fillText(kLabel(r, g.labels, k, step > 1), 0, 0);
         ctx.restore();
       };
       for (let k = Math.ceil(k0 / step) * step; k < k1; k += step) drawKey(k, cell && cell.k === k ? "#ff6f00" : "#1d1f21");
@@ -562,7 +565,8 @@
     const body = $("detail-body");
     body.hidden = false;
     $("detail-title").textContent = "layer " + r.layer + " \u00b7 head " + head +
-      (r.call ? " \u00b7 call " + r.call : "") + " \u00b7 " + (r.name || "(model itself)") + " \u00b7 " + r.kind +
+      (r.call ? " \u00b7 call " + r.call : "") + " \u00b7 batch row " + META.batch +
+      " \u00b7 " + (r.name || "(model itself)") + " \u00b7 " + r.kind +
       (r.stitched ? " \u00b7 " + r.stitched + " generation steps stitched" : "") + " \u00b7 loading\u2026";
     document.querySelectorAll("a.thumb.current").forEach((a) => a.classList.remove("current"));
     const thumb = document.querySelector('a.thumb[data-rid="' + rid + '"][data-head="' + head + '"]');
