@@ -377,7 +377,8 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
           causal, check_names, fmt):
     """Capture MODEL on the input and check attention invariants (for CI).
 
-    Exit code 0 when clean, 1 when an invariant is violated, 2 on bad usage or input.
+    Exit code 0 when clean, 1 when an invariant is violated or nothing could be verified (for example
+    --checks lint on a model without hand-written attention), 2 on bad usage or input.
     The input padding mask is declared for you (padded keys must get no weight).
 
     \b
@@ -414,6 +415,7 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
         click.echo(json.dumps({
             "model": work.source,
             "ok": result.ok,
+            "verified": result.verified,
             "records": result.records,
             "checks": list(result.checks),
             "violations": [_violation_json(v) for v in result.violations],
@@ -425,6 +427,12 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
         click.echo(result.table())
         for note in notes:
             click.echo(f"warning: {note}", err=True)
+    if not result.verified:
+        lint_only = names is not None and all(n == "lint" or n.startswith("lint_") for n in names)
+        why = (" (the lint checks apply only to traced hand-written attention and direct scaled_dot_product_attention calls)" if lint_only else "")
+        click.echo(f"error: no check could run on the {result.records} captured record(s){why}; a check that "
+                   "verified nothing does not pass", err=True)
+        sys.exit(1)
     sys.exit(0 if result.ok else 1)
 
 

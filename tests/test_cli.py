@@ -111,6 +111,16 @@ def test_check_violations_exit_one_with_table_and_json(cli):
     assert first["check"] == "causal" and first["layer"] == 0 and first["keys"]
 
 
+def test_check_that_verifies_nothing_fails(cli):
+    # TINY is the project's own module: no lint applies, so `--checks lint` verifies nothing and must not pass CI
+    result = cli("check", TINY, *IDS, "--checks", "lint", "--format", "json")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert data["verified"] is False and data["violations"] == []
+    assert "no check could run" in result.stderr and "hand-written" in result.stderr
+    assert cli("check", TINY, *IDS, "--checks", "lint,causal").exit_code == 0
+
+
 def test_check_declared_bidirectional_fails_a_causal_model(cli):
     result = cli("check", TINY, *IDS, "--no-causal", "--checks", "causal")
     assert result.exit_code == 1 and "causal" in result.output
