@@ -369,7 +369,8 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
 @model_and_input_options
 @click.option("--causal/--no-causal", default=None,
               help="Declare the self-attention causal (or bidirectional) and check the model against it "
-                   "(default: each layer's own mask is the reference).")
+                   "(default: each layer's own mask is the reference; an encoder-decoder's decoder is "
+                   "declared causal). In an encoder-decoder this concerns the decoder's self-attention only.")
 @click.option("--checks", "check_names", help="Only these checks, e.g. causal,padding (default: all).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @handle_errors
@@ -450,7 +451,8 @@ def declarations(work, cap, causal=None):
     A decoder-only or encoder model: the input's attention mask for every layer. An encoder-decoder:
     per layer, the encoder mask for encoder self-attention and for cross-attention (its keys are the
     encoder's positions), the decoder mask for decoder self-attention, which is also declared causal
-    unless ``causal`` says otherwise.
+    unless ``causal`` says otherwise. ``causal`` concerns the decoder only there: the encoder's
+    self-attention is bidirectional by design and keeps its own mask as the reference.
     """
     if not work.is_encoder_decoder:
         mask = work.inputs.get("attention_mask")
@@ -473,8 +475,6 @@ def declarations(work, cap, causal=None):
             continue
         if mask is not None:
             masks[record.layer] = mask
-    if causal is not None:  # the user's declaration covers every self-attention layer
-        return causal, masks or None
     return causal_by_layer or None, masks or None
 
 

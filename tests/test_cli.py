@@ -395,9 +395,14 @@ def test_hf_encoder_decoder_declares_masks_per_layer(cli, hf_dirs):
     assert masks[0] is work.inputs["attention_mask"] and masks[2] is work.inputs["attention_mask"]
     assert masks[1] is work.inputs["decoder_attention_mask"]
     assert not work.inputs["attention_mask"].all() and not work.inputs["decoder_attention_mask"].all()  # padded
-    assert declarations(work, cap, causal=False)[0] is False
-    result = cli("check", hf_dirs / "bart", "--text", "hello world", "--text", "a much longer input text",
-                 "--decoder-text", "bonjour", "--decoder-text", "a longer decoder input", "--format", "json")
+    assert declarations(work, cap, causal=False)[0] == {1: False}  # the decoder only: the encoder is bidirectional
+    args = ("--text", "hello world", "--text", "a much longer input text",
+            "--decoder-text", "bonjour", "--decoder-text", "a longer decoder input")
+    assert cli("check", hf_dirs / "bart", *args, "--causal").exit_code == 0  # not held against the encoder
+    declared_bidirectional = cli("check", hf_dirs / "bart", *args, "--no-causal", "--checks", "causal")
+    assert declared_bidirectional.exit_code == 1 and "layer 1 " in declared_bidirectional.output
+    assert "layer 0 " not in declared_bidirectional.output
+    result = cli("check", hf_dirs / "bart", *args, "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["ok"] is True and data["records"] == 3
