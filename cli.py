@@ -232,6 +232,9 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     from .probe.frames import write_frame
 
     out_path = Path(out)
+    if out.endswith(("/", os.sep)):  # Path() drops the slash: "x.csv/" would become the file x.csv
+        raise UsageProblem(f"--out {out!r} ends with a slash (a folder); export writes one file: "
+                           "name it .parquet or .csv, e.g. --out attention.parquet")
     if out_path.suffix.lower() not in (".parquet", ".pq", ".csv"):
         raise UsageProblem(f"--out {out!r}: name the file .parquet or .csv")
     check_output(out_path, overwrite)

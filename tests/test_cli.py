@@ -165,6 +165,7 @@ def test_check_and_report_declare_the_input_padding(cli, tmp_path):
         (["report", TINY, *IDS, "--out", "x.txt"], "give a .html file, a .png file or a folder"),
         (["report", TINY, *IDS, "--file", "missing.txt"], "input file 'missing.txt' does not exist"),
         (["export", TINY, *IDS, "--out", "frame.json"], "name the file .parquet or .csv"),
+        (["export", TINY, *IDS, "--out", "frame.csv/"], "ends with a slash (a folder); export writes one file"),
         (["check", TINY, *IDS, "--checks", "bogus"], "unknown check(s) ['bogus']"),
         (["report", TINY, "--ids", "1 50"], "token id 50 is out of range: the model has 50 token ids (0 to 49"),
         (["check", TINY, "--ids", "1 99999"], "token id 99999 is out of range"),
