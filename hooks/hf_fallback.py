@@ -59,7 +59,7 @@ def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tup
         cls = type(module)
         if id(module) in taken or "Attention" not in cls.__name__ or not cls.__module__.startswith("transformers."):
             continue
-        if not any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS):
+        if not any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS) and not _config_heads(module):
             continue
         owner = next((m for m in ancestors(module, parents) if _is_pretrained(m)), None)
         if owner is not None:
@@ -68,6 +68,14 @@ def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tup
     above = {id(a) for _, m in candidates for a in ancestors(m, parents)}
     above |= {id(a) for key in taken for a in _ancestors_by_id(key, parents)}
     return [(name, m) for name, m in candidates if id(m) not in above]
+
+
+def _config_heads(module: nn.Module) -> bool:
+    """An attention module that keeps its head count only in its config (Funnel's
+    ``FunnelRelMultiheadAttention``) and can be asked for weights; helpers such as
+    ``FunnelAttentionStructure`` take no ``output_attentions`` and are not attention."""
+    heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    return isinstance(heads, int) and heads > 0 and "output_attentions" in forward_params(type(module))
 
 
 def _ancestors_by_id(key: int, parents: dict[int, nn.Module]):

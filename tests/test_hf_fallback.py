@@ -125,6 +125,33 @@ def test_other_old_style_families(family, recwarn):
     assert torch.allclose(cap[0].weights.sum(-1)[rows[:, None].expand(-1, 4, -1)], torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("base", [True, False])
+def test_funnel_keeps_its_head_count_in_the_config_and_is_recorded(base, side, assert_no_hooks):
+    # FunnelRelMultiheadAttention has no num_heads attribute; it was not found at all ("no attention found")
+    config = transformers.FunnelConfig(vocab_size=100, block_sizes=[1, 1], d_model=16, n_head=2, d_head=8,
+                                       d_inner=32, num_decoder_layers=1)
+    torch.manual_seed(0)
+    model = (transformers.FunnelBaseModel if base else transformers.FunnelModel)(config).eval()
+    batch = inputs("llama", side)
+    with torch.no_grad():
+        plain = model(**batch)
+        reference = model(**batch, output_attentions=True).attentions
+        with pytest.warns(AttnprobeWarning, match=r"no attention interface in FunnelRelMultiheadAttention"):
+            with attnprobe.capture(model) as cap:
+                out = model(**batch)
+    assert torch.equal(out.last_hidden_state, plain.last_hidden_state) and "attentions" not in out.keys()
+    assert_no_hooks(model)
+    length = batch["input_ids"].shape[1]
+    # the second block pools its queries (pool_q_only): half as many queries as keys
+    shapes = [(2, 2, length, length), (2, 2, (length + 1) // 2, length)] + ([] if base else [(2, 2, length, length)])
+    assert [tuple(r.weights.shape) for r in cap] == shapes
+    assert [r.kind for r in cap][:2] == ["self", "cross"]  # the pooled queries are another tensor than the keys
+    assert len(reference) == len(cap) and all(torch.equal(r.weights, w) for r, w in zip(cap, reference))
+    assert all(r.weights_source == "output_attentions" for r in cap)
+    assert attnprobe.check(cap, attention_mask=batch["attention_mask"], causal=False).ok
+
+
 def test_encoder_decoder_fallback_tells_cross_attention(recwarn):
     config = transformers.FSMTConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                                      decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
