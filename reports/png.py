@@ -298,6 +298,12 @@ def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", anno
 
     colormap = (mpl.colormaps[cmap] if isinstance(cmap, str) else cmap).with_extremes(bad=DISALLOWED_COLOR)
     image = ax.imshow(np.ma.masked_invalid(values), cmap=colormap, aspect="auto", interpolation="nearest")
+    finite = values[np.isfinite(values)]
+    if finite.size and finite.min() == finite.max():
+        # one value everywhere (masked_mass 0 in a correct model): matplotlib would widen the scale to
+        # v - 0.1 .. v + 0.1, a colour bar with negative masses; span from 0 to the value instead
+        v = float(finite[0])
+        image.set_clim(min(0.0, v), max(0.0, v) or 1.0)
     ax.set_xticks(range(values.shape[1]), [str(h) for h in table.columns], fontsize="x-small")
     ax.set_yticks(range(values.shape[0]), [str(layer) for layer in table.index], fontsize="x-small")
     ax.set_xlabel("head")
@@ -306,7 +312,6 @@ def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", anno
     if annotate is None:
         annotate = values.shape[0] <= 16 and values.shape[1] <= 16
     if annotate:
-        finite = values[np.isfinite(values)]
         middle = (finite.min() + finite.max()) / 2 if finite.size else 0
         for (i, j), v in np.ndenumerate(values):
             if np.isfinite(v):

@@ -214,6 +214,18 @@ def test_summary_colour_bar_labels_nearly_equal_values_as_themselves(assert_no_h
     assert ticks and all(abs(t - 1.97084) < 1e-4 for t in ticks), ticks  # the values, not "3.5 .. 6.0"
 
 
+@pytest.mark.parametrize("value", [0.0, 2.5])
+def test_summary_colour_bar_of_one_value_everywhere_starts_at_zero(assert_no_hooks, value):
+    frame = stack_capture(assert_no_hooks, layers=2, heads=2, length=6).summary()
+    frame["masked_mass"] = value  # a correct model puts no weight on masked keys in any head
+    ax = Figure().add_subplot()
+    summary_plot(frame, "masked_mass", ax=ax)
+    FigureCanvasAgg(ax.figure).draw()
+    ticks = [float(t.get_text().replace("\u2212", "-")) for t in ax.figure.axes[-1].get_yticklabels() if t.get_text()]
+    assert ticks and min(ticks) >= 0 and max(ticks) >= value, ticks  # was -0.1 .. 0.1: negative masses
+    assert ax.images[0].get_clim() == (0.0, value or 1.0)
+
+
 def test_file_writers_do_not_touch_pyplot(tmp_path):
     code = f"""
 import sys, torch, attnprobe
