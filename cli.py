@@ -95,7 +95,7 @@ def model_and_input_options(fn):
         click.option("--file", "text_file", type=click.Path(dir_okay=False), help="Input texts, one per line."),
         click.option("--decoder-text", "decoder_texts", multiple=True, help="Decoder input (encoder-decoder models)."),
         click.option("--ids", "ids", multiple=True, help="Token ids '101 2023 102' (models without a tokenizer); repeatable."),
-        click.option("--layers", help="Attention layers, e.g. 0-3,7 (default: all)."),
+        click.option("--layers", help="Attention layers, e.g. 0-3,7; negative ones count from the end: --layers=-2--1 (default: all)."),
         click.option("--heads", help="Heads, e.g. 0,5 (default: all)."),
         click.option("--device", help="Device to run on, e.g. cpu or cuda:0 (default: the model's)."),
         click.option("--dtype", help="Run the model in float32, float16 or bfloat16."),

@@ -46,17 +46,21 @@ class Workload:
 
 
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
-    """``"0-3,7"`` -> ``[0, 1, 2, 3, 7]``; None stays None."""
+    """``"0-3,7"`` -> ``[0, 1, 2, 3, 7]``, ``"-3--1"`` -> ``[-3, -2, -1]`` (from the end); None stays None."""
     if text is None:
         return None
     out: list[int] = []
     for part in text.split(","):
         part = part.strip()
-        m = re.fullmatch(r"(-?\d+)(?:\s*-\s*(\d+))?", part)
+        m = re.fullmatch(r"(-?\d+)(?:\s*-\s*(-?\d+))?", part)
         if not m:
-            raise InputError(f"cannot read {what} {text!r}: write numbers and ranges like 0-3,7")
+            raise InputError(f"cannot read {what} {text!r}: write numbers and ranges like 0-3,7 "
+                             "(negative numbers count from the end: -3--1 is the last three)")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
+        if (lo < 0) != (hi < 0):
+            raise InputError(f"{what} range {part!r} mixes counting from the end (negative) and from the start; "
+                             f"write both ends one way, e.g. -3--1 or 3-5")
         if hi < lo:
             raise InputError(f"{what} range {part!r} runs backwards; write it as {hi}-{lo}")
         out.extend(range(lo, hi + 1))

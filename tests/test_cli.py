@@ -111,6 +111,15 @@ def test_check_violations_exit_one_with_table_and_json(cli):
     assert first["check"] == "causal" and first["layer"] == 0 and first["keys"]
 
 
+def test_layers_count_from_the_end(cli):
+    from attnprobe.probe.loading import parse_int_list
+
+    assert parse_int_list("-2--1, 0", "--layers") == [-2, -1, 0]
+    result = cli("export", TINY, *IDS, "--layers=-1", "--what", "summary", "--out", "last.csv")
+    assert result.exit_code == 0, result.output
+    assert pd.read_csv("last.csv")["layer"].unique().tolist() == [1]  # the last of the 2 layers
+
+
 def test_check_that_verifies_nothing_fails(cli):
     # TINY is the project's own module: no lint applies, so `--checks lint` verifies nothing and must not pass CI
     result = cli("check", TINY, *IDS, "--checks", "lint", "--format", "json")
@@ -157,6 +166,8 @@ def test_check_and_report_declare_the_input_padding(cli, tmp_path):
         (["report", TINY, "--text", "hello"], "has no tokenizer"),
         (["report", TINY, *IDS, "--layers", "2"], "layer 2 is out of range: the model has 2 attention layer(s)"),
         (["report", TINY, *IDS, "--layers", "one"], "cannot read --layers 'one'"),
+        (["report", TINY, *IDS, "--layers=-1-1"], "mixes counting from the end (negative) and from the start"),
+        (["report", TINY, *IDS, "--layers=-1--2"], "runs backwards; write it as -2--1"),
         (["report", TINY, *IDS, "--heads", "9"], r"head(s) [9] out of range"),
         (["report", TINY, *IDS, "--max-bytes", "1KB"], "capture budget exceeded"),
         (["report", TINY, *IDS, "--max-bytes", "lots"], "cannot read 'lots' as a size"),
