@@ -162,8 +162,11 @@ class CheckResult:
         """True when at least one check ran on at least one record (an empty capture verifies nothing)."""
         return any(n > 0 for n in self.coverage.values())
 
-    def __bool__(self) -> bool:  # `assert attnprobe.check(cap)` reads naturally
-        return self.ok
+    def __bool__(self) -> bool:
+        """``assert attnprobe.check(cap)`` reads naturally: true when no error was found *and* something
+        was verified (a check of an empty capture, or of checks that could not run, is not a pass;
+        ``ok`` alone says only that no error was found)."""
+        return self.ok and self.verified
 
     def __len__(self) -> int:
         return len(self.violations)
@@ -277,8 +280,9 @@ class CheckResult:
         return f"<CheckResult {self.headline()}>"
 
     def raise_if_failed(self) -> "CheckResult":
-        """Raise ``InvariantError`` when there is an error-severity violation; return self otherwise."""
+        """Raise ``InvariantError`` when there is an error-severity violation or when nothing at all was
+        verified (an empty capture, or checks that could not run on any record); return self otherwise."""
         __tracebackhide__ = True  # pytest: show the caller's line, not this one
-        if not self.ok:
+        if not self.ok or not self.verified:
             raise InvariantError(self)
         return self

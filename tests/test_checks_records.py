@@ -251,6 +251,9 @@ def test_empty_capture_warns_and_verifies_nothing():
     with pytest.warns(attnprobe.AttnprobeWarning, match="nothing to check"):
         result = attnprobe.check(attnprobe.Capture([]))
     assert result.ok and not result.verified and "NOTHING WAS VERIFIED" in result.table()
+    assert not result  # `assert attnprobe.check(cap)` must not pass on a capture that verified nothing
+    with pytest.raises(InvariantError, match="NOTHING WAS VERIFIED"):
+        result.raise_if_failed()
     with pytest.warns(attnprobe.AttnprobeWarning), pytest.raises(InvariantError, match="NOTHING WAS VERIFIED"):
         attnprobe.assert_invariants(attnprobe.Capture([]))
 
