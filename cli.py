@@ -67,6 +67,16 @@ def handle_errors(fn):
             return fn(*args, **kwargs)
         except click.exceptions.Exit:
             raise
+        except (ModelFailed, CaptureFailed) as exc:
+            if debug:
+                raise exc.__cause__ from None  # the traceback of the failing forward itself
+            if isinstance(exc, ModelFailed):
+                raise
+            cause = exc.__cause__
+            click.echo(f"attnprobe: internal error: the forward failed under capture with {type(cause).__name__}: "
+                       f"{cause} and runs without attnprobe: a bug in attnprobe, please report it with the "
+                       "traceback of --debug", err=True)
+            sys.exit(3)
         except click.ClickException:
             raise
         except Exception as exc:
@@ -128,7 +138,7 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
     import attnprobe
 
     from .probe import loading
-    from .probe.errors import CaptureBudgetError, SelectionError
+    from .probe.errors import AttnprobeError, CaptureBudgetError, SelectionError
     from .probe.selection import parse_bytes
 
     options = {
@@ -146,7 +156,35 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
     except SelectionError as exc:
         raise UsageProblem(str(exc).replace("attnprobe.attention_modules(model) lists them",
                                             "`attnprobe info` lists them")) from None
+    except AttnprobeError:
+        raise
+    except Exception as exc:
+        blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
     return cap
+
+
+class ModelFailed(UsageProblem):
+    """The user's model raises on the input, also without attnprobe: exit 2, not an internal error."""
+
+
+def blame_the_forward(work, exc: Exception) -> None:
+    """The forward raised under capture: run it once more without attnprobe. When it fails there too,
+    the model (or the input) is at fault, and the user is told so instead of reading 'internal error';
+    when it runs, the error is attnprobe's own and is re-raised as such (exit 3)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            work.model(**work.inputs)
+    except Exception as plain:  # noqa: BLE001 - any failure of the plain forward is the model's
+        first = str(plain).strip().splitlines()[0] if str(plain).strip() else ""
+        raise ModelFailed(f"the model fails on this input also without attnprobe: {type(plain).__name__}"
+                          f"{': ' + first if first else ''} (--debug shows the traceback)") from exc
+    raise CaptureFailed() from exc
+
+
+class CaptureFailed(Exception):
+    """The forward failed under capture and runs without it: attnprobe's fault (exit 3); ``__cause__``."""
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -382,7 +420,8 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
     """Capture MODEL on the input and check attention invariants (for CI).
 
     Exit code 0 when clean, 1 when an invariant is violated or nothing could be verified (for example
-    --checks lint on a model without hand-written attention), 2 on bad usage or input.
+    --checks lint on a model without hand-written attention), 2 on bad usage or input (also a model
+    that fails on the input without attnprobe), 3 when attnprobe itself fails (please report it).
     The input padding mask is declared for you (padded keys must get no weight).
 
     \b

@@ -44,6 +44,19 @@ def broken():
     raise RuntimeError("the checkpoint is missing")
 
 
+class Crashes(TinyDecoder):
+    """A model whose forward fails on every input (a shape bug in the user's code)."""
+
+    def forward(self, input_ids, attention_mask=None):
+        x = super().forward(input_ids, attention_mask)
+        return x @ torch.ones(3, 3)
+
+
+def crashes():
+    torch.manual_seed(0)
+    return Crashes()
+
+
 def not_a_model():
     return "hello"
 

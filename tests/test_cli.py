@@ -120,6 +120,29 @@ def test_layers_count_from_the_end(cli):
     assert pd.read_csv("last.csv")["layer"].unique().tolist() == [1]  # the last of the 2 layers
 
 
+@pytest.mark.parametrize("command", ["report", "check", "export"])
+def test_a_model_that_fails_without_attnprobe_is_not_an_internal_error(cli, command):
+    args = [command, "cli_factories:crashes", *IDS] + (["--out", "f.csv"] if command == "export" else [])
+    line = one_line_error(cli(*args))
+    assert "the model fails on this input also without attnprobe: RuntimeError: mat1 and mat2 shapes" in line, line
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"):  # --debug: the model's own traceback
+        cli(*args, "--debug")
+
+
+def test_a_forward_that_fails_only_under_capture_is_an_internal_error(cli, monkeypatch):
+    import attnprobe
+
+    def failing_run(model, inputs, **options):
+        raise RuntimeError("attnprobe broke")
+
+    monkeypatch.setattr(attnprobe, "run", failing_run)
+    result = cli("check", TINY, *IDS)
+    assert result.exit_code == 3
+    assert "RuntimeError: attnprobe broke and runs without attnprobe: a bug in attnprobe" in result.stderr
+    with pytest.raises(RuntimeError, match="attnprobe broke"):
+        cli("check", TINY, *IDS, "--debug")
+
+
 def test_check_that_verifies_nothing_fails(cli):
     # TINY is the project's own module: no lint applies, so `--checks lint` verifies nothing and must not pass CI
     result = cli("check", TINY, *IDS, "--checks", "lint", "--format", "json")
