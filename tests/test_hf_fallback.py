@@ -374,3 +374,29 @@ def test_old_style_text_layers_of_an_interface_model_are_recorded(recwarn):
     assert [r.meta["module_class"] for r in text] == ["GitSelfAttention"] * 2 and len(cap) == 3
     assert all(torch.equal(r.weights, w) for r, w in zip(text, reference, strict=True))
     assert attnprobe.check(cap).ok
+
+
+def test_a_head_calling_sdpa_itself_is_read_by_the_functional_adapter_not_the_fallback(recwarn):
+    """AIMv2's attention-pooling head calls F.scaled_dot_product_attention in its own forward and takes no
+    output_attentions: the fallback used to claim it, warn 'old-style', and record nothing. Its sdpa call
+    is read whole instead, with the weights its learned query gives over the patches."""
+    config = transformers.Aimv2VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                            intermediate_size=64, image_size=16, patch_size=4, use_head=True)
+    torch.manual_seed(0)
+    model = transformers.Aimv2VisionModel(config).eval()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(pixel_values=pixels).pooler_output
+        with attnprobe.capture(model) as cap:
+            captured = model(pixel_values=pixels).pooler_output
+    assert torch.equal(plain, captured)
+    assert not [w for w in recwarn if issubclass(w.category, AttnprobeWarning)]
+    head = [r for r in cap if r.name == "head"]
+    assert len(cap) == 2 and len(head) == 1 and head[0].kind == "cross"
+    # the head's own computation: its cls token attends over the patches' keys
+    with torch.no_grad():
+        hidden = model(pixel_values=pixels).last_hidden_state
+        k = model.head.k_proj(hidden).reshape(2, 16, 4, 8).transpose(1, 2)
+        q = model.head.cls_token.reshape(1, 4, 1, 8)
+        expected = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
+    torch.testing.assert_close(head[0].weights, expected, atol=1e-6, rtol=0)
