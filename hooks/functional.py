@@ -263,6 +263,11 @@ class FunctionalAdapter(Adapter):
             return True
         return _may_call_sdpa(model, claimed)
 
+    def traced_ids(self, model: nn.Module) -> set[int]:
+        """Ids of the modules named in ``modules=`` and of everything inside them: the user asked for their code
+        to be traced, so an adapter reading less of them (the Hugging Face output_attentions fallback) leaves them."""
+        return {id(m) for _, named in self._resolve(model) for m in named.modules()}
+
     def _resolve(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         spec = self.modules
         self.auto = isinstance(spec, str) and spec == "auto"

@@ -335,7 +335,9 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
             raise UnsupportedModelError(
                 f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}): "
                 "it has no attention interface and returned no attention weights (call the model itself, which "
-                f"is asked for output_attentions, or exclude the module with layers=[...]; it is layer {site.layer})"
+                "is asked for output_attentions; if its code computes a softmax, trace it with "
+                f"capture(model, modules=[...]) naming it, {site.name!r}; or exclude the module with layers=[...]; "
+                f"it is layer {site.layer})"
             )
         return weights
 

@@ -400,3 +400,41 @@ def test_a_head_calling_sdpa_itself_is_read_by_the_functional_adapter_not_the_fa
         q = model.head.cls_token.reshape(1, 4, 1, 8)
         expected = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
     torch.testing.assert_close(head[0].weights, expected, atol=1e-6, rtol=0)
+
+
+def _mobilevit():
+    config = transformers.MobileViTConfig(image_size=32, hidden_sizes=[16, 16, 16],
+                                          neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32], num_attention_heads=4)
+    torch.manual_seed(0)
+    return transformers.MobileViTModel(config).eval()
+
+
+def test_old_style_modules_named_in_modules_are_traced_not_read_through_output_attentions(assert_no_hooks):
+    """MobileViT's attention is hand-written softmax that takes no output_attentions. A default capture refuses it
+    and says to name it in modules=; named, the fallback leaves it to the tracer, which observes its softmax."""
+    model = _mobilevit()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(AttnprobeWarning, match="no attention interface"), \
+            pytest.raises(UnsupportedModelError, match=r"MobileViTSelfAttention.*modules=\[\.\.\.\]"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(pixel_values=pixels)
+    names = [m.name for m in attnprobe.attention_modules(model)]
+    first = model.get_submodule(names[0])
+    seen = []
+    handle = first.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AttnprobeWarning)  # length-1 layers: keys and values both zero (lint)
+        with torch.no_grad():
+            plain = model(pixel_values=pixels).last_hidden_state
+            with attnprobe.capture(model, modules=names) as cap:
+                captured = model(pixel_values=pixels).last_hidden_state
+    handle.remove()
+    assert torch.equal(plain, captured)
+    assert [r.name for r in cap] == names and {r.weights_source for r in cap} == {"observed"}
+    # the first layer's own softmax, recomputed from its projections
+    with torch.no_grad():
+        x = seen[-1]
+        split = lambda t: t.view(*t.shape[:2], 4, -1).transpose(1, 2)  # noqa: E731
+        scores = split(first.query(x)) @ split(first.key(x)).transpose(-1, -2) / first.attention_head_size ** 0.5
+    torch.testing.assert_close(cap[0].weights, torch.softmax(scores, dim=-1), atol=1e-6, rtol=0)
+    assert_no_hooks(model)
