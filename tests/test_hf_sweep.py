@@ -212,6 +212,19 @@ FAMILIES = {
                    "causal"),
     "minimax": ("MiniMaxConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1,
                                       layer_types=["linear_attention", "full_attention"]), "causal"),
+    "qwen3-5-text": ("Qwen3_5TextConfig", dict(DECODER, layer_types=["linear_attention", "full_attention"],
+                                               linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                                               linear_value_head_dim=8), "causal"),
+    "exaone-moe": ("ExaoneMoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                                           sliding_window=3), "causal"),
+    "glm4-moe-lite": ("Glm4MoeLiteConfig", dict(TEXT, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2,
+                                                num_experts_per_tok=1, moe_intermediate_size=16,
+                                                first_k_dense_replace=1, n_group=1, topk_group=1), "causal"),
+    "afmoe": ("AfmoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                                  num_dense_layers=1, sliding_window=3), "causal"),
+    "llama4-text": ("Llama4TextConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=64,
+                                             no_rope_layers=[0, 1], attention_chunk_size=4), "causal"),
     # ---- encoder-decoders (right padding on both sides)
     "t5": ("T5Config", T5, "seq2seq"),
     "mt5": ("MT5Config", T5, "seq2seq"),
@@ -238,6 +251,10 @@ FAMILIES = {
     # weights, which is what the model computes; a full forward without the cache is causal
     "fsmt": ("FSMTConfig", dict(SEQ2SEQ, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, langs=["en", "de"]),
              "seq2seq", {"inputs": {"use_cache": False}}),
+    "mvp": ("MvpConfig", SEQ2SEQ, "seq2seq"),
+    "t5gemma": ("T5GemmaConfig", dict(encoder=dict(DECODER, sliding_window=3, query_pre_attn_scalar=8),
+                                      decoder=dict(DECODER, sliding_window=3, query_pre_attn_scalar=8), vocab_size=VOCAB),
+                "seq2seq"),
     "led": ("LEDConfig", dict(SEQ2SEQ, attention_window=4, max_encoder_position_embeddings=64,
                               max_decoder_position_embeddings=64), "seq2seq"),
     "bigbird-pegasus": ("BigBirdPegasusConfig", dict(SEQ2SEQ, attention_type="original_full"), "seq2seq"),
@@ -262,6 +279,15 @@ FAMILIES = {
     "ijepa": ("IJepaConfig", VISION, "image"),
     "mlcd": ("MLCDVisionConfig", dict(VISION, num_key_value_groups=1), "image"),
     "aimv2-vision": ("Aimv2VisionConfig", dict(VISION, use_head=True), "image"),  # its pooling head calls sdpa itself
+    "pixtral-vision": ("PixtralVisionConfig", dict(VISION, head_dim=8), "image",
+                       {"inputs": {"image_sizes": torch.tensor([[16, 16], [16, 16]])}}),
+    "hiera": ("HieraConfig", dict(image_size=[16, 16], patch_size=[3, 3], patch_stride=[2, 2], patch_padding=[1, 1],
+                                  embed_dim=8, num_heads=[1, 2], depths=[1, 1], query_stride=[2, 2],
+                                  masked_unit_size=[4, 4], mlp_ratio=2.0, num_query_pool=1), "image"),
+    # ---- video: (batch, frames, channels, height, width)
+    "videomae": ("VideoMAEConfig", dict(VISION, num_frames=2, tubelet_size=1), "video"),
+    "vivit": ("VivitConfig", dict(VISION, num_frames=2, tubelet_size=[1, 4, 4]), "video"),
+    "timesformer": ("TimesformerConfig", dict(VISION, num_frames=2), "video"),
     "vitdet": ("VitDetConfig", dict(VISION, pretrain_image_size=16, window_size=2, window_block_indices=[0]), "image"),
     "donut-swin": ("DonutSwinConfig", dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
                                           window_size=4), "image"),
@@ -412,6 +438,14 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
         size = size if isinstance(size, int) else size[0]
         return ({"input_ids": input_ids, "attention_mask": mask,
                  "pixel_values": torch.randn(2, 3, size, size, generator=g)}, {"decoder": mask})
+    if kind == "video":  # (batch, frames, channels, height, width)
+        frames, size = config.num_frames, config.image_size
+        return {"pixel_values": torch.randn(2, frames, config.num_channels, size, size, generator=g)}, {}
+    if kind == "layout":  # text with a box per token (x0, y0, x1, y1 on a 0..1000 page)
+        mask = padding_mask(7, "right")
+        corner = torch.randint(0, 500, (2, 7, 2), generator=g)
+        bbox = torch.cat([corner, corner + torch.randint(1, 500, (2, 7, 2), generator=g)], dim=-1)
+        return {"input_ids": ids(7), "attention_mask": mask, "bbox": bbox}, {"encoder": mask}
     if kind == "spectrogram":
         return {"input_values": torch.randn(2, config.max_length, config.num_mel_bins, generator=g)}, {}
     if kind == "audio":
@@ -612,7 +646,7 @@ FALLBACK = frozenset({
     "big-bird", "xlm", "flaubert", "xlnet", "squeezebert", "blip", "gpt-neo", "gptj", "bloom", "falcon-eager", "codegen",
     "mpt", "xglm", "openai-gpt", "prophetnet", "fsmt", "bigbird-pegasus", "swinv2", "pvt",
     "data2vec-vision-eager", "wavlm", "roformer", "luke", "tapas", "gpt-neox-japanese", "vitdet", "donut-swin",
-    "swin2sr", "pvt-v2", "glpn", "minimax",
+    "swin2sr", "pvt-v2", "glpn", "minimax", "mvp",
 })
 #: Families refused before the forward, and what the error tells the user to do.
 REFUSED = {
@@ -627,6 +661,8 @@ REFUSED = {
     "mra": "returned no attention weights",
     "yoso": "returned no attention weights",
     "mobilevit": "modules=[...]",
+    "timesformer": "modules=[...]",  # its temporal attention is called without output_attentions
+    "hiera": "layers=[...]",  # weights per mask unit, (batch, head, window, query, key)
 }
 #: Families whose output_attentions leave out some attention calls (nothing to compare those with).
 _LANGUAGE_ONLY = "its outputs hold the language model's attentions, not the vision tower's"
