@@ -33,6 +33,21 @@ AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, interme
              conv_dim=(16, 16), conv_stride=(4, 4), conv_kernel=(8, 4), num_feat_extract_layers=2,
              num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
 
+
+def _qwen_vl_inputs() -> dict:
+    """Two 16x16 images as Qwen2-VL takes them: 4x4 patches of 4x4 pixels over 2 frames, flattened (3*2*4*4 values),
+    merged 2x2 into the 4 image tokens at positions 2..5 (``mm_token_type_ids`` marks them for M-RoPE)."""
+    mm = torch.zeros(2, 12, dtype=torch.long)
+    mm[:, 2:6] = 1
+    return {"pixel_values": torch.randn(32, 96, generator=torch.Generator().manual_seed(4)),
+            "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]), "mm_token_type_ids": mm}
+
+
+QWEN_VL_TEXT = dict(DECODER, vocab_size=120, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                                                "rope_theta": 10000.0})
+QWEN_VL_VISION = dict(depth=2, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+QWEN_VL_TOKENS = dict(image_token_id=110, vision_start_token_id=111, vision_end_token_id=112)
+
 # family -> (config class, config kwargs, inputs kind); inputs kinds are described in `make_inputs`
 FAMILIES = {
     # ---- encoders (bidirectional, right padding)
@@ -337,6 +352,13 @@ FAMILIES = {
                                                            patch_size=[4, 4]),
                                         image_token_id=110, downsample_ratio=0.5, vision_feature_layer=-1), "vlm",
                  {"image_tokens": 4}),
+    # vision attention per image (and per window in Qwen2.5-VL): one call each
+    "qwen2-vl": ("Qwen2VLConfig", dict(text_config=QWEN_VL_TEXT, vision_config=dict(QWEN_VL_VISION, embed_dim=32, mlp_ratio=2),
+                                       **QWEN_VL_TOKENS), "vlm", {"image_tokens": 4, "inputs": _qwen_vl_inputs()}),
+    "qwen2-5-vl": ("Qwen2_5_VLConfig", dict(text_config=QWEN_VL_TEXT,
+                                            vision_config=dict(QWEN_VL_VISION, out_hidden_size=32, intermediate_size=64,
+                                                               window_size=8, fullatt_block_indexes=[1]),
+                                            **QWEN_VL_TOKENS), "vlm", {"image_tokens": 4, "inputs": _qwen_vl_inputs()}),
     "owlvit": ("OwlViTConfig", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
                "text-image"),
     "chinese-clip": ("ChineseCLIPConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16),
@@ -438,10 +460,12 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
         input_ids = ids(image_tokens + 8)
         token = next(getattr(config, a) for a in ("image_token_index", "image_token_id") if hasattr(config, a))
         input_ids[:, 2:2 + image_tokens] = token
-        size = config.vision_config.image_size
-        size = size if isinstance(size, int) else size[0]
-        return ({"input_ids": input_ids, "attention_mask": mask,
-                 "pixel_values": torch.randn(2, 3, size, size, generator=g)}, {"decoder": mask})
+        batch = {"input_ids": input_ids, "attention_mask": mask}
+        size = getattr(config.vision_config, "image_size", None)  # none: patches come flattened (Qwen2-VL)
+        if size is not None:
+            size = size if isinstance(size, int) else size[0]
+            batch["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
+        return batch, {"decoder": mask}
     if kind == "video":  # (batch, frames, channels, height, width)
         frames, size = config.num_frames, config.image_size
         return {"pixel_values": torch.randn(2, frames, config.num_channels, size, size, generator=g)}, {}
@@ -671,7 +695,8 @@ REFUSED = {
 #: Families whose output_attentions leave out some attention calls (nothing to compare those with).
 _LANGUAGE_ONLY = "its outputs hold the language model's attentions, not the vision tower's"
 PARTIAL_REFERENCE = {
-    **dict.fromkeys(("llava", "vipllava", "paligemma", "gemma3", "aya-vision", "mistral3", "internvl"), _LANGUAGE_ONLY),
+    **dict.fromkeys(("llava", "vipllava", "paligemma", "gemma3", "aya-vision", "mistral3", "internvl", "qwen2-vl",
+                     "qwen2-5-vl"), _LANGUAGE_ONLY),
     "diffllama": "two attention calls per layer (same q and k, two halves of v); its outputs hold the first",
 }
 #: Families with a module that looks like attention but computes no softmax weights: left out with a warning,
