@@ -33,6 +33,8 @@ AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, interme
              conv_dim=(16, 16), conv_stride=(4, 4), conv_kernel=(8, 4), num_feat_extract_layers=2,
              num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
 
+SEED5 = torch.Generator().manual_seed(5)
+
 
 def _qwen_vl_inputs() -> dict:
     """Two 16x16 images as Qwen2-VL takes them: 4x4 patches of 4x4 pixels over 2 frames, flattened (3*2*4*4 values),
@@ -352,6 +354,45 @@ FAMILIES = {
                                                            patch_size=[4, 4]),
                                         image_token_id=110, downsample_ratio=0.5, vision_feature_layer=-1), "vlm",
                  {"image_tokens": 4}),
+    # 16 tokens for the base image, 16 + 4 (a newline per row) for its one 16x16 tile
+    "llava-next": ("LlavaNextConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+                                           vision_config=dict(VISION, model_type="clip_vision_model"),
+                                           image_token_index=110, image_grid_pinpoints=[[16, 16]],
+                                           vision_feature_layer=-1), "vlm",
+                   {"image_tokens": 36, "inputs": {"pixel_values": torch.randn(2, 2, 3, 16, 16, generator=SEED5),
+                                                   "image_sizes": torch.tensor([[16, 16], [16, 16]])}}),
+    "idefics3": ("Idefics3Config", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+                                        vision_config=dict(VISION, model_type="idefics3_vision"), image_token_id=110,
+                                        scale_factor=2), "vlm",
+                 {"image_tokens": 4, "inputs": {"pixel_values": torch.randn(2, 1, 3, 16, 16, generator=SEED5)}}),
+    "smolvlm": ("SmolVLMConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+                                      vision_config=dict(VISION, model_type="smolvlm_vision"), image_token_id=110,
+                                      scale_factor=2), "vlm",
+                {"image_tokens": 4, "inputs": {"pixel_values": torch.randn(2, 1, 3, 16, 16, generator=SEED5)}}),
+    # a Q-Former (self- and cross-attention over the image) between the vision tower and OPT
+    "blip-2": ("Blip2Config", dict(text_config=dict(DECODER, vocab_size=120, model_type="opt", ffn_dim=64,
+                                                    word_embed_proj_dim=32),
+                                   vision_config=VISION, qformer_config=dict(TEXT, cross_attention_frequency=1,
+                                                                             encoder_hidden_size=32),
+                                   num_query_tokens=4, image_token_index=110), "vlm", {"image_tokens": 4}),
+    "instructblip": ("InstructBlipConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="opt", ffn_dim=64,
+                                                                 word_embed_proj_dim=32),
+                                                vision_config=VISION, qformer_config=dict(TEXT, cross_attention_frequency=1,
+                                                                                          encoder_hidden_size=32),
+                                                num_query_tokens=4, image_token_index=110), "vlm",
+                     {"image_tokens": 4, "inputs": {"qformer_input_ids": torch.randint(3, VOCAB, (2, 5), generator=SEED5),
+                                                    "qformer_attention_mask": torch.ones(2, 5, dtype=torch.long)}}),
+    # one image token; language layer 1 is a cross-attention layer over the tile's patches
+    "mllama": ("MllamaConfig", dict(text_config=dict(DECODER, vocab_size=120, cross_attention_layers=[1],
+                                                     model_type="mllama_text_model"),
+                                    vision_config=dict(hidden_size=32, num_hidden_layers=2, num_global_layers=1,
+                                                       attention_heads=4, intermediate_size=64, image_size=16,
+                                                       patch_size=4, max_num_tiles=1, supported_aspect_ratios=[[1, 1]],
+                                                       intermediate_layers_indices=[0], vision_output_dim=64),
+                                    image_token_index=110), "vlm",
+               {"image_tokens": 1, "inputs": {"pixel_values": torch.randn(2, 1, 1, 3, 16, 16, generator=SEED5),
+                                              "aspect_ratio_ids": torch.tensor([[1], [1]]),
+                                              "aspect_ratio_mask": torch.ones(2, 1, 1, dtype=torch.long)}}),
     # vision attention per image (and per window in Qwen2.5-VL): one call each
     "qwen2-vl": ("Qwen2VLConfig", dict(text_config=QWEN_VL_TEXT, vision_config=dict(QWEN_VL_VISION, embed_dim=32, mlp_ratio=2),
                                        **QWEN_VL_TOKENS), "vlm", {"image_tokens": 4, "inputs": _qwen_vl_inputs()}),
@@ -530,8 +571,9 @@ def eager_reference(model, batch, kind: str) -> tuple[dict, int]:
     counter = SoftmaxCount()
     with torch.no_grad(), counter:
         out = reference(**batch, output_attentions=True)
-    if kind == "vlm":  # LLaVA returns the language model's attentions only
-        groups = {(None, "self", "language_model"): out.attentions}
+    if kind == "vlm":  # LLaVA returns the language model's attentions only; BLIP-2 also the others, apart
+        language = getattr(out, "language_model_outputs", out)
+        groups = {(None, "self", "language_model"): language.attentions}
     elif kind == "text-image":
         groups = {(None, "self", "text_model"): out.text_model_output.attentions,
                   (None, "self", "vision_model"): out.vision_model_output.attentions}
@@ -547,8 +589,9 @@ def eager_reference(model, batch, kind: str) -> tuple[dict, int]:
 def tower(record, kind: str):
     """Which tower of a two-tower model (CLIP, SigLIP) or a vision-language model (LLaVA) a record
     belongs to; None for the others."""
-    if kind == "vlm":  # the vision tower's modules are named vision_tower, vision_model, visual, ...
-        return "language_model" if "language_model" in record.name.split(".") else "vision_tower"
+    if kind == "vlm":  # the vision tower's modules are named vision_tower, vision_model, visual, ... (and BLIP-2's
+        # Q-Former counts with them); the language model's language_model or, in Idefics3, text_model
+        return "language_model" if {"language_model", "text_model"} & set(record.name.split(".")) else "vision_tower"
     return record.name.split(".")[0] if kind == "text-image" else None
 
 
@@ -696,7 +739,9 @@ REFUSED = {
 _LANGUAGE_ONLY = "its outputs hold the language model's attentions, not the vision tower's"
 PARTIAL_REFERENCE = {
     **dict.fromkeys(("llava", "vipllava", "paligemma", "gemma3", "aya-vision", "mistral3", "internvl", "qwen2-vl",
-                     "qwen2-5-vl"), _LANGUAGE_ONLY),
+                     "qwen2-5-vl", "llava-next", "idefics3", "smolvlm"), _LANGUAGE_ONLY),
+    **dict.fromkeys(("blip-2", "instructblip"), "the vision tower's and the Q-Former's attentions are not compared"),
+    "mllama": "its language attentions hold one entry per layer, self- or cross-attention alike (not compared)",
     "diffllama": "two attention calls per layer (same q and k, two halves of v); its outputs hold the first",
 }
 #: Families with a module that looks like attention but computes no softmax weights: left out with a warning,
