@@ -67,8 +67,10 @@ def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tup
         owner = next((m for m in ancestors(module, parents) if _is_pretrained(m)), None)
         if owner is not None:
             candidates.append((name, module))
-    # keep the innermost: a wrapper around another attention module is not itself read
-    above = {id(a) for _, m in candidates for a in ancestors(m, parents)}
+    # keep the innermost: a wrapper around another attention module is not itself read, nor one around torch's
+    # nn.MultiheadAttention, which the torch adapter reads (SigLIP2's pooling head keeps a head count of its own)
+    torch_mha = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+    above = {id(a) for m in [*(m for _, m in candidates), *torch_mha] for a in ancestors(m, parents)}
     above |= {id(a) for key in taken for a in _ancestors_by_id(key, parents)}
     return [(name, m) for name, m in candidates if id(m) not in above]
 

@@ -438,3 +438,23 @@ def test_old_style_modules_named_in_modules_are_traced_not_read_through_output_a
         scores = split(first.query(x)) @ split(first.key(x)).transpose(-1, -2) / first.attention_head_size ** 0.5
     torch.testing.assert_close(cap[0].weights, torch.softmax(scores, dim=-1), atol=1e-6, rtol=0)
     assert_no_hooks(model)
+
+
+def test_a_wrapper_around_torch_multihead_attention_is_not_claimed_as_old_style(recwarn):
+    """SigLIP2's pooling head keeps a head count and holds an nn.MultiheadAttention: the torch adapter reads that;
+    the fallback used to claim the head too, warn 'old-style' and leave it out for returning no weights."""
+    config = transformers.Siglip2VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                              intermediate_size=64, num_patches=16, patch_size=4)
+    torch.manual_seed(0)
+    model = transformers.Siglip2VisionModel(config).eval()
+    g = torch.Generator().manual_seed(1)
+    batch = {"pixel_values": torch.randn(2, 16, 48, generator=g), "spatial_shapes": torch.tensor([[4, 4], [4, 4]]),
+             "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long)}
+    with torch.no_grad():
+        plain = model(**batch).pooler_output
+        with attnprobe.capture(model) as cap:
+            captured = model(**batch).pooler_output
+    assert torch.equal(plain, captured)
+    assert not [w for w in recwarn if issubclass(w.category, AttnprobeWarning)]
+    assert [r.name for r in cap] == ["encoder.layers.0.self_attn", "head.attention"]
+    assert cap[1].weights.shape == (2, 4, 1, 16)
