@@ -34,6 +34,10 @@ AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, interme
              num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
 
 SEED5 = torch.Generator().manual_seed(5)
+DETR = dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=4,
+            backbone_config=dict(model_type="resnet", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                 out_features=["stage1", "stage2"]),
+            **{k: v for k, v in SEQ2SEQ.items() if k.endswith(("layers", "heads", "ffn_dim")) or k == "d_model"})
 
 
 def _qwen_vl_inputs() -> dict:
@@ -309,6 +313,10 @@ FAMILIES = {
     "videomae": ("VideoMAEConfig", dict(VISION, num_frames=2, tubelet_size=1), "video"),
     "vivit": ("VivitConfig", dict(VISION, num_frames=2, tubelet_size=[1, 4, 4]), "video"),
     "timesformer": ("TimesformerConfig", dict(VISION, num_frames=2), "video"),
+    "siglip2-vision": ("Siglip2VisionConfig", dict(VISION, num_patches=16), "image",  # patches flattened, 16 x 48
+                       {"inputs": {"pixel_values": torch.randn(2, 16, 48, generator=SEED5),
+                                   "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long),
+                                   "spatial_shapes": torch.tensor([[4, 4], [4, 4]])}}),
     "vitdet": ("VitDetConfig", dict(VISION, pretrain_image_size=16, window_size=2, window_block_indices=[0]), "image"),
     "donut-swin": ("DonutSwinConfig", dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
                                           window_size=4), "image"),
@@ -424,6 +432,10 @@ FAMILIES = {
     "glpn": ("GLPNConfig", dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
                                 patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[2, 4], mlp_ratios=[2, 2],
                                 decoder_hidden_size=16, image_size=16), "image"),
+    # ---- detection: an encoder over ResNet features, a decoder over object queries (self and cross)
+    "detr": ("DetrConfig", DETR, "detection"),
+    "conditional-detr": ("ConditionalDetrConfig", DETR, "detection"),
+    "table-transformer": ("TableTransformerConfig", DETR, "detection"),
     "audio-spectrogram-transformer": ("ASTConfig", dict(VISION, patch_size=4, frequency_stride=4, time_stride=4,
                                                         max_length=16, num_mel_bins=16), "spectrogram"),
     # ---- audio (raw samples, no mask)
@@ -507,6 +519,9 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
             size = size if isinstance(size, int) else size[0]
             batch["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
         return batch, {"decoder": mask}
+    if kind == "detection":  # a 32x32 image for a two-stage ResNet (1/4 and 1/8 resolution), no padding
+        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g),
+                "pixel_mask": torch.ones(2, 32, 32, dtype=torch.long)}, {}
     if kind == "video":  # (batch, frames, channels, height, width)
         frames, size = config.num_frames, config.image_size
         return {"pixel_values": torch.randn(2, frames, config.num_channels, size, size, generator=g)}, {}
@@ -612,7 +627,8 @@ def declarations(cap, name: str, masks: dict) -> tuple[dict, dict]:
             is_causal, side = text and name in CAUSAL_TEXT, "encoder" if text else None
         else:
             stack = r.meta.get("stack") or ("decoder" if kind == "causal" else "encoder")
-            is_causal, side = stack == "decoder", "encoder" if r.kind == "cross" else stack
+            # DETR's decoder attends among its object queries: not causal
+            is_causal, side = stack == "decoder" and kind != "detection", "encoder" if r.kind == "cross" else stack
         if r.kind == "self":
             causal[r.layer] = is_causal
         if side in masks:
@@ -717,7 +733,7 @@ FALLBACK = frozenset({
     "big-bird", "xlm", "flaubert", "xlnet", "squeezebert", "blip", "gpt-neo", "gptj", "bloom", "falcon-eager", "codegen",
     "mpt", "xglm", "openai-gpt", "prophetnet", "fsmt", "bigbird-pegasus", "swinv2", "pvt",
     "data2vec-vision-eager", "wavlm", "roformer", "luke", "tapas", "gpt-neox-japanese", "vitdet", "donut-swin",
-    "swin2sr", "pvt-v2", "glpn", "minimax", "mvp", "layoutlmv3", "lilt",
+    "swin2sr", "pvt-v2", "glpn", "minimax", "mvp", "layoutlmv3", "lilt", "table-transformer",
 })
 #: Families refused before the forward, and what the error tells the user to do.
 REFUSED = {
