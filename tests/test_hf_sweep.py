@@ -108,6 +108,8 @@ FAMILIES = {
                                             rel_pos_bins=8, max_rel_pos=16, rel_2d_pos_bins=8, max_rel_2d_pos=16),
                    "layout"),
     "lilt": ("LiltConfig", dict(TEXT, hidden_size=48, pad_token_id=1, channel_shrink_ratio=2), "layout"),
+    "clap-text": ("ClapTextConfig", dict(TEXT, pad_token_id=1), "encoder", {"model": "ClapTextModel"}),
+    "flava-text": ("FlavaTextConfig", TEXT, "encoder", {"model": "FlavaTextModel"}),
     "mra": ("MraConfig", dict(TEXT, pad_token_id=1), "encoder"),
     "yoso": ("YosoConfig", dict(TEXT, pad_token_id=1), "encoder"),
     # ---- decoders (causal, left padding)
@@ -237,6 +239,10 @@ FAMILIES = {
                    "causal"),
     "minimax": ("MiniMaxConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1,
                                       layer_types=["linear_attention", "full_attention"]), "causal"),
+    "emu3-text": ("Emu3TextConfig", DECODER, "causal", {"model": "Emu3TextModel"}),
+    "musicgen": ("MusicgenDecoderConfig", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                                               vocab_size=VOCAB, num_codebooks=2, max_position_embeddings=64,
+                                               pad_token_id=0, bos_token_id=1), "codebooks", {"model": "MusicgenModel"}),
     "qwen3-5-text": ("Qwen3_5TextConfig", dict(DECODER, layer_types=["linear_attention", "full_attention"],
                                                linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
                                                linear_value_head_dim=8), "causal"),
@@ -317,6 +323,7 @@ FAMILIES = {
                        {"inputs": {"pixel_values": torch.randn(2, 16, 48, generator=SEED5),
                                    "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long),
                                    "spatial_shapes": torch.tensor([[4, 4], [4, 4]])}}),
+    "flava-image": ("FlavaImageConfig", VISION, "image", {"model": "FlavaImageModel"}),
     "vitdet": ("VitDetConfig", dict(VISION, pretrain_image_size=16, window_size=2, window_block_indices=[0]), "image"),
     "donut-swin": ("DonutSwinConfig", dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
                                           window_size=4), "image"),
@@ -519,6 +526,9 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
             size = size if isinstance(size, int) else size[0]
             batch["pixel_values"] = torch.randn(2, 3, size, size, generator=g)
         return batch, {"decoder": mask}
+    if kind == "codebooks":  # MusicGen's decoder: one row of ids per codebook, (batch * codebooks, length)
+        mask = padding_mask(7, "left")
+        return {"input_ids": ids(7).repeat_interleave(config.num_codebooks, dim=0), "attention_mask": mask}, {"encoder": mask}
     if kind == "detection":  # a 32x32 image for a two-stage ResNet (1/4 and 1/8 resolution), no padding
         return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g),
                 "pixel_mask": torch.ones(2, 32, 32, dtype=torch.long)}, {}
@@ -626,7 +636,7 @@ def declarations(cap, name: str, masks: dict) -> tuple[dict, dict]:
             text = tower(r, kind) == "text_model"
             is_causal, side = text and name in CAUSAL_TEXT, "encoder" if text else None
         else:
-            stack = r.meta.get("stack") or ("decoder" if kind == "causal" else "encoder")
+            stack = r.meta.get("stack") or ("decoder" if kind in ("causal", "codebooks") else "encoder")
             # DETR's decoder attends among its object queries: not causal
             is_causal, side = stack == "decoder" and kind != "detection", "encoder" if r.kind == "cross" else stack
         if r.kind == "self":
@@ -734,6 +744,7 @@ FALLBACK = frozenset({
     "mpt", "xglm", "openai-gpt", "prophetnet", "fsmt", "bigbird-pegasus", "swinv2", "pvt",
     "data2vec-vision-eager", "wavlm", "roformer", "luke", "tapas", "gpt-neox-japanese", "vitdet", "donut-swin",
     "swin2sr", "pvt-v2", "glpn", "minimax", "mvp", "layoutlmv3", "lilt", "table-transformer",
+    "flava-text", "flava-image",
 })
 #: Families refused before the forward, and what the error tells the user to do.
 REFUSED = {
