@@ -422,13 +422,14 @@ def test_old_style_modules_named_in_modules_are_traced_not_read_through_output_a
     first = model.get_submodule(names[0])
     seen = []
     handle = first.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", AttnprobeWarning)  # length-1 layers: keys and values both zero (lint)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AttnprobeWarning)
         with torch.no_grad():
             plain = model(pixel_values=pixels).last_hidden_state
             with attnprobe.capture(model, modules=names) as cap:
                 captured = model(pixel_values=pixels).last_hidden_state
     handle.remove()
+    assert not [str(w.message) for w in caught if issubclass(w.category, AttnprobeWarning)]
     assert torch.equal(plain, captured)
     assert [r.name for r in cap] == names and {r.weights_source for r in cap} == {"observed"}
     # the first layer's own softmax, recomputed from its projections
