@@ -239,6 +239,11 @@ FAMILIES = {
                    "causal"),
     "minimax": ("MiniMaxConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1,
                                       layer_types=["linear_attention", "full_attention"]), "causal"),
+    # text tokens only: its VQ image tokenizer is built but not run
+    "chameleon": ("ChameleonConfig", dict(DECODER, vocab_size=120, vocabulary_map={"<image>": 110}, image_token_id=110,
+                                          vq_config=dict(embed_dim=8, num_embeddings=16, base_channels=32,
+                                                         channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=[],
+                                                         resolution=16, latent_channels=8)), "causal"),
     "emu3-text": ("Emu3TextConfig", DECODER, "causal", {"model": "Emu3TextModel"}),
     "musicgen": ("MusicgenDecoderConfig", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                                                vocab_size=VOCAB, num_codebooks=2, max_position_embeddings=64,
