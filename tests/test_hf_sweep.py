@@ -422,6 +422,8 @@ FAMILIES = {
                                             **QWEN_VL_TOKENS), "vlm", {"image_tokens": 4, "inputs": _qwen_vl_inputs()}),
     "owlvit": ("OwlViTConfig", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
                "text-image"),
+    "owlv2": ("Owlv2Config", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
+              "text-image"),
     "chinese-clip": ("ChineseCLIPConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16),
                      "text-image"),
     "altclip": ("AltCLIPConfig", dict(text_config=dict(TEXT, pad_token_id=1), vision_config=VISION,
@@ -456,6 +458,12 @@ FAMILIES = {
     "data2vec-audio": ("Data2VecAudioConfig", AUDIO, "audio"),
     "sew": ("SEWConfig", dict(AUDIO, squeeze_factor=1), "audio"),
     "unispeech": ("UniSpeechConfig", AUDIO, "audio"),
+    "unispeech-sat": ("UniSpeechSatConfig", AUDIO, "audio"),
+    "wav2vec2-conformer": ("Wav2Vec2ConformerConfig", dict(AUDIO, conv_depthwise_kernel_size=3,
+                                                           position_embeddings_type="relative"), "audio"),
+    "wav2vec2-conformer-rotary": ("Wav2Vec2ConformerConfig", dict(AUDIO, conv_depthwise_kernel_size=3,
+                                                                  position_embeddings_type="rotary"), "audio"),
+    "sew-d": ("SEWDConfig", dict(AUDIO, squeeze_factor=1, position_buckets=8, max_relative_positions=16), "audio"),
     "wavlm": ("WavLMConfig", dict(AUDIO, num_buckets=8, max_bucket_distance=16), "audio"),
 }
 
@@ -626,7 +634,7 @@ def tower(record, kind: str):
 
 
 #: two-tower families whose text tower is causal (CLIP's text transformer and those built on it)
-CAUSAL_TEXT = frozenset({"clip", "owlvit"})
+CAUSAL_TEXT = frozenset({"clip", "owlvit", "owlv2"})
 
 
 def declarations(cap, name: str, masks: dict) -> tuple[dict, dict]:
@@ -749,7 +757,7 @@ FALLBACK = frozenset({
     "mpt", "xglm", "openai-gpt", "prophetnet", "fsmt", "bigbird-pegasus", "swinv2", "pvt",
     "data2vec-vision-eager", "wavlm", "roformer", "luke", "tapas", "gpt-neox-japanese", "vitdet", "donut-swin",
     "swin2sr", "pvt-v2", "glpn", "minimax", "mvp", "layoutlmv3", "lilt", "table-transformer",
-    "flava-text", "flava-image",
+    "flava-text", "flava-image", "sew-d",
 })
 #: Families refused before the forward, and what the error tells the user to do.
 REFUSED = {
