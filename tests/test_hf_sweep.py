@@ -291,6 +291,17 @@ FAMILIES = {
     "t5gemma": ("T5GemmaConfig", dict(encoder=dict(DECODER, sliding_window=3, query_pre_attn_scalar=8),
                                       decoder=dict(DECODER, sliding_window=3, query_pre_attn_scalar=8), vocab_size=VOCAB),
                 "seq2seq"),
+    # composites: a BERT encoder and a BERT decoder with cross-attention; ViT and GPT-2
+    "encoder-decoder": ("EncoderDecoderConfig", dict(encoder=dict(TEXT, model_type="bert"),
+                                                     decoder=dict(TEXT, model_type="bert", is_decoder=True,
+                                                                  add_cross_attention=True),
+                                                     decoder_start_token_id=1, pad_token_id=0), "seq2seq",
+                        {"model": "EncoderDecoderModel"}),
+    "vision-encoder-decoder": ("VisionEncoderDecoderConfig", dict(encoder=dict(VISION, model_type="vit"),
+                                                                  decoder=dict(TEXT, model_type="gpt2", n_positions=64,
+                                                                               is_decoder=True, add_cross_attention=True),
+                                                                  decoder_start_token_id=1, pad_token_id=0),
+                               "image2text", {"model": "VisionEncoderDecoderModel"}),
     "led": ("LEDConfig", dict(SEQ2SEQ, attention_window=4, max_encoder_position_embeddings=64,
                               max_decoder_position_embeddings=64), "seq2seq"),
     "bigbird-pegasus": ("BigBirdPegasusConfig", dict(SEQ2SEQ, attention_type="original_full"), "seq2seq"),
@@ -512,6 +523,10 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
         enc, dec = padding_mask(7, "right"), padding_mask(5, "right")
         return ({"input_ids": ids(7), "attention_mask": enc, "decoder_input_ids": ids(5),
                  "decoder_attention_mask": dec}, {"encoder": enc, "decoder": dec})
+    if kind == "image2text":  # a vision encoder, a text decoder with cross-attention
+        dec = padding_mask(5, "right")
+        return ({"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "decoder_input_ids": ids(5),
+                 "decoder_attention_mask": dec}, {"decoder": dec})
     if kind == "whisper":
         dec = padding_mask(5, "right")
         features = torch.randn(2, config.num_mel_bins, 2 * config.max_source_positions, generator=g)
