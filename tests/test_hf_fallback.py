@@ -459,3 +459,33 @@ def test_a_wrapper_around_torch_multihead_attention_is_not_claimed_as_old_style(
     assert not [w for w in recwarn if issubclass(w.category, AttnprobeWarning)]
     assert [r.name for r in cap] == ["encoder.layers.0.self_attn", "head.attention"]
     assert cap[1].weights.shape == (2, 4, 1, 16)
+
+
+def test_a_traced_old_style_module_records_the_softmax_its_output_attentions_leave_out():
+    """LiLT computes two softmax attentions per layer and returns one: the layout stream's (first) and the text's,
+    over the same summed scores but each over its own values (the layout's shrunk by channel_shrink_ratio). The
+    fallback records the returned one; a trace of the named modules records both calls."""
+    config = transformers.LiltConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     vocab_size=100, max_position_embeddings=64, channel_shrink_ratio=2, pad_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.LiltModel(config).eval()
+    g = torch.Generator().manual_seed(1)
+    corner = torch.randint(0, 500, (2, 7, 2), generator=g)
+    batch = {"input_ids": torch.randint(3, 100, (2, 7), generator=g), "attention_mask": torch.ones(2, 7, dtype=torch.long),
+             "bbox": torch.cat([corner, corner + 10], dim=-1)}
+    names = [m.name for m in attnprobe.attention_modules(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AttnprobeWarning)
+        with torch.no_grad():
+            plain = model(**batch).last_hidden_state
+            with attnprobe.capture(model) as weights_only:
+                model(**batch)
+            with attnprobe.capture(model, modules=names) as traced:
+                captured = model(**batch).last_hidden_state
+            reference = model(**batch, output_attentions=True).attentions
+    assert torch.equal(plain, captured)
+    assert len(weights_only) == 2 and len(traced) == 4 and {r.weights_source for r in traced} == {"observed"}
+    for name, own in zip(names, reference, strict=True):
+        layout, text = [r for r in traced if r.name == name]
+        assert torch.equal(text.weights, own) and torch.equal(layout.weights, own)
+        assert (layout.v.shape[-1], text.v.shape[-1]) == (6, 12)

@@ -805,7 +805,8 @@ LEFT_OUT = {"minimax": "its lightning (linear) attention returns its key-value s
 #: Old-style families computing more softmax attention than their output_attentions return: the fallback, which
 #: reads output_attentions, records what they return and misses the rest (name the modules in modules=[...] to
 #: trace them instead).
-UNEXPOSED = {"lilt": "its layout stream's attention, a second softmax per layer, is not in its output_attentions"}
+UNEXPOSED = {"lilt": "its layout stream's attention, a second softmax per layer (same summed scores, its own layout "
+                    "values), is not in its output_attentions"}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
