@@ -15,7 +15,8 @@ def default_adapters(*, modules=None) -> list[Adapter]:
     from .own import OwnModuleAdapter
     from .torch_mha import TorchMHAAdapter
 
-    return [OwnModuleAdapter(), HuggingFaceAdapter(), TorchMHAAdapter(), FunctionalAdapter(modules=modules)]
+    functional = FunctionalAdapter(modules=modules)
+    return [OwnModuleAdapter(), HuggingFaceAdapter(traced=functional), TorchMHAAdapter(), functional]
 
 
 __all__ = ["Adapter", "Site", "default_adapters"]

@@ -166,8 +166,12 @@ def _code_reaches_sdpa(cls: type) -> bool:
             _queue(todo, (value.fget, value.fset))
         elif isinstance(value, functools.partial):
             _queue(todo, (value.func, *value.args, *value.keywords.values()))
-        elif isinstance(value, (dict, list, tuple)) and len(value) <= _CONTAINER_LIMIT:
-            _queue(todo, value.values() if isinstance(value, dict) else value)
+        elif isinstance(value, dict) and dict.__len__(value) <= _CONTAINER_LIMIT:
+            # the entries stored, not an overridden values(): transformers' lazy CONFIG_MAPPING imports every
+            # model's config module when asked for its values (6 s, and ~800 modules, for EncoderDecoderModel)
+            _queue(todo, dict.values(value))
+        elif isinstance(value, (list, tuple)) and len(value) <= _CONTAINER_LIMIT:
+            _queue(todo, value)
         elif inspect.isfunction(value) and not _is_torch_code(value):
             if _function_reaches(value, todo):
                 return True
@@ -262,6 +266,11 @@ class FunctionalAdapter(Adapter):
         if self.auto or self._named_ids:
             return True
         return _may_call_sdpa(model, claimed)
+
+    def traced_ids(self, model: nn.Module) -> set[int]:
+        """Ids of the modules named in ``modules=`` and of everything inside them: the user asked for their code
+        to be traced, so an adapter reading less of them (the Hugging Face output_attentions fallback) leaves them."""
+        return {id(m) for _, named in self._resolve(model) for m in named.modules()}
 
     def _resolve(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         spec = self.modules

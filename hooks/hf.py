@@ -615,6 +615,10 @@ class HuggingFaceAdapter(Adapter):
 
     name = "huggingface"
 
+    def __init__(self, traced=None) -> None:
+        #: the functional adapter, whose ``modules=`` are traced rather than read through output_attentions
+        self.traced = traced
+
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
         if "transformers" not in sys.modules:  # no transformers model can exist yet
             return []
@@ -631,6 +635,8 @@ class HuggingFaceAdapter(Adapter):
             sites.append(Site(name, module, self, heads, kv_heads, info={"strategy": _STRATEGY}))
         if pretrained:  # old-style modules (whole models, or next to interface ones: LongT5, BigBirdPegasus)
             taken = claimed | {id(s.module) for s in sites}
+            if self.traced is not None:  # named in modules=: traced whole by the functional adapter
+                taken |= self.traced.traced_ids(model)
             for name, module in find_old_style(model, taken, parents_of(model)):
                 heads, kv_heads = head_counts(module)
                 sites.append(Site(name, module, self, heads, kv_heads, info={"strategy": "output_attentions"}))

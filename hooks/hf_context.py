@@ -128,6 +128,14 @@ def padding_from(mask) -> torch.Tensor | None:
     return mask == 0
 
 
+def _built_mask(mask) -> bool:
+    """A mask the model built above this stack: 4-D, or one per layer type (Gemma3's multimodal model hands
+    its language model ``{"full_attention": ..., "sliding_attention": ...}``)."""
+    if isinstance(mask, dict):
+        return any(_built_mask(m) for m in mask.values())
+    return isinstance(mask, torch.Tensor) and mask.dim() > 2
+
+
 class StackState:
     """The current call of one stack: padded positions, generation step, position of the first query."""
 
@@ -151,7 +159,7 @@ class StackState:
     def _before(self, module, args, kwargs):
         mask = argument(self._params, "attention_mask", args, kwargs)
         self.padding = padding_from(mask)
-        self.built_mask = self.padding is None and isinstance(mask, torch.Tensor) and mask.dim() > 2
+        self.built_mask = self.padding is None and _built_mask(mask)
         cache = argument(self._params, "past_key_values", args, kwargs)
         if self._cache_type is not None and isinstance(cache, self._cache_type):
             # generate() passes one cache object to every step: a new object starts a new run

@@ -9,6 +9,7 @@ handed back exactly as they asked for it (attentions removed when they did not a
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from contextlib import ExitStack
 
@@ -61,11 +62,15 @@ def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tup
             continue
         if not any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS) and not _config_heads(module):
             continue
+        if _calls_sdpa_without_weights(cls):
+            continue
         owner = next((m for m in ancestors(module, parents) if _is_pretrained(m)), None)
         if owner is not None:
             candidates.append((name, module))
-    # keep the innermost: a wrapper around another attention module is not itself read
-    above = {id(a) for _, m in candidates for a in ancestors(m, parents)}
+    # keep the innermost: a wrapper around another attention module is not itself read, nor one around torch's
+    # nn.MultiheadAttention, which the torch adapter reads (SigLIP2's pooling head keeps a head count of its own)
+    torch_mha = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+    above = {id(a) for m in [*(m for _, m in candidates), *torch_mha] for a in ancestors(m, parents)}
     above |= {id(a) for key in taken for a in _ancestors_by_id(key, parents)}
     return [(name, m) for name, m in candidates if id(m) not in above]
 
@@ -76,6 +81,22 @@ def _config_heads(module: nn.Module) -> bool:
     ``FunnelAttentionStructure`` take no ``output_attentions`` and are not attention."""
     heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
     return isinstance(heads, int) and heads > 0 and "output_attentions" in forward_params(type(module))
+
+
+def _calls_sdpa_without_weights(cls: type) -> bool:
+    """A module that calls ``F.scaled_dot_product_attention`` itself and cannot be asked for weights (its
+    forward takes neither ``output_attentions`` nor ``**kwargs``: AIMv2's attention-pooling head). It is not
+    old-style attention: output_attentions would return nothing, while the functional adapter reads its
+    sdpa calls whole (q, k, v, mask, recomputed weights)."""
+    from .functional import _code_reaches_sdpa
+
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.name == "output_attentions" or p.kind is p.VAR_KEYWORD for p in params):
+        return False
+    return _code_reaches_sdpa(cls)
 
 
 def _ancestors_by_id(key: int, parents: dict[int, nn.Module]):
@@ -316,7 +337,9 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
             raise UnsupportedModelError(
                 f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}): "
                 "it has no attention interface and returned no attention weights (call the model itself, which "
-                f"is asked for output_attentions, or exclude the module with layers=[...]; it is layer {site.layer})"
+                "is asked for output_attentions; if its code computes a softmax, trace it with "
+                f"capture(model, modules=[...]) naming it, {site.name!r}; or exclude the module with layers=[...]; "
+                f"it is layer {site.layer})"
             )
         return weights
 

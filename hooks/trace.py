@@ -780,7 +780,10 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
         return True
-    return bool(torch.equal(a, b))
+    # equal values from two computations: one projection applied twice, unless every value is the same (a zero
+    # input gives zero keys and zero values through any two bias-free projections: nothing tells them apart)
+    flat = a.detach().flatten()
+    return bool(torch.equal(a, b)) and flat.numel() > 1 and not bool((flat == flat[0]).all())
 
 
 def _softmax_dim(node: Node, nd: int) -> int:

@@ -374,3 +374,118 @@ def test_old_style_text_layers_of_an_interface_model_are_recorded(recwarn):
     assert [r.meta["module_class"] for r in text] == ["GitSelfAttention"] * 2 and len(cap) == 3
     assert all(torch.equal(r.weights, w) for r, w in zip(text, reference, strict=True))
     assert attnprobe.check(cap).ok
+
+
+def test_a_head_calling_sdpa_itself_is_read_by_the_functional_adapter_not_the_fallback(recwarn):
+    """AIMv2's attention-pooling head calls F.scaled_dot_product_attention in its own forward and takes no
+    output_attentions: the fallback used to claim it, warn 'old-style', and record nothing. Its sdpa call
+    is read whole instead, with the weights its learned query gives over the patches."""
+    config = transformers.Aimv2VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                            intermediate_size=64, image_size=16, patch_size=4, use_head=True)
+    torch.manual_seed(0)
+    model = transformers.Aimv2VisionModel(config).eval()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(pixel_values=pixels).pooler_output
+        with attnprobe.capture(model) as cap:
+            captured = model(pixel_values=pixels).pooler_output
+    assert torch.equal(plain, captured)
+    assert not [w for w in recwarn if issubclass(w.category, AttnprobeWarning)]
+    head = [r for r in cap if r.name == "head"]
+    assert len(cap) == 2 and len(head) == 1 and head[0].kind == "cross"
+    # the head's own computation: its cls token attends over the patches' keys
+    with torch.no_grad():
+        hidden = model(pixel_values=pixels).last_hidden_state
+        k = model.head.k_proj(hidden).reshape(2, 16, 4, 8).transpose(1, 2)
+        q = model.head.cls_token.reshape(1, 4, 1, 8)
+        expected = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
+    torch.testing.assert_close(head[0].weights, expected, atol=1e-6, rtol=0)
+
+
+def _mobilevit():
+    config = transformers.MobileViTConfig(image_size=32, hidden_sizes=[16, 16, 16],
+                                          neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32], num_attention_heads=4)
+    torch.manual_seed(0)
+    return transformers.MobileViTModel(config).eval()
+
+
+def test_old_style_modules_named_in_modules_are_traced_not_read_through_output_attentions(assert_no_hooks):
+    """MobileViT's attention is hand-written softmax that takes no output_attentions. A default capture refuses it
+    and says to name it in modules=; named, the fallback leaves it to the tracer, which observes its softmax."""
+    model = _mobilevit()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(AttnprobeWarning, match="no attention interface"), \
+            pytest.raises(UnsupportedModelError, match=r"MobileViTSelfAttention.*modules=\[\.\.\.\]"):
+        with torch.no_grad(), attnprobe.capture(model):
+            model(pixel_values=pixels)
+    names = [m.name for m in attnprobe.attention_modules(model)]
+    first = model.get_submodule(names[0])
+    seen = []
+    handle = first.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AttnprobeWarning)
+        with torch.no_grad():
+            plain = model(pixel_values=pixels).last_hidden_state
+            with attnprobe.capture(model, modules=names) as cap:
+                captured = model(pixel_values=pixels).last_hidden_state
+    handle.remove()
+    assert not [str(w.message) for w in caught if issubclass(w.category, AttnprobeWarning)]
+    assert torch.equal(plain, captured)
+    assert [r.name for r in cap] == names and {r.weights_source for r in cap} == {"observed"}
+    # the first layer's own softmax, recomputed from its projections
+    with torch.no_grad():
+        x = seen[-1]
+        split = lambda t: t.view(*t.shape[:2], 4, -1).transpose(1, 2)  # noqa: E731
+        scores = split(first.query(x)) @ split(first.key(x)).transpose(-1, -2) / first.attention_head_size ** 0.5
+    torch.testing.assert_close(cap[0].weights, torch.softmax(scores, dim=-1), atol=1e-6, rtol=0)
+    assert_no_hooks(model)
+
+
+def test_a_wrapper_around_torch_multihead_attention_is_not_claimed_as_old_style(recwarn):
+    """SigLIP2's pooling head keeps a head count and holds an nn.MultiheadAttention: the torch adapter reads that;
+    the fallback used to claim the head too, warn 'old-style' and leave it out for returning no weights."""
+    config = transformers.Siglip2VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                              intermediate_size=64, num_patches=16, patch_size=4)
+    torch.manual_seed(0)
+    model = transformers.Siglip2VisionModel(config).eval()
+    g = torch.Generator().manual_seed(1)
+    batch = {"pixel_values": torch.randn(2, 16, 48, generator=g), "spatial_shapes": torch.tensor([[4, 4], [4, 4]]),
+             "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long)}
+    with torch.no_grad():
+        plain = model(**batch).pooler_output
+        with attnprobe.capture(model) as cap:
+            captured = model(**batch).pooler_output
+    assert torch.equal(plain, captured)
+    assert not [w for w in recwarn if issubclass(w.category, AttnprobeWarning)]
+    assert [r.name for r in cap] == ["encoder.layers.0.self_attn", "head.attention"]
+    assert cap[1].weights.shape == (2, 4, 1, 16)
+
+
+def test_a_traced_old_style_module_records_the_softmax_its_output_attentions_leave_out():
+    """LiLT computes two softmax attentions per layer and returns one: the layout stream's (first) and the text's,
+    over the same summed scores but each over its own values (the layout's shrunk by channel_shrink_ratio). The
+    fallback records the returned one; a trace of the named modules records both calls."""
+    config = transformers.LiltConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     vocab_size=100, max_position_embeddings=64, channel_shrink_ratio=2, pad_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.LiltModel(config).eval()
+    g = torch.Generator().manual_seed(1)
+    corner = torch.randint(0, 500, (2, 7, 2), generator=g)
+    batch = {"input_ids": torch.randint(3, 100, (2, 7), generator=g), "attention_mask": torch.ones(2, 7, dtype=torch.long),
+             "bbox": torch.cat([corner, corner + 10], dim=-1)}
+    names = [m.name for m in attnprobe.attention_modules(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AttnprobeWarning)
+        with torch.no_grad():
+            plain = model(**batch).last_hidden_state
+            with attnprobe.capture(model) as weights_only:
+                model(**batch)
+            with attnprobe.capture(model, modules=names) as traced:
+                captured = model(**batch).last_hidden_state
+            reference = model(**batch, output_attentions=True).attentions
+    assert torch.equal(plain, captured)
+    assert len(weights_only) == 2 and len(traced) == 4 and {r.weights_source for r in traced} == {"observed"}
+    for name, own in zip(names, reference, strict=True):
+        layout, text = [r for r in traced if r.name == name]
+        assert torch.equal(text.weights, own) and torch.equal(layout.weights, own)
+        assert (layout.v.shape[-1], text.v.shape[-1]) == (6, 12)

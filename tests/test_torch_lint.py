@@ -99,3 +99,13 @@ def test_reshape_groups_and_head_merge_rule():
     assert head_merge_problem(bqhd, (2, 5, 32)) is False
     assert head_merge_problem(bhqd, (8, 5, 8)) is None  # folding heads into the batch is not a merge
     assert head_merge_problem([("b", 2), ("q", 5), ("d", 8), ("h", 4)], (2, 5, 32)) is True
+
+
+def test_same_kv_stays_quiet_when_distinct_keys_and_values_are_all_equal_values():
+    """A zero input makes a correct head's keys and values both zero (MobileViT's 1x1 stages in a tiny model): equal
+    values from two projections say nothing about a shared tensor. The bug itself is still found on that input."""
+    zeros = torch.zeros(2, 6, 16)
+    cap, found = capture_lints(Head().eval(), zeros)
+    assert lints(cap) == () and found == []
+    cap, _ = capture_lints(Head(bug="same_kv").eval(), zeros)
+    assert [v.check for v in lints(cap)] == ["lint_same_kv"]

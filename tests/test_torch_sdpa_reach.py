@@ -252,3 +252,36 @@ def test_hand_written_torch_dropout_follows_its_train_argument(training, p):
             m(X)
     (rec,) = cap
     assert rec.dropout == p and rec.meta["dropout_in_eval"] is False and rec.output is not None
+
+
+class _LazyTable(dict):
+    """A mapping that does work when asked for its values (transformers' lazy CONFIG_MAPPING imports modules)."""
+
+    asked = 0
+
+    def values(self):
+        type(self).asked += 1
+        return super().values()
+
+
+_LAZY = _LazyTable(attend=F.scaled_dot_product_attention)
+_LAZY_EMPTY = _LazyTable()
+
+
+class _ReadsLazyTable(nn.Module):
+    def forward(self, q, k, v):
+        return _LAZY["attend"](q, k, v)
+
+
+class _MentionsLazyEmptyTable(nn.Module):
+    def forward(self, x):
+        return x if _LAZY_EMPTY else -x
+
+
+def test_code_reading_reads_the_entries_a_mapping_stores_without_calling_its_values():
+    """Reading code must not run it: a dict subclass's own values() may import or compute. Its stored entries
+    are still read (an sdpa kept in one is found)."""
+    _code_reaches_sdpa.cache_clear()
+    assert _code_reaches_sdpa(_ReadsLazyTable)
+    assert not _code_reaches_sdpa(_MentionsLazyEmptyTable)
+    assert _LazyTable.asked == 0
