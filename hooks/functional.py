@@ -716,6 +716,8 @@ class _Run:
         }
         if stacked:
             meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
+        if "folded" in first.meta:
+            meta["folded"] = first.meta["folded"]
         record = self.session.emit(
             site,
             kind=first.kind,

@@ -173,6 +173,21 @@ def _weights_in(output) -> torch.Tensor | None:
     return None
 
 
+def _other_layout(output) -> tuple[int, ...] | None:
+    """The shape of a floating tensor of 5 or more axes returned next to the attention output (Hiera's
+    weights per mask unit, (batch, head, unit, query, key)): weights, but not one matrix per call."""
+    if isinstance(output, dict):
+        output = tuple(output.values())
+    if not isinstance(output, (tuple, list)) or not output:
+        return None
+    if isinstance(output[0], (tuple, list)):
+        return _other_layout(output[0])
+    for item in output[1:]:
+        if isinstance(item, torch.Tensor) and item.dim() >= 5 and item.dtype.is_floating_point:
+            return tuple(item.shape)
+    return None
+
+
 def _several_weights(output) -> int:
     """How many 4-D weight tensors an old-style module returned inside one tuple item (XLNet's two streams)."""
     if not isinstance(output, (tuple, list)):
@@ -332,6 +347,14 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
                 f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) has {declared} heads but "
                 f"returned weights of shape {tuple(weights.shape)}: not laid out as (batch, head, query, key), so "
                 "attnprobe cannot read them. Exclude the module with layers=[...]"
+            )
+        if weights is None and (shape := _other_layout(output)) is not None:
+            raise UnsupportedModelError(
+                f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}): "
+                f"it has no attention interface and returned its weights with shape {shape}, not one "
+                "(batch, head, query, key) matrix per call (weights per window or mask unit), so attnprobe cannot "
+                f"record them. Trace its softmax with capture(model, modules=[...]) naming {site.name!r}, or "
+                f"exclude the module with layers=[...] (it is layer {site.layer})"
             )
         if weights is None:
             raise UnsupportedModelError(

@@ -25,6 +25,7 @@ reshape that merged ``B`` and ``H``. Whatever cannot be followed stays ``None``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -762,7 +763,8 @@ def _to_record(t: torch.Tensor, lead: int, unfold: tuple[int, int] | None, group
         return t[:, None]
     if lead == 2:
         return t
-    return t.flatten(0, lead - 2)
+    # (batch, head, *extra, a, b): windows, chunks or mask units are more batch, not more heads
+    return t.movedim(1, -3).flatten(0, lead - 2)
 
 
 def _fit_lead(t: torch.Tensor, lead_shape: torch.Size) -> torch.Tensor:
@@ -969,6 +971,10 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     finding.heads = finding.weights.shape[1]
     finding.kv_heads = finding.heads
     finding.meta["softmax_at"] = format_location(softmax.where)
+    if lead > 2 and not grouped:
+        finding.meta["folded"] = (f"scores of shape {tuple(x.shape)}: axis 1 read as the heads, the axes "
+                                  f"{tuple(x.shape[2:-2])} after it folded into the batch axis "
+                                  f"(batch = {x.shape[0]} x {math.prod(x.shape[2:-2])})")
     if allowed is not None:
         finding.allowed = compress_heads(_to_record(allowed, lead, unfold, grouped))
 

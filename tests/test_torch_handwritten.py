@@ -262,3 +262,40 @@ def test_baddbmm_additive_mask_and_where():
     expected = CAUSAL & (additive[:, :, None, :] == 0)
     assert torch.equal(rec.allowed, expected) and rec.causal is True
     check_math(rec)
+
+
+class WindowedAttention(nn.Module):
+    """Attention inside windows with scores laid out (batch, head, window, query, key), as Hiera's
+    mask-unit attention: the windows are more batch, the heads stay heads."""
+
+    def __init__(self, d: int = 8, heads: int = 2, windows: int = 3):
+        super().__init__()
+        self.heads, self.windows = heads, windows
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):  # x (B, windows * T, d)
+        b, n, d = x.shape
+        t = n // self.windows
+        qkv = self.qkv(x).view(b, self.windows, t, 3, self.heads, d // self.heads).permute(3, 0, 4, 1, 2, 5)
+        q, k, v = qkv.unbind(0)  # (B, H, W, T, dh)
+        w = (q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)).softmax(dim=-1)
+        self.seen = w.detach().clone()
+        return (w @ v).permute(0, 2, 3, 1, 4).reshape(b, n, d)
+
+
+def test_window_axes_after_the_heads_fold_into_the_batch_not_the_heads():
+    torch.manual_seed(0)
+    m = WindowedAttention().eval()
+    x = torch.randn(2, 12, 8)
+    with torch.no_grad():
+        plain = m(x)
+        with attnprobe.capture(m, modules=[m]) as cap:
+            out = m(x)
+    assert torch.equal(out, plain)
+    (r,) = cap
+    w = m.seen  # (2, 2 heads, 3 windows, 4, 4)
+    assert r.num_heads == 2 and r.weights.shape == (6, 2, 4, 4)  # was (4, 3, 4, 4): windows read as heads
+    assert torch.equal(r.weights, w.permute(0, 2, 1, 3, 4).reshape(6, 2, 4, 4))
+    assert r.q.shape == (6, 2, 4, 4) and r.output.shape == (6, 2, 4, 4)
+    assert "axis 1 read as the heads" in r.meta["folded"] and "(3,)" in r.meta["folded"]
+    assert attnprobe.check(cap)
