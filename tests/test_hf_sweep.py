@@ -904,3 +904,22 @@ def test_query_padding_reaches_a_language_model_handed_one_mask_per_layer_type()
     assert len(language) == 2
     for r in language:
         assert r.query_padding is not None and torch.equal(r.query_padding, batch["attention_mask"] == 0)
+
+
+def test_hiera_mask_unit_attention_traced_by_name_matches_its_own_weights():
+    # refused by the fallback (weights per mask unit); the refusal says to name the modules, and that works
+    model = build("hiera")
+    batch, _ = make_inputs(FAMILIES["hiera"][2], model.config)
+    with torch.no_grad():
+        plain = model(**batch)
+        reference = model(**batch, output_attentions=True).attentions  # (batch, head, unit, query, key)
+    names = [n for n, m in model.named_modules() if type(m).__name__ == "HieraMaskUnitAttention"]
+    with torch.no_grad(), attnprobe.capture(model, modules=names) as cap:
+        out = model(**batch)
+    assert torch.equal(out.last_hidden_state, plain.last_hidden_state)
+    assert len(cap) == len(reference) == len(names) > 1
+    for record, w in zip(cap, reference):
+        b, heads, units, q, k = w.shape
+        assert record.num_heads == heads and "folded" in record.meta
+        torch.testing.assert_close(record.weights, w.transpose(1, 2).reshape(b * units, heads, q, k))
+    assert attnprobe.check(cap)
