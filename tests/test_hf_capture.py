@@ -271,6 +271,7 @@ def test_the_effective_causal_flag_is_recorded(models):
         assert torch.allclose(r.weights @ v, r.output, atol=1e-6)  # the weights are what sdpa used
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_a_model_compiled_before_the_capture_is_still_recorded(name):
     """README ("Compiled and scripted models"): Hugging Face layers of a model compiled with torch.compile before
