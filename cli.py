@@ -193,8 +193,11 @@ def main() -> None:
     """Capture, check and report attention in PyTorch and Hugging Face models.
 
     \b
+    attnprobe report                    an HTML report of the bundled MiniLM on a default sentence
+    attnprobe check                     check its attention invariants (exit code 1 on a violation)
     attnprobe info                      what attention the bundled MiniLM has
-    attnprobe export --out frame.parquet
+    attnprobe export --out frame.parquet  the tidy frame, one row per layer, head, query and key
+    attnprobe COMMAND --help            options and more examples
     """
 
 

@@ -5,9 +5,10 @@ Models (eval, no_grad, CPU):
 - ``sdpa``: blocks calling F.scaled_dot_product_attention directly, found at run time;
 - ``hand-written``: blocks of single-head modules in an nn.ModuleList (read only with ``modules=``).
 
-Rows per model: plain forward; an idle capture (``layers=[]``); a default capture storing everything
-(for hand-written code that is the always-on function mode, which finds nothing there); and, for hand-written
-code, tracing the named attention modules and ``modules="auto"``. Configurations run interleaved, round after
+Rows per model: plain forward; an idle capture (``layers=[]``; for hand-written code with the blocks named in
+``modules=``); a default capture storing everything (not for hand-written code: without ``modules=`` a capture of
+it finds no attention and is refused); and, for hand-written code, tracing the named attention modules and
+``modules="auto"``. Configurations run interleaved, round after
 round, and each row is the median; timings on a shared machine are noisy, ratios are what to compare.
 
 ``--memory`` adds, per row, the peak of bytes torch allocated during one call (the forward's temporaries plus

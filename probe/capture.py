@@ -532,8 +532,8 @@ class capture:
     ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
     ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
     ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
-    ``device``/``dtype``: where and as what to store (default: CPU, the model's dtype; ``dtype`` may be
-    named, e.g. ``"bfloat16"``).
+    ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
+    under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
     such as ``"500MB"``; every stored tensor counts, masks included).
     ``modules``: hand-written softmax attention to read: modules of the model (or their names from

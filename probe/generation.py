@@ -51,7 +51,8 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
             raise AttnprobeError(
                 f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach "
                 f"position {r.query_offset + r.query_len}; a sliding-window or compressed cache drops keys, so "
-                "the steps do not form one matrix"
+                "the steps do not form one matrix; generate with past_key_values=transformers.DynamicCache() (a cache "
+                "that keeps every key) to stitch them"
             )
     key_total = total if first.kind == "self" else first.key_len
 

@@ -47,6 +47,16 @@ def test_every_command_has_examples_in_help(cli, command):
     assert result.exit_code == 0 and "Examples:" in result.output and f"attnprobe {command}" in result.output
 
 
+def test_top_level_help_shows_an_example_of_every_command(cli):
+    result = cli("--help")
+    assert result.exit_code == 0
+    examples = result.output.split("Options:")[0]
+    for command in ("report", "check", "export", "info"):
+        line = next((x for x in examples.splitlines() if x.strip().startswith(f"attnprobe {command}")), None)
+        assert line is not None, (command, examples)
+        assert len(line.split("  ")) > 1 and line.split("  ")[-1].strip(), f"no description: {line!r}"
+
+
 # ---------------------------------------------------------------------------------------------- info
 def test_info_lists_attention_modules(cli):
     result = cli("info", TINY)

@@ -269,3 +269,24 @@ def test_the_effective_causal_flag_is_recorded(models):
         assert r.causal is causal and bool(r.allowed.all()) is (not causal)
         v = r.v.repeat_interleave(2, dim=1)
         assert torch.allclose(r.weights @ v, r.output, atol=1e-6)  # the weights are what sdpa used
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_a_model_compiled_before_the_capture_is_still_recorded(name):
+    """README ("Compiled and scripted models"): Hugging Face layers of a model compiled with torch.compile before
+    the capture are still recorded, with the compiled model's outputs unchanged."""
+    model = build(name)
+    batch = inputs(name, "left" if name == "llama" else "right")
+    compiled = torch.compile(model, backend="eager")
+    try:
+        with torch.no_grad():
+            expected = _main_output(compiled(**batch))  # compiled and run before the capture, as a user's would be
+            with attnprobe.capture(compiled) as cap:
+                out = _main_output(compiled(**batch))
+        assert torch.equal(out, expected)
+        layers = len(attnprobe.attention_modules(model))
+        assert layers > 0 and sorted(r.layer for r in cap) == list(range(layers))
+        assert all(r.weights is not None for r in cap)
+    finally:
+        torch._dynamo.reset()

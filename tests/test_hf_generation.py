@@ -89,6 +89,20 @@ def test_sliding_window_cache_cannot_be_stitched_and_a_full_cache_can():
     _assert_stitched_equal(full, _one_forward(model, input_ids=seq[:, :-1], attention_mask=mask))
 
 
+def test_a_report_of_a_sliding_window_generation_says_how_to_make_it_stitchable(tmp_path):
+    """Reports stitch a generate() capture; with a sliding-window cache that is refused, and the error names the
+    fix the README gives (generate with a DynamicCache) instead of only saying that keys were dropped."""
+    from attnprobe import reports
+
+    model = build("mistral")  # window 3, prompt 5
+    _, cap = _greedy(model, inputs("mistral", "right", length=5))
+    for make in (lambda: attnprobe.stitch(cap), lambda: reports.to_html(cap),
+                 lambda: reports.save_grid(cap, tmp_path / "grid.png")):
+        with pytest.raises(AttnprobeError, match=r"sliding-window.*past_key_values=transformers\.DynamicCache\(\)"):
+            make()
+    assert not (tmp_path / "grid.png").exists()
+
+
 def test_plain_forwards_have_no_step():
     model = build("gpt2")
     with torch.no_grad(), attnprobe.capture(model) as cap:
