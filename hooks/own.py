@@ -8,6 +8,7 @@ from torch import nn
 
 from ..probe.modules import MultiHeadAttention
 from .base import Adapter, Site
+from .masks import forbids_future
 
 _HOOKED = ("q", "k", "v", "scores", "weights", "output")
 _IDENTIFIED = frozenset(_HOOKED) | {"allowed"}  # every field is read from a hook point
@@ -53,7 +54,9 @@ class OwnModuleAdapter(Adapter):
                 site,
                 kind=info.kind,
                 query_padding=info.query_padding,
-                causal=info.causal,
+                # a causal attn_mask passed by the caller makes the call causal too, as torch's adapters read it
+                causal=info.causal or (info.kind == "self" and seen.get("allowed") is not None
+                                       and forbids_future(seen["allowed"])),
                 scaling=mod.scaling,
                 backend="attnprobe",
                 dtype=seen.pop("dtype", None),

@@ -315,3 +315,17 @@ def test_pytest_plugin_costs_other_projects_nothing():
     code = "import sys, attnprobe.probe.pytest_plugin\nassert 'torch' not in sys.modules, 'torch imported'\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_causal_attn_mask_makes_the_record_causal():
+    # the module is not causal; the caller passes a lower-triangular mask (True = may attend), as with sdpa
+    attn = MultiHeadAttention(8, num_heads=2).eval()
+    x = torch.randn(2, 5, 8)
+    tril = torch.ones(5, 5, dtype=torch.bool).tril()
+    with attnprobe.capture(attn) as cap:
+        attn(x, attn_mask=tril)
+        attn(x, attn_mask=tril.T)  # anti-causal: not causal
+        attn(x)
+        attn(x, is_causal=True)
+    assert [r.causal for r in cap] == [True, False, False, True]
+    assert attnprobe.check(cap[0], causal=True).ok and not attnprobe.check(cap[1], causal=True).ok
