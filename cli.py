@@ -108,7 +108,7 @@ def model_and_input_options(fn):
         click.option("--layers", help="Attention layers, e.g. 0-3,7; negative ones count from the end: --layers=-2--1 (default: all)."),
         click.option("--heads", help="Heads, e.g. 0,5 (default: all)."),
         click.option("--device", help="Device to run on, e.g. cpu or cuda:0 (default: the model's)."),
-        click.option("--dtype", help="Run the model in float32, float16 or bfloat16."),
+        click.option("--dtype", help="Run the model in float32, float16, bfloat16 or float64."),
         click.option("--max-bytes", help="Fail early instead of storing more than this, e.g. 500MB."),
         click.option("--quiet", "-q", is_flag=True, help="No progress display."),
         click.option("--debug", is_flag=True, help="Show the full traceback on errors."),
@@ -371,6 +371,9 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
 
     from . import reports
 
+    if precision != "exact" and fmt == "png":
+        raise UsageProblem("--precision sets how values are stored in the HTML report; --format png writes no HTML "
+                           "(use --format all, or leave --precision out)")
     targets = report_targets(out, fmt, overwrite)
     progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:

@@ -207,6 +207,7 @@ def test_check_and_report_declare_the_input_padding(cli, tmp_path):
         (["report", TINY, *IDS, "--dtype", "int4"], "unknown dtype 'int4'"),
         (["report", TINY, *IDS, "--batch", "5"], "--batch 5 is out of range"),
         (["report", TINY, *IDS, "--out", "x.txt"], "give a .html file, a .png file or a folder"),
+        (["report", TINY, *IDS, "--format", "png", "--precision", "bfloat16"], "--format png writes no HTML"),
         (["report", TINY, *IDS, "--file", "missing.txt"], "input file 'missing.txt' does not exist"),
         (["export", TINY, *IDS, "--out", "frame.json"], "name the file .parquet or .csv"),
         (["export", TINY, *IDS, "--out", "frame.csv/"], "ends with a slash (a folder); export writes one file"),
