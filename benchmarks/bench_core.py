@@ -7,6 +7,7 @@ Everything is measured in this one run, repetitions interleaved; ratios are what
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
@@ -40,18 +41,23 @@ def capture_overhead(reps: int = 15) -> None:
         "full capture": lambda: attnprobe.run(model, x),
         "one layer, full": lambda: attnprobe.run(model, x, layers=[3]),
     }
-    times = {k: [] for k in variants}
+    ratios = {k: [] for k in variants}
+    rng = random.Random(0)
     with torch.no_grad():
         for fn in variants.values():
             fn()  # warm up
-        for _ in range(reps):  # interleave so drift hits every variant alike
-            for name, fn in variants.items():
-                times[name] += timed(fn, 1)
-    base = statistics.median(times["plain forward"])
+        for _ in range(reps):
+            # every variant once per round, in a shuffled order (a fixed order lets one variant always pay for
+            # the memory the previous one freed); a ratio is the median over rounds of that round's ratio
+            order = list(variants)
+            rng.shuffle(order)
+            round_times = {name: timed(variants[name], 1)[0] for name in order}
+            for name, t in round_times.items():
+                ratios[name].append(t / round_times["plain forward"])
     print(f"capture overhead, {LAYERS} x MultiHeadAttention({D_MODEL}, {HEADS} heads), batch {BATCH} x {TOKENS}, "
-          f"median of {reps}:")
-    for name, ts in times.items():
-        print(f"  {name:28s} {statistics.median(ts) / base:5.2f}x plain forward")
+          f"median of {reps} shuffled rounds:")
+    for name, rs in ratios.items():
+        print(f"  {name:28s} {statistics.median(rs):5.2f}x plain forward")
 
 
 def frame_time(reps: int = 5) -> None:
