@@ -44,7 +44,7 @@ from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
 from .base import Adapter, Site
 from .calls import bind_arguments
-from .masks import compress_heads, forbids_future, split_additive
+from .masks import compress_heads, forbids_future, masked_softmax, split_additive
 from .modes import exit_mode
 from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
 
@@ -498,19 +498,26 @@ class _Run:
         group = H // Hkv
         heads = site.heads
         cache: dict[str, torch.Tensor] = {}
+        keeps_scores = self.session.wants(site, "scores")
 
-        def recompute() -> dict[str, torch.Tensor]:
-            if not cache:
+        def scores() -> torch.Tensor:
+            if "scores" not in cache:
                 with torch.no_grad(), torch._C.DisableTorchFunction():
-                    qh = _pick(q, heads)
                     kh = k[:, [h // group for h in heads]]
-                    scores = (qh @ kh.transpose(-2, -1)) * scale
+                    s = (_pick(q, heads) @ kh.transpose(-2, -1)).mul_(scale)  # a new tensor: scaled in place
                     if bias is not None:
-                        scores = scores + (bias if bias.shape[1] == 1 else _pick(bias.expand(B, H, L, S), heads))
-                    a = allowed if allowed.shape[1] == 1 else _pick(allowed, heads)
-                    weights = torch.softmax(scores.masked_fill(~a, float("-inf")), dim=-1)
-                    cache.update(scores=scores, weights=weights.masked_fill(~a.any(-1, keepdim=True), 0.0))
-            return cache
+                        s = s + (bias if bias.shape[1] == 1 else _pick(bias.expand(B, H, L, S), heads))
+                cache["scores"] = s
+            return cache["scores"]
+
+        def weights() -> torch.Tensor:
+            # computed only when kept; the scores are masked in place unless the record keeps them too
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                a = allowed if allowed.shape[1] == 1 else _pick(allowed, heads)
+                s = scores()
+                if not keeps_scores:
+                    del cache["scores"]  # masked in place below: no record reads these scores
+                return masked_softmax(s, a, in_place=not keeps_scores)
 
         # sdpa applies dropout_p whatever module.training says: record it as applied, and flag it in eval mode
         dropout = float(call["dropout_p"])
@@ -525,8 +532,8 @@ class _Run:
             q=q,
             k=k,
             v=v,
-            scores=Lazy((B, len(heads), L, S), q.dtype, lambda: recompute()["scores"]),
-            weights=Lazy((B, len(heads), L, S), q.dtype, lambda: recompute()["weights"]),
+            scores=Lazy((B, len(heads), L, S), q.dtype, scores),
+            weights=Lazy((B, len(heads), L, S), q.dtype, weights),
             output=_to4(out) if isinstance(out, torch.Tensor) else None,
             allowed=allowed,
             causal=bool(call["is_causal"]) or (mask is not None and forbids_future(allowed)),

@@ -53,7 +53,7 @@ from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeError, AttnprobeWarning
 from .base import Adapter, Site
 from .calls import bind_arguments
-from .masks import MASKED_AT, forbids_future, split_additive
+from .masks import MASKED_AT, forbids_future, masked_softmax, split_additive
 from .modes import exit_mode
 from .trace import user_stacklevel
 
@@ -442,30 +442,42 @@ class TorchMHAAdapter(Adapter):
             "output_source": "observed" if per_head_out is not None else "recomputed",
         }
         cache: dict[str, torch.Tensor] = {}
+        keeps_scores = session.wants(site, "scores")
 
-        def math_for_heads() -> dict[str, torch.Tensor]:
-            if cache:
-                return cache
-            with torch.no_grad(), torch._C.DisableTorchFunction():
-                q, k, v = _pick(parts.q, heads), _pick(parts.k, heads), _pick(parts.v, heads)
-                scores = (q * parts.scaling) @ k.transpose(-2, -1)
-                if parts.bias is not None:
-                    scores = scores + (parts.bias if parts.bias.shape[1] == 1 else _pick(parts.bias, heads))
-                allowed = parts.allowed if parts.allowed.shape[1] == 1 else _pick(parts.allowed, heads)
-                if use_observed:
-                    weights = _pick(observed.detach().reshape(B, H, L, S), heads)
-                else:
-                    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-                    weights = weights.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # no allowed key: zeros
-                cache.update(scores=scores, weights=weights)
-                if dropout == 0.0:
-                    cache["output"] = weights @ v
-                    if len(heads) == H:
-                        meta["output_error"] = self._output_error(mod, cache["output"], attn_output, query.dim() == 3)
-            return cache
+        def scores() -> torch.Tensor:
+            if "scores" not in cache:
+                with torch.no_grad(), torch._C.DisableTorchFunction():
+                    s = (_pick(parts.q, heads) * parts.scaling) @ _pick(parts.k, heads).transpose(-2, -1)
+                    if parts.bias is not None:
+                        s = s + (parts.bias if parts.bias.shape[1] == 1 else _pick(parts.bias, heads))
+                cache["scores"] = s
+            return cache["scores"]
 
-        def lazy(field: str, width: int) -> Lazy:
-            return Lazy((B, len(heads), L, width), parts.q.dtype, lambda: math_for_heads()[field])
+        def weights() -> torch.Tensor:
+            # each derived tensor is computed on first use only, for a field the capture keeps (or the output)
+            if "weights" not in cache:
+                with torch.no_grad(), torch._C.DisableTorchFunction():
+                    if use_observed:
+                        cache["weights"] = _pick(observed.detach().reshape(B, H, L, S), heads)
+                    else:
+                        allowed = parts.allowed if parts.allowed.shape[1] == 1 else _pick(parts.allowed, heads)
+                        s = scores()
+                        if not keeps_scores:
+                            del cache["scores"]  # masked in place below: no record reads these scores
+                        cache["weights"] = masked_softmax(s, allowed, in_place=not keeps_scores)
+                    if dropout == 0.0 and len(heads) == H:  # the weights reproduce the module's output?
+                        meta["output_error"] = self._output_error(mod, output(), attn_output, query.dim() == 3)
+            return cache["weights"]
+
+        def output() -> torch.Tensor:
+            if "output" not in cache:
+                w = weights()
+                with torch.no_grad(), torch._C.DisableTorchFunction():
+                    cache["output"] = w @ _pick(parts.v, heads)
+            return cache["output"]
+
+        def lazy(fn, width: int) -> Lazy:
+            return Lazy((B, len(heads), L, width), parts.q.dtype, fn)
 
         self_attention = query is key
         kpm = b["key_padding_mask"]
@@ -483,9 +495,9 @@ class TorchMHAAdapter(Adapter):
             q=parts.q,
             k=parts.k,
             v=parts.v,
-            scores=lazy("scores", S),
-            weights=lazy("weights", S),
-            output=per_head_out if per_head_out is not None else (lazy("output", d_v) if dropout == 0.0 else None),
+            scores=lazy(scores, S),
+            weights=lazy(weights, S),
+            output=per_head_out if per_head_out is not None else (lazy(output, d_v) if dropout == 0.0 else None),
             allowed=parts.allowed,
             query_padding=query_padding,
             causal=causal,

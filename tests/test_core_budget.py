@@ -175,3 +175,65 @@ def test_budget_message_suggests_only_what_would_help():
         message = str(err.value)
         assert "layers=[...]" in message and "raise max_bytes" in message
         assert ("dtype=torch.float16" in message) == suggests_dtype
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops run while it is active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _SdpaBlock(torch.nn.Module):
+    """A direct ``F.scaled_dot_product_attention`` call (causal), read by the functional adapter."""
+
+    def __init__(self, d=16, h=4):
+        super().__init__()
+        self.h, self.proj = h, torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.proj(x).view(B, T, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _recomputing_models():
+    """Models whose scores and weights attnprobe recomputes (the model's own kernel exposes neither)."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    return {
+        "sdpa": (_SdpaBlock().eval(), lambda m, x: m(x)),
+        "mha": (mha, lambda m, x: m(x, x, x, need_weights=False, key_padding_mask=pad)),
+        "encoder layer": (layer, lambda m, x: m(x, src_key_padding_mask=pad)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "mha", "encoder layer"])
+def test_recomputed_fields_are_computed_only_when_kept(kind):
+    model, call = _recomputing_models()[kind]
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        with attnprobe.capture(model) as full:
+            call(model, x)
+        with _Ops() as plain:
+            call(model, x)
+        extra = {}  # ops run beyond the plain forward's, per kept tensor
+        for keep in ("q", "scores", "weights"):
+            with _Ops() as ops, attnprobe.capture(model, keep=[keep], heads=[1, 3]) as cap:
+                call(model, x)
+            extra[keep] = {op: n - plain.counts.get(op, 0) for op, n in ops.counts.items()}
+            (rec,) = cap
+            torch.testing.assert_close(getattr(rec, keep), getattr(full[0], keep)[:, [1, 3]], rtol=0, atol=0)
+    assert extra["q"].get("_softmax", 0) == 0 and extra["scores"].get("_softmax", 0) == 0  # no unasked weights
+    assert extra["weights"].get("_softmax") == 1
+    # the weights' products: q @ k only (no weights @ v for an output that is not kept)
+    products = {keep: sum(c.get(op, 0) for op in ("bmm", "mm", "matmul")) for keep, c in extra.items()}
+    assert products["weights"] == products["scores"], products
