@@ -433,8 +433,15 @@ class CaptureSession:
             else:
                 index, axis = (site.kv_heads if f in ("k", "v") else site.heads), 1
             plan.append((f, t, index, axis, self.store.planned_bytes(t.shape, t.dtype, index, axis)))
-        self.store.reserve(sum(p[4] for p in plan), f"layer {site.layer} ({site.name or type(site.module).__name__!r}, "
-                           f"call {call}: {', '.join(p[0] for p in plan) or 'nothing'})")
+        self.store.reserve(
+            sum(p[4] for p in plan),
+            f"layer {site.layer} ({site.name or type(site.module).__name__!r}, call {call}"
+            + ("" if values.get("step") is None else f", generation step {values['step']}")
+            + f": {', '.join(p[0] for p in plan) or 'nothing'})",
+            fields={p[0] for p in plan if p[0] in tensors},
+            dtypes=[p[1].dtype for p in plan],
+            heads=len(site.heads),
+        )
 
         stored: dict[str, Any] = {}
         with ExitStack() as modes:

@@ -277,19 +277,38 @@ class Store:
             shape[axis] = len(index)
         return math.prod(shape) * _element_size(self.target_dtype(dtype))
 
-    def reserve(self, nbytes: int, what: str) -> None:
-        """Fail before spending memory when ``nbytes`` more would pass ``max_bytes``."""
+    def reserve(self, nbytes: int, what: str, *, fields=None, dtypes=(), heads: int | None = None) -> None:
+        """Fail before spending memory when ``nbytes`` more would pass ``max_bytes``.
+
+        ``fields`` (the tensors kept), ``dtypes`` (the dtypes of the tensors to store) and ``heads`` (how many are
+        stored) let the message suggest only what would make the record smaller; unknown ones are suggested.
+        """
         limit = self.selection.max_bytes
         if limit is not None and self.used + nbytes > limit:
             raise CaptureBudgetError(
                 f"capture budget exceeded: storing {what} needs {format_bytes(nbytes)} more, "
                 f"{format_bytes(self.used)} is already stored and max_bytes is {format_bytes(limit)}. "
-                "Select fewer layers (layers=[...]) or heads (heads=[...]), keep fewer tensors (keep=('weights',)), "
-                + ("" if self.selection.dtype is not None and self.selection.dtype.itemsize <= 2
-                   else "store a smaller dtype (dtype=torch.float16), ")
-                + "or raise max_bytes."
+                + self._advice(fields, dtypes, heads)
             )
         self.used += nbytes
+
+    def _advice(self, fields, dtypes, heads: int | None) -> str:
+        sel = self.selection
+        tensors = [f for f in TENSOR_FIELDS if f in (sel.keep if fields is None else fields)]
+        dtypes = [self.target_dtype(d) for d in dtypes] or [sel.dtype or torch.float32]
+        options = []
+        if sel.layers is None or len(sel.layers) > 1:
+            options.append("select fewer layers (layers=[...])")
+        if heads is None or heads > 1:
+            options.append("fewer heads (heads=[...])")
+        if len(tensors) > 1:
+            example = ("weights",) if "weights" in tensors else (tensors[0],)
+            options.append(f"keep fewer tensors (keep={example!r})")
+        if any(d.is_floating_point and d.itemsize > 2 for d in dtypes):
+            options.append("store a smaller dtype (dtype=torch.float16)")
+        options.append("raise max_bytes")
+        text = ", ".join(options[:-1]) + (" or " if len(options) > 1 else "") + options[-1] + "."
+        return text[0].upper() + text[1:]
 
     def put(self, t: torch.Tensor, index: tuple[int, ...] | None = None, axis: int = 1) -> torch.Tensor:
         """One detached copy of ``t`` restricted to ``index`` on ``axis`` (budget already reserved).

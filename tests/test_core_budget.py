@@ -237,3 +237,22 @@ def test_recomputed_fields_are_computed_only_when_kept(kind):
     # the weights' products: q @ k only (no weights @ v for an output that is not kept)
     products = {keep: sum(c.get(op, 0) for op in ("bmm", "mm", "matmul")) for keep, c in extra.items()}
     assert products["weights"] == products["scores"], products
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_budget_message_leaves_out_what_the_capture_already_does(model_dtype):
+    """One kept tensor of one head, stored in 2 bytes: only fewer layers or a larger budget can help."""
+    model = torch.nn.Sequential(MultiHeadAttention(8, num_heads=2), MultiHeadAttention(8, num_heads=2)).to(model_dtype)
+    x = torch.randn(1, 4, 8, dtype=model_dtype)
+    dtype = None if model_dtype == torch.bfloat16 else torch.float16  # stored in 2 bytes either way
+    with pytest.raises(CaptureBudgetError) as err:
+        attnprobe.run(model, x, keep="weights", heads=[1], dtype=dtype, max_bytes=10)
+    message = str(err.value)
+    assert "layers=[...]" in message and "raise max_bytes" in message
+    assert "keep=" not in message and "heads=" not in message and "dtype=" not in message
+    # with more to leave out, each is suggested (the weights kept among others, heads, a float32 model's dtype)
+    with pytest.raises(CaptureBudgetError) as err:
+        attnprobe.run(model.float(), x.float(), keep=("q", "weights"), layers=[0], max_bytes=10)
+    message = str(err.value)
+    assert "keep=('weights',)" in message and "heads=[...]" in message and "dtype=torch.float16" in message
+    assert "layers=[...]" not in message  # one layer is selected already
