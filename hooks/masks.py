@@ -30,10 +30,16 @@ def is_masking_value(value) -> bool:
 def split_additive(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A float mask added to the scores -> (allowed, bias or None). ``allowed`` is True where the entry masks nothing."""
     allowed = mask > MASKED_AT
+    return allowed, additive_bias(mask, allowed)
+
+
+def additive_bias(mask: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The part of a float mask that is a bias on the scores (masked entries 0), None when there is none."""
+    allowed = mask > MASKED_AT if allowed is None else allowed
     if bool(allowed.all()) and not bool(mask.any()):
-        return allowed, None
+        return None
     bias = mask.masked_fill(~allowed, 0.0)
-    return allowed, (bias if bool(bias.any()) else None)
+    return bias if bool(bias.any()) else None
 
 
 def has_masked_entries(mask: torch.Tensor) -> bool:

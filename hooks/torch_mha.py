@@ -53,7 +53,7 @@ from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeError, AttnprobeWarning
 from .base import Adapter, Site
 from .calls import bind_arguments
-from .masks import MASKED_AT, forbids_future, masked_softmax, split_additive
+from .masks import MASKED_AT, additive_bias, forbids_future, masked_softmax
 from .modes import exit_mode
 from .trace import user_stacklevel
 
@@ -128,10 +128,19 @@ class MHAParts:
     k: torch.Tensor  # (batch, head, key, d_head); key includes bias_k / zero-attention slots
     v: torch.Tensor  # (batch, head, key, d_head)
     allowed: torch.Tensor  # (batch, 1 or head, query, key) bool
-    bias: torch.Tensor | None  # non-masking part of a float mask, added to the scores
+    mask: torch.Tensor | None  # the float mask added to the scores, (1 or batch, 1 or head, query, key)
     scaling: float
     extra_keys: int  # keys appended by bias_k/bias_v and add_zero_attn
     causal_kernel: bool  # the call ran with sdpa's is_causal instead of its attn_mask
+
+    def bias_for(self, heads: tuple[int, ...]) -> torch.Tensor | None:
+        """The non-masking part of the float mask (ALiBi, relative positions) for ``heads``, added to their scores.
+
+        Made on demand, for the selected heads only: a capture that keeps no scores or weights never builds it.
+        """
+        if self.mask is None:
+            return None
+        return additive_bias(self.mask if self.mask.shape[1] == 1 else _pick(self.mask, heads))
 
 
 def mha_parts(mod: nn.MultiheadAttention, query, key, value, key_padding_mask, attn_mask, is_causal: bool,
@@ -185,14 +194,13 @@ def mha_parts(mod: nn.MultiheadAttention, query, key, value, key_padding_mask, a
         kpm = kpm.view(B, 1, 1, S)
         mask = kpm if mask is None else mask + kpm
     if mask is None:
-        allowed, bias = torch.ones(B, 1, L, S, dtype=torch.bool, device=q.device), None
+        allowed = torch.ones(B, 1, L, S, dtype=torch.bool, device=q.device)
     else:
-        allowed, bias = split_additive(mask)
-        allowed = allowed.expand(B, allowed.shape[1], L, S)
+        allowed = (mask > MASKED_AT).expand(B, mask.shape[1], L, S)  # the bias is split off per head when needed
     if causal_kernel:
         allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
     return MHAParts(
-        q=q.view(B, H, L, d), k=k.view(B, H, S, d), v=v.view(B, H, S, d), allowed=allowed, bias=bias,
+        q=q.view(B, H, L, d), k=k.view(B, H, S, d), v=v.view(B, H, S, d), allowed=allowed, mask=mask,
         scaling=math.sqrt(1.0 / float(d)), extra_keys=extra, causal_kernel=causal_kernel,
     )
 
@@ -448,8 +456,9 @@ class TorchMHAAdapter(Adapter):
             if "scores" not in cache:
                 with torch.no_grad(), torch._C.DisableTorchFunction():
                     s = (_pick(parts.q, heads) * parts.scaling) @ _pick(parts.k, heads).transpose(-2, -1)
-                    if parts.bias is not None:
-                        s = s + (parts.bias if parts.bias.shape[1] == 1 else _pick(parts.bias, heads))
+                    bias = parts.bias_for(heads)
+                    if bias is not None:
+                        s = s + bias
                 cache["scores"] = s
             return cache["scores"]
 
@@ -487,7 +496,7 @@ class TorchMHAAdapter(Adapter):
             query_padding = query_padding if query.dim() == 3 else query_padding.unsqueeze(0)
         attn_mask = b["attn_mask"]
         causal = bool(b["is_causal"]) or (
-            attn_mask is not None and forbids_future(split_additive(_additive(attn_mask, torch.float32))[0])
+            attn_mask is not None and forbids_future(~attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT)
         )
         record = session.emit(
             site,

@@ -256,3 +256,55 @@ def test_budget_message_leaves_out_what_the_capture_already_does(model_dtype):
     message = str(err.value)
     assert "keep=('weights',)" in message and "heads=[...]" in message and "dtype=torch.float16" in message
     assert "layers=[...]" not in message  # one layer is selected already
+
+
+class _BigFloats(TorchDispatchMode):
+    """Counts op results that are new floating tensors (not views) of at least ``numel`` elements."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if (isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel() >= self.numel
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.count += 1
+        return out
+
+
+def test_mha_per_head_float_mask_is_not_copied_for_every_head():
+    """An ALiBi-like (batch * head, query, key) float mask: a capture of one head's q makes no float tensor
+    of every head's (query, key) entries (the bias is split off per selected head, when scores are wanted)."""
+    torch.manual_seed(0)
+    B, H, T = 2, 4, 32  # (query, key) entries of every head outnumber those of q, k, v
+    mha = torch.nn.MultiheadAttention(16, H, batch_first=True).eval()
+    slopes = -torch.arange(1.0, H + 1).view(H, 1, 1) / 4
+    distance = (torch.arange(T).view(1, T) - torch.arange(T).view(T, 1)).abs()
+    alibi = (slopes * distance).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    mask = alibi.repeat(B, 1, 1)  # (B * H, T, T)
+    x = torch.randn(B, T, 16)
+    call = lambda: mha(x, x, x, attn_mask=mask, need_weights=False)  # noqa: E731
+    with torch.no_grad():
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)  # as under a capture: the same (slow) path's own tensors
+        try:
+            with _BigFloats(B * H * T * T) as plain:
+                call()
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
+        for keep in (["q"], ["q", "weights"]):
+            with _BigFloats(B * H * T * T) as seen, attnprobe.capture(mha, heads=[1], keep=keep) as cap:
+                call()
+            assert seen.count == plain.count, keep
+        with attnprobe.capture(mha) as full:
+            call()
+    torch.testing.assert_close(cap[0].weights, full[0].weights[:, [1]], rtol=0, atol=0)
+    assert full[0].causal is True
+    # the mask's bias is in the scores (on the entries it does not mask)
+    rec = full[0]
+    expected = (rec.q * rec.scaling) @ rec.k.transpose(-1, -2) + alibi.view(1, H, T, T)
+    torch.testing.assert_close(rec.scores[rec.allowed_for_heads()], expected[rec.allowed_for_heads()])
