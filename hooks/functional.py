@@ -44,7 +44,7 @@ from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
 from .base import Adapter, Site
 from .calls import bind_arguments
-from .masks import compress_heads, forbids_future, masked_softmax, split_additive
+from .masks import MASKED_AT, additive_bias, compress_heads, forbids_future, masked_softmax
 from .modes import exit_mode
 from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
 
@@ -481,12 +481,10 @@ class _Run:
         if q_lead and k_lead:
             k_lead[-1] = q_lead[-1]  # grouped-query attention: fewer key heads than query heads
         full = torch.broadcast_shapes(q_lead, k_lead) + (L, S)
-        bias = None
         mask = call["attn_mask"]
         if mask is not None:
-            allowed, bias = (mask, None) if mask.dtype == torch.bool else split_additive(mask)
+            allowed = mask if mask.dtype == torch.bool else mask > MASKED_AT
             allowed = _to4(allowed.expand(torch.broadcast_shapes(allowed.shape, full)))
-            bias = None if bias is None else _to4(bias.expand(torch.broadcast_shapes(bias.shape, full)))
         else:
             allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device).expand(B, 1, L, S)
         if call["is_causal"]:
@@ -505,8 +503,13 @@ class _Run:
                 with torch.no_grad(), torch._C.DisableTorchFunction():
                     kh = k[:, [h // group for h in heads]]
                     s = (_pick(q, heads) @ kh.transpose(-2, -1)).mul_(scale)  # a new tensor: scaled in place
-                    if bias is not None:
-                        s = s + (bias if bias.shape[1] == 1 else _pick(bias.expand(B, H, L, S), heads))
+                    if mask is not None and mask.dtype != torch.bool:
+                        # the non-masking part of a float mask (ALiBi), split off when scores or weights are
+                        # kept, for the selected heads only
+                        m = _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
+                        bias = additive_bias(m[:, :1] if m.shape[1] == 1 or m.stride(1) == 0 else _pick(m, heads))
+                        if bias is not None:
+                            s = s + bias
                 cache["scores"] = s
             return cache["scores"]
 

@@ -276,18 +276,36 @@ class _BigFloats(TorchDispatchMode):
         return out
 
 
-def test_mha_per_head_float_mask_is_not_copied_for_every_head():
-    """An ALiBi-like (batch * head, query, key) float mask: a capture of one head's q makes no float tensor
-    of every head's (query, key) entries (the bias is split off per selected head, when scores are wanted)."""
+class _BiasedSdpa(torch.nn.Module):
+    """A direct sdpa call with a per-head float mask."""
+
+    def __init__(self, mask, h=4):
+        super().__init__()
+        self.h, self.mask, self.proj = h, mask, torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.proj(x).view(B, T, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+@pytest.mark.parametrize("kind", ["mha", "sdpa"])
+def test_per_head_float_mask_is_not_copied_for_every_head(kind):
+    """An ALiBi-like per-head float mask: a capture of one head's q makes no float tensor of every head's
+    (query, key) entries (the bias is split off only when scores are wanted, for the selected heads)."""
     torch.manual_seed(0)
     B, H, T = 2, 4, 32  # (query, key) entries of every head outnumber those of q, k, v
-    mha = torch.nn.MultiheadAttention(16, H, batch_first=True).eval()
     slopes = -torch.arange(1.0, H + 1).view(H, 1, 1) / 4
     distance = (torch.arange(T).view(1, T) - torch.arange(T).view(T, 1)).abs()
     alibi = (slopes * distance).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    mask = alibi.repeat(B, 1, 1)  # (B * H, T, T)
     x = torch.randn(B, T, 16)
-    call = lambda: mha(x, x, x, attn_mask=mask, need_weights=False)  # noqa: E731
+    if kind == "mha":
+        model = torch.nn.MultiheadAttention(16, H, batch_first=True).eval()
+        mask = alibi.repeat(B, 1, 1)  # (B * H, T, T)
+        call = lambda: model(x, x, x, attn_mask=mask, need_weights=False)  # noqa: E731
+    else:
+        model = _BiasedSdpa(alibi.expand(B, H, T, T).contiguous()).eval()
+        call = lambda: model(x)  # noqa: E731
     with torch.no_grad():
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)  # as under a capture: the same (slow) path's own tensors
@@ -297,10 +315,10 @@ def test_mha_per_head_float_mask_is_not_copied_for_every_head():
         finally:
             torch.backends.mha.set_fastpath_enabled(fastpath)
         for keep in (["q"], ["q", "weights"]):
-            with _BigFloats(B * H * T * T) as seen, attnprobe.capture(mha, heads=[1], keep=keep) as cap:
+            with _BigFloats(B * H * T * T) as seen, attnprobe.capture(model, heads=[1], keep=keep) as cap:
                 call()
             assert seen.count == plain.count, keep
-        with attnprobe.capture(mha) as full:
+        with attnprobe.capture(model) as full:
             call()
     torch.testing.assert_close(cap[0].weights, full[0].weights[:, [1]], rtol=0, atol=0)
     assert full[0].causal is True
