@@ -651,7 +651,20 @@ class HuggingFaceAdapter(Adapter):
         old_style = [s for s in selected if s.info["strategy"] != _STRATEGY]
         if interface:
             self._attach_interface(session, model, sites, interface, surroundings, stack)
-        if old_style:
+        if old_style and "weights" not in session.selection.keep:
+            # the fallback records weights only: asking the model for output_attentions would keep every layer's
+            # weights alive until it returns, for nothing
+            warnings.warn(
+                f"{type(model).__name__}: {len(old_style)} attention module(s) without the attention interface "
+                f"({', '.join(sorted({type(s.module).__name__ for s in old_style}))}) give attnprobe only their "
+                f"weights (through output_attentions), which keep={sorted(session.selection.keep)} leaves out: they "
+                "are not recorded. Add 'weights' to keep= to record them",
+                AttnprobeWarning,
+                stacklevel=4,
+            )
+            for site in old_style:
+                site.selected = False  # not captured (the session's end-of-capture warnings count them out)
+        elif old_style:
             from .hf_fallback import attach_fallback
 
             attach_fallback(session, model, old_style, surroundings, stack)

@@ -339,7 +339,7 @@ class CaptureSession:
                 AttnprobeWarning,
                 stacklevel=3,
             )
-        elif exc_type is None and not self.selection.idle and len(self.capture) == 0:
+        elif exc_type is None and not self.selection.idle and len(self.capture) == 0 and any(s.selected for s in self.sites):
             warnings.warn(
                 f"the capture of {self.model_class} saw no attention call: the model was not called inside "
                 "the `with` block, or the selected layers never ran",

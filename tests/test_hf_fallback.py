@@ -489,3 +489,30 @@ def test_a_traced_old_style_module_records_the_softmax_its_output_attentions_lea
         layout, text = [r for r in traced if r.name == name]
         assert torch.equal(text.weights, own) and torch.equal(layout.weights, own)
         assert (layout.v.shape[-1], text.v.shape[-1]) == (6, 12)
+
+
+def test_a_capture_keeping_no_weights_does_not_ask_for_attentions(gpt_neo, assert_no_hooks):
+    """The fallback can only record weights: keep=['q'] leaves the old-style modules alone (no output_attentions
+    forced, so no layer's weights are kept alive until the model returns) and says so."""
+    batch = inputs("llama", "left")
+    asked = []
+    # what the inner model is asked for (GPTNeoForCausalLM passes output_attentions on to it)
+    probe = gpt_neo.transformer.register_forward_pre_hook(
+        lambda m, a, kw: asked.append(bool(kw.get("output_attentions"))), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            plain = gpt_neo(**batch)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with attnprobe.capture(gpt_neo, keep=["q"]) as cap:
+                    out = gpt_neo(**batch)
+            with pytest.warns(AttnprobeWarning, match="output_attentions"):
+                with attnprobe.capture(gpt_neo, keep=["weights"]) as weights:
+                    gpt_neo(**batch)
+    finally:
+        probe.remove()
+    assert asked == [False, False, True]  # only the capture that keeps weights asks the model for them
+    assert len(cap) == 0 and len(weights) == 2
+    (said,) = [str(w.message) for w in caught if issubclass(w.category, AttnprobeWarning)]  # one warning, not "no call"
+    assert "keep=['q']" in said and "not recorded" in said
+    assert torch.equal(out.logits, plain.logits) and out.attentions is None
