@@ -509,7 +509,7 @@ class _Recorder:
                 q, k, mask_info, heads=site.heads, kv_heads=self._kv_of_heads, scaling=scaling,
                 additive=self.style == "eager" or position_bias is not None
                 or (mask is not None and mask.dtype.is_floating_point),
-                position_bias=position_bias, softcap=softcap, sinks=sinks,
+                position_bias=position_bias, softcap=softcap, sinks=sinks, scores_wanted=wants(site, "scores"),
             )
             shape = rec.shape
             trusted = self._scores_trusted(rec, observed, kwargs)

@@ -125,7 +125,7 @@ class Recompute:
     """
 
     def __init__(self, q, k, mask_info: MaskInfo, *, heads, kv_heads, scaling, additive, position_bias=None,
-                 softcap=None, sinks=None, out_dtype=None):
+                 softcap=None, sinks=None, out_dtype=None, scores_wanted=True):
         self.q, self.k, self.info, self.mask = q, k, mask_info, mask_info.mask
         self.heads, self.kv_heads = heads, kv_heads
         self.scaling, self.additive = scaling, additive
@@ -133,6 +133,8 @@ class Recompute:
         self.out_dtype = out_dtype or q.dtype
         self.compute_dtype = torch.promote_types(q.dtype, torch.float32)
         self._logits = self._scores = self._weights = None
+        #: False when nobody will ask for ``scores``: ``weights`` may then add the mask to the logits in place
+        self.scores_wanted = scores_wanted
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -186,7 +188,12 @@ class Recompute:
             with torch.no_grad():
                 logits = self.logits()
                 add = self._mask_to_add()
-                z = logits if add is None else logits + add
+                if add is None:
+                    z = logits
+                elif self.scores_wanted:
+                    z = logits + add
+                else:  # the logits are needed for nothing else: one (query, key) tensor per head less
+                    z, self._logits = logits.add_(add), None
                 if self.sinks is not None:
                     # attention sinks: one extra logit per head that takes probability mass and no value
                     b, h, tq, _ = z.shape

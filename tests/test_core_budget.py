@@ -326,3 +326,23 @@ def test_per_head_float_mask_is_not_copied_for_every_head(kind):
     rec = full[0]
     expected = (rec.q * rec.scaling) @ rec.k.transpose(-1, -2) + alibi.view(1, H, T, T)
     torch.testing.assert_close(rec.scores[rec.allowed_for_heads()], expected[rec.allowed_for_heads()])
+
+
+def test_hf_weights_only_capture_adds_the_mask_to_the_logits_in_place():
+    """Weights recomputed for a Hugging Face call, scores not kept: the logits of the selected heads and their
+    softmax are the only (query, key) tensors made (the mask is added in place), and the weights are right."""
+    from hf_helpers import build
+
+    model = build("llama", "sdpa")
+    B, T = 2, 96  # (query, key) entries of two heads outnumber any hidden state of the tiny model
+    ids = torch.randint(3, 100, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with _BigFloats(B * 2 * T * T) as plain:
+            model(ids)
+        with _BigFloats(B * 2 * T * T) as seen, attnprobe.capture(model, layers=[0], heads=[0, 1], keep="weights") as cap:
+            model(ids)
+        with attnprobe.capture(model, layers=[0], heads=[0, 1], keep=["scores", "weights"]) as both:
+            model(ids)
+    assert seen.count - plain.count == 2  # the logits, then their softmax (kept as the record's weights)
+    torch.testing.assert_close(cap[0].weights, both[0].weights, rtol=0, atol=0)
+    assert both[0].scores is not None and not torch.equal(both[0].scores, both[0].weights)
