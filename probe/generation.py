@@ -47,6 +47,19 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
                 f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected {expected}"
             )
         expected += r.query_len
+        if r.meta.get("reordered_rows"):
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: before step {r.step} beam search reordered the batch rows (num_beams > 1), "
+                "so a row's steps belong to different hypotheses and form no one matrix; read the steps one by one "
+                "(capture.select(steps=[...])), or generate with num_beams=1 to stitch"
+            )
+        if r.kind == "self" and r.key_len is not None and r.key_len > r.query_offset + r.query_len:
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach only "
+                f"position {r.query_offset + r.query_len}; a static cache (cache_implementation=\"static\", "
+                "StaticCache) pads the keys to its full length, so the steps do not form one matrix; generate with "
+                "past_key_values=transformers.DynamicCache() to stitch them"
+            )
         if r.kind == "self" and r.key_len is not None and r.key_len != r.query_offset + r.query_len:
             raise AttnprobeError(
                 f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach "

@@ -137,3 +137,59 @@ def test_left_padded_generation_is_unchanged_and_checks_clean(name, assert_no_ho
     result = attnprobe.check(cap)
     assert result.ok, result.violations
     assert_no_hooks(model)
+
+
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_beam_search_steps_are_marked_and_stitch_refuses_them(name, assert_no_hooks):
+    """num_beams > 1: generate reorders the cache's rows between steps, so row b of a step continues another
+    row's history; stitching the steps would glue different hypotheses into one matrix."""
+    model = build(name)
+    batch = {k: v for k, v in inputs(name, "left", length=5).items() if not k.startswith("decoder")}
+    options = dict(max_new_tokens=NEW, min_new_tokens=NEW, num_beams=2, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        plain = model.generate(**batch, **options)
+    cache = DynamicCache() if name == "llama" else None  # a cache of the caller's own, handed back untouched
+    extra = {} if cache is None else {"past_key_values": cache}
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        seq = model.generate(**batch, **options, **extra)
+    assert torch.equal(plain, seq)
+    steps = [r for r in cap if r.step is not None]
+    assert {r.step for r in steps} == set(range(NEW)) and all(r.weights.shape[0] == 4 for r in steps)
+    assert all(r.meta.get("reordered_rows", False) == (r.step > 0) for r in steps)
+    with pytest.raises(AttnprobeError, match=r"beam search reordered the batch rows.*num_beams=1"):
+        attnprobe.stitch(cap)
+    if cache is not None:
+        assert "reorder_cache" not in vars(cache)  # the capture's watcher is gone
+    assert_no_hooks(model)
+
+
+def test_greedy_run_after_a_beam_search_in_one_capture_still_stitches():
+    model = build("llama")
+    batch = inputs("llama", "left", length=5)
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model.generate(**batch, max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0)
+        seq = model.generate(**batch, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    greedy = [r for r in cap if r.step is not None and r.weights.shape[0] == 2]
+    assert [r.step for r in greedy[::2]] == list(range(NEW))
+    assert not any(r.meta.get("reordered_rows") for r in greedy)  # no reorder carried over from the beam run
+    full = attnprobe.stitch(attnprobe.Capture(greedy, cap.info))
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)[:, :-1]
+    _assert_stitched_equal(full, _one_forward(model, input_ids=seq[:, :-1], attention_mask=mask,
+                                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0)))
+
+
+def test_a_static_cache_generation_is_refused_by_name():
+    """A static cache pads the keys to its length: the error says so (it said a sliding window dropped keys)."""
+    model = build("llama")
+    batch = inputs("llama", "left", length=5)
+    seq, cap = _greedy(model, batch, cache_implementation="static")
+    with torch.no_grad():
+        plain = model.generate(**batch, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                               cache_implementation="static")
+    assert torch.equal(plain, seq)
+    assert all(r.key_len > r.query_offset + r.query_len for r in cap if r.step < NEW - 1)
+    with pytest.raises(AttnprobeError, match=r"static cache .*past_key_values=transformers\.DynamicCache\(\)"):
+        attnprobe.stitch(cap)
+    whole = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)
+    result = attnprobe.check(cap, causal=True, attention_mask=whole)  # slots are positions: checks still run
+    assert result.violations == () and result.coverage["padding"] == len(cap)
