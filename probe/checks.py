@@ -323,6 +323,12 @@ class _Facts:
             B, L = mask.shape
             if B != self.B:
                 run.skip("padding", f"the declared attention_mask has batch {B}, the record batch {self.B}", self)
+            elif rec.kind == "self" and rec.meta.get("stack") == "decoder" and not isinstance(run.attention_mask,
+                                                                                            Mapping):
+                # one mask for every layer of an encoder-decoder is the encoder input's; these keys are decoder tokens
+                run.skip("padding", "one attention_mask declared for every layer is the encoder input's, but the "
+                         "keys of a decoder self-attention are decoder tokens; declare attention_mask={layer: mask} "
+                         "with the decoder's mask for these layers", self)
             elif rec.kind == "cross":
                 if L == self.Tk:
                     run.mask_fitted = True

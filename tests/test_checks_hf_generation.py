@@ -104,3 +104,33 @@ def test_prompt_mask_declared_for_a_generation_says_what_to_declare():
     assert reason.startswith("padding: the declared attention_mask has 6 positions, fewer than the keys")
     assert reason.endswith("(6 record(s), layers 0, 1)")
     assert "the prompt's mask followed by ones for the generated tokens" in reason
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_encoder_mask_declared_for_an_encoder_decoder_generation_is_not_read_as_decoder_padding(family):
+    """One mask for every layer is the encoder input's: the encoder and cross-attention read it; the decoder
+    self-attention's keys are decoder tokens, so its left padding (encoder positions 0, 1) is no reason to
+    flag decoder keys 0, 1 (it was, at every step whose keys the prompt's mask covered)."""
+    model = build(family, "eager")
+    ids, mask = prompt("left")
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                       do_sample=False, pad_token_id=0)
+    decoder_self = [r for r in cap if r.meta.get("stack") == "decoder" and r.kind == "self"]
+    assert decoder_self and max(r.key_len for r in decoder_self) <= PROMPT  # all within the prompt's length
+    result = attnprobe.check(cap, attention_mask=mask)
+    assert result.violations == (), result.table()
+    assert result.coverage["padding"] == len(cap) - len(decoder_self)
+    (reason,) = [s for s in result.skipped if s.startswith("padding")]
+    assert "decoder self-attention" in reason and "attention_mask={layer: mask}" in reason
+    # declared per layer, the decoder gets its own mask (no padding in the generated tokens) and is checked too
+    layers = {r.layer for r in decoder_self}
+    per_layer = {r.layer: (torch.ones(2, NEW, dtype=torch.long) if r.layer in layers else mask) for r in cap}
+    result = attnprobe.check(cap, attention_mask=per_layer)
+    assert result.violations == () and result.coverage["padding"] == len(cap), result.table()
+    # the encoder's padding is still enforced where it applies: declaring row 1's first tokens padded is caught
+    wrong = mask.clone()
+    wrong[1, :2] = 0
+    flagged = attnprobe.check(cap, attention_mask=wrong).errors
+    assert flagged and {v.batch for v in flagged} == {1}
+    assert {v.layer for v in flagged} and not {v.layer for v in flagged} & layers
