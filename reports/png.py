@@ -182,11 +182,9 @@ def heatmap(
 def _grid_records(capture) -> list[AttentionRecord]:
     records = list(capture)
     if any(r.step is not None for r in records):  # a generation: one stitched matrix per module, as in the HTML
-        from ..probe.generation import stitch
+        from ..probe.generation import shown
 
-        from ..probe.capture import Capture
-
-        records = [r for r in records if r.step is None] + list(stitch(Capture(records, getattr(capture, "info", {}))))
+        records = shown(records)[0]
     records = [r for r in records if r.weights is not None or r.scores is not None]
     if not records:
         raise AttnprobeError("nothing to draw: no record in this capture has weights or scores")

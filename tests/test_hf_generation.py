@@ -193,3 +193,33 @@ def test_a_static_cache_generation_is_refused_by_name():
     whole = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)
     result = attnprobe.check(cap, causal=True, attention_mask=whole)  # slots are positions: checks still run
     assert result.violations == () and result.coverage["padding"] == len(cap)
+
+
+def test_a_report_of_selected_steps_draws_them_as_they_are(tmp_path):
+    """capture.select(steps=[k]) holds part of a run: reports draw those steps (they failed, stitch needing step 0),
+    stitch itself says the run is incomplete; whole runs are still drawn stitched."""
+    from attnprobe import reports
+    from attnprobe.probe.generation import shown
+
+    model = build("llama")
+    _, cap = _greedy(model, inputs("llama", "left", length=5), num_beams=2)  # beam steps: drawn only one by one
+    part = cap.select(steps=[2])
+    records, stitched = shown(list(part))
+    assert stitched == 0 and [r.step for r in records] == [2, 2] and records[0].weights.shape[2] == 1
+    assert "<html" in reports.to_html(part).lower()
+    reports.save_grid(part, tmp_path / "step2.png")
+    assert (tmp_path / "step2.png").stat().st_size > 0
+    with pytest.raises(AttnprobeError, match="expected step 0, found step 2 .*selection of steps"):
+        attnprobe.stitch(part)
+    _, cap = _greedy(model, inputs("llama", "left", length=5))
+    records, stitched = shown(list(cap.select(layers=[0])))
+    assert stitched == 1 and [(r.step, r.weights.shape[2]) for r in records] == [(None, 5 + NEW - 1)]
+
+
+def test_stitch_of_a_generation_without_cache_says_why_it_has_no_steps():
+    model = build("llama")
+    _, cap = _greedy(model, inputs("llama", "left", length=5), use_cache=False)
+    assert len(cap) == 2 * NEW and all(r.step is None for r in cap)
+    assert [r.query_len for r in cap.select(layers=[0])] == [5, 6, 7, 8]  # whole forwards over the sequence so far
+    with pytest.raises(AttnprobeError, match=r"use_cache=False.*its last call already hold the full matrix"):
+        attnprobe.stitch(cap)
