@@ -44,8 +44,14 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
     expected = first.query_offset
     for r in steps:
         if r.query_offset != expected:
+            rolled_back = (
+                f"; the cache went back {expected - r.query_offset} position(s): assisted or prompt-lookup decoding "
+                "drops the candidate tokens it rejects, whose rows the earlier step holds"
+                if r.query_offset < expected else ""
+            )
             raise AttnprobeError(
-                f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected {expected}"
+                f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected "
+                f"{expected}{rolled_back}"
             )
         expected += r.query_len
         if r.meta.get("reordered_rows"):

@@ -223,3 +223,22 @@ def test_stitch_of_a_generation_without_cache_says_why_it_has_no_steps():
     assert [r.query_len for r in cap.select(layers=[0])] == [5, 6, 7, 8]  # whole forwards over the sequence so far
     with pytest.raises(AttnprobeError, match=r"use_cache=False.*its last call already hold the full matrix"):
         attnprobe.stitch(cap)
+
+
+def test_prompt_lookup_decoding_is_recorded_unchanged_and_stitch_names_the_rollback():
+    """Prompt lookup feeds candidate tokens and crops the cache back when they are rejected: the steps are
+    recorded at their true positions, and stitch says why they do not form one matrix."""
+    model = build("llama", "eager")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    options = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, **options)
+        with attnprobe.capture(model) as cap:
+            seq = model.generate(input_ids=ids, **options)
+    assert torch.equal(plain, seq)
+    first, second = cap.select(layers=[0])[:2]
+    rejected = first.query_len - (second.query_offset - first.query_offset)
+    assert first.query_len > ids.shape[1] and rejected > 0  # candidates were fed, and some were dropped
+    assert attnprobe.check(cap, causal=True).violations == ()
+    with pytest.raises(AttnprobeError, match=rf"went back {rejected} position\(s\): assisted or prompt-lookup"):
+        attnprobe.stitch(cap)
