@@ -187,6 +187,8 @@ class StackState:
         steps): the rows of later steps then continue other rows' histories. The cache's own method runs as
         before; the capture's exit removes the wrapper. Stacks that share a cache (an encoder-decoder's
         decoder inside its model) share one wrapper."""
+        if not hasattr(cache, "__dict__"):  # a cache with __slots__ takes no wrapper: beam steps stay unmarked
+            return
         own = cache.__dict__.get("reorder_cache")
         watchers = getattr(own, "attnprobe_watchers", None)
         if watchers is not None:

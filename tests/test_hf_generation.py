@@ -160,6 +160,11 @@ def test_beam_search_steps_are_marked_and_stitch_refuses_them(name, assert_no_ho
         attnprobe.stitch(cap)
     if cache is not None:
         assert "reorder_cache" not in vars(cache)  # the capture's watcher is gone
+        cache = DynamicCache()  # also when generate fails inside the capture (the budget runs out at a later step)
+        budget = attnprobe.capture(model, max_bytes=cap.nbytes // 2)
+        with pytest.raises(attnprobe.CaptureBudgetError), torch.no_grad(), budget:
+            model.generate(**batch, **options, past_key_values=cache)
+        assert "reorder_cache" not in vars(cache) and cache.get_seq_length() > batch["input_ids"].shape[1]
     assert_no_hooks(model)
 
 
