@@ -281,7 +281,7 @@ class _Facts:
             if offset >= 0:
                 self.offset = offset
                 self.diag = torch.arange(self.Tq, device=self.device) + offset
-                self.key_start = rec.query_offset - offset
+                self.key_start = rec.key_start
                 self.kpos = self.kpos + self.key_start
 
         self.causal = _declared_for(run.causal, rec)

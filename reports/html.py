@@ -157,6 +157,7 @@ def build_data(
                 "tq": r.query_len,
                 "tk": r.key_len,
                 "queryOffset": r.query_offset,
+                "keyOffset": r.key_start,
                 "heads": list(r.heads),
                 "numHeads": r.num_heads,
                 "numKvHeads": r.num_kv_heads,

@@ -164,7 +164,7 @@ def heatmap(
             vmax = vmax or None
     image = draw_head(ax, view, value, cmap=cmap, vmin=vmin, vmax=vmax)
     tq, tk = view.shape
-    _set_ticks(ax, "x", labels.key, tk, 0, max_ticks, fontsize)
+    _set_ticks(ax, "x", labels.key, tk, record.key_start, max_ticks, fontsize)
     _set_ticks(ax, "y", labels.query, tq, record.query_offset, max_ticks, fontsize)
     ax.set_xlabel("key" + (" (context)" if record.kind == "cross" else ""))
     ax.set_ylabel("query")
