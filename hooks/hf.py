@@ -535,6 +535,8 @@ class _Recorder:
         meta = self.meta
         if kind == "self" and state is not None and state.step is not None and k_len < offset + q_len:
             meta = {**meta, "first_key_pos": offset + q_len - k_len}  # a sliding-window cache dropped keys
+        if state is not None:
+            meta = state.generation_meta(meta)
         if scaling != getattr(module, "scaling", scaling):
             meta = {**meta, "module_scaling": float(module.scaling)}  # e.g. Whisper scales q before the call
 

@@ -149,6 +149,9 @@ class StackState:
         self._run_cache = None
         self._run_step = 0
         self._cache_type = _cache_type()
+        self.reordered = False  # beam search reordered the cache's batch rows since the previous step
+        self._reorder_seen = False
+        self._watched: list = []  # (cache, its own reorder_cache attribute or None, the wrapper)
         for handle in (
             module.register_forward_pre_hook(self._before, with_kwargs=True),
             module.register_forward_hook(self._after, always_call=True),
@@ -166,17 +169,60 @@ class StackState:
             if cache is self._run_cache:
                 self._run_step += 1
             else:
-                self._run_cache, self._run_step = cache, 0
+                self._unwatch()  # the previous run's cache: let it go
+                self._run_cache, self._run_step, self._reorder_seen = cache, 0, False
+                self._watch_reorder(cache)
             self.step = self._run_step
+            self.reordered, self._reorder_seen = self._reorder_seen, False
             self.position = _cached_length(cache)
         else:
             self.step, self.position = None, 0
 
     def _after(self, module, args, output):
         # a module called on its own later must not see this call's state
-        self.padding, self.step, self.position, self.built_mask = None, None, 0, False
+        self.padding, self.step, self.position, self.built_mask, self.reordered = None, None, 0, False, False
+
+    def _watch_reorder(self, cache) -> None:
+        """Note when beam search reorders ``cache``'s batch rows (``generate`` calls ``reorder_cache`` between
+        steps): the rows of later steps then continue other rows' histories. The cache's own method runs as
+        before; the capture's exit removes the wrapper. Stacks that share a cache (an encoder-decoder's
+        decoder inside its model) share one wrapper."""
+        if not hasattr(cache, "__dict__"):  # a cache with __slots__ takes no wrapper: beam steps stay unmarked
+            return
+        own = cache.__dict__.get("reorder_cache")
+        watchers = getattr(own, "attnprobe_watchers", None)
+        if watchers is not None:
+            if self not in watchers:
+                watchers.append(self)
+            return
+        method = getattr(cache, "reorder_cache", None)
+        if not callable(method):
+            return
+
+        def reorder_cache(*args, **kwargs):
+            for state in reorder_cache.attnprobe_watchers:
+                state._reorder_seen = True
+            return method(*args, **kwargs)
+
+        reorder_cache.attnprobe_watchers = [self]
+        self._watched.append((cache, own, reorder_cache))
+        cache.reorder_cache = reorder_cache
+
+    def generation_meta(self, meta: dict) -> dict:
+        """``meta`` plus ``reordered_rows`` when beam search reordered the rows before this step."""
+        return {**meta, "reordered_rows": True} if self.reordered and self.step is not None else meta
+
+    def _unwatch(self) -> None:
+        for cache, own, wrapper in reversed(self._watched):
+            if cache.__dict__.get("reorder_cache") is wrapper:
+                if own is None:
+                    del cache.reorder_cache
+                else:
+                    cache.reorder_cache = own
+        self._watched.clear()
 
     def _forget(self) -> None:
+        self._unwatch()
         self._run_cache = None
         self.padding = None
 

@@ -381,6 +381,8 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
             offset = max(k_len - q_len, 0) if kind_now == "self" else 0
         dtype = record_dtype(weights.dtype, softmax)
         meta_now = meta if dtype == weights.dtype else {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
+        if state is not None:
+            meta_now = state.generation_meta(meta_now)
         session.emit(
             site,
             kind=kind_now,

@@ -281,7 +281,7 @@ class _Facts:
             if offset >= 0:
                 self.offset = offset
                 self.diag = torch.arange(self.Tq, device=self.device) + offset
-                self.key_start = rec.query_offset - offset
+                self.key_start = rec.key_start
                 self.kpos = self.kpos + self.key_start
 
         self.causal = _declared_for(run.causal, rec)
@@ -323,6 +323,12 @@ class _Facts:
             B, L = mask.shape
             if B != self.B:
                 run.skip("padding", f"the declared attention_mask has batch {B}, the record batch {self.B}", self)
+            elif rec.kind == "self" and rec.meta.get("stack") == "decoder" and not isinstance(run.attention_mask,
+                                                                                            Mapping):
+                # one mask for every layer of an encoder-decoder is the encoder input's; these keys are decoder tokens
+                run.skip("padding", "one attention_mask declared for every layer is the encoder input's, but the "
+                         "keys of a decoder self-attention are decoder tokens; declare attention_mask={layer: mask} "
+                         "with the decoder's mask for these layers", self)
             elif rec.kind == "cross":
                 if L == self.Tk:
                     run.mask_fitted = True

@@ -108,7 +108,7 @@ def to_frame(cap, tokens=None, key_tokens=None):
         n = B * H * Tq * Tk
         batch = np.repeat(np.arange(B, dtype=np.int64), H * Tq * Tk)
         qpos = np.tile(np.repeat(np.arange(Tq, dtype=np.int64) + r.query_offset, Tk), B * H)
-        kpos = np.tile(np.arange(Tk, dtype=np.int64), B * H * Tq)
+        kpos = np.tile(np.arange(Tk, dtype=np.int64) + r.key_start, B * H * Tq)  # positions, not cache slots
         parts["layer"].append(np.full(n, r.layer, dtype=np.int64))
         parts["name"].append(np.full(n, names.setdefault(r.name, len(names)), dtype=np.int64))
         parts["call"].append(np.full(n, r.call, dtype=np.int64))
@@ -197,7 +197,7 @@ def summary(cap):
             "masked_mass": row_mean(masked),
         }
         if r.kind == "self":
-            pos = torch.arange(Tq) + r.query_offset  # key index of each query
+            pos = torch.arange(Tq) + r.query_offset - r.key_start  # key index (cache slot) of each query
             for col, shift in (("diagonal_mass", 0), ("previous_mass", 1)):
                 idx = pos - shift
                 ok = (idx >= 0) & (idx < Tk)

@@ -36,17 +36,37 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
     first = steps[0]
     for i, r in enumerate(steps):
         if r.step != i:
-            raise AttnprobeError(f"cannot stitch {first.name!r}: expected step {i}, found step {r.step}")
+            selected = " (a selection of steps? stitch needs each run whole, from its prefill, step 0)" if i == 0 else ""
+            raise AttnprobeError(f"cannot stitch {first.name!r}: expected step {i}, found step {r.step}{selected}")
         if r.name != first.name or r.heads != first.heads:
             raise AttnprobeError(f"cannot stitch records of different modules or head selections ({first.name!r}, {r.name!r})")
     total = steps[-1].query_offset + steps[-1].query_len
     expected = first.query_offset
     for r in steps:
         if r.query_offset != expected:
+            rolled_back = (
+                f"; the cache went back {expected - r.query_offset} position(s): assisted or prompt-lookup decoding "
+                "drops the candidate tokens it rejects, whose rows the earlier step holds"
+                if r.query_offset < expected else ""
+            )
             raise AttnprobeError(
-                f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected {expected}"
+                f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected "
+                f"{expected}{rolled_back}"
             )
         expected += r.query_len
+        if r.meta.get("reordered_rows"):
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: before step {r.step} beam search reordered the batch rows (num_beams > 1), "
+                "so a row's steps belong to different hypotheses and form no one matrix; read the steps one by one "
+                "(capture.select(steps=[...])), or generate with num_beams=1 to stitch"
+            )
+        if r.kind == "self" and r.key_len is not None and r.key_len > r.query_offset + r.query_len:
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach only "
+                f"position {r.query_offset + r.query_len}; a static cache (cache_implementation=\"static\", "
+                "StaticCache) pads the keys to its full length, so the steps do not form one matrix; generate with "
+                "past_key_values=transformers.DynamicCache() to stitch them"
+            )
         if r.kind == "self" and r.key_len is not None and r.key_len != r.query_offset + r.query_len:
             raise AttnprobeError(
                 f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach "
@@ -86,6 +106,20 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
     )
 
 
+def _runs(capture) -> list[tuple[int, list[AttentionRecord]]]:
+    """The records with a ``step``, grouped per module and generation run (a run starts at step 0), with the
+    run's number for that module."""
+    runs: dict[tuple[str, int], list[AttentionRecord]] = {}
+    counter: dict[str, int] = {}
+    for r in capture:
+        if r.step is None:
+            continue
+        if r.step == 0:
+            counter[r.name] = counter.get(r.name, -1) + 1
+        runs.setdefault((r.name, counter.get(r.name, 0)), []).append(r)
+    return [(call, run) for (_, call), run in runs.items()]
+
+
 def stitch(capture):
     """A Capture with one stitched record per module and generation run.
 
@@ -98,24 +132,30 @@ def stitch(capture):
     """
     from .capture import Capture
 
-    runs: dict[tuple[str, int], list[AttentionRecord]] = {}
-    counter: dict[str, int] = {}
-    order: list[tuple[str, int]] = []
-    for r in capture:
-        if r.step is None:
-            continue
-        if r.step == 0:
-            counter[r.name] = counter.get(r.name, -1) + 1
-        key = (r.name, counter.get(r.name, 0))
-        if key not in runs:
-            runs[key] = []
-            order.append(key)
-        runs[key].append(r)
+    runs = _runs(capture)
     if not runs:
         raise AttnprobeError(
             "this capture has no generation steps to stitch: capture around model.generate(...) "
             "with a model whose attention attnprobe reads through the Hugging Face adapter"
+            + (" (generate(..., use_cache=False) has no steps: each of its calls is a whole forward over the "
+               "sequence so far, so the records of its last call already hold the full matrix)" if len(capture) else "")
         )
-    stitched = [replace(stitch_steps(runs[key]), call=key[1]) for key in order]
+    return Capture(_stitched(runs), capture.info)
+
+
+def _stitched(runs: list[tuple[int, list[AttentionRecord]]]) -> list[AttentionRecord]:
+    stitched = [replace(stitch_steps(run), call=call) for call, run in runs]
     stitched.sort(key=lambda r: (r.call, r.layer))
-    return Capture(stitched, capture.info)
+    return stitched
+
+
+def shown(records: list[AttentionRecord]) -> tuple[list[AttentionRecord], int]:
+    """What a report draws: (records outside generation, then each whole run stitched; number stitched).
+
+    Steps selected out of a run (``capture.select(steps=[3])``: the run does not start at step 0) are
+    drawn one by one, as the steps they are.
+    """
+    runs = _runs(records)
+    stitched = _stitched([(call, run) for call, run in runs if run[0].step == 0])
+    parts = [r for _, run in runs if run[0].step != 0 for r in run]
+    return [r for r in records if r.step is None] + parts + stitched, len(stitched)

@@ -155,6 +155,16 @@ class AttentionRecord:
         return None
 
     @property
+    def key_start(self) -> int:
+        """Position of the first key: 0, except for a generation step whose sliding-window cache dropped
+        older keys (the keys are then the latest positions, up to the last query: key slot ``i`` holds
+        position ``key_start + i``)."""
+        q_len, k_len = self.query_len, self.key_len
+        if self.kind != "self" or q_len is None or k_len is None or k_len < q_len:
+            return 0
+        return max(self.query_offset + q_len - k_len, 0)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by this record's tensors."""
         total = 0

@@ -58,7 +58,7 @@ def record_token_rows(record: AttentionRecord, tokens, key_tokens):
     k_rows, k_name = (q_rows, q_name) if record.kind == "self" else (context, "key_tokens")
     where = f"layer {record.layer} ({record.name!r}, call {record.call})"
     for rows, name, length, what in ((q_rows, q_name, record.query_offset + (record.query_len or 0), "query"),
-                                     (k_rows, k_name, record.key_len or 0, "key")):
+                                     (k_rows, k_name, record.key_start + (record.key_len or 0), "key")):
         short = [len(r) for r in rows or () if len(r) < length]
         if short:
             raise AttnprobeError(

@@ -124,7 +124,7 @@ def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> La
     """Query and key labels of ``record`` for batch row ``batch`` (see ``attnprobe.probe.tokens``)."""
     q_rows, k_rows = record_token_rows(record, tokens, key_tokens)
     query = None if q_rows is None else q_rows[batch][record.query_offset: record.query_offset + record.query_len]
-    key = None if k_rows is None else k_rows[batch][: record.key_len]
+    key = None if k_rows is None else k_rows[batch][record.key_start: record.key_start + record.key_len]
     return Labels(query, key)
 
 

@@ -39,7 +39,8 @@ MAX_VALUES = 80_000_000
 def shown_records(capture) -> tuple[list[AttentionRecord], list[AttentionRecord], int]:
     """(records drawn, records without weights or scores, number of generation runs stitched).
 
-    Records of a generation (with ``step``) are stitched into one matrix per module and run.
+    Records of a generation (with ``step``) are stitched into one matrix per module and run; steps
+    selected out of a run are drawn as they are.
     """
     if not isinstance(capture, Capture):
         raise TypeError(
@@ -48,11 +49,9 @@ def shown_records(capture) -> tuple[list[AttentionRecord], list[AttentionRecord]
     records = list(capture)
     stitched_runs = 0
     if any(r.step is not None for r in records):
-        from ..probe.generation import stitch
+        from ..probe.generation import shown
 
-        stitched = list(stitch(capture))
-        stitched_runs = len(stitched)
-        records = [r for r in records if r.step is None] + stitched
+        records, stitched_runs = shown(records)
     drawable = [r for r in records if r.weights is not None or r.scores is not None]
     if not drawable:
         raise AttnprobeError(
@@ -158,6 +157,7 @@ def build_data(
                 "tq": r.query_len,
                 "tk": r.key_len,
                 "queryOffset": r.query_offset,
+                "keyOffset": r.key_start,
                 "heads": list(r.heads),
                 "numHeads": r.num_heads,
                 "numKvHeads": r.num_kv_heads,

@@ -164,7 +164,7 @@ def heatmap(
             vmax = vmax or None
     image = draw_head(ax, view, value, cmap=cmap, vmin=vmin, vmax=vmax)
     tq, tk = view.shape
-    _set_ticks(ax, "x", labels.key, tk, 0, max_ticks, fontsize)
+    _set_ticks(ax, "x", labels.key, tk, record.key_start, max_ticks, fontsize)
     _set_ticks(ax, "y", labels.query, tq, record.query_offset, max_ticks, fontsize)
     ax.set_xlabel("key" + (" (context)" if record.kind == "cross" else ""))
     ax.set_ylabel("query")
@@ -182,11 +182,9 @@ def heatmap(
 def _grid_records(capture) -> list[AttentionRecord]:
     records = list(capture)
     if any(r.step is not None for r in records):  # a generation: one stitched matrix per module, as in the HTML
-        from ..probe.generation import stitch
+        from ..probe.generation import shown
 
-        from ..probe.capture import Capture
-
-        records = [r for r in records if r.step is None] + list(stitch(Capture(records, getattr(capture, "info", {}))))
+        records = shown(records)[0]
     records = [r for r in records if r.weights is not None or r.scores is not None]
     if not records:
         raise AttnprobeError("nothing to draw: no record in this capture has weights or scores")

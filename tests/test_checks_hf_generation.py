@@ -104,3 +104,59 @@ def test_prompt_mask_declared_for_a_generation_says_what_to_declare():
     assert reason.startswith("padding: the declared attention_mask has 6 positions, fewer than the keys")
     assert reason.endswith("(6 record(s), layers 0, 1)")
     assert "the prompt's mask followed by ones for the generated tokens" in reason
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_encoder_mask_declared_for_an_encoder_decoder_generation_is_not_read_as_decoder_padding(family):
+    """One mask for every layer is the encoder input's: the encoder and cross-attention read it; the decoder
+    self-attention's keys are decoder tokens, so its left padding (encoder positions 0, 1) is no reason to
+    flag decoder keys 0, 1 (it was, at every step whose keys the prompt's mask covered)."""
+    model = build(family, "eager")
+    ids, mask = prompt("left")
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                       do_sample=False, pad_token_id=0)
+    decoder_self = [r for r in cap if r.meta.get("stack") == "decoder" and r.kind == "self"]
+    assert decoder_self and max(r.key_len for r in decoder_self) <= PROMPT  # all within the prompt's length
+    result = attnprobe.check(cap, attention_mask=mask)
+    assert result.violations == (), result.table()
+    assert result.coverage["padding"] == len(cap) - len(decoder_self)
+    (reason,) = [s for s in result.skipped if s.startswith("padding")]
+    assert "decoder self-attention" in reason and "attention_mask={layer: mask}" in reason
+    # declared per layer, the decoder gets its own mask (no padding in the generated tokens) and is checked too
+    layers = {r.layer for r in decoder_self}
+    per_layer = {r.layer: (torch.ones(2, NEW, dtype=torch.long) if r.layer in layers else mask) for r in cap}
+    result = attnprobe.check(cap, attention_mask=per_layer)
+    assert result.violations == () and result.coverage["padding"] == len(cap), result.table()
+    # the encoder's padding is still enforced where it applies: declaring row 1's first tokens padded is caught
+    wrong = mask.clone()
+    wrong[1, :2] = 0
+    flagged = attnprobe.check(cap, attention_mask=wrong).errors
+    assert flagged and {v.batch for v in flagged} == {1}
+    assert {v.layer for v in flagged} and not {v.layer for v in flagged} & layers
+
+
+def test_frames_and_labels_of_sliding_window_steps_use_key_positions():
+    """A sliding-window cache keeps the latest keys: slot i of a decode step holds position key_start + i (query 8
+    sees 6, 7, 8). Frames, token labels and the summary's diagonal read positions, as the checks do (they read
+    slots: key_pos 0, 1, 2 for query 8, the tokens of positions 0-2, and no diagonal at all)."""
+    from attnprobe.reports._common import record_labels
+
+    model = build("mistral", "eager")
+    ids, mask = prompt("right")
+    _, cap = generate(model, ids, mask)
+    steps = cap.select(steps=[1, 2, 3])
+    frame = steps.to_frame()
+    assert frame.key_pos.min() == 4 and frame.key_pos.max() == PROMPT + NEW - 2
+    assert ((frame.query_pos - frame.key_pos).between(0, 2)).all()  # the window: the query and the 2 before it
+    assert frame[frame.query_pos == frame.key_pos].allowed.all()
+    words = [[f"w{b}.{p}" for p in range(PROMPT + NEW)] for b in range(2)]
+    tokens = steps.to_frame(tokens=words)
+    assert (tokens.key_token.astype(str) == "w" + tokens.batch.astype(str) + "." + tokens.key_pos.astype(str)).all()
+    last = steps.select(steps=[3], layers=[0])[0]
+    assert record_labels(last, 1, words, None).key == ["w1.6", "w1.7", "w1.8"]
+    summary = steps.summary().set_index(["layer", "head"])
+    expected = torch.stack([r.weights[..., -1] for r in steps.select(layers=[0])]).mean(dim=(0, 1, 3))  # own slot
+    assert torch.allclose(torch.tensor(summary.loc[0].diagonal_mass.to_numpy(), dtype=torch.float32), expected,
+                          atol=1e-6)
+    assert [r.key_start for r in steps.select(layers=[0])] == [4, 5, 6] and cap[0].key_start == 0

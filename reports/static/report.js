@@ -186,7 +186,8 @@
     return labels.hasQ ? (numbered ? pos + " " : "") + clip(visible(labels.q[i]), 18) : String(pos);
   }
   function kLabel(r, labels, i, numbered) {
-    return labels.hasK ? (numbered ? i + " " : "") + clip(visible(labels.k[i]), 18) : String(i);
+    const pos = i + r.keyOffset;
+    return labels.hasK ? (numbered ? pos + " " : "") + clip(visible(labels.k[i]), 18) : String(pos);
   }
 
   // ------------------------------------------------------------------ head data
@@ -550,7 +551,7 @@
     const r = RECORDS[rid];
     for (const m of flag.marks) {
       for (const q of m.queries) if (q - r.queryOffset >= 0 && q - r.queryOffset < r.tq) out.queries.push(q - r.queryOffset);
-      for (const k of m.keys) if (k >= 0 && k < r.tk) out.keys.push(k);
+      for (const k of m.keys) if (k - r.keyOffset >= 0 && k - r.keyOffset < r.tk) out.keys.push(k - r.keyOffset);
     }
     return out;
   }
@@ -692,7 +693,7 @@
     const kt = labels.hasK ? JSON.stringify(labels.k[cell.k]) : "";
     head.appendChild(el("b", null, "query " + (cell.q + r.queryOffset) + " "));
     head.appendChild(el("span", "tokv q-token", qt));
-    head.appendChild(el("b", null, "  \u2192  key " + cell.k + " "));
+    head.appendChild(el("b", null, "  \u2192  key " + (cell.k + r.keyOffset) + " "));
     head.appendChild(el("span", "tokv k-token", kt));
     box.appendChild(head);
     const table = el("table");
