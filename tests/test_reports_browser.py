@@ -24,6 +24,11 @@ from reports_helpers import (  # noqa: F401  (browser fixtures)
 )
 
 
+# wait_for_function predicates are written as functions ("() => ..."): for a bare expression Playwright calls
+# eval() on every poll, which the report's Content-Security-Policy forbids, so a predicate not yet true at the
+# first try (a loaded machine) failed with an EvalError instead of waiting.
+
+
 def as_float32(text: str) -> np.float32:
     return np.float32(float(text))
 
@@ -35,11 +40,11 @@ def test_grid_and_head_view_render_exact_values_offline(tmp_path, open_report, a
     page = report.page
     # every head has a thumbnail, and the thumbnails are drawn (lazily, once visible)
     assert page.locator("a.thumb").count() == 9
-    page.wait_for_function("document.querySelectorAll('a.thumb canvas[data-drawn]').length === 9")
+    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 9")
     assert canvas_colours(page, 'a.thumb[data-rid="1"][data-head="2"] canvas') >= 4
     # opening a head by clicking its thumbnail draws the matrix
     page.click('a.thumb[data-rid="1"][data-head="2"]')
-    page.wait_for_function("window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
+    page.wait_for_function("() => window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
     assert "layer 1" in page.text_content("#detail-title") and "head 2" in page.text_content("#detail-title")
     page.wait_for_timeout(100)  # one animation frame
     assert canvas_colours(page, "#viewers canvas.view") > 10
@@ -78,7 +83,7 @@ def test_detail_title_names_the_batch_row_it_shows(tmp_path, open_report, assert
     report = open_report(to_html(cap, tmp_path / "row1.html", tokens=words(5), batch=1))
     page = report.page
     page.click('a.thumb[data-rid="1"][data-head="0"]')
-    page.wait_for_function("window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+    page.wait_for_function("() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
                            ".textContent.includes('loading')")
     title = page.text_content("#detail-title")
     assert "layer 1" in title and "head 0" in title and "batch row 1" in title, title
@@ -107,7 +112,7 @@ def test_hostile_tokens_show_as_text_and_never_run(tmp_path, open_report, assert
     path = to_html(cap, tmp_path / "hostile.html", tokens=HOSTILE, title=title)
     report = open_report(path, "#head-0-1")
     page = report.page
-    page.wait_for_function("window.attnprobe.state().head === 1")
+    page.wait_for_function("() => window.attnprobe.state().head === 1")
     assert page.evaluate("window.__pwned") is None
     assert page.locator("img").count() == 0 and page.locator("b:text('bold')").count() == 0
     # the document has exactly the report's own scripts: the data blocks and the one program
@@ -131,7 +136,7 @@ def test_cross_attention_has_query_and_key_tokens_on_their_own_axes(tmp_path, op
     cross = next(i for i, r in enumerate(cap) if r.kind == "cross")
     report = open_report(path, f"#head-{cross}-1")
     page = report.page
-    page.wait_for_function(f"window.attnprobe.state().rid === {cross}")
+    page.wait_for_function(f"() => window.attnprobe.state().rid === {cross}")
     assert "context" in page.text_content("#viewers .vtitle")
     key_chips = page.evaluate("Array.from(document.querySelectorAll('.tokenlist .tok.key')).map(e => e.textContent)")
     assert key_chips == keys
@@ -148,7 +153,7 @@ def test_generation_capture_shows_the_stitched_matrix(tmp_path, open_report, ass
     path = to_html(steps, tmp_path / "gen.html", tokens=words(8))
     report = open_report(path, "#head-1-1")
     page = report.page
-    page.wait_for_function("window.attnprobe.state().rid === 1")
+    page.wait_for_function("() => window.attnprobe.state().rid === 1")
     assert "stitched" in page.text_content("#grid-body") and "5 generation steps stitched" in page.text_content("#detail-title")
     assert page.locator("a.thumb").count() == 4  # two layers x two heads, not one per step
     rec = full.record(1)
@@ -178,7 +183,7 @@ def test_checks_panel_highlights_and_links_violating_heads(tmp_path, open_report
     assert page.locator("a.thumb.bad, a.thumb.warned").count() == 2
     assert "<script>" in page.text_content("table.violations")  # a message is text too
     page.click("table.violations a:text('layer 1 head 2')")
-    page.wait_for_function("window.attnprobe.state().rid === 1 && window.attnprobe.state().head === 2")
+    page.wait_for_function("() => window.attnprobe.state().rid === 1 && window.attnprobe.state().head === 2")
     assert "1 error(s)" in page.text_content("#head-facts")
     report.assert_clean()
 
@@ -265,7 +270,7 @@ def test_bfloat16_report_says_values_are_rounded(tmp_path, open_report, assert_n
     path = to_html(cap, tmp_path / "bf16.html", precision="bfloat16")
     report = open_report(path, "#head-0-0")
     page = report.page
-    page.wait_for_function("window.attnprobe.state().rid === 0")
+    page.wait_for_function("() => window.attnprobe.state().rid === 0")
     readout = hover_cell(page, 4, 2)
     expected = cap[0].weights[0, 0, 4, 2].to(torch.bfloat16).float().item()
     assert as_float32(readout["rows"][0]["weight"]) == expected
@@ -288,7 +293,7 @@ def test_diff_report_shows_both_captures_and_the_difference_side_by_side(tmp_pat
     first = page.locator("table.summary tbody tr").first  # ranked by the largest change
     assert first.locator("td").nth(0).text_content() == "1" and first.locator("td").nth(2).text_content() == "1"
     page.click('a.thumb[data-rid="1"][data-head="1"]')
-    page.wait_for_function("window.attnprobe.state().viewers === 3")
+    page.wait_for_function("() => window.attnprobe.state().viewers === 3")
     page.wait_for_timeout(100)
     for i in range(3):
         assert canvas_colours(page, f"#viewers .viewer:nth-child({i + 1}) canvas.view") > 5
@@ -318,7 +323,7 @@ def test_infinite_change_and_scores_only_capture_render(tmp_path, open_report, a
     scores_only = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=1, keep=["scores"])
     report = open_report(to_html(scores_only, tmp_path / "scores.html"), "#head-0-1")
     page = report.page
-    page.wait_for_function("window.attnprobe.state().viewers === 1")
+    page.wait_for_function("() => window.attnprobe.state().viewers === 1")
     assert page.eval_on_selector("#colour-by", "e => e.value") == "scores"
     assert canvas_colours(page, "#viewers canvas.view") > 3
     readout = hover_cell(page, 4, 2)
