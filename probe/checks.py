@@ -24,7 +24,7 @@ Each check has a stable name (``CHECKS``) and returns ``Violation`` records, one
   (``record.query_padding`` or the declared mask), are left out of every other check but ``finite``.
 
 Tolerances depend on the coarsest dtype involved (``DEFAULT_TOLERANCES``); matches also allow for the
-rounding of the scores (relative error ``2 * eps * max|score|``). A weight on a forbidden key counts
+rounding of the scores (relative error ``expm1(2 * eps * max|score|)``). A weight on a forbidden key counts
 when it exceeds ``FORBIDDEN_WEIGHT`` (correct masking gives exact zeros in every dtype) or ``atol``
 when given. A check that needs a field the record lacks is skipped and says so in
 ``CheckResult.skipped``; it never passes silently.
@@ -821,12 +821,16 @@ def _check_mask(run: _Run, p: _Rows) -> None:
 
 
 def _score_slack(p: _Rows) -> torch.Tensor | float:
-    """Relative error the rounding of the scores can cause in the weights: 2 * eps * max|score| per row."""
+    """Relative error the rounding of the scores can cause in the weights: ``expm1(2 * eps * max|score|)`` per row.
+
+    Rounding moves each logit by at most ``eps * |score|`` and the row's log-normaliser by as much again,
+    so ``log(weight / ref)`` stays within ``2 * eps * max|score|``: the weight within a factor ``exp`` of
+    that. The exponential matters once scores are large (bf16 logits of 100 give a factor 2.2, not 1.8)."""
     if p.scores is None or p.tol.eps < 1e-6:  # negligible in fp32 and fp64
         return 0.0
     s = p.scores.to(p.cdtype).abs()
     s = torch.where(p.allowed if p.allowed is not None else torch.isfinite(s), s, 0.0).nan_to_num(0.0)
-    return 2 * p.tol.eps * s.amax(-1, keepdim=True)
+    return torch.expm1(2 * p.tol.eps * s.amax(-1, keepdim=True))
 
 
 def _check_softmax_match(run: _Run, p: _Rows) -> None:
