@@ -688,7 +688,24 @@ def _check_finite(run: _Run, p: _Rows) -> None:
             bad = torch.isnan(s) | (s == math.inf)
         else:
             bad = ~torch.isfinite(s) & allowed
+        overflow = None
+        if p.w is not None:
+            # a score beyond the stored dtype's range (float16: 65504) is stored as inf; a softmax that saw
+            # +inf gives NaN and one that saw -inf gives 0 there, as the finite score would: with finite
+            # weights in the row that agree with the score's size, the inf is how the score was stored,
+            # not what the attention computed
+            # (the weights agree: ~0 on a -inf score, no finite-score key above a +inf one)
+            w, finite_w = p.w, torch.isfinite(p.w).all(-1, keepdim=True)
+            top = torch.where(torch.isfinite(s), w, -math.inf).amax(-1, keepdim=True)
+            agree = torch.where(s > 0, w >= top - p.tol.atol, w <= p.tol.forbidden)
+            overflow = bad & torch.isinf(s) & finite_w & agree
+            bad = bad & ~overflow
         run.emit(p, "finite", "scores", bad, lambda n, _: f"{n} NaN/inf score(s) at allowed positions")
+        if overflow is not None:
+            run.emit(p, "finite", "scores:overflow", overflow, lambda n, _: (
+                f"{n} score(s) stored as inf in rows whose weights are finite and agree: scores beyond the range of the "
+                "model's dtype (float16: 65504) that the attention itself kept finite; softmax_match cannot "
+                "compare those rows"), severity="info")
 
 
 def _check_range(run: _Run, p: _Rows) -> None:
@@ -757,7 +774,8 @@ def _check_causal(run: _Run, p: _Rows) -> None:
     rows = p.checked[..., None]
     if not p.causal:  # declared bidirectional: some query must attend some later real key
         later = future if p.key_pad is None else future & ~p.key_pad[:, None, None, :]
-        candidates = later & rows
+        # rows whose weights are NaN/inf (in any head) say nothing about what they attend (``finite`` reports them)
+        candidates = later & (rows if p.w is None else (rows & p.finite_rows().all(1, keepdim=True)[..., None]))
         attended = (p.w > thr) if p.w is not None else p.allowed
         seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
         seen[1] += int(candidates.sum())
