@@ -689,23 +689,27 @@ def _check_finite(run: _Run, p: _Rows) -> None:
         else:
             bad = ~torch.isfinite(s) & allowed
         overflow = None
-        if p.w is not None:
+        if p.w is not None and torch.finfo(s.dtype).max < torch.finfo(torch.float32).max:  # float16's narrow range
             # a score beyond the stored dtype's range (float16: 65504) is stored as inf; a softmax that saw
             # +inf gives NaN and one that saw -inf gives 0 there, as the finite score would: with finite
             # weights in the row that agree with the score's size, the inf is how the score was stored,
             # not what the attention computed
-            # (the weights agree: ~0 on a -inf score, no finite-score key above a +inf one)
-            w, finite_w = p.w, torch.isfinite(p.w).all(-1, keepdim=True)
-            top = torch.where(torch.isfinite(s), w, -math.inf).amax(-1, keepdim=True)
-            agree = torch.where(s > 0, w >= top - p.tol.atol, w <= p.tol.forbidden)
+            # (the weights agree: no finite-score key weighs more than a +inf one, nor less than a -inf one)
+            w, finite_w, known = p.w, torch.isfinite(p.w).all(-1, keepdim=True), torch.isfinite(s)
+            if allowed is not None:
+                known = known & allowed
+            top = torch.where(known, w, -math.inf).amax(-1, keepdim=True)
+            low = torch.where(known, w, math.inf).amin(-1, keepdim=True)
+            agree = torch.where(s > 0, w >= top - p.tol.atol, w <= low + p.tol.atol)
             overflow = bad & torch.isinf(s) & finite_w & agree
             bad = bad & ~overflow
         run.emit(p, "finite", "scores", bad, lambda n, _: f"{n} NaN/inf score(s) at allowed positions")
         if overflow is not None:
             run.emit(p, "finite", "scores:overflow", overflow, lambda n, _: (
-                f"{n} score(s) stored as inf in rows whose weights are finite and agree: scores beyond the range of the "
-                "model's dtype (float16: 65504) that the attention itself kept finite; softmax_match cannot "
-                "compare those rows"), severity="info")
+                f"{n} score(s) stored as inf in rows whose weights are finite and agree (no finite-score key weighs "
+                "more than a +inf one or less than a -inf one): scores beyond the range of the model's dtype "
+                "(float16: 65504) that the attention itself kept finite; softmax_match cannot compare those "
+                "rows"), severity="info")
 
 
 def _check_range(run: _Run, p: _Rows) -> None:

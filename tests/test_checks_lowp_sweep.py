@@ -187,6 +187,14 @@ def test_scores_beyond_float16_range_with_finite_weights_are_not_a_finite_error(
     infos = [v for v in result.violations if v.check == "finite"]
     assert {(v.batch, v.head, v.queries, v.keys) for v in infos} == {(0, 1, (4,), (2,)), (1, 0, (3,), (5,))}
     assert all(v.severity == "info" and "stored as inf" in v.message for v in infos)
+    # a row whose allowed scores are all below -65504: the largest true score still takes the whole row
+    sunk = scores.clone()
+    sunk[1, 1, 6] = -math.inf
+    sunk_weights = weights.clone()
+    sunk_weights[1, 1, 6] = 0.0
+    sunk_weights[1, 1, 6, 4] = 1.0
+    result = attnprobe.check(replace(overflowed, scores=sunk, weights=sunk_weights, output=None), checks=["finite"])
+    assert result.ok and any(v.batch == 1 and v.head == 1 and v.queries == (6,) for v in result.violations)
     # weights that contradict the inf (a +inf key that is not the row's largest) stay an error
     contradicted = replace(overflowed, weights=rec.weights)
     assert {(v.batch, v.head) for v in attnprobe.check(contradicted, checks=["finite"]).errors} == {(0, 1), (1, 0)}
