@@ -24,7 +24,7 @@ Each check has a stable name (``CHECKS``) and returns ``Violation`` records, one
   (``record.query_padding`` or the declared mask), are left out of every other check but ``finite``.
 
 Tolerances depend on the coarsest dtype involved (``DEFAULT_TOLERANCES``); matches also allow for the
-rounding of the scores (relative error ``2 * eps * max|score|``). A weight on a forbidden key counts
+rounding of the scores (relative error ``expm1(2 * eps * max|score|)``). A weight on a forbidden key counts
 when it exceeds ``FORBIDDEN_WEIGHT`` (correct masking gives exact zeros in every dtype) or ``atol``
 when given. A check that needs a field the record lacks is skipped and says so in
 ``CheckResult.skipped``; it never passes silently.
@@ -694,7 +694,28 @@ def _check_finite(run: _Run, p: _Rows) -> None:
             bad = torch.isnan(s) | (s == math.inf)
         else:
             bad = ~torch.isfinite(s) & allowed
+        overflow = None
+        if p.w is not None and torch.finfo(s.dtype).max < torch.finfo(torch.float32).max:  # float16's narrow range
+            # a score beyond the stored dtype's range (float16: 65504) is stored as inf; a softmax that saw
+            # +inf gives NaN and one that saw -inf gives 0 there, as the finite score would: with finite
+            # weights in the row that agree with the score's size, the inf is how the score was stored,
+            # not what the attention computed
+            # (the weights agree: no finite-score key weighs more than a +inf one, nor less than a -inf one)
+            w, finite_w, known = p.w, torch.isfinite(p.w).all(-1, keepdim=True), torch.isfinite(s)
+            if allowed is not None:
+                known = known & allowed
+            top = torch.where(known, w, -math.inf).amax(-1, keepdim=True)
+            low = torch.where(known, w, math.inf).amin(-1, keepdim=True)
+            agree = torch.where(s > 0, w >= top - p.tol.atol, w <= low + p.tol.atol)
+            overflow = bad & torch.isinf(s) & finite_w & agree
+            bad = bad & ~overflow
         run.emit(p, "finite", "scores", bad, lambda n, _: f"{n} NaN/inf score(s) at allowed positions")
+        if overflow is not None:
+            run.emit(p, "finite", "scores:overflow", overflow, lambda n, _: (
+                f"{n} score(s) stored as inf in rows whose weights are finite and agree (no finite-score key weighs "
+                "more than a +inf one or less than a -inf one): scores beyond the range of the model's dtype "
+                "(float16: 65504) that the attention itself kept finite; softmax_match cannot compare those "
+                "rows"), severity="info")
 
 
 def _check_range(run: _Run, p: _Rows) -> None:
@@ -763,7 +784,8 @@ def _check_causal(run: _Run, p: _Rows) -> None:
     rows = p.checked[..., None]
     if not p.causal:  # declared bidirectional: some query must attend some later real key
         later = future if p.key_pad is None else future & ~p.key_pad[:, None, None, :]
-        candidates = later & rows
+        # rows whose weights are NaN/inf (in any head) say nothing about what they attend (``finite`` reports them)
+        candidates = later & (rows if p.w is None else (rows & p.finite_rows().all(1, keepdim=True)[..., None]))
         attended = (p.w > thr) if p.w is not None else p.allowed
         seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
         seen[1] += int(candidates.sum())
@@ -827,12 +849,16 @@ def _check_mask(run: _Run, p: _Rows) -> None:
 
 
 def _score_slack(p: _Rows) -> torch.Tensor | float:
-    """Relative error the rounding of the scores can cause in the weights: 2 * eps * max|score| per row."""
+    """Relative error the rounding of the scores can cause in the weights: ``expm1(2 * eps * max|score|)`` per row.
+
+    Rounding moves each logit by at most ``eps * |score|`` and the row's log-normaliser by as much again,
+    so ``log(weight / ref)`` stays within ``2 * eps * max|score|``: the weight within a factor ``exp`` of
+    that. The exponential matters once scores are large (bf16 logits of 100 give a factor 2.2, not 1.8)."""
     if p.scores is None or p.tol.eps < 1e-6:  # negligible in fp32 and fp64
         return 0.0
     s = p.scores.to(p.cdtype).abs()
     s = torch.where(p.allowed if p.allowed is not None else torch.isfinite(s), s, 0.0).nan_to_num(0.0)
-    return 2 * p.tol.eps * s.amax(-1, keepdim=True)
+    return torch.expm1(2 * p.tol.eps * s.amax(-1, keepdim=True))
 
 
 def _check_softmax_match(run: _Run, p: _Rows) -> None:
