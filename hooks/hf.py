@@ -622,6 +622,9 @@ class HuggingFaceAdapter(Adapter):
         self.traced = traced
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
+        return self.find_named(model, list(model.named_modules()), claimed)
+
+    def find_named(self, model: nn.Module, named: list, claimed: set[int]) -> list[Site]:
         if "transformers" not in sys.modules:  # no transformers model can exist yet
             return []
         from transformers import PreTrainedModel
@@ -629,7 +632,7 @@ class HuggingFaceAdapter(Adapter):
         from .hf_fallback import find_old_style
 
         sites, pretrained = [], False
-        for name, module in model.named_modules():
+        for name, module in named:
             pretrained = pretrained or isinstance(module, PreTrainedModel)
             if id(module) in claimed or not class_info(type(module)).uses_interface:
                 continue
@@ -639,7 +642,7 @@ class HuggingFaceAdapter(Adapter):
             taken = claimed | {id(s.module) for s in sites}
             if self.traced is not None:  # named in modules=: traced whole by the functional adapter
                 taken |= self.traced.traced_ids(model)
-            for name, module in find_old_style(model, taken, parents_of(model)):
+            for name, module in find_old_style(model, taken, parents_of(model, named), named):
                 heads, kv_heads = head_counts(module)
                 sites.append(Site(name, module, self, heads, kv_heads, info={"strategy": "output_attentions"}))
         return sites

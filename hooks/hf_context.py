@@ -44,10 +44,10 @@ def argument(params: dict[str, int], name: str, args: tuple, kwargs: dict):
     return args[i] if 0 <= i < len(args) else None
 
 
-def parents_of(model: nn.Module) -> dict[int, nn.Module]:
-    """id(child) -> parent for every module under ``model``."""
+def parents_of(model: nn.Module, named: list | None = None) -> dict[int, nn.Module]:
+    """id(child) -> parent for every module under ``model`` (``named``: its ``named_modules()``, if walked already)."""
     parents = {}
-    for parent in model.modules():
+    for parent in (m for _, m in named) if named is not None else model.modules():
         for child in parent.children():
             parents.setdefault(id(child), parent)
     return parents

@@ -47,7 +47,8 @@ def _is_pretrained(module: nn.Module) -> bool:
     return isinstance(module, PreTrainedModel)
 
 
-def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tuple[str, nn.Module]]:
+def find_old_style(model: nn.Module, taken: set[int], parents: dict,
+                   named: list | None = None) -> list[tuple[str, nn.Module]]:
     """Innermost ``*Attention*`` modules with a head count inside transformers models, outside ``taken``
     (the modules the attention interface or another adapter reads).
 
@@ -55,8 +56,9 @@ def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tup
     attention, BigBirdPegasus's encoder next to an interface decoder), and their old-style modules
     must not go unrecorded without a word.
     """
+    named = list(model.named_modules()) if named is None else named
     candidates = []
-    for name, module in model.named_modules():
+    for name, module in named:
         cls = type(module)
         if id(module) in taken or "Attention" not in cls.__name__ or not cls.__module__.startswith("transformers."):
             continue
@@ -69,7 +71,7 @@ def find_old_style(model: nn.Module, taken: set[int], parents: dict) -> list[tup
             candidates.append((name, module))
     # keep the innermost: a wrapper around another attention module is not itself read, nor one around torch's
     # nn.MultiheadAttention, which the torch adapter reads (SigLIP2's pooling head keeps a head count of its own)
-    torch_mha = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention)]
+    torch_mha = [m for _, m in named if isinstance(m, nn.MultiheadAttention)]
     above = {id(a) for m in [*(m for _, m in candidates), *torch_mha] for a in ancestors(m, parents)}
     above |= {id(a) for key in taken for a in _ancestors_by_id(key, parents)}
     return [(name, m) for name, m in candidates if id(m) not in above]

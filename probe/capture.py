@@ -222,13 +222,14 @@ class CaptureSession:
         self.sites: list = []
         self.capture = Capture()
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
+        self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
         """Ask every adapter for its sites; number them in module order. Attaches nothing."""
         model = self._model
-        named = list(model.named_modules())  # walked once, shared by the adapters that accept it
+        named = self._named = list(model.named_modules())  # walked once, shared by the adapters that accept it
         order = {id(m): i for i, (_, m) in enumerate(named)}
         claimed: set[int] = set()
         self._found = []
@@ -258,7 +259,7 @@ class CaptureSession:
         found = self._found
         claimed = {id(s.module) for s in self.sites}
         may_grow = any(a.dynamic and a.may_find_more(model, claimed) for a in self.adapters)
-        scripted = scripted_modules(model)
+        scripted = scripted_modules(model, self._named)
         if scripted and not self.sites and not may_grow:
             raise UnsupportedModelError(
                 f"{self.model_class} runs TorchScript ({', '.join(map(repr, scripted[:3]))} made with torch.jit.script/trace): "
@@ -305,6 +306,7 @@ class CaptureSession:
         finally:
             self._stack = None
             self._model = None
+            self._named = None
         if len(self.sites) != len(self.capture.info["attention_modules"]):  # sites found while the model ran
             self.capture._info = MappingProxyType(self._info())
         n = len(self.sites)
@@ -479,10 +481,10 @@ def compiled_modules(model: nn.Module) -> list[str]:
             if (wrapper is not None and isinstance(m, wrapper)) or getattr(m, "_compiled_call_impl", None) is not None]
 
 
-def scripted_modules(model: nn.Module) -> list[str]:
+def scripted_modules(model: nn.Module, named: list | None = None) -> list[str]:
     """Names of the outermost TorchScript modules in ``model`` (their code is opaque to hooks and modes)."""
     found: list[str] = []
-    for name, m in model.named_modules():
+    for name, m in model.named_modules() if named is None else named:
         if isinstance(m, torch.jit.ScriptModule) and not any(name.startswith(f + ".") or f == "<root>" for f in found):
             found.append(name or "<root>")
     return found
