@@ -44,7 +44,7 @@ from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
 from .base import Adapter, Site
 from .calls import bind_arguments
-from .masks import MASKED_AT, additive_bias, compress_heads, forbids_future, masked_softmax
+from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
 from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
 
@@ -495,32 +495,21 @@ class _Run:
         scale = call["scale"] if call["scale"] is not None else 1.0 / math.sqrt(E)
         group = H // Hkv
         heads = site.heads
-        cache: dict[str, torch.Tensor] = {}
-        keeps_scores = self.session.wants(site, "scores")
 
-        def scores() -> torch.Tensor:
-            if "scores" not in cache:
-                with torch.no_grad(), torch._C.DisableTorchFunction():
-                    kh = k[:, [h // group for h in heads]]
-                    s = (_pick(q, heads) @ kh.transpose(-2, -1)).mul_(scale)  # a new tensor: scaled in place
-                    if mask is not None and mask.dtype != torch.bool:
-                        # the non-masking part of a float mask (ALiBi), split off when scores or weights are
-                        # kept, for the selected heads only
-                        m = _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
-                        bias = additive_bias(m[:, :1] if m.shape[1] == 1 or m.stride(1) == 0 else _pick(m, heads))
-                        if bias is not None:
-                            s = s + bias
-                cache["scores"] = s
-            return cache["scores"]
+        def scores_of_heads() -> torch.Tensor:
+            kh = k[:, [h // group for h in heads]]
+            s = (_pick(q, heads) @ kh.transpose(-2, -1)).mul_(scale)  # a new tensor: scaled in place
+            if mask is not None and mask.dtype != torch.bool:
+                # the non-masking part of a float mask (ALiBi), split off when scores or weights are kept, for
+                # the selected heads only
+                m = _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
+                bias = additive_bias(m[:, :1] if m.shape[1] == 1 or m.stride(1) == 0 else _pick(m, heads))
+                if bias is not None:
+                    s = s + bias
+            return s
 
-        def weights() -> torch.Tensor:
-            # computed only when kept; the scores are masked in place unless the record keeps them too
-            with torch.no_grad(), torch._C.DisableTorchFunction():
-                a = allowed if allowed.shape[1] == 1 else _pick(allowed, heads)
-                s = scores()
-                if not keeps_scores:
-                    del cache["scores"]  # masked in place below: no record reads these scores
-                return masked_softmax(s, a, in_place=not keeps_scores)
+        recomputed = Recomputed(scores_of_heads, lambda: allowed if allowed.shape[1] == 1 else _pick(allowed, heads),
+                                keep_scores=self.session.wants(site, "scores"))
 
         # sdpa applies dropout_p whatever module.training says: record it as applied, and flag it in eval mode
         dropout = float(call["dropout_p"])
@@ -535,8 +524,8 @@ class _Run:
             q=q,
             k=k,
             v=v,
-            scores=Lazy((B, len(heads), L, S), q.dtype, scores),
-            weights=Lazy((B, len(heads), L, S), q.dtype, weights),
+            scores=Lazy((B, len(heads), L, S), q.dtype, recomputed.scores),
+            weights=Lazy((B, len(heads), L, S), q.dtype, recomputed.weights),
             output=_to4(out) if isinstance(out, torch.Tensor) else None,
             allowed=allowed,
             causal=bool(call["is_causal"]) or (mask is not None and forbids_future(allowed)),

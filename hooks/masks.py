@@ -74,3 +74,30 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, *, in_place: boo
     fill = float("-inf")
     masked = scores.masked_fill_(~allowed, fill) if in_place else scores.masked_fill(~allowed, fill)
     return torch.softmax(masked, dim=-1).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
+
+
+class Recomputed:
+    """Scores and weights an adapter recomputes for a record, each only when first asked for.
+
+    ``compute_scores()`` returns new scores the caller owns, ``allowed()`` the mask for them. When the record
+    keeps no scores (``keep_scores`` False), the weights mask the scores in place and drop them: one (query,
+    key) tensor per selected head less. Runs without autograd and without torch function modes (the capture's
+    own mode must not see its recomputation).
+    """
+
+    def __init__(self, compute_scores, allowed, *, keep_scores: bool) -> None:
+        self._compute, self._allowed, self._keep = compute_scores, allowed, keep_scores
+        self._scores: torch.Tensor | None = None
+
+    def scores(self) -> torch.Tensor:
+        if self._scores is None:
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                self._scores = self._compute()
+        return self._scores
+
+    def weights(self) -> torch.Tensor:
+        s = self.scores()
+        if not self._keep:
+            self._scores = None  # masked in place below: no record reads these scores
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            return masked_softmax(s, self._allowed(), in_place=not self._keep)

@@ -53,7 +53,7 @@ from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeError, AttnprobeWarning
 from .base import Adapter, Site
 from .calls import bind_arguments
-from .masks import MASKED_AT, additive_bias, forbids_future, masked_softmax
+from .masks import MASKED_AT, Recomputed, additive_bias, forbids_future
 from .modes import exit_mode
 from .trace import user_stacklevel
 
@@ -450,17 +450,16 @@ class TorchMHAAdapter(Adapter):
             "output_source": "observed" if per_head_out is not None else "recomputed",
         }
         cache: dict[str, torch.Tensor] = {}
-        keeps_scores = session.wants(site, "scores")
 
-        def scores() -> torch.Tensor:
-            if "scores" not in cache:
-                with torch.no_grad(), torch._C.DisableTorchFunction():
-                    s = (_pick(parts.q, heads) * parts.scaling) @ _pick(parts.k, heads).transpose(-2, -1)
-                    bias = parts.bias_for(heads)
-                    if bias is not None:
-                        s = s + bias
-                cache["scores"] = s
-            return cache["scores"]
+        def scores_of_heads() -> torch.Tensor:
+            s = (_pick(parts.q, heads) * parts.scaling) @ _pick(parts.k, heads).transpose(-2, -1)
+            bias = parts.bias_for(heads)
+            return s if bias is None else s + bias
+
+        recomputed = Recomputed(
+            scores_of_heads, lambda: parts.allowed if parts.allowed.shape[1] == 1 else _pick(parts.allowed, heads),
+            keep_scores=session.wants(site, "scores"),
+        )
 
         def weights() -> torch.Tensor:
             # each derived tensor is computed on first use only, for a field the capture keeps (or the output)
@@ -469,11 +468,7 @@ class TorchMHAAdapter(Adapter):
                     if use_observed:
                         cache["weights"] = _pick(observed.detach().reshape(B, H, L, S), heads)
                     else:
-                        allowed = parts.allowed if parts.allowed.shape[1] == 1 else _pick(parts.allowed, heads)
-                        s = scores()
-                        if not keeps_scores:
-                            del cache["scores"]  # masked in place below: no record reads these scores
-                        cache["weights"] = masked_softmax(s, allowed, in_place=not keeps_scores)
+                        cache["weights"] = recomputed.weights()
                     if dropout == 0.0 and len(heads) == H:  # the weights reproduce the module's output?
                         meta["output_error"] = self._output_error(mod, output(), attn_output, query.dim() == 3)
             return cache["weights"]
@@ -504,7 +499,7 @@ class TorchMHAAdapter(Adapter):
             q=parts.q,
             k=parts.k,
             v=parts.v,
-            scores=lazy(scores, S),
+            scores=lazy(recomputed.scores, S),
             weights=lazy(weights, S),
             output=per_head_out if per_head_out is not None else (lazy(output, d_v) if dropout == 0.0 else None),
             allowed=parts.allowed,
