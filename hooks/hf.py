@@ -31,6 +31,7 @@ from torch import nn
 
 from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from . import hf_compat
 from .base import Adapter, Site
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
 from .hf_math import MaskMemo, Recompute, kv_of_heads
@@ -82,9 +83,7 @@ def class_info(cls: type) -> _ClassInfo:
 
 
 def _sdpa_forward():
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward
+    return hf_compat.sdpa_forward()
 
 
 def _base_function(cls: type, base: str) -> Callable:
@@ -203,19 +202,16 @@ def register() -> None:
     Each private name gets the mask function of the backend it wraps, so masks are built exactly as
     for that backend (a custom function registered without one gets none, as it would without us).
     """
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     with _LOCK:
-        masks = AttentionMaskInterface._global_mapping
+        functions, masks = hf_compat.attention_registry(), hf_compat.mask_registry()
         for private, fn in _FUNCTIONS.items():
-            if AttentionInterface._global_mapping.get(private) is not fn:
-                AttentionInterface.register(private, fn)
+            if functions.get(private) is not fn:
+                hf_compat.register_attention(private, fn)
             mask_fn = masks.get(BASE_OF[private])
             if mask_fn is None:
                 masks.pop(private, None)
             elif masks.get(private) is not mask_fn:
-                AttentionMaskInterface.register(private, mask_fn)
+                hf_compat.register_mask(private, mask_fn)
 
 
 _ACTIVE = 0  # captures that hold the private names registered (see ``hold_registration``)
@@ -225,16 +221,12 @@ _ADDED: set[tuple[str, str]] = set()  # ("attention" or "mask", name) entries th
 def hold_registration(stack: ExitStack) -> None:
     """Register the private names for the length of a capture (``register``); the last capture open removes
     again every entry the registries did not hold before the first one, so their keys are left as found."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     global _ACTIVE
     with _LOCK:
         if _ACTIVE == 0:
             _ADDED.clear()
         # (with captures open, only a private name made meanwhile for a custom function is missing)
-        for kind, mapping in (("attention", AttentionInterface._global_mapping),
-                              ("mask", AttentionMaskInterface._global_mapping)):
+        for kind, mapping in (("attention", hf_compat.attention_registry()), ("mask", hf_compat.mask_registry())):
             _ADDED.update((kind, name) for name in _FUNCTIONS if name not in mapping)
         _ACTIVE += 1
     stack.callback(_release_registration)
@@ -242,15 +234,12 @@ def hold_registration(stack: ExitStack) -> None:
 
 
 def _release_registration() -> None:
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     global _ACTIVE
     with _LOCK:
         _ACTIVE -= 1
         if _ACTIVE:
             return
-        mappings = {"attention": AttentionInterface._global_mapping, "mask": AttentionMaskInterface._global_mapping}
+        mappings = {"attention": hf_compat.attention_registry(), "mask": hf_compat.mask_registry()}
         for kind, name in _ADDED:
             mapping = mappings[kind]
             ours = _FUNCTIONS[name] if kind == "attention" else mappings["mask"].get(BASE_OF[name])
@@ -270,16 +259,14 @@ def mask_style(base: str) -> str:
     """
     if base in ("sdpa", "eager"):
         return base
-    from transformers import masking_utils
-
-    fn = masking_utils.AttentionMaskInterface._global_mapping.get(base)
+    fn = hf_compat.mask_registry().get(base)
     if fn is None:
         return "none"
-    if fn is masking_utils.eager_mask:
+    eager_mask, sdpa_mask, unreadable = hf_compat.mask_functions()
+    if fn is eager_mask:
         return "eager"
-    if fn is masking_utils.sdpa_mask:
+    if fn is sdpa_mask:
         return "sdpa"
-    unreadable = {getattr(masking_utils, n, None) for n in ("flash_attention_mask", "flex_attention_mask")}
     if fn in unreadable:
         raise UnsupportedModelError(
             f"the attention function registered as {base!r} gets its masks from {fn.__name__}, which builds no "
@@ -298,9 +285,7 @@ def _check_mask(mask, base: str, *, batch: int, heads: int, q_len: int, k_len: i
                 and mask.shape[1] in (1, heads) and mask.shape[2] in (1, q_len) and mask.shape[3] >= k_len
                 and (mask.dtype == torch.bool or mask.dtype.is_floating_point))
     if not readable:
-        from transformers.masking_utils import AttentionMaskInterface
-
-        fn = AttentionMaskInterface._global_mapping.get(base)
+        fn = hf_compat.mask_registry().get(base)
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else None
         raise UnsupportedModelError(
             f"the mask function registered for {base!r} ({getattr(fn, '__qualname__', fn)!r}) handed the attention "
@@ -313,8 +298,7 @@ def _check_mask(mask, base: str, *, batch: int, heads: int, q_len: int, k_len: i
 # ------------------------------------------------------------------------------------ configs
 def reachable_configs(model: nn.Module, modules) -> list:
     """Every config object the model's modules read, with all their sub-configs (each once)."""
-    from transformers import PretrainedConfig
-
+    PretrainedConfig = hf_compat.config_class()
     roots = [getattr(m, "config", None) for m in model.modules()] + [getattr(m, "config", None) for m in modules]
     seen: dict[int, object] = {}
     todo = [c for c in roots if isinstance(c, PretrainedConfig)]
@@ -340,9 +324,7 @@ def base_of(config) -> str | None:
         return impl
     if impl in BASE_OF:
         return BASE_OF[impl]  # a capture is already active on this config (nested captures)
-    from transformers.modeling_utils import AttentionInterface
-
-    if impl in AttentionInterface._global_mapping and not any(s in impl for s in _NOT_WRAPPED):
+    if impl in hf_compat.attention_registry() and not any(s in impl for s in _NOT_WRAPPED):
         return impl
     return None
 
@@ -364,7 +346,7 @@ def switch_configs(configs, stack: ExitStack) -> None:
         base = base_of(config)
         impl = getattr(config, "_attn_implementation", None)
         if base is not None and (impl not in BASE_OF or id(config) in _SWITCHED):
-            plan.append((config, getattr(config, "_attn_implementation_internal", impl), private_name(base)))
+            plan.append((config, hf_compat.implementation_internal(config), private_name(base)))
     hold_registration(stack)  # its undo runs after the configs are restored (the stack unwinds in reverse)
     held = []
 
@@ -377,7 +359,7 @@ def switch_configs(configs, stack: ExitStack) -> None:
                 entry[2] -= 1
                 if entry[2] == 0:
                     del _SWITCHED[id(config)]
-                    config._attn_implementation_internal = entry[1]
+                    hf_compat.set_implementation_internal(config, entry[1])
 
     stack.callback(restore)  # registered first: a failure halfway still restores what was switched
     with _LOCK:
@@ -385,7 +367,7 @@ def switch_configs(configs, stack: ExitStack) -> None:
             entry = _SWITCHED.get(id(config))
             if entry is None:
                 _SWITCHED[id(config)] = [config, impl, 1]
-                config._attn_implementation_internal = private
+                hf_compat.set_implementation_internal(config, private)
             else:
                 entry[2] += 1
             held.append(config)
@@ -627,9 +609,9 @@ class HuggingFaceAdapter(Adapter):
     def find_named(self, model: nn.Module, named: list, claimed: set[int]) -> list[Site]:
         if "transformers" not in sys.modules:  # no transformers model can exist yet
             return []
-        from transformers import PreTrainedModel
-
         from .hf_fallback import find_old_style
+
+        PreTrainedModel = hf_compat.pretrained_model_class()
 
         sites, pretrained = [], False
         for name, module in named:

@@ -3,7 +3,8 @@
 A *stack* is the nearest module above an attention module whose forward takes the model inputs
 (``input_ids``, ``inputs_embeds``, ``pixel_values``, ...): ``LlamaModel``, ``BertModel``,
 ``BartDecoder``, ``T5Stack``, ``WhisperEncoder``. Its call carries the 2-D ``attention_mask``
-(which query rows are padding) and the ``past_key_values`` cache (generation steps). One pre-hook
+(which query rows are padding) and the generation cache (``past_key_values`` up to transformers 5.23,
+``cache`` from 5.24: found by its type, see ``hf_compat``), which numbers generation steps. One pre-hook
 per stack that holds a selected attention module reads both; the attention calls read the state.
 """
 
@@ -15,6 +16,8 @@ from functools import lru_cache
 
 import torch
 from torch import nn
+
+from . import hf_compat
 
 INPUT_NAMES = ("input_ids", "inputs_embeds", "input_features", "pixel_values", "input_values", "decoder_input_ids")
 CROSS_NAMES = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
@@ -148,7 +151,8 @@ class StackState:
         self._params = forward_params(type(module))
         self._run_cache = None
         self._run_step = 0
-        self._cache_type = _cache_type()
+        self._cache_type = hf_compat.cache_class()
+        self._name = type(module).__name__
         self.reordered = False  # beam search reordered the cache's batch rows since the previous step
         self._reorder_seen = False
         self._watched: list = []  # (cache, its own reorder_cache attribute or None, the wrapper)
@@ -163,8 +167,8 @@ class StackState:
         mask = argument(self._params, "attention_mask", args, kwargs)
         self.padding = padding_from(mask)
         self.built_mask = self.padding is None and _built_mask(mask)
-        cache = argument(self._params, "past_key_values", args, kwargs)
-        if self._cache_type is not None and isinstance(cache, self._cache_type):
+        cache = hf_compat.find_cache(args, kwargs, self._cache_type)
+        if cache is not None:
             # generate() passes one cache object to every step: a new object starts a new run
             if cache is self._run_cache:
                 self._run_step += 1
@@ -174,9 +178,19 @@ class StackState:
                 self._watch_reorder(cache)
             self.step = self._run_step
             self.reordered, self._reorder_seen = self._reorder_seen, False
-            self.position = _cached_length(cache)
+            self.position = hf_compat.cached_length(cache)
         else:
             self.step, self.position = None, 0
+            unknown = next((v for v in (*kwargs.values(), *args) if hf_compat.looks_like_cache(v)), None)
+            if unknown is not None:
+                hf_compat.warn_unrecognised(
+                    ("cache", type(unknown)),
+                    f"{self._name}.forward received a {type(unknown).__name__}, which attnprobe does not recognise "
+                    "as a generation cache (no transformers.cache_utils.Cache): generation steps are not recorded "
+                    "(records have step=None) and query positions are read from the key and query lengths",
+                    stacklevel=4,
+                )
+                self.position = None  # the queries are the last positions of the keys
 
     def _after(self, module, args, output):
         # a module called on its own later must not see this call's state
@@ -245,27 +259,6 @@ class StackState:
         if p.shape[1] != self.position + q_len:
             return None
         return p[:, self.position:]
-
-
-def _cached_length(cache) -> int | None:
-    """Tokens already in the cache (the position of the next query); None when the cache cannot say.
-
-    Hybrid caches (Mamba + attention) refuse ``get_seq_length()`` on a layer without attention.
-    """
-    for layer in range(max(len(getattr(cache, "layers", ())), 1)):
-        try:
-            return int(cache.get_seq_length(layer))
-        except (ValueError, IndexError, TypeError, AttributeError):
-            continue
-    return None
-
-
-def _cache_type():
-    try:
-        from transformers.cache_utils import Cache
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return None
-    return Cache
 
 
 class Surroundings:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from . import hf_compat
 from .hf_context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
@@ -37,14 +38,11 @@ _PRE_SOFTMAX = frozenset({"ProphetNetAttention", "SqueezeBertSelfAttention"})
 
 def is_old_style_model(module: nn.Module) -> bool:
     """A transformers model whose attention code does not go through the attention interface."""
-    can_set = getattr(type(module), "_can_set_attn_implementation", None)
-    return can_set is not None and _is_pretrained(module) and not can_set()
+    return hf_compat.can_set_implementation(type(module)) is False and _is_pretrained(module)
 
 
 def _is_pretrained(module: nn.Module) -> bool:
-    from transformers import PreTrainedModel
-
-    return isinstance(module, PreTrainedModel)
+    return isinstance(module, hf_compat.pretrained_model_class())
 
 
 def find_old_style(model: nn.Module, taken: set[int], parents: dict,

@@ -14,6 +14,9 @@ import torch
 from .errors import AttnprobeError
 from .record import AttentionRecord
 
+#: how to ask generate for a cache that keeps every key (the keyword changed in transformers 5.24)
+_DYNAMIC_CACHE = "a transformers.DynamicCache() as its cache (cache=... from transformers 5.24, past_key_values=... before)"
+
 
 def _pad_keys(t: torch.Tensor | None, length: int, fill) -> torch.Tensor | None:
     if t is None:
@@ -65,14 +68,14 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
                 f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach only "
                 f"position {r.query_offset + r.query_len}; a static cache (cache_implementation=\"static\", "
                 "StaticCache) pads the keys to its full length, so the steps do not form one matrix; generate with "
-                "past_key_values=transformers.DynamicCache() to stitch them"
+                f"{_DYNAMIC_CACHE} to stitch them"
             )
         if r.kind == "self" and r.key_len is not None and r.key_len != r.query_offset + r.query_len:
             raise AttnprobeError(
                 f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach "
                 f"position {r.query_offset + r.query_len}; a sliding-window or compressed cache drops keys, so "
-                "the steps do not form one matrix; generate with past_key_values=transformers.DynamicCache() (a cache "
-                "that keeps every key) to stitch them"
+                f"the steps do not form one matrix; generate with {_DYNAMIC_CACHE} (a cache that keeps every key) "
+                "to stitch them"
             )
     key_total = total if first.kind == "self" else first.key_len
 

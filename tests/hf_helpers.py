@@ -13,6 +13,8 @@ transformers = __import__("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 VOCAB = 100
+#: the keyword (and output field) of the generation cache: past_key_values up to transformers 5.23, cache from 5.24
+CACHE_ARG = __import__("attnprobe.hooks.hf_compat", fromlist=["x"]).cache_argument_name()
 
 
 def _configs():

@@ -182,7 +182,7 @@ def test_modules_that_always_return_weights_need_no_forcing(recwarn):
 
 
 def test_a_cache_that_cannot_say_its_length():
-    from attnprobe.hooks.hf_context import _cached_length
+    from attnprobe.hooks.hf_compat import cached_length as _cached_length
 
     class Hybrid:  # like a Mamba + attention cache: layer 0 holds no attention
         layers = [object(), object()]

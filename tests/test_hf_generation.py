@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import attnprobe
 from attnprobe import AttnprobeError
-from hf_helpers import build, inputs, real_rows
+from hf_helpers import CACHE_ARG, build, inputs, real_rows
 
 NEW = 4
 
@@ -83,7 +83,7 @@ def test_sliding_window_cache_cannot_be_stitched_and_a_full_cache_can():
     with pytest.raises(AttnprobeError, match="sliding-window"):
         attnprobe.stitch(cap)
     # a cache without sliding layers keeps every key: the steps then stitch
-    seq, cap = _greedy(model, batch, past_key_values=DynamicCache())
+    seq, cap = _greedy(model, batch, **{CACHE_ARG: DynamicCache()})
     full = attnprobe.stitch(cap)
     mask = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)[:, :-1]
     _assert_stitched_equal(full, _one_forward(model, input_ids=seq[:, :-1], attention_mask=mask))
@@ -98,7 +98,7 @@ def test_a_report_of_a_sliding_window_generation_says_how_to_make_it_stitchable(
     _, cap = _greedy(model, inputs("mistral", "right", length=5))
     for make in (lambda: attnprobe.stitch(cap), lambda: reports.to_html(cap),
                  lambda: reports.save_grid(cap, tmp_path / "grid.png")):
-        with pytest.raises(AttnprobeError, match=r"sliding-window.*past_key_values=transformers\.DynamicCache\(\)"):
+        with pytest.raises(AttnprobeError, match=r"sliding-window.*transformers\.DynamicCache\(\) as its cache"):
             make()
     assert not (tmp_path / "grid.png").exists()
 
@@ -107,7 +107,7 @@ def test_plain_forwards_have_no_step():
     model = build("gpt2")
     with torch.no_grad(), attnprobe.capture(model) as cap:
         out = model(**inputs("gpt2", "right"), use_cache=True)
-        model(input_ids=torch.tensor([[5], [6]]), past_key_values=out.past_key_values,
+        model(input_ids=torch.tensor([[5], [6]]), **{CACHE_ARG: getattr(out, CACHE_ARG)},
               attention_mask=torch.ones(2, 8, dtype=torch.long))
     first, second = cap.select(calls=[0]), cap.select(calls=[1])
     assert all(r.step is None and r.query_offset == 0 for r in first)
@@ -149,7 +149,7 @@ def test_beam_search_steps_are_marked_and_stitch_refuses_them(name, assert_no_ho
     with torch.no_grad():
         plain = model.generate(**batch, **options)
     cache = DynamicCache() if name == "llama" else None  # a cache of the caller's own, handed back untouched
-    extra = {} if cache is None else {"past_key_values": cache}
+    extra = {} if cache is None else {CACHE_ARG: cache}
     with torch.no_grad(), attnprobe.capture(model) as cap:
         seq = model.generate(**batch, **options, **extra)
     assert torch.equal(plain, seq)
@@ -163,7 +163,7 @@ def test_beam_search_steps_are_marked_and_stitch_refuses_them(name, assert_no_ho
         cache = DynamicCache()  # also when generate fails inside the capture (the budget runs out at a later step)
         budget = attnprobe.capture(model, max_bytes=cap.nbytes // 2)
         with pytest.raises(attnprobe.CaptureBudgetError), torch.no_grad(), budget:
-            model.generate(**batch, **options, past_key_values=cache)
+            model.generate(**batch, **options, **{CACHE_ARG: cache})
         assert "reorder_cache" not in vars(cache) and cache.get_seq_length() > batch["input_ids"].shape[1]
     assert_no_hooks(model)
 
@@ -193,7 +193,7 @@ def test_a_static_cache_generation_is_refused_by_name():
                                cache_implementation="static")
     assert torch.equal(plain, seq)
     assert all(r.key_len > r.query_offset + r.query_len for r in cap if r.step < NEW - 1)
-    with pytest.raises(AttnprobeError, match=r"static cache .*past_key_values=transformers\.DynamicCache\(\)"):
+    with pytest.raises(AttnprobeError, match=r"static cache .*transformers\.DynamicCache\(\) as its cache"):
         attnprobe.stitch(cap)
     whole = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)
     result = attnprobe.check(cap, causal=True, attention_mask=whole)  # slots are positions: checks still run
