@@ -146,6 +146,10 @@ def record_dtype(dtype: torch.dtype, softmax: torch.dtype | None) -> torch.dtype
 _BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)""")
 _BASE_LITERAL = re.compile(r"""["'](?:sdpa|eager)["']""")
 _HANDLED = 'using_eager = self.config._attn_implementation == "eager"'  # GPT-2's path, see gpt2_eager
+#: transformers 5.0 dispatches with ``if self.config._attn_implementation != "eager": attention_interface =
+#: ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]`` (5.1 and later: ``get_interface``); under a capture
+#: that branch finds attnprobe's private name in the registry, which calls the base backend as before
+_DISPATCH = '_attn_implementation != "eager":'
 
 
 @lru_cache(maxsize=None)
@@ -160,9 +164,12 @@ def _name_branches(module_name: str) -> tuple[str, ...]:
     except (OSError, TypeError):
         return ()
     found = []
-    for line in source.splitlines():
+    lines = source.splitlines()
+    for i, line in enumerate(lines):
         m = _BRANCH.search(line)
         if m and _BASE_LITERAL.search(m.group(1)) and _HANDLED not in line and not line.lstrip().startswith("#"):
+            if _DISPATCH in line and i + 1 < len(lines) and "ALL_ATTENTION_FUNCTIONS[" in lines[i + 1]:
+                continue  # transformers 5.0's dispatch itself (see hf_compat, item 1): our name is looked up there
             found.append(line.strip())
     return tuple(found)
 

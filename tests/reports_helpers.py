@@ -2,7 +2,8 @@
 
 The browser is Debian's Chromium (``/usr/bin/chromium``, or ``$ATTNPROBE_CHROMIUM``) driven by the
 ``playwright`` package; a browser download by the test tool is never used. When it is missing the
-browser tests fail (CI installs it), they do not skip.
+browser tests are reported as skipped with how to get it (never as passed), and they fail instead where
+``ATTNPROBE_REQUIRE_BROWSER=1`` (CI sets it, so CI can never pass without having run them).
 """
 
 from __future__ import annotations
@@ -122,11 +123,14 @@ class Opened:
 
 @pytest.fixture(scope="session")
 def browser():
-    """Debian's Chromium, headless, with a fresh profile. Fails (never skips) when it is missing."""
+    """Debian's Chromium, headless, with a fresh profile. Skipped when it is missing (failed under
+    ``ATTNPROBE_REQUIRE_BROWSER=1``)."""
     if not Path(CHROMIUM).exists():
-        pytest.fail(
+        missing = pytest.fail if os.environ.get("ATTNPROBE_REQUIRE_BROWSER") == "1" else pytest.skip
+        missing(
             f"Chromium not found at {CHROMIUM}: the HTML report is tested in a real browser. Install Debian's "
-            "package (apt-get install chromium) or point ATTNPROBE_CHROMIUM at a Chromium binary"
+            "package (sudo apt-get install chromium; `make test` does it when it can) or point ATTNPROBE_CHROMIUM "
+            "at a Chromium binary"
         )
     try:
         from playwright.sync_api import sync_playwright

@@ -61,6 +61,14 @@ def large_scale(model, gain: float = GAIN, seed: int = 7):
     return model
 
 
+def drops_softcap(model) -> bool:
+    """Gemma2 on sdpa: transformers up to 5.23 let Gemma2 run on sdpa, whose kernel ignores the logit softcapping
+    its eager code applies (5.24: ``_supports_sdpa = False``). At these scores the output then differs from the
+    softcapped weights @ v, and ``output_match`` must say so."""
+    config = model.config
+    return bool(getattr(config, "attn_logit_softcapping", None)) and config._attn_implementation == "sdpa"
+
+
 def padded_on(side: str, batch: dict, masks: dict) -> tuple[dict, dict]:
     """The inputs with every padding mask padded on ``side`` instead (the same new tensor in both dicts)."""
     moved = {id(m): padding_mask(m.shape[-1], side) for m in masks.values()}
@@ -103,7 +111,9 @@ def test_no_false_positive_in_low_precision(name, mode, side):
     result = attnprobe.check(cap, causal=causal, attention_mask=mask or None)
     assert result.verified, result.table()
     model_overflowed = not all(bool(torch.isfinite(t).all()) for t in plain if t.is_floating_point())
-    if model_overflowed:  # the model's own NaN/inf: reported by `finite`, and by nothing else
+    if drops_softcap(model):  # the model's own bug in this release: its kernel computes something else
+        assert not result.ok and {v.check for v in result.errors} == {"output_match"}, result.table()
+    elif model_overflowed:  # the model's own NaN/inf: reported by `finite`, and by nothing else
         assert mode == "fp16" and not result.ok and {v.check for v in result.errors} == {"finite"}, result.table()
     else:
         assert result.ok, result.table()
