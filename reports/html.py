@@ -70,7 +70,7 @@ def finite_or_none(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _number(x) -> float | int | None:
+def page_number(x) -> float | int | None:
     """A summary or comparison value for the page: NaN and infinities kept (``script_json`` encodes them)."""
     if x is None:
         return None
@@ -548,7 +548,7 @@ def to_html(
     panel = check_panel(None if checks is False else checks, data.meta["records"], batch)
     data.meta["flags"] = panel["flags"]
     data.meta["summary"] = {
-        f"{row.layer}-{row.head}": {c: _number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
+        f"{row.layer}-{row.head}": {c: page_number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
         for row in summary.itertuples()
     }
     model = capture.info.get("model_class", "model")
