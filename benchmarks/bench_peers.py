@@ -135,8 +135,8 @@ def build(keys):
             options = {"attnprobe weights": {"keep": ("weights",)}, "attnprobe six": {},
                        "attnprobe idle": {"layers": []}}[key]
 
-            def attnprobe_run(ids, options=options):
-                with attnprobe.capture(sdpa, **options) as cap:
+            def attnprobe_run(ids, options=options, probe=attnprobe):
+                with probe.capture(sdpa, **options) as cap:
                     sdpa(input_ids=ids)
                 return [r.weights for r in cap] or None
 
@@ -202,8 +202,8 @@ def max_differences(runs, shapes) -> dict:
 
 
 def measure(runs, shape: str, grad: bool, rounds: int, warmup: int, seed: int, slow_rounds: int):
-    """key -> {round: seconds}. Every round runs every row once, in a shuffled order; the slow rows (torchlens)
-    only in the first ``slow_rounds`` rounds."""
+    """key -> {round: (wall seconds, CPU seconds of this process)}. Every round runs every row once, in a
+    shuffled order; the slow rows (torchlens) only in the first ``slow_rounds`` rounds."""
     ids = inputs(shape)
     times = {key: {} for key in runs}
     rng = random.Random(seed)
@@ -212,12 +212,12 @@ def measure(runs, shape: str, grad: bool, rounds: int, warmup: int, seed: int, s
             order = [k for k in runs if k not in SLOW or r < slow_rounds]
             rng.shuffle(order)
             for key in order:
-                start = time.perf_counter()
+                cpu, start = time.process_time(), time.perf_counter()
                 result = runs[key](ids)
-                elapsed = time.perf_counter() - start
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
                 del result
                 if r >= 0:
-                    times[key][r] = elapsed
+                    times[key][r] = (elapsed, cpu)
     return times
 
 
@@ -258,7 +258,7 @@ def memory_row(key: str, shapes, grads) -> dict:
 def memory(keys, shapes, grads) -> dict:
     out = {}
     for key in keys:
-        cmd = [sys.executable, os.path.abspath(__file__), "--memory-row", key, "--shapes", *shapes,
+        cmd = [sys.executable, os.path.abspath(sys.argv[0]), "--memory-row", key, "--shapes", *shapes,
                "--grad", {(False,): "off", (True,): "on"}.get(tuple(grads), "both")]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
@@ -313,12 +313,14 @@ def main() -> None:
 
     diffs = max_differences(runs, args.shapes)
     columns = [(shape, grad) for grad in grads for shape in args.shapes]
-    ratios, medians = {}, {}
+    ratios, cpu_ratios, medians = {}, {}, {}
     for i, (shape, grad) in enumerate(columns):
         times = measure(runs, shape, grad, args.rounds, args.warmup, seed=i, slow_rounds=args.slow_rounds)
         for key in keys:
-            medians[key, shape, grad] = statistics.median(times[key].values())
-            ratios[key, shape, grad] = statistics.median(t / times["plain"][r] for r, t in times[key].items())
+            medians[key, shape, grad] = statistics.median(t for t, _ in times[key].values())
+            ratios[key, shape, grad] = statistics.median(t / times["plain"][r][0] for r, (t, _) in times[key].items())
+            cpu_ratios[key, shape, grad] = statistics.median(c / times["plain"][r][1]
+                                                             for r, (_, c) in times[key].items())
     mem = {} if args.no_memory or not os.path.exists("/proc/self/clear_refs") else memory(keys, args.shapes, grads)
 
     def head(c):
@@ -332,6 +334,10 @@ def main() -> None:
         print(f"  {ROWS[key][0]:<{width}} " + " ".join(f"{ratios[key, s, g]:>19.2f}" for s, g in columns))
     print("  plain forward, median ms:" + " " * (width - 24)
           + " ".join(f"{medians['plain', s, g] * 1e3:>19.1f}" for s, g in columns))
+    print("\nthe same with CPU time (this process, all threads) instead of wall time: less moved by other processes "
+          "on a shared machine, more by threads spinning while they wait")
+    for key in keys:
+        print(f"  {ROWS[key][0]:<{width}} " + " ".join(f"{cpu_ratios[key, s, g]:>19.2f}" for s, g in columns))
     if mem:
         print("\npeak resident memory one call adds (MB; fresh process per row):")
         for key in keys:
