@@ -182,7 +182,8 @@ class Recompute:
         if forbidden is None:
             return logits
         fill = torch.finfo(self.q.dtype).min if self.additive else float("-inf")
-        return logits.masked_fill_(forbidden, fill) if in_place else logits.masked_fill(forbidden, fill)
+        # (out of place, where() reads the logits and writes the result in one pass; masked_fill would copy, then fill)
+        return logits.masked_fill_(forbidden, fill) if in_place else torch.where(forbidden, fill, logits)
 
     def scores(self) -> torch.Tensor:
         if self._scores is None:

@@ -72,7 +72,7 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, *, in_place: boo
     saves one (query, key) tensor per selected head, e.g. when a capture keeps the weights but not the scores).
     """
     fill = float("-inf")
-    masked = scores.masked_fill_(~allowed, fill) if in_place else scores.masked_fill(~allowed, fill)
+    masked = scores.masked_fill_(~allowed, fill) if in_place else torch.where(allowed, scores, fill)
     # ``masked`` is ours either way: the softmax is written into it rather than into another (query, key) tensor
     return torch.softmax(masked, dim=-1, out=masked).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
 
