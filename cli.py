@@ -97,6 +97,12 @@ def handle_errors(fn):
     return wrapper
 
 
+modules_option = click.option(
+    "--modules", "modules",
+    help="Hand-written attention to read: module names from named_modules(), e.g. blocks.0.attn,blocks.1.attn, "
+         "or 'auto' to trace every module (slower); as capture(model, modules=...). `attnprobe info` lists candidates.")
+
+
 def model_and_input_options(fn):
     """MODEL, the inputs, the selection, and --quiet/--debug, shared by every command that runs a model."""
     options = [
@@ -107,6 +113,7 @@ def model_and_input_options(fn):
         click.option("--ids", "ids", multiple=True, help="Token ids '101 2023 102' (models without a tokenizer); repeatable."),
         click.option("--layers", help="Attention layers, e.g. 0-3,7; negative ones count from the end: --layers=-2--1 (default: all)."),
         click.option("--heads", help="Heads, e.g. 0,5 (default: all)."),
+        modules_option,
         click.option("--device", help="Device to run on, e.g. cpu or cuda:0 (default: the model's)."),
         click.option("--dtype", help="Run the model in float32, float16, bfloat16 or float64."),
         click.option("--max-bytes", help="Fail early instead of storing more than this, e.g. 500MB."),
@@ -134,11 +141,13 @@ def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress
     )
 
 
-def run_capture(work, layers, heads, max_bytes, progress, keep=None):
+def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=None):
+    import warnings
+
     import attnprobe
 
     from .probe import loading
-    from .probe.errors import AttnprobeError, CaptureBudgetError, SelectionError
+    from .probe.errors import AttnprobeError, CaptureBudgetError, SelectionError, UnsupportedModelError
     from .probe.selection import parse_bytes
 
     options = {
@@ -146,21 +155,60 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
         "heads": loading.parse_int_list(heads, "--heads"),
         "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
         "keep": keep,
+        "modules": loading.parse_modules(modules),
     }
     progress.stage("capturing attention")
     try:
-        _, cap = attnprobe.run(work.model, work.inputs, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, cap = attnprobe.run(work.model, work.inputs, **options)
+        if options["modules"] is None and not cap.info.get("attention_modules"):
+            raise UsageProblem(no_attention_advice(work.model, work.source))  # instead of the Python advice
+        for w in caught:  # the rest as they came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except CaptureBudgetError as exc:  # the library's advice names Python arguments (keep=, dtype=) a CLI user lacks
         what = str(exc).split(". Select", 1)[0]
         raise UsageProblem(f"{what}; select fewer layers (--layers) or heads (--heads), or raise --max-bytes") from None
     except SelectionError as exc:
-        raise UsageProblem(str(exc).replace("attnprobe.attention_modules(model) lists them",
-                                            "`attnprobe info` lists them")) from None
-    except AttnprobeError:
+        raise UsageProblem(cli_selection_message(exc, work.model)) from None
+    except UnsupportedModelError as exc:
+        if not str(exc).startswith("no attention found"):
+            raise
+        raise UsageProblem(no_attention_advice(work.model, work.source)) from None
+    except (AttnprobeError, click.ClickException):
         raise
     except Exception as exc:
         blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
     return cap
+
+
+def cli_selection_message(exc: Exception, model) -> str:
+    """A SelectionError in command-line words; a module name that is not in the model lists the candidates."""
+    from .probe.candidates import softmax_modules
+
+    text = (str(exc).replace("attnprobe.attention_modules(model) lists them", "`attnprobe info` lists them")
+            .replace("modules=:", "--modules:").replace("model.named_modules()", "named_modules()"))
+    if text.startswith("--modules:") and "is not a module" in text:
+        found = [c.name or "<root>" for c in softmax_modules(model)]
+        if found:
+            text += f"; modules whose code calls softmax: {','.join(found[:8])}" + (" ..." if len(found) > 8 else "")
+    return text
+
+
+def no_attention_advice(model, source: str) -> str:
+    """One line for a model with no attention attnprobe reads by itself: the --modules to pass, with candidates."""
+    from .probe.candidates import softmax_modules
+
+    found = softmax_modules(model)
+    head = (f"no attention found in {source} ({type(model).__name__}) that attnprobe reads by itself "
+            "(its own modules, Hugging Face attention, torch.nn.MultiheadAttention, visible sdpa calls)")
+    if not found:
+        return head + "; no module's code calls softmax either: name the modules that compute attention with " \
+                      "--modules NAME[,NAME...], or trace every module with --modules auto"
+    names = ",".join(c.name or "<root>" for c in found[:8])
+    return (head + f"; hand-written softmax attention is read when named: --modules {names}"
+            + (f" (and {len(found) - 8} more: `attnprobe info` lists them)" if len(found) > 8 else "")
+            + " or --modules auto")
 
 
 class ModelFailed(UsageProblem):
@@ -203,31 +251,45 @@ def main() -> None:
 
 @main.command()
 @click.argument("model", required=False)
+@modules_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 @handle_errors
-def info(model, fmt, quiet, debug):
+def info(model, modules, fmt, quiet, debug):
     """List the attention modules of MODEL: layers, heads (query / kv), backend, capture strategy.
+
+    When attnprobe finds no attention it reads by itself, the modules whose code computes a softmax
+    are listed as candidates for --modules (hand-written attention).
 
     \b
     Examples:
       attnprobe info
       attnprobe info ./my-bert
       attnprobe info mypkg.models:tiny_gpt --format json
+      attnprobe info mypkg.models:nanogpt --modules transformer.h.0.attn,transformer.h.1.attn
     """
     import attnprobe
 
+    from .hooks import default_adapters
     from .probe import loading
+    from .probe.candidates import softmax_modules
 
     progress = Progress(2, quiet)
     try:
         progress.stage("loading model")
         net, _, source = loading.load_model(model)
         progress.stage("finding attention")
-        found = attnprobe.attention_modules(net)
+        names = loading.parse_modules(modules)
+        try:
+            found = attnprobe.attention_modules(net, adapters=None if names is None else default_adapters(modules=names))
+        except attnprobe.SelectionError as exc:
+            raise UsageProblem(cli_selection_message(exc, net)) from None
     finally:
         progress.close()
+    read = [m.name for m in found]
+    candidates = [c for c in softmax_modules(net)
+                  if not any(c.name == n or c.name.startswith(n + ".") or not n for n in read)]
     config = getattr(net, "config", None)
     backend = getattr(config, "_attn_implementation", None)
     if fmt == "json":
@@ -236,21 +298,39 @@ def info(model, fmt, quiet, debug):
             "class": type(net).__name__,
             "backend": backend,
             "attention_modules": [m.__dict__ for m in found],
+            "candidates": [c.__dict__ for c in candidates],
+            "traced_at_run_time": names == "auto",
         }, indent=2))
         return
     click.echo(f"model:    {source}")
     click.echo(f"class:    {type(net).__name__}" + (f" (attention implementation: {backend})" if backend else ""))
     click.echo(f"layers:   {len(found)} attention module(s)")
-    if not found:
-        click.echo("no attention module found; direct scaled_dot_product_attention calls or hand-written "
-                   "attention are found only while the model runs")
-        return
-    rows = [("layer", "name", "class", "heads q/kv", "strategy")]
-    for m in found:
-        rows.append((str(m.layer), m.name or "<root>", m.module_class, f"{m.num_heads}/{m.num_kv_heads}", m.strategy))
+    if names == "auto":
+        click.echo("--modules auto: every module is traced while the model runs; hand-written attention is "
+                   "numbered then (check, report and export show it)")
+    if found:
+        rows = [("layer", "name", "class", "heads q/kv", "strategy")]
+        for m in found:
+            heads = "?" if m.num_heads is None else f"{m.num_heads}/{m.num_kv_heads}"  # traced: known once it runs
+            rows.append((str(m.layer), m.name or "<root>", m.module_class, heads, m.strategy))
+        echo_table(rows)
+    if candidates and (not found or names is None):
+        click.echo(("no attention module found that attnprobe reads by itself; " if not found else "also ")
+                   + "these modules compute a softmax in their code (hand-written attention?):")
+        echo_table([("name", "class", "softmax at")] + [(c.name or "<root>", c.module_class, c.where) for c in candidates],
+                   indent="  ")
+        listed = ",".join(c.name or "<root>" for c in candidates)
+        click.echo(f"read them with --modules {listed} (or --modules auto), in check, report, export and info")
+    elif not found and names != "auto":
+        click.echo("no attention module found, and no module's code calls softmax; direct scaled_dot_product_attention "
+                   "calls are found only while the model runs (check, report, export); for attention reached "
+                   "indirectly use --modules auto")
+
+
+def echo_table(rows: list[tuple[str, ...]], indent: str = "") -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        click.echo(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 @main.command()
@@ -260,7 +340,7 @@ def info(model, fmt, quiet, debug):
               help="The tidy frame (one row per layer, head, batch, query, key) or the per-head summary.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @handle_errors
-def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, quiet, debug,
            out, what, overwrite):
     """Capture MODEL on the input and write the tidy frame or the per-head summary.
 
@@ -283,7 +363,7 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
         keep = ["scores", "weights"] if what == "frame" else ["weights"]
-        cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep)
+        cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep, modules=modules)
         progress.stage("building frame")
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tokens, key_tokens = token_labels(work)
@@ -353,7 +433,7 @@ def check_output(target: Path, overwrite: bool) -> None:
               help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
 @handle_errors
-def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, quiet, debug,
            out, fmt, batch, precision, overwrite):
     """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
 
@@ -381,7 +461,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
         n_rows = len(next(iter(work.inputs.values())))
         if not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
-        cap = run_capture(work, layers, heads, max_bytes, progress)
+        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules)
         if len(cap) == 0:
             raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
         tokens, key_tokens = token_labels(work)
@@ -421,7 +501,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
 @click.option("--checks", "check_names", help="Only these checks, e.g. causal,padding (default: all).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @handle_errors
-def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+def check(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, quiet, debug,
           causal, check_names, fmt):
     """Capture MODEL on the input and check attention invariants (for CI).
 
@@ -451,7 +531,7 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
     progress = Progress(4, quiet)
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
-        cap = run_capture(work, layers, heads, max_bytes, progress)
+        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules)
         progress.stage("checking")
         declared_causal, declared_mask = declarations(work, cap, causal)
         with warnings.catch_warnings(record=True) as caught:
