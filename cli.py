@@ -338,10 +338,12 @@ def echo_table(rows: list[tuple[str, ...]], indent: str = "") -> None:
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output file: .parquet or .csv.")
 @click.option("--what", type=click.Choice(["frame", "summary"]), default="frame", show_default=True,
               help="The tidy frame (one row per layer, head, batch, query, key) or the per-head summary.")
+@click.option("--drop-padding", is_flag=True, help="Leave out the rows of padded queries (frame only; the "
+              "query_padding column marks them otherwise).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @handle_errors
 def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, quiet, debug,
-           out, what, overwrite):
+           out, what, drop_padding, overwrite):
     """Capture MODEL on the input and write the tidy frame or the per-head summary.
 
     \b
@@ -352,6 +354,8 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
     """
     from .probe.frames import write_frame
 
+    if drop_padding and what != "frame":
+        raise UsageProblem("--drop-padding applies to --what frame; the summary leaves padded rows out already")
     out_path = Path(out)
     if out.endswith(("/", os.sep)):  # Path() drops the slash: "x.csv/" would become the file x.csv
         raise UsageProblem(f"--out {out!r} ends with a slash (a folder); export writes one file: "
@@ -367,7 +371,10 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
         progress.stage("building frame")
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tokens, key_tokens = token_labels(work)
-        frame = cap.to_frame(tokens=tokens, key_tokens=key_tokens) if what == "frame" else cap.summary()
+        if what == "frame":
+            frame = cap.to_frame(tokens=tokens, key_tokens=key_tokens, drop_padding=drop_padding)
+        else:
+            frame = cap.summary()  # padded rows are never in the summary's means
         written = write_frame(frame, out_path, overwrite=overwrite)
     finally:
         progress.close()

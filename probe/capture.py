@@ -148,11 +148,13 @@ class Capture(Sequence):
         )
 
     # -- frames (pandas is imported only here) ----------------------------------------------
-    def to_frame(self, tokens=None, key_tokens=None):
-        """Tidy long frame: one row per (layer, call, head, batch, query_pos, key_pos). See ``frames.FRAME_SCHEMA``."""
+    def to_frame(self, tokens=None, key_tokens=None, *, drop_padding: bool = False):
+        """Tidy long frame: one row per (layer, call, head, batch, query_pos, key_pos). See ``frames.FRAME_SCHEMA``.
+
+        ``query_padding`` marks padded query rows; ``drop_padding=True`` leaves them out."""
         from .frames import to_frame
 
-        return to_frame(self, tokens=tokens, key_tokens=key_tokens)
+        return to_frame(self, tokens=tokens, key_tokens=key_tokens, drop_padding=drop_padding)
 
     def summary(self):
         """One row per (layer, head): entropy, max weight, mass on first key / diagonal / previous token,
@@ -161,17 +163,19 @@ class Capture(Sequence):
 
         return summary(self)
 
-    def to_parquet(self, path, *, tokens=None, key_tokens=None, overwrite: bool = False):
+    def to_parquet(self, path, *, tokens=None, key_tokens=None, overwrite: bool = False, drop_padding: bool = False):
         """Write ``to_frame()`` to a Parquet file (refuses an existing file unless ``overwrite``)."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="parquet", overwrite=overwrite)
+        frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
+        return write_frame(frame, path, format="parquet", overwrite=overwrite)
 
-    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False):
+    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, drop_padding: bool = False):
         """Write ``to_frame()`` as CSV; returns the text when ``path`` is None."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
+        frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
+        return write_frame(frame, path, format="csv", overwrite=overwrite)
 
     def __repr__(self) -> str:
         model = self._info.get("model_class", "?")

@@ -31,6 +31,7 @@ FRAME_SCHEMA: dict[str, str] = {
     "score": "float32",  # pre-softmax; NaN when scores were not captured
     "weight": "float32",  # post-softmax; NaN when weights were not captured
     "allowed": "boolean",  # True = the query may attend the key; <NA> when the mask is unknown
+    "query_padding": "boolean",  # True = the query row is padding ("don't care"); <NA> when the record does not say
 }
 #: Added by ``to_frame(tokens=...)``.
 TOKEN_SCHEMA: dict[str, str] = {"query_token": "category", "key_token": "category"}
@@ -84,12 +85,16 @@ def _values(t: torch.Tensor | None, n: int) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy().reshape(-1)
 
 
-def to_frame(cap, tokens=None, key_tokens=None):
+def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
     """The tidy frame of ``cap`` (see ``FRAME_SCHEMA``; plus ``TOKEN_SCHEMA`` columns with tokens).
 
     ``tokens`` name the query sequence, ``key_tokens`` the context of cross-attention and of an encoder
-    (see ``attnprobe.probe.tokens``).
+    (see ``attnprobe.probe.tokens``). ``query_padding`` marks the rows of padded queries (their weights
+    mean nothing; ``summary()`` leaves them out); ``drop_padding=True`` leaves them out of the frame too
+    (rows whose padding is unknown, <NA>, stay).
     """
+    if not isinstance(drop_padding, bool):
+        raise TypeError(f"drop_padding must be True or False, got {type(drop_padding).__name__}")
     import pandas as pd
 
     with_tokens = tokens is not None or key_tokens is not None
@@ -97,6 +102,7 @@ def to_frame(cap, tokens=None, key_tokens=None):
     names: dict[str, int] = {}  # module path -> category code, in order of first appearance
     parts: dict[str, list[np.ndarray]] = {c: [] for c in FRAME_SCHEMA}
     parts["allowed_known"] = []
+    parts["padding_known"] = []
     token_parts: dict[str, list[np.ndarray]] = {"query_token": [], "key_token": []}
     left_out = []
     for r in cap:
@@ -123,6 +129,12 @@ def to_frame(cap, tokens=None, key_tokens=None):
             np.zeros(n, dtype=bool) if allowed is None else allowed.expand(B, H, Tq, Tk).cpu().numpy().reshape(-1)
         )
         parts["allowed_known"].append(np.full(n, allowed is not None))
+        padding = r.query_padding
+        parts["query_padding"].append(
+            np.zeros(n, dtype=bool) if padding is None
+            else padding.cpu().bool()[:, None, :, None].expand(B, H, Tq, Tk).numpy().reshape(-1)
+        )
+        parts["padding_known"].append(np.full(n, padding is not None))
         if with_tokens:
             q_rows, k_rows = record_token_rows(r, tokens, key_tokens)
             for col, rows, pos in (("query_token", q_rows, qpos), ("key_token", k_rows, kpos)):
@@ -149,13 +161,17 @@ def to_frame(cap, tokens=None, key_tokens=None):
         "score": cat("score", np.float32),
         "weight": cat("weight", np.float32),
         "allowed": pd.arrays.BooleanArray(cat("allowed", bool), ~known),
+        "query_padding": pd.arrays.BooleanArray(cat("query_padding", bool), ~cat("padding_known", bool)),
     }
     if with_tokens:
         categories = list(vocab.index)
         for col in TOKEN_SCHEMA:
             codes = np.concatenate(token_parts[col]) if token_parts[col] else np.zeros(0, dtype=np.int64)
             data[col] = pd.Categorical.from_codes(codes, categories=categories)
-    return pd.DataFrame(data, copy=False)
+    frame = pd.DataFrame(data, copy=False)
+    if drop_padding:
+        frame = frame[~frame["query_padding"].fillna(False).to_numpy(dtype=bool)].reset_index(drop=True)
+    return frame
 
 
 def summary(cap):
