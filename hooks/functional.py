@@ -30,7 +30,6 @@ import functools
 import inspect
 import math
 import sys
-import warnings
 from contextlib import ExitStack
 from functools import partial
 
@@ -40,13 +39,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..probe.capture import Lazy
-from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
+from ..probe.errors import AttnprobeError, SelectionError, warn_user
 from ..probe.lint import LINT_SAME_KV, lint_violation
 from .base import Adapter, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
-from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
+from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -386,14 +385,11 @@ class _Run:
                 for site in self.named.values():
                     produced = site.calls or any(key[0] == id(site.module) for key in self.traced_sites)
                     if self.ran.get(id(site.module)) and not produced:
-                        warnings.warn(
+                        warn_user(
                             f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no softmax "
                             "attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
                             "F.softmax/torch.softmax/Tensor.softmax/nn.Softmax (direct scaled_dot_product_attention "
-                            "calls are recorded on their own)",
-                            AttnprobeWarning,
-                            stacklevel=user_stacklevel(),
-                        )
+                            "calls are recorded on their own)")
         finally:
             self.model = self.session = self.tracer = None  # the capture must not keep the model alive
             self.named, self.owner_of, self._names = {}, {}, {}
@@ -402,7 +398,7 @@ class _Run:
     def _warn_once(self, key, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, AttnprobeWarning, stacklevel=user_stacklevel())
+            warn_user(message)
 
     # -- direct scaled_dot_product_attention calls --------------------------------------------
     def _on_sdpa(self, args, kwargs, out) -> None:

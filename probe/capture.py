@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 import sys
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
@@ -14,7 +13,7 @@ from typing import Any, Callable, overload
 import torch
 from torch import nn
 
-from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
+from .errors import NotCapturedError, SelectionError, UnsupportedModelError, warn_user
 from .record import TENSOR_FIELDS, AttentionRecord
 from .selection import Selection, Store, _int_list, index_heads, kv_heads_for
 
@@ -49,6 +48,10 @@ class Capture(Sequence):
 
     def __init__(self, records: Iterable[AttentionRecord] = (), info: Mapping[str, Any] | None = None) -> None:
         self._records: list[AttentionRecord] = list(records)
+        stray = next(((i, r) for i, r in enumerate(self._records) if not isinstance(r, AttentionRecord)), None)
+        if stray is not None:
+            raise TypeError(f"Capture() takes AttentionRecords (e.g. records of another capture), got "
+                            f"{type(stray[1]).__name__} at position {stray[0]}")
         self._info = MappingProxyType(dict(info or {}))
 
     def __reduce__(self):
@@ -142,7 +145,7 @@ class Capture(Sequence):
         for r in self._records:
             if r.layer == layer and r.call == call:
                 return r
-        raise KeyError(
+        raise NotCapturedError(
             f"no record for layer {layer}, call {call}; captured layers: {list(self.layers)}"
             + (f", calls of that layer: {[r.call for r in self._records if r.layer == layer]}" if any(r.layer == layer for r in self._records) else "")
         )
@@ -271,12 +274,9 @@ class CaptureSession:
                 "attention. Capture the Python module before scripting it (outputs are the same)"
             )
         if scripted:
-            warnings.warn(
+            warn_user(
                 f"{', '.join(map(repr, scripted[:3]))} in {self.model_class} run TorchScript (torch.jit.script/trace): attention "
-                "inside them cannot be seen and is not recorded; capture the Python modules before scripting",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "inside them cannot be seen and is not recorded; capture the Python modules before scripting")
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
                 f"no attention found in {self.model_class}. attnprobe reads its own MultiHeadAttention, Hugging Face "
@@ -325,33 +325,24 @@ class CaptureSession:
             silent = [s.name or "<root>" for s in self.sites[: self.static_sites] if s.selected and not s.calls]
             if not len(self.capture) or silent:
                 what = "nothing was recorded" if not len(self.capture) else f"no call of {silent[:5]} was recorded"
-                warnings.warn(
+                warn_user(
                     f"{self.model_class} is compiled with torch.compile ({', '.join(self._compiled[:3])}) and {what}: "
                     "compiled code may run without attnprobe's hooks and function mode (its outputs are not "
                     "changed). Capture and call the module before compilation (`compiled._orig_mod`, or the "
-                    "module before `.compile()`)",
-                    AttnprobeWarning,
-                    stacklevel=3,
-                )
+                    "module before `.compile()`)")
                 return
         if exc_type is None and not self.selection.idle and not self.sites:
-            warnings.warn(
+            warn_user(
                 f"no attention found in {self.model_class} while the capture was open (was the model called inside "
                 "the `with` block?). attnprobe reads its own MultiHeadAttention, Hugging Face attention modules, "
                 "torch.nn.MultiheadAttention and F.scaled_dot_product_attention calls it can see in the model's code; "
                 "a call reached indirectly (a function kept in a dict or an attribute) needs capture(model, "
                 "modules='auto'), and hand-written softmax attention is read when you ask for it: "
-                "capture(model, modules=[...]) or modules='auto'",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "capture(model, modules=[...]) or modules='auto'")
         elif exc_type is None and not self.selection.idle and len(self.capture) == 0 and any(s.selected for s in self.sites):
-            warnings.warn(
+            warn_user(
                 f"the capture of {self.model_class} saw no attention call: the model was not called inside "
-                "the `with` block, or the selected layers never ran",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "the `with` block, or the selected layers never ran")
 
     def _info(self) -> dict[str, Any]:
         sel = self.selection

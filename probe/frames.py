@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .errors import AttnprobeError, AttnprobeWarning
+from .errors import AttnprobeError, warn_user
 from .sinks import sink_mass
 from .tokens import record_token_rows
 
@@ -72,11 +71,8 @@ def _warn_left_out(records: list, what: str, needs: str, fix: str) -> None:
         return
     shown = ", ".join(f"layer {r.layer} call {r.call} ({r.name!r})" for r in records[:5])
     more = f" and {len(records) - 5} more" if len(records) > 5 else ""
-    warnings.warn(
-        f"{what} left out {len(records)} record(s) without {needs}: {shown}{more}; {fix}",
-        AttnprobeWarning,
-        stacklevel=4,
-    )
+    warn_user(
+        f"{what} left out {len(records)} record(s) without {needs}: {shown}{more}; {fix}")
 
 
 def _values(t: torch.Tensor | None, n: int) -> np.ndarray:
@@ -265,6 +261,8 @@ def write_frame(frame, path, *, format: str | None = None, overwrite: bool = Fal
         if format not in (None, "csv"):
             raise AttnprobeError("only CSV can be returned as text; give a path to write Parquet")
         return frame.to_csv(index=False)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path (str or os.PathLike), or None for CSV text, got {type(path).__name__}")
     path = Path(os.fspath(path))
     fmt = format or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
     if fmt not in ("parquet", "csv"):

@@ -22,6 +22,8 @@ from ._common import (
     head_view,
     output_path,
     record_labels,
+    require_record,
+    require_records,
     resolve_head,
 )
 
@@ -149,6 +151,7 @@ def heatmap(
         >>> attnprobe.reports.heatmap(cap[0], head=1, ax=ax, tokens=list("abcde")) is ax
         True
     """
+    record = require_record(record, "heatmap")
     _check_value(value)
     head = resolve_head(record, head)
     view = head_view(record, head, batch)
@@ -180,7 +183,7 @@ def heatmap(
 
 
 def _grid_records(capture) -> list[AttentionRecord]:
-    records = list(capture)
+    records = require_records(capture, "head_grid")
     if any(r.step is not None for r in records):  # a generation: one stitched matrix per module, as in the HTML
         from ..probe.generation import shown
 
@@ -270,7 +273,8 @@ def _summary_frame(data):
         return data
     summary = getattr(data, "summary", None)
     if summary is None:
-        raise TypeError(f"expected a Capture or the frame of Capture.summary(), got {type(data).__name__}")
+        hint = " (a record: pass the Capture it came from)" if isinstance(data, AttentionRecord) else ""
+        raise TypeError(f"expected a Capture or the frame of Capture.summary(), got {type(data).__name__}{hint}")
     return summary()
 
 
@@ -363,6 +367,7 @@ def save_heatmap(record: AttentionRecord, path, head: int | None = None, *, figs
     """
     from matplotlib.figure import Figure
 
+    record = require_record(record, "save_heatmap")
     image_path(path, overwrite=overwrite)  # fail before drawing
     fig = Figure(figsize=figsize, layout="constrained")
     heatmap(record, head, ax=fig.add_subplot(), **options)
@@ -373,6 +378,7 @@ def save_grid(capture, path, *, figsize=None, dpi: float = 100, overwrite: bool 
     """Write ``head_grid(capture, **options)`` to ``path``; returns the path."""
     from matplotlib.figure import Figure
 
+    require_records(capture, "save_grid")
     image_path(path, overwrite=overwrite)
     fig = None if figsize is None else Figure(figsize=figsize, layout="constrained")
     fig = head_grid(capture, fig=fig, **options)
