@@ -381,6 +381,15 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
     click.echo(f"wrote {written} ({len(frame):,} rows, {what})")
 
 
+def report_format(out: str | None, fmt: str | None) -> str:
+    """--format, or when it is not given the one --out names: .png -> png, anything else -> html."""
+    if fmt is not None:
+        return fmt
+    if out is not None and not out.endswith(("/", os.sep)) and Path(out).suffix.lower() == ".png":
+        return "png"
+    return "html"
+
+
 def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path]:
     """Where ``report`` writes: {"html": file, "grid": file, "summary": file, "heads": folder}, checked up front."""
     if out is None:
@@ -395,7 +404,8 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
         targets = {"html": path}
     elif suffix == ".png":
         if fmt != "png":
-            raise UsageProblem(f"--out {out!r} is a PNG file: use --format png, or give a folder")
+            raise UsageProblem(f"--out {out!r} is a PNG file but --format {fmt} asks for HTML: leave --format out, "
+                               "or give a folder")
         targets = {"grid": path}
     elif suffix:
         raise UsageProblem(f"--out {out!r}: give a .html file, a .png file or a folder")
@@ -434,7 +444,9 @@ def check_output(target: Path, overwrite: bool) -> None:
 @main.command()
 @model_and_input_options
 @click.option("--out", help="An .html file, a .png file, or a folder (default: attnprobe-report.html).")
-@click.option("--format", "fmt", type=click.Choice(["html", "png", "all"]), default="html", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["html", "png", "all"]),
+              help="What to write (default: what --out names: NAME.png a PNG grid, NAME.html or a folder the HTML "
+                   "report; all = HTML and PNGs into a folder).")
 @click.option("--batch", type=int, default=0, show_default=True, help="Batch row to show.")
 @click.option("--precision", type=click.Choice(["exact", "bfloat16"]), default="exact", show_default=True,
               help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
@@ -450,7 +462,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
       attnprobe report --text "The cat sat." --text "Hi" --out cats.html
       attnprobe report ./my-gpt2 --layers 0-3 --heads 0,5 --format all --out gpt2-report
       attnprobe report ./my-t5 --text "translate: hi" --decoder-text "<pad> hallo"
-      attnprobe report mypkg.models:tiny --ids "1 5 9 2" --format png --out heads.png
+      attnprobe report mypkg.models:tiny --ids "1 5 9 2" --out heads.png   # the format from the suffix
     """
     import warnings
 
@@ -458,6 +470,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
 
     from . import reports
 
+    fmt = report_format(out, fmt)
     if precision != "exact" and fmt == "png":
         raise UsageProblem("--precision sets how values are stored in the HTML report; --format png writes no HTML "
                            "(use --format all, or leave --precision out)")
@@ -490,7 +503,8 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
                                            precision=precision, overwrite=overwrite,
                                            title=f"attnprobe report: {work.source}"))
         if "grid" in targets:
-            written.append(reports.save_grid(cap, targets["grid"], batch=batch, overwrite=overwrite))
+            written.append(reports.save_grid(cap, targets["grid"], batch=batch, overwrite=overwrite, tokens=tokens,
+                                             key_tokens=key_tokens))
         if "summary" in targets:
             written.append(reports.save_summary(cap, targets["summary"], overwrite=overwrite))
     finally:
