@@ -447,7 +447,8 @@ def check_output(target: Path, overwrite: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["html", "png", "all"]),
               help="What to write (default: what --out names: NAME.png a PNG grid, NAME.html or a folder the HTML "
                    "report; all = HTML and PNGs into a folder).")
-@click.option("--batch", type=int, default=0, show_default=True, help="Batch row to show.")
+@click.option("--batch", type=int, help="The one batch row to show (default: every row in the HTML, up to 8, with a "
+              "selector; row 0 in the PNG grid).")
 @click.option("--precision", type=click.Choice(["exact", "bfloat16"]), default="exact", show_default=True,
               help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
@@ -479,7 +480,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
         n_rows = len(next(iter(work.inputs.values())))
-        if not 0 <= batch < n_rows:
+        if batch is not None and not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
         cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules)
         if len(cap) == 0:
@@ -503,7 +504,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
                                            precision=precision, overwrite=overwrite,
                                            title=f"attnprobe report: {work.source}"))
         if "grid" in targets:
-            written.append(reports.save_grid(cap, targets["grid"], batch=batch, overwrite=overwrite, tokens=tokens,
+            written.append(reports.save_grid(cap, targets["grid"], batch=batch or 0, overwrite=overwrite, tokens=tokens,
                                              key_tokens=key_tokens))
         if "summary" in targets:
             written.append(reports.save_summary(cap, targets["summary"], overwrite=overwrite))
