@@ -571,6 +571,7 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, modules, d
             "checks": list(result.checks),
             "violations": [_violation_json(v) for v in result.violations],
             "skipped": list(result.skipped),
+            "declarations": list(result.declarations),
             "warnings": notes,
         }, indent=2))
     else:

@@ -15,6 +15,7 @@ from torch import nn
 
 from .errors import NotCapturedError, SelectionError, UnsupportedModelError, warn_user
 from .interface import Adapter, Lazy, Site
+from .intent import Intent, module_intent
 from .record import TENSOR_FIELDS, AttentionRecord
 from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
@@ -218,6 +219,7 @@ class CaptureSession:
         self.capture = Capture()
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
+        self._intents: dict[int, Intent | None] = {}  # id(site) -> what its module declares, read once
         self._stack: ExitStack | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -362,6 +364,12 @@ class CaptureSession:
         self.sites.append(site)
         self.select_site(site)
 
+    def intent_of(self, site) -> Intent | None:
+        """What ``site``'s module declares about causality (``probe.intent``), read once per site."""
+        if id(site) not in self._intents:
+            self._intents[id(site)] = None if site.module is None else module_intent(site.module)
+        return self._intents[id(site)]
+
     # -- recording -------------------------------------------------------------------------
     def wants(self, site, field: str | None = None) -> bool:
         """Whether ``site`` is selected (and, with ``field``, whether that tensor is kept)."""
@@ -439,6 +447,9 @@ class CaptureSession:
                 else:
                     stored[f] = self.store.put(t, index, axis)
 
+        intent = self.intent_of(site)
+        if intent is not None and intent.causal:  # what the module's own code declares (probe/intent.py)
+            values["meta"] = {**values.get("meta", {}), "declared_causal": intent.source}
         record = AttentionRecord(
             name=site.name,
             layer=site.layer,

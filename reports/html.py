@@ -26,7 +26,7 @@ from .. import __version__
 from ..probe.capture import Capture
 from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
-from ..probe.violations import CheckResult, Violation
+from ..probe.violations import CheckResult, Violation, cause_groups
 from . import encoding
 from ..probe.tokens import token_rows
 from ._common import check_batch, display_token, head_view, output_path, record_labels
@@ -361,7 +361,8 @@ def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int
         by_layer.setdefault(m["layer"], m)
     rows: list[CheckRow] = []
     flags: dict[str, dict[str, Any]] = {}
-    for v in checks.violations:
+    groups, rest = cause_groups(checks.violations)  # each cause, then the failures it explains
+    for v in [v for cause, explained in groups for v in (cause, *explained)] + rest:
         m = None if v.layer is None else (by_call.get((v.layer, v.call)) or by_layer.get(v.layer))
         target = None
         if m is not None:

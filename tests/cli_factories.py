@@ -102,3 +102,25 @@ def nanogpt():
 def nanogpt_masks_the_past():
     torch.manual_seed(0)
     return NanoGPT(bug="mask_eq_1")
+
+
+class SoftmaxAxisGPT(nn.Module):
+    """Token ids in, one layer of single-head hand-written attention whose softmax runs over the query axis."""
+
+    def __init__(self, vocab: int = 50):
+        super().__init__()
+        from torch_helpers import HeadList
+
+        self.emb = nn.Embedding(vocab, 16)
+        self.h = nn.ModuleList([HeadList(bug="softmax_axis")])
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for block in self.h:
+            x = x + block(x)
+        return x
+
+
+def softmax_axis_gpt():
+    torch.manual_seed(0)
+    return SoftmaxAxisGPT().eval()

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import warn_user
+from ..lint import attribute_causes
 from ..record import AttentionRecord
 from ..violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
 from . import builtin as _builtin  # noqa: F401  (registers the built-in checks)
@@ -151,11 +152,13 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     violations = sorted(run.violations() + run.lint,
                         key=lambda v: (v.layer if v.layer is not None else -1, v.call, _order(v.check)))
     return CheckResult(
-        violations=tuple(violations),
+        violations=tuple(attribute_causes(violations)),  # a lint that explains failures first, they under it
         checks=run.selected + tuple(run.lint_seen),
         records=len(records),
         skipped=skipped,
         coverage=coverage,
+        declarations=tuple(f"{what} in layer(s) " + ", ".join(f"{layer} ({name})" for layer, name in sorted(where.items()))
+                           for what, where in run.declarations.items()),
     )
 
 
