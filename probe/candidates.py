@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .intent import library_code
+
 _SOFTMAX = re.compile(r"\bsoftmax\s*\(|\.softmax\b|nn\.Softmax\b")
 _CALLED = re.compile(r"(?<![.\w])([A-Za-z_]\w*)\s*\(")
 
@@ -37,11 +39,6 @@ class Candidate:
     name: str  # from named_modules(); "" is the model itself
     module_class: str
     where: str  # "file.py:LINE" of the first softmax in that code
-
-
-def _library_code(obj) -> bool:
-    module = getattr(obj, "__module__", "") or ""
-    return module.split(".")[0] in ("torch", "attnprobe", "transformers")
 
 
 def _softmax_line(fn) -> str | None:
@@ -69,7 +66,7 @@ def _forward_softmax(forward) -> str | None:
     namespace = getattr(forward, "__globals__", {})
     for called in dict.fromkeys(_CALLED.findall(source)):  # functions called by bare name, in order
         fn = namespace.get(called)
-        if isinstance(fn, types.FunctionType) and not _library_code(fn):
+        if isinstance(fn, types.FunctionType) and not library_code(fn):
             found = _softmax_line(fn)
             if found is not None:
                 return found
@@ -88,7 +85,7 @@ def softmax_modules(model: nn.Module, *, exclude=()) -> list[Candidate]:
     out = []
     for name, module in model.named_modules():
         cls = type(module)
-        if id(module) in skip or _library_code(cls):
+        if id(module) in skip or library_code(cls):
             continue
         if cls not in memo:
             forward = getattr(cls, "forward", None)

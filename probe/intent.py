@@ -59,8 +59,9 @@ class Intent:
     mask_buffers: tuple[MaskBuffer, ...] = ()
 
 
-def _library_class(cls: type) -> bool:
-    return (getattr(cls, "__module__", "") or "").split(".")[0] in ("torch", "transformers", "attnprobe")
+def library_code(obj) -> bool:
+    """Whether a class or function comes from torch, transformers or attnprobe (not the user's code)."""
+    return (getattr(obj, "__module__", "") or "").split(".")[0] in ("torch", "transformers", "attnprobe")
 
 
 def _triangular(t: torch.Tensor) -> str | None:
@@ -93,7 +94,7 @@ def _register_line(cls: type, name: str) -> str:
     """'file.py:LINE' where a class of ``cls``'s hierarchy registers buffer ``name``."""
     pattern = re.compile(r"register_buffer\(\s*[\"']" + re.escape(name) + r"[\"']")
     for klass in cls.__mro__:
-        if _library_class(klass) or klass is object:
+        if library_code(klass) or klass is object:
             continue
         try:
             lines, start = inspect.getsourcelines(klass)
@@ -108,7 +109,7 @@ def _register_line(cls: type, name: str) -> str:
 
 def mask_buffers(module: nn.Module) -> tuple[MaskBuffer, ...]:
     """The module's own registered buffers that hold a causal mask (user classes only)."""
-    if _library_class(type(module)):
+    if library_code(type(module)):
         return ()
     found = []
     for name, buffer in module.named_buffers(recurse=False):
@@ -125,7 +126,7 @@ def module_intent(module: nn.Module) -> Intent | None:
     triangular buffer for when ``self.causal`` is set says it is bidirectional when ``causal = False``.
     """
     cls = type(module)
-    if _library_class(cls):
+    if library_code(cls):
         return None
     buffers = mask_buffers(module)
     for attribute in CAUSAL_ATTRIBUTES:

@@ -6,29 +6,11 @@ import json
 
 import pandas as pd
 import pytest
-from click.testing import CliRunner
 
-from attnprobe.cli import main
 from attnprobe.probe.candidates import softmax_modules
+from test_cli import cli, one_line_error  # noqa: F401  (the fixture)
 
 NANO = "cli_factories:nanogpt"
-
-
-@pytest.fixture
-def cli(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-
-    def invoke(*args):
-        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-    return invoke
-
-
-def one_line_error(result, code: int = 2) -> str:
-    assert result.exit_code == code, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 def test_info_lists_softmax_modules_as_candidates(cli):
