@@ -6,8 +6,9 @@ registers a lower-triangular ``bias`` buffer, many modules keep ``self.causal = 
 can hold the record to them and say where the declaration came from, and so that a triangular mask
 buffer the forward never reads can be reported (``lint_unread_mask_buffer``).
 
-Only the user's own module classes are read: torch's, transformers' and attnprobe's modules say per call
-whether they are causal, and their adapters record that (``record.causal``).
+Only the user's own module classes are read (derived from ``nn.Module`` alone): torch's, transformers' and
+attnprobe's modules, and their subclasses, say per call whether they are causal, and their adapters record
+that (``record.causal``).
 
 Example::
 
@@ -64,6 +65,12 @@ def library_code(obj) -> bool:
     return (getattr(obj, "__module__", "") or "").split(".")[0] in ("torch", "transformers", "attnprobe")
 
 
+def _user_class(cls: type) -> bool:
+    """A class of the user's own, derived from nothing of a library but ``nn.Module``: a subclass of attnprobe's,
+    transformers' or torch's attention says per call whether it is causal, and its adapter records that."""
+    return not any(library_code(k) for k in cls.__mro__ if k not in (nn.Module, object))
+
+
 def _triangular(t: torch.Tensor) -> str | None:
     """A description when ``t`` (last two axes square, leading axes of size 1) is a causal mask: lower-triangular
     ones (True = may attend), an upper-triangular True (True = masked) or 0 on and below the diagonal with a
@@ -109,7 +116,7 @@ def _register_line(cls: type, name: str) -> str:
 
 def mask_buffers(module: nn.Module) -> tuple[MaskBuffer, ...]:
     """The module's own registered buffers that hold a causal mask (user classes only)."""
-    if library_code(type(module)):
+    if not _user_class(type(module)):
         return ()
     found = []
     for name, buffer in module.named_buffers(recurse=False):
@@ -126,7 +133,7 @@ def module_intent(module: nn.Module) -> Intent | None:
     triangular buffer for when ``self.causal`` is set says it is bidirectional when ``causal = False``.
     """
     cls = type(module)
-    if library_code(cls):
+    if not _user_class(cls):
         return None
     buffers = mask_buffers(module)
     for attribute in CAUSAL_ATTRIBUTES:

@@ -175,6 +175,9 @@ def test_is_causal_attribute_declares_and_false_overrides_the_buffer():
 def test_library_modules_declare_nothing_here():
     assert module_intent(attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)) is None  # its record says
     assert module_intent(nn.MultiheadAttention(8, 2)) is None
+    from checks_helpers import BuggyAttention
+
+    assert module_intent(BuggyAttention(8, num_heads=2, causal=True)) is None  # a subclass: its calls say
     own = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
     with attnprobe.capture(own) as cap:
         own(torch.randn(1, 4, 8))
