@@ -259,9 +259,12 @@ def info(model, fmt, quiet, debug):
 @click.option("--what", type=click.Choice(["frame", "summary"]), default="frame", show_default=True,
               help="The tidy frame (one row per layer, head, batch, query, key) or the per-head summary.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--raw-csv", is_flag=True,
+              help="Write text cells as they are. By default a CSV text cell starting with =, +, -, @, tab or CR "
+                   "gets a leading ' so that a spreadsheet shows it instead of evaluating it.")
 @handle_errors
 def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
-           out, what, overwrite):
+           out, what, overwrite, raw_csv):
     """Capture MODEL on the input and write the tidy frame or the per-head summary.
 
     \b
@@ -278,6 +281,8 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
                            "name it .parquet or .csv, e.g. --out attention.parquet")
     if out_path.suffix.lower() not in (".parquet", ".pq", ".csv"):
         raise UsageProblem(f"--out {out!r}: name the file .parquet or .csv")
+    if raw_csv and out_path.suffix.lower() != ".csv":
+        raise UsageProblem("--raw-csv applies to .csv output; Parquet always stores the text exactly")
     check_output(out_path, overwrite)
     progress = Progress(4, quiet)
     try:
@@ -288,7 +293,7 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tokens, key_tokens = token_labels(work)
         frame = cap.to_frame(tokens=tokens, key_tokens=key_tokens) if what == "frame" else cap.summary()
-        written = write_frame(frame, out_path, overwrite=overwrite)
+        written = write_frame(frame, out_path, overwrite=overwrite, formula_safe=not raw_csv)
     finally:
         progress.close()
     click.echo(f"wrote {written} ({len(frame):,} rows, {what})")
@@ -327,19 +332,26 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
 
 
 def check_output(target: Path, overwrite: bool) -> None:
-    """Refuse an existing file (unless --overwrite) or a folder we cannot write, before any work."""
-    if target.is_dir():
-        raise UsageProblem(f"{target} is a folder; give a file name")
-    if target.exists() and not overwrite:
-        raise UsageProblem(f"{target} already exists; pass --overwrite to replace it")
+    """Refuse an existing path (a symlink too, unless --overwrite), a device, a name too long, or a folder we
+    cannot write, before any work."""
+    from .probe.files import OutputError, check_file_name, target_path
+
     folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent  # the folders below will be created
-    if not folder.is_dir():
-        raise UsageProblem(f"cannot write {target}: {folder} is not a folder")
-    try:  # os.access says yes to root everywhere; creating a file is the real test
-        with tempfile.TemporaryFile(dir=folder):
+    try:
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent  # the folders below will be created
+        if not folder.is_dir():
+            raise UsageProblem(f"cannot write {target}: {folder} is not a folder")
+        if folder == target.parent:
+            target_path(target, overwrite=overwrite)
+        else:  # nothing exists below `folder` yet: only the name can be wrong
+            check_file_name(target)
+        with tempfile.TemporaryFile(dir=folder):  # os.access says yes to root everywhere: really create one
             pass
+    except FileExistsError as exc:
+        raise UsageProblem(str(exc).replace("overwrite=True (--overwrite)", "--overwrite")) from None
+    except (IsADirectoryError, FileNotFoundError, OutputError) as exc:
+        raise UsageProblem(str(exc)) from None
     except OSError as exc:
         raise UsageProblem(f"cannot write into {folder}: {exc.strerror or exc}") from None
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..probe.errors import AttnprobeError
+from ..probe.files import target_path
 from ..probe.record import AttentionRecord
 from ..probe.tokens import record_token_rows
 
@@ -130,12 +131,9 @@ def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> La
 
 # --------------------------------------------------------------------------------------- files
 def output_path(path, *, overwrite: bool) -> Path:
-    """``path`` as a Path, refusing an existing file (unless ``overwrite``) and a missing folder."""
+    """``path`` as a Path, refusing a folder, an existing path (a symlink too) unless ``overwrite``, and a
+    missing folder (see ``attnprobe.probe.files``, which every writer here writes through)."""
     p = Path(os.fspath(path))
-    if p.is_dir():
+    if p.is_dir() and not p.is_symlink():
         raise IsADirectoryError(f"{p} is a folder; give a file name such as {p / 'report.html'}")
-    if p.exists() and not overwrite:
-        raise FileExistsError(f"{p} already exists; pass overwrite=True to replace it")
-    if not p.parent.exists():
-        raise FileNotFoundError(f"folder {p.parent} does not exist; create it first")
-    return p
+    return target_path(p, overwrite=overwrite)
