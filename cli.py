@@ -1,11 +1,13 @@
 """The ``attnprobe`` command: a thin click layer over the Python API.
 
 Exit codes: 0 success; 1 invariant violations (``attnprobe check``); 2 bad usage or input;
-3 an unexpected internal error (a bug: please report it with ``--debug`` output).
+3 an unexpected internal error (a bug: please report it with ``--debug`` output); 130 interrupted
+(Ctrl-C: files being written are left as they were).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -57,6 +59,11 @@ class Progress:
             self.bar.close()
 
 
+#: OS errors that are about the place the user chose (full disk, no permission, name too long): exit 2.
+USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+                  errno.ENAMETOOLONG}
+
+
 def handle_errors(fn):
     """Known input problems -> one line and exit 2; anything else -> exit 3; --debug shows tracebacks."""
 
@@ -88,6 +95,9 @@ def handle_errors(fn):
                      NotADirectoryError, ValueError, TypeError)
             if isinstance(exc, known):
                 raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+            if isinstance(exc, OSError) and exc.errno in USER_OS_ERRORS:  # the place, not attnprobe
+                where = f" {exc.filename}" if exc.filename else ""
+                raise UsageProblem(f"cannot use{where}: {exc.strerror or exc}") from None
             click.echo(
                 f"attnprobe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
                 err=True,
@@ -187,7 +197,19 @@ class CaptureFailed(Exception):
     """The forward failed under capture and runs without it: attnprobe's fault (exit 3); ``__cause__``."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class Commands(click.Group):
+    """The command group: Ctrl-C anywhere in a command exits 130 (click would say "Aborted!" and exit 1,
+    the code of "violations found")."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("attnprobe: interrupted; files being written were left as they were", err=True)
+            raise click.exceptions.Exit(130) from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="attnprobe")
 def main() -> None:
     """Capture, check and report attention in PyTorch and Hugging Face models.
@@ -275,7 +297,7 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     """
     from .probe.frames import write_frame
 
-    out_path = Path(out)
+    out_path = checked_name(out)
     if out.endswith(("/", os.sep)):  # Path() drops the slash: "x.csv/" would become the file x.csv
         raise UsageProblem(f"--out {out!r} ends with a slash (a folder); export writes one file: "
                            "name it .parquet or .csv, e.g. --out attention.parquet")
@@ -305,7 +327,7 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
         out = "attnprobe-report.html" if fmt == "html" else "attnprobe-report"
     if not out.strip():
         raise UsageProblem("--out is empty: give a .html file, a .png file or a folder")
-    path = Path(out)
+    path = checked_name(out)
     suffix = "" if out.endswith(("/", os.sep)) else path.suffix.lower()  # "x.html/" asks for a folder
     if suffix == ".html":
         if fmt not in ("html",):
@@ -331,6 +353,16 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
     return targets
 
 
+def checked_name(out: str) -> Path:
+    """--out as a Path, refused in one line when a name in it is longer than file systems allow."""
+    from .probe.files import OutputError, check_file_name
+
+    try:
+        return check_file_name(out)
+    except OutputError as exc:
+        raise UsageProblem(str(exc)) from None
+
+
 def check_output(target: Path, overwrite: bool) -> None:
     """Refuse an existing path (a symlink too, unless --overwrite), a device, a name too long, or a folder we
     cannot write, before any work."""
@@ -346,12 +378,15 @@ def check_output(target: Path, overwrite: bool) -> None:
             target_path(target, overwrite=overwrite)
         else:  # nothing exists below `folder` yet: only the name can be wrong
             check_file_name(target)
-        with tempfile.TemporaryFile(dir=folder):  # os.access says yes to root everywhere: really create one
-            pass
     except FileExistsError as exc:
         raise UsageProblem(str(exc).replace("overwrite=True (--overwrite)", "--overwrite")) from None
     except (IsADirectoryError, FileNotFoundError, OutputError) as exc:
         raise UsageProblem(str(exc)) from None
+    except OSError as exc:
+        raise UsageProblem(f"cannot write {target}: {exc.strerror or exc}") from None
+    try:  # os.access says yes to root everywhere: creating a file is the real test
+        with tempfile.TemporaryFile(dir=folder):
+            pass
     except OSError as exc:
         raise UsageProblem(f"cannot write into {folder}: {exc.strerror or exc}") from None
 

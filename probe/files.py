@@ -30,17 +30,23 @@ TEMP_SUFFIX = ".part"
 
 
 class OutputError(AttnprobeError, OSError):
-    """A file could not be written (full disk, no permission, name too long, ...); nothing was replaced."""
+    """A file could not be written (full disk, no permission, name too long, ...); nothing was replaced.
+    ``errno`` is the system's error number; the message names the file and the reason."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 def check_file_name(path) -> Path:
-    """``path`` as a Path, refused when its file name is longer than file systems allow (255 bytes)."""
+    """``path`` as a Path, refused when the name of the file or of a folder on the way is longer than file
+    systems allow (255 bytes)."""
     p = Path(os.fspath(path))
-    size = len(os.fsencode(p.name))
-    if size > 255:
-        shown = p.name[:40] + "..." + p.suffix
-        raise OutputError(errno.ENAMETOOLONG, f"cannot write {shown}: the file name is {size} bytes long; "
-                                              "most file systems allow 255: give a shorter name")
+    for part in p.parts:
+        size = len(os.fsencode(part))
+        if size > 255:
+            shown = part[:40] + "..." + Path(part).suffix
+            raise OutputError(errno.ENAMETOOLONG, f"cannot write {shown}: the name is {size} bytes long; "
+                                                  "most file systems allow 255: give a shorter name")
     return p
 
 
@@ -79,9 +85,7 @@ def _explain(exc: OSError, target: Path) -> OutputError:
         errno.EPERM: "permission denied",
     }
     reason = reasons.get(exc.errno, exc.strerror or str(exc))
-    err = OutputError(exc.errno, f"cannot write {target}: {reason}; nothing was written there")
-    err.filename = str(target)
-    return err
+    return OutputError(exc.errno, f"cannot write {target}: {reason}; nothing was written there")
 
 
 def _create_temp(folder: Path) -> tuple[int, Path]:
