@@ -107,6 +107,12 @@ def handle_errors(fn):
     return wrapper
 
 
+TRUST_REMOTE_CODE = click.option(
+    "--trust-remote-code", is_flag=True,
+    help="Run the Python code a model folder ships (auto_map in config.json). Off by default: such a folder is "
+         "refused instead; read its code before passing this.")
+
+
 def model_and_input_options(fn):
     """MODEL, the inputs, the selection, and --quiet/--debug, shared by every command that runs a model."""
     options = [
@@ -120,6 +126,7 @@ def model_and_input_options(fn):
         click.option("--device", help="Device to run on, e.g. cpu or cuda:0 (default: the model's)."),
         click.option("--dtype", help="Run the model in float32, float16, bfloat16 or float64."),
         click.option("--max-bytes", help="Fail early instead of storing more than this, e.g. 500MB."),
+        TRUST_REMOTE_CODE,
         click.option("--quiet", "-q", is_flag=True, help="No progress display."),
         click.option("--debug", is_flag=True, help="Show the full traceback on errors."),
     ]
@@ -128,12 +135,12 @@ def model_and_input_options(fn):
     return fn
 
 
-def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress):
+def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code=False):
     from .probe import loading
 
     progress.stage("loading model")
     torch_dtype = loading.parse_dtype(dtype)
-    net, tokenizer, source = loading.load_model(model, dtype=torch_dtype)
+    net, tokenizer, source = loading.load_model(model, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     progress.stage("preparing input")
     return loading.build_workload(
         net, tokenizer, source,
@@ -226,11 +233,14 @@ def main() -> None:
 @main.command()
 @click.argument("model", required=False)
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@TRUST_REMOTE_CODE
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 @handle_errors
-def info(model, fmt, quiet, debug):
+def info(model, fmt, trust_remote_code, quiet, debug):
     """List the attention modules of MODEL: layers, heads (query / kv), backend, capture strategy.
+
+    A model folder is read from its config alone (on the meta device): no weights are loaded.
 
     \b
     Examples:
@@ -245,7 +255,7 @@ def info(model, fmt, quiet, debug):
     progress = Progress(2, quiet)
     try:
         progress.stage("loading model")
-        net, _, source = loading.load_model(model)
+        net, _, source = loading.load_model(model, trust_remote_code=trust_remote_code, weights=False)
         progress.stage("finding attention")
         found = attnprobe.attention_modules(net)
     finally:
@@ -285,7 +295,7 @@ def info(model, fmt, quiet, debug):
               help="Write text cells as they are. By default a CSV text cell starting with =, +, -, @, tab or CR "
                    "gets a leading ' so that a spreadsheet shows it instead of evaluating it.")
 @handle_errors
-def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
            out, what, overwrite, raw_csv):
     """Capture MODEL on the input and write the tidy frame or the per-head summary.
 
@@ -308,7 +318,7 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     check_output(out_path, overwrite)
     progress = Progress(4, quiet)
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         keep = ["scores", "weights"] if what == "frame" else ["weights"]
         cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep)
         progress.stage("building frame")
@@ -400,7 +410,7 @@ def check_output(target: Path, overwrite: bool) -> None:
               help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
 @handle_errors
-def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
            out, fmt, batch, precision, overwrite):
     """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
 
@@ -424,7 +434,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     targets = report_targets(out, fmt, overwrite)
     progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         n_rows = len(next(iter(work.inputs.values())))
         if not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
@@ -468,7 +478,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
 @click.option("--checks", "check_names", help="Only these checks, e.g. causal,padding (default: all).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @handle_errors
-def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
           causal, check_names, fmt):
     """Capture MODEL on the input and check attention invariants (for CI).
 
@@ -497,7 +507,7 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
             raise UsageProblem(f"unknown check(s) {unknown or check_names!r}; choose from {', '.join(CHECKS)}, lint")
     progress = Progress(4, quiet)
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         cap = run_capture(work, layers, heads, max_bytes, progress)
         progress.stage("checking")
         declared_causal, declared_mask = declarations(work, cap, causal)
