@@ -91,7 +91,8 @@ class ReportData:
 
 
 class _Tokens:
-    """Deduplicated token lists referenced by index from the records."""
+    """Deduplicated token lists referenced by index from the records, as ``display_token`` draws them:
+    the page shows tokens only in that escaped form."""
 
     def __init__(self) -> None:
         self.lists: list[list[str]] = []
@@ -103,7 +104,7 @@ class _Tokens:
         key = tuple(tokens)
         if key not in self._index:
             self._index[key] = len(self.lists)
-            self.lists.append(list(tokens))
+            self.lists.append([display_token(t) for t in tokens])
         return self._index[key]
 
 
