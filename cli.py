@@ -164,6 +164,7 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
         "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
         "keep": keep,
     }
+    check_input_size(work, options, max_bytes)
     progress.stage("capturing attention")
     try:
         _, cap = attnprobe.run(work.model, work.inputs, **options)
@@ -178,6 +179,79 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
     except Exception as exc:
         blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
     return cap
+
+
+def planned_attention_bytes(work, options) -> int:
+    """A lower bound on what the capture will store: one call of every selected attention module found
+    before the run, its (batch, head, query, key) scores and weights and, where the head size is known,
+    q, k, v and the output (attention found only while the model runs comes on top)."""
+    import attnprobe
+
+    modules = attnprobe.attention_modules(work.model)
+    ids = work.inputs.get("input_ids")
+    if ids is None or ids.ndim != 2 or not modules:
+        return 0
+    rows, length = ids.shape
+    if "decoder_input_ids" in work.inputs:  # cross-attention is decoder x encoder: the shorter side bounds it
+        length = min(length, work.inputs["decoder_input_ids"].shape[-1])
+    keep = options.get("keep")
+    square = 2 if keep is None else sum(name in keep for name in ("scores", "weights"))
+    per_head = 4 if keep is None else sum(name in keep for name in ("q", "k", "v", "output"))
+    config = getattr(work.model, "config", None)
+    itemsize = next((p.dtype.itemsize for p in work.model.parameters() if p.is_floating_point()), 4)
+    n = len(modules)
+    layers = options.get("layers")
+    chosen = None if layers is None else {layer + n if layer < 0 else layer for layer in layers}
+    heads = options.get("heads")
+    total = 0
+    for m in modules:
+        if (chosen is not None and m.layer not in chosen) or not m.num_heads:
+            continue
+        h = m.num_heads if heads is None else sum(0 <= x < m.num_heads for x in heads)
+        module = work.model.get_submodule(m.name)
+        head_dim = (getattr(module, "head_dim", None) or getattr(module, "d_head", None)
+                    or getattr(config, "head_dim", None))
+        if not isinstance(head_dim, int) and isinstance(getattr(config, "hidden_size", None), int):
+            head_dim = config.hidden_size // m.num_heads
+        vectors = per_head * head_dim if isinstance(head_dim, int) else 0  # k, v counted as if not grouped
+        total += rows * h * length * (length * square + vectors) * itemsize
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux: MemAvailable), else the machine's total, else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_input_size(work, options, max_bytes_text) -> None:
+    """Refuse, before the forward, an input whose capture cannot fit: over --max-bytes, or over this
+    machine's memory when no budget is given. The figure says how much and what to change."""
+    from .probe.selection import format_bytes
+
+    need = planned_attention_bytes(work, options)
+    limit, what = options.get("max_bytes"), f"--max-bytes {max_bytes_text}"
+    if limit is None:
+        limit, what = available_memory(), "the memory available on this machine"
+        if limit is None:
+            return
+    if need > limit:
+        rows, length = work.inputs["input_ids"].shape
+        over = "capture budget exceeded: " if max_bytes_text is not None else "too large an input: "
+        raise UsageProblem(f"{over}the input ({rows:,} row(s) of up to {length:,} tokens) needs at least {format_bytes(need)} "
+                           f"to capture the selected attention layers, more than {what} "
+                           f"({format_bytes(limit)}): give fewer inputs (--text/--file lines) or shorter ones, select "
+                           "fewer layers (--layers) or heads (--heads)"
+                           + (", or raise --max-bytes" if max_bytes_text is not None else ""))
 
 
 class ModelFailed(UsageProblem):

