@@ -27,6 +27,7 @@ _EXPORTS = {
     "capture": ".probe.capture",
     "run": ".probe.capture",
     "stitch": ".probe.generation",
+    "load": ".probe.disk",
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
     "CaptureBudgetError": ".probe.errors",
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .probe.capture import AttentionModule, Capture, attention_modules, capture, run
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError
+    from .probe.disk import load
     from .probe.generation import stitch
     from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
     from .probe.record import TENSOR_FIELDS, AttentionRecord

@@ -173,6 +173,18 @@ class Capture(Sequence):
 
         return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
 
+    # -- files (safetensors + JSON index; never pickle) -----------------------------------------
+    def save(self, path, *, overwrite: bool = False):
+        """Write this capture to the directory ``path`` (safetensors files plus a JSON index); returns the path.
+
+        ``attnprobe.load(path)`` reads it back with memory-mapped tensors; nothing is pickled. An existing
+        capture directory is replaced only with ``overwrite=True``, a folder of other files never. The folder is
+        written under a temporary name and renamed into place when complete.
+        """
+        from .disk import save
+
+        return save(self, path, overwrite=overwrite)
+
     def __repr__(self) -> str:
         model = self._info.get("model_class", "?")
         return f"<Capture of {model}: {len(self)} record(s), layers {list(self.layers)}, {self.nbytes:,} bytes>"
@@ -203,7 +215,8 @@ def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> Atte
 class CaptureSession:
     """Finds attention in a model, attaches every adapter's hooks, and turns calls into records."""
 
-    def __init__(self, model: nn.Module, selection: Selection, adapters=None, *, modules=None) -> None:
+    def __init__(self, model: nn.Module, selection: Selection, adapters=None, *, modules=None, store=None,
+                 overwrite: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
@@ -224,6 +237,11 @@ class CaptureSession:
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
+        self.disk = None  # a RecordWriter when records go to a directory (store=)
+        if store is not None:
+            from .disk import RecordWriter
+
+            self.disk = RecordWriter(store, overwrite=overwrite)  # refuses an existing target before the run
 
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
@@ -291,11 +309,15 @@ class CaptureSession:
 
         self._stack = ExitStack()
         try:
+            if self.disk is not None:
+                self.disk.open()
             for adapter, sites in found:
                 if sites or adapter.dynamic:
                     adapter.attach(self, model, sites, self._stack)
         except BaseException:
             self._stack.close()
+            if self.disk is not None:
+                self.disk.abort()
             raise
         return self.capture
 
@@ -309,6 +331,11 @@ class CaptureSession:
             self._named = None
         if len(self.sites) != len(self.capture.info["attention_modules"]):  # sites found while the model ran
             self.capture._info = MappingProxyType(self._info())
+        if self.disk is not None:
+            if exc_type is None:
+                self.disk.close(self.capture.info)  # the index, then the folder renamed into place
+            else:  # nothing half-written is left (a previous capture there stays); the records in memory stay usable
+                self.disk.abort()
         n = len(self.sites)
         missing = sorted(layer for layer in (self.selection.layers or ()) if layer >= n)
         if exc_type is None and missing:  # layer numbers past the model's, accepted only in case they appeared
@@ -456,7 +483,7 @@ class CaptureSession:
                 else:
                     stored[f] = self.store.put(t, index, axis)
 
-        record = AttentionRecord(
+        record: AttentionRecord = AttentionRecord(
             name=site.name,
             layer=site.layer,
             call=call,
@@ -469,6 +496,8 @@ class CaptureSession:
             **stored,
             **values,
         )
+        if self.disk is not None:  # written now; the Capture keeps the memory-mapped copy, this one is dropped
+            record = self.disk.write(record)
         self.capture._append(record)
         return record
 
@@ -548,6 +577,11 @@ class capture:
     ``modules``: hand-written softmax attention to read: modules of the model (or their names from
     ``named_modules()``), or ``"auto"`` to trace every module (slower; see README, "Code attnprobe has
     never seen").
+    ``store``: a directory to write the records to as they are made (safetensors files plus a JSON index, see
+    ``Capture.save``), for captures larger than memory: at most one record's tensors are in memory at a time, the
+    Capture's tensors are memory-mapped from the files. The folder appears when the ``with`` block ends (it is
+    written under a temporary name); if the block raises, nothing is left on disk (the records in the Capture stay
+    usable: ``cap.save(path)`` keeps them). ``overwrite=True`` replaces an existing capture directory there.
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
     raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
@@ -564,11 +598,13 @@ class capture:
     """
 
     def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None):
+                 modules=None, store=None, overwrite: bool = False):
         self._session = CaptureSession(
             model,
             Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes),
             modules=modules,
+            store=store,
+            overwrite=overwrite,
         )
 
     def __enter__(self) -> Capture:
@@ -583,7 +619,7 @@ def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[A
 
     ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
     a tuple or list as positional arguments, anything else as the one argument. ``options`` are
-    ``capture``'s (layers, heads, keep, device, dtype, max_bytes). With ``no_grad`` (the default)
+    ``capture``'s (layers, heads, keep, device, dtype, max_bytes, modules, store, overwrite). With ``no_grad`` (the default)
     the forward runs under ``torch.no_grad()``.
 
     Example::
