@@ -173,6 +173,22 @@ class Capture(Sequence):
 
         return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
 
+    # -- other viewers (bertviz, circuitsvis; neither is imported) ------------------------------
+    def to_bertviz(self, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:
+        """Keyword arguments for ``bertviz.head_view`` / ``model_view``: ``bertviz.head_view(**cap.to_bertviz())``.
+        See ``attnprobe.probe.interop.to_bertviz``."""
+        from .interop import to_bertviz
+
+        return to_bertviz(self, batch, tokens=tokens, key_tokens=key_tokens, call=call)
+
+    def to_circuitsvis(self, layer: int, batch: int = 0, *, tokens=None, call: int = 0,
+                       head_names: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``circuitsvis.attention.attention_patterns`` for one layer (negative counts from
+        the end). See ``attnprobe.probe.interop.to_circuitsvis``."""
+        from .interop import to_circuitsvis
+
+        return to_circuitsvis(self, self._layer_number(layer), batch, tokens=tokens, call=call, head_names=head_names)
+
     # -- files (safetensors + JSON index; never pickle) -----------------------------------------
     def save(self, path, *, overwrite: bool = False):
         """Write this capture to the directory ``path`` (safetensors files plus a JSON index); returns the path.

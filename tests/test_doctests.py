@@ -17,6 +17,7 @@ CORE_MODULES = {
     "attnprobe.probe.frames": False,
     "attnprobe.probe.generation": False,  # its example needs a generating model: shown as comments
     "attnprobe.probe.disk": True,
+    "attnprobe.probe.interop": True,
     "attnprobe.hooks.own": False,
     "attnprobe.hooks.base": False,
 }
