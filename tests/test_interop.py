@@ -1,8 +1,9 @@
 """cap.to_bertviz / cap.to_circuitsvis: the viewers receive exactly the capture's weights, and draw them.
 
-circuitsvis is in the dev extra. bertviz is not (its boto3 dependency needs python-dateutil < 3, below the pinned
-release); its tests run where it is installed (``pip install --no-deps bertviz ipython``) and check otherwise what
-its documented call does with the arguments (``bertviz.util.format_attention``: a torch.stack of the layers).
+circuitsvis and IPython are in the dev extra; bertviz is installed with ``--no-deps`` by ``make setup`` and CI (its
+boto3 dependency needs python-dateutil < 3, below the pinned release; its views use only IPython and torch). Where it
+is missing its drawing tests skip, and the argument tests still check what its documented call does with them
+(``bertviz.util.format_attention``: a torch.stack of the layers).
 """
 
 from __future__ import annotations
