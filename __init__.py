@@ -62,6 +62,17 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .hooks.hf_tokens import token_strings
 
 
+def _inline_html(obj) -> str:
+    from .reports.inline import repr_html  # jinja2, numpy: imported on the first notebook display only
+
+    return repr_html(obj)
+
+
+# probe/ does not import reports/: the notebook view (_repr_html_) of captures, records and check results is
+# wired here, the one place that sees both (registering it imports nothing heavy)
+importlib.import_module(".probe.display", __name__).set_html_renderer(_inline_html)
+
+
 def __getattr__(name: str):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
