@@ -263,17 +263,25 @@ class RecordWriter:
     def close(self, info: Mapping[str, Any]) -> Path:
         """Write the index and move the folder into place; returns the final path."""
         assert self.staging is not None, "RecordWriter.open() first"
-        enc = _Encoder("capture info")
-        index = {"format": FORMAT, "version": VERSION, "info": enc(dict(info), "info"), "records": self.entries}
-        if enc.tensors:
-            raise CaptureFileError(f"cannot save tensors in capture info ({sorted(enc.tensors)[:3]})")
         try:
+            enc = _Encoder("capture info")
+            index = {"format": FORMAT, "version": VERSION, "info": enc(dict(info), "info"), "records": self.entries}
+            if enc.tensors:
+                raise CaptureFileError(f"cannot save tensors in capture info ({sorted(enc.tensors)[:3]})")
             _write_text_atomic(self.staging / INDEX, json.dumps(index, indent=1, allow_nan=False))
-            _move_into_place(self.staging, self.target)
         except BaseException:
             self.abort()
             raise
-        self.staging = None
+        staging, self.staging = self.staging, None
+        try:
+            check_target(self.target, overwrite=self.overwrite)  # again: something may have appeared there since
+        except OSError as exc:
+            raise FileExistsError(f"{exc}; the complete capture is kept in {staging}") from None
+        try:
+            _move_into_place(staging, self.target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         return self.target
 
     def abort(self) -> None:

@@ -324,3 +324,15 @@ def test_unsavable_values_are_named(assert_no_hooks, tmp_path):
     with pytest.raises(disk.CaptureFileError, match="meta.fn of type builtin_function_or_method"):
         odd.save(tmp_path / "odd")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_capture_that_appeared_meanwhile_is_not_replaced(assert_no_hooks, tmp_path):
+    cap = stack_capture(assert_no_hooks)
+    model = Stack().eval()
+    with pytest.raises(FileExistsError, match="already holds a capture; .* the complete capture is kept in"):
+        with attnprobe.capture(model, store=tmp_path / "run"):
+            model(torch.randn(1, 4, 12))
+            cap.save(tmp_path / "run")  # another writer got there first
+    assert len(attnprobe.load(tmp_path / "run")) == 3 and attnprobe.load(tmp_path / "run")[0].query_len == 7
+    (kept,) = [p for p in tmp_path.iterdir() if p.name != "run"]
+    assert len(attnprobe.load(kept)) == 3 and attnprobe.load(kept)[0].query_len == 4
