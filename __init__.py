@@ -27,7 +27,7 @@ _EXPORTS = {
     "capture": ".hooks.api",
     "run": ".hooks.api",
     "stitch": ".probe.generation",
-    "load": ".probe.disk",
+    "load": ".probe.capture",
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
     "CaptureBudgetError": ".probe.errors",
@@ -52,10 +52,9 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .hooks.api import attention_modules, capture, run
-    from .probe.capture import AttentionModule, Capture
+    from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError
-    from .probe.disk import load
     from .probe.generation import stitch
     from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
     from .probe.record import TENSOR_FIELDS, AttentionRecord
@@ -64,9 +63,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 
 
 def _inline_html(obj) -> str:
-    from .reports.inline import repr_html  # jinja2, numpy: imported on the first notebook display only
-
-    return repr_html(obj)
+    # reports (jinja2, numpy) load on the first notebook display only; imported by name like every public name
+    # here (reports.html reads __version__ from this module)
+    return importlib.import_module(".reports.inline", __name__).repr_html(obj)
 
 
 # probe/ does not import reports/: the notebook view (_repr_html_) of captures, records and check results is

@@ -200,6 +200,26 @@ class Capture(Sequence):
         return f"<Capture of {model}: {len(self)} record(s), layers {list(self.layers)}, {self.nbytes:,} bytes>"
 
 
+def load(path) -> Capture:
+    """The ``Capture`` saved in directory ``path`` (by ``Capture.save`` or ``capture(..., store=path)``).
+
+    Tensors are memory-mapped from the safetensors files: nothing is read until a tensor is used, so a
+    capture larger than memory opens at once. Nothing is unpickled (see ``probe/disk.py`` for the format).
+
+    Example::
+
+        >>> import torch, attnprobe, tempfile, os
+        >>> out, cap = attnprobe.run(attnprobe.MultiHeadAttention(8, num_heads=2), torch.randn(1, 4, 8))
+        >>> folder = cap.save(os.path.join(tempfile.mkdtemp(), "cap"))
+        >>> torch.equal(attnprobe.load(folder)[0].weights, cap[0].weights)
+        True
+    """
+    from .disk import read
+
+    records, info = read(path)
+    return Capture(records, info)
+
+
 def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> AttentionRecord:
     """The same record restricted to model heads ``heads`` (views where possible)."""
     positions = tuple(record.head_index(h) for h in heads)

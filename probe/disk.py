@@ -301,8 +301,9 @@ def save(capture, path, *, overwrite: bool = False) -> Path:
         >>> with attnprobe.capture(attn) as cap:
         ...     _ = attn(torch.randn(1, 4, 8))
         >>> folder = os.path.join(tempfile.mkdtemp(), "cap")
-        >>> _ = cap.save(folder)
-        >>> torch.equal(attnprobe.load(folder)[0].weights, cap[0].weights)
+        >>> _ = save(cap, folder)   # cap.save(folder)
+        >>> records, info = read(folder)   # attnprobe.load(folder) is the Capture of these
+        >>> torch.equal(records[0].weights, cap[0].weights)
         True
     """
     writer = RecordWriter(path, overwrite=overwrite)
@@ -343,14 +344,9 @@ def _read_record(entry: Mapping[str, Any], folder: Path) -> AttentionRecord:
         raise CaptureFileError(f"{where}: not a valid record ({exc})") from None
 
 
-def load(path):
-    """The ``Capture`` saved in directory ``path`` (by ``Capture.save`` or ``capture(..., store=path)``).
-
-    Tensors are memory-mapped from the safetensors files: nothing is read until a tensor is used, so a
-    capture larger than memory loads at once. Nothing is unpickled. See ``save`` for an example.
-    """
-    from .capture import Capture
-
+def read(path) -> tuple[list[AttentionRecord], dict[str, Any]]:
+    """The records and the info saved in directory ``path``, tensors memory-mapped (``attnprobe.load`` wraps them in
+    a ``Capture``)."""
     folder = _target(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a directory; give the folder written by cap.save() or capture(store=)")
@@ -372,4 +368,4 @@ def load(path):
         )
     info = _decode(index.get("info", {"__dict__": {}}), {}, str(folder / INDEX))
     records: Iterable[Any] = index.get("records", [])
-    return Capture([_read_record(entry, folder) for entry in records], info)
+    return [_read_record(entry, folder) for entry in records], info
