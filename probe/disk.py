@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .errors import AttnprobeError
+from .files import write_atomic
 from .record import AttentionRecord
 from .violations import Violation
 
@@ -170,19 +171,6 @@ def check_target(path, *, overwrite: bool) -> Path:
     return target
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _move_into_place(staging: Path, target: Path) -> None:
     """Rename the complete ``staging`` folder to ``target``; an existing target (already checked) is set aside
     first and deleted only once the new folder is in place."""
@@ -268,7 +256,7 @@ class RecordWriter:
             index = {"format": FORMAT, "version": VERSION, "info": enc(dict(info), "info"), "records": self.entries}
             if enc.tensors:
                 raise CaptureFileError(f"cannot save tensors in capture info ({sorted(enc.tensors)[:3]})")
-            _write_text_atomic(self.staging / INDEX, json.dumps(index, indent=1, allow_nan=False))
+            write_atomic(self.staging / INDEX, json.dumps(index, indent=1, allow_nan=False))
         except BaseException:
             self.abort()
             raise
