@@ -438,6 +438,18 @@ def render(template: str, **context):
     )
 
 
+def checks_document(result: CheckResult) -> str:
+    """A page with the report's checks table for ``result`` and the report's style (no script, no records)."""
+    template = _environment().get_template("report.html.j2")
+    context = template.new_context({"checks": check_panel(result, [], 0), "fmt": fmt, "sort_value": sort_value})
+    body = "".join(template.blocks["checks"](context))
+    return (
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
+        f"<style>{_static('report.css')}</style></head><body data-mode=\"report\"><main>{body}</main></body></html>"
+    )
+
+
 def write_or_return(chunks, path, overwrite: bool):
     """The document as one string when ``path`` is None; else write it there and return the path."""
     if path is None:
