@@ -330,6 +330,9 @@ def _as_value_product(c: Node, t: torch.Tensor, vector: bool, dropout: float) ->
     if c.op == "matmul" and c.input is t and isinstance(c.params.get("other"), torch.Tensor):
         v = c.params["other"]
         return _ValueProduct(c, v, c.out, None, dropout) if v.dim() >= 2 else None
+    if c.op == "matmul" and c.params.get("other") is t and t.dim() == 1 and isinstance(c.input, torch.Tensor) \
+            and c.input.dim() >= 2:  # V^T @ w, torch.mv(V.T, w): the same as w @ V for one query vector
+        return _ValueProduct(c, c.input.transpose(-2, -1), c.out, None, dropout)
     if c.op != "einsum":
         return None
     parts = einsum_operands(c.params)
