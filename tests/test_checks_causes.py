@@ -128,6 +128,7 @@ def test_html_report_groups_failures_under_their_cause():
     assert rows[1].startswith('"sev-error caused"') and "(caused by lint_softmax_axis, above)" in rows[1]
 
 
+@pytest.mark.filterwarnings("ignore::attnprobe.AttnprobeWarning")  # the lint also warns; the output is what counts
 def test_cli_json_and_text_put_the_cause_first(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["check", "cli_factories:softmax_axis_gpt", "--ids", "1 2 3 4", "--modules", "auto", "-q"]
