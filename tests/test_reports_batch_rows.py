@@ -94,3 +94,24 @@ def test_cli_report_shows_every_row_unless_batch_is_given(tmp_path, monkeypatch)
     assert result.exit_code == 0, result.output
     meta, _ = report_meta((tmp_path / "one.html").read_text())
     assert meta["batch"] == 1 and meta["moreRows"] == []
+
+
+def test_notebook_view_shows_every_row_when_they_fit(assert_no_hooks):
+    import base64
+
+    from attnprobe.reports import inline
+
+    cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=5, batch=2)
+
+    def page(view):
+        return base64.b64decode(view.split("base64,", 1)[1].split('"', 1)[0]).decode()
+
+    meta, _ = report_meta(page(inline.repr_html(cap)))
+    assert [r["batch"] for r in meta["moreRows"]] == [1]
+    small = inline.MAX_BYTES
+    try:
+        inline.MAX_BYTES = inline._estimate(list(cap), "exact") + 1  # one row fits, two do not
+        view = inline.repr_html(cap)
+    finally:
+        inline.MAX_BYTES = small
+    assert "batch row 0 of 2" in view and report_meta(page(view))[0]["moreRows"] == []
