@@ -121,10 +121,17 @@ class Opened:
         assert not self.dialogs, f"the page opened dialogs: {self.dialogs}"
 
 
+_SHARED: list = []  # the session's one browser context, whichever test module's fixture started it
+
+
 @pytest.fixture(scope="session")
 def browser():
     """Debian's Chromium, headless, with a fresh profile. Skipped when it is missing (failed under
-    ``ATTNPROBE_REQUIRE_BROWSER=1``)."""
+    ``ATTNPROBE_REQUIRE_BROWSER=1``). One for the whole session, also when several test modules import this
+    fixture (to pytest each import is a fixture of its own, and Playwright refuses a second one in a process)."""
+    if _SHARED:
+        yield _SHARED[0]
+        return
     if not Path(CHROMIUM).exists():
         missing = pytest.fail if os.environ.get("ATTNPROBE_REQUIRE_BROWSER") == "1" else pytest.skip
         missing(
@@ -141,9 +148,11 @@ def browser():
             profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, offline=True,
             viewport={"width": 1280, "height": 900},
         )
+        _SHARED.append(context)
         try:
             yield context
         finally:
+            _SHARED.clear()
             context.close()
 
 
