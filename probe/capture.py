@@ -155,11 +155,13 @@ class Capture(Sequence):
 
         return write_frame(self.to_frame(tokens, key_tokens), path, format="parquet", overwrite=overwrite)
 
-    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False):
-        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None."""
+    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, formula_safe: bool = True):
+        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None. Text a spreadsheet would
+        evaluate (``=``, ``+``, ``-``, ``@``, tab, CR first) gets a leading ``'`` unless ``formula_safe=False``."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
+        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite,
+                           formula_safe=formula_safe)
 
     # -- other viewers (bertviz, circuitsvis; neither is imported) ------------------------------
     def to_bertviz(self, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:

@@ -30,17 +30,30 @@ TEMP_SUFFIX = ".part"
 
 
 class OutputError(AttnprobeError, OSError):
-    """A file could not be written (full disk, no permission, name too long, ...); nothing was replaced."""
+    """A file could not be written (full disk, no permission, name too long, ...); nothing was replaced.
+    ``errno`` is the system's error number; the message names the file and the reason."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def check_file_name(path) -> Path:
+    """``path`` as a Path, refused when the name of the file or of a folder on the way is longer than file
+    systems allow (255 bytes)."""
+    p = Path(os.fspath(path))
+    for part in p.parts:
+        size = len(os.fsencode(part))
+        if size > 255:
+            shown = part[:40] + "..." + Path(part).suffix
+            raise OutputError(errno.ENAMETOOLONG, f"cannot write {shown}: the name is {size} bytes long; "
+                                                  "most file systems allow 255: give a shorter name")
+    return p
 
 
 def target_path(path, *, overwrite: bool) -> Path:
     """``path`` as a Path that may be written: a folder, a device or pipe and a missing parent folder are
     refused, an existing path (also a symlink, dangling or not) unless ``overwrite``; raised before any work."""
-    p = Path(os.fspath(path))
-    size = len(os.fsencode(p.name))
-    if size > 255:
-        raise OutputError(errno.ENAMETOOLONG, f"cannot write {str(p)[:60]}...: the file name is {size} bytes long; "
-                                              "most file systems allow 255: give a shorter name")
+    p = check_file_name(path)
     try:
         exists = os.path.lexists(p)
         link = p.is_symlink()
@@ -50,8 +63,8 @@ def target_path(path, *, overwrite: bool) -> Path:
             raise OutputError(errno.EEXIST, f"{p} exists and is not a regular file (a device, pipe or socket); "
                                             "give the name of a file to write")
         if exists and not overwrite:
-            what = "a symbolic link" if link else "a file"
-            raise FileExistsError(f"{p} already exists ({what}); pass overwrite=True (--overwrite) to replace it")
+            what = " (a symbolic link)" if link else ""
+            raise FileExistsError(f"{p} already exists{what}; pass overwrite=True (--overwrite) to replace it")
         if not p.parent.is_dir():
             raise FileNotFoundError(f"folder {p.parent} does not exist; create it first")
     except (AttnprobeError, FileExistsError, FileNotFoundError, IsADirectoryError):
@@ -72,9 +85,7 @@ def _explain(exc: OSError, target: Path) -> OutputError:
         errno.EPERM: "permission denied",
     }
     reason = reasons.get(exc.errno, exc.strerror or str(exc))
-    err = OutputError(exc.errno, f"cannot write {target}: {reason}; nothing was written there")
-    err.filename = str(target)
-    return err
+    return OutputError(exc.errno, f"cannot write {target}: {reason}; nothing was written there")
 
 
 def _create_temp(folder: Path) -> tuple[int, Path]:
