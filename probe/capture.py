@@ -16,6 +16,7 @@ from torch import nn
 
 from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
 from .record import TENSOR_FIELDS, AttentionRecord
+from . import threads
 from .selection import Selection, Store, _int_list, index_heads, kv_heads_for
 
 
@@ -226,6 +227,7 @@ class CaptureSession:
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
+        self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
 
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
@@ -293,6 +295,9 @@ class CaptureSession:
 
         self._stack = ExitStack()
         try:
+            self.thread = threads.current()  # hooks let other threads' calls pass (threads.elsewhere)
+            held = threads.claim([model, *(s.module for s in self.sites)], self.model_class)
+            self._stack.callback(threads.release, held)
             for adapter, sites in found:
                 if sites or adapter.dynamic:
                     adapter.attach(self, model, sites, self._stack)
