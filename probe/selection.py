@@ -118,7 +118,8 @@ def parse_bytes(text: str | int) -> int:
         raise SelectionError(f"size {text!r} is beyond any memory ({format_bytes(MAX_BYTES)} at most); "
                              "write e.g. 500MB or 2GiB, or leave the budget out for none")
     if value < 1:
-        raise SelectionError(f"size {text!r} is less than one byte; write e.g. 500MB, 2GiB or 1000000")
+        raise SelectionError(f"max_bytes must be a positive size: {text!r} is less than one byte; write e.g. 500MB, "
+                             "2GiB or 1000000")
     return int(value)
 
 
