@@ -59,9 +59,10 @@ class Progress:
             self.bar.close()
 
 
-#: OS errors that are about the place the user chose (full disk, no permission, name too long): exit 2.
+#: OS errors that are about the place the user chose (full disk, no permission, name too long, a failing
+#: device): exit 2.
 USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
-                  errno.ENAMETOOLONG}
+                  errno.ENAMETOOLONG, errno.EIO}
 
 
 def handle_errors(fn):
