@@ -170,4 +170,4 @@ def test_an_os_error_about_the_place_is_the_users_exit_2(cli, tmp_path, monkeypa
     line = one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv"))
     assert line == "attnprobe: error: cannot use frame.csv: No space left on device"
     monkeypatch.setattr(frames, "write_frame", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
-    assert one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv")) == "attnprobe: error: cannot use: I/O error"
+    assert one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv")) == "attnprobe: error: the system refused: I/O error"
