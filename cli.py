@@ -59,9 +59,10 @@ class Progress:
             self.bar.close()
 
 
-#: OS errors that are about the place the user chose (full disk, no permission, name too long): exit 2.
+#: OS errors that are about the place the user chose (full disk, no permission, name too long, a failing
+#: device): exit 2.
 USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
-                  errno.ENAMETOOLONG}
+                  errno.ENAMETOOLONG, errno.EIO}
 
 
 def handle_errors(fn):
@@ -96,8 +97,8 @@ def handle_errors(fn):
             if isinstance(exc, known):
                 raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
             if isinstance(exc, OSError) and exc.errno in USER_OS_ERRORS:  # the place, not attnprobe
-                where = f" {exc.filename}" if exc.filename else ""
-                raise UsageProblem(f"cannot use{where}: {exc.strerror or exc}") from None
+                what = f"cannot use {exc.filename}" if exc.filename else "the system refused"
+                raise UsageProblem(f"{what}: {exc.strerror or exc}") from None
             click.echo(
                 f"attnprobe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
                 err=True,

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
+from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
@@ -333,6 +334,7 @@ class _Run:
 
     def __init__(self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]) -> None:
         self.adapter, self.session, self.model = adapter, session, model
+        self.owner = session.thread  # module hooks of other threads' forwards do nothing (the mode is per thread)
         self._names: dict[int, str] | None = None
         self.claimed = claimed
         self.named = {id(s.module): s for s in sites}
@@ -578,7 +580,7 @@ class _Run:
 
     # -- hand-written attention: module scopes ---------------------------------------------------
     def _enter(self, module: nn.Module, args, *, traced: bool) -> None:
-        if self.tracer is None:
+        if self.tracer is None or elsewhere(self.owner):
             return
         if id(module) in self.named:
             self.ran[id(module)] = self.ran.get(id(module), 0) + 1
@@ -586,7 +588,7 @@ class _Run:
 
     def _exit(self, module: nn.Module, args, kwargs, output):
         tracer = self.tracer
-        if tracer is None:
+        if tracer is None or elsewhere(self.owner):
             return None
         scope = tracer.exit(module)
         if output is None:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.threads import elsewhere
 from . import hf_compat
 from .base import Adapter, Lazy, Site
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
@@ -125,6 +126,8 @@ def _private_attention(base: str) -> Callable:
         recorders = _HANDLERS.get(id(module))
         if recorders:
             for recorder in tuple(recorders):
+                if elsewhere(recorder.session.thread):
+                    continue  # another thread's forward: its call is not this capture's
                 recorder.on_call(fn, query, key, value, attention_mask, args, kwargs, result)
         return result
 
