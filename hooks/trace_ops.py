@@ -106,18 +106,20 @@ def _build_table() -> None:
 
     _op("mul", binary, torch.mul, _T.mul, _T.__mul__, g(torch, "multiply", None), g(_T, "multiply", None))
     _op("mul", binary, _T.__rmul__, reflected=True)
-    _op("mul", binary, _T.mul_, g(_T, "multiply_", None), inplace=True)
+    # ``s *= c`` and the like: torch dispatches them as mul_, div_, add_, sub_; the operators are listed too, in case
+    # a release hands them over as they are
+    _op("mul", binary, _T.mul_, g(_T, "multiply_", None), g(_T, "__imul__", None), inplace=True)
     div = ("input", "other", "rounding_mode")
     _op("div", div, torch.div, _T.div, _T.__truediv__, g(torch, "divide", None), g(_T, "divide", None),
         torch.true_divide, _T.true_divide, defaults={"rounding_mode": None})
     _op("div", div, _T.__rtruediv__, g(_T, "__rdiv__", None), reflected=True, defaults={"rounding_mode": None})
-    _op("div", div, _T.div_, g(_T, "divide_", None), g(_T, "true_divide_", None), defaults={"rounding_mode": None},
-        inplace=True)
+    _op("div", div, _T.div_, g(_T, "divide_", None), g(_T, "true_divide_", None), g(_T, "__itruediv__", None),
+        g(_T, "__idiv__", None), defaults={"rounding_mode": None}, inplace=True)
     additive = ("input", "other", "alpha")
     for name, funcs, reflected, inplace in (
-        ("add", (torch.add, _T.add, _T.__add__), None, (_T.add_,)),
+        ("add", (torch.add, _T.add, _T.__add__), None, (_T.add_, g(_T, "__iadd__", None))),
         ("sub", (torch.sub, _T.sub, _T.__sub__, g(torch, "subtract", None), g(_T, "subtract", None)), _T.__rsub__,
-         (_T.sub_, g(_T, "subtract_", None))),
+         (_T.sub_, g(_T, "subtract_", None), g(_T, "__isub__", None))),
     ):
         _op(name, additive, *funcs, defaults={"alpha": 1})
         _op(name, additive, *inplace, defaults={"alpha": 1}, inplace=True)

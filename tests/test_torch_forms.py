@@ -590,4 +590,5 @@ def test_in_place_and_out_are_known_to_overwrite_the_input():
     assert read_call(torch.add, (S, S), {"out": S}).inplace
     call = read_call(torch.add, (S, S), {"out": buf})
     assert not call.inplace and call.out is buf and "out" not in call.params
+    assert read_call(_T.__iadd__, (S, S), {}).inplace  # ``s += m``, should a release hand the operator over as it is
     assert read_call(torch.cdist, (S, S), {}).op == "other"
