@@ -412,16 +412,18 @@ BUGS = {
 }
 
 
+#: Each bug in every form, at two ranks each, so that every rank meets a bug: a query vector has only the key axis
+#: (no softmax_axis bug) and one head nothing to merge (head_merge at 4-D and folded only).
+BUG_RANKS = {"unused_mask": ("1d", "4d"), "same_kv": ("1d", "3d"), "softmax_axis": ("2d", "4d"),
+             "head_merge": ("4d", "folded")}
+
+
 def _bug_cases():
     for form in FORMS:
-        for rank in RANKS:
-            for bug in BUGS:
-                if bug == "unused_mask" and FORMS[form].drop_mask is None:
-                    continue  # ``s[index] = -inf`` has no result to throw away
-                if bug == "softmax_axis" and rank == "1d":
-                    continue  # a query vector has only the key axis
-                if bug == "head_merge" and rank not in ("4d", "folded"):
-                    continue  # one head: nothing to merge
+        for bug, ranks in BUG_RANKS.items():
+            if bug == "unused_mask" and FORMS[form].drop_mask is None:
+                continue  # ``s[index] = -inf`` has no result to throw away
+            for rank in ranks:
                 yield form, rank, bug
 
 
