@@ -161,43 +161,9 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
 
 def _read_scores(scope: Scope, softmax: Node, x: torch.Tensor, w: torch.Tensor, chain: ScoresChain,
                  layout: ScoresLayout) -> Finding:
-    """The finding's weights (as observed), scores (before the first mask: recomputed from the tensor entering it)
-    and ``allowed`` (every mask on the way, combined)."""
-    steps = chain.steps
-    first_mask = next((i for i, s in enumerate(steps) if s.kind == "mask"), None)
-
-    def to_x(m: torch.Tensor, shape) -> torch.Tensor:
-        m = m.expand(shape)
-        return m if tuple(shape) == tuple(x.shape) else m.reshape(x.shape)
-
+    """The finding's weights (as observed), scores (before the first mask) and ``allowed`` (the masks on the way)."""
     with torch.no_grad():
-        if first_mask is None:
-            scores = x.detach()
-        else:
-            start = steps[first_mask]
-            if start.node is chain.product_node:  # baddbmm: the scores before its mask term are computed here
-                product = chain.product
-                scores = (product.q @ product.k.transpose(-2, -1)) * product.factor
-            else:
-                scores = start.inp.detach()
-            for s in steps[first_mask:]:
-                if s.kind == "scale":
-                    scores = scores * s.factor
-                elif s.kind in ("bias", "mask") and s.bias is not None:
-                    scores = scores + s.bias
-                elif s.kind == "relayout":
-                    scores = scores.reshape(s.node.out.shape)
-            scores = scores.reshape(x.shape)
-        allowed = None
-        masks = [s for s in steps if s.kind == "mask"]
-        if masks:
-            allowed = to_x(masks[0].allowed, masks[0].node.out.shape)
-            for s in masks[1:]:
-                allowed = allowed & to_x(s.allowed, s.node.out.shape)
-        elif chain.product is not None:
-            allowed = torch.ones((1,) * (x.dim() - 1) + tuple(x.shape[-1:]), dtype=torch.bool, device=x.device)
-            allowed = allowed.expand(x.shape)
-
+        scores, allowed = _scores_before_masks(x, chain), _allowed(x, chain)
     finding = Finding(
         key=softmax.where or ("?", 0),
         module=scope.module,
@@ -220,6 +186,48 @@ def _read_scores(scope: Scope, softmax: Node, x: torch.Tensor, w: torch.Tensor, 
     if allowed is not None:
         finding.allowed = compress_heads(layout.record(layout.rows(allowed)))
     return finding
+
+
+def _scores_before_masks(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor:
+    """The softmax input without its masks: from the tensor entering the first mask, the later steps replayed
+    (scales, biases, relayouts) without the masking entries."""
+    steps = chain.steps
+    first_mask = next((i for i, s in enumerate(steps) if s.kind == "mask"), None)
+    if first_mask is None:
+        return x.detach()
+    start = steps[first_mask]
+    if start.node is chain.product_node:  # baddbmm: the scores before its mask term are computed here
+        product = chain.product
+        scores = (product.q @ product.k.transpose(-2, -1)) * product.factor
+    else:
+        scores = start.inp.detach()
+    for s in steps[first_mask:]:
+        if s.kind == "scale":
+            scores = scores * s.factor
+        elif s.kind in ("bias", "mask") and s.bias is not None:
+            scores = scores + s.bias
+        elif s.kind == "relayout":
+            scores = scores.reshape(s.node.out.shape)
+    return scores.reshape(x.shape)
+
+
+def _allowed(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor | None:
+    """Every mask on the way combined, laid out like ``x``; all True when the path from a product has none; None
+    when the path was not followed to a product and had no mask."""
+
+    def like_x(m: torch.Tensor, shape) -> torch.Tensor:
+        m = m.expand(shape)
+        return m if tuple(shape) == tuple(x.shape) else m.reshape(x.shape)
+
+    masks = [s for s in chain.steps if s.kind == "mask"]
+    if masks:
+        allowed = like_x(masks[0].allowed, masks[0].node.out.shape)
+        for s in masks[1:]:
+            allowed = allowed & like_x(s.allowed, s.node.out.shape)
+        return allowed
+    if chain.product is not None:
+        return torch.ones((1,) * (x.dim() - 1) + tuple(x.shape[-1:]), dtype=torch.bool, device=x.device).expand(x.shape)
+    return None
 
 
 def _softmax_dim(node: Node, nd: int) -> int:
