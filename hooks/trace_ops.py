@@ -166,11 +166,6 @@ _build_table()
 _AXIS_PROPERTIES = {"mT": "mT", "mH": "mT", "T": "T", "H": "T"}  # conjugation changes no real value
 
 
-def is_followed(func) -> bool:
-    """Whether the tracer reads ``func`` (anything else is recorded as op ``"other"``)."""
-    return func in _SIGNATURES or _property_name(func) is not None
-
-
 def _property_name(func) -> str | None:
     if getattr(func, "__name__", "") == "__get__":  # tensor properties: x.mT, x.T
         return _AXIS_PROPERTIES.get(getattr(getattr(func, "__self__", None), "__name__", ""))
@@ -237,7 +232,7 @@ def _as_permutation(call: Call) -> Call:
     a malformed call (it will raise in torch) or an einsum of two operands stays as it is."""
     p = call.params
     if call.op == "einsum":
-        dims = einsum_permutation(p.get("equation"), p.get("operands") or ())
+        dims = _einsum_permutation(p.get("equation"), p.get("operands") or ())
         if dims is None:
             return call
         src = p["operands"][0]
@@ -272,7 +267,7 @@ def _movedim_order(source, destination, nd: int) -> list[int]:
     return [next(rest) if o is None else o for o in order]
 
 
-def einsum_permutation(equation, operands) -> list[int] | None:
+def _einsum_permutation(equation, operands) -> list[int] | None:
     """The axis order of a one-operand einsum that only moves axes (``"bhqd->bqhd"``), else None."""
     if not isinstance(equation, str) or len(operands) != 1 or not isinstance(operands[0], torch.Tensor):
         return None
