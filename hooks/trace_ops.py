@@ -23,7 +23,7 @@ add / sub          input, other, alpha                           +, -, add(_), s
 masked_fill        input, mask, value                            torch.masked_fill, Tensor.masked_fill(_)
 where              condition, input, other                       torch.where, Tensor.where (self is ``input``)
 setitem            input, index, value                           ``s[index] = value``
-permute            input, dims (a full permutation)              permute, transpose(_), swapaxes, swapdims, movedim,
+permute            input, dims (a full permutation)              permute, transpose, swapaxes, swapdims, movedim,
                                                                  .T, .mT, .H, .mH, a one-operand einsum ``"bhqd->bqhd"``
 reshape            input                                         view, reshape, flatten, unflatten, (un)squeeze, ...
 pass               input                                         contiguous, casts, to, type_as, clone
