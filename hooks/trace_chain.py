@@ -433,6 +433,25 @@ def _einsum_product(node: Node) -> Product | None:
     return Product(q, node.parent_of(a), k, node.parent_of(b), 1.0, vector=not ql)
 
 
+def _column_product(node: Node, out: torch.Tensor) -> tuple[Product, Node] | None:
+    """Scores of query vectors made as a column, then squeezed: ``torch.bmm(keys, query.unsqueeze(2)).squeeze(2)``,
+    ``(K @ q[..., None]).squeeze(-1)`` (Luong's dot attention): the product with its node, else None."""
+    src = node.input
+    if node.op != "reshape" or not isinstance(src, torch.Tensor) or src.dim() < 2 or src.shape[-1] != 1 \
+            or src.shape[:-1] != out.shape:
+        return None
+    product = node.parent_of(src)
+    if product is None or product.op != "matmul":
+        return None
+    a, b = product.params.get("input"), product.params.get("other")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2 \
+            or b.shape[-1] != 1:
+        return None
+    q, qp, fq, _ = strip(b, product.parent_of(b))
+    k, kp, fk = _keys(a, product, transposed=False)
+    return Product(q.squeeze(-1), qp, k, kp, fq * fk, vector=True), product
+
+
 def scores_product(node: Node, out: torch.Tensor) -> Product | None:
     """Q and K of the product ``node`` that made the scores ``out``, None when its form is not read."""
     if node.op == "matmul":
@@ -478,6 +497,10 @@ def read_scores_chain(softmax: Node, x: torch.Tensor) -> ScoresChain:
                              "as q @ k^T"
             else:
                 chain.product, chain.product_node = product, parent
+            break
+        column = _column_product(parent, t)
+        if column is not None:
+            chain.product, chain.product_node = column
             break
         step = chain_step(parent, t)
         if step is None:

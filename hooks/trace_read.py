@@ -307,28 +307,32 @@ class _ValueProduct:
 
 def _value_product(softmax: Node, weights: torch.Tensor, vector: bool) -> _ValueProduct | None:
     """Forwards from the weights, through dropout, casts and relayouts, to their product with V."""
-    frontier = [(softmax, weights)]
+    frontier = [(softmax, weights, vector)]  # vector: the weights of one query vector have no query axis yet
     dropout = 0.0
     for _ in range(6):
         following = []
-        for node, t in frontier:
+        for node, t, vec in frontier:
             for c in node.consumers:
-                found = _as_value_product(c, t, vector, dropout)
+                found = _as_value_product(c, t, vec, dropout)
                 if found is not None:
+                    if vec != vector:  # a query axis of 1 was added on the way: its output has it too
+                        found.out = found.out.squeeze(-2)
                     return found
                 if c.input is not t or not isinstance(c.out, torch.Tensor):
                     continue
-                if c.op == "reshape" and c.out.shape[-2:] == t.shape[-2:]:  # (B, H, T, T) viewed (B*H, T, T) for bmm
-                    following.append((c, c.out))
+                if vec and c.op == "reshape" and c.out.shape == (*t.shape[:-1], 1, t.shape[-1]):
+                    following.append((c, c.out, False))  # w.unsqueeze(1) for torch.bmm(w.unsqueeze(1), values)
+                elif c.op == "reshape" and c.out.shape[-2:] == t.shape[-2:]:  # (B, H, T, T) viewed (B*H, T, T) for bmm
+                    following.append((c, c.out, vec))
                 elif c.op == "pass":
-                    following.append((c, c.out))
+                    following.append((c, c.out, vec))
                 elif c.op == "dropout":
                     dropout = float(c.params.get("p", 0.5)) if c.params.get("training", True) else dropout
-                    following.append((c, c.out))
+                    following.append((c, c.out, vec))
                 elif c.op == "module" and isinstance(c.module, (nn.Dropout, nn.Identity)):
                     if isinstance(c.module, nn.Dropout) and c.module.training:
                         dropout = float(c.module.p)
-                    following.append((c, c.out))
+                    following.append((c, c.out, vec))
         frontier = following
     return None
 
@@ -382,7 +386,9 @@ def _read_values(finding: Finding, scope: Scope, softmax: Node, w: torch.Tensor,
     else:
         finding.missing["output"] = (f"the output of {found.node.name} at {format_location(found.node.where)} has "
                                      f"shape {tuple(found.out.shape)}, not laid out like the weights {tuple(w.shape)}")
-    if finding.k is not None and _same_tensor(finding.k, finding.v):
+    # keys computed in the call and used again as values (weights @ K); keys taken as they came in (an encoder's
+    # outputs in Luong or Bahdanau attention, attention pooling) are keys and values by design
+    if finding.k is not None and chain.product.k_parent is not None and _same_tensor(finding.k, finding.v):
         finding.lints.append((
             lint_rules.LINT_SAME_KV,
             "the same tensor is used as keys and as values (weights @ K): values need their own projection",

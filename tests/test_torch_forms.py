@@ -486,6 +486,45 @@ def test_keyword_mask_from_the_issue_gives_the_whole_record_and_its_bug():
     assert [v.check for v in cap[0].meta["lint"]] == ["lint_unused_mask"]
 
 
+class LuongDot(nn.Module):
+    """Seq2seq dot attention: each decoder state is one query vector over the encoder's outputs (keys and values by
+    design), the scores made as a column and squeezed, the weights unsqueezed for the product with the values."""
+
+    def __init__(self, heads: bool = False):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, hidden, encoder_outputs, source_mask):
+        if self.heads:  # hidden (B, H, d), encoder_outputs (B, H, S, d)
+            scores = (encoder_outputs @ hidden.unsqueeze(-1)).squeeze(-1)  # (B, H, S)
+            w = scores.masked_fill(~source_mask[:, None], NEG).softmax(-1)
+            return (w.unsqueeze(-2) @ encoder_outputs).squeeze(-2)  # (B, H, d)
+        scores = torch.bmm(encoder_outputs, hidden.unsqueeze(2)).squeeze(2)  # (B, S)
+        w = F.softmax(scores.masked_fill(mask=~source_mask, value=NEG), dim=1)
+        return torch.bmm(w.unsqueeze(1), encoder_outputs).squeeze(1)  # (B, d)
+
+
+@pytest.mark.parametrize("heads", [False, True], ids=["bmm", "matmul with heads"])
+def test_query_vectors_as_columns_in_seq2seq_dot_attention(heads):
+    torch.manual_seed(4)
+    lead = (B, H) if heads else (B,)
+    hidden, enc = torch.randn(*lead, DH), torch.randn(*lead, T, DH)
+    source_mask = torch.tensor([[True] * T, [True] * 3 + [False] * 2])
+    model = LuongDot(heads)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with attnprobe.capture(model, modules=[model]) as cap:
+            out = model(hidden, enc, source_mask)
+    assert [str(w.message) for w in caught] == []  # encoder outputs as keys and values: no lint_same_kv
+    (rec,) = cap
+    heads_of = (lambda t: t) if heads else (lambda t: t[:, None])
+    assert rec.identified == ALL and rec.num_heads == (H if heads else 1) and rec.scaling == 1.0
+    assert torch.equal(rec.q, heads_of(hidden).unsqueeze(-2)) and torch.equal(rec.k, heads_of(enc))
+    assert torch.equal(rec.v, heads_of(enc)) and torch.equal(rec.output, heads_of(out).unsqueeze(-2))
+    assert torch.equal(rec.allowed_for_heads()[:, 0, 0], source_mask)
+    torch.testing.assert_close(rec.weights, reference_weights(rec.q, rec.k, 1.0, rec.allowed_for_heads()))
+
+
 # ------------------------------------------------------------------------------------------------ partial records
 class Distances(nn.Module):
     """Scores that are no q @ k product (negative distances), used by two calls in one forward."""
