@@ -14,7 +14,7 @@ output as the call received/returned them, the mask (``allowed``), the causal fl
 default) and the weights recomputed for the selected heads only (``weights_source="recomputed"``).
 ``dropout`` is ``dropout_p`` as passed, since sdpa applies it whatever ``module.training`` says; a
 ``dropout_p > 0`` in eval mode is flagged (``meta["dropout_in_eval"]``) and warned. Once the mode is in (for
-direct calls the code reading of ``_code_reaches_sdpa`` found, or for tracing), every direct call is read; a
+direct calls the code reading of ``code_reaches_sdpa`` found, or for tracing), every direct call is read; a
 module named in ``modules=`` that calls sdpa has its first call site as its own layer.
 
 **Hand-written attention** (opt-in: ``capture(model, modules=[...])`` or ``modules="auto"``) is traced:
@@ -39,10 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
-from .base import Adapter, Site
+from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
@@ -101,12 +100,12 @@ def _may_call_sdpa(module: nn.Module, claimed: set[int]) -> bool:
     """Whether code under ``module`` could call scaled_dot_product_attention itself.
 
     torch's own ``nn`` layers reach it only through ``nn.MultiheadAttention``, which another adapter reads;
-    for any other module class the code is read (``_code_reaches_sdpa``). Reading the code keeps the function
+    for any other module class the code is read (``code_reaches_sdpa``). Reading the code keeps the function
     mode, which costs every torch call, off models such as Hugging Face ones whose attention is read elsewhere.
     """
     if id(module) in claimed:
         return False
-    if not type(module).__module__.startswith("torch.nn.") and _code_reaches_sdpa(type(module)):
+    if not type(module).__module__.startswith("torch.nn.") and code_reaches_sdpa(type(module)):
         return True
     return any(_may_call_sdpa(child, claimed) for child in module.children())
 
@@ -127,7 +126,7 @@ def _queue(todo: list, values) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _code_reaches_sdpa(cls: type) -> bool:
+def code_reaches_sdpa(cls: type) -> bool:
     """Whether the code of ``cls`` may call ``scaled_dot_product_attention``, read without running it.
 
     Starting from the class attributes of ``cls`` and its bases (methods, static/class methods,
@@ -472,7 +471,7 @@ class _Run:
             self.sdpa_sites[key] = site
         if site.num_heads is None:
             site.num_heads, site.num_kv_heads = H, Hkv
-            self.session._select_site(site)
+            self.session.select_site(site)
         if not site.selected:
             self.session.emit(site, kind="self" if L == S else "cross")
             return
@@ -663,7 +662,7 @@ class _Run:
             self.traced_sites[key] = site
         if site.num_heads is None:  # a named module: its head count is known from its first call
             site.num_heads, site.num_kv_heads = heads, kv_heads
-            self.session._select_site(site)
+            self.session.select_site(site)
         return site
 
     def _emit_group(self, owner: nn.Module, group: list[Finding]) -> None:

@@ -6,30 +6,18 @@ import operator
 import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Callable, overload
+from typing import Any, overload
 
 import torch
 from torch import nn
 
 from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
+from .interface import Adapter, Lazy, Site
 from .record import TENSOR_FIELDS, AttentionRecord
-from .selection import Selection, Store, _int_list, index_heads, kv_heads_for
-
-
-@dataclass(frozen=True)
-class Lazy:
-    """A tensor an adapter can produce on demand, already restricted to the selected heads.
-
-    ``shape`` and ``dtype`` are what ``fn()`` will return, so the budget is checked before the work.
-    ``fn()`` returns a tensor nothing else holds (the record keeps it without another copy).
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    fn: Callable[[], torch.Tensor]
+from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
 
 class Capture(Sequence):
@@ -103,10 +91,10 @@ class Capture(Sequence):
         layers (as in ``capture``). ``heads`` (model head numbers) restricts the tensors: a view for a run of
         consecutive stored heads, one copy otherwise.
         """
-        layer_set = None if layers is None else {self._layer_number(n) for n in _int_list(layers, "layers")}
-        call_set = None if calls is None else set(_int_list(calls, "calls"))
-        step_set = None if steps is None else set(_int_list(steps, "steps"))
-        head_tuple = None if heads is None else _int_list(heads, "heads")
+        layer_set = None if layers is None else {self._layer_number(n) for n in int_list(layers, "layers")}
+        call_set = None if calls is None else set(int_list(calls, "calls"))
+        step_set = None if steps is None else set(int_list(steps, "steps"))
+        head_tuple = None if heads is None else int_list(heads, "heads")
         if kind not in (None, "self", "cross"):
             raise SelectionError(f"kind must be 'self', 'cross' or None, got {kind!r}")
         out = []
@@ -201,25 +189,25 @@ def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> Atte
 
 
 class CaptureSession:
-    """Finds attention in a model, attaches every adapter's hooks, and turns calls into records."""
+    """Finds attention in a model, attaches every adapter's hooks, and turns calls into records.
 
-    def __init__(self, model: nn.Module, selection: Selection, adapters=None, *, modules=None) -> None:
+    ``adapters`` are tried in order (a module claimed by one is not offered to the next); ``attnprobe.capture``
+    passes ``hooks.default_adapters()``. Adapters use the session as a ``probe.interface.Session``.
+    """
+
+    def __init__(self, model: nn.Module, selection: Selection, adapters: Sequence[Adapter]) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
                 "not its output or a pipeline (for a pipeline use pipeline.model)"
             )
-        if adapters is None:
-            from ..hooks import default_adapters
-
-            adapters = default_adapters(modules=modules)
         self.model_class = type(model).__name__
         self._model = model  # dropped on exit; the Capture never holds it
         self._compiled = compiled_modules(model)
         self.selection = selection
         self.store = Store(selection)
         self.adapters = list(adapters)
-        self.sites: list = []
+        self.sites: list[Site] = []
         self.capture = Capture()
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
@@ -286,7 +274,7 @@ class CaptureSession:
         self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)
         self.store.selection = self.selection
         for site in self.sites:
-            self._select_site(site)
+            self.select_site(site)
         self.capture = Capture(info=self._info())
 
         self._stack = ExitStack()
@@ -367,7 +355,7 @@ class CaptureSession:
             },
         }
 
-    def _select_site(self, site) -> None:
+    def select_site(self, site) -> None:
         site.selected = self.selection.wants(site.layer)
         if site.selected and site.num_heads is not None:
             site.heads = self.selection.heads_for(site.layer, site.num_heads, where=f"({site.name!r})")
@@ -377,7 +365,7 @@ class CaptureSession:
         """Register a site found while the model runs (dynamic adapters); it gets the next layer number."""
         site.layer = len(self.sites)
         self.sites.append(site)
-        self._select_site(site)
+        self.select_site(site)
 
     # -- recording -------------------------------------------------------------------------
     def wants(self, site, field: str | None = None) -> bool:
@@ -406,7 +394,7 @@ class CaptureSession:
             return None
         if num_heads is not None and site.num_heads is None:
             site.num_heads, site.num_kv_heads = num_heads, num_kv_heads or num_heads
-            self._select_site(site)
+            self.select_site(site)
         if site.heads is None:
             raise UnsupportedModelError(f"adapter {site.adapter.name!r} did not say how many heads {site.name!r} has")
         preselected = set(preselected)
@@ -503,103 +491,3 @@ class AttentionModule:
     strategy: str
     """How the capture reads it, e.g. "hook points" or "wraps the sdpa attention function"."""
     backend: str | None = None
-
-
-def attention_modules(model: nn.Module, adapters=None) -> list[AttentionModule]:
-    """The attention modules attnprobe finds in ``model``, numbered as a capture numbers layers.
-
-    Nothing is attached; the model is not run. Attention found only while the model runs
-    (direct ``scaled_dot_product_attention`` calls, hand-written softmax) is not listed.
-
-    Example::
-
-        >>> import attnprobe, torch
-        >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2))
-        >>> [(m.layer, m.name, m.num_heads) for m in attnprobe.attention_modules(model)]
-        [(0, '0', 2)]
-    """
-    session = CaptureSession(model, Selection.build(), adapters)
-    sites = session.discover()
-    return [
-        AttentionModule(
-            layer=s.layer,
-            name=s.name,
-            module_class=type(s.module).__name__,
-            num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-            adapter=s.adapter.name,
-            strategy=s.info.get("strategy", s.adapter.name),
-            backend=s.info.get("backend"),
-        )
-        for s in sites
-    ]
-
-
-class capture:
-    """Capture attention from ``model`` while the ``with`` block runs.
-
-    ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
-    ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
-    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
-    ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
-    under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
-    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
-    such as ``"500MB"``; every stored tensor counts, masks included).
-    ``modules``: hand-written softmax attention to read: modules of the model (or their names from
-    ``named_modules()``), or ``"auto"`` to trace every module (slower; see README, "Code attnprobe has
-    never seen").
-
-    Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
-    raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
-
-    Example::
-
-        >>> import torch, attnprobe
-        >>> attn = attnprobe.MultiHeadAttention(16, num_heads=4, causal=True)
-        >>> with attnprobe.capture(attn, heads=[0, 2], keep=["weights"]) as cap:
-        ...     y = attn(torch.randn(2, 6, 16))
-        >>> rec = cap[0]
-        >>> rec.heads, rec.q is None, tuple(rec.weights.shape)
-        ((0, 2), True, (2, 2, 6, 6))
-    """
-
-    def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None):
-        self._session = CaptureSession(
-            model,
-            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes),
-            modules=modules,
-        )
-
-    def __enter__(self) -> Capture:
-        return self._session.__enter__()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._session.__exit__(exc_type, exc, tb)
-
-
-def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[Any, Capture]:
-    """Run ``model`` once under capture and return ``(output, capture)``.
-
-    ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
-    a tuple or list as positional arguments, anything else as the one argument. ``options`` are
-    ``capture``'s (layers, heads, keep, device, dtype, max_bytes). With ``no_grad`` (the default)
-    the forward runs under ``torch.no_grad()``.
-
-    Example::
-
-        >>> import torch, attnprobe
-        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2)
-        >>> out, cap = attnprobe.run(attn, torch.randn(1, 4, 8), layers=[0])
-        >>> out.shape, len(cap)
-        (torch.Size([1, 4, 8]), 1)
-    """
-    with capture(model, **options) as cap:
-        with torch.no_grad() if no_grad else nullcontext():
-            if isinstance(inputs, Mapping):
-                output = model(**inputs)
-            elif isinstance(inputs, (tuple, list)):
-                output = model(*inputs)
-            else:
-                output = model(inputs)
-    return output, cap

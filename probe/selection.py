@@ -29,7 +29,7 @@ def _as_int(item, what: str, value) -> int:
         raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}") from None
 
 
-def _int_list(value, what: str) -> tuple[int, ...]:
+def int_list(value, what: str) -> tuple[int, ...]:
     """An int or an iterable of ints (numpy and torch integers too) as a tuple, duplicates dropped."""
     if isinstance(value, (bool, str, bytes, Mapping)):
         raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
@@ -117,7 +117,7 @@ class Selection:
 
     @classmethod
     def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None) -> "Selection":
-        layer_tuple = None if layers is None else _int_list(layers, "layers")
+        layer_tuple = None if layers is None else int_list(layers, "layers")
         head_tuple, by_layer = None, None
         if isinstance(heads, Mapping):
             by_layer = {}
@@ -128,11 +128,11 @@ class Selection:
                         "e.g. heads={0: [1, 2], -1: None}"
                     )
                 layer = _as_int(layer, "the keys of heads={layer: heads}", heads)
-                by_layer[layer] = None if hs is None else _int_list(hs, f"heads for layer {layer}")
+                by_layer[layer] = None if hs is None else int_list(hs, f"heads for layer {layer}")
             if layer_tuple is None:
                 layer_tuple = tuple(by_layer)
         elif heads is not None:
-            head_tuple = _int_list(heads, "heads")
+            head_tuple = int_list(heads, "heads")
         for h in (head_tuple or ()) + tuple(h for hs in (by_layer or {}).values() for h in (hs or ())):
             if h < 0:
                 raise SelectionError(f"heads must be non-negative head numbers, got {h}")
