@@ -23,9 +23,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AttentionModule": ".probe.capture",
     "Capture": ".probe.capture",
-    "attention_modules": ".api",
-    "capture": ".api",
-    "run": ".api",
+    "attention_modules": ".hooks.api",
+    "capture": ".hooks.api",
+    "run": ".hooks.api",
     "stitch": ".probe.generation",
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
@@ -50,7 +50,7 @@ _SUBPACKAGES = ("reports",)
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .api import attention_modules, capture, run
+    from .hooks.api import attention_modules, capture, run
     from .probe.capture import AttentionModule, Capture
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError

@@ -3,7 +3,7 @@
 - no import cycle between the package's modules;
 - dependencies point one way: probe/ (the core) imports neither hooks/ (adapters) nor reports/, nor the
   wiring above them; hooks/ and reports/ do not import each other; only the top level (``attnprobe``,
-  ``api``, ``cli``) sees every room;
+  ``cli``) sees every room;
 - no private name (``_name``, or a private module) is imported from another module.
 
 Every import statement counts: at module level, inside functions (lazy) and under ``TYPE_CHECKING``.
@@ -22,9 +22,9 @@ NOT_PACKAGE = {"tests", "benchmarks", "docs", "examples", "build", "dist"}
 
 #: importer room -> rooms it must not import (a room is a module name prefix; PACKAGE alone is the facade)
 FORBIDDEN = {
-    f"{PACKAGE}.probe": (f"{PACKAGE}.hooks", f"{PACKAGE}.reports", f"{PACKAGE}.api", f"{PACKAGE}.cli", PACKAGE),
-    f"{PACKAGE}.hooks": (f"{PACKAGE}.reports", f"{PACKAGE}.api", f"{PACKAGE}.cli"),
-    f"{PACKAGE}.reports": (f"{PACKAGE}.hooks", f"{PACKAGE}.api", f"{PACKAGE}.cli"),
+    f"{PACKAGE}.probe": (f"{PACKAGE}.hooks", f"{PACKAGE}.reports", f"{PACKAGE}.cli", PACKAGE),
+    f"{PACKAGE}.hooks": (f"{PACKAGE}.reports", f"{PACKAGE}.cli"),
+    f"{PACKAGE}.reports": (f"{PACKAGE}.hooks", f"{PACKAGE}.cli"),
 }
 #: modules that live in a room for their public path but consume the whole package, with the reason
 CONSUMERS = {
@@ -177,7 +177,7 @@ def test_checker_passes_a_clean_package():
         hooks__own="from ..probe.capture import X\nfrom . import calls\n",
         hooks__calls="",
         reports__html="from ..probe.record import X\nfrom .. import __version__\n",
-        api="from .hooks import own\nfrom .probe import capture\n",
+        cli="from .hooks import own\nfrom .probe import capture\n",
     )
     assert problems(sources) == []
 

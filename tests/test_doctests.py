@@ -10,7 +10,7 @@ import pytest
 # module -> whether it has examples (a module listed without them is still searched, in case some appear)
 CORE_MODULES = {
     "attnprobe": True,
-    "attnprobe.api": True,
+    "attnprobe.hooks.api": True,
     "attnprobe.probe.capture": True,
     "attnprobe.probe.interface": False,
     "attnprobe.probe.record": True,

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hooks import default_adapters
-from .probe.capture import AttentionModule, Capture, CaptureSession
-from .probe.interface import Adapter
-from .probe.selection import Selection
+from . import default_adapters
+from ..probe.capture import AttentionModule, Capture, CaptureSession
+from ..probe.interface import Adapter
+from ..probe.selection import Selection
 
 
 def attention_modules(model: nn.Module, adapters: Sequence[Adapter] | None = None) -> list[AttentionModule]:
