@@ -26,6 +26,7 @@ _EXPORTS = {
     "attention_modules": ".hooks.api",
     "capture": ".hooks.api",
     "run": ".hooks.api",
+    "scan": ".hooks.api",
     "stitch": ".probe.generation",
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
@@ -50,7 +51,7 @@ _SUBPACKAGES = ("reports",)
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .hooks.api import attention_modules, capture, run
+    from .hooks.api import attention_modules, capture, run, scan
     from .probe.capture import AttentionModule, Capture
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError

@@ -118,3 +118,25 @@ def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[A
             else:
                 output = model(inputs)
     return output, cap
+
+
+def scan(model: nn.Module, data, out, *, tokenizer=None, field: str | None = None, batch_size: int = 16,
+         max_length: int | None = None, layers=None, heads=None, limit: int | None = None, resume: bool = False,
+         chunk_size: int = 256, progress: bool = True):
+    """Per-head statistics of ``model`` over every input of ``data``, written to a Parquet dataset in ``out``.
+
+    ``data``: a ``.txt`` file (one input per line), ``.jsonl`` (``field``, default ``text``), ``.csv`` or
+    ``.parquet`` (``field``), a folder saved by ``datasets``' ``save_to_disk``, or a list of texts.
+    Inputs are tokenized by ``tokenizer`` in padded batches of ``batch_size`` (truncated to ``max_length``)
+    and run under ``capture(keep=("stats",))``: memory stays flat in the number of inputs, and no
+    (query x key) tensor is stored. Each input gets one row per (layer, head): the mean of every statistic
+    over its real query rows, and the row-level extremes (``entropy_min``, ``max_score_max``, ...).
+    ``out/part-NNNNN.parquet`` holds ``chunk_size`` inputs each; ``resume=True`` skips chunks already
+    written. Under ``accelerate launch`` / ``torchrun`` each process scans its own chunks.
+    Returns a ``ScanResult`` (``.to_frame()`` reads the whole scan).
+    """
+    from ..probe.scan import run_scan
+
+    return run_scan(capture, model, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
+                    max_length=max_length, layers=layers, heads=heads, limit=limit, resume=resume,
+                    chunk_size=chunk_size, progress=progress)
