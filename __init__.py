@@ -47,6 +47,8 @@ _EXPORTS = {
     "token_strings": ".hooks.hf_tokens",
 }
 _SUBPACKAGES = ("reports",)
+#: public modules whose code lives in a room: attnprobe.heads is hooks/heads.py
+_MODULES = {"heads": ".hooks.heads"}
 
 __all__ = sorted(_EXPORTS)
 
@@ -67,10 +69,14 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
         globals()[name] = value  # resolve once
         return value
+    if name in _MODULES:
+        module = importlib.import_module(_MODULES[name], __name__)
+        globals()[name] = module
+        return module
     if name in _SUBPACKAGES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'attnprobe' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES) | set(_MODULES))

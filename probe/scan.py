@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .errors import AttnprobeError
+from .heads import entropy_ratio
 
 FORMAT = 1
 CONFIG = "scan.json"
@@ -38,8 +39,8 @@ MANIFEST = "manifest.json"
 
 #: Per-row statistics averaged over an input's real query rows (NaN rows, e.g. ``previous_mass`` of the
 #: first query, left out of the mean).
-MEAN_STATS = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass",
-              "row_sum_error", "max_score", "output_error")
+MEAN_STATS = ("entropy", "entropy_ratio", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass",
+              "masked_mass", "row_sum_error", "max_score", "output_error")
 #: Row-level extremes kept beside the means: (column, statistic, "min" | "max").
 EXTREMES = (("entropy_min", "entropy", "min"), ("max_weight_max", "max_weight", "max"),
             ("max_score_max", "max_score", "max"), ("masked_mass_max", "masked_mass", "max"),
@@ -144,6 +145,8 @@ def aggregate(cap, indexes: Sequence[int], tokens: Sequence[int]) -> dict[str, l
         real = real[:, None, :].expand(batch, heads, queries)
         values = {name: stats[name].detach().double().cpu() for name in
                   {*MEAN_STATS, *(s for _, s, _ in EXTREMES)} if name in stats}
+        if "allowed_keys" in stats:  # entropy / its largest possible value, log(allowed keys)
+            values["entropy_ratio"] = entropy_ratio(values["entropy"], stats["allowed_keys"].cpu())
         finite = stats["finite"].cpu().bool()
         count = real.sum(-1)
         for name in MEAN_STATS:
