@@ -77,7 +77,7 @@ def test_each_planted_head_gets_its_label_and_no_other_head_does():
     assert got == EXPECTED, table.to_string()
     assert table.attrs["thresholds"] == dict(attnprobe.heads.THRESHOLDS)
     row = table.set_index(["layer", "head"]).loc[(1, 0)]
-    assert row["induction"] > 0.9  # the planted head follows the earlier occurrence almost entirely
+    assert row["induction"] > 0.8  # most weight on the token after the earlier occurrence (key 0 shares some)
     assert table.set_index(["layer", "head"]).loc[(0, 3), "entropy_ratio"] == pytest.approx(1.0, abs=1e-6)
 
 
