@@ -61,7 +61,7 @@ class capture:
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
     such as ``"500MB"``; every stored tensor counts, masks included).
     ``modules``: hand-written softmax attention to read: modules of the model (or their names from
-    ``named_modules()``), or ``"auto"`` to trace every module (slower; see README, "Code attnprobe has
+    ``named_modules()``), or ``"auto"`` to trace every module (slower; see the docs, "Code attnprobe has
     never seen").
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
