@@ -161,6 +161,17 @@ class AttentionCall:
             allowed = tril if allowed is None else allowed & tril
         return None if allowed is None else _as_4d(allowed)
 
+    def forbidden(self, a: int, b: int, c: int, d: int) -> torch.Tensor | None:
+        """The complement of ``allowed`` (what a softmax input is filled with ``-inf`` at), built directly."""
+        forbidden = None
+        if self.mask is not None:
+            forbidden = ~mask_allows(_rows(_as_4d(self.mask), a, b, c, d), self.masked_at)
+        if self.causal:
+            rows = torch.arange(a, b, device=self.q.device)[:, None] + self.causal_offset
+            later = torch.arange(c, d, device=self.q.device)[None, :] > rows
+            forbidden = later if forbidden is None else forbidden | later
+        return None if forbidden is None else _as_4d(forbidden)
+
     def logits(self, a: int, b: int, c: int, d: int) -> torch.Tensor:
         """``(batch, head, b - a, d - c)`` in the compute dtype: scaled ``q @ k`` plus bias, softcapped, plus the
         part of a float mask that is not masking (a relative bias folded into the mask, as Swin does), i.e.

@@ -14,7 +14,7 @@ Per ``(batch, head, query)`` (``ROW_STATS``):
 
 - ``entropy``: ``-sum w log w`` over the keys (nats);
 - ``max_weight``, ``min_weight``, ``argmax_key`` (key index; the first one on ties);
-- ``first_key_mass`` (key index 0), ``diagonal_mass`` (the query's own key), ``previous_mass`` (the key
+- ``first_key_mass`` (the first key any query may attend: the first one that is not padding), ``diagonal_mass`` (the query's own key), ``previous_mass`` (the key
   before it); NaN where that key does not exist (cross-attention, the first query);
 - ``masked_mass``, ``masked_max``: weight on keys the call's own mask forbids (sum, largest);
 - ``row_sum_error``: ``|sum w - expected|``, expected 1, or 1 minus the sink mass with attention sinks;
@@ -86,18 +86,11 @@ class _Rows:
         # key index of each row's own key (self-attention), else None
         self.diag = None if diag_offset is None else torch.arange(a, b, device=device) + diag_offset
         self.out = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
+        self.first_key = None  # (B, h, 1) the first key any query may attend; None = key 0
         self.scale = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
 
-    def _at(self, t: torch.Tensor, key: torch.Tensor | int, c: int, d: int, out: torch.Tensor) -> None:
-        """``out[..., i] = t[..., i, key_i]`` for rows whose key ``key_i`` lies in ``c:d``."""
-        if isinstance(key, int):
-            if c <= key < d:
-                out.copy_(t[..., key - c])
-            return
-        inside = (key >= c) & (key < d)
-        if bool(inside.any()):
-            got = t.gather(-1, (key - c).clamp(0, d - c - 1).view(1, 1, -1, 1).expand(*t.shape[:3], 1))[..., 0]
-            out.copy_(torch.where(inside, got, out))
+    def _at(self, t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:
+        _gather(t, key, c, d, out)
 
     def add(self, w: torch.Tensor, c: int, *, scores: torch.Tensor | None, allowed: torch.Tensor | None,
             v: torch.Tensor | None, exact_zero_outside: bool) -> None:
@@ -116,7 +109,7 @@ class _Rows:
         hit = w > WEIGHT_THRESHOLD
         self.first = torch.minimum(self.first, torch.where(hit, keys, self.Tk).amin(-1))
         self.last = torch.maximum(self.last, torch.where(hit, keys, -1).amax(-1))
-        self._at(w, 0, c, d, self.first_mass)
+        self._at(w, 0 if self.first_key is None else self.first_key.expand(*w.shape[:3]), c, d, self.first_mass)
         if self.diag is not None:
             self._at(w, self.diag, c, d, self.diag_mass)
             self._at(w, self.diag - 1, c, d, self.prev_mass)
@@ -215,62 +208,228 @@ def attention_stats(call: AttentionCall, *, diag_offset: int | None = None, quer
     dtype, device = call.compute_dtype, call.q.device
     itemsize = torch.finfo(dtype).bits // 8
     key_block = max(1, block_bytes // max(1, B * h * itemsize * _TEMPORARIES))  # keys of one row that fit
-    rows_step = _rows_per_block(B, h, Tk, itemsize, block_bytes) if key_block >= Tk else 1
-    if key_block < Tk:  # one row is longer than the target: a few rows, keys in blocks
+    if key_block >= Tk:
+        rows_step = _rows_per_block(B, h, Tk, itemsize, block_bytes)
+    else:  # one row is longer than the target: a few rows, keys in blocks
         rows_step = max(1, min(64, Tq))
         key_block = max(1, block_bytes // max(1, B * h * rows_step * itemsize * _TEMPORARIES))
     counted = _counted_rows(query_padding, B, Tq, device).to(dtype)
-    key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
-    key_allowed = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)
-    v = None if call.output is None or call.v is None else call.v
-    dv = None if v is None else v.shape[-1]
-    sinks = None if call.sinks is None else call.sinks.to(device, dtype)
-    parts = []
+    stats = _Engine(call, B, h, Tq, Tk, dtype, device, diag_offset)
     with torch.no_grad():
         for a in range(0, Tq, rows_step):
             b = min(a + rows_step, Tq)
             reach = call.key_limit(b)
-            blocks = [(c, min(c + key_block, reach)) for c in range(0, reach, key_block)]
-            # pass 1: each row's running max m and sum l = sum exp(z - m), rescaled when m grows
-            m = torch.full((B, h, b - a), -math.inf, device=device, dtype=dtype)
-            l = torch.zeros_like(m)
-            kept = None  # the one block of a row that fits whole: pass 2 reuses it
+            stats.rows(a, b, [(c, min(c + key_block, reach)) for c in range(0, reach, key_block)], counted[:, a:b])
+    return stats.result()
+
+
+class _Engine:
+    """The engine's two passes over the key blocks of each block of query rows.
+
+    Pass 1 finds each row's max ``m`` (and its key) and ``l = sum exp(z - m)`` with a running max (flash-style);
+    a row that fits one block does it in one go. Pass 2 turns each key block into ``e = exp(z - m)``: the
+    weights are ``e / l``, so every sum is accumulated in units of ``e`` and divided by ``l`` once at the end.
+    Weights at forbidden keys are exactly 0 (their logit is ``-inf``, never a finite sentinel: exp of a huge
+    negative number is slow on CPUs), so the masked sums need no pass. An empty row of an additive mask is
+    uniform over every key (see ``attention_math``): its statistics are written directly.
+    """
+
+    def __init__(self, call: AttentionCall, B, h, Tq, Tk, dtype, device, diag_offset) -> None:
+        self.call, self.B, self.h, self.Tq, self.Tk = call, B, h, Tq, Tk
+        self.dtype, self.device, self.diag_offset = dtype, device, diag_offset
+        self.sinks = None if call.sinks is None else call.sinks.to(device, dtype).view(1, -1, 1)
+        self.v = None if call.output is None or call.v is None else call.v.to(dtype)
+        self.key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
+        self.key_allowed = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)
+        self.parts: list[dict] = []
+        self.first_key = self._first_attendable()  # (B, h, 1): the key first_key_mass reads
+
+    def _first_attendable(self) -> torch.Tensor:
+        """``(B, h, 1)`` the first key some query may attend (0 under a causal mask alone), read from the mask a
+        block of rows at a time."""
+        B, h, Tq, Tk, call = self.B, self.h, self.Tq, self.Tk, self.call
+        if call.mask is None:
+            return torch.zeros(B, h, 1, dtype=torch.long, device=self.device)
+        seen = torch.zeros(B, h, Tk, dtype=torch.bool, device=self.device)
+        step = max(1, (1 << 24) // max(1, B * h * Tk))
+        for a in range(0, Tq, step):
+            b = min(a + step, Tq)
+            seen |= (~call.forbidden(a, b, 0, Tk)).any(-2).expand(B, h, Tk)
+        return seen.to(torch.uint8).argmax(-1, keepdim=True)
+
+    def _block(self, a, b, c, d):
+        """(logits, allowed or None, softmax input with -inf where forbidden): keys ``c:d`` of rows ``a:b``."""
+        s = self.call.logits(a, b, c, d)
+        forbidden = self.call.forbidden(a, b, c, d)
+        z = s if forbidden is None else s.masked_fill(forbidden, -math.inf)
+        if forbidden is not None:
+            # the logits at forbidden keys no longer matter (their weight is 0): zero them, so that a NaN/inf
+            # there cannot reach the entropy's sum of e * s, where a NaN/inf at an allowed key must show
+            s = s.masked_fill_(forbidden, 0.0)
+        # a causal mask alone is counted from positions (below), anything else from the mask itself
+        allowed = None if forbidden is None or self.call.mask is None else ~forbidden
+        return s, allowed, z
+
+    def rows(self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor) -> None:
+        B, h, n, dtype, device = self.B, self.h, b - a, self.dtype, self.device
+        m = torch.full((B, h, n), -math.inf, device=device, dtype=dtype)
+        arg = torch.zeros(B, h, n, dtype=torch.long, device=device)
+        l = torch.zeros_like(m)
+        kept = None
+        if len(blocks) == 1:  # the whole row in one block: one pass
+            kept = self._block(a, b, *blocks[0])
+            m, arg = kept[2].max(-1)
+            arg = arg + blocks[0][0]
+        else:  # pass 1: running max, rescaled sum
             for c, d in blocks:
-                s = call.logits(a, b, c, d)
-                allowed = call.allowed(a, b, c, d)
-                z = s if allowed is None else s.masked_fill(~allowed, -math.inf)  # -inf, never a finite sentinel
-                m_new = torch.maximum(m, z.amax(-1))
+                _, _, z = self._block(a, b, c, d)
+                bm, barg = z.max(-1)
+                m_new = torch.maximum(m, bm)
+                arg = torch.where(bm > m, barg + c, arg)
                 safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
-                l = l * torch.exp(torch.where(torch.isfinite(m), m - safe, -math.inf)) + torch.exp(z - safe[..., None]).sum(-1)
+                l = l * torch.exp(torch.where(torch.isfinite(m), m - safe, -math.inf)) + \
+                    torch.exp(z - safe[..., None]).sum(-1)
                 m = m_new
-                if len(blocks) == 1:
-                    kept = (s, allowed, z)
-            lse = torch.where(l > 0, torch.log(l) + torch.where(torch.isfinite(m), m, 0.0), -math.inf)
-            lse = torch.where(torch.isnan(m), math.nan, lse)
-            lse_all = sink_logsumexp(lse, sinks)
-            empty = ~(torch.isfinite(m) | torch.isnan(m)) if sinks is None else torch.zeros_like(m, dtype=torch.bool)
-            uniform = empty if call.additive else None  # additive masks turn an empty row uniform
-            real = (counted[:, a:b].view(B, 1, -1) * ~empty).to(dtype)  # rows that count in key_weight
-            acc = _Rows(B, h, a, b, Tk, diag_offset=diag_offset, device=device, dtype=dtype, dv=dv)
-            for c, d in blocks:
-                s, allowed, z = kept if kept is not None else (None, None, None)
-                if s is None:
-                    s = call.logits(a, b, c, d)
-                    allowed = call.allowed(a, b, c, d)
-                    z = s if allowed is None else s.masked_fill(~allowed, -math.inf)
-                w = torch.exp(z - torch.where(torch.isfinite(lse_all), lse_all, 0.0)[..., None])
-                if uniform is not None:
-                    w = torch.where(uniform[..., None], 1.0 / Tk, w)
-                acc.add(w, c, scores=s, allowed=allowed, v=v, exact_zero_outside=not call.additive)
-                key_weight[..., c:d] += torch.einsum("bhq,bhqk->bhk", real, w)
-                if allowed is None:
-                    key_allowed[..., c:d] = True
-                else:
-                    key_allowed[..., c:d] |= allowed.any(-2).expand(B, h, -1)
-            expected = 1.0 if sinks is None else 1.0 - torch.exp(sinks.view(1, -1, 1) - lse_all).nan_to_num(0.0)
-            part = acc.finish(expected=expected, output=call.output, scores_known=True)
-            parts.append(part)
-    return _collect(parts, key_weight, key_allowed)
+        shift = torch.where(torch.isfinite(m), m, 0.0)  # e = exp(z - shift); -inf rows stay 0
+        empty = torch.isneginf(m)  # no allowed key (NaN rows are not empty: they are not finite)
+        diag = None if self.diag_offset is None else torch.arange(a, b, device=device) + self.diag_offset
+        dv = None if self.v is None else self.v.shape[-1]
+        z_ = torch.zeros(B, h, n, device=device, dtype=dtype)
+        acc = {"l": z_.clone(), "dot": z_.clone(), "min": torch.full_like(z_, math.inf), "first_e": z_.clone(),
+               "diag_e": torch.full_like(z_, math.nan), "prev_e": torch.full_like(z_, math.nan),
+               "allowed_keys": torch.zeros(B, h, n, dtype=torch.long, device=device),
+               "diag_allowed": torch.zeros(B, h, n, dtype=torch.bool, device=device),
+               "first": torch.full((B, h, n), self.Tk, dtype=torch.long, device=device),
+               "last": torch.full((B, h, n), -1, dtype=torch.long, device=device)}
+        out = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
+        scale = None if dv is None else torch.zeros_like(out)
+        pending = []  # key-block sums of e that need l: (c, d, e-block summed against counted rows)
+        real = counted.view(B, 1, n) * ~empty
+        for c, d in blocks:
+            s, allowed, z = kept if kept is not None else self._block(a, b, c, d)
+            # z is not needed again: in place, unless z is the logits themselves (nothing masked)
+            e = (z - shift[..., None] if z is s else z.sub_(shift[..., None])).exp_()
+            acc["l"] += e.sum(-1)
+            # entropy needs sum e * z over allowed keys: the unmasked logits s are finite where e is 0
+            acc["dot"] += torch.linalg.vecdot(e, s)
+            acc["min"] = torch.minimum(acc["min"], e.amin(-1))
+            _gather(e, self.first_key.expand(B, h, n), c, d, acc["first_e"])
+            if diag is not None:
+                _gather(e, diag, c, d, acc["diag_e"])
+                _gather(e, diag - 1, c, d, acc["prev_e"])
+            if allowed is None:  # every key, or a causal mask alone: counted from positions
+                rows = torch.arange(a, b, device=device)
+                limit = rows + self.call.causal_offset + 1 if self.call.causal else torch.full_like(rows, d)
+                acc["allowed_keys"] += (limit.clamp(c, d) - c).view(1, 1, -1)
+                reach = min(d, b - 1 + self.call.causal_offset + 1) if self.call.causal else d
+                self.key_allowed[..., c:max(c, reach)] = True
+                if diag is not None:
+                    acc["diag_allowed"] |= ((diag >= c) & (diag < d) & (diag < limit)).view(1, 1, -1)
+            else:
+                acc["allowed_keys"] += allowed.sum(-1, dtype=torch.long).expand(B, h, n)
+                self.key_allowed[..., c:d] |= allowed.any(-2).expand(B, h, d - c)
+                if diag is not None:
+                    got = torch.zeros(allowed.shape[:3], dtype=torch.bool, device=device)
+                    _gather(allowed, diag, c, d, got)
+                    acc["diag_allowed"] |= got
+            if out is not None:
+                vb = self.v[:, :, c:d]
+                out += e @ vb
+                scale += e @ vb.abs()
+            pending.append((c, d, e if len(blocks) == 1 else None))
+            if len(blocks) > 1:
+                pending[-1] = (c, d, None)
+                self._key_sums(e, c, d, real, acc, l_final=self._total(l, shift))
+        if len(blocks) == 1:
+            l = acc["l"]
+            c, d, e = pending[0]
+            self._key_sums(e, c, d, real, acc, l_final=self._total(l, shift))
+        self.parts.append(self._finish(a, b, m, arg, l, shift, empty, diag, acc, out, scale))
+
+    def _key_sums(self, e, c, d, real, acc, *, l_final) -> None:
+        """Sums over this block's keys that need each row's normaliser: key_weight, first/last key."""
+        inv = torch.where(l_final > 0, 1.0 / l_final, 0.0)
+        self.key_weight[..., c:d] += (real * inv).unsqueeze(-2).matmul(e).squeeze(-2)
+        hit = (e > (WEIGHT_THRESHOLD * l_final)[..., None]).view(torch.uint8)  # weight > threshold, e not divided
+        first = hit.argmax(-1)  # the first maximum: the first hit, or 0 when there is none
+        any_hit = hit.gather(-1, first.unsqueeze(-1)).squeeze(-1).bool()
+        first = first + c
+        last = (d - 1) - hit.flip(-1).argmax(-1)
+        acc["first"] = torch.where(any_hit, torch.minimum(acc["first"], first), acc["first"])
+        acc["last"] = torch.where(any_hit, torch.maximum(acc["last"], last), acc["last"])
+
+    def _total(self, l: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """The softmax normaliser in units of ``e``: ``l``, plus ``exp(sink - shift)`` with attention sinks."""
+        return l if self.sinks is None else l + torch.exp(self.sinks - shift)
+
+    def _finish(self, a, b, m, arg, l, shift, empty, diag, acc, out, scale) -> dict:
+        Tk, sinks = self.Tk, self.sinks
+        total = self._total(l, shift)
+        expected = 1.0 if sinks is None else 1.0 - torch.exp(sinks - shift) / total
+        inv = torch.where(total > 0, 1.0 / total, 0.0)
+        lse = torch.log(total) + shift
+        stats = {
+            "entropy": torch.where(l > 0, lse * (l * inv) - acc["dot"] * inv, 0.0),
+            "max_weight": torch.where(empty, 0.0, torch.exp(m - shift) * inv),
+            "min_weight": acc["min"] * inv,
+            "argmax_key": torch.where(empty, 0, arg),
+            "first_key_mass": acc["first_e"] * inv,
+            "diagonal_mass": acc["diag_e"] * inv,
+            "previous_mass": acc["prev_e"] * inv,
+            "masked_mass": torch.zeros_like(m), "masked_max": torch.zeros_like(m),
+            "row_sum_error": (acc["l"] * inv - expected).abs(),
+            "max_score": m,
+            "first_key": torch.where(acc["first"] >= Tk, -1, acc["first"]), "last_key": acc["last"],
+            "allowed_keys": acc["allowed_keys"], "diagonal_allowed": acc["diag_allowed"],
+        }
+        finite = torch.isfinite(acc["dot"]) & torch.isfinite(total) & ~torch.isnan(m)
+        finite = finite | (empty & (acc["dot"] == 0))
+        if out is not None:
+            obs = self.call.output[:, :, a:b].to(self.dtype)
+            out = out * inv[..., None]
+            stats["output_error"] = (out - obs).abs().amax(-1)
+            stats["output_scale"] = (scale * inv[..., None]).amax(-1)
+            finite &= torch.isfinite(obs).all(-1)
+        else:
+            stats["output_error"] = torch.full_like(m, math.nan)
+            stats["output_scale"] = torch.full_like(m, math.nan)
+        if self.call.additive and sinks is None:  # an empty row of an additive mask is uniform over every key
+            stats = self._uniform_rows(stats, empty, diag, a, b)
+        stats["finite"] = finite
+        return stats
+
+    def _uniform_rows(self, stats: dict, empty: torch.Tensor, diag, a: int, b: int) -> dict:
+        Tk, u = self.Tk, 1.0 / self.Tk
+        put = {"entropy": math.log(Tk), "max_weight": u, "min_weight": u, "argmax_key": 0, "first_key_mass": u,
+               "masked_mass": 1.0, "masked_max": u, "row_sum_error": 0.0,
+               "first_key": 0 if u > WEIGHT_THRESHOLD else -1, "last_key": Tk - 1 if u > WEIGHT_THRESHOLD else -1}
+        out = {name: (torch.where(empty, put[name], t) if name in put else t) for name, t in stats.items()}
+        if diag is not None:
+            out["diagonal_mass"] = torch.where(empty & (diag < Tk), u, stats["diagonal_mass"])
+            out["previous_mass"] = torch.where(empty & (diag >= 1) & (diag - 1 < Tk), u, stats["previous_mass"])
+        if self.v is not None:
+            mean = self.v.mean(-2, keepdim=True)  # (B, h, 1, d): the output of a uniform row
+            obs = self.call.output[:, :, a:b].to(self.dtype)
+            err = (mean - obs).abs().amax(-1)
+            out["output_error"] = torch.where(empty, err, stats["output_error"])
+            out["output_scale"] = torch.where(empty, self.v.abs().mean(-2).amax(-1, keepdim=True), stats["output_scale"])
+        return out
+
+    def result(self) -> Mapping[str, torch.Tensor]:
+        return _collect(self.parts, self.key_weight, self.key_allowed)
+
+
+def _gather(t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:
+    """``out[..., i] = t[..., i, key_i - c]`` for the rows whose key lies in ``c:d`` (``key`` an int or ``(rows,)``)."""
+    if isinstance(key, int):
+        if c <= key < d:
+            out.copy_(t[..., key - c])
+        return
+    inside = (key >= c) & (key < d)
+    index = (key - c).clamp(0, d - c - 1)
+    index = index.view(1, 1, -1, 1).expand(*t.shape[:3], 1) if index.dim() == 1 else index.unsqueeze(-1)
+    got = t.gather(-1, index)[..., 0]
+    out.copy_(torch.where(inside, got.to(out.dtype), out))
 
 
 def stats_from_weights(weights: torch.Tensor, *, scores: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
@@ -299,6 +458,7 @@ def stats_from_weights(weights: torch.Tensor, *, scores: torch.Tensor | None = N
             s = None if scores is None else scores[:, :, a:b].to(dtype)
             al = None if allowed is None else allowed[:, :, a:b].to(torch.bool)
             acc = _Rows(B, h, a, b, Tk, diag_offset=diag_offset, device=device, dtype=dtype, dv=dv)
+            acc.first_key = key_allowed.to(torch.uint8).argmax(-1, keepdim=True)
             acc.add(w, 0, scores=s, allowed=al, v=v, exact_zero_outside=False)
             real = counted[:, a:b].view(B, 1, -1) * (1.0 if al is None else al.any(-1).to(dtype))
             key_weight += torch.einsum("bhq,bhqk->bhk", real.expand(B, h, -1), w.nan_to_num(0.0))
