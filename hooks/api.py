@@ -55,7 +55,9 @@ class capture:
 
     ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
     ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
-    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
+    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all), and ``"stats"``: per-row
+    statistics in ``record.stats``, computed blockwise without storing any (query x key) tensor
+    (``block_bytes``: the memory target of one block).
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
@@ -79,10 +81,11 @@ class capture:
     """
 
     def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None):
+                 modules=None, block_bytes=None):
         self._session = CaptureSession(
             model,
-            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes),
+            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes,
+                            block_bytes=block_bytes),
             default_adapters(modules=modules),
         )
 
