@@ -555,7 +555,7 @@ def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, 
 
     One row per input, layer and head: each statistic averaged over the input's real query rows, plus
     row-level extremes (entropy_min, max_score_max, ...). No (query x key) tensor is stored, so memory stays
-    flat in the number of inputs. Runs unchanged under `accelerate launch --num_processes N -m attnprobe scan`
+    flat in the number of inputs. Runs unchanged under `accelerate launch --num_processes N -m attnprobe scan` and `torchrun`
     (each process scans its own chunks).
 
     \b

@@ -1,7 +1,7 @@
 """Scans over a data set, and capture on a dispatched model (accelerate), measured in one run.
 
     scan     MiniLM (bundled) over N lines, batch 16: inputs/s with 1 process and with 2 processes
-             (`accelerate launch --num_processes 2 --cpu -m attnprobe scan`), and the peak resident memory
+             (`accelerate launch --multi_gpu --num_processes 2 -m attnprobe scan`: on a CPU-only machine that runs gloo), and the peak resident memory
              of each process at 500 and at 2,000 lines (flat in the number of inputs: no growth with N)
     dispatch a tiny Llama loaded with a device map that puts half its layers on "disk" (an offload folder):
              full capture / plain forward of the same dispatched model (interleaved rounds, median ratio)
@@ -48,7 +48,7 @@ def scan_figures(args, folder: Path) -> None:
             if processes == 1:
                 cmd = [sys.executable, "-m", "attnprobe", *common, "--data", str(data), "--out", str(out)]
             else:
-                cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--cpu", "--num_processes", "2",
+                cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                        "-m", "attnprobe", *common, "--data", str(data), "--out", str(out)]
             threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}

@@ -6,12 +6,12 @@ the statistics aggregated over the input's real query rows (padding left out) to
 one file per chunk of ``chunk_size`` inputs. The folder reads as one table with pandas, polars or DuckDB
 (``SELECT layer, head, avg(entropy) FROM 'out/*.parquet' GROUP BY ALL``).
 
-- ``out/scan.json`` holds what the scan is (model, selection, data, truncation, chunking): a scan refuses to
+- ``out/_scan.json`` holds what the scan is (model, selection, data, truncation, chunking): a scan refuses to
   write into a folder that holds another scan's files;
 - ``resume=True`` skips the chunks already written (each file is written to a temporary name and renamed
   into place, so an interrupted scan loses at most the chunk it was writing);
 - under ``accelerate launch`` or ``torchrun`` every process takes its own chunks (accelerate's
-  ``split_between_processes``), writes its own files, and the main process writes ``out/manifest.json``
+  ``split_between_processes``), writes its own files, and the main process writes ``out/_manifest.json``
   when all are done.
 
 The capture itself is not made here: probe/ never imports the adapters. ``attnprobe.scan`` passes the
@@ -34,8 +34,8 @@ from .errors import AttnprobeError
 from .heads import entropy_ratio
 
 FORMAT = 1
-CONFIG = "scan.json"
-MANIFEST = "manifest.json"
+CONFIG = "_scan.json"  # "_" first: pyarrow, pandas and Spark readers of the folder skip it
+MANIFEST = "_manifest.json"
 
 #: Per-row statistics averaged over an input's real query rows (NaN rows, e.g. ``previous_mass`` of the
 #: first query, left out of the mean).

@@ -78,7 +78,7 @@ def test_padded_batches_give_each_input_its_own_statistics(minilm, lines, tmp_pa
     assert (frame["nonfinite_rows"] == 0).all() and (frame["rows"] == frame["tokens"]).all()
     meta = json.loads(pq.read_schema(tmp_path / "scan" / parts[1]).metadata[b"attnprobe"])  # what the scan was
     assert meta["chunk"] == 1 and meta["first_input"] == 3 and meta["last_input"] == 5 and meta["layers"] == [0, 5]
-    manifest = json.loads((tmp_path / "scan" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "scan" / "_manifest.json").read_text())
     assert manifest["complete"] and manifest["parts"] == parts
 
 
@@ -151,18 +151,26 @@ def test_command_line(tmp_path, lines):
     assert again.exit_code == 2 and "holds another scan" in again.output
 
 
+#: two processes on this CPU (gloo): accelerate's launcher needs --multi_gpu for that (its --cpu runs several
+#: processes only through mpirun); torchrun as it is
+LAUNCHERS = {
+    "accelerate": [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+}
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="two gloo processes on loopback")
-def test_two_processes_under_accelerate_launch_equal_one(tmp_path, lines):
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_two_processes_equal_one(tmp_path, lines, launcher):
     pytest.importorskip("accelerate")
-    launcher = Path(sys.executable).with_name("accelerate")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["scan", "--data", str(lines), "--layers", "2", "--batch-size", "2", "--chunk-size", "2", "--quiet"]
     one = subprocess.run([sys.executable, "-m", "attnprobe", *common, "--out", str(tmp_path / "one")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([str(launcher), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-                          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "attnprobe", *common,
-                          "--out", str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=300)
+    two = subprocess.run([*LAUNCHERS[launcher], "-m", "attnprobe", *common, "--out", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a = pd.read_parquet(tmp_path / "one").sort_values(["input", "layer", "head"]).reset_index(drop=True)
     b = pd.read_parquet(tmp_path / "two").sort_values(["input", "layer", "head"]).reset_index(drop=True)
@@ -170,4 +178,4 @@ def test_two_processes_under_accelerate_launch_equal_one(tmp_path, lines):
     processes = {json.loads(pq.read_schema(p).metadata[b"attnprobe"])["process"]
                  for p in (tmp_path / "two").glob("*.parquet")}
     assert processes == {0, 1}
-    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["complete"]
+    assert json.loads((tmp_path / "two" / "_manifest.json").read_text())["complete"]
