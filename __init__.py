@@ -27,6 +27,7 @@ _EXPORTS = {
     "capture": ".hooks.api",
     "run": ".hooks.api",
     "scan": ".hooks.api",
+    "monitor": ".hooks.api",
     "stitch": ".probe.generation",
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
@@ -48,12 +49,12 @@ _EXPORTS = {
 }
 _SUBPACKAGES = ("reports",)
 #: public modules whose code lives in a room: attnprobe.heads is hooks/heads.py
-_MODULES = {"heads": ".hooks.heads"}
+_MODULES = {"heads": ".hooks.heads", "integrations": ".hooks.integrations"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .hooks.api import attention_modules, capture, run, scan
+    from .hooks.api import attention_modules, capture, monitor, run, scan
     from .probe.capture import AttentionModule, Capture
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError

@@ -143,3 +143,35 @@ def scan(model: nn.Module, data, out, *, tokenizer=None, field: str | None = Non
     return run_scan(capture, model, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
                     max_length=max_length, layers=layers, heads=heads, limit=limit, resume=resume,
                     chunk_size=chunk_size, progress=progress)
+
+
+def monitor(model: nn.Module, *, every: int = 100, layers=None, heads=None, log_dir=None, alerts=None,
+            raise_on=(), block_bytes: int | None = None):
+    """Watch ``model``'s attention while it trains: per-head statistics on every ``every``-th forward call.
+
+    A context manager (and an object with ``close()``). On forward calls 0, ``every``, ``2 * every``, ...
+    the statistics of ``capture(keep=("stats",))`` are computed from the q and k the forward made (no grad,
+    detached, no (query x key) tensor kept, the graph, gradients and random stream untouched) and added to
+    ``mon.history`` (one row per step, layer and head: means over real query rows, plus ``entropy_min``,
+    ``max_weight_max``, ``max_score_max``, ``nonfinite_rows``). Between sampled calls nothing is computed.
+
+    ``log_dir``: also write TensorBoard scalars ("attention/layer 03/head 05/entropy", needs tensorboard).
+    ``alerts``: thresholds, e.g. ``{"entropy_below": 0.05, "max_score_above": 50.0, "nonfinite": True}``:
+    each fires an ``AttnprobeWarning`` once per (layer, head, alert) and is kept in ``mon.alerts``;
+    ``raise_on``: alert names that raise ``AttentionAlert`` instead (for CI jobs).
+    Inside ``torch.compile``d code the sampled steps are skipped (monitor the model before compiling it).
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2, causal=True))
+        >>> with attnprobe.monitor(model, every=2) as mon:
+        ...     for _ in range(5):
+        ...         _ = model(torch.randn(1, 4, 8))
+        >>> sorted(mon.history["step"].unique().tolist()), len(mon.history)
+        ([0, 2, 4], 6)
+    """
+    from ..probe.monitor import Monitor
+
+    return Monitor(capture, model, every=every, layers=layers, heads=heads, log_dir=log_dir, alerts=alerts,
+                   raise_on=raise_on, block_bytes=block_bytes)
