@@ -121,17 +121,16 @@ class Opened:
         assert not self.dialogs, f"the page opened dialogs: {self.dialogs}"
 
 
-_SHARED: list = []  # the session's one browser context, whichever test module's fixture started it
+# One Chromium for the whole session: every test module that imports the ``browser`` fixture gets its own
+# session-scoped instance of it, and a second sync Playwright started while the first runs fails ("Sync API inside
+# the asyncio loop"); the instances share this one, closed when the last of them is torn down.
+_SHARED: dict = {"users": 0}
 
 
 @pytest.fixture(scope="session")
 def browser():
     """Debian's Chromium, headless, with a fresh profile. Skipped when it is missing (failed under
-    ``ATTNPROBE_REQUIRE_BROWSER=1``). One for the whole session, also when several test modules import this
-    fixture (to pytest each import is a fixture of its own, and Playwright refuses a second one in a process)."""
-    if _SHARED:
-        yield _SHARED[0]
-        return
+    ``ATTNPROBE_REQUIRE_BROWSER=1``)."""
     if not Path(CHROMIUM).exists():
         missing = pytest.fail if os.environ.get("ATTNPROBE_REQUIRE_BROWSER") == "1" else pytest.skip
         missing(
@@ -143,17 +142,30 @@ def browser():
         from playwright.sync_api import sync_playwright
     except ImportError:
         pytest.fail("the browser tests need the playwright package: pip install -e '.[dev]'")
-    with tempfile.TemporaryDirectory() as profile, sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, offline=True,
-            viewport={"width": 1280, "height": 900},
-        )
-        _SHARED.append(context)
+    if not _SHARED["users"]:
+        profile = tempfile.TemporaryDirectory()
+        playwright = sync_playwright().start()
         try:
-            yield context
-        finally:
-            _SHARED.clear()
-            context.close()
+            context = playwright.chromium.launch_persistent_context(
+                profile.name, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, offline=True,
+                viewport={"width": 1280, "height": 900},
+            )
+        except BaseException:
+            playwright.stop()
+            profile.cleanup()
+            raise
+        _SHARED.update(profile=profile, playwright=playwright, context=context)
+    _SHARED["users"] += 1
+    try:
+        yield _SHARED["context"]
+    finally:
+        _SHARED["users"] -= 1
+        if not _SHARED["users"]:
+            try:
+                _SHARED["context"].close()
+            finally:
+                _SHARED["playwright"].stop()
+                _SHARED["profile"].cleanup()
 
 
 @pytest.fixture

@@ -87,3 +87,13 @@ def test_cli_export_has_query_padding_and_drop_padding(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["export", "cli_factories:tiny", *ids, "--out", "h.csv", "--drop-padding",
                                        "--what", "summary"])
     assert result.exit_code == 2 and "--drop-padding applies to --what frame" in result.stderr
+
+
+def test_statistics_frame_marks_and_drops_padded_rows():
+    attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+    with attnprobe.capture(attn, keep=("stats",)) as cap:
+        attn(torch.randn(2, 4, 8), attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]))
+    frame = cap.to_frame()
+    marked = frame[frame.query_padding]
+    assert set(zip(marked.batch, marked.query_pos)) == {(1, 2), (1, 3)} and len(marked) == 4  # 2 rows x 2 heads
+    assert len(cap.to_frame(drop_padding=True)) == len(frame) - 4
