@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,7 +27,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.attention_math import AttentionCall
+from ..probe.errors import UnsupportedModelError, warn_user
+from ..probe.threads import elsewhere
 from . import hf_compat
 from .base import Adapter, Lazy, Site
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
@@ -125,6 +126,8 @@ def _private_attention(base: str) -> Callable:
         recorders = _HANDLERS.get(id(module))
         if recorders:
             for recorder in tuple(recorders):
+                if elsewhere(recorder.session.thread):
+                    continue  # another thread's forward: its call is not this capture's
                 recorder.on_call(fn, query, key, value, attention_mask, args, kwargs, result)
         return result
 
@@ -410,9 +413,12 @@ class _Recorder:
         if self.style == "custom":
             _check_mask(mask, base, batch=batch, heads=heads, q_len=q_len, k_len=k_len)
         implicit_causal = self.style != "eager" and bool(is_causal) and mask is None and q_len > 1
-        mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
-                                   device=q.device)
-        allowed = mask_info.allowed
+        if self.session.stats_only:
+            mask_info = allowed = None  # a statistics capture reads the mask block by block, never whole
+        else:
+            mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
+                                       device=q.device)
+            allowed = mask_info.allowed
 
         state = self.state
         step = state.step if state is not None else None
@@ -451,6 +457,16 @@ class _Recorder:
             if observed is None:
                 values["weights"] = Lazy(shape, q.dtype, rec.weights)
                 weights_source = "recomputed"
+        if self.recomputable and wants(site, "stats"):
+            if self._kv_of_heads is None:
+                self._kv_of_heads = kv_of_heads(site.heads, heads, kv_heads)
+            values["stats"] = AttentionCall.for_heads(
+                q, k, v, heads=site.heads, kv_heads=self._kv_of_heads,
+                mask=None if mask is None else mask[..., :k_len], causal=implicit_causal, bias=position_bias,
+                softcap=softcap, sinks=sinks, output=output, scaling=scaling,
+                additive=self.style == "eager" or position_bias is not None
+                or (mask is not None and mask.dtype.is_floating_point),
+            )
         if observed is not None:
             values["weights"] = observed
             weights_source = "observed"
@@ -536,7 +552,7 @@ class _Recorder:
 def _warn_once(key, message: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, AttnprobeWarning, stacklevel=4)
+        warn_user(message)
 
 
 # ------------------------------------------------------------------------------------ adapter
@@ -591,14 +607,11 @@ class HuggingFaceAdapter(Adapter):
         if old_style and "weights" not in session.selection.keep:
             # the fallback records weights only: asking the model for output_attentions would keep every layer's
             # weights alive until it returns, for nothing
-            warnings.warn(
+            warn_user(
                 f"{type(model).__name__}: {len(old_style)} attention module(s) without the attention interface "
                 f"({', '.join(sorted({type(s.module).__name__ for s in old_style}))}) give attnprobe only their "
                 f"weights (through output_attentions), which keep={sorted(session.selection.keep)} leaves out: they "
-                "are not recorded. Add 'weights' to keep= to record them",
-                AttnprobeWarning,
-                stacklevel=4,
-            )
+                "are not recorded. Add 'weights' to keep= to record them")
             for site in old_style:
                 site.selected = False  # not captured (the session's end-of-capture warnings count them out)
         elif old_style:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 import sys
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -14,9 +13,11 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
+from .errors import NotCapturedError, SelectionError, UnsupportedModelError, warn_user
 from .interface import Adapter, Lazy, Site
-from .record import TENSOR_FIELDS, AttentionRecord
+from . import threads
+from .intent import Intent, module_intent
+from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
 from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
 
@@ -37,6 +38,10 @@ class Capture(Sequence):
 
     def __init__(self, records: Iterable[AttentionRecord] = (), info: Mapping[str, Any] | None = None) -> None:
         self._records: list[AttentionRecord] = list(records)
+        stray = next(((i, r) for i, r in enumerate(self._records) if not isinstance(r, AttentionRecord)), None)
+        if stray is not None:
+            raise TypeError(f"Capture() takes AttentionRecords (e.g. records of another capture), got "
+                            f"{type(stray[1]).__name__} at position {stray[0]}")
         self._info = MappingProxyType(dict(info or {}))
 
     def __reduce__(self):
@@ -130,17 +135,19 @@ class Capture(Sequence):
         for r in self._records:
             if r.layer == layer and r.call == call:
                 return r
-        raise KeyError(
+        raise NotCapturedError(
             f"no record for layer {layer}, call {call}; captured layers: {list(self.layers)}"
             + (f", calls of that layer: {[r.call for r in self._records if r.layer == layer]}" if any(r.layer == layer for r in self._records) else "")
         )
 
     # -- frames (pandas is imported only here) ----------------------------------------------
-    def to_frame(self, tokens=None, key_tokens=None):
-        """Tidy long frame: one row per (layer, call, head, batch, query_pos, key_pos). See ``frames.FRAME_SCHEMA``."""
+    def to_frame(self, tokens=None, key_tokens=None, *, drop_padding: bool = False):
+        """Tidy long frame: one row per (layer, call, head, batch, query_pos, key_pos). See ``frames.FRAME_SCHEMA``.
+
+        ``query_padding`` marks padded query rows; ``drop_padding=True`` leaves them out."""
         from .frames import to_frame
 
-        return to_frame(self, tokens=tokens, key_tokens=key_tokens)
+        return to_frame(self, tokens=tokens, key_tokens=key_tokens, drop_padding=drop_padding)
 
     def summary(self):
         """One row per (layer, head): entropy, max weight, mass on first key / diagonal / previous token,
@@ -149,21 +156,79 @@ class Capture(Sequence):
 
         return summary(self)
 
-    def to_parquet(self, path, *, tokens=None, key_tokens=None, overwrite: bool = False):
+    def to_parquet(self, path, *, tokens=None, key_tokens=None, overwrite: bool = False, drop_padding: bool = False):
         """Write ``to_frame()`` to a Parquet file (refuses an existing file unless ``overwrite``)."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="parquet", overwrite=overwrite)
+        frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
+        return write_frame(frame, path, format="parquet", overwrite=overwrite)
 
-    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False):
-        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None."""
+    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, formula_safe: bool = True,
+               drop_padding: bool = False):
+        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None. Text a spreadsheet would
+        evaluate (``=``, ``+``, ``-``, ``@``, tab, CR first) gets a leading ``'`` unless ``formula_safe=False``."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
+        frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
+        return write_frame(frame, path, format="csv", overwrite=overwrite, formula_safe=formula_safe)
+
+    # -- other viewers (bertviz, circuitsvis; neither is imported) ------------------------------
+    def to_bertviz(self, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:
+        """Keyword arguments for ``bertviz.head_view`` / ``model_view``: ``bertviz.head_view(**cap.to_bertviz())``.
+        See ``attnprobe.probe.interop.to_bertviz``."""
+        from .interop import to_bertviz
+
+        return to_bertviz(self, batch, tokens=tokens, key_tokens=key_tokens, call=call)
+
+    def to_circuitsvis(self, layer: int, batch: int = 0, *, tokens=None, call: int = 0,
+                       head_names: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``circuitsvis.attention.attention_patterns`` for one layer (negative counts from
+        the end). See ``attnprobe.probe.interop.to_circuitsvis``."""
+        from .interop import to_circuitsvis
+
+        return to_circuitsvis(self, self._layer_number(layer), batch, tokens=tokens, call=call, head_names=head_names)
+
+    # -- files (safetensors + JSON index; never pickle) -----------------------------------------
+    def save(self, path, *, overwrite: bool = False):
+        """Write this capture to the directory ``path`` (safetensors files plus a JSON index); returns the path.
+
+        ``attnprobe.load(path)`` reads it back with memory-mapped tensors; nothing is pickled. An existing
+        capture directory is replaced only with ``overwrite=True``, a folder of other files never. The folder is
+        written under a temporary name and renamed into place when complete.
+        """
+        from .disk import save
+
+        return save(self, path, overwrite=overwrite)
+
+    def _repr_html_(self) -> str | None:
+        """Notebook view: the HTML report's own page in a frame, bounded in size (see ``attnprobe.reports.inline``)."""
+        from .display import repr_html
+
+        return repr_html(self)
 
     def __repr__(self) -> str:
         model = self._info.get("model_class", "?")
         return f"<Capture of {model}: {len(self)} record(s), layers {list(self.layers)}, {self.nbytes:,} bytes>"
+
+
+def load(path) -> Capture:
+    """The ``Capture`` saved in directory ``path`` (by ``Capture.save`` or ``capture(..., store=path)``).
+
+    Tensors are memory-mapped from the safetensors files: nothing is read until a tensor is used, so a
+    capture larger than memory opens at once. Nothing is unpickled (see ``probe/disk.py`` for the format).
+
+    Example::
+
+        >>> import torch, attnprobe, tempfile, os
+        >>> out, cap = attnprobe.run(attnprobe.MultiHeadAttention(8, num_heads=2), torch.randn(1, 4, 8))
+        >>> folder = cap.save(os.path.join(tempfile.mkdtemp(), "cap"))
+        >>> torch.equal(attnprobe.load(folder)[0].weights, cap[0].weights)
+        True
+    """
+    from .disk import read
+
+    records, info = read(path)
+    return Capture(records, info)
 
 
 def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> AttentionRecord:
@@ -193,9 +258,11 @@ class CaptureSession:
 
     ``adapters`` are tried in order (a module claimed by one is not offered to the next); ``attnprobe.capture``
     passes ``hooks.default_adapters()``. Adapters use the session as a ``probe.interface.Session``.
+    ``store``: a directory the records are written to as they are made (``disk.RecordWriter``).
     """
 
-    def __init__(self, model: nn.Module, selection: Selection, adapters: Sequence[Adapter]) -> None:
+    def __init__(self, model: nn.Module, selection: Selection, adapters: Sequence[Adapter], *, store=None,
+                 overwrite: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
@@ -211,7 +278,14 @@ class CaptureSession:
         self.capture = Capture()
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
+        self._intents: dict[int, Intent | None] = {}  # id(site) -> what its module declares, read once
         self._stack: ExitStack | None = None
+        self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
+        self.disk = None  # a RecordWriter when records go to a directory (store=)
+        if store is not None:
+            from .disk import RecordWriter
+
+            self.disk = RecordWriter(store, overwrite=overwrite)  # refuses an existing target before the run
 
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
@@ -255,12 +329,9 @@ class CaptureSession:
                 "attention. Capture the Python module before scripting it (outputs are the same)"
             )
         if scripted:
-            warnings.warn(
+            warn_user(
                 f"{', '.join(map(repr, scripted[:3]))} in {self.model_class} run TorchScript (torch.jit.script/trace): attention "
-                "inside them cannot be seen and is not recorded; capture the Python modules before scripting",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "inside them cannot be seen and is not recorded; capture the Python modules before scripting")
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
                 f"no attention found in {self.model_class}. attnprobe reads its own MultiHeadAttention, Hugging Face "
@@ -279,11 +350,18 @@ class CaptureSession:
 
         self._stack = ExitStack()
         try:
+            self.thread = threads.current()  # hooks let other threads' calls pass (threads.elsewhere)
+            held = threads.claim([model, *(s.module for s in self.sites)], self.model_class)
+            self._stack.callback(threads.release, held)
+            if self.disk is not None:
+                self.disk.open()
             for adapter, sites in found:
                 if sites or adapter.dynamic:
                     adapter.attach(self, model, sites, self._stack)
         except BaseException:
             self._stack.close()
+            if self.disk is not None:
+                self.disk.abort()
             raise
         return self.capture
 
@@ -297,6 +375,11 @@ class CaptureSession:
             self._named = None
         if len(self.sites) != len(self.capture.info["attention_modules"]):  # sites found while the model ran
             self.capture._info = MappingProxyType(self._info())
+        if self.disk is not None:
+            if exc_type is None:
+                self.disk.close(self.capture.info)  # the index, then the folder renamed into place
+            else:  # nothing half-written is left (a previous capture there stays); the records in memory stay usable
+                self.disk.abort()
         n = len(self.sites)
         missing = sorted(layer for layer in (self.selection.layers or ()) if layer >= n)
         if exc_type is None and missing:  # layer numbers past the model's, accepted only in case they appeared
@@ -309,33 +392,24 @@ class CaptureSession:
             silent = [s.name or "<root>" for s in self.sites[: self.static_sites] if s.selected and not s.calls]
             if not len(self.capture) or silent:
                 what = "nothing was recorded" if not len(self.capture) else f"no call of {silent[:5]} was recorded"
-                warnings.warn(
+                warn_user(
                     f"{self.model_class} is compiled with torch.compile ({', '.join(self._compiled[:3])}) and {what}: "
                     "compiled code may run without attnprobe's hooks and function mode (its outputs are not "
                     "changed). Capture and call the module before compilation (`compiled._orig_mod`, or the "
-                    "module before `.compile()`)",
-                    AttnprobeWarning,
-                    stacklevel=3,
-                )
+                    "module before `.compile()`)")
                 return
         if exc_type is None and not self.selection.idle and not self.sites:
-            warnings.warn(
+            warn_user(
                 f"no attention found in {self.model_class} while the capture was open (was the model called inside "
                 "the `with` block?). attnprobe reads its own MultiHeadAttention, Hugging Face attention modules, "
                 "torch.nn.MultiheadAttention and F.scaled_dot_product_attention calls it can see in the model's code; "
                 "a call reached indirectly (a function kept in a dict or an attribute) needs capture(model, "
                 "modules='auto'), and hand-written softmax attention is read when you ask for it: "
-                "capture(model, modules=[...]) or modules='auto'",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "capture(model, modules=[...]) or modules='auto'")
         elif exc_type is None and not self.selection.idle and len(self.capture) == 0 and any(s.selected for s in self.sites):
-            warnings.warn(
+            warn_user(
                 f"the capture of {self.model_class} saw no attention call: the model was not called inside "
-                "the `with` block, or the selected layers never ran",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "the `with` block, or the selected layers never ran")
 
     def _info(self) -> dict[str, Any]:
         sel = self.selection
@@ -348,7 +422,7 @@ class CaptureSession:
             "selection": {
                 "layers": sel.layers,
                 "heads": sel.heads if sel.heads_by_layer is None else dict(sel.heads_by_layer),
-                "keep": tuple(f for f in TENSOR_FIELDS if f in sel.keep),
+                "keep": tuple(f for f in KEEP_NAMES if f in sel.keep),
                 "device": str(sel.device),
                 "dtype": None if sel.dtype is None else str(sel.dtype).replace("torch.", ""),
                 "max_bytes": sel.max_bytes,
@@ -366,6 +440,12 @@ class CaptureSession:
         site.layer = len(self.sites)
         self.sites.append(site)
         self.select_site(site)
+
+    def intent_of(self, site) -> Intent | None:
+        """What ``site``'s module declares about causality (``probe.intent``), read once per site."""
+        if id(site) not in self._intents:
+            self._intents[id(site)] = None if site.module is None else module_intent(site.module)
+        return self._intents[id(site)]
 
     # -- recording -------------------------------------------------------------------------
     def wants(self, site, field: str | None = None) -> bool:
@@ -408,6 +488,11 @@ class CaptureSession:
                 f for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding)) if t is not None
             )
 
+        stats_call = values.pop("stats", None)
+        adapter_allowed = allowed
+        if self.stats_only:
+            allowed = None  # (batch, head, query, key): what a statistics capture never holds; stats hold its facts
+
         # plan every copy first, with its exact stored size, so the budget fails before any memory is spent
         masks = {"allowed": allowed, "query_padding": query_padding, "sinks": sinks}
         plan = []  # (field, tensor or Lazy, head index or None, head axis, planned bytes)
@@ -444,7 +529,14 @@ class CaptureSession:
                 else:
                     stored[f] = self.store.put(t, index, axis)
 
-        record = AttentionRecord(
+        if "stats" in self.selection.keep:
+            stored["stats"] = self._stats(site, call, stats_call, tensors, stored, kind, values, query_padding,
+                                          adapter_allowed, sinks)
+
+        intent = self.intent_of(site)
+        if intent is not None and intent.causal:  # what the module's own code declares (probe/intent.py)
+            values["meta"] = {**values.get("meta", {}), "declared_causal": intent.source}
+        record: AttentionRecord = AttentionRecord(
             name=site.name,
             layer=site.layer,
             call=call,
@@ -457,8 +549,70 @@ class CaptureSession:
             **stored,
             **values,
         )
+        if self.disk is not None:  # written now; the Capture keeps the memory-mapped copy, this one is dropped
+            record = self.disk.write(record)
         self.capture._append(record)
         return record
+
+
+    @property
+    def stats_only(self) -> bool:
+        """A statistics capture that keeps no (query, key) tensor (``keep=("stats", ...)`` without scores/weights)."""
+        keep = self.selection.keep
+        return "stats" in keep and not ({"scores", "weights"} & keep)
+
+    def _stats(self, site, call: int, stats_call, tensors, stored, kind, values, query_padding, allowed, sinks):
+        """The per-row statistics of one record: blockwise from the adapter's ``AttentionCall`` (q, k and the
+        call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
+        weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
+        from .stats import attention_stats, stats_from_weights
+
+        where = f"layer {site.layer}, call {call}: stats"
+        q_len = None
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if stats_call is not None:
+                B, h, q_len, k_len = stats_call.shape
+                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
+                kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
+                stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding, **kwargs)
+                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
+            else:
+                def selected(name, index):
+                    t = stored.get(name) if name != "v" else None  # a stored v is per kv head
+                    if t is None:
+                        t = tensors.get(name)
+                        if isinstance(t, Lazy):
+                            t = t.fn()
+                        elif t is not None:
+                            t = index_heads(t.detach(), index)[0]
+                    return t
+
+                weights = selected("weights", site.heads)
+                if weights is None:
+                    values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "none"}
+                    return None
+                B, h, q_len, k_len = weights.shape
+                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
+                al = allowed if allowed is None or allowed.shape[1] == 1 else index_heads(allowed, site.heads)[0]
+                group = site.num_heads // max(site.num_kv_heads or site.num_heads, 1)
+                v = selected("v", tuple(hd // group for hd in site.heads)) if tensors.get("v") is not None else None
+                output = selected("output", site.heads)
+                stats = stats_from_weights(weights, scores=selected("scores", site.heads), allowed=al, v=v,
+                                           output=None if v is None else output, diag_offset=diag,
+                                           query_padding=query_padding,
+                                           sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
+                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
+        nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
+        self.store.reserve(nbytes, where)
+        return {name: t.to(self.selection.device) for name, t in stats.items()}
+
+
+def _diag_offset(kind: str, query_offset: int, q_len: int, k_len: int) -> int | None:
+    """Key index of query 0's own key (self-attention), as the checks place queries; None otherwise."""
+    if kind != "self":
+        return None
+    offset = query_offset if query_offset + q_len <= k_len else k_len - q_len
+    return offset if offset >= 0 else None
 
 
 def compiled_modules(model: nn.Module) -> list[str]:

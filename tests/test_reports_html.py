@@ -16,6 +16,7 @@ import torch
 import attnprobe
 from attnprobe import AttnprobeError, CheckResult, Violation
 from attnprobe.reports import to_html
+from attnprobe.reports._common import display_token
 from attnprobe.reports.encoding import decode_floats
 
 from reports_helpers import cross_capture, generation_capture, stack_capture, words
@@ -115,7 +116,7 @@ def test_hostile_text_cannot_leave_its_element(assert_no_hooks):
     assert [t for t, _ in p.tags].count("img") == 0
     assert len(p.scripts) == document.count("</script>")  # no script element was closed early or added
     meta, _ = report_meta(document)
-    assert meta["tokens"] == [hostile]
+    assert meta["tokens"] == [[display_token(t) for t in hostile]]  # as drawn: U+2028 written \u2028
     json_text = next(text for attrs, text in p.scripts if attrs.get("id") == "attnprobe-meta")
     assert "<" not in json_text and ">" not in json_text and "&" not in json_text
 
@@ -165,7 +166,7 @@ def test_overview_describes_model_input_and_records(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=2, heads=3, length=5, batch=2)
     document = to_html(cap, tokens=[words(5, "a"), words(5, "b")], batch=1)
     assert "Stack" in document and "layers.0, layers.1" in document
-    assert "2 row(s); this report shows row 1" in document
+    assert "2 rows; this report shows row 1" in document
     meta, _ = report_meta(document)
     assert meta["tokens"] == [words(5, "b")] and meta["batch"] == 1
     assert "a0" not in document.split("attnprobe-meta")[0]  # only the shown row's tokens
@@ -173,7 +174,7 @@ def test_overview_describes_model_input_and_records(assert_no_hooks):
     row0 = to_html(cap, tokens=words(5), batch=0)
     assert '<span class="tok pad" title="position 1 (padding)">w1</span>' in row0
     assert '<span class="tok" title="position 2">w2</span>' in row0
-    assert "<td>2</td></tr>" in row0 and "<td>2</td></tr>" not in document
+    assert "<td>2</td></tr>" in row0 and "<td>2</td></tr>" in document  # padded query rows, all batch rows
 
 
 def test_summary_table_matches_capture_summary(assert_no_hooks):

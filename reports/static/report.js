@@ -8,7 +8,11 @@
   const META = JSON.parse(document.getElementById("attnprobe-meta").textContent, (key, v) =>
     v !== null && typeof v === "object" && !Array.isArray(v) && typeof v.$float === "string" &&
     Object.keys(v).length === 1 ? Number(v.$float) : v);
-  const RECORDS = META.records;
+  // batch rows: the first at the top of META, the others in META.moreRows (same keys); useRow() swaps them in
+  const ROWS = [{ batch: META.batch, records: META.records, thumbBlob: META.thumbBlob, thumbMax: META.thumbMax,
+    flags: META.flags }, ...(META.moreRows || [])];
+  let ROW = 0;
+  let RECORDS = META.records;
   const DIFF = META.mode === "diff";
   const PLANES = META.precision === "exact" ? 4 : 2;
   const ROUNDED = META.precision !== "exact";
@@ -115,13 +119,8 @@
     if (!Number.isFinite(x)) return x > 0 ? "inf" : "-inf";
     return Math.abs(x) >= 1e-3 || x === 0 ? String(Number(x.toPrecision(3))) : x.toExponential(1);
   }
-  const CONTROL = /[\u0000-\u001f\u007f-\u009f\u2028\u2029]/g;
-  function visible(token) {
-    return token.replace(CONTROL, (c) => {
-      const named = { "\n": "\\n", "\t": "\\t", "\r": "\\r" }[c];
-      return named || "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0");
-    });
-  }
+  // tokens arrive escaped by attnprobe's display_token (control, bidirectional and invisible characters
+  // written as \u202e): they are drawn as they are, here and in the readout
   function clip(text, n) {
     return text.length > n ? text.slice(0, n - 1) + "\u2026" : text;
   }
@@ -183,11 +182,11 @@
   // read as neighbours that are ten positions apart)
   function qLabel(r, labels, i, numbered) {
     const pos = i + r.queryOffset;
-    return labels.hasQ ? (numbered ? pos + " " : "") + clip(visible(labels.q[i]), 18) : String(pos);
+    return labels.hasQ ? (numbered ? pos + " " : "") + clip(labels.q[i], 18) : String(pos);
   }
   function kLabel(r, labels, i, numbered) {
     const pos = i + r.keyOffset;
-    return labels.hasK ? (numbered ? pos + " " : "") + clip(visible(labels.k[i]), 18) : String(pos);
+    return labels.hasK ? (numbered ? pos + " " : "") + clip(labels.k[i], 18) : String(pos);
   }
 
   // ------------------------------------------------------------------ head data
@@ -689,8 +688,8 @@
     const r = RECORDS[state.rid], labels = state.group.labels;
     const i = cell.q * r.tk + cell.k;
     const head = el("div");
-    const qt = labels.hasQ ? JSON.stringify(labels.q[cell.q]) : "";
-    const kt = labels.hasK ? JSON.stringify(labels.k[cell.k]) : "";
+    const qt = labels.hasQ ? '"' + labels.q[cell.q] + '"' : "";
+    const kt = labels.hasK ? '"' + labels.k[cell.k] + '"' : "";
     head.appendChild(el("b", null, "query " + (cell.q + r.queryOffset) + " "));
     head.appendChild(el("span", "tokv q-token", qt));
     head.appendChild(el("b", null, "  \u2192  key " + (cell.k + r.keyOffset) + " "));
@@ -803,7 +802,28 @@
       row.appendChild(box);
       body.appendChild(row);
     }
-    $("grid-scale").addEventListener("change", () => document.querySelectorAll("a.thumb canvas[data-drawn]").forEach(drawThumb));
+  }
+
+  async function loadThumbs() {
+    const raw = await inflate(base64Bytes(META.thumbBlob));
+    const halves = new Uint16Array(raw.buffer, raw.byteOffset, raw.byteLength / 2);
+    const out = new Float32Array(halves.length);
+    for (let i = 0; i < halves.length; i++) out[i] = halfToFloat(halves[i]);
+    return out;
+  }
+
+  // Show batch row ROWS[i]: its grid, and the open head (if any) in that row.
+  async function useRow(i, reopen = true) {
+    if (i === ROW || !ROWS[i]) return;
+    ROW = i;
+    Object.assign(META, ROWS[i]);
+    RECORDS = META.records;
+    thumbs = await loadThumbs();
+    $("grid-body").textContent = "";
+    buildGrid();
+    const select = $("batch-row");
+    if (select) select.value = String(i);
+    if (reopen && state.rid !== null) await openHead(state.rid, state.head);
   }
 
   // ------------------------------------------------------------------ sortable tables
@@ -832,9 +852,11 @@
 
   // ------------------------------------------------------------------ routing and controls
   function route() {
-    const m = /^#head-(\d+)-(\d+)$/.exec(location.hash);
+    const m = /^#head-(\d+)-(\d+)(?:-b(\d+))?$/.exec(location.hash);
     if (!m) return null;
-    const p = openHead(+m[1], +m[2]).catch(fail);
+    const row = m[3] === undefined ? ROW : ROWS.findIndex((x) => x.batch === +m[3]);
+    if (row < 0) { fail(new Error("batch row " + m[3] + " is not in this report")); return null; }
+    const p = useRow(row, false).then(() => openHead(+m[1], +m[2])).catch(fail);
     $("detail").scrollIntoView();
     return p;
   }
@@ -853,11 +875,15 @@
   }
 
   async function main() {
-    const raw = await inflate(base64Bytes(META.thumbBlob));
-    const halves = new Uint16Array(raw.buffer, raw.byteOffset, raw.byteLength / 2);
-    thumbs = new Float32Array(halves.length);
-    for (let i = 0; i < halves.length; i++) thumbs[i] = halfToFloat(halves[i]);
+    thumbs = await loadThumbs();
     buildGrid();
+    $("grid-scale").addEventListener("change", () => document.querySelectorAll("a.thumb canvas[data-drawn]").forEach(drawThumb));
+    const select = $("batch-row");
+    if (select) select.addEventListener("change", () => {
+      const i = +select.value;
+      if (state.rid !== null) location.hash = "#head-" + state.rid + "-" + state.head + "-b" + ROWS[i].batch;
+      else useRow(i).catch(fail);
+    });
     document.querySelectorAll("table.sortable").forEach(sortable);
     for (const id of ["colour-by", "scale", "norm"]) $(id).addEventListener("change", repaint);
     $("zoom-in").addEventListener("click", () => state.group && state.group.zoomTo(state.group.cell * 1.5));
@@ -881,7 +907,8 @@
   // Used by the browser tests and handy from the console.
   api.openHead = (rid, head) => openHead(rid, head);
   api.state = () => ({ rid: state.rid, head: state.head, cell: state.group ? state.group.cell : null,
-    viewers: state.group ? state.group.viewers.length : 0 });
+    viewers: state.group ? state.group.viewers.length : 0, batch: META.batch });
+  api.useBatchRow = (batch) => useRow(ROWS.findIndex((x) => x.batch === batch));
   api.cellCenter = (q, k, viewer) => state.group.viewers[viewer || 0].reveal(q, k);
   api.zoomTo = (cell) => state.group.zoomTo(cell);
   api.ready = main().catch((err) => { api.errors.push(String(err && err.stack || err)); throw err; });
