@@ -609,7 +609,9 @@ class capture:
 
     ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
     ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
-    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
+    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all), and ``"stats"`` for per-row
+    statistics (``record.stats``, ``attnprobe.probe.stats``) computed blockwise without a (query, key) tensor;
+    ``block_bytes`` is the memory target of one block (default ``probe.stats.DEFAULT_BLOCK_BYTES``).
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size

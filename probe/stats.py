@@ -239,6 +239,7 @@ class _Engine:
         self.dtype, self.device, self.diag_offset = dtype, device, diag_offset
         self.sinks = None if call.sinks is None else call.sinks.to(device, dtype).view(1, -1, 1)
         self.v = None if call.output is None or call.v is None else call.v.to(dtype)
+        self.v_abs = None if self.v is None else self.v.abs()
         self.key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
         self.key_allowed = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)
         self.parts: list[dict] = []
@@ -333,13 +334,14 @@ class _Engine:
                     _gather(allowed, diag, c, d, got)
                     acc["diag_allowed"] |= got
             if out is not None:
-                vb = self.v[:, :, c:d]
-                out += e @ vb
-                scale += e @ vb.abs()
+                out += e @ self.v[:, :, c:d]
+                scale += e @ self.v_abs[:, :, c:d]
             pending.append((c, d, e if len(blocks) == 1 else None))
             if len(blocks) > 1:
                 pending[-1] = (c, d, None)
                 self._key_sums(e, c, d, real, acc, l_final=self._total(l, shift))
+        if not blocks or blocks[-1][1] < self.Tk:  # keys this block of rows cannot reach weigh 0
+            acc["min"].clamp_(max=0.0)
         if len(blocks) == 1:
             l = acc["l"]
             c, d, e = pending[0]
