@@ -255,20 +255,23 @@ class _Engine:
         step = max(1, (1 << 24) // max(1, B * h * Tk))
         for a in range(0, Tq, step):
             b = min(a + step, Tq)
-            seen |= (~call.forbidden(a, b, 0, Tk)).any(-2).expand(B, h, Tk)
+            seen |= call.allowed(a, b, 0, Tk).any(-2).expand(B, h, Tk)
         return seen.to(torch.uint8).argmax(-1, keepdim=True)
 
     def _block(self, a, b, c, d):
         """(logits, allowed or None, softmax input with -inf where forbidden): keys ``c:d`` of rows ``a:b``."""
         s = self.call.logits(a, b, c, d)
-        forbidden = self.call.forbidden(a, b, c, d)
+        if self.call.mask is not None:
+            allowed = self.call.allowed(a, b, c, d)
+            forbidden = ~allowed
+        else:  # a causal mask alone (or nothing): built as "later than the query", no negation
+            allowed, forbidden = None, self.call.forbidden(a, b, c, d)
         z = s if forbidden is None else s.masked_fill(forbidden, -math.inf)
         if forbidden is not None:
             # the logits at forbidden keys no longer matter (their weight is 0): zero them, so that a NaN/inf
             # there cannot reach the entropy's sum of e * s, where a NaN/inf at an allowed key must show
             s = s.masked_fill_(forbidden, 0.0)
-        # a causal mask alone is counted from positions (below), anything else from the mask itself
-        allowed = None if forbidden is None or self.call.mask is None else ~forbidden
+        # a causal mask alone is counted from positions (in rows()), anything else from the mask itself
         return s, allowed, z
 
     def rows(self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor) -> None:

@@ -286,3 +286,21 @@ def test_statistics_on_cuda_equal_cpu():
     gpu = attention_stats(AttentionCall(q.cuda(), k.cuda(), scaling=8 ** -0.5, v=v.cuda(), causal=True,
                                         output=out.cuda()), diag_offset=0)
     assert_stats_equal({n: t.cpu() for n, t in gpu.items()}, cpu, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_generation_steps_get_the_statistics_of_the_full_capture(name):
+    """KV-cache steps (one query, query_offset > 0; Mistral's sliding window): the same statistics and verdicts."""
+    hf_helpers, model = _hf(name, "sdpa")
+    batch = hf_helpers.inputs(name, "left")
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats_cap:
+        model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), attnprobe.capture(model) as full_cap:
+        model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len(stats_cap) == len(full_cap) and {r.step for r in stats_cap} == {0, 1, 2}
+    for rs, rf in zip(stats_cap, full_cap):
+        assert_stats_equal(rs.stats, record_stats(rf), where=(rf.layer, rf.step))
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, 3, dtype=torch.long)], 1)
+    kw = {"causal": True, "attention_mask": mask}
+    assert _verdicts(attnprobe.check(stats_cap, **kw)) == _verdicts(attnprobe.check(full_cap, **kw))
+    assert attnprobe.check(stats_cap, **kw).ok
