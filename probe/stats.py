@@ -55,7 +55,7 @@ KEY_STATS: tuple[str, ...] = ("key_weight", "key_allowed")
 WEIGHT_THRESHOLD = 1e-6
 
 #: Default memory target of one block: the largest (batch, head, rows, keys) temporary is about this size.
-DEFAULT_BLOCK_BYTES = 32 << 20
+DEFAULT_BLOCK_BYTES = 128 << 20
 
 #: How many (rows, keys) float temporaries one block of the engine holds at once.
 _TEMPORARIES = 4
@@ -314,8 +314,6 @@ class _Engine:
             # z is not needed again: in place, unless z is the logits themselves (nothing masked)
             e = (z - shift[..., None] if z is s else z.sub_(shift[..., None])).exp_()
             acc["l"] += e.sum(-1)
-            # entropy needs sum e * z over allowed keys: the unmasked logits s are finite where e is 0
-            acc["dot"] += torch.linalg.vecdot(e, s)
             acc["min"] = torch.minimum(acc["min"], e.amin(-1))
             _gather(e, self.first_key.expand(B, h, n), c, d, acc["first_e"])
             if diag is not None:
@@ -339,6 +337,9 @@ class _Engine:
             if out is not None:
                 out += e @ self.v[:, :, c:d]
                 scale += e @ self.v_abs[:, :, c:d]
+            # entropy needs sum e * z over the allowed keys: s (zero at forbidden keys) times e, in place in s,
+            # which nothing reads again
+            acc["dot"] += s.mul_(e).sum(-1)
             pending.append((c, d, e if len(blocks) == 1 else None))
             if len(blocks) > 1:
                 pending[-1] = (c, d, None)
