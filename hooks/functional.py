@@ -14,7 +14,7 @@ output as the call received/returned them, the mask (``allowed``), the causal fl
 default) and the weights recomputed for the selected heads only (``weights_source="recomputed"``).
 ``dropout`` is ``dropout_p`` as passed, since sdpa applies it whatever ``module.training`` says; a
 ``dropout_p > 0`` in eval mode is flagged (``meta["dropout_in_eval"]``) and warned. Once the mode is in (for
-direct calls the code reading of ``_code_reaches_sdpa`` found, or for tracing), every direct call is read; a
+direct calls the code reading of ``code_reaches_sdpa`` found, or for tracing), every direct call is read; a
 module named in ``modules=`` that calls sdpa has its first call site as its own layer.
 
 **Hand-written attention** (opt-in: ``capture(model, modules=[...])`` or ``modules="auto"``) is traced:
@@ -40,14 +40,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..probe.attention_math import AttentionCall, mask_allows
-from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
-from .base import Adapter, Site
+from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
-from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
+from .trace import Tracer, format_location, user_stacklevel
+from .trace_read import EXPECTED, Finding, analyze
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -68,7 +68,7 @@ class _CaptureMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         tracer = self.tracer
-        before = tracer.before_op(func, args) if tracer is not None and func in SNAPSHOT_BEFORE else None
+        before = tracer.before_op(func, args, kwargs) if tracer is not None else None
         out = func(*args, **kwargs)
         if func is _SDPA:
             if self.on_sdpa is not None:
@@ -102,12 +102,12 @@ def _may_call_sdpa(module: nn.Module, claimed: set[int]) -> bool:
     """Whether code under ``module`` could call scaled_dot_product_attention itself.
 
     torch's own ``nn`` layers reach it only through ``nn.MultiheadAttention``, which another adapter reads;
-    for any other module class the code is read (``_code_reaches_sdpa``). Reading the code keeps the function
+    for any other module class the code is read (``code_reaches_sdpa``). Reading the code keeps the function
     mode, which costs every torch call, off models such as Hugging Face ones whose attention is read elsewhere.
     """
     if id(module) in claimed:
         return False
-    if not type(module).__module__.startswith("torch.nn.") and _code_reaches_sdpa(type(module)):
+    if not type(module).__module__.startswith("torch.nn.") and code_reaches_sdpa(type(module)):
         return True
     return any(_may_call_sdpa(child, claimed) for child in module.children())
 
@@ -128,7 +128,7 @@ def _queue(todo: list, values) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _code_reaches_sdpa(cls: type) -> bool:
+def code_reaches_sdpa(cls: type) -> bool:
     """Whether the code of ``cls`` may call ``scaled_dot_product_attention``, read without running it.
 
     Starting from the class attributes of ``cls`` and its bases (methods, static/class methods,
@@ -473,7 +473,7 @@ class _Run:
             self.sdpa_sites[key] = site
         if site.num_heads is None:
             site.num_heads, site.num_kv_heads = H, Hkv
-            self.session._select_site(site)
+            self.session.select_site(site)
         if not site.selected:
             self.session.emit(site, kind="self" if L == S else "cross")
             return
@@ -575,6 +575,21 @@ class _Run:
                         f"so the output is randomly dropped ({why}); the record's dropout says so, its weights are "
                         "before dropout and record.meta['dropout_in_eval'] is True")
 
+    def _warn_missing(self, site: Site, missing: dict[str, str]) -> None:
+        """One warning per layer whose record lacks fields a traced record normally has, saying where and why."""
+        by_reason: dict[str, list[str]] = {}
+        for name in EXPECTED:
+            if name in missing:
+                by_reason.setdefault(missing[name], []).append(name)
+        if len(by_reason) == 1:
+            why = next(iter(by_reason))
+        else:
+            why = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
+        fields = ", ".join(n for n in EXPECTED if n in missing)
+        self._warn_once(("missing", site.layer),
+                        f"layer {site.layer} ({site.name!r}): the record has no {fields}: {why}; check() skips what "
+                        "needs them and lists it in CheckResult.skipped (record.meta['missing'] says why per field)")
+
     def _warn_lints(self, violations) -> None:
         for v in violations:
             self._warn_once(("lint", v.layer, v.check), f"{v.check} in layer {v.layer} ({v.name!r}): {v.message}")
@@ -606,7 +621,7 @@ class _Run:
                             self._route(finding, scope)
                 parent = tracer.current()
                 if parent is not None and parent.traced:
-                    parent.add("module", module, args, kwargs, output, module=module)
+                    parent.add_module_call(module, args, kwargs, output)
                 if scope.findings:
                     self._emit_groups(module, scope.findings)
         except AttnprobeError:
@@ -681,7 +696,7 @@ class _Run:
             self.traced_sites[key] = site
         if site.num_heads is None:  # a named module: its head count is known from its first call
             site.num_heads, site.num_kv_heads = heads, kv_heads
-            self.session._select_site(site)
+            self.session.select_site(site)
         return site
 
     def _emit_group(self, owner: nn.Module, group: list[Finding]) -> None:
@@ -733,8 +748,12 @@ class _Run:
         }
         if stacked:
             meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
-        if "folded" in first.meta:
-            meta["folded"] = first.meta["folded"]
+        for name in ("folded", "query_vector"):
+            if name in first.meta:
+                meta[name] = first.meta[name]
+        missing = {name: reason for f in group for name, reason in f.missing.items() if name not in identified}
+        if missing:
+            meta["missing"] = missing
         record = self.session.emit(
             site,
             kind=first.kind,
@@ -752,6 +771,8 @@ class _Run:
         )
         if record is not None:
             self._warn_lints(violations)
+            if missing:
+                self._warn_missing(site, missing)
             if meta["dropout_in_eval"]:
                 self._warn_eval_dropout(site, f"F.dropout(p={first.dropout:g}) on the attention weights runs",
                                         "F.dropout's training argument defaults to True; pass training=self.training "

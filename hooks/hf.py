@@ -17,7 +17,6 @@ theirs changes. Models without the attention interface use ``hf_fallback``.
 from __future__ import annotations
 
 import inspect
-import re
 import sys
 import threading
 import warnings
@@ -30,12 +29,12 @@ import torch
 from torch import nn
 
 from ..probe.attention_math import AttentionCall
-from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
 from . import hf_compat
-from .base import Adapter, Site
+from .base import Adapter, Lazy, Site
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
 from .hf_math import MaskMemo, Recompute, kv_of_heads
+from .hf_source import name_branches, record_dtype, softmax_dtype
 
 #: base backend -> the private name that wraps it. No "sdpa" and no "flash" inside the names:
 #: transformers treats names containing those substrings specially. Custom attention functions a
@@ -117,62 +116,6 @@ def _eager_function(cls: type) -> Callable:
 
         return gpt2_eager
     return info.eager
-
-
-_SOFTMAX_DTYPE = re.compile(r"softmax\([^\n]*dtype=torch\.(float32|float16|bfloat16)")
-_SOFTMAX_FLOAT = re.compile(r"softmax\([^\n,]*\.float\(\)")
-
-
-@lru_cache(maxsize=None)
-def softmax_dtype(fn: Callable) -> torch.dtype | None:
-    """The dtype an attention function's own softmax runs in: ``softmax(..., dtype=torch.float32)``
-    or ``softmax(x.float(), ...)``; None when its source does not say."""
-    try:
-        source = inspect.getsource(inspect.unwrap(fn))
-    except (OSError, TypeError):
-        return None
-    m = _SOFTMAX_DTYPE.search(source)
-    if m:
-        return getattr(torch, m.group(1))
-    return torch.float32 if _SOFTMAX_FLOAT.search(source) else None
-
-
-def record_dtype(dtype: torch.dtype, softmax: torch.dtype | None) -> torch.dtype:
-    """The dtype the attention ran in: the coarser of the inputs' and the softmax's."""
-    if softmax is not None and dtype.is_floating_point and torch.finfo(softmax).eps > torch.finfo(dtype).eps:
-        return softmax
-    return dtype
-
-
-_BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)""")
-_BASE_LITERAL = re.compile(r"""["'](?:sdpa|eager)["']""")
-_HANDLED = 'using_eager = self.config._attn_implementation == "eager"'  # GPT-2's path, see gpt2_eager
-#: transformers 5.0 dispatches with ``if self.config._attn_implementation != "eager": attention_interface =
-#: ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]`` (5.1 and later: ``get_interface``); under a capture
-#: that branch finds attnprobe's private name in the registry, which calls the base backend as before
-_DISPATCH = '_attn_implementation != "eager":'
-
-
-@lru_cache(maxsize=None)
-def _name_branches(module_name: str) -> tuple[str, ...]:
-    """Lines of a modeling file that compare the implementation *name* with "sdpa" or "eager".
-
-    Under a capture such a comparison would see attnprobe's private name and take another path.
-    """
-    mod = sys.modules.get(module_name)
-    try:
-        source = inspect.getsource(mod) if mod is not None else ""
-    except (OSError, TypeError):
-        return ()
-    found = []
-    lines = source.splitlines()
-    for i, line in enumerate(lines):
-        m = _BRANCH.search(line)
-        if m and _BASE_LITERAL.search(m.group(1)) and _HANDLED not in line and not line.lstrip().startswith("#"):
-            if _DISPATCH in line and i + 1 < len(lines) and "ALL_ATTENTION_FUNCTIONS[" in lines[i + 1]:
-                continue  # transformers 5.0's dispatch itself (see hf_compat, item 1): our name is looked up there
-            found.append(line.strip())
-    return tuple(found)
 
 
 # ---------------------------------------------------------------------------- the private backend
@@ -421,7 +364,7 @@ class _Recorder:
         site = self.site
         if site.num_heads != heads or site.num_kv_heads != kv_heads:
             site.num_heads, site.num_kv_heads = heads, kv_heads
-            self.session._select_site(site)
+            self.session.select_site(site)
             self._kv_of_heads = None
 
     def _use(self, fn: Callable) -> None:
@@ -709,7 +652,7 @@ class HuggingFaceAdapter(Adapter):
                 "hub kernels. Load the model with attn_implementation='sdpa' (or call "
                 "model.set_attn_implementation('sdpa')) for the capture"
             )
-        branches = _name_branches(cls.__module__)
+        branches = name_branches(cls.__module__)
         if branches:
             raise UnsupportedModelError(
                 f"{where}: {cls.__module__} branches on the attention implementation's name "

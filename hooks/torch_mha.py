@@ -49,9 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeError, AttnprobeWarning
-from .base import Adapter, Site
+from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, forbids_future
 from .modes import exit_mode

@@ -6,30 +6,18 @@ import operator
 import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Callable, overload
+from typing import Any, overload
 
 import torch
 from torch import nn
 
 from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
+from .interface import Adapter, Lazy, Site
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
-from .selection import Selection, Store, _int_list, index_heads, kv_heads_for
-
-
-@dataclass(frozen=True)
-class Lazy:
-    """A tensor an adapter can produce on demand, already restricted to the selected heads.
-
-    ``shape`` and ``dtype`` are what ``fn()`` will return, so the budget is checked before the work.
-    ``fn()`` returns a tensor nothing else holds (the record keeps it without another copy).
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    fn: Callable[[], torch.Tensor]
+from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
 
 class Capture(Sequence):
@@ -103,10 +91,10 @@ class Capture(Sequence):
         layers (as in ``capture``). ``heads`` (model head numbers) restricts the tensors: a view for a run of
         consecutive stored heads, one copy otherwise.
         """
-        layer_set = None if layers is None else {self._layer_number(n) for n in _int_list(layers, "layers")}
-        call_set = None if calls is None else set(_int_list(calls, "calls"))
-        step_set = None if steps is None else set(_int_list(steps, "steps"))
-        head_tuple = None if heads is None else _int_list(heads, "heads")
+        layer_set = None if layers is None else {self._layer_number(n) for n in int_list(layers, "layers")}
+        call_set = None if calls is None else set(int_list(calls, "calls"))
+        step_set = None if steps is None else set(int_list(steps, "steps"))
+        head_tuple = None if heads is None else int_list(heads, "heads")
         if kind not in (None, "self", "cross"):
             raise SelectionError(f"kind must be 'self', 'cross' or None, got {kind!r}")
         out = []
@@ -167,15 +155,71 @@ class Capture(Sequence):
 
         return write_frame(self.to_frame(tokens, key_tokens), path, format="parquet", overwrite=overwrite)
 
-    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False):
-        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None."""
+    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, formula_safe: bool = True):
+        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None. Text a spreadsheet would
+        evaluate (``=``, ``+``, ``-``, ``@``, tab, CR first) gets a leading ``'`` unless ``formula_safe=False``."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
+        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite,
+                           formula_safe=formula_safe)
+
+    # -- other viewers (bertviz, circuitsvis; neither is imported) ------------------------------
+    def to_bertviz(self, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:
+        """Keyword arguments for ``bertviz.head_view`` / ``model_view``: ``bertviz.head_view(**cap.to_bertviz())``.
+        See ``attnprobe.probe.interop.to_bertviz``."""
+        from .interop import to_bertviz
+
+        return to_bertviz(self, batch, tokens=tokens, key_tokens=key_tokens, call=call)
+
+    def to_circuitsvis(self, layer: int, batch: int = 0, *, tokens=None, call: int = 0,
+                       head_names: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``circuitsvis.attention.attention_patterns`` for one layer (negative counts from
+        the end). See ``attnprobe.probe.interop.to_circuitsvis``."""
+        from .interop import to_circuitsvis
+
+        return to_circuitsvis(self, self._layer_number(layer), batch, tokens=tokens, call=call, head_names=head_names)
+
+    # -- files (safetensors + JSON index; never pickle) -----------------------------------------
+    def save(self, path, *, overwrite: bool = False):
+        """Write this capture to the directory ``path`` (safetensors files plus a JSON index); returns the path.
+
+        ``attnprobe.load(path)`` reads it back with memory-mapped tensors; nothing is pickled. An existing
+        capture directory is replaced only with ``overwrite=True``, a folder of other files never. The folder is
+        written under a temporary name and renamed into place when complete.
+        """
+        from .disk import save
+
+        return save(self, path, overwrite=overwrite)
+
+    def _repr_html_(self) -> str | None:
+        """Notebook view: the HTML report's own page in a frame, bounded in size (see ``attnprobe.reports.inline``)."""
+        from .display import repr_html
+
+        return repr_html(self)
 
     def __repr__(self) -> str:
         model = self._info.get("model_class", "?")
         return f"<Capture of {model}: {len(self)} record(s), layers {list(self.layers)}, {self.nbytes:,} bytes>"
+
+
+def load(path) -> Capture:
+    """The ``Capture`` saved in directory ``path`` (by ``Capture.save`` or ``capture(..., store=path)``).
+
+    Tensors are memory-mapped from the safetensors files: nothing is read until a tensor is used, so a
+    capture larger than memory opens at once. Nothing is unpickled (see ``probe/disk.py`` for the format).
+
+    Example::
+
+        >>> import torch, attnprobe, tempfile, os
+        >>> out, cap = attnprobe.run(attnprobe.MultiHeadAttention(8, num_heads=2), torch.randn(1, 4, 8))
+        >>> folder = cap.save(os.path.join(tempfile.mkdtemp(), "cap"))
+        >>> torch.equal(attnprobe.load(folder)[0].weights, cap[0].weights)
+        True
+    """
+    from .disk import read
+
+    records, info = read(path)
+    return Capture(records, info)
 
 
 def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> AttentionRecord:
@@ -201,18 +245,20 @@ def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> Atte
 
 
 class CaptureSession:
-    """Finds attention in a model, attaches every adapter's hooks, and turns calls into records."""
+    """Finds attention in a model, attaches every adapter's hooks, and turns calls into records.
 
-    def __init__(self, model: nn.Module, selection: Selection, adapters=None, *, modules=None) -> None:
+    ``adapters`` are tried in order (a module claimed by one is not offered to the next); ``attnprobe.capture``
+    passes ``hooks.default_adapters()``. Adapters use the session as a ``probe.interface.Session``.
+    ``store``: a directory the records are written to as they are made (``disk.RecordWriter``).
+    """
+
+    def __init__(self, model: nn.Module, selection: Selection, adapters: Sequence[Adapter], *, store=None,
+                 overwrite: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
                 "not its output or a pipeline (for a pipeline use pipeline.model)"
             )
-        if adapters is None:
-            from ..hooks import default_adapters
-
-            adapters = default_adapters(modules=modules)
         self.model_class = type(model).__name__
         self.stats_missing: list[int] = []  # layers whose statistics could not be computed (keep=("stats",))
         self._model = model  # dropped on exit; the Capture never holds it
@@ -220,11 +266,16 @@ class CaptureSession:
         self.selection = selection
         self.store = Store(selection)
         self.adapters = list(adapters)
-        self.sites: list = []
+        self.sites: list[Site] = []
         self.capture = Capture()
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
+        self.disk = None  # a RecordWriter when records go to a directory (store=)
+        if store is not None:
+            from .disk import RecordWriter
+
+            self.disk = RecordWriter(store, overwrite=overwrite)  # refuses an existing target before the run
 
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
@@ -287,16 +338,20 @@ class CaptureSession:
         self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)
         self.store.selection = self.selection
         for site in self.sites:
-            self._select_site(site)
+            self.select_site(site)
         self.capture = Capture(info=self._info())
 
         self._stack = ExitStack()
         try:
+            if self.disk is not None:
+                self.disk.open()
             for adapter, sites in found:
                 if sites or adapter.dynamic:
                     adapter.attach(self, model, sites, self._stack)
         except BaseException:
             self._stack.close()
+            if self.disk is not None:
+                self.disk.abort()
             raise
         return self.capture
 
@@ -310,6 +365,11 @@ class CaptureSession:
             self._named = None
         if len(self.sites) != len(self.capture.info["attention_modules"]):  # sites found while the model ran
             self.capture._info = MappingProxyType(self._info())
+        if self.disk is not None:
+            if exc_type is None:
+                self.disk.close(self.capture.info)  # the index, then the folder renamed into place
+            else:  # nothing half-written is left (a previous capture there stays); the records in memory stay usable
+                self.disk.abort()
         n = len(self.sites)
         missing = sorted(layer for layer in (self.selection.layers or ()) if layer >= n)
         if exc_type is None and missing:  # layer numbers past the model's, accepted only in case they appeared
@@ -378,7 +438,7 @@ class CaptureSession:
             },
         }
 
-    def _select_site(self, site) -> None:
+    def select_site(self, site) -> None:
         site.selected = self.selection.wants(site.layer)
         if site.selected and site.num_heads is not None:
             site.heads = self.selection.heads_for(site.layer, site.num_heads, where=f"({site.name!r})")
@@ -388,7 +448,7 @@ class CaptureSession:
         """Register a site found while the model runs (dynamic adapters); it gets the next layer number."""
         site.layer = len(self.sites)
         self.sites.append(site)
-        self._select_site(site)
+        self.select_site(site)
 
     # -- recording -------------------------------------------------------------------------
     def wants(self, site, field: str | None = None) -> bool:
@@ -417,7 +477,7 @@ class CaptureSession:
             return None
         if num_heads is not None and site.num_heads is None:
             site.num_heads, site.num_kv_heads = num_heads, num_kv_heads or num_heads
-            self._select_site(site)
+            self.select_site(site)
         if site.heads is None:
             raise UnsupportedModelError(f"adapter {site.adapter.name!r} did not say how many heads {site.name!r} has")
         preselected = set(preselected)
@@ -476,7 +536,7 @@ class CaptureSession:
             stored["stats"] = self._stats(site, call, stats_call, tensors, stored, kind, values, query_padding,
                                           adapter_allowed, sinks)
 
-        record = AttentionRecord(
+        record: AttentionRecord = AttentionRecord(
             name=site.name,
             layer=site.layer,
             call=call,
@@ -489,6 +549,8 @@ class CaptureSession:
             **stored,
             **values,
         )
+        if self.disk is not None:  # written now; the Capture keeps the memory-mapped copy, this one is dropped
+            record = self.disk.write(record)
         self.capture._append(record)
         return record
 
@@ -584,106 +646,3 @@ class AttentionModule:
     strategy: str
     """How the capture reads it, e.g. "hook points" or "wraps the sdpa attention function"."""
     backend: str | None = None
-
-
-def attention_modules(model: nn.Module, adapters=None) -> list[AttentionModule]:
-    """The attention modules attnprobe finds in ``model``, numbered as a capture numbers layers.
-
-    Nothing is attached; the model is not run. Attention found only while the model runs
-    (direct ``scaled_dot_product_attention`` calls, hand-written softmax) is not listed.
-
-    Example::
-
-        >>> import attnprobe, torch
-        >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2))
-        >>> [(m.layer, m.name, m.num_heads) for m in attnprobe.attention_modules(model)]
-        [(0, '0', 2)]
-    """
-    session = CaptureSession(model, Selection.build(), adapters)
-    sites = session.discover()
-    return [
-        AttentionModule(
-            layer=s.layer,
-            name=s.name,
-            module_class=type(s.module).__name__,
-            num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-            adapter=s.adapter.name,
-            strategy=s.info.get("strategy", s.adapter.name),
-            backend=s.info.get("backend"),
-        )
-        for s in sites
-    ]
-
-
-class capture:
-    """Capture attention from ``model`` while the ``with`` block runs.
-
-    ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
-    ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
-    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all), and ``"stats"`` for per-row
-    statistics (``record.stats``, ``attnprobe.probe.stats``) computed blockwise without a (query, key) tensor;
-    ``block_bytes`` is the memory target of one block (default ``probe.stats.DEFAULT_BLOCK_BYTES``).
-    ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
-    under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
-    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
-    such as ``"500MB"``; every stored tensor counts, masks included).
-    ``modules``: hand-written softmax attention to read: modules of the model (or their names from
-    ``named_modules()``), or ``"auto"`` to trace every module (slower; see README, "Code attnprobe has
-    never seen").
-
-    Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
-    raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
-
-    Example::
-
-        >>> import torch, attnprobe
-        >>> attn = attnprobe.MultiHeadAttention(16, num_heads=4, causal=True)
-        >>> with attnprobe.capture(attn, heads=[0, 2], keep=["weights"]) as cap:
-        ...     y = attn(torch.randn(2, 6, 16))
-        >>> rec = cap[0]
-        >>> rec.heads, rec.q is None, tuple(rec.weights.shape)
-        ((0, 2), True, (2, 2, 6, 6))
-    """
-
-    def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None, block_bytes=None):
-        self._session = CaptureSession(
-            model,
-            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes,
-                            block_bytes=block_bytes),
-            modules=modules,
-        )
-
-    def __enter__(self) -> Capture:
-        return self._session.__enter__()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._session.__exit__(exc_type, exc, tb)
-
-
-def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[Any, Capture]:
-    """Run ``model`` once under capture and return ``(output, capture)``.
-
-    ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
-    a tuple or list as positional arguments, anything else as the one argument. ``options`` are
-    ``capture``'s (layers, heads, keep, device, dtype, max_bytes). With ``no_grad`` (the default)
-    the forward runs under ``torch.no_grad()``.
-
-    Example::
-
-        >>> import torch, attnprobe
-        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2)
-        >>> out, cap = attnprobe.run(attn, torch.randn(1, 4, 8), layers=[0])
-        >>> out.shape, len(cap)
-        (torch.Size([1, 4, 8]), 1)
-    """
-    with capture(model, **options) as cap:
-        with torch.no_grad() if no_grad else nullcontext():
-            if isinstance(inputs, Mapping):
-                output = model(**inputs)
-            elif isinstance(inputs, (tuple, list)):
-                output = model(*inputs)
-            else:
-                output = model(inputs)
-    return output, cap

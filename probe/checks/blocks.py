@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,8 +12,6 @@ from ..stats import KEY_STATS
 from .declarations import declared_for, mask_tensor
 from .tolerances import tolerance
 
-if TYPE_CHECKING:
-    from .findings import CheckRun
 
 #: Where a record's key padding came from (``RecordFacts.key_pad_source``).
 DECLARED_PADDING = "the declared attention_mask"
@@ -96,7 +93,7 @@ class RecordFacts:
     Nothing quadratic is computed here; ``RowBlock(facts, a, b)`` holds the tensors of query rows ``a:b``.
     """
 
-    def __init__(self, run: "CheckRun", rec: AttentionRecord, index: int) -> None:
+    def __init__(self, run, rec: AttentionRecord, index: int) -> None:
         self.rec, self.index = rec, index
         self.B, self.Tq, self.Tk = rec.batch_size, rec.query_len, rec.key_len
         stored = [getattr(rec, f) for f in ("weights", "scores", "output", "v")]
@@ -159,7 +156,7 @@ class RecordFacts:
             excused = excused & ~shifted
         return own, excused
 
-    def _padding(self, run: "CheckRun"):
+    def _padding(self, run):
         """(key padding (B, Tk) or None, where it comes from, declared query padding or None)."""
         rec = self.rec
         declared = declared_for(run.attention_mask, rec)
