@@ -30,6 +30,7 @@ from torch import nn
 
 from ..probe.attention_math import AttentionCall
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.threads import elsewhere
 from . import hf_compat
 from .base import Adapter, Lazy, Site
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
@@ -126,6 +127,8 @@ def _private_attention(base: str) -> Callable:
         recorders = _HANDLERS.get(id(module))
         if recorders:
             for recorder in tuple(recorders):
+                if elsewhere(recorder.session.thread):
+                    continue  # another thread's forward: its call is not this capture's
                 recorder.on_call(fn, query, key, value, attention_mask, args, kwargs, result)
         return result
 

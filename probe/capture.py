@@ -17,6 +17,7 @@ from torch import nn
 from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
 from .interface import Adapter, Lazy, Site
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
+from . import threads
 from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
 
@@ -271,6 +272,7 @@ class CaptureSession:
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
+        self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
         self.disk = None  # a RecordWriter when records go to a directory (store=)
         if store is not None:
             from .disk import RecordWriter
@@ -343,6 +345,9 @@ class CaptureSession:
 
         self._stack = ExitStack()
         try:
+            self.thread = threads.current()  # hooks let other threads' calls pass (threads.elsewhere)
+            held = threads.claim([model, *(s.module for s in self.sites)], self.model_class)
+            self._stack.callback(threads.release, held)
             if self.disk is not None:
                 self.disk.open()
             for adapter, sites in found:

@@ -115,10 +115,11 @@ def parse_bytes(text: str | int) -> int:
         raise SelectionError(f"cannot read {text!r} as a size; write e.g. 500MB, 2GiB or 1000000")
     value = float(m.group(1)) * units[m.group(2)]
     if not math.isfinite(value) or value > MAX_BYTES:
-        raise SelectionError(f"size {text!r} is beyond any memory ({format_bytes(MAX_BYTES)} at most); "
+        raise SelectionError(f"size {text!r} is beyond any memory (at most 2**60 bytes, 1 EiB); "
                              "write e.g. 500MB or 2GiB, or leave the budget out for none")
     if value < 1:
-        raise SelectionError(f"size {text!r} is less than one byte; write e.g. 500MB, 2GiB or 1000000")
+        raise SelectionError(f"max_bytes must be a positive size: {text!r} is less than one byte; write e.g. 500MB, "
+                             "2GiB or 1000000")
     return int(value)
 
 
