@@ -6,7 +6,8 @@
   ``cli``) sees every room;
 - no private name (``_name``, or a private module) is imported from another module.
 
-Every import statement counts: at module level, inside functions (lazy) and under ``TYPE_CHECKING``.
+Every import statement counts: at module level, inside functions (lazy) and under ``TYPE_CHECKING``, and
+so does ``importlib.import_module`` / ``__import__`` of a module named by a string constant.
 The checker itself is tested on synthetic sources below, so a planted violation is shown to fail.
 """
 
@@ -81,7 +82,29 @@ def imports_of(name: str, source: str, sources: dict[str, str]) -> list[Import]:
                     found.append(Import(name, submodule, None, node.lineno))
                 else:
                     found.append(Import(name, module, alias.name, node.lineno))
+        elif isinstance(node, ast.Call) and _dynamic_import(node):  # importlib.import_module("...") / __import__
+            target = node.args[0].value
+            if target.startswith("."):  # relative to the anchor: the second argument
+                anchor = node.args[1] if len(node.args) > 1 else None
+                anchor_name = {"__name__": name, "__package__": package}.get(getattr(anchor, "id", None))
+                if isinstance(anchor, ast.Constant) and isinstance(anchor.value, str):
+                    anchor_name = anchor.value
+                if anchor_name is None:
+                    continue
+                level = len(target) - len(target.lstrip("."))
+                base = anchor_name.split(".")[: len(anchor_name.split(".")) - level + 1]
+                target = ".".join(base + ([target.lstrip(".")] if target.lstrip(".") else []))
+            if target in sources:
+                found.append(Import(name, target, None, node.lineno))
     return found
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    """``importlib.import_module("a.b")``, ``import_module(".b", __name__)`` or ``__import__("a.b")``."""
+    func = call.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return (called in ("import_module", "__import__") and bool(call.args) and isinstance(call.args[0], ast.Constant)
+            and isinstance(call.args[0].value, str))
 
 
 def _private(part: str) -> bool:
@@ -198,6 +221,8 @@ def test_checker_finds_probe_importing_hooks_at_any_depth():
         probe__capture="def session():\n    if True:\n        from ..hooks import own\n",
         probe__frames="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from attnprobe.reports.html import x\n",
         probe__plugin="def fixture():\n    import attnprobe\n",
+        probe__loading="import importlib\nadapters = importlib.import_module('..hooks.own', __package__)\n"
+                       "html = __import__('attnprobe.reports.html')\n",
         hooks__own="",
         reports__html="x = 1\n",
     )
@@ -205,9 +230,11 @@ def test_checker_finds_probe_importing_hooks_at_any_depth():
     assert found == [
         f"{PACKAGE}.probe.capture line 3: imports {PACKAGE}.hooks.own: {PACKAGE}.probe must not import {PACKAGE}.hooks",
         f"{PACKAGE}.probe.frames line 3: imports {PACKAGE}.reports.html.x: {PACKAGE}.probe must not import {PACKAGE}.reports",
+        f"{PACKAGE}.probe.loading line 2: imports {PACKAGE}.hooks.own: {PACKAGE}.probe must not import {PACKAGE}.hooks",
+        f"{PACKAGE}.probe.loading line 3: imports {PACKAGE}.reports.html: {PACKAGE}.probe must not import {PACKAGE}.reports",
         f"{PACKAGE}.probe.plugin line 2: imports {PACKAGE}: {PACKAGE}.probe must not import {PACKAGE}",
     ]
-    assert problems(sources, consumers={f"{PACKAGE}.probe.plugin": "a consumer"}) == found[:2]
+    assert problems(sources, consumers={f"{PACKAGE}.probe.plugin": "a consumer"}) == found[:4]
 
 
 def test_checker_finds_adapters_and_reports_importing_each_other():
