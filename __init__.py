@@ -27,6 +27,7 @@ _EXPORTS = {
     "capture": ".hooks.api",
     "run": ".hooks.api",
     "stitch": ".probe.generation",
+    "load": ".probe.capture",
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
     "CaptureBudgetError": ".probe.errors",
@@ -51,7 +52,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .hooks.api import attention_modules, capture, run
-    from .probe.capture import AttentionModule, Capture
+    from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError
     from .probe.generation import stitch
@@ -59,6 +60,17 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .probe.record import TENSOR_FIELDS, AttentionRecord
     from .probe.violations import CheckResult, InvariantError, Violation
     from .hooks.hf_tokens import token_strings
+
+
+def _inline_html(obj) -> str:
+    # reports (jinja2, numpy) load on the first notebook display only; imported by name like every public name
+    # here (reports.html reads __version__ from this module)
+    return importlib.import_module(".reports.inline", __name__).repr_html(obj)
+
+
+# probe/ does not import reports/: the notebook view (_repr_html_) of captures, records and check results is
+# wired here, the one place that sees both (registering it imports nothing heavy)
+importlib.import_module(".probe.display", __name__).set_html_renderer(_inline_html)
 
 
 def __getattr__(name: str):

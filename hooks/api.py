@@ -63,6 +63,11 @@ class capture:
     ``modules``: hand-written softmax attention to read: modules of the model (or their names from
     ``named_modules()``), or ``"auto"`` to trace every module (slower; see the docs, "Code attnprobe has
     never seen").
+    ``store``: a directory to write the records to as they are made (safetensors files plus a JSON index, see
+    ``Capture.save``), for captures larger than memory: at most one record's tensors are in memory at a time, the
+    Capture's tensors are memory-mapped from the files. The folder appears when the ``with`` block ends (it is
+    written under a temporary name); if the block raises, nothing is left on disk (the records in the Capture stay
+    usable: ``cap.save(path)`` keeps them). ``overwrite=True`` replaces an existing capture directory there.
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
     raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
@@ -79,11 +84,13 @@ class capture:
     """
 
     def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None):
+                 modules=None, store=None, overwrite: bool = False):
         self._session = CaptureSession(
             model,
             Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes),
             default_adapters(modules=modules),
+            store=store,
+            overwrite=overwrite,
         )
 
     def __enter__(self) -> Capture:
@@ -98,7 +105,7 @@ def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[A
 
     ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
     a tuple or list as positional arguments, anything else as the one argument. ``options`` are
-    ``capture``'s (layers, heads, keep, device, dtype, max_bytes). With ``no_grad`` (the default)
+    ``capture``'s (layers, heads, keep, device, dtype, max_bytes, modules, store, overwrite). With ``no_grad`` (the default)
     the forward runs under ``torch.no_grad()``.
 
     Example::

@@ -45,7 +45,8 @@ from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
-from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
+from .trace import Tracer, format_location, user_stacklevel
+from .trace_read import EXPECTED, Finding, analyze
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -66,7 +67,7 @@ class _CaptureMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         tracer = self.tracer
-        before = tracer.before_op(func, args) if tracer is not None and func in SNAPSHOT_BEFORE else None
+        before = tracer.before_op(func, args, kwargs) if tracer is not None else None
         out = func(*args, **kwargs)
         if func is _SDPA:
             if self.on_sdpa is not None:
@@ -556,6 +557,21 @@ class _Run:
                         f"so the output is randomly dropped ({why}); the record's dropout says so, its weights are "
                         "before dropout and record.meta['dropout_in_eval'] is True")
 
+    def _warn_missing(self, site: Site, missing: dict[str, str]) -> None:
+        """One warning per layer whose record lacks fields a traced record normally has, saying where and why."""
+        by_reason: dict[str, list[str]] = {}
+        for name in EXPECTED:
+            if name in missing:
+                by_reason.setdefault(missing[name], []).append(name)
+        if len(by_reason) == 1:
+            why = next(iter(by_reason))
+        else:
+            why = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
+        fields = ", ".join(n for n in EXPECTED if n in missing)
+        self._warn_once(("missing", site.layer),
+                        f"layer {site.layer} ({site.name!r}): the record has no {fields}: {why}; check() skips what "
+                        "needs them and lists it in CheckResult.skipped (record.meta['missing'] says why per field)")
+
     def _warn_lints(self, violations) -> None:
         for v in violations:
             self._warn_once(("lint", v.layer, v.check), f"{v.check} in layer {v.layer} ({v.name!r}): {v.message}")
@@ -587,7 +603,7 @@ class _Run:
                             self._route(finding, scope)
                 parent = tracer.current()
                 if parent is not None and parent.traced:
-                    parent.add("module", module, args, kwargs, output, module=module)
+                    parent.add_module_call(module, args, kwargs, output)
                 if scope.findings:
                     self._emit_groups(module, scope.findings)
         except AttnprobeError:
@@ -714,8 +730,12 @@ class _Run:
         }
         if stacked:
             meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
-        if "folded" in first.meta:
-            meta["folded"] = first.meta["folded"]
+        for name in ("folded", "query_vector"):
+            if name in first.meta:
+                meta[name] = first.meta[name]
+        missing = {name: reason for f in group for name, reason in f.missing.items() if name not in identified}
+        if missing:
+            meta["missing"] = missing
         record = self.session.emit(
             site,
             kind=first.kind,
@@ -733,6 +753,8 @@ class _Run:
         )
         if record is not None:
             self._warn_lints(violations)
+            if missing:
+                self._warn_missing(site, missing)
             if meta["dropout_in_eval"]:
                 self._warn_eval_dropout(site, f"F.dropout(p={first.dropout:g}) on the attention weights runs",
                                         "F.dropout's training argument defaults to True; pass training=self.training "

@@ -155,15 +155,71 @@ class Capture(Sequence):
 
         return write_frame(self.to_frame(tokens, key_tokens), path, format="parquet", overwrite=overwrite)
 
-    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False):
-        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None."""
+    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, formula_safe: bool = True):
+        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None. Text a spreadsheet would
+        evaluate (``=``, ``+``, ``-``, ``@``, tab, CR first) gets a leading ``'`` unless ``formula_safe=False``."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
+        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite,
+                           formula_safe=formula_safe)
+
+    # -- other viewers (bertviz, circuitsvis; neither is imported) ------------------------------
+    def to_bertviz(self, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:
+        """Keyword arguments for ``bertviz.head_view`` / ``model_view``: ``bertviz.head_view(**cap.to_bertviz())``.
+        See ``attnprobe.probe.interop.to_bertviz``."""
+        from .interop import to_bertviz
+
+        return to_bertviz(self, batch, tokens=tokens, key_tokens=key_tokens, call=call)
+
+    def to_circuitsvis(self, layer: int, batch: int = 0, *, tokens=None, call: int = 0,
+                       head_names: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``circuitsvis.attention.attention_patterns`` for one layer (negative counts from
+        the end). See ``attnprobe.probe.interop.to_circuitsvis``."""
+        from .interop import to_circuitsvis
+
+        return to_circuitsvis(self, self._layer_number(layer), batch, tokens=tokens, call=call, head_names=head_names)
+
+    # -- files (safetensors + JSON index; never pickle) -----------------------------------------
+    def save(self, path, *, overwrite: bool = False):
+        """Write this capture to the directory ``path`` (safetensors files plus a JSON index); returns the path.
+
+        ``attnprobe.load(path)`` reads it back with memory-mapped tensors; nothing is pickled. An existing
+        capture directory is replaced only with ``overwrite=True``, a folder of other files never. The folder is
+        written under a temporary name and renamed into place when complete.
+        """
+        from .disk import save
+
+        return save(self, path, overwrite=overwrite)
+
+    def _repr_html_(self) -> str | None:
+        """Notebook view: the HTML report's own page in a frame, bounded in size (see ``attnprobe.reports.inline``)."""
+        from .display import repr_html
+
+        return repr_html(self)
 
     def __repr__(self) -> str:
         model = self._info.get("model_class", "?")
         return f"<Capture of {model}: {len(self)} record(s), layers {list(self.layers)}, {self.nbytes:,} bytes>"
+
+
+def load(path) -> Capture:
+    """The ``Capture`` saved in directory ``path`` (by ``Capture.save`` or ``capture(..., store=path)``).
+
+    Tensors are memory-mapped from the safetensors files: nothing is read until a tensor is used, so a
+    capture larger than memory opens at once. Nothing is unpickled (see ``probe/disk.py`` for the format).
+
+    Example::
+
+        >>> import torch, attnprobe, tempfile, os
+        >>> out, cap = attnprobe.run(attnprobe.MultiHeadAttention(8, num_heads=2), torch.randn(1, 4, 8))
+        >>> folder = cap.save(os.path.join(tempfile.mkdtemp(), "cap"))
+        >>> torch.equal(attnprobe.load(folder)[0].weights, cap[0].weights)
+        True
+    """
+    from .disk import read
+
+    records, info = read(path)
+    return Capture(records, info)
 
 
 def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> AttentionRecord:
@@ -193,9 +249,11 @@ class CaptureSession:
 
     ``adapters`` are tried in order (a module claimed by one is not offered to the next); ``attnprobe.capture``
     passes ``hooks.default_adapters()``. Adapters use the session as a ``probe.interface.Session``.
+    ``store``: a directory the records are written to as they are made (``disk.RecordWriter``).
     """
 
-    def __init__(self, model: nn.Module, selection: Selection, adapters: Sequence[Adapter]) -> None:
+    def __init__(self, model: nn.Module, selection: Selection, adapters: Sequence[Adapter], *, store=None,
+                 overwrite: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
@@ -212,6 +270,11 @@ class CaptureSession:
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
+        self.disk = None  # a RecordWriter when records go to a directory (store=)
+        if store is not None:
+            from .disk import RecordWriter
+
+            self.disk = RecordWriter(store, overwrite=overwrite)  # refuses an existing target before the run
 
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
@@ -279,11 +342,15 @@ class CaptureSession:
 
         self._stack = ExitStack()
         try:
+            if self.disk is not None:
+                self.disk.open()
             for adapter, sites in found:
                 if sites or adapter.dynamic:
                     adapter.attach(self, model, sites, self._stack)
         except BaseException:
             self._stack.close()
+            if self.disk is not None:
+                self.disk.abort()
             raise
         return self.capture
 
@@ -297,6 +364,11 @@ class CaptureSession:
             self._named = None
         if len(self.sites) != len(self.capture.info["attention_modules"]):  # sites found while the model ran
             self.capture._info = MappingProxyType(self._info())
+        if self.disk is not None:
+            if exc_type is None:
+                self.disk.close(self.capture.info)  # the index, then the folder renamed into place
+            else:  # nothing half-written is left (a previous capture there stays); the records in memory stay usable
+                self.disk.abort()
         n = len(self.sites)
         missing = sorted(layer for layer in (self.selection.layers or ()) if layer >= n)
         if exc_type is None and missing:  # layer numbers past the model's, accepted only in case they appeared
@@ -444,7 +516,7 @@ class CaptureSession:
                 else:
                     stored[f] = self.store.put(t, index, axis)
 
-        record = AttentionRecord(
+        record: AttentionRecord = AttentionRecord(
             name=site.name,
             layer=site.layer,
             call=call,
@@ -457,6 +529,8 @@ class CaptureSession:
             **stored,
             **values,
         )
+        if self.disk is not None:  # written now; the Capture keeps the memory-mapped copy, this one is dropped
+            record = self.disk.write(record)
         self.capture._append(record)
         return record
 

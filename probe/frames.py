@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .errors import AttnprobeError, AttnprobeWarning
+from .files import atomic_open
 from .sinks import sink_mass
 from .tokens import record_token_rows
 
@@ -240,25 +241,80 @@ def _expected_row_sum(r, allowed: torch.Tensor):
     return 1.0 - sink_mass(r.scores.detach().to("cpu", torch.float32), allowed, r.sinks.detach().cpu())
 
 
-def write_frame(frame, path, *, format: str | None = None, overwrite: bool = False):
+#: First characters that make a spreadsheet evaluate a text cell as a formula (=HYPERLINK(...), +cmd, ...).
+FORMULA_PREFIXES = ("=", "+", "-", "@", "\t", "\r")
+
+
+def formula_safe_text(text):
+    """``text`` with a leading ``'`` when a spreadsheet would evaluate it (it starts with ``=``, ``+``, ``-``,
+    ``@``, tab or CR); other values unchanged. ``formula_safe_text("=1+2") == "'=1+2"``."""
+    if isinstance(text, str) and text.startswith(FORMULA_PREFIXES):
+        return "'" + text
+    return text
+
+
+def formula_safe_frame(frame):
+    """A copy of ``frame`` whose text cells (object, string and categorical columns) are ``formula_safe_text``;
+    numeric columns are untouched (a negative number is a number, not a formula)."""
+    import pandas as pd
+
+    out = frame.copy(deep=False)
+    for i in range(frame.shape[1]):
+        column = frame.iloc[:, i]
+        if isinstance(column.dtype, pd.CategoricalDtype):
+            categories = [formula_safe_text(c) for c in column.cat.categories]
+            if len(set(categories)) == len(categories):
+                out.isetitem(i, column.cat.rename_categories(categories))
+            else:  # "=x" and "'=x" both occur and now read the same: no longer unique categories, plain text
+                codes = column.cat.codes.to_numpy()
+                values = np.asarray(categories + [None], dtype=object)
+                out.isetitem(i, pd.Series(values[codes], index=frame.index, dtype=object))
+        elif column.dtype == object or isinstance(column.dtype, pd.StringDtype):
+            out.isetitem(i, column.map(formula_safe_text))
+    return out
+
+
+def frame_csv(frame, file=None, *, formula_safe: bool = True):
+    """``frame`` as CSV text (or written to the open text ``file``): every text cell quoted, so carriage
+    returns, line feeds, quotes and commas inside tokens stay inside their cell; with ``formula_safe``
+    (the default) text a spreadsheet would evaluate gets a leading ``'`` (see ``formula_safe_text``)."""
+    import csv
+    import io
+    import re
+
+    if formula_safe:
+        frame = formula_safe_frame(frame)
+        frame.columns = [formula_safe_text(str(c)) for c in frame.columns]
+    out = io.StringIO() if file is None else file
+    header = True
+    if all(re.fullmatch(r"[\w .]+", str(c)) for c in frame.columns):  # plain names (the schemas): as they are
+        out.write(",".join(str(c) for c in frame.columns) + "\n")
+        header = False
+    # QUOTE_MINIMAL would leave a bare CR unquoted when lines end in LF: readers then split the row
+    frame.to_csv(out, index=False, header=header, quoting=csv.QUOTE_NONNUMERIC, lineterminator="\n")
+    return out.getvalue() if file is None else None
+
+
+def write_frame(frame, path, *, format: str | None = None, overwrite: bool = False, formula_safe: bool = True):
     """Write ``frame`` as Parquet or CSV (by ``format`` or the suffix). CSV with ``path=None`` returns text.
 
-    An existing file is never replaced unless ``overwrite`` is True.
+    The file appears complete or not at all (``attnprobe.probe.files``); an existing file (or symlink) is
+    never replaced unless ``overwrite`` is True. CSV quotes every text cell and, unless
+    ``formula_safe=False``, prefixes text that a spreadsheet would evaluate (``=``, ``+``, ``-``, ``@``,
+    tab, CR) with ``'``; Parquet stores every value exactly.
     """
     if path is None:
         if format not in (None, "csv"):
             raise AttnprobeError("only CSV can be returned as text; give a path to write Parquet")
-        return frame.to_csv(index=False)
+        return frame_csv(frame, formula_safe=formula_safe)
     path = Path(os.fspath(path))
     fmt = format or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
     if fmt not in ("parquet", "csv"):
         raise AttnprobeError(f"cannot tell the format of {str(path)!r}: name it .parquet or .csv, or pass format=")
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
-    if not path.parent.exists():
-        raise FileNotFoundError(f"folder {path.parent} does not exist; create it first")
     if fmt == "parquet":
-        frame.to_parquet(path, index=False)
+        with atomic_open(path, "wb", overwrite=overwrite) as f:
+            frame.to_parquet(f, index=False)
     else:
-        frame.to_csv(path, index=False)
+        with atomic_open(path, "w", overwrite=overwrite, encoding="utf-8", newline="") as f:
+            frame_csv(frame, f, formula_safe=formula_safe)
     return path

@@ -198,6 +198,12 @@ class AttentionRecord:
                 return t
         return None
 
+    def _repr_html_(self) -> str | None:
+        """Notebook view: the HTML report's own page in a frame, bounded in size (see ``attnprobe.reports.inline``)."""
+        from .display import repr_html
+
+        return repr_html(self)
+
     def __repr__(self) -> str:
         parts = [f"name={self.name!r}", f"layer={self.layer}", f"call={self.call}", f"kind={self.kind!r}"]
         if self.step is not None:

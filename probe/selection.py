@@ -7,6 +7,7 @@ the one copy that lands in a record. The budget is checked on the planned size, 
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import re
@@ -29,14 +30,33 @@ def _as_int(item, what: str, value) -> int:
         raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}") from None
 
 
+#: The most numbers one ``layers=`` or ``heads=`` selection may name: far more attention layers or heads
+#: than any model has, few enough that a slip such as ``range(2_000_000_000)`` fails at once instead of
+#: allocating gigabytes before the model is even looked at.
+MAX_SELECTED = 1 << 16
+
+
+def too_many(what: str, count: int | None, shown) -> SelectionError:
+    """The error for a selection that names more than ``MAX_SELECTED`` numbers."""
+    size = f"{count:,}" if count is not None else f"more than {MAX_SELECTED:,}"
+    return SelectionError(f"{what} {shown} names {size} numbers; no model has that many attention layers or heads "
+                          f"(at most {MAX_SELECTED:,} are accepted): name the ones the model has")
+
+
 def int_list(value, what: str) -> tuple[int, ...]:
     """An int or an iterable of ints (numpy and torch integers too) as a tuple, duplicates dropped."""
     if isinstance(value, (bool, str, bytes, Mapping)):
         raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
     if getattr(value, "ndim", None) == 0 or (hasattr(value, "__index__") and not isinstance(value, Iterable)):
         items: tuple = (value,)
-    elif isinstance(value, Iterable):
+    elif isinstance(value, range):  # its length is known without building it
+        if len(value) > MAX_SELECTED:
+            raise too_many(what, len(value), f"{value!r}")
         items = tuple(value)
+    elif isinstance(value, Iterable):
+        items = tuple(itertools.islice(value, MAX_SELECTED + 1))  # never more than that in memory
+        if len(items) > MAX_SELECTED:
+            raise too_many(what, len(value) if hasattr(value, "__len__") else None, f"({type(value).__name__})")
     else:
         raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
     return tuple(dict.fromkeys(_as_int(item, what, value) for item in items))  # dedupe, keep order
@@ -93,7 +113,17 @@ def parse_bytes(text: str | int) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if not m or m.group(2) not in units:
         raise SelectionError(f"cannot read {text!r} as a size; write e.g. 500MB, 2GiB or 1000000")
-    return int(float(m.group(1)) * units[m.group(2)])
+    value = float(m.group(1)) * units[m.group(2)]
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise SelectionError(f"size {text!r} is beyond any memory ({format_bytes(MAX_BYTES)} at most); "
+                             "write e.g. 500MB or 2GiB, or leave the budget out for none")
+    if value < 1:
+        raise SelectionError(f"size {text!r} is less than one byte; write e.g. 500MB, 2GiB or 1000000")
+    return int(value)
+
+
+#: The largest byte budget accepted (an exbibyte): a larger figure is a typo, not a memory.
+MAX_BYTES = 2**60
 
 
 def format_bytes(n: int) -> str:
@@ -150,6 +180,9 @@ class Selection:
             raise SelectionError(f"dtype must be a floating torch dtype such as torch.float16, got {dtype!r}")
         if isinstance(max_bytes, str):
             max_bytes = parse_bytes(max_bytes)  # "500MB", "2GiB"
+        elif isinstance(max_bytes, float) and not math.isfinite(max_bytes):
+            raise SelectionError(f"max_bytes={max_bytes!r} is not a number of bytes; give e.g. 5e8 or '500MB', "
+                                 "or None for no budget")
         elif isinstance(max_bytes, float) and max_bytes.is_integer():
             max_bytes = int(max_bytes)  # 1e9
         if max_bytes is not None:

@@ -25,6 +25,7 @@ import numpy as np
 from .. import __version__
 from ..probe.capture import Capture
 from ..probe.errors import AttnprobeError
+from ..probe.files import atomic_open
 from ..probe.record import AttentionRecord
 from ..probe.violations import CheckResult, Violation
 from . import encoding
@@ -90,7 +91,8 @@ class ReportData:
 
 
 class _Tokens:
-    """Deduplicated token lists referenced by index from the records."""
+    """Deduplicated token lists referenced by index from the records, as ``display_token`` draws them:
+    the page shows tokens only in that escaped form."""
 
     def __init__(self) -> None:
         self.lists: list[list[str]] = []
@@ -102,7 +104,7 @@ class _Tokens:
         key = tuple(tokens)
         if key not in self._index:
             self._index[key] = len(self.lists)
-            self.lists.append(list(tokens))
+            self.lists.append([display_token(t) for t in tokens])
         return self._index[key]
 
 
@@ -436,13 +438,25 @@ def render(template: str, **context):
     )
 
 
+def checks_document(result: CheckResult) -> str:
+    """A page with the report's checks table for ``result`` and the report's style (no script, no records)."""
+    template = _environment().get_template("report.html.j2")
+    context = template.new_context({"checks": check_panel(result, [], 0), "fmt": fmt, "sort_value": sort_value})
+    body = "".join(template.blocks["checks"](context))
+    return (
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
+        f"<style>{_static('report.css')}</style></head><body data-mode=\"report\"><main>{body}</main></body></html>"
+    )
+
+
 def write_or_return(chunks, path, overwrite: bool):
     """The document as one string when ``path`` is None; else write it there and return the path."""
     if path is None:
         return "".join(chunks)
     p = output_path(path, overwrite=overwrite)
-    # "x" mode: never replace a file that appeared after the check unless asked
-    with open(p, "w" if overwrite else "x", encoding="utf-8", errors="backslashreplace", newline="\n") as f:
+    # complete or not at all: an interrupted or failed write leaves the old file (if any) as it was
+    with atomic_open(p, "w", overwrite=overwrite, encoding="utf-8", errors="backslashreplace", newline="\n") as f:
         f.writelines(chunks)
     return p
 

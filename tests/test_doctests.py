@@ -18,6 +18,8 @@ CORE_MODULES = {
     "attnprobe.probe.selection": False,
     "attnprobe.probe.frames": False,
     "attnprobe.probe.generation": False,  # its example needs a generating model: shown as comments
+    "attnprobe.probe.disk": True,
+    "attnprobe.probe.interop": True,
     "attnprobe.hooks.own": False,
     "attnprobe.hooks.base": False,
 }
