@@ -1,9 +1,9 @@
 """The rooms keep their doors: an import graph read from the package's source (an AST walk, no import).
 
 - no import cycle between the package's modules;
-- dependencies point one way: probe/ (the core) imports neither hooks/ (adapters) nor reports/, nor the
-  wiring above them; hooks/ and reports/ do not import each other; only the top level (``attnprobe``,
-  ``cli``) sees every room;
+- dependencies point one way: probe/ (the core) imports neither hooks/ (adapters) nor reports/; hooks/ and
+  reports/ do not import each other; no room imports the top level (the facade ``attnprobe``, ``cli``),
+  which alone sees every room;
 - no private name (``_name``, or a private module) is imported from another module.
 
 Every import statement counts: at module level, inside functions (lazy) and under ``TYPE_CHECKING``, and
@@ -24,8 +24,8 @@ NOT_PACKAGE = {"tests", "benchmarks", "docs", "examples", "build", "dist"}
 #: importer room -> rooms it must not import (a room is a module name prefix; PACKAGE alone is the facade)
 FORBIDDEN = {
     f"{PACKAGE}.probe": (f"{PACKAGE}.hooks", f"{PACKAGE}.reports", f"{PACKAGE}.cli", PACKAGE),
-    f"{PACKAGE}.hooks": (f"{PACKAGE}.reports", f"{PACKAGE}.cli"),
-    f"{PACKAGE}.reports": (f"{PACKAGE}.hooks", f"{PACKAGE}.cli"),
+    f"{PACKAGE}.hooks": (f"{PACKAGE}.reports", f"{PACKAGE}.cli", PACKAGE),
+    f"{PACKAGE}.reports": (f"{PACKAGE}.hooks", f"{PACKAGE}.cli", PACKAGE),
 }
 #: modules that live in a room for their public path but consume the whole package, with the reason
 CONSUMERS = {
@@ -199,7 +199,7 @@ def test_checker_passes_a_clean_package():
         probe__capture="from .record import X\n",
         hooks__own="from ..probe.capture import X\nfrom . import calls\n",
         hooks__calls="",
-        reports__html="from ..probe.record import X\nfrom .. import __version__\n",
+        reports__html="from ..probe.record import X\n",
         cli="from .hooks import own\nfrom .probe import capture\n",
     )
     assert problems(sources) == []
