@@ -181,6 +181,23 @@ def test_the_package_has_no_cycle_no_wrong_way_import_and_no_private_name_across
     assert problems(sources) == []
 
 
+def test_adapters_use_the_session_only_through_its_interface():
+    from attnprobe.probe.interface import Session
+
+    interface = set(Session.__annotations__) | {n for n in vars(Session) if not n.startswith("_")}
+    used: dict[str, list[str]] = {}
+    for name, source in package_sources().items():
+        if not name.startswith(f"{PACKAGE}.hooks.") or name == f"{PACKAGE}.hooks.api":  # api.py owns the session
+            continue
+        for node in ast.walk(ast.parse(source)):
+            value = getattr(node, "value", None)
+            if isinstance(node, ast.Attribute) and (getattr(value, "id", None) == "session"
+                                                    or getattr(value, "attr", None) == "session"):
+                used.setdefault(node.attr, []).append(f"{name} line {node.lineno}")
+    assert {"emit", "wants"} <= set(used)  # the walk sees the adapters' calls
+    assert {k: v for k, v in used.items() if k not in interface} == {}, "add it to probe.interface.Session, or don't"
+
+
 def test_every_consumer_exception_still_exists():
     assert set(CONSUMERS) <= set(package_sources())
 
