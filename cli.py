@@ -59,9 +59,10 @@ class Progress:
             self.bar.close()
 
 
-#: OS errors that are about the place the user chose (full disk, no permission, name too long): exit 2.
+#: OS errors that are about the place the user chose (full disk, no permission, name too long, a failing
+#: device): exit 2.
 USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
-                  errno.ENAMETOOLONG}
+                  errno.ENAMETOOLONG, errno.EIO}
 
 
 def handle_errors(fn):
@@ -96,8 +97,8 @@ def handle_errors(fn):
             if isinstance(exc, known):
                 raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
             if isinstance(exc, OSError) and exc.errno in USER_OS_ERRORS:  # the place, not attnprobe
-                where = f" {exc.filename}" if exc.filename else ""
-                raise UsageProblem(f"cannot use{where}: {exc.strerror or exc}") from None
+                what = f"cannot use {exc.filename}" if exc.filename else "the system refused"
+                raise UsageProblem(f"{what}: {exc.strerror or exc}") from None
             click.echo(
                 f"attnprobe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
                 err=True,
@@ -662,6 +663,52 @@ def token_labels(work):
     if work.is_encoder_decoder:
         return work.decoder_tokens, work.tokens
     return work.tokens, None
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--data", "data", required=True, type=click.Path(exists=True),
+              help="Inputs: .txt (one per line), .jsonl, .csv, .parquet, or a datasets save_to_disk folder.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the Parquet dataset.")
+@click.option("--field", help="The text field of .jsonl (default: text), .csv, .parquet or a datasets folder.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Inputs per forward (padded).")
+@click.option("--max-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
+@click.option("--layers", help="Attention layers, e.g. 0-3,7 (default: all).")
+@click.option("--heads", help="Heads, e.g. 0,5 (default: all).")
+@click.option("--limit", type=click.IntRange(min=1), help="Scan only the first N inputs.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Inputs per Parquet file (an interrupted scan loses at most one chunk).")
+@click.option("--resume", is_flag=True, help="Skip the chunks already written in OUT.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
+@handle_errors
+def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, chunk_size, resume, quiet, debug):
+    """Per-head attention statistics of MODEL over every input of --data, to a Parquet dataset in --out.
+
+    One row per input, layer and head: each statistic averaged over the input's real query rows, plus
+    row-level extremes (entropy_min, max_score_max, ...). No (query x key) tensor is stored, so memory stays
+    flat in the number of inputs. Runs unchanged under `accelerate launch --num_processes N -m attnprobe scan` and `torchrun`
+    (each process scans its own chunks).
+
+    \b
+    Examples:
+      attnprobe scan --data sentences.txt --out scan/
+      attnprobe scan ./my-bert --data data.jsonl --field text --batch-size 32 --max-length 128 --out scan/
+      duckdb -c "SELECT layer, head, avg(entropy) FROM 'scan/*.parquet' GROUP BY ALL"
+    """
+    import attnprobe
+
+    from .probe import loading
+
+    net, tokenizer, source = loading.load_model(model)
+    if tokenizer is None:
+        raise UsageProblem(f"{source} has no tokenizer: a scan reads texts (give a model folder with its tokenizer)")
+    result = attnprobe.scan(net, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
+                            max_length=max_length, layers=loading.parse_int_list(layers, "layers"),
+                            heads=loading.parse_int_list(heads, "heads"), limit=limit, resume=resume,
+                            chunk_size=chunk_size, progress=not quiet)
+    skipped = f", {result.chunks_skipped} chunk(s) already there" if result.chunks_skipped else ""
+    click.echo(f"scanned {result.inputs} input(s) into {result.out}/ ({result.chunks_written} chunk(s) written{skipped})")
 
 
 if __name__ == "__main__":  # pragma: no cover

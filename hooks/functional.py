@@ -39,8 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..probe.attention_math import AttentionCall, mask_allows
 from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
+from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
@@ -328,11 +330,33 @@ class FunctionalAdapter(Adapter):
             _Run(self, session, model, sites, claimed).start(stack, roots=roots)
 
 
+_TENSOR_FIELDS = ("q", "k", "v", "scores", "weights", "output", "allowed")
+
+
+def _stacked_fields(site: Site, group: list[Finding]) -> dict[str, object]:
+    """The tensor fields of single-head findings stacked as the heads of one record (the selected heads, made on
+    first use); a field one of them lacks is None."""
+    fields: dict[str, object] = {}
+    for name in _TENSOR_FIELDS[:-1]:
+        parts = [getattr(f, name) for f in group]
+        if any(p is None for p in parts):
+            fields[name] = None
+            continue
+        chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
+        fields[name] = Lazy((chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype,
+                            partial(torch.cat, chosen, dim=1))
+    masks = [f.allowed for f in group]
+    # one (B, 1, Tq, Tk) mask per head
+    fields["allowed"] = compress_heads(torch.cat(masks, dim=1)) if all(m is not None for m in masks) else None
+    return fields
+
+
 class _Run:
     """One capture session's functional interception."""
 
     def __init__(self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]) -> None:
         self.adapter, self.session, self.model = adapter, session, model
+        self.owner = session.thread  # module hooks of other threads' forwards do nothing (the mode is per thread)
         self._names: dict[int, str] | None = None
         self.claimed = claimed
         self.named = {id(s.module): s for s in sites}
@@ -482,16 +506,20 @@ class _Run:
             k_lead[-1] = q_lead[-1]  # grouped-query attention: fewer key heads than query heads
         full = torch.broadcast_shapes(q_lead, k_lead) + (L, S)
         mask = call["attn_mask"]
-        if mask is not None:
+        stats_only = self.session.stats_only  # never build a (query, key) mask: the engine reads it in blocks
+        if stats_only:
+            allowed = None
+        elif mask is not None:
             allowed = mask if mask.dtype == torch.bool else mask > MASKED_AT
             allowed = _to4(allowed.expand(torch.broadcast_shapes(allowed.shape, full)))
         else:
             allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device).expand(B, 1, L, S)
-        if call["is_causal"]:
+        if call["is_causal"] and not stats_only:
             allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        if allowed.shape[1] > 1 and allowed.stride(1) == 0:
-            allowed = allowed[:, :1]
-        allowed = allowed.expand(B, allowed.shape[1], L, S)
+        if allowed is not None:
+            if allowed.shape[1] > 1 and allowed.stride(1) == 0:
+                allowed = allowed[:, :1]
+            allowed = allowed.expand(B, allowed.shape[1], L, S)
         scale = call["scale"] if call["scale"] is not None else 1.0 / math.sqrt(E)
         group = H // Hkv
         heads = site.heads
@@ -510,6 +538,18 @@ class _Run:
 
         recomputed = Recomputed(scores_of_heads, lambda: allowed if allowed.shape[1] == 1 else _pick(allowed, heads),
                                 keep_scores=self.session.wants(site, "scores"))
+        stats = None
+        if self.session.wants(site, "stats"):
+            m4 = None if mask is None else _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
+            stats = AttentionCall.for_heads(
+                q, k, v, heads=heads, kv_heads=tuple(h // group for h in heads), mask=m4, masked_at=MASKED_AT,
+                causal=bool(call["is_causal"]), scaling=float(scale),
+                output=_to4(out) if isinstance(out, torch.Tensor) else None,
+            )
+        if stats_only:
+            declared_causal = mask is not None and forbids_future(mask_allows(mask, MASKED_AT))
+        else:
+            declared_causal = mask is not None and forbids_future(allowed)
 
         # sdpa applies dropout_p whatever module.training says: record it as applied, and flag it in eval mode
         dropout = float(call["dropout_p"])
@@ -528,9 +568,10 @@ class _Run:
             weights=Lazy((B, len(heads), L, S), q.dtype, recomputed.weights),
             output=_to4(out) if isinstance(out, torch.Tensor) else None,
             allowed=allowed,
-            causal=bool(call["is_causal"]) or (mask is not None and forbids_future(allowed)),
+            causal=bool(call["is_causal"]) or declared_causal,
             scaling=float(scale),
             backend="sdpa",
+            stats=stats,
             dtype=q.dtype,
             weights_source="recomputed",
             dropout=dropout,
@@ -578,7 +619,7 @@ class _Run:
 
     # -- hand-written attention: module scopes ---------------------------------------------------
     def _enter(self, module: nn.Module, args, *, traced: bool) -> None:
-        if self.tracer is None:
+        if self.tracer is None or elsewhere(self.owner):
             return
         if id(module) in self.named:
             self.ran[id(module)] = self.ran.get(id(module), 0) + 1
@@ -586,7 +627,7 @@ class _Run:
 
     def _exit(self, module: nn.Module, args, kwargs, output):
         tracer = self.tracer
-        if tracer is None:
+        if tracer is None or elsewhere(self.owner):
             return None
         scope = tracer.exit(module)
         if output is None:
@@ -682,6 +723,7 @@ class _Run:
         return site
 
     def _emit_group(self, owner: nn.Module, group: list[Finding]) -> None:
+        """One record from the findings of one layer's call: one finding, or single-head findings stacked as heads."""
         first = group[0]
         stacked = len(group) > 1
         heads = len(group) if stacked else first.heads
@@ -695,52 +737,20 @@ class _Run:
                             f"before and {heads} now; calls with another head count are not recorded")
             site.calls += 1
             return
-        fields: dict[str, object] = {}
-        if stacked:
-            for name in ("q", "k", "v", "scores", "weights", "output"):
-                parts = [getattr(f, name) for f in group]
-                if any(p is None for p in parts):
-                    fields[name] = None
-                    continue
-                chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
-                fields[name] = Lazy((chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype,
-                                    partial(torch.cat, chosen, dim=1))
-            masks = [f.allowed for f in group]
-            allowed = None
-            if all(m is not None for m in masks):
-                allowed = compress_heads(torch.cat(masks, dim=1))  # one (B, 1, Tq, Tk) mask per head
-        else:
-            fields = {name: getattr(first, name) for name in ("q", "k", "v", "scores", "weights", "output")}
-            allowed = first.allowed
-        call = site.calls
+        fields = _stacked_fields(site, group) if stacked else {name: getattr(first, name) for name in _TENSOR_FIELDS}
         violations = tuple(
-            lint_violation(check, name=site.name, layer=site.layer, call=call, message=message,
+            lint_violation(check, name=site.name, layer=site.layer, call=site.calls, message=message,
                            head=(h if stacked else None))
             for h, f in enumerate(group)
             for check, message in f.lints
         )
         causals = [f.causal for f in group]
         identified = frozenset.intersection(*(f.identified for f in group))
-        meta = {
-            "module_class": type(first.module).__name__,
-            "softmax_at": first.meta.get("softmax_at", "?"),
-            "kind_from": first.meta.get("kind_from", "lengths"),
-            "lint": violations,
-            "dropout_in_eval": any(f.meta.get("dropout_in_eval", False) for f in group),
-        }
-        if stacked:
-            meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
-        for name in ("folded", "query_vector"):
-            if name in first.meta:
-                meta[name] = first.meta[name]
-        missing = {name: reason for f in group for name, reason in f.missing.items() if name not in identified}
-        if missing:
-            meta["missing"] = missing
+        meta = self._group_meta(group, violations, identified)
         record = self.session.emit(
             site,
             kind=first.kind,
             **fields,
-            allowed=allowed,
             causal=None if None in causals else all(causals),
             scaling=first.scaling,
             backend="hand-written",
@@ -753,9 +763,28 @@ class _Run:
         )
         if record is not None:
             self._warn_lints(violations)
-            if missing:
-                self._warn_missing(site, missing)
+            if "missing" in meta:
+                self._warn_missing(site, meta["missing"])
             if meta["dropout_in_eval"]:
                 self._warn_eval_dropout(site, f"F.dropout(p={first.dropout:g}) on the attention weights runs",
                                         "F.dropout's training argument defaults to True; pass training=self.training "
                                         "or use nn.Dropout")
+
+    def _group_meta(self, group: list[Finding], violations: tuple, identified: frozenset[str]) -> dict:
+        first = group[0]
+        meta = {
+            "module_class": type(first.module).__name__,
+            "softmax_at": first.meta.get("softmax_at", "?"),
+            "kind_from": first.meta.get("kind_from", "lengths"),
+            "lint": violations,
+            "dropout_in_eval": any(f.meta.get("dropout_in_eval", False) for f in group),
+        }
+        if len(group) > 1:
+            meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
+        for name in ("folded", "query_vector"):
+            if name in first.meta:
+                meta[name] = first.meta[name]
+        missing = {name: reason for f in group for name, reason in f.missing.items() if name not in identified}
+        if missing:
+            meta["missing"] = missing
+        return meta

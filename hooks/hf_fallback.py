@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.threads import current, elsewhere
 from . import hf_compat
 from .functional import code_reaches_sdpa
 from .hf_context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
@@ -113,6 +114,7 @@ class _ForceAttentions:
         self.model = model
         self.params = forward_params(type(model))
         self.calls: list[tuple[bool, bool]] = []  # (caller asked for attentions, caller wants a tuple)
+        self._owner = current()  # other threads' calls run as if attnprobe were absent
         for handle in (
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
@@ -128,6 +130,8 @@ class _ForceAttentions:
         return args, kwargs
 
     def _before(self, module, args, kwargs):
+        if elsewhere(self._owner):
+            return None
         config = module.config
         asked = argument(self.params, "output_attentions", args, kwargs)
         asked = bool(getattr(config, "output_attentions", False) if asked is None else asked)
@@ -143,7 +147,7 @@ class _ForceAttentions:
         return args, kwargs
 
     def _after(self, module, args, kwargs, output):
-        if not self.calls:
+        if not self.calls or elsewhere(self._owner):
             return None
         asked, wants_tuple = self.calls.pop()
         if asked or output is None:
@@ -304,7 +308,11 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
 
     warned = []  # this capture has said once that the module is left out
 
+    owner = session.thread
+
     def after(mod, args, output):
+        if elsewhere(owner):
+            return  # another thread's forward
         try:
             weights = readable(mod, output)
         except UnsupportedModelError as e:

@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..probe.errors import AttnprobeError, AttnprobeWarning
+from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, forbids_future
@@ -315,8 +316,11 @@ class TorchMHAAdapter(Adapter):
     def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
         calls: list[_Call | _Untouched | None] = []  # one per call in progress
         warned: set[str] = set()
+        owner = session.thread  # calls from other threads pass through untouched
 
         def before(mod, args, kwargs):
+            if elsewhere(owner):
+                return None
             bound = _bind(args, kwargs)
             if bound is not None and any(getattr(bound[n], "is_nested", False) for n in _PARAMS[:3]):
                 calls.append(self._let_nested_through(site, warned))
@@ -352,7 +356,7 @@ class TorchMHAAdapter(Adapter):
                 undo(calls.pop())
 
         def after(mod, args, kwargs, output):
-            if not calls:
+            if not calls or elsewhere(owner):
                 return None
             call = calls.pop()
             undo(call)

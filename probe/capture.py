@@ -16,7 +16,8 @@ from torch import nn
 
 from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
 from .interface import Adapter, Lazy, Site
-from .record import TENSOR_FIELDS, AttentionRecord
+from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
+from . import threads
 from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
 
@@ -270,6 +271,7 @@ class CaptureSession:
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
+        self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
         self.disk = None  # a RecordWriter when records go to a directory (store=)
         if store is not None:
             from .disk import RecordWriter
@@ -342,6 +344,9 @@ class CaptureSession:
 
         self._stack = ExitStack()
         try:
+            self.thread = threads.current()  # hooks let other threads' calls pass (threads.elsewhere)
+            held = threads.claim([model, *(s.module for s in self.sites)], self.model_class)
+            self._stack.callback(threads.release, held)
             if self.disk is not None:
                 self.disk.open()
             for adapter, sites in found:
@@ -420,7 +425,7 @@ class CaptureSession:
             "selection": {
                 "layers": sel.layers,
                 "heads": sel.heads if sel.heads_by_layer is None else dict(sel.heads_by_layer),
-                "keep": tuple(f for f in TENSOR_FIELDS if f in sel.keep),
+                "keep": tuple(f for f in KEEP_NAMES if f in sel.keep),
                 "device": str(sel.device),
                 "dtype": None if sel.dtype is None else str(sel.dtype).replace("torch.", ""),
                 "max_bytes": sel.max_bytes,
@@ -480,6 +485,11 @@ class CaptureSession:
                 f for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding)) if t is not None
             )
 
+        stats_call = values.pop("stats", None)
+        adapter_allowed = allowed
+        if self.stats_only:
+            allowed = None  # (batch, head, query, key): what a statistics capture never holds; stats hold its facts
+
         # plan every copy first, with its exact stored size, so the budget fails before any memory is spent
         masks = {"allowed": allowed, "query_padding": query_padding, "sinks": sinks}
         plan = []  # (field, tensor or Lazy, head index or None, head axis, planned bytes)
@@ -516,6 +526,10 @@ class CaptureSession:
                 else:
                     stored[f] = self.store.put(t, index, axis)
 
+        if "stats" in self.selection.keep:
+            stored["stats"] = self._stats(site, call, stats_call, tensors, stored, kind, values, query_padding,
+                                          adapter_allowed, sinks)
+
         record: AttentionRecord = AttentionRecord(
             name=site.name,
             layer=site.layer,
@@ -533,6 +547,66 @@ class CaptureSession:
             record = self.disk.write(record)
         self.capture._append(record)
         return record
+
+
+    @property
+    def stats_only(self) -> bool:
+        """A statistics capture that keeps no (query, key) tensor (``keep=("stats", ...)`` without scores/weights)."""
+        keep = self.selection.keep
+        return "stats" in keep and not ({"scores", "weights"} & keep)
+
+    def _stats(self, site, call: int, stats_call, tensors, stored, kind, values, query_padding, allowed, sinks):
+        """The per-row statistics of one record: blockwise from the adapter's ``AttentionCall`` (q, k and the
+        call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
+        weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
+        from .stats import attention_stats, stats_from_weights
+
+        where = f"layer {site.layer}, call {call}: stats"
+        q_len = None
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if stats_call is not None:
+                B, h, q_len, k_len = stats_call.shape
+                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
+                kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
+                stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding, **kwargs)
+                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
+            else:
+                def selected(name, index):
+                    t = stored.get(name) if name != "v" else None  # a stored v is per kv head
+                    if t is None:
+                        t = tensors.get(name)
+                        if isinstance(t, Lazy):
+                            t = t.fn()
+                        elif t is not None:
+                            t = index_heads(t.detach(), index)[0]
+                    return t
+
+                weights = selected("weights", site.heads)
+                if weights is None:
+                    values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "none"}
+                    return None
+                B, h, q_len, k_len = weights.shape
+                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
+                al = allowed if allowed is None or allowed.shape[1] == 1 else index_heads(allowed, site.heads)[0]
+                group = site.num_heads // max(site.num_kv_heads or site.num_heads, 1)
+                v = selected("v", tuple(hd // group for hd in site.heads)) if tensors.get("v") is not None else None
+                output = selected("output", site.heads)
+                stats = stats_from_weights(weights, scores=selected("scores", site.heads), allowed=al, v=v,
+                                           output=None if v is None else output, diag_offset=diag,
+                                           query_padding=query_padding,
+                                           sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
+                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
+        nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
+        self.store.reserve(nbytes, where)
+        return {name: t.to(self.selection.device) for name, t in stats.items()}
+
+
+def _diag_offset(kind: str, query_offset: int, q_len: int, k_len: int) -> int | None:
+    """Key index of query 0's own key (self-attention), as the checks place queries; None otherwise."""
+    if kind != "self":
+        return None
+    offset = query_offset if query_offset + q_len <= k_len else k_len - q_len
+    return offset if offset >= 0 else None
 
 
 def compiled_modules(model: nn.Module) -> list[str]:
