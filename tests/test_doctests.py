@@ -16,7 +16,7 @@ CORE_MODULES = {
     "attnprobe.probe.record": True,
     "attnprobe.probe.modules": True,
     "attnprobe.probe.selection": False,
-    "attnprobe.probe.frames": False,
+    "attnprobe.probe.frames": True,  # the statistics-mode summary example
     "attnprobe.probe.generation": False,  # its example needs a generating model: shown as comments
     "attnprobe.probe.disk": True,
     "attnprobe.probe.interop": True,
