@@ -26,6 +26,7 @@ CORE_MODULES = {
     "attnprobe.probe.monitor": False,
     "attnprobe.probe.heads": False,
     "attnprobe.hooks.heads": True,
+    "attnprobe.reports.monitor": True,
     "attnprobe.hooks.own": False,
     "attnprobe.hooks.base": False,
 }
