@@ -398,3 +398,106 @@ def test_bidi_and_invisible_tokens_are_drawn_escaped(tmp_path, browser, assert_n
             assert readout["q"] == f'"{ESCAPED[q]}"' and readout["k"] == f'"{ESCAPED[0]}"'
     finally:
         page.close()
+
+
+# ------------------------------------------------------------------------------------------ token view
+def token_view_readout(page) -> dict:
+    """The token view's readout: per head row, its links as (index, exact weight text)."""
+    return page.evaluate(
+        """() => {
+            const box = document.getElementById('tv-readout');
+            const rows = {};
+            for (const tr of box.querySelectorAll('table.tv-top tr')) {
+                rows[tr.dataset.head] = Array.from(tr.querySelectorAll('td.tv-link')).map(td => [+td.dataset.i, td.dataset.w]);
+            }
+            const pair = box.querySelector('.tv-pair');
+            return {text: box.textContent, rows, pair: pair && pair.textContent};
+        }"""
+    )
+
+
+def hover_token(page, side: str, i: int) -> None:
+    page.locator(f'#tv-body .tv-tok.{side}[data-i="{i}"]').hover()
+
+
+def test_token_view_shows_where_a_token_attends_with_exact_weights(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=3, length=7)
+    path = to_html(cap, tmp_path / "report.html", tokens=words(7), batch=0)
+    report = open_report(path)
+    page = report.page
+    page.wait_for_function("() => window.attnprobe.tokenView().ready")
+    # the first record with weights is shown: one row of query tokens, one of key tokens, a canvas between
+    assert page.evaluate("window.attnprobe.tokenView().rid") == 0
+    assert page.locator("#tv-body .tv-tok.q").count() == 7 and page.locator("#tv-body .tv-tok.k").count() == 7
+    assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == words(7)
+    page.select_option("#tv-record", "1")
+    page.wait_for_function("() => window.attnprobe.tokenView().rid === 1 && window.attnprobe.tokenView().ready")
+    rec = cap[1]
+    blank = page.evaluate("document.getElementById('tv-canvas').toDataURL()")
+    q = 5
+    hover_token(page, "q", q)
+    assert page.evaluate("window.attnprobe.tokenView().focus") == {"side": "q", "i": q}
+    assert page.evaluate("document.getElementById('tv-canvas').toDataURL()") != blank  # lines were drawn
+    readout = token_view_readout(page)
+    assert f'query {q} "w{q}" attends to' in readout["text"]
+    assert sorted(readout["rows"]) == ["0", "1", "2"]
+    for h in range(3):
+        w = rec.weights[0, h, q].numpy()
+        top = np.argsort(-w, kind="stable")[:5]
+        shown = readout["rows"][str(h)]
+        # the strongest keys, largest first, each with its exact stored weight
+        assert [w[i] for i, _ in shown] == w[top].tolist(), (h, shown, top)
+        for i, text in shown:
+            assert as_float32(text) == w[i], (h, i, text, w[i])
+    # one head: its top keys are outlined in the key row
+    page.select_option("#tv-head", "2")
+    hover_token(page, "q", q)
+    outlined = page.evaluate("Array.from(document.querySelectorAll('#tv-body .tv-tok.k.top')).map(e => +e.dataset.i)")
+    w = rec.weights[0, 2, q].numpy()
+    assert sorted(outlined) == sorted(i for i in np.argsort(-w, kind="stable")[:5].tolist() if w[i] > 0)
+    assert list(token_view_readout(page)["rows"]) == ["2"]
+    # the key side: what attends to key 3 (causal: queries 3 and later)
+    hover_token(page, "k", 3)
+    readout = token_view_readout(page)
+    assert 'key 3 "w3" is attended by' in readout["text"]
+    for i, text in readout["rows"]["2"]:
+        assert as_float32(text) == rec.weights[0, 2, i, 3].item()
+    # pin a query, point at a key: the exact weight between them
+    page.locator('#tv-body .tv-tok.q[data-i="6"]').click()
+    hover_token(page, "k", 4)
+    pair = token_view_readout(page)["pair"]
+    assert pair.startswith('query 6 "w6" \u2192 key 4 "w4"')
+    assert as_float32(pair.split("H2 ")[1]) == rec.weights[0, 2, 6, 4].item()
+    report.assert_clean()
+
+
+def test_token_view_of_cross_attention_has_two_token_rows(tmp_path, open_report, assert_no_hooks):
+    cap = cross_capture(assert_no_hooks, queries=5, keys=9)
+    queries, keys = words(5, "dec"), words(9, "enc")
+    path = to_html(cap, tmp_path / "cross.html", tokens=queries, key_tokens=keys)
+    cross = next(i for i, r in enumerate(cap) if r.kind == "cross")
+    report = open_report(path)
+    page = report.page
+    page.evaluate(f"window.attnprobe.openTokens({cross})")
+    assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == queries
+    assert page.locator("#tv-body .tv-tok.k .text").all_text_contents() == keys
+    assert "context" in page.text_content("#tv-body .tv-col.k .vtitle")
+    hover_token(page, "q", 2)
+    rows = token_view_readout(page)["rows"]
+    rec = cap[cross]
+    for h in (0, 1):
+        for i, text in rows[str(h)]:
+            assert as_float32(text) == rec.weights[0, h, 2, i].item()
+            assert i < 7  # the two padded context keys carry no weight, so are never among the top
+    report.assert_clean()
+
+
+def test_token_view_of_a_long_input_points_to_the_heatmap(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=300, batch=1, padded=False)
+    path = to_html(cap, tmp_path / "long.html")
+    report = open_report(path)
+    page = report.page
+    page.wait_for_function("() => !document.getElementById('tv-note').hidden")
+    assert "heatmap" in page.text_content("#tv-note") and "300" in page.text_content("#tv-note")
+    assert page.locator("#tv-body .tv-tok").count() == 0
+    report.assert_clean()
