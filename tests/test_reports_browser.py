@@ -501,3 +501,30 @@ def test_token_view_of_a_long_input_points_to_the_heatmap(tmp_path, open_report,
     assert "heatmap" in page.text_content("#tv-note") and "300" in page.text_content("#tv-note")
     assert page.locator("#tv-body .tv-tok").count() == 0
     report.assert_clean()
+
+
+def test_token_view_works_in_the_notebook_view(assert_no_hooks, browser, tmp_path):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=6)
+    notebook = tmp_path / "notebook.html"
+    notebook.write_text(f"<!doctype html><html><body>{cap[1]._repr_html_()}</body></html>")
+    page = browser.new_page()
+    errors, requests = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    try:
+        page.goto(notebook.as_uri())
+        page.wait_for_function("() => document.querySelectorAll('iframe').length === 1")
+        page.wait_for_timeout(300)
+        frame = page.frames[1]
+        frame.evaluate("() => window.attnprobe.ready")
+        frame.wait_for_function("() => window.attnprobe.tokenView().ready")
+        frame.locator('#tv-body .tv-tok.q[data-i="4"]').hover()
+        rows = token_view_readout(frame)["rows"]
+        assert sorted(rows) == ["0", "1"]
+        for h in (0, 1):
+            for i, text in rows[str(h)]:
+                assert as_float32(text) == cap[1].weights[0, h, 4, i].item()
+        assert frame.evaluate("() => window.attnprobe.errors") == [] and not errors, errors
+        assert [u for u in requests if u != notebook.as_uri() and not u.startswith(("data:", "blob:"))] == []
+    finally:
+        page.close()
