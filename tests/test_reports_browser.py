@@ -528,3 +528,47 @@ def test_token_view_works_in_the_notebook_view(assert_no_hooks, browser, tmp_pat
         assert [u for u in requests if u != notebook.as_uri() and not u.startswith(("data:", "blob:"))] == []
     finally:
         page.close()
+
+
+def test_batch_row_selector_switches_grid_and_detail(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=2)
+    report = open_report(to_html(cap, tmp_path / "rows.html", tokens=[words(5, "a"), words(5, "b")]))
+    page = report.page
+    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
+    page.click('a.thumb[data-rid="1"][data-head="0"]')
+    page.wait_for_function("() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+                           ".textContent.includes('loading')")
+    assert "batch row 0" in page.text_content("#detail-title")
+    assert as_float32(hover_cell(page, 3, 1)["rows"][0]["weight"]) == cap[1].weights[0, 0, 3, 1].item()
+    thumb = page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()")
+    page.select_option("#batch-row", "1")
+    page.wait_for_function("() => window.attnprobe.state().batch === 1 && location.hash === '#head-1-0-b1' && "
+                           "!document.querySelector('#detail-title').textContent.includes('loading')")
+    assert "batch row 1" in page.text_content("#detail-title")
+    readout = hover_cell(page, 3, 1)
+    assert as_float32(readout["rows"][0]["weight"]) == cap[1].weights[1, 0, 3, 1].item()
+    assert readout["q"] == '"b3"'
+    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
+    assert page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()") != thumb
+    # a link into another row (the checks table's) switches the row too
+    page.evaluate("location.hash = '#head-0-1-b0'")
+    page.wait_for_function("() => window.attnprobe.state().batch === 0 && window.attnprobe.state().rid === 0")
+    assert page.eval_on_selector("#batch-row", "s => s.value") == "0"
+    report.assert_clean()
+
+
+def test_token_view_follows_the_batch_row(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=2)
+    report = open_report(to_html(cap, tmp_path / "rows.html", tokens=[words(5, "a"), words(5, "b")]))
+    page = report.page
+    page.wait_for_function("() => window.attnprobe.tokenView().ready")
+    assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == words(5, "a")
+    page.evaluate("window.attnprobe.useBatchRow(1)")
+    page.wait_for_function("() => window.attnprobe.tokenView().ready && "
+                           "document.querySelector('#tv-body .tv-tok.q .text').textContent === 'b0'")
+    assert "batch row 1" in page.text_content("#tv-title")
+    hover_token(page, "q", 4)
+    for h in (0, 1):
+        for i, text in token_view_readout(page)["rows"][str(h)]:
+            assert as_float32(text) == cap[0].weights[1, h, 4, i].item()
+    report.assert_clean()
