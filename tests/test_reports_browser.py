@@ -145,6 +145,17 @@ def test_cross_attention_has_query_and_key_tokens_on_their_own_axes(tmp_path, op
     assert readout["q"] == json.dumps("dec3") and readout["k"] == json.dumps("enc6")
     assert as_float32(readout["rows"][0]["weight"]) == rec.weights[0, 1, 3, 6].item()
     assert "masked" in hover_cell(page, 1, 8)["rows"][0]["notes"]  # padded context key
+    # the token view: the decoder's query tokens and the context's key tokens, two rows of their own
+    page.evaluate(f"window.attnprobe.openTokens({cross})")
+    assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == queries
+    assert page.locator("#tv-body .tv-tok.k .text").all_text_contents() == keys
+    assert "context" in page.text_content("#tv-body .tv-col.k .vtitle")
+    hover_token(page, "q", 2)
+    rows = token_view_readout(page)["rows"]
+    for h in (0, 1):
+        for i, text in rows[str(h)]:
+            assert as_float32(text) == rec.weights[0, h, 2, i].item()
+            assert i < 7  # the two padded context keys carry no weight, so are never among the top
     report.assert_clean()
 
 
@@ -468,27 +479,6 @@ def test_token_view_shows_where_a_token_attends_with_exact_weights(tmp_path, ope
     pair = token_view_readout(page)["pair"]
     assert pair.startswith('query 6 "w6" \u2192 key 4 "w4"')
     assert as_float32(pair.split("H2 ")[1]) == rec.weights[0, 2, 6, 4].item()
-    report.assert_clean()
-
-
-def test_token_view_of_cross_attention_has_two_token_rows(tmp_path, open_report, assert_no_hooks):
-    cap = cross_capture(assert_no_hooks, queries=5, keys=9)
-    queries, keys = words(5, "dec"), words(9, "enc")
-    path = to_html(cap, tmp_path / "cross.html", tokens=queries, key_tokens=keys)
-    cross = next(i for i, r in enumerate(cap) if r.kind == "cross")
-    report = open_report(path)
-    page = report.page
-    page.evaluate(f"window.attnprobe.openTokens({cross})")
-    assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == queries
-    assert page.locator("#tv-body .tv-tok.k .text").all_text_contents() == keys
-    assert "context" in page.text_content("#tv-body .tv-col.k .vtitle")
-    hover_token(page, "q", 2)
-    rows = token_view_readout(page)["rows"]
-    rec = cap[cross]
-    for h in (0, 1):
-        for i, text in rows[str(h)]:
-            assert as_float32(text) == rec.weights[0, h, 2, i].item()
-            assert i < 7  # the two padded context keys carry no weight, so are never among the top
     report.assert_clean()
 
 
