@@ -338,6 +338,24 @@ class Commands(click.Group):
             click.echo("attnprobe: interrupted; files being written were left as they were", err=True)
             raise click.exceptions.Exit(130) from None
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:  # click's standalone mode says "Aborted!" and exits 1 for a Ctrl-C outside a command
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Abort as exc:
+            if isinstance(exc.__cause__, KeyboardInterrupt):
+                click.echo("attnprobe: interrupted", err=True)
+                sys.exit(130)
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="attnprobe")

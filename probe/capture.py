@@ -269,6 +269,7 @@ class CaptureSession:
                 "not its output or a pipeline (for a pipeline use pipeline.model)"
             )
         self.model_class = type(model).__name__
+        self.stats_missing: list[int] = []  # layers whose statistics could not be computed (keep=("stats",))
         self._model = model  # dropped on exit; the Capture never holds it
         self._compiled = compiled_modules(model)
         self.selection = selection
@@ -387,6 +388,16 @@ class CaptureSession:
                 f"layer {missing[0]} is out of range: the model has {n} attention layer(s), numbered 0 to {n - 1} "
                 f"({self.static_sites} found before the run, {n - self.static_sites} while it ran); "
                 "negative numbers count from the end of the layers found before the run"
+            )
+        if exc_type is None and self.stats_missing:
+            layers = sorted(set(self.stats_missing))
+            warnings.warn(
+                f"keep=('stats',) could not compute statistics for layer(s) {layers[:12]}: their adapter observed "
+                "neither q and k nor the weights (record.stats is None there, and check() says so). Statistics are "
+                "computed from q and k for Hugging Face attention and scaled_dot_product_attention calls, and from the "
+                "weights for own modules, nn.MultiheadAttention, hand-written softmax and output_attentions models",
+                AttnprobeWarning,
+                stacklevel=3,
             )
         if exc_type is None and not self.selection.idle and self._compiled:
             silent = [s.name or "<root>" for s in self.sites[: self.static_sites] if s.selected and not s.calls]
@@ -590,6 +601,7 @@ class CaptureSession:
                 weights = selected("weights", site.heads)
                 if weights is None:
                     values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "none"}
+                    self.stats_missing.append(site.layer)
                     return None
                 B, h, q_len, k_len = weights.shape
                 diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
