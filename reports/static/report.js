@@ -907,9 +907,7 @@
     if (!r || !r.sources[0].weights) throw new Error("record " + rid + " has no weights for the token view");
     const token = ++tv.token;
     $("tv-record").value = String(rid);
-    const body = $("tv-body");
-    body.textContent = "";
-    $("tv-readout").textContent = "";
+    const body = $("tv-body"); // replaced in one go once the weights are decoded: the page below does not jump
     Object.assign(tv, { rid, heads: null, point: null, pin: null, other: null });
     $("tv-title").textContent = "layer " + r.layer + " \u00b7 batch row " + META.batch + " \u00b7 " + r.kind +
       (DIFF ? " \u00b7 " + META.labels[0] : "");
@@ -922,6 +920,8 @@
     for (const h of r.heads) { const o = el("option", null, "H" + h); o.value = String(h); headSel.appendChild(o); }
     headSel.value = r.heads.map(String).includes(was) ? was : "all";
     if (r.tq > TOKEN_VIEW_MAX || r.tk > TOKEN_VIEW_MAX) {
+      body.textContent = "";
+      $("tv-readout").textContent = "";
       tvNote("This record has " + r.tq + " queries and " + r.tk + " keys, more than the token view draws (" +
         TOKEN_VIEW_MAX + " per side): open a head in the grid for its heatmap (Detail), which scrolls and zooms.");
       return;
@@ -958,9 +958,7 @@
     const rows = Math.max(r.tq, r.tk);
     canvas.width = 240; canvas.height = rows * TOKEN_ROW;
     canvas.style.width = "240px"; canvas.style.height = rows * TOKEN_ROW + "px";
-    body.appendChild(column("q", r.tq));
-    body.appendChild(canvas);
-    body.appendChild(column("k", r.tk));
+    body.replaceChildren(column("q", r.tq), canvas, column("k", r.tk));
     tvDraw();
     tvReadout();
   }
