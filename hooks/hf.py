@@ -535,7 +535,7 @@ class _Recorder:
                 mine = rec.weights().float()
                 theirs = observed.detach()
                 theirs = theirs.index_select(1, torch.tensor(self.site.heads, device=theirs.device)).float()
-                rows = rec._allowed().any(dim=-1, keepdim=True).expand_as(mine)
+                rows = rec.allowed().any(dim=-1, keepdim=True).expand_as(mine)
                 error = float((mine - theirs).abs().masked_fill(~rows, 0).max()) if mine.numel() else 0.0
             tolerance = 1e-5 if observed.dtype in (torch.float32, torch.float64) else 1e-2
             verdict = self._verified[key] = error <= tolerance

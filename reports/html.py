@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
 from ..probe.capture import Capture
 from ..probe.errors import AttnprobeError
 from ..probe.files import atomic_open
@@ -30,6 +29,7 @@ from ..probe.record import AttentionRecord
 from ..probe.violations import CheckResult, Violation, cause_groups
 from . import encoding
 from ..probe.tokens import token_rows
+from ..probe.version import __version__
 from ._common import check_batch, display_token, head_view, output_path, record_labels
 
 #: Refuse reports that would hold more matrix values than this (about 4 bytes each, exact precision).
