@@ -145,6 +145,17 @@ def test_cross_attention_has_query_and_key_tokens_on_their_own_axes(tmp_path, op
     assert readout["q"] == json.dumps("dec3") and readout["k"] == json.dumps("enc6")
     assert as_float32(readout["rows"][0]["weight"]) == rec.weights[0, 1, 3, 6].item()
     assert "masked" in hover_cell(page, 1, 8)["rows"][0]["notes"]  # padded context key
+    # the token view: the decoder's query tokens and the context's key tokens, two rows of their own
+    page.evaluate(f"window.attnprobe.openTokens({cross})")
+    assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == queries
+    assert page.locator("#tv-body .tv-tok.k .text").all_text_contents() == keys
+    assert "context" in page.text_content("#tv-body .tv-col.k .vtitle")
+    hover_token(page, "q", 2)
+    rows = token_view_readout(page)["rows"]
+    for h in (0, 1):
+        for i, text in rows[str(h)]:
+            assert as_float32(text) == rec.weights[0, h, 2, i].item()
+            assert i < 7  # the two padded context keys carry no weight, so are never among the top
     report.assert_clean()
 
 
@@ -400,6 +411,115 @@ def test_bidi_and_invisible_tokens_are_drawn_escaped(tmp_path, browser, assert_n
         page.close()
 
 
+# ------------------------------------------------------------------------------------------ token view
+def token_view_readout(page) -> dict:
+    """The token view's readout: per head row, its links as (index, exact weight text)."""
+    return page.evaluate(
+        """() => {
+            const box = document.getElementById('tv-readout');
+            const rows = {};
+            for (const tr of box.querySelectorAll('table.tv-top tr')) {
+                rows[tr.dataset.head] = Array.from(tr.querySelectorAll('td.tv-link')).map(td => [+td.dataset.i, td.dataset.w]);
+            }
+            const pair = box.querySelector('.tv-pair');
+            return {text: box.textContent, rows, pair: pair && pair.textContent};
+        }"""
+    )
+
+
+def hover_token(page, side: str, i: int) -> None:
+    page.locator(f'#tv-body .tv-tok.{side}[data-i="{i}"]').hover()
+
+
+def test_token_view_shows_where_a_token_attends_with_exact_weights(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=3, length=7)
+    path = to_html(cap, tmp_path / "report.html", tokens=words(7), batch=0)
+    report = open_report(path)
+    page = report.page
+    page.wait_for_function("() => window.attnprobe.tokenView().ready")
+    # the first record with weights is shown: one row of query tokens, one of key tokens, a canvas between
+    assert page.evaluate("window.attnprobe.tokenView().rid") == 0
+    assert page.locator("#tv-body .tv-tok.q").count() == 7 and page.locator("#tv-body .tv-tok.k").count() == 7
+    assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == words(7)
+    page.select_option("#tv-record", "1")
+    page.wait_for_function("() => window.attnprobe.tokenView().rid === 1 && window.attnprobe.tokenView().ready")
+    rec = cap[1]
+    blank = page.evaluate("document.getElementById('tv-canvas').toDataURL()")
+    q = 5
+    hover_token(page, "q", q)
+    assert page.evaluate("window.attnprobe.tokenView().focus") == {"side": "q", "i": q}
+    assert page.evaluate("document.getElementById('tv-canvas').toDataURL()") != blank  # lines were drawn
+    readout = token_view_readout(page)
+    assert f'query {q} "w{q}" attends to' in readout["text"]
+    assert sorted(readout["rows"]) == ["0", "1", "2"]
+    for h in range(3):
+        w = rec.weights[0, h, q].numpy()
+        top = np.argsort(-w, kind="stable")[:5]
+        shown = readout["rows"][str(h)]
+        # the strongest keys, largest first, each with its exact stored weight
+        assert [w[i] for i, _ in shown] == w[top].tolist(), (h, shown, top)
+        for i, text in shown:
+            assert as_float32(text) == w[i], (h, i, text, w[i])
+    # one head: its top keys are outlined in the key row
+    page.select_option("#tv-head", "2")
+    hover_token(page, "q", q)
+    outlined = page.evaluate("Array.from(document.querySelectorAll('#tv-body .tv-tok.k.top')).map(e => +e.dataset.i)")
+    w = rec.weights[0, 2, q].numpy()
+    assert sorted(outlined) == sorted(i for i in np.argsort(-w, kind="stable")[:5].tolist() if w[i] > 0)
+    assert list(token_view_readout(page)["rows"]) == ["2"]
+    # the key side: what attends to key 3 (causal: queries 3 and later)
+    hover_token(page, "k", 3)
+    readout = token_view_readout(page)
+    assert 'key 3 "w3" is attended by' in readout["text"]
+    for i, text in readout["rows"]["2"]:
+        assert as_float32(text) == rec.weights[0, 2, i, 3].item()
+    # pin a query, point at a key: the exact weight between them
+    page.locator('#tv-body .tv-tok.q[data-i="6"]').click()
+    hover_token(page, "k", 4)
+    pair = token_view_readout(page)["pair"]
+    assert pair.startswith('query 6 "w6" \u2192 key 4 "w4"')
+    assert as_float32(pair.split("H2 ")[1]) == rec.weights[0, 2, 6, 4].item()
+    report.assert_clean()
+
+
+def test_token_view_of_a_long_input_points_to_the_heatmap(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=300, batch=1, padded=False)
+    path = to_html(cap, tmp_path / "long.html")
+    report = open_report(path)
+    page = report.page
+    page.wait_for_function("() => !document.getElementById('tv-note').hidden")
+    assert "heatmap" in page.text_content("#tv-note") and "300" in page.text_content("#tv-note")
+    assert page.locator("#tv-body .tv-tok").count() == 0
+    report.assert_clean()
+
+
+def test_token_view_works_in_the_notebook_view(assert_no_hooks, browser, tmp_path):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=6)
+    notebook = tmp_path / "notebook.html"
+    notebook.write_text(f"<!doctype html><html><body>{cap[1]._repr_html_()}</body></html>")
+    page = browser.new_page()
+    errors, requests = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    try:
+        page.goto(notebook.as_uri())
+        page.wait_for_function("() => document.querySelectorAll('iframe').length === 1")
+        page.wait_for_timeout(300)
+        frame = page.frames[1]
+        frame.evaluate("() => window.attnprobe.ready")
+        frame.wait_for_function("() => window.attnprobe.tokenView().ready")
+        frame.locator('#tv-body .tv-tok.q[data-i="4"]').hover()
+        rows = token_view_readout(frame)["rows"]
+        assert sorted(rows) == ["0", "1"]
+        for h in (0, 1):
+            for i, text in rows[str(h)]:
+                assert as_float32(text) == cap[1].weights[0, h, 4, i].item()
+        assert frame.evaluate("() => window.attnprobe.errors") == [] and not errors, errors
+        assert [u for u in requests if u != notebook.as_uri() and not u.startswith(("data:", "blob:"))] == []
+    finally:
+        page.close()
+
+
 def test_batch_row_selector_switches_grid_and_detail(tmp_path, open_report, assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=2)
     report = open_report(to_html(cap, tmp_path / "rows.html", tokens=[words(5, "a"), words(5, "b")]))
@@ -424,4 +544,21 @@ def test_batch_row_selector_switches_grid_and_detail(tmp_path, open_report, asse
     page.evaluate("location.hash = '#head-0-1-b0'")
     page.wait_for_function("() => window.attnprobe.state().batch === 0 && window.attnprobe.state().rid === 0")
     assert page.eval_on_selector("#batch-row", "s => s.value") == "0"
+    report.assert_clean()
+
+
+def test_token_view_follows_the_batch_row(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=2)
+    report = open_report(to_html(cap, tmp_path / "rows.html", tokens=[words(5, "a"), words(5, "b")]))
+    page = report.page
+    page.wait_for_function("() => window.attnprobe.tokenView().ready")
+    assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == words(5, "a")
+    page.evaluate("window.attnprobe.useBatchRow(1)")
+    page.wait_for_function("() => window.attnprobe.tokenView().ready && "
+                           "document.querySelector('#tv-body .tv-tok.q .text').textContent === 'b0'")
+    assert "batch row 1" in page.text_content("#tv-title")
+    hover_token(page, "q", 4)
+    for h in (0, 1):
+        for i, text in token_view_readout(page)["rows"][str(h)]:
+            assert as_float32(text) == cap[0].weights[1, h, 4, i].item()
     report.assert_clean()

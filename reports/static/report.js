@@ -823,6 +823,7 @@
     buildGrid();
     const select = $("batch-row");
     if (select) select.value = String(i);
+    if (tv.rid !== null) openTokens(tv.rid).catch(tvFail); // the token view follows the row
     if (reopen && state.rid !== null) await openHead(state.rid, state.head);
   }
 
@@ -848,6 +849,234 @@
       });
       for (const tr of rows) body.appendChild(tr);
     }));
+  }
+
+  // ------------------------------------------------------------------ token view (bertviz-like head view)
+  // One record at a time: query tokens left, key tokens right, a line from query q to key k per head, its opacity
+  // the weight. The weights are the report's own blobs (loadHead), nothing more is embedded.
+  const TOKEN_VIEW_MAX = 256; // tokens per side; past it the heatmap (Detail) is the view
+  const TOKEN_ROW = 18;
+  const HEAD_COLOURS = ["1f77b4", "ff7f0e", "2ca02c", "d62728", "9467bd", "8c564b", "e377c2", "7f7f7f", "bcbd22",
+    "17becf", "393b79", "ad494a", "637939", "8c6d31", "843c39", "7b4173"].map(rgb);
+  const TOP_KEYS = 5;
+  const tv = { rid: null, heads: null, point: null, pin: null, other: null, token: 0 };
+
+  function tvRecords() {
+    return RECORDS.filter((r) => r.sources[0].weights);
+  }
+  function tvShownHeads() {
+    const r = RECORDS[tv.rid], v = $("tv-head").value;
+    return v === "all" ? r.heads.map((h, hi) => hi) : [r.heads.indexOf(+v)];
+  }
+  function tvColour(hi, alpha) {
+    const [r, g, b] = HEAD_COLOURS[RECORDS[tv.rid].heads[hi] % HEAD_COLOURS.length];
+    return "rgba(" + r + "," + g + "," + b + "," + alpha + ")";
+  }
+  // weight of (query q, key k) in head index hi
+  const tvWeight = (hi, q, k) => tv.heads[hi][q * RECORDS[tv.rid].tk + k];
+
+  function tvBuildControls() {
+    const shown = tvRecords();
+    const sel = $("tv-record");
+    for (const r of shown) {
+      const o = el("option", null, "layer " + r.layer + (r.call ? " call " + r.call : "") + " \u00b7 " + (r.name || "(model)") +
+        (r.kind === "cross" ? " \u00b7 cross" : "") + " (" + r.tq + " \u00d7 " + r.tk + ")");
+      o.value = r.id;
+      sel.appendChild(o);
+    }
+    if (!shown.length) {
+      tvNote("No record of this report has weights (post-softmax); the token view draws weights only.");
+      $("tv-controls").hidden = true;
+      return;
+    }
+    sel.addEventListener("change", () => openTokens(+sel.value).catch(tvFail));
+    $("tv-head").addEventListener("change", () => { tvDraw(); tvReadout(); });
+  }
+  function tvNote(text) {
+    const n = $("tv-note");
+    n.textContent = text || "";
+    n.hidden = !text;
+  }
+  function tvFail(err) {
+    api.errors.push(String(err && err.stack || err));
+    tvNote("Could not show the token view: " + (err && err.message || err));
+  }
+
+  async function openTokens(rid) {
+    const r = RECORDS[rid];
+    if (!r || !r.sources[0].weights) throw new Error("record " + rid + " has no weights for the token view");
+    const token = ++tv.token;
+    $("tv-record").value = String(rid);
+    const body = $("tv-body"); // replaced in one go once the weights are decoded: the page below does not jump
+    Object.assign(tv, { rid, heads: null, point: null, pin: null, other: null });
+    $("tv-title").textContent = "layer " + r.layer + " \u00b7 batch row " + META.batch + " \u00b7 " + r.kind +
+      (DIFF ? " \u00b7 " + META.labels[0] : "");
+    const headSel = $("tv-head");
+    const was = headSel.value;
+    headSel.textContent = "";
+    const all = el("option", null, "all " + r.heads.length);
+    all.value = "all";
+    headSel.appendChild(all);
+    for (const h of r.heads) { const o = el("option", null, "H" + h); o.value = String(h); headSel.appendChild(o); }
+    headSel.value = r.heads.map(String).includes(was) ? was : "all";
+    if (r.tq > TOKEN_VIEW_MAX || r.tk > TOKEN_VIEW_MAX) {
+      body.textContent = "";
+      $("tv-readout").textContent = "";
+      tvNote("This record has " + r.tq + " queries and " + r.tk + " keys, more than the token view draws (" +
+        TOKEN_VIEW_MAX + " per side): open a head in the grid for its heatmap (Detail), which scrolls and zooms.");
+      return;
+    }
+    tvNote(DIFF ? "Token view of " + META.labels[0] + " (the first capture); the heatmaps compare both." : "");
+    const n = r.tq * r.tk;
+    const heads = await Promise.all(r.heads.map((h, hi) => floats(r.sources[0].weights[hi], n)));
+    if (token !== tv.token) return;
+    tv.heads = heads;
+    const labels = labelsOf(r);
+    const pad = new Set(r.sources[0].padding);
+    const column = (side, count) => {
+      const col = el("div", "tv-col " + side);
+      col.appendChild(el("div", "vtitle", side === "q" ? "queries" : r.kind === "cross" ? "keys (context)" : "keys"));
+      for (let i = 0; i < count; i++) {
+        const has = side === "q" ? labels.hasQ : labels.hasK;
+        const pos = i + (side === "q" ? r.queryOffset : r.keyOffset);
+        const text = has ? (side === "q" ? labels.q[i] : labels.k[i]) : "";
+        const t = el("div", "tv-tok " + side);
+        if (side === "q") { t.appendChild(el("span", "text", clip(text, 40))); t.appendChild(el("span", "pos", pos)); }
+        else { t.appendChild(el("span", "pos", pos)); t.appendChild(el("span", "text", clip(text, 40))); }
+        if (side === "q" && pad.has(i)) t.classList.add("pad");
+        t.dataset.i = i;
+        t.title = (side === "q" ? "query " : "key ") + pos + (has ? " " + JSON.stringify(text) : "");
+        t.addEventListener("mouseenter", () => tvPoint(side, i));
+        t.addEventListener("click", () => tvClick(side, i));
+        col.appendChild(t);
+      }
+      col.addEventListener("mouseleave", () => tvPoint(null));
+      return col;
+    };
+    const canvas = el("canvas");
+    canvas.id = "tv-canvas";
+    const rows = Math.max(r.tq, r.tk);
+    canvas.width = 240; canvas.height = rows * TOKEN_ROW;
+    canvas.style.width = "240px"; canvas.style.height = rows * TOKEN_ROW + "px";
+    body.replaceChildren(column("q", r.tq), canvas, column("k", r.tk));
+    tvDraw();
+    tvReadout();
+  }
+
+  function tvPoint(side, i) {
+    if (tv.pin) tv.other = side && side !== tv.pin.side ? { side, i } : null;
+    else tv.point = side ? { side, i } : null;
+    tvDraw();
+    tvReadout();
+  }
+  function tvClick(side, i) {
+    if (tv.pin && tv.pin.side === side && tv.pin.i === i) tv.pin = null;
+    else if (tv.pin && tv.pin.side !== side) { tv.other = { side, i }; tvReadout(); return; }
+    else tv.pin = { side, i };
+    tv.point = tv.pin; tv.other = null;
+    tvDraw();
+    tvReadout();
+  }
+  const tvFocus = () => tv.pin || tv.point;
+
+  // (other index, weight) of the focused token, per head index, largest first
+  function tvRanked(hi, focus) {
+    const r = RECORDS[tv.rid];
+    const out = [];
+    const count = focus.side === "q" ? r.tk : r.tq;
+    for (let j = 0; j < count; j++) {
+      const w = focus.side === "q" ? tvWeight(hi, focus.i, j) : tvWeight(hi, j, focus.i);
+      out.push([j, w]);
+    }
+    out.sort((a, b) => (b[1] > a[1]) - (b[1] < a[1]));
+    return out;
+  }
+
+  function tvDraw() {
+    const canvas = $("tv-canvas");
+    if (!canvas || !tv.heads) return;
+    const r = RECORDS[tv.rid];
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    document.querySelectorAll(".tv-tok.active, .tv-tok.top").forEach((t) => t.classList.remove("active", "top"));
+    const focus = tvFocus();
+    const shown = tvShownHeads();
+    const y = (i) => i * TOKEN_ROW + TOKEN_ROW / 2;
+    const line = (q, k, colour) => {
+      ctx.strokeStyle = colour;
+      ctx.beginPath(); ctx.moveTo(2, y(q)); ctx.lineTo(canvas.width - 2, y(k)); ctx.stroke();
+    };
+    ctx.lineWidth = 2;
+    if (!focus) { // every line, faint: the head's overall pattern
+      for (const hi of shown) for (let q = 0; q < r.tq; q++) for (let k = 0; k < r.tk; k++) {
+        const w = tvWeight(hi, q, k);
+        if (w > 0.02) line(q, k, tvColour(hi, Math.min(1, w) * 0.35 / Math.sqrt(shown.length)));
+      }
+      return;
+    }
+    const mine = document.querySelector('.tv-tok.' + focus.side + '[data-i="' + focus.i + '"]');
+    if (mine) mine.classList.add("active");
+    const otherSide = focus.side === "q" ? "k" : "q";
+    for (const hi of shown) {
+      const ranked = tvRanked(hi, focus);
+      for (const [j, w] of ranked) {
+        if (!(w > 0)) continue;
+        const q = focus.side === "q" ? focus.i : j, k = focus.side === "q" ? j : focus.i;
+        line(q, k, tvColour(hi, Math.min(1, w)));
+      }
+      if (shown.length === 1) {
+        for (const [j, w] of ranked.slice(0, TOP_KEYS)) {
+          const t = document.querySelector('.tv-tok.' + otherSide + '[data-i="' + j + '"]');
+          if (t && w > 0) t.classList.add("top");
+        }
+      }
+    }
+  }
+
+  function tvReadout() {
+    const box = $("tv-readout");
+    box.textContent = "";
+    const r = tv.rid === null ? null : RECORDS[tv.rid];
+    const focus = tvFocus();
+    if (!r || !tv.heads || !focus) {
+      box.appendChild(el("div", "note", "Point at a token to read the weights of its strongest links" +
+        (ROUNDED ? " (rounded to bfloat16 in this report)" : "") + "."));
+      return;
+    }
+    const labels = labelsOf(r);
+    const name = (side, i) => (side === "q" ? "query " + (i + r.queryOffset) : "key " + (i + r.keyOffset)) +
+      ((side === "q" ? labels.hasQ : labels.hasK) ? " " + JSON.stringify(side === "q" ? labels.q[i] : labels.k[i]) : "");
+    const title = el("div");
+    title.appendChild(el("b", null, name(focus.side, focus.i)));
+    title.appendChild(el("span", null, focus.side === "q" ? " attends to (top " + TOP_KEYS + " keys per head):" :
+      " is attended by (top " + TOP_KEYS + " queries per head):"));
+    box.appendChild(title);
+    const table = el("table", "tv-top");
+    for (const hi of tvShownHeads()) {
+      const tr = el("tr");
+      tr.dataset.head = r.heads[hi];
+      const th = el("th", "tv-head", "H" + r.heads[hi]);
+      th.style.color = tvColour(hi, 1);
+      tr.appendChild(th);
+      for (const [j, w] of tvRanked(hi, focus).slice(0, TOP_KEYS)) {
+        const td = el("td", "v tv-link");
+        td.dataset.i = j;
+        td.dataset.w = f32(w);
+        td.textContent = name(focus.side === "q" ? "k" : "q", j) + " " + f32(w);
+        tr.appendChild(td);
+      }
+      table.appendChild(tr);
+    }
+    box.appendChild(table);
+    if (tv.pin && tv.other) {
+      const q = tv.pin.side === "q" ? tv.pin.i : tv.other.i, k = tv.pin.side === "q" ? tv.other.i : tv.pin.i;
+      const pair = el("div", "tv-pair");
+      pair.appendChild(el("b", null, name("q", q) + " \u2192 " + name("k", k) + ": "));
+      pair.appendChild(el("span", "v", tvShownHeads().map((hi) => "H" + r.heads[hi] + " " + f32(tvWeight(hi, q, k))).join(", ")));
+      box.appendChild(pair);
+    }
+    box.appendChild(el("div", "note", ROUNDED ? "Values rounded to bfloat16 (about 3 significant digits)." :
+      "Exact stored weights (shortest decimal that reads back as the same float32)."));
   }
 
   // ------------------------------------------------------------------ routing and controls
@@ -901,7 +1130,9 @@
     });
     window.addEventListener("resize", () => { if (state.group) { for (const v of state.group.viewers) v.resize(); state.group.draw(); } });
     window.addEventListener("hashchange", route);
-    await route();
+    tvBuildControls();
+    const first = tvRecords()[0];
+    await Promise.all([route(), first ? openTokens(first.id).catch(tvFail) : null]);
   }
 
   // Used by the browser tests and handy from the console.
@@ -911,5 +1142,8 @@
   api.useBatchRow = (batch) => useRow(ROWS.findIndex((x) => x.batch === batch));
   api.cellCenter = (q, k, viewer) => state.group.viewers[viewer || 0].reveal(q, k);
   api.zoomTo = (cell) => state.group.zoomTo(cell);
+  api.openTokens = (rid) => openTokens(rid);
+  api.pointToken = (side, i) => tvPoint(side, i);
+  api.tokenView = () => ({ rid: tv.rid, ready: !!tv.heads, focus: tvFocus(), pin: tv.pin });
   api.ready = main().catch((err) => { api.errors.push(String(err && err.stack || err)); throw err; });
 })();
