@@ -225,6 +225,11 @@ class CaptureSession:
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
 
+    @property
+    def compiled(self) -> list[str]:
+        """Names of the model's modules compiled with ``torch.compile`` (adapters make their hooks reach them)."""
+        return self._compiled
+
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
         """Ask every adapter for its sites; number them in module order. Attaches nothing."""
