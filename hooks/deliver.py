@@ -28,7 +28,9 @@ from torch.overrides import TorchFunctionMode
 
 _RECEIVERS: dict[int, list[Callable]] = {}  # token -> receivers of the captures open on it
 _LOCK = threading.Lock()
-_SLOT_SHIFT = 56  # token = slot << 56 | id(module): ids of live objects stay below 2**56
+#: token = channel << 60 | slot << 52 | id(module) (ids of live objects stay below 2**52), a positive int64
+CHANNELS = ("hf-call", "hf-kind", "hf-stack", "attnprobe", "torch_mha")
+_CHANNEL_SHIFT, _SLOT_SHIFT = 60, 52
 _OP = None
 
 
@@ -57,11 +59,12 @@ def _receive(token: int, event: str, tensors, numbers) -> None:
             receiver(event, list(tensors), list(numbers))
 
 
-def listen(key: object, receiver: Callable, stack: ExitStack, *, shared: bool = False) -> int:
+def listen(key: object, channel: str, receiver: Callable, stack: ExitStack, *, shared: bool = False) -> int:
     """Call ``receiver(event, tensors, numbers)`` for the events delivered to the returned token until ``stack``
     closes.
 
-    The token is ``id(key)`` (a module) for the first capture that listens to it; a nested capture that attaches
+    ``channel`` names what is delivered (one of ``CHANNELS``: a module may carry hooks of several kinds).
+    The token is made of ``id(key)`` (a module) and the channel, for the first capture that listens; a nested capture that attaches
     hooks of its own gets the next free slot, so each session hears its own hooks once. ``shared``: every capture
     listens on ``id(key)`` itself (one hook, or one wrapper, serves all of them). Tokens do not depend on what a
     capture selects: a graph compiled for one capture serves the next.
@@ -69,11 +72,12 @@ def listen(key: object, receiver: Callable, stack: ExitStack, *, shared: bool = 
     Also registers the op (once) before any forward runs: Dynamo must find it when it traces the hooks.
     """
     _register_op()
+    base = (CHANNELS.index(channel) << _CHANNEL_SHIFT) | id(key)
     with _LOCK:
         slot = 0
-        while not shared and ((slot << _SLOT_SHIFT) | id(key)) in _RECEIVERS:
+        while not shared and ((slot << _SLOT_SHIFT) | base) in _RECEIVERS:
             slot += 1
-        token = (slot << _SLOT_SHIFT) | id(key)
+        token = (slot << _SLOT_SHIFT) | base
         _RECEIVERS.setdefault(token, []).append(receiver)
     stack.callback(_forget, token, receiver)
     return token

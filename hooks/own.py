@@ -77,7 +77,7 @@ class OwnModuleAdapter(Adapter):
                 if event in kept or event == "allowed":
                     calls[-1][event] = tensors[0]
 
-        token = listen(module, receive, stack)
+        token = listen(module, "attnprobe", receive, stack)
         handles = [
             module.register_forward_pre_hook(before, with_kwargs=True),
             # not always_call (Dynamo guards on those hooks' ids): a forward that raises leaves its entry in `calls`,

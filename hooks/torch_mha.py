@@ -366,7 +366,7 @@ class TorchMHAAdapter(Adapter):
             per_head = weights if b["need_weights"] and not b["average_attn_weights"] else None
             self._record(session, site, module, b, attn_output, per_head, None, warned)
 
-        token = listen(module, receive, stack)
+        token = listen(module, "torch_mha", receive, stack)
         for h in (module.register_forward_pre_hook(before, with_kwargs=True),
                   module.register_forward_hook(after, prepend=True)):
             stack.callback(h.remove)
