@@ -47,7 +47,9 @@ def value_of(x: float):
 def deliver(token: int, event: str, tensors: list, numbers: list) -> None:
     """Hand one event of a forward to the receivers of ``token`` (now, or at run time of the compiled graph)."""
     if torch.compiler.is_compiling():
-        torch.ops.attnprobe.deliver(token, event, tensors, [float(n) for n in numbers])
+        # one tensor more, always: inductor (torch 2.13) frees buffers too early around an effectful op that has
+        # no tensor argument; the op drops it again
+        torch.ops.attnprobe.deliver(token, event, [*tensors, torch.empty(0)], [float(n) for n in numbers])
     else:
         _receive(token, event, tensors, numbers)
 
@@ -101,7 +103,7 @@ def _register_op() -> None:
 
         @torch.library.custom_op("attnprobe::deliver", mutates_args=())
         def deliver_op(token: int, event: str, tensors: List[Optional[torch.Tensor]], numbers: List[float]) -> None:
-            _receive(token, event, tensors, numbers)
+            _receive(token, event, tensors[:-1], numbers)  # without the tensor `deliver` added
 
         @deliver_op.register_fake
         def _(token, event, tensors, numbers) -> None:
