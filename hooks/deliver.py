@@ -32,6 +32,7 @@ _LOCK = threading.Lock()
 CHANNELS = ("hf-call", "hf-kind", "hf-stack", "attnprobe", "torch_mha")
 _CHANNEL_SHIFT, _SLOT_SHIFT = 60, 52
 _OP = None
+_IN_GRAPH = threading.local()  # .active: receivers are running inside a compiled graph (see `held`)
 
 
 def number(value) -> float:
@@ -59,6 +60,18 @@ def _receive(token: int, event: str, tensors, numbers) -> None:
     if receivers:
         for receiver in tuple(receivers):
             receiver(event, list(tensors), list(numbers))
+
+
+def held(t):
+    """``t`` as a receiver may keep it past the event that delivered it.
+
+    In eager mode that is ``t`` itself (as a hook holds it). Delivered by a compiled graph, ``t`` is one of its
+    buffers, which the graph reuses for later results once the op has returned: a copy.
+    """
+    if isinstance(t, torch.Tensor) and getattr(_IN_GRAPH, "active", False):
+        with torch.no_grad():
+            return t.detach().clone()
+    return t
 
 
 def listen(key: object, channel: str, receiver: Callable, stack: ExitStack, *, shared: bool = False) -> int:
@@ -103,7 +116,11 @@ def _register_op() -> None:
 
         @torch.library.custom_op("attnprobe::deliver", mutates_args=())
         def deliver_op(token: int, event: str, tensors: List[Optional[torch.Tensor]], numbers: List[float]) -> None:
-            _receive(token, event, tensors[:-1], numbers)  # without the tensor `deliver` added
+            _IN_GRAPH.active = True
+            try:
+                _receive(token, event, tensors[:-1], numbers)  # without the tensor `deliver` added
+            finally:
+                _IN_GRAPH.active = False
 
         @deliver_op.register_fake
         def _(token, event, tensors, numbers) -> None:

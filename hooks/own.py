@@ -12,7 +12,7 @@ from torch import nn
 
 from ..probe.modules import MultiHeadAttention
 from .base import Adapter, Site
-from .deliver import deliver, hold_recompile, listen, number, value_of
+from .deliver import deliver, held, hold_recompile, listen, number, value_of
 from .masks import forbids_future
 
 _HOOKED = ("q", "k", "v", "scores", "weights", "output")
@@ -75,7 +75,7 @@ class OwnModuleAdapter(Adapter):
                 if event == "q":
                     calls[-1]["dtype"] = tensors[0].dtype
                 if event in kept or event == "allowed":
-                    calls[-1][event] = tensors[0]
+                    calls[-1][event] = held(tensors[0])
 
         token = listen(module, "attnprobe", receive, stack)
         handles = [

@@ -53,7 +53,7 @@ from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeError, AttnprobeWarning
 from .base import Adapter, Site
 from .calls import bind_arguments
-from .deliver import deliver, hold_recompile, listen, number
+from .deliver import deliver, held, hold_recompile, listen, number
 from .masks import MASKED_AT, Recomputed, additive_bias, forbids_future
 from .modes import exit_mode
 from .trace import user_stacklevel
@@ -348,7 +348,7 @@ class TorchMHAAdapter(Adapter):
                     calls.append(None)  # arguments we cannot read: the module raises its own error
                     return
                 names = ("query", "key", "value", "key_padding_mask", "attn_mask")
-                b = dict(zip(names, tensors))
+                b = dict(zip(names, map(held, tensors) if site.selected else tensors))
                 b.update(need_weights=bool(numbers[0]), average_attn_weights=bool(numbers[1]), is_causal=bool(numbers[2]))
                 if numbers[4]:  # the identities the module's packed in-projection tests (self-attention: q is k is v)
                     b["value"] = b["key"]
