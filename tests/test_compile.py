@@ -197,3 +197,31 @@ def test_nested_captures_of_a_compiled_model_each_record_once():
     assert [(r.layer, r.call) for r in outer] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [(r.layer, r.call) for r in inner] == [(1, 0)]
     assert graph_breaks() == 0
+
+
+class DirectSdpa(nn.Module):
+    """Attention written as a direct scaled_dot_product_attention call (read by the function mode, in eager code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 5, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)
+
+
+def test_code_that_cannot_be_read_compiled_is_named_before_the_forward():
+    """A direct sdpa call is read by a torch function mode, which a compiled graph cannot hold: the capture says so
+    when it opens, naming the fix, and attaches nothing (no graph break, no error from inside Dynamo)."""
+    model = DirectSdpa()
+    x = torch.randn(2, 5, 16)
+    compiled, plain = compiled_or_skip(model, (x,), {}, "eager", False)
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"compiled with torch\.compile.*`compiled\._orig_mod`"):
+        with attnprobe.capture(compiled) as cap:
+            out = step(compiled, (x,), {}, False)
+    dynamo.reset()
+    assert torch.equal(out, plain) and len(cap) == 0 and graph_breaks() == 0
+    with attnprobe.capture(compiled._orig_mod) as cap:  # the fix the warning names
+        compiled._orig_mod(x)
+    assert len(cap) == 1
