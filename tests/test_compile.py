@@ -149,6 +149,9 @@ def test_a_fullgraph_compiled_model_is_captured_without_a_graph_break(case, back
 def test_twenty_alternating_steps_compile_once(case):
     """Captured and plain training steps alternate: the first capture compiles the graph once, every later capture
     and plain step finds its graph in Dynamo's cache, and each output is bitwise that of the graph compiled before."""
+    if OLD_TORCH and case in ("own", "mha"):
+        pytest.xfail("torch 2.6 guards on the ids of keyword forward hooks: each capture compiles once more, and the "
+                     "ninth reaches Dynamo's cache_size_limit")
     model, args, kwargs = make(case)
     model.train()
     compiled, plain = compiled_or_skip(model, args, kwargs, counting, True)
@@ -171,8 +174,6 @@ def test_twenty_alternating_steps_compile_once(case):
     # the first capture compiles the frame again with its hooks (hooks on the compiled module itself run, compiled,
     # as frames of their own); nothing after it compiles
     assert after_first > compiled_before
-    if OLD_TORCH and case in ("own", "mha"):
-        pytest.xfail("torch 2.6 guards on the ids of keyword forward hooks: each capture compiles once more")
     assert extra == after_first - compiled_before, "a later capture or plain step compiled again"
 
 
