@@ -23,10 +23,13 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AttentionModule": ".probe.capture",
     "Capture": ".probe.capture",
-    "attention_modules": ".probe.capture",
-    "capture": ".probe.capture",
-    "run": ".probe.capture",
+    "attention_modules": ".hooks.api",
+    "capture": ".hooks.api",
+    "run": ".hooks.api",
+    "scan": ".hooks.api",
+    "monitor": ".hooks.api",
     "stitch": ".probe.generation",
+    "load": ".probe.capture",
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
     "CaptureBudgetError": ".probe.errors",
@@ -46,11 +49,14 @@ _EXPORTS = {
     "token_strings": ".hooks.hf_tokens",
 }
 _SUBPACKAGES = ("reports",)
+#: public modules whose code lives in a room: attnprobe.heads is hooks/heads.py
+_MODULES = {"heads": ".hooks.heads", "integrations": ".hooks.integrations"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .probe.capture import AttentionModule, Capture, attention_modules, capture, run
+    from .hooks.api import attention_modules, capture, monitor, run, scan
+    from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError
     from .probe.generation import stitch
@@ -60,15 +66,30 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .hooks.hf_tokens import token_strings
 
 
+def _inline_html(obj) -> str:
+    # reports (jinja2, numpy) load on the first notebook display only; imported by name like every public name
+    # here (reports.html reads __version__ from this module)
+    return importlib.import_module(".reports.inline", __name__).repr_html(obj)
+
+
+# probe/ does not import reports/: the notebook view (_repr_html_) of captures, records and check results is
+# wired here, the one place that sees both (registering it imports nothing heavy)
+importlib.import_module(".probe.display", __name__).set_html_renderer(_inline_html)
+
+
 def __getattr__(name: str):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
         globals()[name] = value  # resolve once
         return value
+    if name in _MODULES:
+        module = importlib.import_module(_MODULES[name], __name__)
+        globals()[name] = module
+        return module
     if name in _SUBPACKAGES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'attnprobe' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES) | set(_MODULES))

@@ -1,11 +1,13 @@
 """The ``attnprobe`` command: a thin click layer over the Python API.
 
 Exit codes: 0 success; 1 invariant violations (``attnprobe check``); 2 bad usage or input;
-3 an unexpected internal error (a bug: please report it with ``--debug`` output).
+3 an unexpected internal error (a bug: please report it with ``--debug`` output); 130 interrupted
+(Ctrl-C: files being written are left as they were).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -57,6 +59,12 @@ class Progress:
             self.bar.close()
 
 
+#: OS errors that are about the place the user chose (full disk, no permission, name too long, a failing
+#: device): exit 2.
+USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+                  errno.ENAMETOOLONG, errno.EIO}
+
+
 def handle_errors(fn):
     """Known input problems -> one line and exit 2; anything else -> exit 3; --debug shows tracebacks."""
 
@@ -88,6 +96,9 @@ def handle_errors(fn):
                      NotADirectoryError, ValueError, TypeError)
             if isinstance(exc, known):
                 raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+            if isinstance(exc, OSError) and exc.errno in USER_OS_ERRORS:  # the place, not attnprobe
+                what = f"cannot use {exc.filename}" if exc.filename else "the system refused"
+                raise UsageProblem(f"{what}: {exc.strerror or exc}") from None
             click.echo(
                 f"attnprobe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
                 err=True,
@@ -95,6 +106,12 @@ def handle_errors(fn):
             sys.exit(3)
 
     return wrapper
+
+
+TRUST_REMOTE_CODE = click.option(
+    "--trust-remote-code", is_flag=True,
+    help="Run the Python code a model folder ships (auto_map in config.json). Off by default: such a folder is "
+         "refused instead; read its code before passing this.")
 
 
 def model_and_input_options(fn):
@@ -110,6 +127,7 @@ def model_and_input_options(fn):
         click.option("--device", help="Device to run on, e.g. cpu or cuda:0 (default: the model's)."),
         click.option("--dtype", help="Run the model in float32, float16, bfloat16 or float64."),
         click.option("--max-bytes", help="Fail early instead of storing more than this, e.g. 500MB."),
+        TRUST_REMOTE_CODE,
         click.option("--quiet", "-q", is_flag=True, help="No progress display."),
         click.option("--debug", is_flag=True, help="Show the full traceback on errors."),
     ]
@@ -118,12 +136,12 @@ def model_and_input_options(fn):
     return fn
 
 
-def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress):
+def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code=False):
     from .probe import loading
 
     progress.stage("loading model")
     torch_dtype = loading.parse_dtype(dtype)
-    net, tokenizer, source = loading.load_model(model, dtype=torch_dtype)
+    net, tokenizer, source = loading.load_model(model, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     progress.stage("preparing input")
     return loading.build_workload(
         net, tokenizer, source,
@@ -147,6 +165,7 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
         "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
         "keep": keep,
     }
+    check_input_size(work, options, max_bytes)
     progress.stage("capturing attention")
     try:
         _, cap = attnprobe.run(work.model, work.inputs, **options)
@@ -161,6 +180,79 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None):
     except Exception as exc:
         blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
     return cap
+
+
+def planned_attention_bytes(work, options) -> int:
+    """A lower bound on what the capture will store: one call of every selected attention module found
+    before the run, its (batch, head, query, key) scores and weights and, where the head size is known,
+    q, k, v and the output (attention found only while the model runs comes on top)."""
+    import attnprobe
+
+    modules = attnprobe.attention_modules(work.model)
+    ids = work.inputs.get("input_ids")
+    if ids is None or ids.ndim != 2 or not modules:
+        return 0
+    rows, length = ids.shape
+    if "decoder_input_ids" in work.inputs:  # cross-attention is decoder x encoder: the shorter side bounds it
+        length = min(length, work.inputs["decoder_input_ids"].shape[-1])
+    keep = options.get("keep")
+    square = 2 if keep is None else sum(name in keep for name in ("scores", "weights"))
+    per_head = 4 if keep is None else sum(name in keep for name in ("q", "k", "v", "output"))
+    config = getattr(work.model, "config", None)
+    itemsize = next((p.dtype.itemsize for p in work.model.parameters() if p.is_floating_point()), 4)
+    n = len(modules)
+    layers = options.get("layers")
+    chosen = None if layers is None else {layer + n if layer < 0 else layer for layer in layers}
+    heads = options.get("heads")
+    total = 0
+    for m in modules:
+        if (chosen is not None and m.layer not in chosen) or not m.num_heads:
+            continue
+        h = m.num_heads if heads is None else sum(0 <= x < m.num_heads for x in heads)
+        module = work.model.get_submodule(m.name)
+        head_dim = (getattr(module, "head_dim", None) or getattr(module, "d_head", None)
+                    or getattr(config, "head_dim", None))
+        if not isinstance(head_dim, int) and isinstance(getattr(config, "hidden_size", None), int):
+            head_dim = config.hidden_size // m.num_heads
+        vectors = per_head * head_dim if isinstance(head_dim, int) else 0  # k, v counted as if not grouped
+        total += rows * h * length * (length * square + vectors) * itemsize
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux: MemAvailable), else the machine's total, else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_input_size(work, options, max_bytes_text) -> None:
+    """Refuse, before the forward, an input whose capture cannot fit: over --max-bytes, or over this
+    machine's memory when no budget is given. The figure says how much and what to change."""
+    from .probe.selection import format_bytes
+
+    need = planned_attention_bytes(work, options)
+    limit, what = options.get("max_bytes"), f"--max-bytes {max_bytes_text}"
+    if limit is None:
+        limit, what = available_memory(), "the memory available on this machine"
+        if limit is None:
+            return
+    if need > limit:
+        rows, length = work.inputs["input_ids"].shape
+        over = "capture budget exceeded: " if max_bytes_text is not None else "too large an input: "
+        raise UsageProblem(f"{over}the input ({rows:,} row(s) of up to {length:,} tokens) needs at least {format_bytes(need)} "
+                           f"to capture the selected attention layers, more than {what} "
+                           f"({format_bytes(limit)}): give fewer inputs (--text/--file lines) or shorter ones, select "
+                           "fewer layers (--layers) or heads (--heads)"
+                           + (", or raise --max-bytes" if max_bytes_text is not None else ""))
 
 
 class ModelFailed(UsageProblem):
@@ -187,7 +279,19 @@ class CaptureFailed(Exception):
     """The forward failed under capture and runs without it: attnprobe's fault (exit 3); ``__cause__``."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class Commands(click.Group):
+    """The command group: Ctrl-C anywhere in a command exits 130 (click would say "Aborted!" and exit 1,
+    the code of "violations found")."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("attnprobe: interrupted; files being written were left as they were", err=True)
+            raise click.exceptions.Exit(130) from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="attnprobe")
 def main() -> None:
     """Capture, check and report attention in PyTorch and Hugging Face models.
@@ -204,11 +308,14 @@ def main() -> None:
 @main.command()
 @click.argument("model", required=False)
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@TRUST_REMOTE_CODE
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 @handle_errors
-def info(model, fmt, quiet, debug):
+def info(model, fmt, trust_remote_code, quiet, debug):
     """List the attention modules of MODEL: layers, heads (query / kv), backend, capture strategy.
+
+    A model folder is read from its config alone (on the meta device): no weights are loaded.
 
     \b
     Examples:
@@ -223,7 +330,7 @@ def info(model, fmt, quiet, debug):
     progress = Progress(2, quiet)
     try:
         progress.stage("loading model")
-        net, _, source = loading.load_model(model)
+        net, _, source = loading.load_model(model, trust_remote_code=trust_remote_code, weights=False)
         progress.stage("finding attention")
         found = attnprobe.attention_modules(net)
     finally:
@@ -259,9 +366,12 @@ def info(model, fmt, quiet, debug):
 @click.option("--what", type=click.Choice(["frame", "summary"]), default="frame", show_default=True,
               help="The tidy frame (one row per layer, head, batch, query, key) or the per-head summary.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--raw-csv", is_flag=True,
+              help="Write text cells as they are. By default a CSV text cell starting with =, +, -, @, tab or CR "
+                   "gets a leading ' so that a spreadsheet shows it instead of evaluating it.")
 @handle_errors
-def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
-           out, what, overwrite):
+def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
+           out, what, overwrite, raw_csv):
     """Capture MODEL on the input and write the tidy frame or the per-head summary.
 
     \b
@@ -272,23 +382,25 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     """
     from .probe.frames import write_frame
 
-    out_path = Path(out)
+    out_path = checked_name(out)
     if out.endswith(("/", os.sep)):  # Path() drops the slash: "x.csv/" would become the file x.csv
         raise UsageProblem(f"--out {out!r} ends with a slash (a folder); export writes one file: "
                            "name it .parquet or .csv, e.g. --out attention.parquet")
     if out_path.suffix.lower() not in (".parquet", ".pq", ".csv"):
         raise UsageProblem(f"--out {out!r}: name the file .parquet or .csv")
+    if raw_csv and out_path.suffix.lower() != ".csv":
+        raise UsageProblem("--raw-csv applies to .csv output; Parquet always stores the text exactly")
     check_output(out_path, overwrite)
     progress = Progress(4, quiet)
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         keep = ["scores", "weights"] if what == "frame" else ["weights"]
         cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep)
         progress.stage("building frame")
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tokens, key_tokens = token_labels(work)
         frame = cap.to_frame(tokens=tokens, key_tokens=key_tokens) if what == "frame" else cap.summary()
-        written = write_frame(frame, out_path, overwrite=overwrite)
+        written = write_frame(frame, out_path, overwrite=overwrite, formula_safe=not raw_csv)
     finally:
         progress.close()
     click.echo(f"wrote {written} ({len(frame):,} rows, {what})")
@@ -300,7 +412,7 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
         out = "attnprobe-report.html" if fmt == "html" else "attnprobe-report"
     if not out.strip():
         raise UsageProblem("--out is empty: give a .html file, a .png file or a folder")
-    path = Path(out)
+    path = checked_name(out)
     suffix = "" if out.endswith(("/", os.sep)) else path.suffix.lower()  # "x.html/" asks for a folder
     if suffix == ".html":
         if fmt not in ("html",):
@@ -326,18 +438,38 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
     return targets
 
 
+def checked_name(out: str) -> Path:
+    """--out as a Path, refused in one line when a name in it is longer than file systems allow."""
+    from .probe.files import OutputError, check_file_name
+
+    try:
+        return check_file_name(out)
+    except OutputError as exc:
+        raise UsageProblem(str(exc)) from None
+
+
 def check_output(target: Path, overwrite: bool) -> None:
-    """Refuse an existing file (unless --overwrite) or a folder we cannot write, before any work."""
-    if target.is_dir():
-        raise UsageProblem(f"{target} is a folder; give a file name")
-    if target.exists() and not overwrite:
-        raise UsageProblem(f"{target} already exists; pass --overwrite to replace it")
+    """Refuse an existing path (a symlink too, unless --overwrite), a device, a name too long, or a folder we
+    cannot write, before any work."""
+    from .probe.files import OutputError, check_file_name, target_path
+
     folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent  # the folders below will be created
-    if not folder.is_dir():
-        raise UsageProblem(f"cannot write {target}: {folder} is not a folder")
-    try:  # os.access says yes to root everywhere; creating a file is the real test
+    try:
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent  # the folders below will be created
+        if not folder.is_dir():
+            raise UsageProblem(f"cannot write {target}: {folder} is not a folder")
+        if folder == target.parent:
+            target_path(target, overwrite=overwrite)
+        else:  # nothing exists below `folder` yet: only the name can be wrong
+            check_file_name(target)
+    except FileExistsError as exc:
+        raise UsageProblem(str(exc).replace("overwrite=True (--overwrite)", "--overwrite")) from None
+    except (IsADirectoryError, FileNotFoundError, OutputError) as exc:
+        raise UsageProblem(str(exc)) from None
+    except OSError as exc:
+        raise UsageProblem(f"cannot write {target}: {exc.strerror or exc}") from None
+    try:  # os.access says yes to root everywhere: creating a file is the real test
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
@@ -353,7 +485,7 @@ def check_output(target: Path, overwrite: bool) -> None:
               help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
 @handle_errors
-def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
            out, fmt, batch, precision, overwrite):
     """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
 
@@ -377,7 +509,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     targets = report_targets(out, fmt, overwrite)
     progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         n_rows = len(next(iter(work.inputs.values())))
         if not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
@@ -421,7 +553,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
 @click.option("--checks", "check_names", help="Only these checks, e.g. causal,padding (default: all).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @handle_errors
-def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, quiet, debug,
+def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
           causal, check_names, fmt):
     """Capture MODEL on the input and check attention invariants (for CI).
 
@@ -450,7 +582,7 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
             raise UsageProblem(f"unknown check(s) {unknown or check_names!r}; choose from {', '.join(CHECKS)}, lint")
     progress = Progress(4, quiet)
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress)
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         cap = run_capture(work, layers, heads, max_bytes, progress)
         progress.stage("checking")
         declared_causal, declared_mask = declarations(work, cap, causal)
@@ -531,6 +663,52 @@ def token_labels(work):
     if work.is_encoder_decoder:
         return work.decoder_tokens, work.tokens
     return work.tokens, None
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--data", "data", required=True, type=click.Path(exists=True),
+              help="Inputs: .txt (one per line), .jsonl, .csv, .parquet, or a datasets save_to_disk folder.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the Parquet dataset.")
+@click.option("--field", help="The text field of .jsonl (default: text), .csv, .parquet or a datasets folder.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Inputs per forward (padded).")
+@click.option("--max-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
+@click.option("--layers", help="Attention layers, e.g. 0-3,7 (default: all).")
+@click.option("--heads", help="Heads, e.g. 0,5 (default: all).")
+@click.option("--limit", type=click.IntRange(min=1), help="Scan only the first N inputs.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Inputs per Parquet file (an interrupted scan loses at most one chunk).")
+@click.option("--resume", is_flag=True, help="Skip the chunks already written in OUT.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
+@handle_errors
+def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, chunk_size, resume, quiet, debug):
+    """Per-head attention statistics of MODEL over every input of --data, to a Parquet dataset in --out.
+
+    One row per input, layer and head: each statistic averaged over the input's real query rows, plus
+    row-level extremes (entropy_min, max_score_max, ...). No (query x key) tensor is stored, so memory stays
+    flat in the number of inputs. Runs unchanged under `accelerate launch --num_processes N -m attnprobe scan` and `torchrun`
+    (each process scans its own chunks).
+
+    \b
+    Examples:
+      attnprobe scan --data sentences.txt --out scan/
+      attnprobe scan ./my-bert --data data.jsonl --field text --batch-size 32 --max-length 128 --out scan/
+      duckdb -c "SELECT layer, head, avg(entropy) FROM 'scan/*.parquet' GROUP BY ALL"
+    """
+    import attnprobe
+
+    from .probe import loading
+
+    net, tokenizer, source = loading.load_model(model)
+    if tokenizer is None:
+        raise UsageProblem(f"{source} has no tokenizer: a scan reads texts (give a model folder with its tokenizer)")
+    result = attnprobe.scan(net, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
+                            max_length=max_length, layers=loading.parse_int_list(layers, "layers"),
+                            heads=loading.parse_int_list(heads, "heads"), limit=limit, resume=resume,
+                            chunk_size=chunk_size, progress=not quiet)
+    skipped = f", {result.chunks_skipped} chunk(s) already there" if result.chunks_skipped else ""
+    click.echo(f"scanned {result.inputs} input(s) into {result.out}/ ({result.chunks_written} chunk(s) written{skipped})")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,7 +14,7 @@ output as the call received/returned them, the mask (``allowed``), the causal fl
 default) and the weights recomputed for the selected heads only (``weights_source="recomputed"``).
 ``dropout`` is ``dropout_p`` as passed, since sdpa applies it whatever ``module.training`` says; a
 ``dropout_p > 0`` in eval mode is flagged (``meta["dropout_in_eval"]``) and warned. Once the mode is in (for
-direct calls the code reading of ``_code_reaches_sdpa`` found, or for tracing), every direct call is read; a
+direct calls the code reading of ``code_reaches_sdpa`` found, or for tracing), every direct call is read; a
 module named in ``modules=`` that calls sdpa has its first call site as its own layer.
 
 **Hand-written attention** (opt-in: ``capture(model, modules=[...])`` or ``modules="auto"``) is traced:
@@ -39,14 +39,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..probe.capture import Lazy
+from ..probe.attention_math import AttentionCall, mask_allows
 from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
-from .base import Adapter, Site
+from ..probe.threads import elsewhere
+from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
-from .trace import SNAPSHOT_BEFORE, Finding, Tracer, analyze, format_location, user_stacklevel
+from .trace import Tracer, format_location, user_stacklevel
+from .trace_read import EXPECTED, Finding, analyze
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -67,7 +69,7 @@ class _CaptureMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         tracer = self.tracer
-        before = tracer.before_op(func, args) if tracer is not None and func in SNAPSHOT_BEFORE else None
+        before = tracer.before_op(func, args, kwargs) if tracer is not None else None
         out = func(*args, **kwargs)
         if func is _SDPA:
             if self.on_sdpa is not None:
@@ -101,12 +103,12 @@ def _may_call_sdpa(module: nn.Module, claimed: set[int]) -> bool:
     """Whether code under ``module`` could call scaled_dot_product_attention itself.
 
     torch's own ``nn`` layers reach it only through ``nn.MultiheadAttention``, which another adapter reads;
-    for any other module class the code is read (``_code_reaches_sdpa``). Reading the code keeps the function
+    for any other module class the code is read (``code_reaches_sdpa``). Reading the code keeps the function
     mode, which costs every torch call, off models such as Hugging Face ones whose attention is read elsewhere.
     """
     if id(module) in claimed:
         return False
-    if not type(module).__module__.startswith("torch.nn.") and _code_reaches_sdpa(type(module)):
+    if not type(module).__module__.startswith("torch.nn.") and code_reaches_sdpa(type(module)):
         return True
     return any(_may_call_sdpa(child, claimed) for child in module.children())
 
@@ -127,7 +129,7 @@ def _queue(todo: list, values) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _code_reaches_sdpa(cls: type) -> bool:
+def code_reaches_sdpa(cls: type) -> bool:
     """Whether the code of ``cls`` may call ``scaled_dot_product_attention``, read without running it.
 
     Starting from the class attributes of ``cls`` and its bases (methods, static/class methods,
@@ -345,11 +347,33 @@ def _skip_compiled(session, model: nn.Module) -> None:
     warnings.warn(message + "; such calls are not recorded", AttnprobeWarning, stacklevel=user_stacklevel())
 
 
+_TENSOR_FIELDS = ("q", "k", "v", "scores", "weights", "output", "allowed")
+
+
+def _stacked_fields(site: Site, group: list[Finding]) -> dict[str, object]:
+    """The tensor fields of single-head findings stacked as the heads of one record (the selected heads, made on
+    first use); a field one of them lacks is None."""
+    fields: dict[str, object] = {}
+    for name in _TENSOR_FIELDS[:-1]:
+        parts = [getattr(f, name) for f in group]
+        if any(p is None for p in parts):
+            fields[name] = None
+            continue
+        chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
+        fields[name] = Lazy((chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype,
+                            partial(torch.cat, chosen, dim=1))
+    masks = [f.allowed for f in group]
+    # one (B, 1, Tq, Tk) mask per head
+    fields["allowed"] = compress_heads(torch.cat(masks, dim=1)) if all(m is not None for m in masks) else None
+    return fields
+
+
 class _Run:
     """One capture session's functional interception."""
 
     def __init__(self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]) -> None:
         self.adapter, self.session, self.model = adapter, session, model
+        self.owner = session.thread  # module hooks of other threads' forwards do nothing (the mode is per thread)
         self._names: dict[int, str] | None = None
         self.claimed = claimed
         self.named = {id(s.module): s for s in sites}
@@ -489,7 +513,7 @@ class _Run:
             self.sdpa_sites[key] = site
         if site.num_heads is None:
             site.num_heads, site.num_kv_heads = H, Hkv
-            self.session._select_site(site)
+            self.session.select_site(site)
         if not site.selected:
             self.session.emit(site, kind="self" if L == S else "cross")
             return
@@ -499,16 +523,20 @@ class _Run:
             k_lead[-1] = q_lead[-1]  # grouped-query attention: fewer key heads than query heads
         full = torch.broadcast_shapes(q_lead, k_lead) + (L, S)
         mask = call["attn_mask"]
-        if mask is not None:
+        stats_only = self.session.stats_only  # never build a (query, key) mask: the engine reads it in blocks
+        if stats_only:
+            allowed = None
+        elif mask is not None:
             allowed = mask if mask.dtype == torch.bool else mask > MASKED_AT
             allowed = _to4(allowed.expand(torch.broadcast_shapes(allowed.shape, full)))
         else:
             allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device).expand(B, 1, L, S)
-        if call["is_causal"]:
+        if call["is_causal"] and not stats_only:
             allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        if allowed.shape[1] > 1 and allowed.stride(1) == 0:
-            allowed = allowed[:, :1]
-        allowed = allowed.expand(B, allowed.shape[1], L, S)
+        if allowed is not None:
+            if allowed.shape[1] > 1 and allowed.stride(1) == 0:
+                allowed = allowed[:, :1]
+            allowed = allowed.expand(B, allowed.shape[1], L, S)
         scale = call["scale"] if call["scale"] is not None else 1.0 / math.sqrt(E)
         group = H // Hkv
         heads = site.heads
@@ -527,6 +555,18 @@ class _Run:
 
         recomputed = Recomputed(scores_of_heads, lambda: allowed if allowed.shape[1] == 1 else _pick(allowed, heads),
                                 keep_scores=self.session.wants(site, "scores"))
+        stats = None
+        if self.session.wants(site, "stats"):
+            m4 = None if mask is None else _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
+            stats = AttentionCall.for_heads(
+                q, k, v, heads=heads, kv_heads=tuple(h // group for h in heads), mask=m4, masked_at=MASKED_AT,
+                causal=bool(call["is_causal"]), scaling=float(scale),
+                output=_to4(out) if isinstance(out, torch.Tensor) else None,
+            )
+        if stats_only:
+            declared_causal = mask is not None and forbids_future(mask_allows(mask, MASKED_AT))
+        else:
+            declared_causal = mask is not None and forbids_future(allowed)
 
         # sdpa applies dropout_p whatever module.training says: record it as applied, and flag it in eval mode
         dropout = float(call["dropout_p"])
@@ -545,9 +585,10 @@ class _Run:
             weights=Lazy((B, len(heads), L, S), q.dtype, recomputed.weights),
             output=_to4(out) if isinstance(out, torch.Tensor) else None,
             allowed=allowed,
-            causal=bool(call["is_causal"]) or (mask is not None and forbids_future(allowed)),
+            causal=bool(call["is_causal"]) or declared_causal,
             scaling=float(scale),
             backend="sdpa",
+            stats=stats,
             dtype=q.dtype,
             weights_source="recomputed",
             dropout=dropout,
@@ -574,13 +615,28 @@ class _Run:
                         f"so the output is randomly dropped ({why}); the record's dropout says so, its weights are "
                         "before dropout and record.meta['dropout_in_eval'] is True")
 
+    def _warn_missing(self, site: Site, missing: dict[str, str]) -> None:
+        """One warning per layer whose record lacks fields a traced record normally has, saying where and why."""
+        by_reason: dict[str, list[str]] = {}
+        for name in EXPECTED:
+            if name in missing:
+                by_reason.setdefault(missing[name], []).append(name)
+        if len(by_reason) == 1:
+            why = next(iter(by_reason))
+        else:
+            why = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
+        fields = ", ".join(n for n in EXPECTED if n in missing)
+        self._warn_once(("missing", site.layer),
+                        f"layer {site.layer} ({site.name!r}): the record has no {fields}: {why}; check() skips what "
+                        "needs them and lists it in CheckResult.skipped (record.meta['missing'] says why per field)")
+
     def _warn_lints(self, violations) -> None:
         for v in violations:
             self._warn_once(("lint", v.layer, v.check), f"{v.check} in layer {v.layer} ({v.name!r}): {v.message}")
 
     # -- hand-written attention: module scopes ---------------------------------------------------
     def _enter(self, module: nn.Module, args, *, traced: bool) -> None:
-        if self.tracer is None:
+        if self.tracer is None or elsewhere(self.owner):
             return
         if id(module) in self.named:
             self.ran[id(module)] = self.ran.get(id(module), 0) + 1
@@ -588,7 +644,7 @@ class _Run:
 
     def _exit(self, module: nn.Module, args, kwargs, output):
         tracer = self.tracer
-        if tracer is None:
+        if tracer is None or elsewhere(self.owner):
             return None
         scope = tracer.exit(module)
         if output is None:
@@ -605,7 +661,7 @@ class _Run:
                             self._route(finding, scope)
                 parent = tracer.current()
                 if parent is not None and parent.traced:
-                    parent.add("module", module, args, kwargs, output, module=module)
+                    parent.add_module_call(module, args, kwargs, output)
                 if scope.findings:
                     self._emit_groups(module, scope.findings)
         except AttnprobeError:
@@ -680,10 +736,11 @@ class _Run:
             self.traced_sites[key] = site
         if site.num_heads is None:  # a named module: its head count is known from its first call
             site.num_heads, site.num_kv_heads = heads, kv_heads
-            self.session._select_site(site)
+            self.session.select_site(site)
         return site
 
     def _emit_group(self, owner: nn.Module, group: list[Finding]) -> None:
+        """One record from the findings of one layer's call: one finding, or single-head findings stacked as heads."""
         first = group[0]
         stacked = len(group) > 1
         heads = len(group) if stacked else first.heads
@@ -697,48 +754,20 @@ class _Run:
                             f"before and {heads} now; calls with another head count are not recorded")
             site.calls += 1
             return
-        fields: dict[str, object] = {}
-        if stacked:
-            for name in ("q", "k", "v", "scores", "weights", "output"):
-                parts = [getattr(f, name) for f in group]
-                if any(p is None for p in parts):
-                    fields[name] = None
-                    continue
-                chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
-                fields[name] = Lazy((chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype,
-                                    partial(torch.cat, chosen, dim=1))
-            masks = [f.allowed for f in group]
-            allowed = None
-            if all(m is not None for m in masks):
-                allowed = compress_heads(torch.cat(masks, dim=1))  # one (B, 1, Tq, Tk) mask per head
-        else:
-            fields = {name: getattr(first, name) for name in ("q", "k", "v", "scores", "weights", "output")}
-            allowed = first.allowed
-        call = site.calls
+        fields = _stacked_fields(site, group) if stacked else {name: getattr(first, name) for name in _TENSOR_FIELDS}
         violations = tuple(
-            lint_violation(check, name=site.name, layer=site.layer, call=call, message=message,
+            lint_violation(check, name=site.name, layer=site.layer, call=site.calls, message=message,
                            head=(h if stacked else None))
             for h, f in enumerate(group)
             for check, message in f.lints
         )
         causals = [f.causal for f in group]
         identified = frozenset.intersection(*(f.identified for f in group))
-        meta = {
-            "module_class": type(first.module).__name__,
-            "softmax_at": first.meta.get("softmax_at", "?"),
-            "kind_from": first.meta.get("kind_from", "lengths"),
-            "lint": violations,
-            "dropout_in_eval": any(f.meta.get("dropout_in_eval", False) for f in group),
-        }
-        if stacked:
-            meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
-        if "folded" in first.meta:
-            meta["folded"] = first.meta["folded"]
+        meta = self._group_meta(group, violations, identified)
         record = self.session.emit(
             site,
             kind=first.kind,
             **fields,
-            allowed=allowed,
             causal=None if None in causals else all(causals),
             scaling=first.scaling,
             backend="hand-written",
@@ -751,7 +780,28 @@ class _Run:
         )
         if record is not None:
             self._warn_lints(violations)
+            if "missing" in meta:
+                self._warn_missing(site, meta["missing"])
             if meta["dropout_in_eval"]:
                 self._warn_eval_dropout(site, f"F.dropout(p={first.dropout:g}) on the attention weights runs",
                                         "F.dropout's training argument defaults to True; pass training=self.training "
                                         "or use nn.Dropout")
+
+    def _group_meta(self, group: list[Finding], violations: tuple, identified: frozenset[str]) -> dict:
+        first = group[0]
+        meta = {
+            "module_class": type(first.module).__name__,
+            "softmax_at": first.meta.get("softmax_at", "?"),
+            "kind_from": first.meta.get("kind_from", "lengths"),
+            "lint": violations,
+            "dropout_in_eval": any(f.meta.get("dropout_in_eval", False) for f in group),
+        }
+        if len(group) > 1:
+            meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
+        for name in ("folded", "query_vector"):
+            if name in first.meta:
+                meta[name] = first.meta[name]
+        missing = {name: reason for f in group for name, reason in f.missing.items() if name not in identified}
+        if missing:
+            meta["missing"] = missing
+        return meta

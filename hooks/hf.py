@@ -17,25 +17,25 @@ theirs changes. Models without the attention interface use ``hf_fallback``.
 from __future__ import annotations
 
 import inspect
-import re
 import sys
 import threading
 import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..probe.capture import Lazy
+from ..probe.attention_math import AttentionCall
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.threads import elsewhere
 from . import hf_compat
-from .base import Adapter, Site
+from .base import Adapter, Lazy, Site
 from .deliver import deliver, listen, number, value_of
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
 from .hf_math import MaskMemo, Recompute, kv_of_heads
+from .hf_source import name_branches, record_dtype, softmax_dtype
 
 #: base backend -> the private name that wraps it. No "sdpa" and no "flash" inside the names:
 #: transformers treats names containing those substrings specially. Custom attention functions a
@@ -133,62 +133,6 @@ def _find_eager_function(cls: type) -> Callable:
 
         return gpt2_eager
     return info.eager
-
-
-_SOFTMAX_DTYPE = re.compile(r"softmax\([^\n]*dtype=torch\.(float32|float16|bfloat16)")
-_SOFTMAX_FLOAT = re.compile(r"softmax\([^\n,]*\.float\(\)")
-
-
-@lru_cache(maxsize=None)
-def softmax_dtype(fn: Callable) -> torch.dtype | None:
-    """The dtype an attention function's own softmax runs in: ``softmax(..., dtype=torch.float32)``
-    or ``softmax(x.float(), ...)``; None when its source does not say."""
-    try:
-        source = inspect.getsource(inspect.unwrap(fn))
-    except (OSError, TypeError):
-        return None
-    m = _SOFTMAX_DTYPE.search(source)
-    if m:
-        return getattr(torch, m.group(1))
-    return torch.float32 if _SOFTMAX_FLOAT.search(source) else None
-
-
-def record_dtype(dtype: torch.dtype, softmax: torch.dtype | None) -> torch.dtype:
-    """The dtype the attention ran in: the coarser of the inputs' and the softmax's."""
-    if softmax is not None and dtype.is_floating_point and torch.finfo(softmax).eps > torch.finfo(dtype).eps:
-        return softmax
-    return dtype
-
-
-_BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)""")
-_BASE_LITERAL = re.compile(r"""["'](?:sdpa|eager)["']""")
-_HANDLED = 'using_eager = self.config._attn_implementation == "eager"'  # GPT-2's path, see gpt2_eager
-#: transformers 5.0 dispatches with ``if self.config._attn_implementation != "eager": attention_interface =
-#: ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]`` (5.1 and later: ``get_interface``); under a capture
-#: that branch finds attnprobe's private name in the registry, which calls the base backend as before
-_DISPATCH = '_attn_implementation != "eager":'
-
-
-@lru_cache(maxsize=None)
-def _name_branches(module_name: str) -> tuple[str, ...]:
-    """Lines of a modeling file that compare the implementation *name* with "sdpa" or "eager".
-
-    Under a capture such a comparison would see attnprobe's private name and take another path.
-    """
-    mod = sys.modules.get(module_name)
-    try:
-        source = inspect.getsource(mod) if mod is not None else ""
-    except (OSError, TypeError):
-        return ()
-    found = []
-    lines = source.splitlines()
-    for i, line in enumerate(lines):
-        m = _BRANCH.search(line)
-        if m and _BASE_LITERAL.search(m.group(1)) and _HANDLED not in line and not line.lstrip().startswith("#"):
-            if _DISPATCH in line and i + 1 < len(lines) and "ALL_ATTENTION_FUNCTIONS[" in lines[i + 1]:
-                continue  # transformers 5.0's dispatch itself (see hf_compat, item 1): our name is looked up there
-            found.append(line.strip())
-    return tuple(found)
 
 
 # ---------------------------------------------------------------------------- the private backend
@@ -523,7 +467,7 @@ class _Recorder:
         site = self.site
         if site.num_heads != heads or site.num_kv_heads != kv_heads:
             site.num_heads, site.num_kv_heads = heads, kv_heads
-            self.session._select_site(site)
+            self.session.select_site(site)
             self._kv_of_heads = None
 
     def _use(self, fn: Callable) -> None:
@@ -539,8 +483,8 @@ class _Recorder:
     def receive(self, event: str, tensors: list, numbers: list) -> None:
         """One call of the module, as the attention wrapper delivered it (``_call_payload``); runs outside any
         compiled graph: after the graph's forward, with the tensors it computed, when the model is compiled."""
-        if not self.site.selected:
-            return
+        if not self.site.selected or elsewhere(self.session.thread):
+            return  # another thread's forward: its call is not this capture's
         call = _Call.read(tensors, numbers)
         fn = _base_function(type(self.module), self.base)
         if fn is not self._fn:
@@ -558,7 +502,7 @@ class _Recorder:
             self.site,
             kind=where.kind,
             q=call.q, k=call.k, v=call.v,
-            allowed=mask_info.allowed,
+            allowed=None if mask_info is None else mask_info.allowed,
             query_padding=where.query_padding,
             causal=None if semantics.is_causal is None else bool(semantics.is_causal),
             scaling=semantics.scaling,
@@ -598,13 +542,20 @@ class _Recorder:
         )
 
     def _mask_info(self, call: "_Call", semantics: "_Semantics"):
-        """The mask as the softmax saw it (shared by the layers that received the same mask)."""
+        """The mask as the softmax saw it (shared by the layers that received the same mask); None for a statistics
+        capture, which reads the mask block by block, never whole."""
         mask, q_len = call.mask, call.q_len
         if self.style == "custom":
             _check_mask(mask, self.base, batch=call.batch, heads=call.heads, q_len=q_len, k_len=call.k_len)
-        implicit_causal = self.style != "eager" and bool(semantics.is_causal) and mask is None and q_len > 1
+        if self.session.stats_only:
+            return None
+        implicit_causal = self._implicit_causal(call, semantics)
         return self.masks.get(mask, batch=call.batch, q_len=q_len, k_len=call.k_len, implicit_causal=implicit_causal,
                               device=call.q.device)
+
+    def _implicit_causal(self, call: "_Call", semantics: "_Semantics") -> bool:
+        """sdpa's is_causal with no mask (aligned to the upper left)."""
+        return self.style != "eager" and bool(semantics.is_causal) and call.mask is None and call.q_len > 1
 
     def _position(self, call: "_Call") -> "_Where":
         """Where the call sits: self or cross, generation step, position of the first query, padded query rows."""
@@ -649,6 +600,21 @@ class _Recorder:
             if observed is None:
                 values["weights"] = Lazy(rec.shape, q.dtype, rec.weights)
                 weights_source = "recomputed"
+        out = call.out
+        output = (out.transpose(1, 2) if out is not None and out.dim() == 4
+                  and tuple(out.shape[:3]) == (call.batch, call.q_len, call.heads) else None)
+        if self.recomputable and wants(site, "stats"):
+            if self._kv_of_heads is None:
+                self._kv_of_heads = kv_of_heads(site.heads, call.heads, call.kv_heads)
+            mask = call.mask
+            values["stats"] = AttentionCall.for_heads(
+                q, call.k, call.v, heads=site.heads, kv_heads=self._kv_of_heads,
+                mask=None if mask is None else mask[..., :call.k_len], causal=self._implicit_causal(call, semantics),
+                bias=semantics.position_bias, softcap=semantics.softcap, sinks=semantics.sinks, output=output,
+                scaling=semantics.scaling,
+                additive=self.style == "eager" or semantics.position_bias is not None
+                or (mask is not None and mask.dtype.is_floating_point),
+            )
         if observed is not None:
             values["weights"] = observed
             weights_source = "observed"
@@ -656,9 +622,8 @@ class _Recorder:
             weights_source = "recomputed"  # recomputable, only not kept
         if weights_source != "none":
             identified.add("weights")
-        out = call.out
-        if out is not None and out.dim() == 4 and tuple(out.shape[:3]) == (call.batch, call.q_len, call.heads):
-            values["output"] = out.transpose(1, 2)
+        if output is not None:
+            values["output"] = output
             identified.add("output")
         return values, identified, weights_source
 
@@ -810,7 +775,7 @@ class HuggingFaceAdapter(Adapter):
                 "hub kernels. Load the model with attn_implementation='sdpa' (or call "
                 "model.set_attn_implementation('sdpa')) for the capture"
             )
-        branches = _name_branches(cls.__module__)
+        branches = name_branches(cls.__module__)
         if branches:
             raise UnsupportedModelError(
                 f"{where}: {cls.__module__} branches on the attention implementation's name "

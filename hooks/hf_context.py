@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from ..probe.threads import current, elsewhere
 from . import hf_compat
 from .deliver import deliver, listen, number
 
@@ -104,6 +105,7 @@ class KindProbe:
     def __init__(self, module: nn.Module, stack: ExitStack) -> None:
         self.kind = "self"
         params = forward_params(type(module))
+        self._owner = current()  # made as the capture opens, in its thread; other threads' calls are not read
         token = 0
 
         def before(module, args, kwargs):  # inside the forward: reads which arguments were given, nothing else
@@ -119,7 +121,8 @@ class KindProbe:
         stack.callback(handle.remove)
 
     def _receive(self, event: str, tensors: list, numbers: list) -> None:
-        self.kind = "cross" if numbers[0] else "self"
+        if not elsewhere(self._owner):
+            self.kind = "cross" if numbers[0] else "self"
 
 
 def is_stack(module: nn.Module) -> bool:
@@ -163,6 +166,7 @@ class StackState:
         self.reordered = False  # beam search reordered the cache's batch rows since the previous step
         self._reorder_seen = False
         self._watched: list = []  # (cache, its own reorder_cache attribute or None, the wrapper)
+        self._owner = current()  # made as the capture opens, in its thread; other threads' calls are not read
         params, cache_type = self._params, self._cache_type
         token = 0
 
@@ -193,6 +197,8 @@ class StackState:
         stack.callback(self._forget)
 
     def _receive(self, event: str, tensors: list, numbers: list) -> None:
+        if elsewhere(self._owner):
+            return
         if event == "before":
             self._before(*tensors, built=bool(numbers[0]), has_cache=bool(numbers[1]), has_unknown=bool(numbers[2]))
         else:

@@ -17,8 +17,11 @@ import torch
 from torch import nn
 
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.threads import current, elsewhere
 from . import hf_compat
+from .functional import code_reaches_sdpa
 from .hf_context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
+from .hf_source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
 #: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
@@ -88,15 +91,13 @@ def _calls_sdpa_without_weights(cls: type) -> bool:
     forward takes neither ``output_attentions`` nor ``**kwargs``: AIMv2's attention-pooling head). It is not
     old-style attention: output_attentions would return nothing, while the functional adapter reads its
     sdpa calls whole (q, k, v, mask, recomputed weights)."""
-    from .functional import _code_reaches_sdpa
-
     try:
         params = list(inspect.signature(cls.forward).parameters.values())
     except (TypeError, ValueError):
         return False
     if any(p.name == "output_attentions" or p.kind is p.VAR_KEYWORD for p in params):
         return False
-    return _code_reaches_sdpa(cls)
+    return code_reaches_sdpa(cls)
 
 
 def _ancestors_by_id(key: int, parents: dict[int, nn.Module]):
@@ -113,6 +114,7 @@ class _ForceAttentions:
         self.model = model
         self.params = forward_params(type(model))
         self.calls: list[tuple[bool, bool]] = []  # (caller asked for attentions, caller wants a tuple)
+        self._owner = current()  # other threads' calls run as if attnprobe were absent
         for handle in (
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
@@ -128,6 +130,8 @@ class _ForceAttentions:
         return args, kwargs
 
     def _before(self, module, args, kwargs):
+        if elsewhere(self._owner):
+            return None
         config = module.config
         asked = argument(self.params, "output_attentions", args, kwargs)
         asked = bool(getattr(config, "output_attentions", False) if asked is None else asked)
@@ -143,7 +147,7 @@ class _ForceAttentions:
         return args, kwargs
 
     def _after(self, module, args, kwargs, output):
-        if not self.calls:
+        if not self.calls or elsewhere(self._owner):
             return None
         asked, wants_tuple = self.calls.pop()
         if asked or output is None:
@@ -275,9 +279,7 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
 
 def _refuse_if_path_changes(site, owners) -> None:
     """Some old-style models compute attention another way when asked for weights (Falcon under sdpa)."""
-    from .hf import _name_branches
-
-    branches = _name_branches(type(site.module).__module__)
+    branches = name_branches(type(site.module).__module__)
     impls = {getattr(m.config, "_attn_implementation", None) for m in owners}
     if branches and impls - {"eager", None}:
         raise UnsupportedModelError(
@@ -299,8 +301,6 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
     if part is not None:
         meta["stack"] = part
 
-    from .hf import record_dtype, softmax_dtype
-
     softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the model's dtype
     time_first = type(module).__name__ in _TIME_FIRST
     pre_softmax = type(module).__name__ in _PRE_SOFTMAX
@@ -308,7 +308,11 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
 
     warned = []  # this capture has said once that the module is left out
 
+    owner = session.thread
+
     def after(mod, args, output):
+        if elsewhere(owner):
+            return  # another thread's forward
         try:
             weights = readable(mod, output)
         except UnsupportedModelError as e:
@@ -371,7 +375,7 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
         if site.num_heads != heads:
             site.num_heads = heads
             site.num_kv_heads = site.num_kv_heads if site.num_kv_heads and heads % site.num_kv_heads == 0 else heads
-            session._select_site(site)
+            session.select_site(site)
         dropout = _dropout_of(mod)
         kind_now = kind or probe.kind
         offset = state.position if state is not None else 0

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..probe.modules import MultiHeadAttention
+from ..probe.threads import elsewhere
 from .base import Adapter, Site
 from .deliver import deliver, held, hold_recompile, listen, number, value_of
 from .masks import forbids_future
@@ -45,7 +46,9 @@ class OwnModuleAdapter(Adapter):
         module: MultiHeadAttention = site.module
         calls: list[dict] = []  # one entry per call in progress (run-time side, outside any compiled graph)
         stack.callback(calls.clear)
-        kept = {field for field in _HOOKED if session.wants(site, field)}
+        owner = session.thread  # calls from other threads pass through unrecorded
+        # statistics of an own module come from the weights it computed (they are what is checked)
+        kept = {field for field in _HOOKED if session.wants(site, field) or session.wants(site, "stats")}
 
         # -- inside the forward: hand the tensors over, nothing else (traceable by torch.compile) ----------
         def before(mod, args, kwargs):
@@ -64,6 +67,8 @@ class OwnModuleAdapter(Adapter):
 
         # -- at run time: the records ---------------------------------------------------------------------------
         def receive(event: str, tensors: list, numbers: list) -> None:
+            if elsewhere(owner):
+                return
             if event == "before":
                 x, context, attention_mask, attn_mask = tensors
                 calls.append({"info": module.resolve_call(x, context, attention_mask=attention_mask,

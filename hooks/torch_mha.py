@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..probe.capture import Lazy
 from ..probe.errors import AttnprobeError, AttnprobeWarning
-from .base import Adapter, Site
+from ..probe.threads import elsewhere
+from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .deliver import deliver, held, hold_recompile, listen, number
 from .masks import MASKED_AT, Recomputed, additive_bias, forbids_future
@@ -343,6 +343,8 @@ class TorchMHAAdapter(Adapter):
             deliver(token, "output", [output[0], output[1]] if ok else [], [])
 
         def receive(event: str, tensors: list, numbers: list) -> None:
+            if elsewhere(session.thread):
+                return  # another thread's forward: not this capture's
             if event == "call":
                 if not tensors:
                     calls.append(None)  # arguments we cannot read: the module raises its own error
@@ -374,8 +376,11 @@ class TorchMHAAdapter(Adapter):
     def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
         calls: list[_Call | _Untouched | None] = []  # one per call in progress
         warned: set[str] = set()
+        owner = session.thread  # calls from other threads pass through untouched
 
         def before(mod, args, kwargs):
+            if elsewhere(owner):
+                return None
             bound = _bind(args, kwargs)
             if bound is not None and any(getattr(bound[n], "is_nested", False) for n in _PARAMS[:3]):
                 calls.append(self._let_nested_through(site, warned))
@@ -411,7 +416,7 @@ class TorchMHAAdapter(Adapter):
                 undo(calls.pop())
 
         def after(mod, args, kwargs, output):
-            if not calls:
+            if not calls or elsewhere(owner):
                 return None
             call = calls.pop()
             undo(call)

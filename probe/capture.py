@@ -6,30 +6,19 @@ import operator
 import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Callable, overload
+from typing import Any, overload
 
 import torch
 from torch import nn
 
 from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
-from .record import TENSOR_FIELDS, AttentionRecord
-from .selection import Selection, Store, _int_list, index_heads, kv_heads_for
-
-
-@dataclass(frozen=True)
-class Lazy:
-    """A tensor an adapter can produce on demand, already restricted to the selected heads.
-
-    ``shape`` and ``dtype`` are what ``fn()`` will return, so the budget is checked before the work.
-    ``fn()`` returns a tensor nothing else holds (the record keeps it without another copy).
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    fn: Callable[[], torch.Tensor]
+from .interface import Adapter, Lazy, Site
+from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
+from . import threads
+from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
 
 class Capture(Sequence):
@@ -103,10 +92,10 @@ class Capture(Sequence):
         layers (as in ``capture``). ``heads`` (model head numbers) restricts the tensors: a view for a run of
         consecutive stored heads, one copy otherwise.
         """
-        layer_set = None if layers is None else {self._layer_number(n) for n in _int_list(layers, "layers")}
-        call_set = None if calls is None else set(_int_list(calls, "calls"))
-        step_set = None if steps is None else set(_int_list(steps, "steps"))
-        head_tuple = None if heads is None else _int_list(heads, "heads")
+        layer_set = None if layers is None else {self._layer_number(n) for n in int_list(layers, "layers")}
+        call_set = None if calls is None else set(int_list(calls, "calls"))
+        step_set = None if steps is None else set(int_list(steps, "steps"))
+        head_tuple = None if heads is None else int_list(heads, "heads")
         if kind not in (None, "self", "cross"):
             raise SelectionError(f"kind must be 'self', 'cross' or None, got {kind!r}")
         out = []
@@ -167,15 +156,71 @@ class Capture(Sequence):
 
         return write_frame(self.to_frame(tokens, key_tokens), path, format="parquet", overwrite=overwrite)
 
-    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False):
-        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None."""
+    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, formula_safe: bool = True):
+        """Write ``to_frame()`` as CSV; returns the text when ``path`` is None. Text a spreadsheet would
+        evaluate (``=``, ``+``, ``-``, ``@``, tab, CR first) gets a leading ``'`` unless ``formula_safe=False``."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite)
+        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite,
+                           formula_safe=formula_safe)
+
+    # -- other viewers (bertviz, circuitsvis; neither is imported) ------------------------------
+    def to_bertviz(self, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:
+        """Keyword arguments for ``bertviz.head_view`` / ``model_view``: ``bertviz.head_view(**cap.to_bertviz())``.
+        See ``attnprobe.probe.interop.to_bertviz``."""
+        from .interop import to_bertviz
+
+        return to_bertviz(self, batch, tokens=tokens, key_tokens=key_tokens, call=call)
+
+    def to_circuitsvis(self, layer: int, batch: int = 0, *, tokens=None, call: int = 0,
+                       head_names: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``circuitsvis.attention.attention_patterns`` for one layer (negative counts from
+        the end). See ``attnprobe.probe.interop.to_circuitsvis``."""
+        from .interop import to_circuitsvis
+
+        return to_circuitsvis(self, self._layer_number(layer), batch, tokens=tokens, call=call, head_names=head_names)
+
+    # -- files (safetensors + JSON index; never pickle) -----------------------------------------
+    def save(self, path, *, overwrite: bool = False):
+        """Write this capture to the directory ``path`` (safetensors files plus a JSON index); returns the path.
+
+        ``attnprobe.load(path)`` reads it back with memory-mapped tensors; nothing is pickled. An existing
+        capture directory is replaced only with ``overwrite=True``, a folder of other files never. The folder is
+        written under a temporary name and renamed into place when complete.
+        """
+        from .disk import save
+
+        return save(self, path, overwrite=overwrite)
+
+    def _repr_html_(self) -> str | None:
+        """Notebook view: the HTML report's own page in a frame, bounded in size (see ``attnprobe.reports.inline``)."""
+        from .display import repr_html
+
+        return repr_html(self)
 
     def __repr__(self) -> str:
         model = self._info.get("model_class", "?")
         return f"<Capture of {model}: {len(self)} record(s), layers {list(self.layers)}, {self.nbytes:,} bytes>"
+
+
+def load(path) -> Capture:
+    """The ``Capture`` saved in directory ``path`` (by ``Capture.save`` or ``capture(..., store=path)``).
+
+    Tensors are memory-mapped from the safetensors files: nothing is read until a tensor is used, so a
+    capture larger than memory opens at once. Nothing is unpickled (see ``probe/disk.py`` for the format).
+
+    Example::
+
+        >>> import torch, attnprobe, tempfile, os
+        >>> out, cap = attnprobe.run(attnprobe.MultiHeadAttention(8, num_heads=2), torch.randn(1, 4, 8))
+        >>> folder = cap.save(os.path.join(tempfile.mkdtemp(), "cap"))
+        >>> torch.equal(attnprobe.load(folder)[0].weights, cap[0].weights)
+        True
+    """
+    from .disk import read
+
+    records, info = read(path)
+    return Capture(records, info)
 
 
 def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> AttentionRecord:
@@ -201,29 +246,37 @@ def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> Atte
 
 
 class CaptureSession:
-    """Finds attention in a model, attaches every adapter's hooks, and turns calls into records."""
+    """Finds attention in a model, attaches every adapter's hooks, and turns calls into records.
 
-    def __init__(self, model: nn.Module, selection: Selection, adapters=None, *, modules=None) -> None:
+    ``adapters`` are tried in order (a module claimed by one is not offered to the next); ``attnprobe.capture``
+    passes ``hooks.default_adapters()``. Adapters use the session as a ``probe.interface.Session``.
+    ``store``: a directory the records are written to as they are made (``disk.RecordWriter``).
+    """
+
+    def __init__(self, model: nn.Module, selection: Selection, adapters: Sequence[Adapter], *, store=None,
+                 overwrite: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
                 "not its output or a pipeline (for a pipeline use pipeline.model)"
             )
-        if adapters is None:
-            from ..hooks import default_adapters
-
-            adapters = default_adapters(modules=modules)
         self.model_class = type(model).__name__
         self._model = model  # dropped on exit; the Capture never holds it
         self._compiled = compiled_modules(model)
         self.selection = selection
         self.store = Store(selection)
         self.adapters = list(adapters)
-        self.sites: list = []
+        self.sites: list[Site] = []
         self.capture = Capture()
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
         self._stack: ExitStack | None = None
+        self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
+        self.disk = None  # a RecordWriter when records go to a directory (store=)
+        if store is not None:
+            from .disk import RecordWriter
+
+            self.disk = RecordWriter(store, overwrite=overwrite)  # refuses an existing target before the run
 
     @property
     def compiled(self) -> list[str]:
@@ -291,16 +344,23 @@ class CaptureSession:
         self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)
         self.store.selection = self.selection
         for site in self.sites:
-            self._select_site(site)
+            self.select_site(site)
         self.capture = Capture(info=self._info())
 
         self._stack = ExitStack()
         try:
+            self.thread = threads.current()  # hooks let other threads' calls pass (threads.elsewhere)
+            held = threads.claim([model, *(s.module for s in self.sites)], self.model_class)
+            self._stack.callback(threads.release, held)
+            if self.disk is not None:
+                self.disk.open()
             for adapter, sites in found:
                 if sites or adapter.dynamic:
                     adapter.attach(self, model, sites, self._stack)
         except BaseException:
             self._stack.close()
+            if self.disk is not None:
+                self.disk.abort()
             raise
         return self.capture
 
@@ -314,6 +374,11 @@ class CaptureSession:
             self._named = None
         if len(self.sites) != len(self.capture.info["attention_modules"]):  # sites found while the model ran
             self.capture._info = MappingProxyType(self._info())
+        if self.disk is not None:
+            if exc_type is None:
+                self.disk.close(self.capture.info)  # the index, then the folder renamed into place
+            else:  # nothing half-written is left (a previous capture there stays); the records in memory stay usable
+                self.disk.abort()
         n = len(self.sites)
         missing = sorted(layer for layer in (self.selection.layers or ()) if layer >= n)
         if exc_type is None and missing:  # layer numbers past the model's, accepted only in case they appeared
@@ -365,14 +430,14 @@ class CaptureSession:
             "selection": {
                 "layers": sel.layers,
                 "heads": sel.heads if sel.heads_by_layer is None else dict(sel.heads_by_layer),
-                "keep": tuple(f for f in TENSOR_FIELDS if f in sel.keep),
+                "keep": tuple(f for f in KEEP_NAMES if f in sel.keep),
                 "device": str(sel.device),
                 "dtype": None if sel.dtype is None else str(sel.dtype).replace("torch.", ""),
                 "max_bytes": sel.max_bytes,
             },
         }
 
-    def _select_site(self, site) -> None:
+    def select_site(self, site) -> None:
         site.selected = self.selection.wants(site.layer)
         if site.selected and site.num_heads is not None:
             site.heads = self.selection.heads_for(site.layer, site.num_heads, where=f"({site.name!r})")
@@ -382,7 +447,7 @@ class CaptureSession:
         """Register a site found while the model runs (dynamic adapters); it gets the next layer number."""
         site.layer = len(self.sites)
         self.sites.append(site)
-        self._select_site(site)
+        self.select_site(site)
 
     # -- recording -------------------------------------------------------------------------
     def wants(self, site, field: str | None = None) -> bool:
@@ -411,7 +476,7 @@ class CaptureSession:
             return None
         if num_heads is not None and site.num_heads is None:
             site.num_heads, site.num_kv_heads = num_heads, num_kv_heads or num_heads
-            self._select_site(site)
+            self.select_site(site)
         if site.heads is None:
             raise UnsupportedModelError(f"adapter {site.adapter.name!r} did not say how many heads {site.name!r} has")
         preselected = set(preselected)
@@ -424,6 +489,11 @@ class CaptureSession:
             identified = frozenset(
                 f for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding)) if t is not None
             )
+
+        stats_call = values.pop("stats", None)
+        adapter_allowed = allowed
+        if self.stats_only:
+            allowed = None  # (batch, head, query, key): what a statistics capture never holds; stats hold its facts
 
         # plan every copy first, with its exact stored size, so the budget fails before any memory is spent
         masks = {"allowed": allowed, "query_padding": query_padding, "sinks": sinks}
@@ -461,7 +531,11 @@ class CaptureSession:
                 else:
                     stored[f] = self.store.put(t, index, axis)
 
-        record = AttentionRecord(
+        if "stats" in self.selection.keep:
+            stored["stats"] = self._stats(site, call, stats_call, tensors, stored, kind, values, query_padding,
+                                          adapter_allowed, sinks)
+
+        record: AttentionRecord = AttentionRecord(
             name=site.name,
             layer=site.layer,
             call=call,
@@ -474,8 +548,70 @@ class CaptureSession:
             **stored,
             **values,
         )
+        if self.disk is not None:  # written now; the Capture keeps the memory-mapped copy, this one is dropped
+            record = self.disk.write(record)
         self.capture._append(record)
         return record
+
+
+    @property
+    def stats_only(self) -> bool:
+        """A statistics capture that keeps no (query, key) tensor (``keep=("stats", ...)`` without scores/weights)."""
+        keep = self.selection.keep
+        return "stats" in keep and not ({"scores", "weights"} & keep)
+
+    def _stats(self, site, call: int, stats_call, tensors, stored, kind, values, query_padding, allowed, sinks):
+        """The per-row statistics of one record: blockwise from the adapter's ``AttentionCall`` (q, k and the
+        call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
+        weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
+        from .stats import attention_stats, stats_from_weights
+
+        where = f"layer {site.layer}, call {call}: stats"
+        q_len = None
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if stats_call is not None:
+                B, h, q_len, k_len = stats_call.shape
+                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
+                kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
+                stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding, **kwargs)
+                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
+            else:
+                def selected(name, index):
+                    t = stored.get(name) if name != "v" else None  # a stored v is per kv head
+                    if t is None:
+                        t = tensors.get(name)
+                        if isinstance(t, Lazy):
+                            t = t.fn()
+                        elif t is not None:
+                            t = index_heads(t.detach(), index)[0]
+                    return t
+
+                weights = selected("weights", site.heads)
+                if weights is None:
+                    values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "none"}
+                    return None
+                B, h, q_len, k_len = weights.shape
+                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
+                al = allowed if allowed is None or allowed.shape[1] == 1 else index_heads(allowed, site.heads)[0]
+                group = site.num_heads // max(site.num_kv_heads or site.num_heads, 1)
+                v = selected("v", tuple(hd // group for hd in site.heads)) if tensors.get("v") is not None else None
+                output = selected("output", site.heads)
+                stats = stats_from_weights(weights, scores=selected("scores", site.heads), allowed=al, v=v,
+                                           output=None if v is None else output, diag_offset=diag,
+                                           query_padding=query_padding,
+                                           sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
+                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
+        nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
+        self.store.reserve(nbytes, where)
+        return {name: t.to(self.selection.device) for name, t in stats.items()}
+
+
+def _diag_offset(kind: str, query_offset: int, q_len: int, k_len: int) -> int | None:
+    """Key index of query 0's own key (self-attention), as the checks place queries; None otherwise."""
+    if kind != "self":
+        return None
+    offset = query_offset if query_offset + q_len <= k_len else k_len - q_len
+    return offset if offset >= 0 else None
 
 
 def compiled_modules(model: nn.Module) -> list[str]:
@@ -508,103 +644,3 @@ class AttentionModule:
     strategy: str
     """How the capture reads it, e.g. "hook points" or "wraps the sdpa attention function"."""
     backend: str | None = None
-
-
-def attention_modules(model: nn.Module, adapters=None) -> list[AttentionModule]:
-    """The attention modules attnprobe finds in ``model``, numbered as a capture numbers layers.
-
-    Nothing is attached; the model is not run. Attention found only while the model runs
-    (direct ``scaled_dot_product_attention`` calls, hand-written softmax) is not listed.
-
-    Example::
-
-        >>> import attnprobe, torch
-        >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2))
-        >>> [(m.layer, m.name, m.num_heads) for m in attnprobe.attention_modules(model)]
-        [(0, '0', 2)]
-    """
-    session = CaptureSession(model, Selection.build(), adapters)
-    sites = session.discover()
-    return [
-        AttentionModule(
-            layer=s.layer,
-            name=s.name,
-            module_class=type(s.module).__name__,
-            num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-            adapter=s.adapter.name,
-            strategy=s.info.get("strategy", s.adapter.name),
-            backend=s.info.get("backend"),
-        )
-        for s in sites
-    ]
-
-
-class capture:
-    """Capture attention from ``model`` while the ``with`` block runs.
-
-    ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
-    ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
-    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
-    ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
-    under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
-    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
-    such as ``"500MB"``; every stored tensor counts, masks included).
-    ``modules``: hand-written softmax attention to read: modules of the model (or their names from
-    ``named_modules()``), or ``"auto"`` to trace every module (slower; see README, "Code attnprobe has
-    never seen").
-
-    Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
-    raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
-
-    Example::
-
-        >>> import torch, attnprobe
-        >>> attn = attnprobe.MultiHeadAttention(16, num_heads=4, causal=True)
-        >>> with attnprobe.capture(attn, heads=[0, 2], keep=["weights"]) as cap:
-        ...     y = attn(torch.randn(2, 6, 16))
-        >>> rec = cap[0]
-        >>> rec.heads, rec.q is None, tuple(rec.weights.shape)
-        ((0, 2), True, (2, 2, 6, 6))
-    """
-
-    def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None):
-        self._session = CaptureSession(
-            model,
-            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes),
-            modules=modules,
-        )
-
-    def __enter__(self) -> Capture:
-        return self._session.__enter__()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._session.__exit__(exc_type, exc, tb)
-
-
-def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[Any, Capture]:
-    """Run ``model`` once under capture and return ``(output, capture)``.
-
-    ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
-    a tuple or list as positional arguments, anything else as the one argument. ``options`` are
-    ``capture``'s (layers, heads, keep, device, dtype, max_bytes). With ``no_grad`` (the default)
-    the forward runs under ``torch.no_grad()``.
-
-    Example::
-
-        >>> import torch, attnprobe
-        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2)
-        >>> out, cap = attnprobe.run(attn, torch.randn(1, 4, 8), layers=[0])
-        >>> out.shape, len(cap)
-        (torch.Size([1, 4, 8]), 1)
-    """
-    with capture(model, **options) as cap:
-        with torch.no_grad() if no_grad else nullcontext():
-            if isinstance(inputs, Mapping):
-                output = model(**inputs)
-            elif isinstance(inputs, (tuple, list)):
-                output = model(*inputs)
-            else:
-                output = model(inputs)
-    return output, cap

@@ -133,8 +133,6 @@ def stitch(capture):
         >>> # with attnprobe.capture(model) as cap: model.generate(**batch, max_new_tokens=5)
         >>> # full = attnprobe.stitch(cap); full.record(0).weights  # (batch, head, T, T)
     """
-    from .capture import Capture
-
     runs = _runs(capture)
     if not runs:
         raise AttnprobeError(
@@ -143,7 +141,7 @@ def stitch(capture):
             + (" (generate(..., use_cache=False) has no steps: each of its calls is a whole forward over the "
                "sequence so far, so the records of its last call already hold the full matrix)" if len(capture) else "")
         )
-    return Capture(_stitched(runs), capture.info)
+    return type(capture)(_stitched(runs), capture.info)  # a Capture (capture.py imports this module: no import back)
 
 
 def _stitched(runs: list[tuple[int, list[AttentionRecord]]]) -> list[AttentionRecord]:

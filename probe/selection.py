@@ -7,6 +7,7 @@ the one copy that lands in a record. The budget is checked on the planned size, 
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import re
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CaptureBudgetError, SelectionError
-from .record import TENSOR_FIELDS
+from .record import KEEP_NAMES, TENSOR_FIELDS
 
 
 def _as_int(item, what: str, value) -> int:
@@ -29,14 +30,33 @@ def _as_int(item, what: str, value) -> int:
         raise SelectionError(f"{what} must be integers, got {item!r} in {value!r}") from None
 
 
-def _int_list(value, what: str) -> tuple[int, ...]:
+#: The most numbers one ``layers=`` or ``heads=`` selection may name: far more attention layers or heads
+#: than any model has, few enough that a slip such as ``range(2_000_000_000)`` fails at once instead of
+#: allocating gigabytes before the model is even looked at.
+MAX_SELECTED = 1 << 16
+
+
+def too_many(what: str, count: int | None, shown) -> SelectionError:
+    """The error for a selection that names more than ``MAX_SELECTED`` numbers."""
+    size = f"{count:,}" if count is not None else f"more than {MAX_SELECTED:,}"
+    return SelectionError(f"{what} {shown} names {size} numbers; no model has that many attention layers or heads "
+                          f"(at most {MAX_SELECTED:,} are accepted): name the ones the model has")
+
+
+def int_list(value, what: str) -> tuple[int, ...]:
     """An int or an iterable of ints (numpy and torch integers too) as a tuple, duplicates dropped."""
     if isinstance(value, (bool, str, bytes, Mapping)):
         raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
     if getattr(value, "ndim", None) == 0 or (hasattr(value, "__index__") and not isinstance(value, Iterable)):
         items: tuple = (value,)
-    elif isinstance(value, Iterable):
+    elif isinstance(value, range):  # its length is known without building it
+        if len(value) > MAX_SELECTED:
+            raise too_many(what, len(value), f"{value!r}")
         items = tuple(value)
+    elif isinstance(value, Iterable):
+        items = tuple(itertools.islice(value, MAX_SELECTED + 1))  # never more than that in memory
+        if len(items) > MAX_SELECTED:
+            raise too_many(what, len(value) if hasattr(value, "__len__") else None, f"({type(value).__name__})")
     else:
         raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
     return tuple(dict.fromkeys(_as_int(item, what, value) for item in items))  # dedupe, keep order
@@ -52,11 +72,11 @@ def _keep_set(keep) -> frozenset[str]:
     else:
         raise SelectionError(
             f"keep must be a tensor name or a list of them, e.g. keep=['weights'] or keep=('q', 'k'), "
-            f"got {keep!r}; choose from {list(TENSOR_FIELDS)} (None keeps all)"
+            f"got {keep!r}; choose from {list(KEEP_NAMES)} (None keeps all tensors)"
         )
-    unknown = [k for k in items if k not in TENSOR_FIELDS]
+    unknown = [k for k in items if k not in KEEP_NAMES]
     if unknown:
-        raise SelectionError(f"keep= got unknown tensor name(s) {unknown}; choose from {list(TENSOR_FIELDS)}")
+        raise SelectionError(f"keep= got unknown tensor name(s) {unknown}; choose from {list(KEEP_NAMES)}")
     return frozenset(items)
 
 
@@ -93,7 +113,18 @@ def parse_bytes(text: str | int) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if not m or m.group(2) not in units:
         raise SelectionError(f"cannot read {text!r} as a size; write e.g. 500MB, 2GiB or 1000000")
-    return int(float(m.group(1)) * units[m.group(2)])
+    value = float(m.group(1)) * units[m.group(2)]
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise SelectionError(f"size {text!r} is beyond any memory (at most 2**60 bytes, 1 EiB); "
+                             "write e.g. 500MB or 2GiB, or leave the budget out for none")
+    if value < 1:
+        raise SelectionError(f"max_bytes must be a positive size: {text!r} is less than one byte; write e.g. 500MB, "
+                             "2GiB or 1000000")
+    return int(value)
+
+
+#: The largest byte budget accepted (an exbibyte): a larger figure is a typo, not a memory.
+MAX_BYTES = 2**60
 
 
 def format_bytes(n: int) -> str:
@@ -114,10 +145,13 @@ class Selection:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype | None = None
     max_bytes: int | None = None
+    block_bytes: int | None = None
+    """Memory target of one block of the statistics engine (``keep=("stats",)``); None = its default."""
 
     @classmethod
-    def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None) -> "Selection":
-        layer_tuple = None if layers is None else _int_list(layers, "layers")
+    def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
+              block_bytes=None) -> "Selection":
+        layer_tuple = None if layers is None else int_list(layers, "layers")
         head_tuple, by_layer = None, None
         if isinstance(heads, Mapping):
             by_layer = {}
@@ -128,11 +162,11 @@ class Selection:
                         "e.g. heads={0: [1, 2], -1: None}"
                     )
                 layer = _as_int(layer, "the keys of heads={layer: heads}", heads)
-                by_layer[layer] = None if hs is None else _int_list(hs, f"heads for layer {layer}")
+                by_layer[layer] = None if hs is None else int_list(hs, f"heads for layer {layer}")
             if layer_tuple is None:
                 layer_tuple = tuple(by_layer)
         elif heads is not None:
-            head_tuple = _int_list(heads, "heads")
+            head_tuple = int_list(heads, "heads")
         for h in (head_tuple or ()) + tuple(h for hs in (by_layer or {}).values() for h in (hs or ())):
             if h < 0:
                 raise SelectionError(f"heads must be non-negative head numbers, got {h}")
@@ -150,6 +184,9 @@ class Selection:
             raise SelectionError(f"dtype must be a floating torch dtype such as torch.float16, got {dtype!r}")
         if isinstance(max_bytes, str):
             max_bytes = parse_bytes(max_bytes)  # "500MB", "2GiB"
+        elif isinstance(max_bytes, float) and not math.isfinite(max_bytes):
+            raise SelectionError(f"max_bytes={max_bytes!r} is not a number of bytes; give e.g. 5e8 or '500MB', "
+                                 "or None for no budget")
         elif isinstance(max_bytes, float) and max_bytes.is_integer():
             max_bytes = int(max_bytes)  # 1e9
         if max_bytes is not None:
@@ -159,7 +196,14 @@ class Selection:
                     f"such as '500MB' or '2GiB', got {max_bytes!r}"
                 )
             max_bytes = operator.index(max_bytes)
-        return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes)
+        if isinstance(block_bytes, str):
+            block_bytes = parse_bytes(block_bytes)
+        if block_bytes is not None and (isinstance(block_bytes, bool) or not hasattr(block_bytes, "__index__")
+                                        or operator.index(block_bytes) <= 0):
+            raise SelectionError(f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
+                                 f"as '32MB', got {block_bytes!r}")
+        return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes,
+                   None if block_bytes is None else operator.index(block_bytes))
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
         """Check layer numbers against the model (negative numbers count from the end).
@@ -204,7 +248,8 @@ class Selection:
                     f"heads={{...}} names layer(s) {unselected} that layers={list(self.layers)} does not select; "
                     "add them to layers=, or leave layers out (the keys of heads={...} then choose the layers)"
                 )
-        return Selection(resolved, self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes)
+        return Selection(resolved, self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes,
+                         self.block_bytes)
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers

@@ -279,6 +279,12 @@ class CheckResult:
     def __repr__(self) -> str:
         return f"<CheckResult {self.headline()}>"
 
+    def _repr_html_(self) -> str | None:
+        """Notebook view: the HTML report's checks table (see ``attnprobe.reports.inline``)."""
+        from .display import repr_html
+
+        return repr_html(self)
+
     def raise_if_failed(self) -> "CheckResult":
         """Raise ``InvariantError`` when there is an error-severity violation or when nothing at all was
         verified (an empty capture, or checks that could not run on any record); return self otherwise."""

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..probe.errors import AttnprobeError
+from ..probe.files import target_path
 from ..probe.record import AttentionRecord
 from ..probe.tokens import record_token_rows
 
@@ -104,9 +105,28 @@ def head_view(record: AttentionRecord, head: int, batch: int = 0) -> HeadView:
 
 
 # --------------------------------------------------------------------------------------- tokens
+#: Characters that draw nothing yet count as printable: fillers, variation selectors, the combining
+#: grapheme joiner, Mongolian selectors, the Braille blank (format characters such as the bidirectional
+#: overrides U+202E and the zero-width space U+200B are already not printable).
+INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0\u2800"
+                      + "".join(map(chr, range(0x180B, 0x1810)))
+                      + "".join(map(chr, range(0xFE00, 0xFE10)))
+                      + "".join(map(chr, range(0xE0100, 0xE01F0))))
+
+
+def _escaped(ch: str) -> str:
+    named = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    if ch in named:
+        return named[ch]
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def display_token(token: str, limit: int = 0) -> str:
-    """A token as one line of visible text: control characters escaped, optionally shortened."""
-    text = "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in token)
+    """A token as one line of visible text, the one form every report draws (HTML labels, readouts and
+    token lists, PNG tick labels): control, bidirectional and invisible characters escaped as ``\\u202e``
+    (so "\u202eevil" cannot read "live"), optionally shortened to ``limit`` characters."""
+    text = "".join(ch if (ch.isprintable() or ch == " ") and ch not in INVISIBLE else _escaped(ch) for ch in token)
     if limit and len(text) > limit:
         text = text[: limit - 1] + "\u2026"
     return text
@@ -130,12 +150,9 @@ def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> La
 
 # --------------------------------------------------------------------------------------- files
 def output_path(path, *, overwrite: bool) -> Path:
-    """``path`` as a Path, refusing an existing file (unless ``overwrite``) and a missing folder."""
+    """``path`` as a Path, refusing a folder, an existing path (a symlink too) unless ``overwrite``, and a
+    missing folder (see ``attnprobe.probe.files``, which every writer here writes through)."""
     p = Path(os.fspath(path))
-    if p.is_dir():
+    if p.is_dir() and not p.is_symlink():
         raise IsADirectoryError(f"{p} is a folder; give a file name such as {p / 'report.html'}")
-    if p.exists() and not overwrite:
-        raise FileExistsError(f"{p} already exists; pass overwrite=True to replace it")
-    if not p.parent.exists():
-        raise FileNotFoundError(f"folder {p.parent} does not exist; create it first")
-    return p
+    return target_path(p, overwrite=overwrite)

@@ -218,8 +218,8 @@ def diff_html(
         MAX_VALUES,
         build_data,
         describe_info,
-        _number,
         input_facts,
+        page_number,
         render,
         script_json,
         shown_records,
@@ -248,9 +248,9 @@ def diff_html(
         row["target"] = f"#head-{r}-{row['head']}"
         rows.append(row)
         changes[f"{r}-{row['head']}"] = {
-            "max_abs_weight_diff": _number(row["max_abs_weight_diff"]),
-            "max_abs_score_diff": _number(row["max_abs_score_diff"]),
-            "mean_tvd": _number(row["mean_tvd"]),
+            "max_abs_weight_diff": page_number(row["max_abs_weight_diff"]),
+            "max_abs_score_diff": page_number(row["max_abs_score_diff"]),
+            "mean_tvd": page_number(row["mean_tvd"]),
             "changed": row["changed"],
         }
     def size(row) -> float:  # largest change first; scores stand in for missing weights; NaN last

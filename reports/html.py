@@ -25,6 +25,7 @@ import numpy as np
 from .. import __version__
 from ..probe.capture import Capture
 from ..probe.errors import AttnprobeError
+from ..probe.files import atomic_open
 from ..probe.record import AttentionRecord
 from ..probe.violations import CheckResult, Violation
 from . import encoding
@@ -70,7 +71,7 @@ def finite_or_none(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _number(x) -> float | int | None:
+def page_number(x) -> float | int | None:
     """A summary or comparison value for the page: NaN and infinities kept (``script_json`` encodes them)."""
     if x is None:
         return None
@@ -90,7 +91,8 @@ class ReportData:
 
 
 class _Tokens:
-    """Deduplicated token lists referenced by index from the records."""
+    """Deduplicated token lists referenced by index from the records, as ``display_token`` draws them:
+    the page shows tokens only in that escaped form."""
 
     def __init__(self) -> None:
         self.lists: list[list[str]] = []
@@ -102,7 +104,7 @@ class _Tokens:
         key = tuple(tokens)
         if key not in self._index:
             self._index[key] = len(self.lists)
-            self.lists.append(list(tokens))
+            self.lists.append([display_token(t) for t in tokens])
         return self._index[key]
 
 
@@ -121,9 +123,51 @@ def build_data(
     masked_scores: bool,
     max_values: int | None,
 ) -> ReportData:
-    """Encode the records of one capture (``sources`` of length 1) or of two matched captures (diff)."""
+    """Encode the records of one capture (``sources`` of length 1) or of two matched captures (diff).
+
+    Steps: refuse a page past ``max_values``; per record (a group of matched records), its facts
+    (``_record_meta``), per source its encoded heads and their colour statistics (``_source_meta``), per head
+    its thumbnail (``_Thumbnails``); then the page's meta. Blobs are encoded lazily, in the order added.
+    """
     check_precision(precision)
-    first = sources[0]
+    _refuse_past_budget(sources, batch, max_values)
+    diff = len(sources) == 2
+    tok = _Tokens()
+    blobs = encoding.Blobs()
+    thumbs = _Thumbnails(diff)
+    records_meta = []
+    try:
+        for rid, group in enumerate(zip(*sources)):
+            r = group[0]
+            meta = _record_meta(rid, r, record_labels(r, batch, tokens, key_tokens), tok)
+            views = []  # per source, the head views of its record
+            for rec in group:
+                views.append([head_view(rec, h, batch) for h in r.heads])
+                meta["sources"].append(_source_meta(rec, views[-1], blobs, precision, masked_scores))
+            for i in range(len(r.heads)):
+                meta["thumbs"].append(thumbs.add([vs[i] for vs in views]))
+                meta["thumbShape"] = thumbs.shape
+            records_meta.append(meta)
+        thumb_blob = blobs.add(thumbs.encoded().tobytes)
+        blob_list = blobs.results()
+    except BaseException:
+        blobs.close()
+        raise
+    meta = {
+        "records": records_meta,
+        "tokens": tok.lists,
+        "thumbBlob": thumb_blob,
+        "thumbMax": thumbs.max,
+        "precision": precision,
+        "maskedScores": masked_scores,
+        "batch": batch,
+        "mode": "diff" if diff else "report",
+    }
+    return ReportData(meta, blob_list, tok.lists)
+
+
+def _refuse_past_budget(sources: list[list[AttentionRecord]], batch: int, max_values: int | None) -> None:
+    """Check the batch row exists in every record, and the page's weights and scores fit ``max_values``."""
     values = 0
     for rows in sources:
         for r in rows:
@@ -136,117 +180,115 @@ def build_data(
             f"than max_values={max_values:,}. Report fewer layers or heads (cap.select(layers=..., heads=...)), "
             "use precision='bfloat16', or raise max_values="
         )
-    tok = _Tokens()
-    blobs = encoding.Blobs()
-    thumbs: list[np.ndarray] = []
-    thumb_offset = 0
-    diff = len(sources) == 2
-    records_meta = []
-    thumb_max = 0.0
-    try:
-        for rid, group in enumerate(zip(*sources)):
-            r = group[0]
-            labels = record_labels(r, batch, tokens, key_tokens)
-            meta: dict[str, Any] = {
-                "id": rid,
-                "layer": r.layer,
-                "call": r.call,
-                "name": r.name,
-                "kind": r.kind,
-                "stitched": r.meta.get("stitched_steps"),
-                "tq": r.query_len,
-                "tk": r.key_len,
-                "queryOffset": r.query_offset,
-                "keyOffset": r.key_start,
-                "heads": list(r.heads),
-                "numHeads": r.num_heads,
-                "numKvHeads": r.num_kv_heads,
-                "qTokens": tok.ref(labels.query),
-                "kTokens": tok.ref(labels.key),
-                "sources": [],
-                "thumbs": [],
-            }
-            for rec in group:
-                views = [head_view(rec, h, batch) for h in r.heads]
-                src: dict[str, Any] = {
-                    "backend": rec.backend,
-                    "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", ""),
-                    "storedDtype": _dtype_name(rec.weights if rec.weights is not None else rec.scores),
-                    "weightsSource": rec.weights_source,
-                    "causal": rec.causal,
-                    "scaling": rec.scaling,
-                    "maskKnown": views[0].mask_known,
-                    "padding": np.flatnonzero(views[0].query_padding).tolist(),
-                    "allowed": [blobs.add(functools.partial(encoding.packed_bits, v.allowed)) for v in views],
-                    "weights": None,
-                    "scores": None,
-                    "stats": [],
-                }
-                if rec.weights is not None:
-                    src["weights"] = [
-                        blobs.add(functools.partial(encoding.shuffled_floats, v.weights, precision)) for v in views
-                    ]
-                if rec.scores is not None:
-                    src["scores"] = []
-                    for v in views:
-                        s = v.scores if masked_scores else np.where(v.allowed, v.scores, np.float32(np.nan))
-                        src["scores"].append(blobs.add(functools.partial(encoding.shuffled_floats, s, precision)))
-                for v in views:
-                    w_ok = v.weights[v.allowed] if v.weights is not None else np.zeros(0)
-                    s_ok = v.scores[v.allowed] if v.scores is not None else np.zeros(0)
-                    s_ok = s_ok[np.isfinite(s_ok)]
-                    src["stats"].append({
-                        "wmax": finite_or_none(w_ok[np.isfinite(w_ok)].max()) if np.isfinite(w_ok).any() else None,
-                        # robust colour range: large weights of the first, forced rows do not wash out the rest
-                        "w99": finite_or_none(np.quantile(w_ok[np.isfinite(w_ok)], 0.99)) if np.isfinite(w_ok).any() else None,
-                        "smin": finite_or_none(s_ok.min()) if s_ok.size else None,
-                        "smax": finite_or_none(s_ok.max()) if s_ok.size else None,
-                        "leaks": int(v.leaks.sum()),
-                        "nonfinite": int((~np.isfinite(v.weights if v.weights is not None else v.scores) & v.allowed).sum()),
-                    })
-                meta["sources"].append((src, views))
-            # thumbnails: weights (or normalised scores) of the one capture; |difference| for a diff
-            for i in range(len(r.heads)):
-                vs = [views[i] for _, views in meta["sources"]]
-                if diff:
-                    image, allowed = _difference(vs[0], vs[1])
-                    # a value that became non-finite, or a cell allowed on one side only: the signal colour
-                    signal = (allowed & ~np.isfinite(image)) | (vs[0].allowed != vs[1].allowed)
-                    t = encoding.thumbnail(image, allowed, signal)
-                    shown = t[np.isfinite(t) & (t >= 0)]
-                    if shown.size:
-                        thumb_max = max(thumb_max, float(shown.max()))
-                else:
-                    v = vs[0]
-                    if v.weights is not None:
-                        t = encoding.thumbnail(np.maximum(v.weights, 0), v.allowed, v.leaks)
-                    else:
-                        s = np.where(v.allowed & np.isfinite(v.scores), v.scores, np.nan)
-                        lo, hi = (np.nanmin(s), np.nanmax(s)) if np.isfinite(s).any() else (0.0, 1.0)
-                        t = encoding.thumbnail((v.scores - lo) / ((hi - lo) or 1.0), v.allowed)
-                meta["thumbs"].append(thumb_offset)
-                thumbs.append(t.reshape(-1))
-                thumb_offset += t.size
-                meta["thumbShape"] = list(t.shape)
-            meta["sources"] = [src for src, _ in meta["sources"]]
-            records_meta.append(meta)
-        all_thumbs = np.concatenate(thumbs).astype("<f2") if thumbs else np.zeros(0, dtype="<f2")
-        thumb_blob = blobs.add(all_thumbs.tobytes)
-        blob_list = blobs.results()
-    except BaseException:
-        blobs.close()
-        raise
-    meta = {
-        "records": records_meta,
-        "tokens": tok.lists,
-        "thumbBlob": thumb_blob,
-        "thumbMax": thumb_max,
-        "precision": precision,
-        "maskedScores": masked_scores,
-        "batch": batch,
-        "mode": "diff" if diff else "report",
+
+
+def _record_meta(rid: int, r: AttentionRecord, labels, tok: _Tokens) -> dict[str, Any]:
+    """What the page knows of one record (or of a matched pair: ``r`` is the first): its place and shape."""
+    return {
+        "id": rid,
+        "layer": r.layer,
+        "call": r.call,
+        "name": r.name,
+        "kind": r.kind,
+        "stitched": r.meta.get("stitched_steps"),
+        "tq": r.query_len,
+        "tk": r.key_len,
+        "queryOffset": r.query_offset,
+        "keyOffset": r.key_start,
+        "heads": list(r.heads),
+        "numHeads": r.num_heads,
+        "numKvHeads": r.num_kv_heads,
+        "qTokens": tok.ref(labels.query),
+        "kTokens": tok.ref(labels.key),
+        "sources": [],
+        "thumbs": [],
     }
-    return ReportData(meta, blob_list, tok.lists)
+
+
+def _source_meta(rec: AttentionRecord, views: list, blobs: encoding.Blobs, precision: str,
+                 masked_scores: bool) -> dict[str, Any]:
+    """One capture's side of a record: how it ran, and per head its mask, weights and scores (as blob
+    numbers) and colour statistics. Scores at masked positions are NaN unless ``masked_scores``."""
+    src: dict[str, Any] = {
+        "backend": rec.backend,
+        "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", ""),
+        "storedDtype": _dtype_name(rec.weights if rec.weights is not None else rec.scores),
+        "weightsSource": rec.weights_source,
+        "causal": rec.causal,
+        "scaling": rec.scaling,
+        "maskKnown": views[0].mask_known,
+        "padding": np.flatnonzero(views[0].query_padding).tolist(),
+        "allowed": [blobs.add(functools.partial(encoding.packed_bits, v.allowed)) for v in views],
+        "weights": None,
+        "scores": None,
+        "stats": [],
+    }
+    if rec.weights is not None:
+        src["weights"] = [blobs.add(functools.partial(encoding.shuffled_floats, v.weights, precision)) for v in views]
+    if rec.scores is not None:
+        src["scores"] = []
+        for v in views:
+            s = v.scores if masked_scores else np.where(v.allowed, v.scores, np.float32(np.nan))
+            src["scores"].append(blobs.add(functools.partial(encoding.shuffled_floats, s, precision)))
+    src["stats"] = [_head_stats(v) for v in views]
+    return src
+
+
+def _head_stats(v) -> dict[str, Any]:
+    """Colour ranges and counts of one head view, over its allowed cells."""
+    w_ok = v.weights[v.allowed] if v.weights is not None else np.zeros(0)
+    s_ok = v.scores[v.allowed] if v.scores is not None else np.zeros(0)
+    s_ok = s_ok[np.isfinite(s_ok)]
+    return {
+        "wmax": finite_or_none(w_ok[np.isfinite(w_ok)].max()) if np.isfinite(w_ok).any() else None,
+        # robust colour range: large weights of the first, forced rows do not wash out the rest
+        "w99": finite_or_none(np.quantile(w_ok[np.isfinite(w_ok)], 0.99)) if np.isfinite(w_ok).any() else None,
+        "smin": finite_or_none(s_ok.min()) if s_ok.size else None,
+        "smax": finite_or_none(s_ok.max()) if s_ok.size else None,
+        "leaks": int(v.leaks.sum()),
+        "nonfinite": int((~np.isfinite(v.weights if v.weights is not None else v.scores) & v.allowed).sum()),
+    }
+
+
+class _Thumbnails:
+    """The page's thumbnails, one per (record, head), concatenated into one float16 blob: the weights (or
+    normalised scores) of the one capture; for a diff, |difference| of the two, whose largest value is ``max``."""
+
+    def __init__(self, diff: bool) -> None:
+        self.diff = diff
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+        self.max = 0.0
+        self.shape: list[int] | None = None
+
+    def add(self, views: list) -> int:
+        """Draw the head of ``views`` (one per source); returns its offset in the blob."""
+        t = self._diff_image(*views) if self.diff else self._image(views[0])
+        offset = self.size
+        self.parts.append(t.reshape(-1))
+        self.size += t.size
+        self.shape = list(t.shape)
+        return offset
+
+    def _image(self, v) -> np.ndarray:
+        if v.weights is not None:
+            return encoding.thumbnail(np.maximum(v.weights, 0), v.allowed, v.leaks)
+        s = np.where(v.allowed & np.isfinite(v.scores), v.scores, np.nan)
+        lo, hi = (np.nanmin(s), np.nanmax(s)) if np.isfinite(s).any() else (0.0, 1.0)
+        return encoding.thumbnail((v.scores - lo) / ((hi - lo) or 1.0), v.allowed)
+
+    def _diff_image(self, before, after) -> np.ndarray:
+        image, allowed = _difference(before, after)
+        # a value that became non-finite, or a cell allowed on one side only: the signal colour
+        signal = (allowed & ~np.isfinite(image)) | (before.allowed != after.allowed)
+        t = encoding.thumbnail(image, allowed, signal)
+        shown = t[np.isfinite(t) & (t >= 0)]
+        if shown.size:
+            self.max = max(self.max, float(shown.max()))
+        return t
+
+    def encoded(self) -> np.ndarray:
+        return np.concatenate(self.parts).astype("<f2") if self.parts else np.zeros(0, dtype="<f2")
 
 
 def _difference(a, b) -> tuple[np.ndarray, np.ndarray]:
@@ -396,13 +438,25 @@ def render(template: str, **context):
     )
 
 
+def checks_document(result: CheckResult) -> str:
+    """A page with the report's checks table for ``result`` and the report's style (no script, no records)."""
+    template = _environment().get_template("report.html.j2")
+    context = template.new_context({"checks": check_panel(result, [], 0), "fmt": fmt, "sort_value": sort_value})
+    body = "".join(template.blocks["checks"](context))
+    return (
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
+        f"<style>{_static('report.css')}</style></head><body data-mode=\"report\"><main>{body}</main></body></html>"
+    )
+
+
 def write_or_return(chunks, path, overwrite: bool):
     """The document as one string when ``path`` is None; else write it there and return the path."""
     if path is None:
         return "".join(chunks)
     p = output_path(path, overwrite=overwrite)
-    # "x" mode: never replace a file that appeared after the check unless asked
-    with open(p, "w" if overwrite else "x", encoding="utf-8", errors="backslashreplace", newline="\n") as f:
+    # complete or not at all: an interrupted or failed write leaves the old file (if any) as it was
+    with atomic_open(p, "w", overwrite=overwrite, encoding="utf-8", errors="backslashreplace", newline="\n") as f:
         f.writelines(chunks)
     return p
 
@@ -548,7 +602,7 @@ def to_html(
     panel = check_panel(None if checks is False else checks, data.meta["records"], batch)
     data.meta["flags"] = panel["flags"]
     data.meta["summary"] = {
-        f"{row.layer}-{row.head}": {c: _number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
+        f"{row.layer}-{row.head}": {c: page_number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
         for row in summary.itertuples()
     }
     model = capture.info.get("model_class", "model")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..probe.errors import AttnprobeError
+from ..probe.files import atomic_open
 from ..probe.record import AttentionRecord
 from ._common import (
     DISALLOWED_COLOR,
@@ -342,15 +343,10 @@ def image_path(path, *, overwrite: bool):
 
 def _save(fig, path, *, overwrite: bool, dpi: float):
     p, fmt = image_path(path, overwrite=overwrite)
-    # savefig would add a suffix of its own choosing and replace any file; write exactly here, and with
-    # "x" never replace a file that appeared since the check unless asked
-    with open(p, "wb" if overwrite else "xb") as f:
-        try:
-            fig.savefig(f, dpi=dpi, format=fmt)
-        except BaseException:
-            f.close()
-            p.unlink(missing_ok=True)  # no half-written image left behind
-            raise
+    # savefig would add a suffix of its own choosing and replace any file; write exactly here, complete or
+    # not at all (an interrupted or failed write leaves the old file, if any, as it was)
+    with atomic_open(p, "wb", overwrite=overwrite) as f:
+        fig.savefig(f, dpi=dpi, format=fmt)
     return p
 
 

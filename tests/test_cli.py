@@ -460,7 +460,7 @@ def test_hf_corrupt_weights_and_too_long_input(cli, hf_dirs, tmp_path):
     shutil.copytree(hf_dirs / "bert", broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # a truncated download
-    line = one_line_error(cli("info", broken))
+    line = one_line_error(cli("check", broken, "--text", "hi"))  # info reads only the config (meta device)
     assert line.startswith(f"attnprobe: error: could not load a model from '{broken}'")
     weights.write_bytes(b"\x00" * 64)
     assert "could not load a model" in one_line_error(cli("report", broken, "--text", "hi"))
@@ -484,7 +484,8 @@ def test_readme_first_run_then_try_commands_run_in_order(cli, tmp_path):
     import shlex
 
     text = (TESTS.parent / "README.md").read_text()
-    section = text.split("## First run", 1)[1].split("\n## ", 1)[0]
+    # the README's first-run block and the "Then try ..." line after it, up to the next CI block
+    section = text.split("<!-- ci:first-run -->", 1)[1].split("<!-- ci:", 1)[0]
     commands = ["attnprobe report"] + [c for c in re.findall(r"`(attnprobe [^`]+)`", section.replace("\n", " "))]
     assert len(commands) >= 4, commands
     for command in commands:  # one folder: a later command must not trip over an earlier one's file

@@ -10,12 +10,16 @@ import pytest
 # module -> whether it has examples (a module listed without them is still searched, in case some appear)
 CORE_MODULES = {
     "attnprobe": True,
+    "attnprobe.hooks.api": True,
     "attnprobe.probe.capture": True,
+    "attnprobe.probe.interface": False,
     "attnprobe.probe.record": True,
     "attnprobe.probe.modules": True,
     "attnprobe.probe.selection": False,
     "attnprobe.probe.frames": False,
     "attnprobe.probe.generation": False,  # its example needs a generating model: shown as comments
+    "attnprobe.probe.disk": True,
+    "attnprobe.probe.interop": True,
     "attnprobe.hooks.own": False,
     "attnprobe.hooks.base": False,
 }

@@ -91,7 +91,7 @@ def test_overridden_sdpa_is_recorded_and_judged_by_its_output():
 def test_model_code_that_branches_on_the_name_is_refused(monkeypatch):
     from attnprobe.hooks import hf
 
-    monkeypatch.setattr(hf, "_name_branches", lambda module: ('if self.config._attn_implementation == "sdpa":',))
+    monkeypatch.setattr(hf, "name_branches", lambda module: ('if self.config._attn_implementation == "sdpa":',))
     model = build("llama")
     with pytest.raises(UnsupportedModelError, match=r"branches on the attention implementation's name"):
         with attnprobe.capture(model):

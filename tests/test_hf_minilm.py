@@ -70,16 +70,14 @@ def test_one_selected_layer_leaves_the_others_alone(minilm):
 
 
 def test_readme_hugging_face_examples_run(capsys):
-    """The code in the README's "Hugging Face models" section runs as written."""
+    """The code of the docs' "Hugging Face models" page runs as written."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Hugging Face models"):]
-    section = section[: section.index("\n## ", 1)]
+    section = (Path(__file__).resolve().parents[1] / "docs" / "hugging-face.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 2
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})
+        exec(compile(block, "docs/hugging-face.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "recomputed" in printed and "[(0, 0, 0), (1, 0, 0), (0, 1, 4), (1, 1, 4)]" in printed

@@ -140,13 +140,13 @@ def test_unsupported_backend_is_a_clear_error(assert_no_hooks):
 def test_models_that_branch_on_the_implementation_name_are_refused():
     import importlib
 
-    from attnprobe.hooks.hf import _name_branches
+    from attnprobe.hooks.hf_source import name_branches
 
     importlib.import_module("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
-    flagged = _name_branches("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+    flagged = name_branches("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
     assert flagged and "sdpa" in flagged[0]
-    assert _name_branches("transformers.models.gpt2.modeling_gpt2") == ()  # its eager branch is handled
-    assert _name_branches("transformers.models.llama.modeling_llama") == ()
+    assert name_branches("transformers.models.gpt2.modeling_gpt2") == ()  # its eager branch is handled
+    assert name_branches("transformers.models.llama.modeling_llama") == ()
 
 
 def test_gpt2_reordered_upcast_path_is_kept():

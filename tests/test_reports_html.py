@@ -16,6 +16,7 @@ import torch
 import attnprobe
 from attnprobe import AttnprobeError, CheckResult, Violation
 from attnprobe.reports import to_html
+from attnprobe.reports._common import display_token
 from attnprobe.reports.encoding import decode_floats
 
 from reports_helpers import cross_capture, generation_capture, stack_capture, words
@@ -115,7 +116,7 @@ def test_hostile_text_cannot_leave_its_element(assert_no_hooks):
     assert [t for t, _ in p.tags].count("img") == 0
     assert len(p.scripts) == document.count("</script>")  # no script element was closed early or added
     meta, _ = report_meta(document)
-    assert meta["tokens"] == [hostile]
+    assert meta["tokens"] == [[display_token(t) for t in hostile]]  # as drawn: U+2028 written \u2028
     json_text = next(text for attrs, text in p.scripts if attrs.get("id") == "attnprobe-meta")
     assert "<" not in json_text and ">" not in json_text and "&" not in json_text
 

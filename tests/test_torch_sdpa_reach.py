@@ -12,7 +12,7 @@ from torch import nn
 
 import attnprobe
 import torch_helpers
-from attnprobe.hooks.functional import _code_reaches_sdpa
+from attnprobe.hooks.functional import code_reaches_sdpa
 from torch_helpers import FusedSplit, leftovers
 
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
@@ -106,7 +106,7 @@ class NoSdpa(nn.Module):
 
 @pytest.mark.parametrize("cls", [ViaModuleAttribute, ViaHelperClass, ViaDecorator, ViaClassAttribute, ViaDict, ViaPartial, ViaGetattr])
 def test_code_reading_follows_helpers_decorators_attributes_tables_partials_and_getattr(cls):
-    assert _code_reaches_sdpa(cls)
+    assert code_reaches_sdpa(cls)
     m = nn.Sequential(attnprobe.MultiHeadAttention(16, 4), cls())  # the own module alone needs no function mode
     with torch.no_grad():
         plain = m(X)
@@ -120,7 +120,7 @@ def test_code_reading_follows_helpers_decorators_attributes_tables_partials_and_
 
 
 def test_code_that_only_looks_alike_is_not_taken_for_sdpa():
-    assert not _code_reaches_sdpa(NoSdpa)
+    assert not code_reaches_sdpa(NoSdpa)
     m = nn.Sequential(attnprobe.MultiHeadAttention(16, 4), NoSdpa())
     with attnprobe.capture(m) as cap:
         assert torch.overrides._get_current_function_mode_stack() == []
@@ -151,7 +151,7 @@ class HandAndPassedIn(nn.Module):
 
 def test_sdpa_calls_are_recorded_whenever_the_mode_is_in():
     m = HandAndPassedIn().eval()
-    assert not _code_reaches_sdpa(PassedIn)
+    assert not code_reaches_sdpa(PassedIn)
     with attnprobe.capture(m, modules=[m.hand]) as cap:  # the mode is in for the hand-written module
         m(X)
     assert [(r.name, r.layer, r.backend) for r in cap] == [("hand", 0, "hand-written"), ("other", 1, "sdpa")]
@@ -281,7 +281,7 @@ class _MentionsLazyEmptyTable(nn.Module):
 def test_code_reading_reads_the_entries_a_mapping_stores_without_calling_its_values():
     """Reading code must not run it: a dict subclass's own values() may import or compute. Its stored entries
     are still read (an sdpa kept in one is found)."""
-    _code_reaches_sdpa.cache_clear()
-    assert _code_reaches_sdpa(_ReadsLazyTable)
-    assert not _code_reaches_sdpa(_MentionsLazyEmptyTable)
+    code_reaches_sdpa.cache_clear()
+    assert code_reaches_sdpa(_ReadsLazyTable)
+    assert not code_reaches_sdpa(_MentionsLazyEmptyTable)
     assert _LazyTable.asked == 0

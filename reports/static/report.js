@@ -115,13 +115,8 @@
     if (!Number.isFinite(x)) return x > 0 ? "inf" : "-inf";
     return Math.abs(x) >= 1e-3 || x === 0 ? String(Number(x.toPrecision(3))) : x.toExponential(1);
   }
-  const CONTROL = /[\u0000-\u001f\u007f-\u009f\u2028\u2029]/g;
-  function visible(token) {
-    return token.replace(CONTROL, (c) => {
-      const named = { "\n": "\\n", "\t": "\\t", "\r": "\\r" }[c];
-      return named || "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0");
-    });
-  }
+  // tokens arrive escaped by attnprobe's display_token (control, bidirectional and invisible characters
+  // written as \u202e): they are drawn as they are, here and in the readout
   function clip(text, n) {
     return text.length > n ? text.slice(0, n - 1) + "\u2026" : text;
   }
@@ -183,11 +178,11 @@
   // read as neighbours that are ten positions apart)
   function qLabel(r, labels, i, numbered) {
     const pos = i + r.queryOffset;
-    return labels.hasQ ? (numbered ? pos + " " : "") + clip(visible(labels.q[i]), 18) : String(pos);
+    return labels.hasQ ? (numbered ? pos + " " : "") + clip(labels.q[i], 18) : String(pos);
   }
   function kLabel(r, labels, i, numbered) {
     const pos = i + r.keyOffset;
-    return labels.hasK ? (numbered ? pos + " " : "") + clip(visible(labels.k[i]), 18) : String(pos);
+    return labels.hasK ? (numbered ? pos + " " : "") + clip(labels.k[i], 18) : String(pos);
   }
 
   // ------------------------------------------------------------------ head data
@@ -689,8 +684,8 @@
     const r = RECORDS[state.rid], labels = state.group.labels;
     const i = cell.q * r.tk + cell.k;
     const head = el("div");
-    const qt = labels.hasQ ? JSON.stringify(labels.q[cell.q]) : "";
-    const kt = labels.hasK ? JSON.stringify(labels.k[cell.k]) : "";
+    const qt = labels.hasQ ? '"' + labels.q[cell.q] + '"' : "";
+    const kt = labels.hasK ? '"' + labels.k[cell.k] + '"' : "";
     head.appendChild(el("b", null, "query " + (cell.q + r.queryOffset) + " "));
     head.appendChild(el("span", "tokv q-token", qt));
     head.appendChild(el("b", null, "  \u2192  key " + (cell.k + r.keyOffset) + " "));

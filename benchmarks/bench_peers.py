@@ -1,0 +1,375 @@
+"""What a capture costs, beside the tools people use for the same job (one run, one table).
+
+Model: GPT-2-shaped (6 layers x 12 heads x 384 hidden, vocabulary 1,000 so the attention, not the
+unembedding, dominates), random init, ``eval()``, ``use_cache=False``, 2 threads. Shapes: batch 8 x 128 tokens
+and 1 x 1,024. Each row's figure is the median over shuffled rounds of (its time / the plain sdpa forward of the
+same round), measured under ``torch.no_grad()`` and with autograd on (forward only; parameters require grad).
+
+Rows (each tool gets its own deep copy of the same HF weights, attention as it needs it):
+
+    plain                  the sdpa forward, nothing captured (the 1.00 of every ratio)
+    eager+attentions       HF eager + output_attentions=True (weights)
+    nnsight                nnsight trace of the eager model, output_attentions=True, attentions saved (weights)
+    attnprobe weights      attnprobe.capture(sdpa model, keep=("weights",))
+    tl pattern             TransformerLens TransformerBridge over the eager HF model, run_with_cache(hook_pattern)
+    tl six                 the same, run_with_cache of hook_q, hook_k, hook_v, hook_attn_scores, hook_pattern, hook_z
+    attnprobe six          attnprobe.capture(sdpa model): q, k, v, scores, weights, output
+    attnprobe idle         attnprobe.capture(sdpa model, layers=[]) (not a peer row: the idle cost, <= 1.01x)
+    torchlens              torchlens.trace of the eager model, every operation saved
+
+Every row that gives weights has them compared with HF eager's output_attentions (max abs difference), so a fast
+wrong answer cannot win. Peak memory: each row runs in a fresh process of its own (``--memory-row``): after one
+warm-up call at a small shape, glibc's free memory is trimmed, the kernel's peak-RSS mark is reset
+(/proc/self/clear_refs), the row runs once, and the figure is the peak resident memory above the resident memory
+just before the call (what the tool allocated, results included). Linux only; elsewhere the column is blank.
+
+Peers come from the optional ``bench`` extra (``pip install -e ".[bench]"``; keep them out of the environment you
+test attnprobe in: they pin their own releases); a peer that is not installed is skipped, and said so.
+
+Run:  python benchmarks/bench_peers.py [--rounds 10] [--slow-rounds 3] [--shapes 8x128 1x1024] [--grad both] [--skip torchlens]
+      [--no-memory]
+The machine this ran on may be shared: absolute times move with its load, ratios within a round much less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import importlib.util
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+
+import torch
+
+import attnprobe
+
+VOCAB = 1000
+SLOW = {"torchlens"}  # timed in the first --slow-rounds rounds only (about 8x a forward each)
+TL_SIX = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+ROWS = {  # key: (label, tool it needs or None, gives weights)
+    "plain": ("plain sdpa forward", None, False),
+    "eager+attentions": ("HF eager + output_attentions (weights)", None, True),
+    "nnsight": ("nnsight trace, eager, output_attentions (weights)", "nnsight", True),
+    "attnprobe weights": ('attnprobe keep=("weights",)', None, True),
+    "tl pattern": ("TransformerLens run_with_cache (hook_pattern)", "transformer_lens", True),
+    "tl six": ("TransformerLens run_with_cache (q, k, v, scores, pattern, z)", "transformer_lens", True),
+    "attnprobe six": ("attnprobe q, k, v, scores, weights, output", None, True),
+    "attnprobe idle": ("attnprobe idle capture (layers=[])", None, False),
+    "torchlens": ("torchlens full trace (eager)", "torchlens", True),
+}
+
+
+def config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=6, n_head=12, n_embd=384, n_positions=1024, vocab_size=VOCAB, use_cache=False,
+                      bos_token_id=1, eos_token_id=1)
+
+
+def models():
+    """The sdpa model and an eager copy with the same weights (each with its own config object)."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    sdpa = GPT2LMHeadModel(config()).eval()
+    sdpa.set_attn_implementation("sdpa")
+    eager = copy.deepcopy(sdpa)
+    eager.set_attn_implementation("eager")
+    return sdpa, eager
+
+
+def transformer_bridge(eager):
+    """TransformerLens' TransformerBridge over a copy of the eager HF model (it changes the model it wraps).
+
+    Booting needs a tokenizer and a folder to name: a throwaway word-level tokenizer and the config, saved to a
+    temporary folder (nothing is downloaded)."""
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    words = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = tempfile.mkdtemp(prefix="bench_peers_")
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1", bos_token="t1",
+                            pad_token="t0").save_pretrained(folder)
+    eager.config.save_pretrained(folder)
+    model = copy.deepcopy(eager)
+    return TransformerBridge.boot_transformers(folder, hf_model=model, tokenizer=AutoTokenizer.from_pretrained(folder))
+
+
+def installed(tool: str | None) -> bool:
+    return tool is None or importlib.util.find_spec(tool) is not None
+
+
+def build(keys):
+    """key -> function(ids) returning the per-layer weights it captured (None for rows that give none)."""
+    sdpa, eager = models()
+    runs = {}
+    for key in keys:
+        if key == "plain":
+            runs[key] = lambda ids: (sdpa(input_ids=ids), None)[1]
+        elif key == "eager+attentions":
+            runs[key] = lambda ids: list(eager(input_ids=ids, output_attentions=True).attentions)
+        elif key == "nnsight":
+            from nnsight import NNsight
+
+            traced = NNsight(copy.deepcopy(eager))
+
+            def nnsight_run(ids, traced=traced):
+                with traced.trace(input_ids=ids, output_attentions=True):
+                    attentions = traced.output.attentions.save()
+                return list(attentions)
+
+            runs[key] = nnsight_run
+        elif key.startswith("attnprobe"):
+            options = {"attnprobe weights": {"keep": ("weights",)}, "attnprobe six": {},
+                       "attnprobe idle": {"layers": []}}[key]
+
+            def attnprobe_run(ids, options=options):
+                with attnprobe.capture(sdpa, **options) as cap:
+                    sdpa(input_ids=ids)
+                return [r.weights for r in cap] or None
+
+            runs[key] = attnprobe_run
+        elif key.startswith("tl "):
+            bridge = runs.get("_bridge") or transformer_bridge(eager)
+            runs["_bridge"] = bridge
+            names = ("hook_pattern",) if key == "tl pattern" else TL_SIX
+
+            def tl_run(ids, bridge=bridge, names=names):
+                _, cache = bridge.run_with_cache(ids, names_filter=lambda n: n.endswith(names))
+                return [cache[f"blocks.{i}.attn.hook_pattern"] for i in range(bridge.cfg.n_layers)]
+
+            runs[key] = tl_run
+        elif key == "torchlens":
+            import torchlens
+            import warnings
+
+            traced_model = copy.deepcopy(eager)
+
+            def torchlens_run(ids, model=traced_model):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # its note on a scalar read in transformers' mask code
+                    trace = torchlens.trace(model, ids)
+                return [trace[label].out for label in trace.layer_labels if label.startswith("softmax")]
+
+            runs[key] = torchlens_run
+    runs.pop("_bridge", None)
+    return runs
+
+
+def shape_of(text: str) -> tuple[int, int]:
+    batch, tokens = text.lower().split("x")
+    return int(batch), int(tokens)
+
+
+def inputs(shape: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(2, VOCAB, shape_of(shape), generator=g)
+
+
+def grad_context(grad: bool):
+    return torch.enable_grad() if grad else torch.no_grad()
+
+
+def max_differences(runs, shapes) -> dict:
+    """(key, shape) -> max abs difference of the weights from HF eager + output_attentions (no_grad)."""
+    out = {}
+    with torch.no_grad():
+        for shape in shapes:
+            ids = inputs(shape)
+            reference = runs["eager+attentions"](ids)
+            for key, run in runs.items():
+                weights = run(ids)
+                if weights is None:
+                    continue
+                if len(weights) != len(reference):
+                    out[key, shape] = float("nan")
+                    continue
+                out[key, shape] = max(float((w.detach().float() - r.float()).abs().max())
+                                      for w, r in zip(weights, reference))
+    return out
+
+
+def measure(runs, shape: str, grad: bool, rounds: int, warmup: int, seed: int, slow_rounds: int):
+    """key -> {round: seconds}. Every round runs every row once, in a shuffled order; the slow rows (torchlens)
+    only in the first ``slow_rounds`` rounds."""
+    ids = inputs(shape)
+    times = {key: {} for key in runs}
+    rng = random.Random(seed)
+    with grad_context(grad):
+        for r in range(-warmup, rounds):
+            order = [k for k in runs if k not in SLOW or r < slow_rounds]
+            rng.shuffle(order)
+            for key in order:
+                start = time.perf_counter()
+                result = runs[key](ids)
+                elapsed = time.perf_counter() - start
+                del result
+                if r >= 0:
+                    times[key][r] = elapsed
+    return times
+
+
+# --------------------------------------------------------------------------------------- memory
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def memory_row(key: str, shapes, grads) -> dict:
+    """Peak resident memory (MB) one call of ``key`` adds, per shape and grad mode, in this fresh process."""
+    runs = build(["plain", key] if key != "plain" else ["plain"])
+    run = runs[key]
+    libc = ctypes.CDLL("libc.so.6")
+    for grad in sorted(set(grads)):
+        with grad_context(grad):
+            run(inputs("1x16"))  # lazy imports, first-call set-up
+    out = {}
+    for shape in shapes:
+        ids = inputs(shape)
+        for grad in grads:
+            gc.collect()
+            libc.malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the peak-RSS mark (VmHWM)
+            before = _rss_kb("VmRSS")
+            with grad_context(grad):
+                result = run(ids)
+            peak = _rss_kb("VmHWM")
+            del result
+            out[f"{shape}/{int(grad)}"] = (peak - before) / 1024
+    return out
+
+
+def memory(keys, shapes, grads) -> dict:
+    out = {}
+    for key in keys:
+        cmd = [sys.executable, os.path.abspath(__file__), "--memory-row", key, "--shapes", *shapes,
+               "--grad", {(False,): "off", (True,): "on"}.get(tuple(grads), "both")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+        if proc.returncode or not line.startswith("{"):
+            print(f"  (memory of {key!r} not measured: {proc.stderr.strip().splitlines()[-1:]})")
+            continue
+        for k, v in json.loads(line).items():
+            shape, grad = k.split("/")
+            out[key, shape, bool(int(grad))] = v
+    return out
+
+
+# ------------------------------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--slow-rounds", type=int, default=3, help="rounds that time torchlens (default 3)")
+    parser.add_argument("--shapes", nargs="+", default=["8x128", "1x1024"])
+    parser.add_argument("--grad", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--skip", nargs="*", default=[], help="row keys to leave out, e.g. torchlens")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-row memory processes")
+    parser.add_argument("--memory-row", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.set_num_threads(2)
+    grads = {"off": [False], "on": [True], "both": [False, True]}[args.grad]
+    if args.memory_row:
+        print(json.dumps(memory_row(args.memory_row, args.shapes, grads)))
+        return
+
+    keys = []
+    for key, (label, tool, _) in ROWS.items():
+        if key in args.skip:
+            print(f"skipped {label}: --skip")
+        elif not installed(tool):
+            print(f"skipped {label}: {tool} is not installed (pip install -e '.[bench]')")
+        else:
+            keys.append(key)
+    runs = build(keys)
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    for tool in ("transformer_lens", "nnsight", "torchlens"):
+        if installed(tool):
+            from importlib.metadata import version
+
+            versions[tool] = version(tool.replace("_", "-"))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    print("TransformerLens: TransformerBridge over a copy of the HF eager model (same weights)")
+
+    diffs = max_differences(runs, args.shapes)
+    columns = [(shape, grad) for grad in grads for shape in args.shapes]
+    ratios, medians = {}, {}
+    for i, (shape, grad) in enumerate(columns):
+        times = measure(runs, shape, grad, args.rounds, args.warmup, seed=i, slow_rounds=args.slow_rounds)
+        for key in keys:
+            medians[key, shape, grad] = statistics.median(times[key].values())
+            ratios[key, shape, grad] = statistics.median(t / times["plain"][r] for r, t in times[key].items())
+    mem = {} if args.no_memory or not os.path.exists("/proc/self/clear_refs") else memory(keys, args.shapes, grads)
+
+    def head(c):
+        return f"{c[0]} {'grad' if c[1] else 'no_grad'}"
+
+    print(f"\nGPT-2-shaped 6 x 12 x 384, random init, {torch.get_num_threads()} threads, {args.rounds} shuffled rounds "
+          f"(+{args.warmup} warm-up; torchlens in {min(args.slow_rounds, args.rounds)}); time / plain sdpa forward of the same round, median:")
+    width = max(len(ROWS[k][0]) for k in keys)
+    print(f"  {'captured':<{width}} " + " ".join(f"{head(c):>19}" for c in columns))
+    for key in keys:
+        print(f"  {ROWS[key][0]:<{width}} " + " ".join(f"{ratios[key, s, g]:>19.2f}" for s, g in columns))
+    print("  plain forward, median ms:" + " " * (width - 24)
+          + " ".join(f"{medians['plain', s, g] * 1e3:>19.1f}" for s, g in columns))
+    if mem:
+        print("\npeak resident memory one call adds (MB; fresh process per row):")
+        for key in keys:
+            print(f"  {ROWS[key][0]:<{width}} " + " ".join(
+                f"{mem[key, s, g]:>19.1f}" if (key, s, g) in mem else f"{'-':>19}" for s, g in columns))
+    print("\nmax |weights - HF eager output_attentions| (no_grad):")
+    for key in keys:
+        if ROWS[key][2]:
+            print(f"  {ROWS[key][0]:<{width}} " + " ".join(f"{diffs.get((key, s), float('nan')):>12.1e}"
+                                                           for s in args.shapes))
+    check(keys, ratios, mem, columns, diffs)
+
+
+def check(keys, ratios, mem, columns, diffs) -> None:
+    """The issue's targets, each judged from this run's figures."""
+    print("\ntargets (this run):")
+    weight_peers = [k for k in ("eager+attentions", "nnsight", "tl pattern", "tl six", "torchlens") if k in keys]
+
+    def line(ok: bool, text: str):
+        print(f"  {'ok    ' if ok else 'MISSED'} {text}")
+
+    for shape, grad in columns:
+        where = f"{shape} {'grad' if grad else 'no_grad'}"
+        fastest = min(weight_peers, key=lambda k: ratios[k, shape, grad])
+        mine = ratios["attnprobe weights", shape, grad]
+        line(mine <= ratios[fastest, shape, grad],
+             f"{where}: weights {mine:.2f} <= fastest weight-giving peer ({fastest}) {ratios[fastest, shape, grad]:.2f}")
+        if "tl six" in keys:
+            mine, theirs = ratios["attnprobe six", shape, grad], ratios["tl six", shape, grad]
+            line(mine <= theirs, f"{where}: six {mine:.2f} <= TransformerLens six {theirs:.2f}")
+            if ("attnprobe six", shape, grad) in mem and ("tl six", shape, grad) in mem:
+                mine, theirs = mem["attnprobe six", shape, grad], mem["tl six", shape, grad]
+                line(mine <= theirs, f"{where}: six peak {mine:.0f} MB <= TransformerLens six {theirs:.0f} MB")
+        idle = ratios["attnprobe idle", shape, grad]
+        line(idle <= 1.01, f"{where}: idle {idle:.3f} <= 1.01")
+    worst = max((v for (k, _), v in diffs.items() if k.startswith("attnprobe")), default=0.0)
+    line(worst <= 1e-5, f"attnprobe weights within 1e-5 of eager output_attentions (max {worst:.1e})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The public entry points that need the adapters: ``capture``, ``run`` and ``attention_modules``.
+
+This is where the rooms meet: the capture session of ``probe/`` receives the adapters registered in ``hooks/``
+(``hooks.default_adapters``). probe/ never imports hooks/; the adapters reach the session through the
+interface of ``probe/interface.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import default_adapters
+from ..probe.capture import AttentionModule, Capture, CaptureSession
+from ..probe.interface import Adapter
+from ..probe.selection import Selection
+
+
+def attention_modules(model: nn.Module, adapters: Sequence[Adapter] | None = None) -> list[AttentionModule]:
+    """The attention modules attnprobe finds in ``model``, numbered as a capture numbers layers.
+
+    Nothing is attached; the model is not run. Attention found only while the model runs
+    (direct ``scaled_dot_product_attention`` calls, hand-written softmax) is not listed.
+
+    Example::
+
+        >>> import attnprobe, torch
+        >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2))
+        >>> [(m.layer, m.name, m.num_heads) for m in attnprobe.attention_modules(model)]
+        [(0, '0', 2)]
+    """
+    session = CaptureSession(model, Selection.build(), default_adapters() if adapters is None else adapters)
+    sites = session.discover()
+    return [
+        AttentionModule(
+            layer=s.layer,
+            name=s.name,
+            module_class=type(s.module).__name__,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            adapter=s.adapter.name,
+            strategy=s.info.get("strategy", s.adapter.name),
+            backend=s.info.get("backend"),
+        )
+        for s in sites
+    ]
+
+
+class capture:
+    """Capture attention from ``model`` while the ``with`` block runs.
+
+    ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
+    ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
+    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all), and ``"stats"``: per-row
+    statistics in ``record.stats``, computed blockwise without storing any (query x key) tensor
+    (``block_bytes``: the memory target of one block).
+    ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
+    under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
+    ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
+    such as ``"500MB"``; every stored tensor counts, masks included).
+    ``modules``: hand-written softmax attention to read: modules of the model (or their names from
+    ``named_modules()``), or ``"auto"`` to trace every module (slower; see the docs, "Code attnprobe has
+    never seen").
+    ``store``: a directory to write the records to as they are made (safetensors files plus a JSON index, see
+    ``Capture.save``), for captures larger than memory: at most one record's tensors are in memory at a time, the
+    Capture's tensors are memory-mapped from the files. The folder appears when the ``with`` block ends (it is
+    written under a temporary name); if the block raises, nothing is left on disk (the records in the Capture stay
+    usable: ``cap.save(path)`` keeps them). ``overwrite=True`` replaces an existing capture directory there.
+
+    Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
+    raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(16, num_heads=4, causal=True)
+        >>> with attnprobe.capture(attn, heads=[0, 2], keep=["weights"]) as cap:
+        ...     y = attn(torch.randn(2, 6, 16))
+        >>> rec = cap[0]
+        >>> rec.heads, rec.q is None, tuple(rec.weights.shape)
+        ((0, 2), True, (2, 2, 6, 6))
+    """
+
+    def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
+                 modules=None, block_bytes=None, store=None, overwrite: bool = False):
+        self._session = CaptureSession(
+            model,
+            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes,
+                            block_bytes=block_bytes),
+            default_adapters(modules=modules),
+            store=store,
+            overwrite=overwrite,
+        )
+
+    def __enter__(self) -> Capture:
+        return self._session.__enter__()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._session.__exit__(exc_type, exc, tb)
+
+
+def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[Any, Capture]:
+    """Run ``model`` once under capture and return ``(output, capture)``.
+
+    ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
+    a tuple or list as positional arguments, anything else as the one argument. ``options`` are
+    ``capture``'s (layers, heads, keep, device, dtype, max_bytes, modules, store, overwrite). With ``no_grad`` (the default)
+    the forward runs under ``torch.no_grad()``.
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2)
+        >>> out, cap = attnprobe.run(attn, torch.randn(1, 4, 8), layers=[0])
+        >>> out.shape, len(cap)
+        (torch.Size([1, 4, 8]), 1)
+    """
+    with capture(model, **options) as cap:
+        with torch.no_grad() if no_grad else nullcontext():
+            if isinstance(inputs, Mapping):
+                output = model(**inputs)
+            elif isinstance(inputs, (tuple, list)):
+                output = model(*inputs)
+            else:
+                output = model(inputs)
+    return output, cap
+
+
+def scan(model: nn.Module, data, out, *, tokenizer=None, field: str | None = None, batch_size: int = 16,
+         max_length: int | None = None, layers=None, heads=None, limit: int | None = None, resume: bool = False,
+         chunk_size: int = 256, progress: bool = True):
+    """Per-head statistics of ``model`` over every input of ``data``, written to a Parquet dataset in ``out``.
+
+    ``data``: a ``.txt`` file (one input per line), ``.jsonl`` (``field``, default ``text``), ``.csv`` or
+    ``.parquet`` (``field``), a folder saved by ``datasets``' ``save_to_disk``, or a list of texts.
+    Inputs are tokenized by ``tokenizer`` in padded batches of ``batch_size`` (truncated to ``max_length``)
+    and run under ``capture(keep=("stats",))``: memory stays flat in the number of inputs, and no
+    (query x key) tensor is stored. Each input gets one row per (layer, head): the mean of every statistic
+    over its real query rows, and the row-level extremes (``entropy_min``, ``max_score_max``, ...).
+    ``out/part-NNNNN.parquet`` holds ``chunk_size`` inputs each; ``resume=True`` skips chunks already
+    written. Under ``accelerate launch`` / ``torchrun`` each process scans its own chunks.
+    Returns a ``ScanResult`` (``.to_frame()`` reads the whole scan).
+    """
+    from ..probe.scan import run_scan
+
+    return run_scan(capture, model, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
+                    max_length=max_length, layers=layers, heads=heads, limit=limit, resume=resume,
+                    chunk_size=chunk_size, progress=progress)
+
+
+def monitor(model: nn.Module, *, every: int = 100, layers=None, heads=None, log_dir=None, alerts=None,
+            raise_on=(), block_bytes: int | None = None):
+    """Watch ``model``'s attention while it trains: per-head statistics on every ``every``-th forward call.
+
+    A context manager (and an object with ``close()``). On forward calls 0, ``every``, ``2 * every``, ...
+    the statistics of ``capture(keep=("stats",))`` are computed from the q and k the forward made (no grad,
+    detached, no (query x key) tensor kept, the graph, gradients and random stream untouched) and added to
+    ``mon.history`` (one row per step, layer and head: means over real query rows, plus ``entropy_min``,
+    ``max_weight_max``, ``max_score_max``, ``nonfinite_rows``). Between sampled calls nothing is computed.
+
+    ``log_dir``: also write TensorBoard scalars ("attention/layer 03/head 05/entropy", needs tensorboard).
+    ``alerts``: thresholds, e.g. ``{"entropy_below": 0.05, "max_score_above": 50.0, "nonfinite": True}``:
+    each fires an ``AttnprobeWarning`` once per (layer, head, alert) and is kept in ``mon.alerts``;
+    ``raise_on``: alert names that raise ``AttentionAlert`` instead (for CI jobs).
+    Inside ``torch.compile``d code the sampled steps are skipped (monitor the model before compiling it).
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2, causal=True))
+        >>> with attnprobe.monitor(model, every=2) as mon:
+        ...     for _ in range(5):
+        ...         _ = model(torch.randn(1, 4, 8))
+        >>> sorted(mon.history["step"].unique().tolist()), len(mon.history)
+        ([0, 2, 4], 6)
+    """
+    from ..probe.monitor import Monitor
+
+    return Monitor(capture, model, every=every, layers=layers, heads=heads, log_dir=log_dir, alerts=alerts,
+                   raise_on=raise_on, block_bytes=block_bytes)

@@ -1,0 +1,69 @@
+"""What a Hugging Face modeling file's source says about how its attention computes, read once per
+function or module (cached): the dtype its own softmax runs in, and the lines that branch on the attention
+implementation's *name*. Used by the interface adapter (``hf``) and the old-style fallback (``hf_fallback``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+_SOFTMAX_DTYPE = re.compile(r"softmax\([^\n]*dtype=torch\.(float32|float16|bfloat16)")
+_SOFTMAX_FLOAT = re.compile(r"softmax\([^\n,]*\.float\(\)")
+
+
+@lru_cache(maxsize=None)
+def softmax_dtype(fn: Callable) -> torch.dtype | None:
+    """The dtype an attention function's own softmax runs in: ``softmax(..., dtype=torch.float32)``
+    or ``softmax(x.float(), ...)``; None when its source does not say."""
+    try:
+        source = inspect.getsource(inspect.unwrap(fn))
+    except (OSError, TypeError):
+        return None
+    m = _SOFTMAX_DTYPE.search(source)
+    if m:
+        return getattr(torch, m.group(1))
+    return torch.float32 if _SOFTMAX_FLOAT.search(source) else None
+
+
+def record_dtype(dtype: torch.dtype, softmax: torch.dtype | None) -> torch.dtype:
+    """The dtype the attention ran in: the coarser of the inputs' and the softmax's."""
+    if softmax is not None and dtype.is_floating_point and torch.finfo(softmax).eps > torch.finfo(dtype).eps:
+        return softmax
+    return dtype
+
+
+_BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)""")
+_BASE_LITERAL = re.compile(r"""["'](?:sdpa|eager)["']""")
+_HANDLED = 'using_eager = self.config._attn_implementation == "eager"'  # GPT-2's path, see gpt2_eager
+#: transformers 5.0 dispatches with ``if self.config._attn_implementation != "eager": attention_interface =
+#: ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]`` (5.1 and later: ``get_interface``); under a capture
+#: that branch finds attnprobe's private name in the registry, which calls the base backend as before
+_DISPATCH = '_attn_implementation != "eager":'
+
+
+@lru_cache(maxsize=None)
+def name_branches(module_name: str) -> tuple[str, ...]:
+    """Lines of a modeling file that compare the implementation *name* with "sdpa" or "eager".
+
+    Under a capture such a comparison would see attnprobe's private name and take another path.
+    """
+    mod = sys.modules.get(module_name)
+    try:
+        source = inspect.getsource(mod) if mod is not None else ""
+    except (OSError, TypeError):
+        return ()
+    found = []
+    lines = source.splitlines()
+    for i, line in enumerate(lines):
+        m = _BRANCH.search(line)
+        if m and _BASE_LITERAL.search(m.group(1)) and _HANDLED not in line and not line.lstrip().startswith("#"):
+            if _DISPATCH in line and i + 1 < len(lines) and "ALL_ATTENTION_FUNCTIONS[" in lines[i + 1]:
+                continue  # transformers 5.0's dispatch itself (see hf_compat, item 1): our name is looked up there
+            found.append(line.strip())
+    return tuple(found)

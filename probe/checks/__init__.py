@@ -1,0 +1,226 @@
+"""Attention invariants: ``check`` re-derives the math of every record and names what breaks.
+
+Each check has a stable name (``CHECKS``) and returns ``Violation`` records, one per
+(record, head, batch row) that breaks it, with the offending query and key positions:
+
+- ``finite``: no NaN or inf in weights and outputs, nor in scores at allowed positions. This one also
+  looks at padded and fully masked query rows: a NaN there reaches the real rows of the next layer
+  through ``0 * NaN`` (the naive ``-inf`` softmax bug), so it is never "don't care".
+- ``range``: weights within [0, 1].
+- ``row_sum``: every real query row sums to 1 (1 minus the sink mass where ``record.sinks`` exist).
+- ``causal``: no weight on keys after the query's position (``record.query_offset`` places the queries
+  of a KV-cache step; a sliding-window cache that dropped old keys holds the latest ones, and keys are
+  reported by position, not cache slot; ``record.sliding_window`` also forbids keys older than the
+  window), and a causal mask lets each real query attend its own position (a right-padded query whose
+  own key is padding is padding, not a shifted mask). With ``causal=False`` declared, a model that
+  masks every later key is reported.
+- ``padding``: no weight on padded keys, from the declared ``attention_mask`` or the record's own.
+- ``mask``: no weight where the record's own ``allowed`` mask disallows.
+- ``softmax_match``: weights equal the softmax of the masked scores (sinks included).
+- ``output_match``: the per-head output equals ``weights @ v``, grouped-query heads mapped to their
+  kv head. This catches a kernel that computes something else than its scores say: a mask dropped
+  inside a fused kernel, a wrong grouped-query head mapping, a doubled scale, dropout left on in eval.
+- ``empty_rows`` (info): real query rows with no allowed key. Such rows, and padded query rows
+  (``record.query_padding`` or the declared mask), are left out of every other check but ``finite``.
+
+Tolerances depend on the coarsest dtype involved (``DEFAULT_TOLERANCES``); matches also allow for the
+rounding of the scores (relative error ``expm1(2 * eps * max|score|)``). A weight on a forbidden key counts
+when it exceeds ``FORBIDDEN_WEIGHT`` (correct masking gives exact zeros in every dtype) or ``atol``
+when given. A check that needs a field the record lacks is skipped and says so in
+``CheckResult.skipped``; it never passes silently.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import AttnprobeWarning
+from ..record import AttentionRecord
+from ..violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
+from . import builtin as _builtin  # noqa: F401  (registers the built-in checks)
+from .blocks import RecordFacts, RowBlock, record_shapes
+from .declarations import declared_layers_exist, mask_tensor, validate_declarations
+from .findings import MAX_GROUPS, CheckRun, records_of
+from .registry import REGISTRY, CheckSpec, register
+from .tolerances import DEFAULT_TOLERANCES, FORBIDDEN_WEIGHT, Tolerance, tolerance
+
+#: Built-in checks, in the order they run and are reported (``REGISTRY`` holds them with severity and docs).
+CHECKS: tuple[str, ...] = tuple(REGISTRY)
+
+#: One line per check (docs, CLI help).
+CHECK_DESCRIPTIONS: dict[str, str] = {name: spec.doc for name, spec in REGISTRY.items()}
+
+#: Query rows are checked in blocks so that no (batch, head, rows, key) temporary passes this many
+#: elements (16 MiB in float32): checking a long-context capture needs a bounded amount of extra memory.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _lint(run: CheckRun, rec: AttentionRecord, index: int) -> None:
+    """Findings an adapter recorded at capture time (``record.meta["lint"]``), as selected."""
+    findings = rec.meta.get("lint", ()) if run.lint_names is not None else ()
+    for v in findings:
+        if not isinstance(v, Violation):
+            reason = f"a lint finding is not a Violation ({type(v).__name__})"
+            run.skips.setdefault(("lint", reason), {})[index] = rec.layer
+            continue
+        if run.lint_names == "all" or v.check in run.lint_names:
+            run.lint.append(v)
+            if v.check not in run.lint_seen:
+                run.lint_seen.append(v.check)
+
+
+# --------------------------------------------------------------------------- public API
+def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, atol=None, rtol=None) -> CheckResult:
+    """Check attention invariants on a ``Capture``, one ``AttentionRecord`` or a list of records.
+
+    ``causal``: declare the self-attention causal (True) or bidirectional (False), for every layer
+    or as ``{layer: bool}``; None uses each record's own flag. ``attention_mask``: the input padding
+    mask ``(batch, key)``, 1 = real token (Hugging Face convention), for every layer or as
+    ``{layer: mask}`` (encoder-decoder models: the encoder mask for the encoder and cross-attention
+    layers). For a capture of ``generate``, declare the mask of the whole sequence (the prompt's mask
+    followed by ones for the generated tokens): each KV-cache step reads the positions of its own keys,
+    also when a sliding-window cache kept only the latest ones. Without declarations each record's own
+    mask is the reference. Reported key positions are positions in the sequence, not cache slots. ``checks``: names from
+    ``CHECKS``, ``"lint"`` or ``lint_*`` names (None = all). ``atol``/``rtol`` override the dtype
+    defaults (``DEFAULT_TOLERANCES``).
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+        >>> with attnprobe.capture(attn) as cap:
+        ...     _ = attn(torch.randn(2, 5, 8), attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]))
+        >>> result = attnprobe.check(cap, causal=True)
+        >>> result.ok, len(result.errors)
+        (True, 0)
+    """
+    validate_declarations(causal, attention_mask)
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name} must be a non-negative finite number (or None for the dtype's default, "
+                             f"see DEFAULT_TOLERANCES), got {value!r}")
+    records, keep = records_of(capture_or_record)
+    declared_layers_exist(causal, attention_mask, records, stacklevel=3)
+    run = CheckRun(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
+    weightless: dict[int, str] = {}
+    prepared = 0
+    with torch.no_grad():
+        for index, rec in enumerate(records):
+            _lint(run, rec, index)
+            if not run.selected:
+                continue
+            record_shapes(rec, index)
+            if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
+                for c in run.selected:
+                    run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
+                continue
+            if rec.weights is None and keep is not None and "weights" in keep:
+                weightless[rec.layer] = rec.backend
+            facts = RecordFacts(run, rec, index)
+            prepared += 1
+            for a, b in facts.chunks(CHUNK_ELEMENTS):
+                rows = RowBlock(facts, a, b)
+                for name in run.selected:
+                    REGISTRY[name].run(run, rows)
+    if attention_mask is not None and not isinstance(attention_mask, Mapping) and prepared and not run.mask_fitted:
+        shape = tuple(mask_tensor(attention_mask, "attention_mask").shape)
+        batches = sorted({r.batch_size for r in records if r.batch_size is not None})
+        if shape[0] not in batches:
+            raise ValueError(
+                f"attention_mask has batch {shape[0]} but the records have batch {', '.join(map(str, batches))}: "
+                "declare the mask of the inputs that were captured (generate with num_return_sequences or beam "
+                "search repeats each row: torch.repeat_interleave(mask, n, dim=0))"
+            )
+        raise ValueError(
+            f"attention_mask of shape {shape} fits none of the {len(records)} record(s) "
+            f"(batch, key) shapes {sorted({(r.batch_size, r.key_len) for r in records})}; pass the input "
+            "padding mask (batch, key), or {layer: mask} for models whose layers see different sequences"
+        )
+    _warn(run, records, weightless, stacklevel=3)
+    skipped = tuple(
+        f"{c}: {reason} ({_layer_list(list(layers.values()))})"
+        for (c, reason), layers in sorted(run.skips.items(), key=lambda kv: _order(kv[0][0]))
+    )
+    coverage = {c: len(indices) for c, indices in run.ran_on.items()}
+    for name in run.lint_seen:
+        coverage[name] = sum(1 for r in records if any(getattr(v, "check", None) == name for v in r.meta.get("lint", ())))
+    violations = sorted(run.violations() + run.lint,
+                        key=lambda v: (v.layer if v.layer is not None else -1, v.call, _order(v.check)))
+    return CheckResult(
+        violations=tuple(violations),
+        checks=run.selected + tuple(run.lint_seen),
+        records=len(records),
+        skipped=skipped,
+        coverage=coverage,
+    )
+
+
+def _order(check: str) -> int:
+    order = tuple(REGISTRY)
+    return order.index(check) if check in order else len(order)
+
+
+def _layers_only(layers) -> str:
+    unique = sorted(set(layers))
+    shown = ", ".join(map(str, unique[:12])) + (", ..." if len(unique) > 12 else "")
+    return f"layer{'s' if len(unique) > 1 else ''} {shown}"
+
+
+def _layer_list(layers: list[int]) -> str:
+    return f"{len(layers)} record(s), {_layers_only(layers)}"
+
+
+def _warn(run: CheckRun, records: list[AttentionRecord], weightless: dict[int, str], stacklevel: int) -> None:
+    if not records:
+        warnings.warn(
+            "nothing to check: the capture holds no attention records (the model was not called inside the "
+            "`with attnprobe.capture(...)` block, or the selected layers never ran)",
+            AttnprobeWarning, stacklevel=stacklevel,
+        )
+    if weightless:
+        backends = ", ".join(sorted({b for b in weightless.values()}))
+        warnings.warn(
+            f"weights were asked for but {_layers_only(weightless)} came without them "
+            f"(backend: {backends}), so range, row_sum, mask, softmax_match and output_match could not run "
+            "there: that backend returns no weights. Capture through an adapter that recomputes them (the "
+            "Hugging Face adapter does for sdpa) or switch the model to eager attention "
+            "(model.set_attn_implementation('eager'))",
+            AttnprobeWarning, stacklevel=stacklevel,
+        )
+    if run.dropout_layers:
+        ps = ", ".join(sorted({f"{p:g}" for p in run.dropout_layers.values()}))
+        warnings.warn(
+            f"dropout (p={ps}) was active in {_layers_only(run.dropout_layers)}: weights and outputs "
+            "after dropout cannot sum to one or match, so those failures were not reported. Call model.eval() "
+            "(and pass dropout_p=0 to scaled_dot_product_attention outside training) before capturing to check them",
+            AttnprobeWarning, stacklevel=stacklevel,
+        )
+
+
+def assert_invariants(capture_or_record, *, causal=None, attention_mask=None, checks=None, atol=None,
+                      rtol=None) -> CheckResult:
+    """``check`` and raise ``InvariantError`` (an AssertionError whose message is the violation table)
+    when an invariant is broken, or when nothing at all could be verified. Returns the result.
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+        >>> with attnprobe.capture(attn) as cap:
+        ...     _ = attn(torch.randn(1, 4, 8))
+        >>> attnprobe.assert_invariants(cap, causal=True).ok
+        True
+    """
+    __tracebackhide__ = True  # pytest shows the caller's line
+    result = check(capture_or_record, causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
+    return result.raise_if_failed()
+
+
+__all__ = ["CHECKS", "CHECK_DESCRIPTIONS", "DEFAULT_TOLERANCES", "FORBIDDEN_WEIGHT", "MAX_GROUPS", "REGISTRY", "CheckSpec",
+           "RecordFacts", "RowBlock", "Tolerance", "assert_invariants", "register",
+           "check", "tolerance"]

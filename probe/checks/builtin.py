@@ -1,0 +1,390 @@
+"""The built-in checks, one function each, registered in the order they run and are reported.
+
+Each runs over one ``RowBlock`` (query rows ``a:b`` of a record; a full record is a few such blocks) and
+reports through ``CheckRun.emit`` / ``CheckRun.skip``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sinks import sink_mass
+from .blocks import RowBlock, all_finite
+from .declarations import declared_for
+from .findings import CheckRun
+from .registry import register
+
+
+def _has(run: CheckRun, p: RowBlock, check: str, *fields: str) -> bool:
+    """True when the record has every field ``check`` needs; otherwise say which are missing and skip."""
+    missing = [f for f in fields if getattr(p.rec, f) is None]
+    if missing:
+        names = ["mask (allowed)" if f == "allowed" else f for f in missing]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        run.skip(check, f"no {listed} captured", p)
+    return not missing
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+
+@register('finite', severity='error',
+          doc='no NaN/inf in weights and outputs (any row), nor in scores at allowed positions')
+def check_finite(run: CheckRun, p: RowBlock) -> None:
+    if p.w is None and p.output is None and p.scores is None and p.st is None:
+        run.skip("finite", "no weights, output or scores captured", p)
+        return
+    run.ran("finite", p)
+    dont_care = ~p.checked  # padded and fully masked query rows
+
+    def both(what: str, bad: torch.Tensor) -> None:
+        rows = dont_care if bad.dim() == 3 else dont_care[..., None]
+        run.emit(p, "finite", what + ":real", bad & ~rows, lambda n, _: f"{n} NaN/inf {what} in real query rows")
+        run.emit(p, "finite", what + ":dont_care", bad & rows, lambda n, _: (
+            f"{n} NaN/inf {what} in padded or fully masked query rows (a softmax over only -inf?): they reach "
+            "real rows of the next layer through 0 * NaN; zero such rows after the softmax"))
+
+    if p.st is not None:  # statistics: one flag per row (weights, scores at allowed keys, observed output)
+        both("row(s) (weights, scores at allowed keys or output)", ~p.st["finite"])
+        return
+    if p.w is not None and not all_finite(p.w):
+        both("weight(s)", ~torch.isfinite(p.w))
+    if p.output is not None and not all_finite(p.output):
+        both("output row(s)", ~torch.isfinite(p.output).all(-1))
+    if p.scores is not None and not all_finite(p.scores):
+        s = p.scores
+        allowed = p.allowed if p.allowed is not None else p.declared
+        if allowed is None:  # -inf may be how the scores were masked: count NaN and +inf only
+            bad = torch.isnan(s) | (s == math.inf)
+        else:
+            bad = ~torch.isfinite(s) & allowed
+        overflow = None
+        if p.w is not None and torch.finfo(s.dtype).max < torch.finfo(torch.float32).max:  # float16's narrow range
+            # a score beyond the stored dtype's range (float16: 65504) is stored as inf; a softmax that saw
+            # +inf gives NaN and one that saw -inf gives 0 there, as the finite score would: with finite
+            # weights in the row that agree with the score's size, the inf is how the score was stored,
+            # not what the attention computed
+            # (the weights agree: no finite-score key weighs more than a +inf one, nor less than a -inf one)
+            w, finite_w, known = p.w, torch.isfinite(p.w).all(-1, keepdim=True), torch.isfinite(s)
+            if allowed is not None:
+                known = known & allowed
+            top = torch.where(known, w, -math.inf).amax(-1, keepdim=True)
+            low = torch.where(known, w, math.inf).amin(-1, keepdim=True)
+            agree = torch.where(s > 0, w >= top - p.tol.atol, w <= low + p.tol.atol)
+            overflow = bad & torch.isinf(s) & finite_w & agree
+            bad = bad & ~overflow
+        run.emit(p, "finite", "scores", bad, lambda n, _: f"{n} NaN/inf score(s) at allowed positions")
+        if overflow is not None:
+            run.emit(p, "finite", "scores:overflow", overflow, lambda n, _: (
+                f"{n} score(s) stored as inf in rows whose weights are finite and agree (no finite-score key weighs "
+                "more than a +inf one or less than a -inf one): scores beyond the range of the model's dtype "
+                "(float16: 65504) that the attention itself kept finite; softmax_match cannot compare those "
+                "rows"), severity="info")
+
+
+@register('range', severity='error',
+          doc='weights within [0, 1]')
+def check_range(run: CheckRun, p: RowBlock) -> None:
+    if p.st is not None:
+        run.ran("range", p)
+        low, high = p.st["min_weight"], p.st["max_weight"]
+        bad = ((low < -p.tol.atol) | (high > 1 + p.tol.atol)) & p.finite_rows()
+        run.emit(p, "range", "range", bad, lambda n, worst: (
+            f"{n} row(s) with weights outside [0, 1] (worst {_fmt(worst)})"), values=torch.maximum(-low, high - 1))
+        return
+    if not _has(run, p, "range", "weights"):
+        return
+    run.ran("range", p)
+    atol, w = p.tol.atol, p.w
+    low, high = torch.aminmax(w)  # NaN fails both tests below and takes the long way
+    if float(low) >= -atol and float(high) <= 1 + atol:
+        return
+    bad = ((w < -atol) | (w > 1 + atol)) & p.finite_rows()[..., None]
+    run.emit(p, "range", "range", bad, lambda n, worst: f"{n} weight(s) outside [0, 1] (worst {_fmt(worst)})",
+             values=torch.where(w < 0, -w, w - 1))
+
+
+def _sink_logits(p: RowBlock) -> torch.Tensor:
+    """(B, H, Tq, 1) the sink logit of each head."""
+    sinks = p.rec.sinks.to(p.device, p.cdtype).reshape(1, -1, 1, 1)
+    return sinks.expand(p.B, sinks.shape[1], p.Tq, 1)
+
+
+def _masked_scores(p: RowBlock) -> torch.Tensor:
+    """Scores with disallowed keys at -inf (NaN scores of keys never computed are disallowed too)."""
+    return torch.where(p.allowed, p.scores.to(p.cdtype), -math.inf)
+
+
+@register('row_sum', severity='error',
+          doc='weights of each real query row sum to 1 (1 - sink mass with attention sinks)')
+def check_row_sum(run: CheckRun, p: RowBlock) -> None:
+    if p.st is not None:  # the engine measured each row against 1 - sink mass itself
+        run.ran("row_sum", p)
+        err, tol = p.st["row_sum_error"], p.tol.row_sum
+        what = "1" if p.rec.sinks is None else "1 - sink mass"
+        run.emit(p, "row_sum", "row_sum", (err > tol) & p.finite_rows(), lambda n, worst: (
+            f"{n} row(s) do not sum to {what} (worst error {_fmt(worst)}, tolerance {tol:.2g}): a softmax over "
+            "the wrong axis, weights changed after the softmax, or dropout on the weights"), values=err)
+        return
+    if not _has(run, p, "row_sum", "weights"):
+        return
+    expected, what = 1.0, "1"
+    if p.rec.sinks is not None:
+        if p.scores is None or p.allowed is None:
+            run.skip("row_sum", "the record has attention sinks but no scores or mask to compute the sink mass", p)
+            return
+        expected = 1.0 - sink_mass(p.scores.to(p.cdtype), p.allowed, p.rec.sinks)  # (B, H, Tq)
+        what = "1 - sink mass"
+    run.ran("row_sum", p)
+    err = (p.w.sum(-1) - expected).abs()
+    tol = p.tol.row_sum
+    if float(err.amax()) <= tol:  # fast path
+        return
+    run.emit(p, "row_sum", "row_sum", (err > tol) & p.finite_rows(), lambda n, worst: (
+        f"{n} row(s) do not sum to {what} (worst error {_fmt(worst)}, tolerance {tol:.2g}): a softmax over "
+        "the wrong axis, weights changed after the softmax, or dropout on the weights"), values=err)
+
+
+@register('causal', severity='error',
+          doc="no weight on keys after the query's position (or outside the sliding window)")
+def check_causal(run: CheckRun, p: RowBlock) -> None:
+    rec = p.rec
+    if rec.kind != "self":
+        return  # causality is about self-attention
+    if p.causal is None:
+        run.skip("causal", "the record does not say whether it is causal; declare causal=True or False", p)
+        return
+    if p.diag is None:
+        run.skip("causal", "query positions unknown (more queries than keys)", p)
+        return
+    if p.w is None and p.allowed is None and p.st is None:
+        run.skip("causal", "no weights and no mask captured", p)
+        return
+    if not p.causal and not p.causal_declared:
+        return  # a bidirectional record: nothing to hold it to
+    run.ran("causal", p)
+    source = "declared causal=True" if p.causal_declared else "the module says it is causal"
+    thr = p.tol.forbidden
+    if p.st is not None:
+        _causal_from_stats(run, p, source)
+        return
+    future = p.future()
+    rows = p.checked[..., None]
+    if not p.causal:  # declared bidirectional: some query must attend some later real key
+        later = future if p.key_pad is None else future & ~p.key_pad[:, None, None, :]
+        # rows whose weights are NaN/inf (in any head) say nothing about what they attend (``finite`` reports them)
+        candidates = later & (rows if p.w is None else (rows & p.finite_rows().all(1, keepdim=True)[..., None]))
+        attended = (p.w > thr) if p.w is not None else p.allowed
+        seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
+        seen[1] += int(candidates.sum())
+        seen[2] = seen[2] or bool((attended & candidates).any())
+        return
+    window = p.outside_window()
+    if p.w is not None:
+        run.emit(p, "causal", "future", (p.w > thr) & future & rows, lambda n, worst: (
+            f"weight on {n} key(s) after the query's position (max {_fmt(worst)}; {source}): the causal mask is "
+            "missing or shifted"), values=p.w)
+        if window is not None:
+            run.emit(p, "causal", "window", (p.w > thr) & window & rows, lambda n, worst: (
+                f"weight on {n} key(s) older than the sliding window of {rec.sliding_window} (max {_fmt(worst)})"),
+                values=p.w)
+    else:
+        run.emit(p, "causal", "future", p.allowed & future & rows, lambda n, _: (
+            f"the mask lets queries attend {n} key(s) after their position ({source}; no weights captured)"))
+        if window is not None:
+            run.emit(p, "causal", "window", p.allowed & window & rows, lambda n, _: (
+                f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"))
+    _causal_own(run, p)
+
+
+def _causal_own(run: CheckRun, p: RowBlock) -> None:
+    if p.own is not None:  # a causal mask lets every real query attend its own position
+        bad = ~p.own & ~p.own_excused & p.checked
+        run.emit(p, "causal", "own", bad, lambda n, _: (
+            f"{n} query row(s) may not attend their own position: the causal mask is shifted by one "
+            "(tril(diagonal=-1))"))
+
+
+def _causal_from_stats(run: CheckRun, p: RowBlock, source: str) -> None:
+    """``causal`` from per-row statistics: the last key a row gives weight says "after my position", the
+    first key "older than the window" (``stats.WEIGHT_THRESHOLD`` decides what counts as weight)."""
+    rec, st, diag = p.rec, p.st, p.diag.view(1, 1, -1)
+    first, last = st["first_key"], st["last_key"]
+    if not p.causal:  # declared bidirectional: some query must attend some later real key
+        later = (p.Tk - 1 - p.diag).clamp(min=0).view(1, 1, -1).to(torch.long)  # later keys per row
+        if p.key_pad is not None:
+            pad = torch.cat([torch.zeros(p.B, 1, dtype=torch.long, device=p.device), p.key_pad.long().cumsum(-1)], -1)
+            later = later - (pad[:, -1:] - pad[:, (p.diag + 1).clamp(max=p.Tk)])[:, None, :]
+        candidates = p.checked & p.finite_rows().all(1, keepdim=True)
+        seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
+        seen[1] += int((later * candidates).sum())
+        seen[2] = seen[2] or bool(((last > diag) & candidates & (later > 0)).any())
+        return
+    run.emit(p, "causal", "future", (last > diag) & p.checked, lambda n, _: (
+        f"{n} query row(s) put weight on keys after their position ({source}): the causal mask is missing or "
+        "shifted"))
+    if rec.sliding_window:
+        old = (first >= 0) & (first <= diag - rec.sliding_window) & p.checked
+        run.emit(p, "causal", "window", old, lambda n, _: (
+            f"{n} query row(s) put weight on keys older than the sliding window of {rec.sliding_window}"))
+    _causal_own(run, p)
+
+
+def _check_forbidden(run: CheckRun, p: RowBlock, check: str, forbidden: torch.Tensor, what: str, why: str) -> None:
+    """Weight (or, without weights, permission) on keys that ``forbidden`` rules out, in checked rows."""
+    rows = p.checked[..., None]
+    if p.w is not None:
+        if float(torch.where(forbidden, p.w, 0.0).amax()) <= p.tol.forbidden:  # fast path: nothing there
+            return
+        run.emit(p, check, check, (p.w > p.tol.forbidden) & forbidden & rows,
+                 lambda n, worst: f"weight on {n} {what} (max {_fmt(worst)}{why})", values=p.w)
+    else:
+        run.emit(p, check, check, p.allowed & forbidden & rows,
+                 lambda n, _: f"the mask lets queries attend {n} {what} (no weights captured{why})")
+
+
+@register('padding', severity='error',
+          doc="no weight on padded keys (declared attention_mask, else the record's own padding)")
+def check_padding(run: CheckRun, p: RowBlock) -> None:
+    if p.key_pad is None:
+        if declared_for(run.attention_mask, p.rec) is None:
+            run.skip("padding", "no key padding known from the record; declare attention_mask=(batch, key)", p)
+        return
+    if p.st is not None:
+        run.ran("padding", p)
+        _padding_from_stats(run, p)
+        return
+    if p.w is None and p.allowed is None:
+        run.skip("padding", "no weights and no mask captured", p)
+        return
+    run.ran("padding", p)
+    _check_forbidden(run, p, "padding", p.key_pad[:, None, None, :], "padded key(s)",
+                     f"; padding from {p.key_pad_source}")
+
+
+def _padding_from_stats(run: CheckRun, p: RowBlock) -> None:
+    """Rows whose first or last attended key is padding (left and right padding), and the padded keys that got
+    weight from any counted row (``key_weight``: holes in the middle too)."""
+    st, pad = p.st, p.key_pad  # pad (B, Tk)
+    def padded(key):  # (B, H, rows) -> is that key padding
+        at = pad.gather(1, key.clamp(min=0).flatten(1)).view_as(key)
+        return at & (key >= 0)
+    rows = (padded(st["first_key"]) | padded(st["last_key"])) & p.checked
+    keys = (st["key_weight"] > p.tol.forbidden) & pad[:, None, :]
+    run.emit(p, "padding", "padding", rows, lambda n, _: (
+        f"{n} query row(s) put weight on padded keys (padding from {p.key_pad_source})"), keys=keys)
+
+
+@register('mask', severity='error',
+          doc="no weight where the record's own mask disallows")
+def check_mask(run: CheckRun, p: RowBlock) -> None:
+    if p.st is not None:
+        run.ran("mask", p)
+        bad = (p.st["masked_max"] > p.tol.forbidden) & p.checked
+        run.emit(p, "mask", "mask", bad, lambda n, worst: (
+            f"{n} query row(s) put weight on keys the record's own mask disallows (max {_fmt(worst)}): the mask "
+            "the module built did not reach the softmax"), values=p.st["masked_max"])
+        return
+    if not _has(run, p, "mask", "weights", "allowed"):
+        return
+    run.ran("mask", p)
+    _check_forbidden(run, p, "mask", ~p.allowed, "key(s) the record's own mask disallows",
+                     "; the mask the module built did not reach the softmax: not applied, applied inverted, "
+                     "or applied to a copy")
+
+
+def _score_slack(p: RowBlock) -> torch.Tensor | float:
+    """Relative error the rounding of the scores can cause in the weights: ``expm1(2 * eps * max|score|)`` per row.
+
+    Rounding moves each logit by at most ``eps * |score|`` and the row's log-normaliser by as much again,
+    so ``log(weight / ref)`` stays within ``2 * eps * max|score|``: the weight within a factor ``exp`` of
+    that. The exponential matters once scores are large (bf16 logits of 100 give a factor 2.2, not 1.8)."""
+    if p.scores is None or p.tol.eps < 1e-6:  # negligible in fp32 and fp64
+        return 0.0
+    s = p.scores.to(p.cdtype).abs()
+    s = torch.where(p.allowed if p.allowed is not None else torch.isfinite(s), s, 0.0).nan_to_num(0.0)
+    return torch.expm1(2 * p.tol.eps * s.amax(-1, keepdim=True))
+
+
+@register('softmax_match', severity='error',
+          doc='weights equal the softmax of the masked scores')
+def check_softmax_match(run: CheckRun, p: RowBlock) -> None:
+    if p.st is not None:
+        run.skip("softmax_match", "statistics only: the weights were computed from the scores, so they match by "
+                 "construction; keep weights and scores to compare a kernel's own weights", p)
+        return
+    if not _has(run, p, "softmax_match", "weights", "scores", "allowed"):
+        return
+    run.ran("softmax_match", p)
+    logits = _masked_scores(p)
+    if p.rec.sinks is not None:
+        ref = torch.softmax(torch.cat([logits, _sink_logits(p)], dim=-1), dim=-1)[..., :-1]
+    else:
+        ref = torch.softmax(logits, dim=-1)
+    diff = torch.sub(p.w, ref).abs_()
+    if float(diff.amax()) <= p.tol.atol:  # fast path (NaN in rows left out fails it and goes the long way)
+        return
+    tol = p.tol.atol + (p.tol.rtol + _score_slack(p)) * ref
+    run.emit(p, "softmax_match", "softmax_match", (diff > tol) & p.finite_rows()[..., None], lambda n, worst: (
+        f"{n} weight(s) differ from the softmax of the masked scores (worst {_fmt(worst)}): the weights were "
+        "not computed from these scores (scale, bias or mask applied elsewhere)"), values=diff)
+
+
+@register('output_match', severity='error',
+          doc='per-head output equals weights @ v (grouped-query heads mapped to their kv head)')
+def check_output_match(run: CheckRun, p: RowBlock) -> None:
+    rec = p.rec
+    if p.st is not None:
+        err, scale = p.st["output_error"], p.st["output_scale"]
+        if bool(torch.isnan(scale).all()):
+            run.skip("output_match", "statistics only and the adapter observed no output", p)
+            return
+        run.ran("output_match", p)
+        slack = 0.0 if p.tol.eps < 1e-6 else torch.expm1(2 * p.tol.eps * p.st["max_score"].abs().nan_to_num(0.0))
+        bad = (err > p.tol.atol + (p.tol.rtol + slack) * scale) & p.finite_rows() & torch.isfinite(err)
+        run.emit(p, "output_match", "output_match", bad, lambda n, w: (
+            f"{n} output row(s) differ from weights @ v (worst {_fmt(w)}): the kernel computed something else "
+            "than its weights say (mask dropped inside the kernel, wrong kv head for grouped-query heads, "
+            "another scale, dropout)"), values=err)
+        return
+    if not _has(run, p, "output_match", "weights", "v", "output"):
+        return
+    if rec.num_kv_heads <= 0 or rec.num_heads % rec.num_kv_heads:
+        run.skip("output_match", f"{rec.num_heads} heads do not group over {rec.num_kv_heads} kv heads", p)
+        return
+    group = rec.num_heads // rec.num_kv_heads
+    try:
+        kv_index = [rec.kv_heads.index(h // group) for h in rec.heads]
+    except ValueError:
+        run.skip("output_match", "the kv heads of some stored query heads were not captured", p)
+        return
+    run.ran("output_match", p)
+    v = rec.v.to(p.device, p.cdtype)
+    if kv_index != list(range(v.shape[1])):
+        v = v[:, kv_index]  # (B, H, Tk, D): query head h reads kv head h // group
+    diff = (p.output.to(p.cdtype) - p.w @ v).abs()
+    if float(diff.amax()) <= p.tol.atol:  # fast path
+        return
+    scale = p.w.abs() @ v.abs()  # what the rounding error of a weighted sum scales with
+    tol = p.tol.atol + (p.tol.rtol + _score_slack(p)) * scale
+    rows = (diff > tol).any(-1) & p.finite_rows() & torch.isfinite(p.output).all(-1)
+    run.emit(p, "output_match", "output_match", rows, lambda n, w: (
+        f"{n} output row(s) differ from weights @ v (worst {_fmt(w)}): the kernel computed something else "
+        "than its weights say (mask dropped inside the kernel, wrong kv head for grouped-query heads, "
+        "another scale, dropout)"), values=diff.amax(-1))
+
+
+@register('empty_rows', severity='info',
+          doc='real query rows with no allowed key (information; left out of the other checks)')
+def check_empty_rows(run: CheckRun, p: RowBlock) -> None:
+    if not p.empty_known:
+        run.skip("empty_rows", "no mask recorded (allowed is None) and none declared", p)
+        return
+    run.ran("empty_rows", p)
+    run.emit(p, "empty_rows", "rows", p.empty & p.real, lambda n, _: (
+        f"{n} query row(s) not marked as padding have no allowed key; left out of the other checks "
+        "(expected only for padded queries)"), severity="info")
