@@ -98,6 +98,12 @@ def listen(key: object, channel: str, receiver: Callable, stack: ExitStack, *, s
     return token
 
 
+def active_tokens() -> frozenset[int]:
+    """The tokens some open capture listens on (empty once every capture has closed)."""
+    with _LOCK:
+        return frozenset(_RECEIVERS)
+
+
 def _forget(token: int, receiver: Callable) -> None:
     with _LOCK:
         receivers = _RECEIVERS.get(token, [])
