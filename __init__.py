@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from .probe.version import __version__
 
 # public name -> module (relative to this package) that defines it
 _EXPORTS = {
@@ -67,9 +67,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 
 
 def _inline_html(obj) -> str:
-    # reports (jinja2, numpy) load on the first notebook display only; imported by name like every public name
-    # here (reports.html reads __version__ from this module)
-    return importlib.import_module(".reports.inline", __name__).repr_html(obj)
+    from .reports.inline import repr_html  # reports (jinja2, numpy) load on the first notebook display only
+
+    return repr_html(obj)
 
 
 # probe/ does not import reports/: the notebook view (_repr_html_) of captures, records and check results is

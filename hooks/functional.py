@@ -30,7 +30,6 @@ import functools
 import inspect
 import math
 import sys
-import warnings
 from contextlib import ExitStack
 from functools import partial
 
@@ -40,14 +39,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..probe.attention_math import AttentionCall, mask_allows
-from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
-from ..probe.lint import LINT_SAME_KV, lint_violation
+from ..probe.errors import AttnprobeError, SelectionError, warn_user
+from ..probe.intent import Intent, module_intent
+from ..probe.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
 from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
-from .trace import Tracer, format_location, user_stacklevel
+from .trace import Tracer, format_location
 from .trace_read import EXPECTED, Finding, analyze
 
 _SDPA = F.scaled_dot_product_attention
@@ -384,6 +384,7 @@ class _Run:
         self.tracer: Tracer | None = None
         self.owner_of: dict[int, nn.Module] = {}
         self.failed = False  # a traced forward raised (the session closes our stack without the exception)
+        self.intents: dict[int, Intent | None] = {}  # id(module) -> what it declares (probe/intent.py)
 
     @property
     def names(self) -> dict[int, str]:
@@ -427,14 +428,11 @@ class _Run:
                 for site in self.named.values():
                     produced = site.calls or any(key[0] == id(site.module) for key in self.traced_sites)
                     if self.ran.get(id(site.module)) and not produced:
-                        warnings.warn(
+                        warn_user(
                             f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no softmax "
                             "attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
                             "F.softmax/torch.softmax/Tensor.softmax/nn.Softmax (direct scaled_dot_product_attention "
-                            "calls are recorded on their own)",
-                            AttnprobeWarning,
-                            stacklevel=user_stacklevel(),
-                        )
+                            "calls are recorded on their own)")
         finally:
             self.model = self.session = self.tracer = None  # the capture must not keep the model alive
             self.named, self.owner_of, self._names = {}, {}, {}
@@ -443,7 +441,7 @@ class _Run:
     def _warn_once(self, key, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, AttnprobeWarning, stacklevel=user_stacklevel())
+            warn_user(message)
 
     # -- direct scaled_dot_product_attention calls --------------------------------------------
     def _on_sdpa(self, args, kwargs, out) -> None:
@@ -655,9 +653,11 @@ class _Run:
             with torch._C.DisableTorchFunction():
                 if scope.traced and scope.softmaxes:
                     returned = _tensor_ids(output)
+                    unread = self._unread_mask_buffers(scope)
                     for softmax in scope.softmaxes:
                         finding = analyze(scope, softmax, returned)
                         if finding is not None:
+                            finding.lints.extend(unread)
                             self._route(finding, scope)
                 parent = tracer.current()
                 if parent is not None and parent.traced:
@@ -674,6 +674,22 @@ class _Run:
             scope.nodes.clear()
             scope.producer.clear()
         return None
+
+    def _unread_mask_buffers(self, scope) -> list[tuple[str, str]]:
+        """``lint_unread_mask_buffer`` findings: causal mask buffers of the scope's module that its forward never
+        read (no torch call of the scope took them), unless the module says it is not causal."""
+        module = scope.module
+        if id(module) not in self.intents:
+            self.intents[id(module)] = module_intent(module)
+        intent = self.intents[id(module)]
+        if intent is None or intent.causal is False or not intent.mask_buffers:
+            return []
+        read = {id(t) for node in scope.nodes for t in node.inputs}
+        return [(LINT_UNREAD_MASK_BUFFER,
+                 f"{b.declaration()} holds a causal mask ({b.description}) but {type(module).__name__}.forward never "
+                 f"reads it: the mask is not applied (e.g. att = att.masked_fill(self.{b.name}[..., :T, :T] == 0, "
+                 "float('-inf')))")
+                for b in intent.mask_buffers if id(b.tensor) not in read]
 
     def _route(self, finding: Finding, scope) -> None:
         """Hand a finding to the scope of the module its layer belongs to."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from ..probe.attention_math import AttentionCall
-from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.errors import UnsupportedModelError, warn_user
 from ..probe.threads import elsewhere
 from . import hf_compat
 from .base import Adapter, Lazy, Site
@@ -659,7 +658,7 @@ class _Recorder:
                 mine = rec.weights().float()
                 theirs = observed.detach()
                 theirs = theirs.index_select(1, torch.tensor(self.site.heads, device=theirs.device)).float()
-                rows = rec._allowed().any(dim=-1, keepdim=True).expand_as(mine)
+                rows = rec.allowed().any(dim=-1, keepdim=True).expand_as(mine)
                 error = float((mine - theirs).abs().masked_fill(~rows, 0).max()) if mine.numel() else 0.0
             tolerance = 1e-5 if observed.dtype in (torch.float32, torch.float64) else 1e-2
             verdict = self._verified[key] = error <= tolerance
@@ -676,7 +675,7 @@ class _Recorder:
 def _warn_once(key, message: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, AttnprobeWarning, stacklevel=4)
+        warn_user(message)
 
 
 # ------------------------------------------------------------------------------------ adapter
@@ -731,14 +730,11 @@ class HuggingFaceAdapter(Adapter):
         if old_style and "weights" not in session.selection.keep:
             # the fallback records weights only: asking the model for output_attentions would keep every layer's
             # weights alive until it returns, for nothing
-            warnings.warn(
+            warn_user(
                 f"{type(model).__name__}: {len(old_style)} attention module(s) without the attention interface "
                 f"({', '.join(sorted({type(s.module).__name__ for s in old_style}))}) give attnprobe only their "
                 f"weights (through output_attentions), which keep={sorted(session.selection.keep)} leaves out: they "
-                "are not recorded. Add 'weights' to keep= to record them",
-                AttnprobeWarning,
-                stacklevel=4,
-            )
+                "are not recorded. Add 'weights' to keep= to record them")
             for site in old_style:
                 site.selected = False  # not captured (the session's end-of-capture warnings count them out)
         elif old_style:

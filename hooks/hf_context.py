@@ -229,8 +229,7 @@ class StackState:
                     ("cache", kind),
                     f"{self._name}.forward received a {kind}, which attnprobe does not recognise "
                     "as a generation cache (no transformers.cache_utils.Cache): generation steps are not recorded "
-                    "(records have step=None) and query positions are read from the key and query lengths",
-                    stacklevel=4,
+                    "(records have step=None) and query positions are read from the key and query lengths"
                 )
                 self.position = None  # the queries are the last positions of the keys
 

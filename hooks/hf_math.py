@@ -157,7 +157,8 @@ class Recompute:
         t = as_4d(t.detach())[..., : self.k.shape[2]]
         return index_heads(t, self.heads)[0] if t.shape[1] > 1 else t
 
-    def _allowed(self) -> torch.Tensor:
+    def allowed(self) -> torch.Tensor:
+        """Where the selected heads' queries may attend, from the mask the call received."""
         return self.info.for_heads(self.heads)
 
     def _mask_to_add(self) -> torch.Tensor | None:
@@ -175,7 +176,7 @@ class Recompute:
             if self.mask is not None and self.mask.dtype.is_floating_point:
                 # a float mask may carry more than masking (Swin folds its relative bias into it)
                 with torch.no_grad():
-                    logits = torch.where(self._allowed(), logits + self._per_head(self.mask).to(logits.dtype), logits)
+                    logits = torch.where(self.allowed(), logits + self._per_head(self.mask).to(logits.dtype), logits)
             self._scores = logits
         return self._scores.to(self.out_dtype)
 

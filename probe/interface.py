@@ -58,6 +58,13 @@ class Session(Protocol):
     """Layers, heads, kept tensors, storage device and dtype, byte budget."""
     sites: list[Site]
     """Every site of the capture, in layer order (sites found while the model runs come last)."""
+    thread: int
+    """The thread that opened the capture: hooks let other threads' calls pass (``probe.threads.elsewhere``)."""
+
+    @property
+    def stats_only(self) -> bool:
+        """A statistics capture that keeps no (query, key) tensor: adapters hand over what the engine reads in
+        blocks and build no (query, key) mask."""
 
     def wants(self, site: Site, field: str | None = None) -> bool:
         """Whether ``site`` is selected (and, with ``field``, whether that tensor is kept)."""

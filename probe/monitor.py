@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import AttnprobeError, AttnprobeWarning
+from .errors import AttnprobeError, AttnprobeWarning, warn_user
 
 #: per-row statistics averaged over a call's real query rows
 MEANS = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass", "row_sum_error",
@@ -181,9 +181,8 @@ class Monitor:
                     key = (row["layer"], row["head"], name)
                     if key not in self._fired and name not in self.raise_on:  # those raise instead
                         self._fired.add(key)
-                        warnings.warn(f"attnprobe alert {name} at step {row['step']}: layer {row['layer']} head "
-                                      f"{row['head']} {column} = {value:.6g} (threshold {threshold:.6g}; {meaning})",
-                                      AttnprobeWarning, stacklevel=2)
+                        warn_user(f"attnprobe alert {name} at step {row['step']}: layer {row['layer']} head "
+                                  f"{row['head']} {column} = {value:.6g} (threshold {threshold:.6g}; {meaning})")
         return fired
 
     @property

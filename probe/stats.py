@@ -55,7 +55,7 @@ KEY_STATS: tuple[str, ...] = ("key_weight", "key_allowed")
 WEIGHT_THRESHOLD = 1e-6
 
 #: Default memory target of one block: the largest (batch, head, rows, keys) temporary is about this size.
-DEFAULT_BLOCK_BYTES = 32 << 20
+DEFAULT_BLOCK_BYTES = 128 << 20
 
 #: How many (rows, keys) float temporaries one block of the engine holds at once.
 _TEMPORARIES = 4
@@ -239,6 +239,7 @@ class _Engine:
         self.dtype, self.device, self.diag_offset = dtype, device, diag_offset
         self.sinks = None if call.sinks is None else call.sinks.to(device, dtype).view(1, -1, 1)
         self.v = None if call.output is None or call.v is None else call.v.to(dtype)
+        self.v_abs = None if self.v is None else self.v.abs()
         self.key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
         self.key_allowed = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)
         self.parts: list[dict] = []
@@ -254,20 +255,23 @@ class _Engine:
         step = max(1, (1 << 24) // max(1, B * h * Tk))
         for a in range(0, Tq, step):
             b = min(a + step, Tq)
-            seen |= (~call.forbidden(a, b, 0, Tk)).any(-2).expand(B, h, Tk)
+            seen |= call.allowed(a, b, 0, Tk).any(-2).expand(B, h, Tk)
         return seen.to(torch.uint8).argmax(-1, keepdim=True)
 
     def _block(self, a, b, c, d):
         """(logits, allowed or None, softmax input with -inf where forbidden): keys ``c:d`` of rows ``a:b``."""
         s = self.call.logits(a, b, c, d)
-        forbidden = self.call.forbidden(a, b, c, d)
+        if self.call.mask is not None:
+            allowed = self.call.allowed(a, b, c, d)
+            forbidden = ~allowed
+        else:  # a causal mask alone (or nothing): built as "later than the query", no negation
+            allowed, forbidden = None, self.call.forbidden(a, b, c, d)
         z = s if forbidden is None else s.masked_fill(forbidden, -math.inf)
         if forbidden is not None:
             # the logits at forbidden keys no longer matter (their weight is 0): zero them, so that a NaN/inf
             # there cannot reach the entropy's sum of e * s, where a NaN/inf at an allowed key must show
             s = s.masked_fill_(forbidden, 0.0)
-        # a causal mask alone is counted from positions (below), anything else from the mask itself
-        allowed = None if forbidden is None or self.call.mask is None else ~forbidden
+        # a causal mask alone is counted from positions (in rows()), anything else from the mask itself
         return s, allowed, z
 
     def rows(self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor) -> None:
@@ -310,8 +314,6 @@ class _Engine:
             # z is not needed again: in place, unless z is the logits themselves (nothing masked)
             e = (z - shift[..., None] if z is s else z.sub_(shift[..., None])).exp_()
             acc["l"] += e.sum(-1)
-            # entropy needs sum e * z over allowed keys: the unmasked logits s are finite where e is 0
-            acc["dot"] += torch.linalg.vecdot(e, s)
             acc["min"] = torch.minimum(acc["min"], e.amin(-1))
             _gather(e, self.first_key.expand(B, h, n), c, d, acc["first_e"])
             if diag is not None:
@@ -333,13 +335,17 @@ class _Engine:
                     _gather(allowed, diag, c, d, got)
                     acc["diag_allowed"] |= got
             if out is not None:
-                vb = self.v[:, :, c:d]
-                out += e @ vb
-                scale += e @ vb.abs()
+                out += e @ self.v[:, :, c:d]
+                scale += e @ self.v_abs[:, :, c:d]
+            # entropy needs sum e * z over the allowed keys: s (zero at forbidden keys) times e, in place in s,
+            # which nothing reads again
+            acc["dot"] += s.mul_(e).sum(-1)
             pending.append((c, d, e if len(blocks) == 1 else None))
             if len(blocks) > 1:
                 pending[-1] = (c, d, None)
                 self._key_sums(e, c, d, real, acc, l_final=self._total(l, shift))
+        if not blocks or blocks[-1][1] < self.Tk:  # keys this block of rows cannot reach weigh 0
+            acc["min"].clamp_(max=0.0)
         if len(blocks) == 1:
             l = acc["l"]
             c, d, e = pending[0]

@@ -84,6 +84,29 @@ def test_device_map_with_layers_on_disk(saved_llama, tmp_path, grad):
     assert attnprobe.check(cap, causal=True).ok
 
 
+def test_statistics_of_a_dispatched_model_equal_those_in_memory(saved_llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, folder = saved_llama
+    dispatched = AutoModelForCausalLM.from_pretrained(folder, device_map=DEVICE_MAP,
+                                                      offload_folder=tmp_path / "offload").eval()
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        with attnprobe.capture(model, keep=("stats",)) as reference:
+            expected = model(ids).logits
+        before = state(dispatched)
+        with attnprobe.capture(dispatched, keep=("stats",)) as cap:
+            captured = dispatched(ids).logits
+    assert torch.equal(captured, expected) and state(dispatched) == before
+    assert [r.name for r in cap] == [r.name for r in reference] and len(cap) == 4
+    for rec, ref in zip(cap, reference):
+        assert rec.weights is None and set(rec.stats) == set(ref.stats)
+        for name, value in ref.stats.items():
+            torch.testing.assert_close(rec.stats[name], value, rtol=0, atol=0, equal_nan=True,
+                                       msg=f"{rec.name} {name}")  # bitwise; NaN where a key does not exist
+    assert attnprobe.check(cap, causal=True).ok
+
+
 def test_dispatched_while_a_capture_is_open(saved_llama, tmp_path):
     """accelerate's hooks attached after the capture started, and removed before it ends."""
     model, _ = saved_llama

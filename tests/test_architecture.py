@@ -1,12 +1,13 @@
 """The rooms keep their doors: an import graph read from the package's source (an AST walk, no import).
 
 - no import cycle between the package's modules;
-- dependencies point one way: probe/ (the core) imports neither hooks/ (adapters) nor reports/, nor the
-  wiring above them; hooks/ and reports/ do not import each other; only the top level (``attnprobe``,
-  ``cli``) sees every room;
+- dependencies point one way: probe/ (the core) imports neither hooks/ (adapters) nor reports/; hooks/ and
+  reports/ do not import each other; no room imports the top level (the facade ``attnprobe``, ``cli``),
+  which alone sees every room;
 - no private name (``_name``, or a private module) is imported from another module.
 
-Every import statement counts: at module level, inside functions (lazy) and under ``TYPE_CHECKING``.
+Every import statement counts: at module level, inside functions (lazy) and under ``TYPE_CHECKING``, and
+so does ``importlib.import_module`` / ``__import__`` of a module named by a string constant.
 The checker itself is tested on synthetic sources below, so a planted violation is shown to fail.
 """
 
@@ -23,8 +24,8 @@ NOT_PACKAGE = {"tests", "benchmarks", "docs", "examples", "build", "dist"}
 #: importer room -> rooms it must not import (a room is a module name prefix; PACKAGE alone is the facade)
 FORBIDDEN = {
     f"{PACKAGE}.probe": (f"{PACKAGE}.hooks", f"{PACKAGE}.reports", f"{PACKAGE}.cli", PACKAGE),
-    f"{PACKAGE}.hooks": (f"{PACKAGE}.reports", f"{PACKAGE}.cli"),
-    f"{PACKAGE}.reports": (f"{PACKAGE}.hooks", f"{PACKAGE}.cli"),
+    f"{PACKAGE}.hooks": (f"{PACKAGE}.reports", f"{PACKAGE}.cli", PACKAGE),
+    f"{PACKAGE}.reports": (f"{PACKAGE}.hooks", f"{PACKAGE}.cli", PACKAGE),
 }
 #: modules that live in a room for their public path but consume the whole package, with the reason
 CONSUMERS = {
@@ -81,7 +82,29 @@ def imports_of(name: str, source: str, sources: dict[str, str]) -> list[Import]:
                     found.append(Import(name, submodule, None, node.lineno))
                 else:
                     found.append(Import(name, module, alias.name, node.lineno))
+        elif isinstance(node, ast.Call) and _dynamic_import(node):  # importlib.import_module("...") / __import__
+            target = node.args[0].value
+            if target.startswith("."):  # relative to the anchor: the second argument
+                anchor = node.args[1] if len(node.args) > 1 else None
+                anchor_name = {"__name__": name, "__package__": package}.get(getattr(anchor, "id", None))
+                if isinstance(anchor, ast.Constant) and isinstance(anchor.value, str):
+                    anchor_name = anchor.value
+                if anchor_name is None:
+                    continue
+                level = len(target) - len(target.lstrip("."))
+                base = anchor_name.split(".")[: len(anchor_name.split(".")) - level + 1]
+                target = ".".join(base + ([target.lstrip(".")] if target.lstrip(".") else []))
+            if target in sources:
+                found.append(Import(name, target, None, node.lineno))
     return found
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    """``importlib.import_module("a.b")``, ``import_module(".b", __name__)`` or ``__import__("a.b")``."""
+    func = call.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return (called in ("import_module", "__import__") and bool(call.args) and isinstance(call.args[0], ast.Constant)
+            and isinstance(call.args[0].value, str))
 
 
 def _private(part: str) -> bool:
@@ -158,6 +181,23 @@ def test_the_package_has_no_cycle_no_wrong_way_import_and_no_private_name_across
     assert problems(sources) == []
 
 
+def test_adapters_use_the_session_only_through_its_interface():
+    from attnprobe.probe.interface import Session
+
+    interface = set(Session.__annotations__) | {n for n in vars(Session) if not n.startswith("_")}
+    used: dict[str, list[str]] = {}
+    for name, source in package_sources().items():
+        if not name.startswith(f"{PACKAGE}.hooks.") or name == f"{PACKAGE}.hooks.api":  # api.py owns the session
+            continue
+        for node in ast.walk(ast.parse(source)):
+            value = getattr(node, "value", None)
+            if isinstance(node, ast.Attribute) and (getattr(value, "id", None) == "session"
+                                                    or getattr(value, "attr", None) == "session"):
+                used.setdefault(node.attr, []).append(f"{name} line {node.lineno}")
+    assert {"emit", "wants"} <= set(used)  # the walk sees the adapters' calls
+    assert {k: v for k, v in used.items() if k not in interface} == {}, "add it to probe.interface.Session, or don't"
+
+
 def test_every_consumer_exception_still_exists():
     assert set(CONSUMERS) <= set(package_sources())
 
@@ -176,7 +216,7 @@ def test_checker_passes_a_clean_package():
         probe__capture="from .record import X\n",
         hooks__own="from ..probe.capture import X\nfrom . import calls\n",
         hooks__calls="",
-        reports__html="from ..probe.record import X\nfrom .. import __version__\n",
+        reports__html="from ..probe.record import X\n",
         cli="from .hooks import own\nfrom .probe import capture\n",
     )
     assert problems(sources) == []
@@ -198,6 +238,8 @@ def test_checker_finds_probe_importing_hooks_at_any_depth():
         probe__capture="def session():\n    if True:\n        from ..hooks import own\n",
         probe__frames="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from attnprobe.reports.html import x\n",
         probe__plugin="def fixture():\n    import attnprobe\n",
+        probe__loading="import importlib\nadapters = importlib.import_module('..hooks.own', __package__)\n"
+                       "html = __import__('attnprobe.reports.html')\n",
         hooks__own="",
         reports__html="x = 1\n",
     )
@@ -205,9 +247,11 @@ def test_checker_finds_probe_importing_hooks_at_any_depth():
     assert found == [
         f"{PACKAGE}.probe.capture line 3: imports {PACKAGE}.hooks.own: {PACKAGE}.probe must not import {PACKAGE}.hooks",
         f"{PACKAGE}.probe.frames line 3: imports {PACKAGE}.reports.html.x: {PACKAGE}.probe must not import {PACKAGE}.reports",
+        f"{PACKAGE}.probe.loading line 2: imports {PACKAGE}.hooks.own: {PACKAGE}.probe must not import {PACKAGE}.hooks",
+        f"{PACKAGE}.probe.loading line 3: imports {PACKAGE}.reports.html: {PACKAGE}.probe must not import {PACKAGE}.reports",
         f"{PACKAGE}.probe.plugin line 2: imports {PACKAGE}: {PACKAGE}.probe must not import {PACKAGE}",
     ]
-    assert problems(sources, consumers={f"{PACKAGE}.probe.plugin": "a consumer"}) == found[:2]
+    assert problems(sources, consumers={f"{PACKAGE}.probe.plugin": "a consumer"}) == found[:4]
 
 
 def test_checker_finds_adapters_and_reports_importing_each_other():

@@ -184,3 +184,25 @@ def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
     assert sorted(history["step"].unique()) == [0, 2, 4]  # every 2nd forward call, numbered by global step
     assert len(history) == 3 * 2 * 4
     assert_no_hooks(model)
+
+
+def test_monitor_plot_draws_one_line_per_layer_or_head():
+    from matplotlib.figure import Figure
+
+    model = Tiny(dropout=0.0).eval()
+    with attnprobe.monitor(model, every=2) as mon, torch.no_grad():
+        for ids in batches(6):
+            model(ids)
+    history = mon.history
+    ax = attnprobe.reports.monitor_plot(history, ax=Figure().add_subplot())
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == ["layer 0", "layer 1"]
+    assert list(lines[1].get_xdata()) == [0, 2, 4]
+    expected = history[history["layer"] == 1].groupby("step")["entropy_min"].min().tolist()
+    assert list(lines[1].get_ydata()) == pytest.approx(expected)
+    per_head = attnprobe.reports.monitor_plot(history, "max_score_max", by="head", ax=Figure().add_subplot())
+    assert len(per_head.get_lines()) == 8
+    with pytest.raises(ValueError, match="no statistic 'loss'"):
+        attnprobe.reports.monitor_plot(history, "loss")
+    with pytest.raises(TypeError, match="mon.history"):
+        attnprobe.reports.monitor_plot(mon)

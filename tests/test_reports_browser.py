@@ -398,3 +398,30 @@ def test_bidi_and_invisible_tokens_are_drawn_escaped(tmp_path, browser, assert_n
             assert readout["q"] == f'"{ESCAPED[q]}"' and readout["k"] == f'"{ESCAPED[0]}"'
     finally:
         page.close()
+
+
+def test_batch_row_selector_switches_grid_and_detail(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=2)
+    report = open_report(to_html(cap, tmp_path / "rows.html", tokens=[words(5, "a"), words(5, "b")]))
+    page = report.page
+    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
+    page.click('a.thumb[data-rid="1"][data-head="0"]')
+    page.wait_for_function("() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+                           ".textContent.includes('loading')")
+    assert "batch row 0" in page.text_content("#detail-title")
+    assert as_float32(hover_cell(page, 3, 1)["rows"][0]["weight"]) == cap[1].weights[0, 0, 3, 1].item()
+    thumb = page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()")
+    page.select_option("#batch-row", "1")
+    page.wait_for_function("() => window.attnprobe.state().batch === 1 && location.hash === '#head-1-0-b1' && "
+                           "!document.querySelector('#detail-title').textContent.includes('loading')")
+    assert "batch row 1" in page.text_content("#detail-title")
+    readout = hover_cell(page, 3, 1)
+    assert as_float32(readout["rows"][0]["weight"]) == cap[1].weights[1, 0, 3, 1].item()
+    assert readout["q"] == '"b3"'
+    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
+    assert page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()") != thumb
+    # a link into another row (the checks table's) switches the row too
+    page.evaluate("location.hash = '#head-0-1-b0'")
+    page.wait_for_function("() => window.attnprobe.state().batch === 0 && window.attnprobe.state().rid === 0")
+    assert page.eval_on_selector("#batch-row", "s => s.value") == "0"
+    report.assert_clean()

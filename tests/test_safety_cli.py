@@ -171,3 +171,15 @@ def test_an_os_error_about_the_place_is_the_users_exit_2(cli, tmp_path, monkeypa
     assert line == "attnprobe: error: cannot use frame.csv: No space left on device"
     monkeypatch.setattr(frames, "write_frame", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
     assert one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv")) == "attnprobe: error: the system refused: I/O error"
+
+
+def test_ctrl_c_outside_a_command_also_exits_130(monkeypatch):
+    import click
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(click.Group, "parse_args", interrupted)  # Ctrl-C while the arguments are read
+    with pytest.raises(SystemExit) as info:
+        main(["info"])
+    assert info.value.code == 130

@@ -34,7 +34,8 @@ def assert_stats_equal(got, want, atol=1e-5, where=""):
 # --------------------------------------------------------------------------- the engine itself
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-@pytest.mark.parametrize("block_bytes", [1 << 20, 2000, 300], ids=["rows", "few-rows", "key-blocks"])
+@pytest.mark.parametrize("block_bytes", [1 << 20, 30000, 2000, 300], ids=["all-rows", "row-blocks", "few-rows",
+                                                                           "key-blocks"])
 def test_engine_equals_the_statistics_of_the_full_weights(additive, sinks, block_bytes):
     """Blocks of rows, and keys in blocks with a running max: the same numbers as the full softmax (padded and
     empty rows, softcapping, sinks, both mask semantics)."""
@@ -58,6 +59,21 @@ def test_engine_equals_the_statistics_of_the_full_weights(additive, sinks, block
     assert_stats_equal(got, want)
     assert got["allowed_keys"][0, 0, :5].eq(0).all() and got["finite"].all()
     assert (got["output_error"] > 5e-4).all()  # the 1e-3 noise added to the output is seen
+
+
+@pytest.mark.parametrize("block_bytes", [1 << 20, 20000, 300], ids=["all-rows", "row-blocks", "key-blocks"])
+def test_engine_with_an_implicit_causal_mask_reads_only_the_keys_rows_reach(block_bytes):
+    """sdpa's is_causal: blocks of rows stop at the last key they may attend; the statistics still cover every key."""
+    torch.manual_seed(1)
+    B, h, T, D = 1, 2, 41, 4
+    q, k, v = torch.randn(B, h, T, D), torch.randn(B, h, T, D), torch.randn(B, h, T, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = attention_stats(AttentionCall(q, k, scaling=0.5, v=v, causal=True, output=out), diag_offset=0,
+                          block_bytes=block_bytes)
+    s = attention_logits(q, k, scaling=0.5)
+    allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
+    w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
+    assert_stats_equal(got, stats_from_weights(w, scores=s, allowed=allowed, v=v, output=out, diag_offset=0))
 
 
 def test_engine_causal_counts_and_positions():
@@ -270,3 +286,32 @@ def test_statistics_on_cuda_equal_cpu():
     gpu = attention_stats(AttentionCall(q.cuda(), k.cuda(), scaling=8 ** -0.5, v=v.cuda(), causal=True,
                                         output=out.cuda()), diag_offset=0)
     assert_stats_equal({n: t.cpu() for n, t in gpu.items()}, cpu, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_generation_steps_get_the_statistics_of_the_full_capture(name):
+    """KV-cache steps (one query, query_offset > 0; Mistral's sliding window): the same statistics and verdicts."""
+    hf_helpers, model = _hf(name, "sdpa")
+    batch = hf_helpers.inputs(name, "left")
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats_cap:
+        model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), attnprobe.capture(model) as full_cap:
+        model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len(stats_cap) == len(full_cap) and {r.step for r in stats_cap} == {0, 1, 2}
+    for rs, rf in zip(stats_cap, full_cap):
+        assert_stats_equal(rs.stats, record_stats(rf), where=(rf.layer, rf.step))
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, 3, dtype=torch.long)], 1)
+    kw = {"causal": True, "attention_mask": mask}
+    assert _verdicts(attnprobe.check(stats_cap, **kw)) == _verdicts(attnprobe.check(full_cap, **kw))
+    assert attnprobe.check(stats_cap, **kw).ok
+
+
+def test_statistics_are_saved_and_loaded_with_the_capture(tmp_path):
+    attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+    with attnprobe.capture(attn, keep=("stats",)) as cap:
+        attn(torch.randn(2, 5, 8), attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]))
+    cap.save(tmp_path / "cap")
+    back = attnprobe.load(tmp_path / "cap")
+    assert back[0].weights is None
+    assert_stats_equal(back[0].stats, cap[0].stats, atol=0)
+    assert _verdicts(attnprobe.check(back, causal=True)) == _verdicts(attnprobe.check(cap, causal=True))
