@@ -344,7 +344,7 @@ def _skip_compiled(session, model: nn.Module) -> None:
         "`.compile()`); attention modules attnprobe knows (Hugging Face, its own, nn.MultiheadAttention) are "
         "captured from compiled code"
     )
-    warnings.warn(message + "; such calls are not recorded", AttnprobeWarning, stacklevel=user_stacklevel())
+    warn_user(message + "; such calls are not recorded")
 
 
 _TENSOR_FIELDS = ("q", "k", "v", "scores", "weights", "output", "allowed")
