@@ -325,9 +325,26 @@ class FunctionalAdapter(Adapter):
         roots = [model] if (self.auto and dynamic) else [s.module for s in sites if s.selected or dynamic]
         claimed = {id(s.module) for s in session.sites if s.adapter is not self}
         sdpa = dynamic and (self.auto or _may_call_sdpa(model, claimed))
+        if (sdpa or roots) and session.compiled:
+            _skip_compiled(session, model)
+            return
         if sdpa or roots:  # otherwise nothing this adapter could record: stay out of the way (no function mode)
             # once the mode is in, every direct sdpa call is read (the code reading may have missed some)
             _Run(self, session, model, sites, claimed).start(stack, roots=roots)
+
+
+def _skip_compiled(session, model: nn.Module) -> None:
+    """Say, before the forward, that compiled code is not read here (and attach nothing): the torch function mode
+    and the tracer run Python on every torch call, which a compiled graph cannot hold without breaking it."""
+    where = ", ".join(session.compiled[:3])
+    message = (
+        f"{type(model).__name__} is compiled with torch.compile ({where}): direct scaled_dot_product_attention calls "
+        "and hand-written softmax attention are read by a torch function mode and a tracer that cannot run inside "
+        "a compiled graph. Capture the module before compilation (`compiled._orig_mod`, or the module before "
+        "`.compile()`); attention modules attnprobe knows (Hugging Face, its own, nn.MultiheadAttention) are "
+        "captured from compiled code"
+    )
+    warn_user(message + "; such calls are not recorded")
 
 
 _TENSOR_FIELDS = ("q", "k", "v", "scores", "weights", "output", "allowed")

@@ -21,7 +21,6 @@ import sys
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -32,6 +31,7 @@ from ..probe.errors import UnsupportedModelError, warn_user
 from ..probe.threads import elsewhere
 from . import hf_compat
 from .base import Adapter, Lazy, Site
+from .deliver import deliver, listen, number, value_of
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
 from .hf_math import MaskMemo, Recompute, kv_of_heads
 from .hf_source import name_branches, record_dtype, softmax_dtype
@@ -46,7 +46,6 @@ BASE_OF = {private: base for base, private in PRIVATE_NAMES.items()}
 _NOT_WRAPPED = ("flash", "flex", "paged", "|", "/", ":")
 
 _STRATEGY = "attention interface"
-_HANDLERS: dict[int, list["_Recorder"]] = {}  # id(attention module) -> recorders of active captures
 _LOCK = threading.Lock()
 _WARNED: set = set()
 
@@ -67,9 +66,21 @@ def _code_names(code) -> set[str]:
     return names
 
 
-@lru_cache(maxsize=None)
+_CLASS_INFO: dict[type, _ClassInfo] = {}
+_EAGER: dict[type, Callable] = {}
+
+
 def class_info(cls: type) -> _ClassInfo:
-    """Whether ``cls.forward`` dispatches through the attention interface, and to what."""
+    """Whether ``cls.forward`` dispatches through the attention interface, and to what (read once per class).
+
+    Memoised in a plain dict, not ``lru_cache``: the attention wrapper reads it inside compiled forwards."""
+    info = _CLASS_INFO.get(cls)
+    if info is None:
+        info = _CLASS_INFO[cls] = _read_class_info(cls)
+    return info
+
+
+def _read_class_info(cls: type) -> _ClassInfo:
     forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
     code = getattr(forward, "__code__", None)
     if code is None:
@@ -93,13 +104,18 @@ def _base_function(cls: type, base: str) -> Callable:
     same name at any time, and the capture must call what the model would call.
     """
     if base == "eager":
-        return _eager_function(cls)
+        fn = _EAGER.get(cls)
+        return _eager_function(cls) if fn is None else fn
     return class_info(cls).interface[base]
 
 
-@lru_cache(maxsize=None)
 def _eager_function(cls: type) -> Callable:
     """The model file's own eager function (the dispatch default of ``cls``), which never changes."""
+    fn = _EAGER[cls] = _find_eager_function(cls)
+    return fn
+
+
+def _find_eager_function(cls: type) -> Callable:
     info = class_info(cls)
     if info.eager is None:
         raise UnsupportedModelError(
@@ -123,16 +139,37 @@ def _private_attention(base: str) -> Callable:
     def attnprobe_attention(module, query, key, value, attention_mask, *args, **kwargs):
         fn = _base_function(type(module), base)
         result = fn(module, query, key, value, attention_mask, *args, **kwargs)
-        recorders = _HANDLERS.get(id(module))
-        if recorders:
-            for recorder in tuple(recorders):
-                if elsewhere(recorder.session.thread):
-                    continue  # another thread's forward: its call is not this capture's
-                recorder.on_call(fn, query, key, value, attention_mask, args, kwargs, result)
+        # the token of `listen(module, "hf-call", ..., shared=True)`: channel 0, slot 0, i.e. id(module)
+        deliver(id(module), "call", *_call_payload(fn, query, key, value, attention_mask, args, kwargs, result))
         return result
 
     attnprobe_attention.__qualname__ = attnprobe_attention.__name__ = f"attnprobe_over_{base}"
     return attnprobe_attention
+
+
+#: keyword arguments of attention calls the record reads (numbers, then tensors), in the order ``deliver`` sends them
+_NUMBER_ARGS = ("scaling", "is_causal", "dropout", "softcap", "sliding_window")
+_TENSOR_ARGS = ("position_bias", "s_aux")
+_PARAMS: dict[Callable, tuple[str, ...]] = {}  # attention function -> names of its parameters after the mask
+
+
+def _call_payload(fn, q, k, v, mask, args: tuple, kwargs: dict, result) -> tuple[list, list]:
+    """What one attention call hands to its recorders: traceable (no inspection, no branch on tensor values).
+
+    tensors: q, k, v, mask, the output and weights the function returned, position_bias, s_aux;
+    numbers: the values of ``_NUMBER_ARGS`` (nan: not given), then a bit per argument name that was given.
+    """
+    if args:  # positional extras after the mask, named by the function's signature (read outside any graph)
+        names = _PARAMS.get(fn)
+        if names is None and not torch.compiler.is_compiling():
+            names = _PARAMS[fn] = tuple(list(inspect.signature(fn).parameters)[5:])
+        kwargs = {**dict(zip(names or (), args)), **kwargs}
+    out = result[0] if isinstance(result, tuple) and result else None
+    weights = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+    given = sum(1 << i for i, name in enumerate(_NUMBER_ARGS + _TENSOR_ARGS) if kwargs.get(name) is not None)
+    tensors = [q, k, v, mask, out if isinstance(out, torch.Tensor) else None,
+               weights if isinstance(weights, torch.Tensor) else None, *(kwargs.get(n) for n in _TENSOR_ARGS)]
+    return tensors, [*(number(kwargs.get(n)) for n in _NUMBER_ARGS), float(given)]
 
 
 _FUNCTIONS = {PRIVATE_NAMES[base]: _private_attention(base) for base in PRIVATE_NAMES}
@@ -327,6 +364,69 @@ def switch_configs(configs, stack: ExitStack) -> None:
 
 
 # --------------------------------------------------------------------------------- recording
+@dataclass
+class _Call:
+    """One attention call as ``_call_payload`` delivered it."""
+
+    q: torch.Tensor  # (batch, head, query, d_head), after RoPE
+    k: torch.Tensor  # (batch, kv_head, key, d_head)
+    v: torch.Tensor
+    mask: object  # what the function received: None, a 4-D bool or float tensor (or a custom function's object)
+    out: torch.Tensor | None  # the function's output, (batch, query, head, d_head)
+    weights: torch.Tensor | None  # the weights it returned (eager), (batch, head, query, key)
+    kwargs: dict  # the keyword arguments the record reads, those that were given
+
+    @classmethod
+    def read(cls, tensors: list, numbers: list) -> "_Call":
+        q, k, v, mask, out, weights, *extra = tensors
+        given = int(numbers[-1])
+        names = _NUMBER_ARGS + _TENSOR_ARGS
+        values = [value_of(x) for x in numbers[: len(_NUMBER_ARGS)]] + extra
+        kwargs = {name: value for i, (name, value) in enumerate(zip(names, values)) if given >> i & 1}
+        if "is_causal" in kwargs:
+            kwargs["is_causal"] = bool(kwargs["is_causal"])
+        return cls(q, k, v, mask, out, weights, kwargs)
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def k_len(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass(frozen=True)
+class _Semantics:
+    scaling: float
+    is_causal: bool | None
+    dropout: float
+    position_bias: torch.Tensor | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    sliding_window: int | None
+
+
+@dataclass(frozen=True)
+class _Where:
+    kind: str  # "self" or "cross"
+    step: int | None
+    offset: int
+    query_padding: torch.Tensor | None
+
+
 class _Recorder:
     """Turns the calls of one selected module into records for one capture session."""
 
@@ -345,7 +445,7 @@ class _Recorder:
         # function (or an overridden "sdpa") that is what the arguments ask for, not necessarily what
         # the function did: the output it returned is recorded as it is, so `output_match` tells.
         self.recomputable = True
-        self._fn, self._fn_params = None, []
+        self._fn = None
         meta = {
             "module_class": type(module).__name__,
             "layer_idx": getattr(module, "layer_idx", None),
@@ -372,99 +472,146 @@ class _Recorder:
     def _use(self, fn: Callable) -> None:
         """Describe the function this call ran (a user may register another one under the same name)."""
         self._fn = fn
-        self._fn_params = None
         self._verified = {}  # another function: its math is judged afresh
         meta = {k: v for k, v in self.meta.items() if k != "base_function"}
         if self.base != "eager" and fn is not _sdpa_forward():
             meta["base_function"] = getattr(fn, "__qualname__", repr(fn))
         self.meta = meta
 
-    def _named(self, args: tuple, kwargs: dict) -> dict:
-        """kwargs with positional extras (after the mask) named by the base function's signature."""
-        if not args:
-            return kwargs
-        if self._fn_params is None:
-            self._fn_params = list(inspect.signature(self._fn).parameters)[5:]
-        named = dict(zip(self._fn_params, args))
-        named.update(kwargs)
-        return named
-
-    # -- one call -------------------------------------------------------------------------
-    def on_call(self, fn, q, k, v, mask, args, kwargs, result) -> None:
+    # -- one call, in steps ---------------------------------------------------------------
+    def receive(self, event: str, tensors: list, numbers: list) -> None:
+        """One call of the module, as the attention wrapper delivered it (``_call_payload``); runs outside any
+        compiled graph: after the graph's forward, with the tensors it computed, when the model is compiled."""
+        if not self.site.selected or elsewhere(self.session.thread):
+            return  # another thread's forward: its call is not this capture's
+        call = _Call.read(tensors, numbers)
+        fn = _base_function(type(self.module), self.base)
         if fn is not self._fn:
             self._use(fn)
-        site, module, base = self.site, self.module, self.base
-        kwargs = self._named(args, kwargs)
-        batch, heads, q_len, _ = q.shape
-        kv_heads, k_len = k.shape[1], k.shape[2]
-        self._sync_heads(heads, kv_heads)
+        self._sync_heads(call.heads, call.kv_heads)
+        semantics = self._semantics(call)
+        mask_info = self._mask_info(call, semantics)
+        where = self._position(call)
+        observed = self._observed(call, semantics)
+        values, identified, weights_source = self._tensors(call, semantics, mask_info, observed)
+        if where.query_padding is not None:
+            identified.add("query_padding")
+        dtype = record_dtype(call.q.dtype, self.softmax_dtype)
+        self.session.emit(
+            self.site,
+            kind=where.kind,
+            q=call.q, k=call.k, v=call.v,
+            allowed=None if mask_info is None else mask_info.allowed,
+            query_padding=where.query_padding,
+            causal=None if semantics.is_causal is None else bool(semantics.is_causal),
+            scaling=semantics.scaling,
+            backend=self.base,
+            dtype=dtype,
+            weights_source=weights_source,
+            dropout=semantics.dropout,
+            step=where.step,
+            query_offset=where.offset,
+            sinks=semantics.sinks,
+            softcap=None if semantics.softcap is None else float(semantics.softcap),
+            sliding_window=semantics.sliding_window,
+            identified=frozenset(identified),
+            meta=self._meta(call, semantics, where, dtype),
+            **values,
+        )
 
+    def _semantics(self, call: "_Call") -> "_Semantics":
+        """What the backend was asked to compute: scaling, causality, dropout, bias, softcap, sinks, window."""
+        module, base, kwargs = self.module, self.base, call.kwargs
         scaling = kwargs.get("scaling")
-        scaling = float(q.shape[-1] ** -0.5 if scaling is None else scaling)
         is_causal = kwargs.get("is_causal")
         if is_causal is None:
             is_causal = getattr(module, "is_causal", True if self.style != "eager" else None)
         dropout = float(kwargs.get("dropout") or 0.0)
         if base == "eager" and not module.training:
             dropout = 0.0
-        position_bias = kwargs.get("position_bias")
-        softcap = kwargs.get("softcap")
-        sinks = kwargs.get("s_aux") if base != "sdpa" else None  # sdpa ignores s_aux; eager and others take it
-        if self.style == "custom":
-            _check_mask(mask, base, batch=batch, heads=heads, q_len=q_len, k_len=k_len)
-        implicit_causal = self.style != "eager" and bool(is_causal) and mask is None and q_len > 1
-        if self.session.stats_only:
-            mask_info = allowed = None  # a statistics capture reads the mask block by block, never whole
-        else:
-            mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
-                                       device=q.device)
-            allowed = mask_info.allowed
+        sliding = kwargs.get("sliding_window")
+        return _Semantics(
+            scaling=float(call.q.shape[-1] ** -0.5 if scaling is None else scaling),
+            is_causal=is_causal,
+            dropout=dropout,
+            position_bias=kwargs.get("position_bias"),
+            softcap=kwargs.get("softcap"),
+            sinks=kwargs.get("s_aux") if base != "sdpa" else None,  # sdpa ignores s_aux; eager and others take it
+            sliding_window=int(sliding) if sliding is not None and float(sliding).is_integer() else None,
+        )
 
+    def _mask_info(self, call: "_Call", semantics: "_Semantics"):
+        """The mask as the softmax saw it (shared by the layers that received the same mask); None for a statistics
+        capture, which reads the mask block by block, never whole."""
+        mask, q_len = call.mask, call.q_len
+        if self.style == "custom":
+            _check_mask(mask, self.base, batch=call.batch, heads=call.heads, q_len=q_len, k_len=call.k_len)
+        if self.session.stats_only:
+            return None
+        implicit_causal = self._implicit_causal(call, semantics)
+        return self.masks.get(mask, batch=call.batch, q_len=q_len, k_len=call.k_len, implicit_causal=implicit_causal,
+                              device=call.q.device)
+
+    def _implicit_causal(self, call: "_Call", semantics: "_Semantics") -> bool:
+        """sdpa's is_causal with no mask (aligned to the upper left)."""
+        return self.style != "eager" and bool(semantics.is_causal) and call.mask is None and call.q_len > 1
+
+    def _position(self, call: "_Call") -> "_Where":
+        """Where the call sits: self or cross, generation step, position of the first query, padded query rows."""
         state = self.state
+        kind = self.kind or self.kind_probe.kind
         step = state.step if state is not None else None
         offset = state.position if state is not None else 0
-        query_padding = state.query_padding(batch, q_len) if state is not None else None
-        kind = self.kind or self.kind_probe.kind
+        query_padding = state.query_padding(call.batch, call.q_len) if state is not None else None
         if offset is None:  # a cache that cannot say its length: the keys before the queries are cached ones
-            offset = max(k_len - q_len, 0) if kind == "self" else 0
+            offset = max(call.k_len - call.q_len, 0) if kind == "self" else 0
+        return _Where(kind, step, offset, query_padding)
 
-        out = result[0] if isinstance(result, tuple) and result else None
-        output = out.transpose(1, 2) if (isinstance(out, torch.Tensor) and out.dim() == 4
-                                          and tuple(out.shape[:3]) == (batch, q_len, heads)) else None
-        observed = result[1] if isinstance(result, tuple) and len(result) > 1 else None
-        if not (base != "sdpa" and dropout == 0.0 and isinstance(observed, torch.Tensor)
-                and tuple(observed.shape) == (batch, heads, q_len, k_len)):
-            observed = None
+    def _observed(self, call: "_Call", semantics: "_Semantics"):
+        """The weights the function returned, when they are the softmax's (not sdpa's None, not after dropout)."""
+        observed = call.weights
+        if (self.base != "sdpa" and semantics.dropout == 0.0 and observed is not None
+                and tuple(observed.shape) == (call.batch, call.heads, call.q_len, call.k_len)):
+            return observed
+        return None
 
-        wants = self.session.wants
+    def _tensors(self, call: "_Call", semantics: "_Semantics", mask_info, observed) -> tuple[dict, set, str]:
+        """The record's scores / weights / output (recomputed lazily where not observed), what was identified,
+        and where the weights come from."""
+        site, wants, q = self.site, self.session.wants, call.q
         values: dict = {}
         identified = {"q", "k", "v", "allowed"}
         weights_source = "none"
         if self.recomputable and (wants(site, "scores") or (wants(site, "weights") and observed is None)):
             if self._kv_of_heads is None:
-                self._kv_of_heads = kv_of_heads(site.heads, heads, kv_heads)
+                self._kv_of_heads = kv_of_heads(site.heads, call.heads, call.kv_heads)
+            mask = call.mask
             rec = Recompute(
-                q, k, mask_info, heads=site.heads, kv_heads=self._kv_of_heads, scaling=scaling,
-                additive=self.style == "eager" or position_bias is not None
+                q, call.k, mask_info, heads=site.heads, kv_heads=self._kv_of_heads, scaling=semantics.scaling,
+                additive=self.style == "eager" or semantics.position_bias is not None
                 or (mask is not None and mask.dtype.is_floating_point),
-                position_bias=position_bias, softcap=softcap, sinks=sinks, scores_wanted=wants(site, "scores"),
+                position_bias=semantics.position_bias, softcap=semantics.softcap, sinks=semantics.sinks,
+                scores_wanted=wants(site, "scores"),
             )
-            shape = rec.shape
-            trusted = self._scores_trusted(rec, observed, kwargs)
-            if trusted:
-                values["scores"] = Lazy(shape, q.dtype, rec.scores)
+            if self._scores_trusted(rec, observed, call.kwargs):
+                values["scores"] = Lazy(rec.shape, q.dtype, rec.scores)
                 identified.add("scores")
             if observed is None:
-                values["weights"] = Lazy(shape, q.dtype, rec.weights)
+                values["weights"] = Lazy(rec.shape, q.dtype, rec.weights)
                 weights_source = "recomputed"
+        out = call.out
+        output = (out.transpose(1, 2) if out is not None and out.dim() == 4
+                  and tuple(out.shape[:3]) == (call.batch, call.q_len, call.heads) else None)
         if self.recomputable and wants(site, "stats"):
             if self._kv_of_heads is None:
-                self._kv_of_heads = kv_of_heads(site.heads, heads, kv_heads)
+                self._kv_of_heads = kv_of_heads(site.heads, call.heads, call.kv_heads)
+            mask = call.mask
             values["stats"] = AttentionCall.for_heads(
-                q, k, v, heads=site.heads, kv_heads=self._kv_of_heads,
-                mask=None if mask is None else mask[..., :k_len], causal=implicit_causal, bias=position_bias,
-                softcap=softcap, sinks=sinks, output=output, scaling=scaling,
-                additive=self.style == "eager" or position_bias is not None
+                q, call.k, call.v, heads=site.heads, kv_heads=self._kv_of_heads,
+                mask=None if mask is None else mask[..., :call.k_len], causal=self._implicit_causal(call, semantics),
+                bias=semantics.position_bias, softcap=semantics.softcap, sinks=semantics.sinks, output=output,
+                scaling=semantics.scaling,
+                additive=self.style == "eager" or semantics.position_bias is not None
                 or (mask is not None and mask.dtype.is_floating_point),
             )
         if observed is not None:
@@ -477,43 +624,19 @@ class _Recorder:
         if output is not None:
             values["output"] = output
             identified.add("output")
-        if query_padding is not None:
-            identified.add("query_padding")
+        return values, identified, weights_source
 
-        meta = self.meta
-        if kind == "self" and state is not None and state.step is not None and k_len < offset + q_len:
-            meta = {**meta, "first_key_pos": offset + q_len - k_len}  # a sliding-window cache dropped keys
+    def _meta(self, call: "_Call", semantics: "_Semantics", where: "_Where", dtype: torch.dtype) -> dict:
+        meta, state, module = self.meta, self.state, self.module
+        if where.kind == "self" and where.step is not None and call.k_len < where.offset + call.q_len:
+            meta = {**meta, "first_key_pos": where.offset + call.q_len - call.k_len}  # a sliding-window cache dropped keys
         if state is not None:
             meta = state.generation_meta(meta)
-        if scaling != getattr(module, "scaling", scaling):
+        if semantics.scaling != getattr(module, "scaling", semantics.scaling):
             meta = {**meta, "module_scaling": float(module.scaling)}  # e.g. Whisper scales q before the call
-
-        dtype = record_dtype(q.dtype, self.softmax_dtype)
-        if dtype != q.dtype:
+        if dtype != call.q.dtype:
             meta = {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
-
-        sliding = kwargs.get("sliding_window")
-        self.session.emit(
-            site,
-            kind=kind,
-            q=q, k=k, v=v,
-            allowed=allowed,
-            query_padding=query_padding,
-            causal=None if is_causal is None else bool(is_causal),
-            scaling=scaling,
-            backend=base,
-            dtype=dtype,
-            weights_source=weights_source,
-            dropout=dropout,
-            step=step,
-            query_offset=offset,
-            sinks=sinks,
-            softcap=None if softcap is None else float(softcap),
-            sliding_window=sliding if isinstance(sliding, int) else None,
-            identified=frozenset(identified),
-            meta=meta,
-            **values,
-        )
+        return meta
 
     def _scores_trusted(self, rec: Recompute, observed, kwargs: dict) -> bool:
         """Whether attnprobe's formula is what the backend computed.
@@ -626,10 +749,7 @@ class HuggingFaceAdapter(Adapter):
         stack.callback(masks.clear)
         for site in selected:
             recorder = _Recorder(session, site, bases[id(site)], surroundings, masks, stack)
-            key = id(site.module)
-            with _LOCK:
-                _HANDLERS.setdefault(key, []).append(recorder)
-            stack.callback(_unregister, key, recorder)
+            listen(site.module, "hf-call", recorder.receive, stack, shared=True)  # the one wrapper serves every capture
 
     @staticmethod
     def _check_site(site: Site) -> str:
@@ -661,12 +781,3 @@ class HuggingFaceAdapter(Adapter):
         _base_function(cls, base)  # raises when the eager default cannot be found
         mask_style(base)  # raises for mask functions whose masks attnprobe cannot read
         return base
-
-
-def _unregister(key: int, recorder: _Recorder) -> None:
-    with _LOCK:
-        recorders = _HANDLERS.get(key, [])
-        if recorder in recorders:
-            recorders.remove(recorder)
-        if not recorders:
-            _HANDLERS.pop(key, None)

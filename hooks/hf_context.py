@@ -19,6 +19,7 @@ from torch import nn
 
 from ..probe.threads import current, elsewhere
 from . import hf_compat
+from .deliver import deliver, listen, number
 
 INPUT_NAMES = ("input_ids", "inputs_embeds", "input_features", "pixel_values", "input_values", "decoder_input_ids")
 CROSS_NAMES = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
@@ -103,20 +104,25 @@ class KindProbe:
 
     def __init__(self, module: nn.Module, stack: ExitStack) -> None:
         self.kind = "self"
-        self._params = forward_params(type(module))
+        params = forward_params(type(module))
         self._owner = current()  # made as the capture opens, in its thread; other threads' calls are not read
-        handle = module.register_forward_pre_hook(self._before, with_kwargs=True)
+        token = 0
+
+        def before(module, args, kwargs):  # inside the forward: reads which arguments were given, nothing else
+            cross = any(argument(params, n, args, kwargs) is not None for n in CROSS_NAMES)
+            for q_name, k_name in QUERY_KEY_NAMES:
+                if not cross and q_name in params and k_name in params:
+                    key = argument(params, k_name, args, kwargs)
+                    cross = key is not None and key is not argument(params, q_name, args, kwargs)
+            deliver(token, "kind", [], [number(cross)])
+
+        token = listen(module, "hf-kind", self._receive, stack)
+        handle = module.register_forward_pre_hook(before, with_kwargs=True)
         stack.callback(handle.remove)
 
-    def _before(self, module, args, kwargs):
-        if elsewhere(self._owner):
-            return
-        cross = any(argument(self._params, n, args, kwargs) is not None for n in CROSS_NAMES)
-        for q_name, k_name in QUERY_KEY_NAMES:
-            if not cross and q_name in self._params and k_name in self._params:
-                key = argument(self._params, k_name, args, kwargs)
-                cross = key is not None and key is not argument(self._params, q_name, args, kwargs)
-        self.kind = "cross" if cross else "self"
+    def _receive(self, event: str, tensors: list, numbers: list) -> None:
+        if not elsewhere(self._owner):
+            self.kind = "cross" if numbers[0] else "self"
 
 
 def is_stack(module: nn.Module) -> bool:
@@ -161,20 +167,49 @@ class StackState:
         self._reorder_seen = False
         self._watched: list = []  # (cache, its own reorder_cache attribute or None, the wrapper)
         self._owner = current()  # made as the capture opens, in its thread; other threads' calls are not read
+        params, cache_type = self._params, self._cache_type
+        token = 0
+
+        # inside the forward: hand over the mask and the cache, nothing else (traceable by torch.compile)
+        def before(module, args, kwargs):
+            mask = argument(params, "attention_mask", args, kwargs)
+            cache = hf_compat.find_cache(args, kwargs, cache_type)
+            unknown = None
+            if cache is None:
+                unknown = next((v for v in (*kwargs.values(), *args) if hf_compat.looks_like_cache(v)), None)
+            compiling = torch.compiler.is_compiling()  # a compiled graph hands over tensors only
+            deliver(token, "before",
+                    [mask if isinstance(mask, torch.Tensor) else None,
+                     None if compiling else cache, None if compiling else unknown],
+                    [number(_built_mask(mask)), number(cache is not None), number(unknown is not None)])
+
+        def after(module, args, output):
+            deliver(token, "after", [], [])
+
+        token = listen(module, "hf-stack", self._receive, stack)
         for handle in (
-            module.register_forward_pre_hook(self._before, with_kwargs=True),
-            module.register_forward_hook(self._after, always_call=True),
+            module.register_forward_pre_hook(before, with_kwargs=True),
+            # not always_call (Dynamo guards on those hooks' ids): after a forward that raised, the next call of
+            # the stack sets the state afresh
+            module.register_forward_hook(after),
         ):
             stack.callback(handle.remove)
         stack.callback(self._forget)
 
-    def _before(self, module, args, kwargs):
+    def _receive(self, event: str, tensors: list, numbers: list) -> None:
         if elsewhere(self._owner):
             return
-        mask = argument(self._params, "attention_mask", args, kwargs)
+        if event == "before":
+            self._before(*tensors, built=bool(numbers[0]), has_cache=bool(numbers[1]), has_unknown=bool(numbers[2]))
+        else:
+            self._after()
+
+    def _before(self, mask, cache, unknown, *, built: bool, has_cache: bool, has_unknown: bool) -> None:
         self.padding = padding_from(mask)
-        self.built_mask = self.padding is None and _built_mask(mask)
-        cache = hf_compat.find_cache(args, kwargs, self._cache_type)
+        self.built_mask = self.padding is None and built
+        if has_cache and cache is None:  # a compiled graph: the cache object stays inside it
+            self.step, self.position = None, None  # the queries are the last positions of the keys
+            return
         if cache is not None:
             # generate() passes one cache object to every step: a new object starts a new run
             if cache is self._run_cache:
@@ -188,19 +223,17 @@ class StackState:
             self.position = hf_compat.cached_length(cache)
         else:
             self.step, self.position = None, 0
-            unknown = next((v for v in (*kwargs.values(), *args) if hf_compat.looks_like_cache(v)), None)
-            if unknown is not None:
+            if has_unknown:
+                kind = "cache object" if unknown is None else type(unknown).__name__
                 hf_compat.warn_unrecognised(
-                    ("cache", type(unknown)),
-                    f"{self._name}.forward received a {type(unknown).__name__}, which attnprobe does not recognise "
+                    ("cache", kind),
+                    f"{self._name}.forward received a {kind}, which attnprobe does not recognise "
                     "as a generation cache (no transformers.cache_utils.Cache): generation steps are not recorded "
                     "(records have step=None) and query positions are read from the key and query lengths"
                 )
                 self.position = None  # the queries are the last positions of the keys
 
-    def _after(self, module, args, output):
-        if elsewhere(self._owner):
-            return
+    def _after(self) -> None:
         # a module called on its own later must not see this call's state
         self.padding, self.step, self.position, self.built_mask, self.reordered = None, None, 0, False, False
 

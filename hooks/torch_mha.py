@@ -52,6 +52,7 @@ from ..probe.errors import AttnprobeError, warn_user
 from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
+from .deliver import deliver, held, hold_recompile, listen, number
 from .masks import MASKED_AT, Recomputed, additive_bias, forbids_future
 from .modes import exit_mode
 
@@ -305,8 +306,67 @@ class TorchMHAAdapter(Adapter):
         if not selected:
             return
         stack.enter_context(fastpath_disabled())
+        if session.compiled:
+            hold_recompile(session, stack)  # a model compiled before the capture runs these hooks too
+            for site in sites:  # every module, whatever is selected: the graph compiled now serves later captures
+                self._attach_traceable(session, site, stack)
+            return
         for site in selected:
             self._attach_site(session, site, stack)
+
+    def _attach_traceable(self, session, site: Site, stack: ExitStack) -> None:
+        """Hooks for a model with compiled parts: inside the forward they only hand the call's tensors to
+        ``deliver`` (Dynamo traces them into the graph) and change nothing; the call runs as the caller made it,
+        so the weights are the module's own only when the caller asked for per-head weights, else recomputed
+        from Q and K, and the per-head output is ``weights @ V`` (no dispatch mode can run in a compiled graph)."""
+        calls: list[dict | None] = []  # run-time side: the calls whose output has not come yet
+        stack.callback(calls.clear)
+        warned: set[str] = set()
+        module = site.module
+
+        def before(mod, args, kwargs):
+            b = _bind(args, kwargs)
+            if b is None:
+                deliver(token, "call", [], [])
+            else:
+                deliver(token, "call", [b["query"], b["key"], b["value"], b["key_padding_mask"], b["attn_mask"]],
+                        [number(bool(b["need_weights"])), number(bool(b["average_attn_weights"])),
+                         number(bool(b["is_causal"])), number(b["query"] is b["key"]), number(b["key"] is b["value"])])
+
+        def after(mod, args, output):
+            ok = isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)
+            deliver(token, "output", [output[0], output[1]] if ok else [], [])
+
+        def receive(event: str, tensors: list, numbers: list) -> None:
+            if elsewhere(session.thread):
+                return  # another thread's forward: not this capture's
+            if event == "call":
+                if not tensors:
+                    calls.append(None)  # arguments we cannot read: the module raises its own error
+                    return
+                names = ("query", "key", "value", "key_padding_mask", "attn_mask")
+                b = dict(zip(names, map(held, tensors) if site.selected else tensors))
+                b.update(need_weights=bool(numbers[0]), average_attn_weights=bool(numbers[1]), is_causal=bool(numbers[2]))
+                if numbers[4]:  # the identities the module's packed in-projection tests (self-attention: q is k is v)
+                    b["value"] = b["key"]
+                if numbers[3]:
+                    b["key"] = b["query"]
+                calls.append(b)
+                return
+            b = calls.pop() if calls else None
+            if b is None or not site.selected:
+                return
+            if not tensors:
+                self._warn_unreadable(site, None, warned)
+                return
+            attn_output, weights = tensors
+            per_head = weights if b["need_weights"] and not b["average_attn_weights"] else None
+            self._record(session, site, module, b, attn_output, per_head, None, warned)
+
+        token = listen(module, "torch_mha", receive, stack)
+        for h in (module.register_forward_pre_hook(before, with_kwargs=True),
+                  module.register_forward_hook(after, prepend=True)):
+            stack.callback(h.remove)
 
     def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
         calls: list[_Call | _Untouched | None] = []  # one per call in progress

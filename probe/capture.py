@@ -288,6 +288,11 @@ class CaptureSession:
 
             self.disk = RecordWriter(store, overwrite=overwrite)  # refuses an existing target before the run
 
+    @property
+    def compiled(self) -> list[str]:
+        """Names of the model's modules compiled with ``torch.compile`` (adapters make their hooks reach them)."""
+        return self._compiled
+
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
         """Ask every adapter for its sites; number them in module order. Attaches nothing."""
@@ -391,13 +396,11 @@ class CaptureSession:
             )
         if exc_type is None and self.stats_missing:
             layers = sorted(set(self.stats_missing))
-            warnings.warn(
+            warn_user(
                 f"keep=('stats',) could not compute statistics for layer(s) {layers[:12]}: their adapter observed "
                 "neither q and k nor the weights (record.stats is None there, and check() says so). Statistics are "
                 "computed from q and k for Hugging Face attention and scaled_dot_product_attention calls, and from the "
                 "weights for own modules, nn.MultiheadAttention, hand-written softmax and output_attentions models",
-                AttnprobeWarning,
-                stacklevel=3,
             )
         if exc_type is None and not self.selection.idle and self._compiled:
             silent = [s.name or "<root>" for s in self.sites[: self.static_sites] if s.selected and not s.calls]

@@ -281,7 +281,11 @@ def test_a_model_compiled_before_the_capture_is_still_recorded(name):
     compiled = torch.compile(model, backend="eager")
     try:
         with torch.no_grad():
-            expected = _main_output(compiled(**batch))  # compiled and run before the capture, as a user's would be
+            try:
+                expected = _main_output(compiled(**batch))  # compiled and run before the capture, as a user's would be
+            except Exception as exc:  # noqa: BLE001 - the precondition: torch 2.6 cannot compile transformers 5.16
+                pytest.skip(f"torch {torch.__version__} cannot compile this transformers release's {name}, without "
+                            f"any capture ({type(exc).__name__})")
             with attnprobe.capture(compiled) as cap:
                 out = _main_output(compiled(**batch))
         assert torch.equal(out, expected)

@@ -62,9 +62,9 @@ def test_restored_after_the_forward_raises(assert_no_hooks):
     assert len(cap) == 2  # both attention calls ran before the failure
     assert model.config._attn_implementation == "sdpa"
     assert_no_hooks(model)
-    from attnprobe.hooks.hf import _HANDLERS
+    from attnprobe.hooks.deliver import active_tokens
 
-    assert not _HANDLERS
+    assert not active_tokens()
 
 
 def test_a_second_model_on_the_same_config_is_unaffected(assert_no_hooks):
