@@ -271,8 +271,12 @@ def test_statistics_never_allocate_a_full_query_by_key_tensor(keep):
 
     cap = run(keep=keep, block_bytes=256 << 10)
     assert cap[0].stats is not None and attnprobe.check(cap, causal=True).ok
-    plain = _largest_allocation(lambda: model(x))
-    assert plain < one_head
+    plain = _largest_allocation(lambda: model(x))  # torch >= 2.7's CPU sdpa: a bool (query x key); 2.6: float weights
+    # the engine itself, whatever torch's sdpa allocates: below a quarter of one head's (query x key) matrix
+    q, k, v = (torch.randn(1, 4, T, 4) for _ in range(3))
+    engine = _largest_allocation(lambda: attention_stats(AttentionCall(q, k, scaling=0.5, v=v, causal=True),
+                                                         diag_offset=0, block_bytes=256 << 10))
+    assert engine < one_head // 4, engine
     assert _largest_allocation(lambda: run(keep=keep, block_bytes=256 << 10)) <= max(plain, one_head // 4)
     assert _largest_allocation(lambda: run(keep=("weights",))) >= one_head
 
