@@ -55,7 +55,11 @@ class capture:
 
     ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
     ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
-    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all).
+    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all), and ``"stats"`` for per-row
+    statistics (``record.stats``, ``attnprobe.probe.stats``) computed blockwise without a (query, key) tensor;
+    ``block_bytes`` is the memory target of one block (default ``probe.stats.DEFAULT_BLOCK_BYTES``);
+    ``overview`` (with ``"stats"``: a number of cells, or a ``probe.stats.Overview`` with exact windows) also keeps
+    the weights pooled to at most that many cells a side (``record.stats["overview_max"]``/``["overview_mean"]``).
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
@@ -84,10 +88,12 @@ class capture:
     """
 
     def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None, store=None, overwrite: bool = False):
+                 modules=None, store=None, overwrite: bool = False, block_bytes=None,
+                 overview=None):
         self._session = CaptureSession(
             model,
-            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes),
+            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes,
+                            block_bytes=block_bytes, overview=overview),
             default_adapters(modules=modules),
             store=store,
             overwrite=overwrite,

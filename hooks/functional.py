@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..probe.attention_math import AttentionCall, mask_allows
 from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
 from ..probe.lint import LINT_SAME_KV, lint_violation
 from .base import Adapter, Lazy, Site
@@ -482,16 +483,20 @@ class _Run:
             k_lead[-1] = q_lead[-1]  # grouped-query attention: fewer key heads than query heads
         full = torch.broadcast_shapes(q_lead, k_lead) + (L, S)
         mask = call["attn_mask"]
-        if mask is not None:
+        stats_only = self.session.stats_only  # never build a (query, key) mask: the engine reads it in blocks
+        if stats_only:
+            allowed = None
+        elif mask is not None:
             allowed = mask if mask.dtype == torch.bool else mask > MASKED_AT
             allowed = _to4(allowed.expand(torch.broadcast_shapes(allowed.shape, full)))
         else:
             allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device).expand(B, 1, L, S)
-        if call["is_causal"]:
+        if call["is_causal"] and not stats_only:
             allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        if allowed.shape[1] > 1 and allowed.stride(1) == 0:
-            allowed = allowed[:, :1]
-        allowed = allowed.expand(B, allowed.shape[1], L, S)
+        if allowed is not None:
+            if allowed.shape[1] > 1 and allowed.stride(1) == 0:
+                allowed = allowed[:, :1]
+            allowed = allowed.expand(B, allowed.shape[1], L, S)
         scale = call["scale"] if call["scale"] is not None else 1.0 / math.sqrt(E)
         group = H // Hkv
         heads = site.heads
@@ -510,6 +515,18 @@ class _Run:
 
         recomputed = Recomputed(scores_of_heads, lambda: allowed if allowed.shape[1] == 1 else _pick(allowed, heads),
                                 keep_scores=self.session.wants(site, "scores"))
+        stats = None
+        if self.session.wants(site, "stats"):
+            m4 = None if mask is None else _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
+            stats = AttentionCall.for_heads(
+                q, k, v, heads=heads, kv_heads=tuple(h // group for h in heads), mask=m4, masked_at=MASKED_AT,
+                causal=bool(call["is_causal"]), scaling=float(scale),
+                output=_to4(out) if isinstance(out, torch.Tensor) else None,
+            )
+        if stats_only:
+            declared_causal = mask is not None and forbids_future(mask_allows(mask, MASKED_AT))
+        else:
+            declared_causal = mask is not None and forbids_future(allowed)
 
         # sdpa applies dropout_p whatever module.training says: record it as applied, and flag it in eval mode
         dropout = float(call["dropout_p"])
@@ -528,9 +545,10 @@ class _Run:
             weights=Lazy((B, len(heads), L, S), q.dtype, recomputed.weights),
             output=_to4(out) if isinstance(out, torch.Tensor) else None,
             allowed=allowed,
-            causal=bool(call["is_causal"]) or (mask is not None and forbids_future(allowed)),
+            causal=bool(call["is_causal"]) or declared_causal,
             scaling=float(scale),
             backend="sdpa",
+            stats=stats,
             dtype=q.dtype,
             weights_source="recomputed",
             dropout=dropout,

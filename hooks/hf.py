@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..probe.attention_math import AttentionCall
 from ..probe.errors import AttnprobeWarning, UnsupportedModelError
 from . import hf_compat
 from .base import Adapter, Lazy, Site
@@ -410,9 +411,12 @@ class _Recorder:
         if self.style == "custom":
             _check_mask(mask, base, batch=batch, heads=heads, q_len=q_len, k_len=k_len)
         implicit_causal = self.style != "eager" and bool(is_causal) and mask is None and q_len > 1
-        mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
-                                   device=q.device)
-        allowed = mask_info.allowed
+        if self.session.stats_only:
+            mask_info = allowed = None  # a statistics capture reads the mask block by block, never whole
+        else:
+            mask_info = self.masks.get(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal,
+                                       device=q.device)
+            allowed = mask_info.allowed
 
         state = self.state
         step = state.step if state is not None else None
@@ -451,6 +455,16 @@ class _Recorder:
             if observed is None:
                 values["weights"] = Lazy(shape, q.dtype, rec.weights)
                 weights_source = "recomputed"
+        if self.recomputable and wants(site, "stats"):
+            if self._kv_of_heads is None:
+                self._kv_of_heads = kv_of_heads(site.heads, heads, kv_heads)
+            values["stats"] = AttentionCall.for_heads(
+                q, k, v, heads=site.heads, kv_heads=self._kv_of_heads,
+                mask=None if mask is None else mask[..., :k_len], causal=implicit_causal, bias=position_bias,
+                softcap=softcap, sinks=sinks, output=output, scaling=scaling,
+                additive=self.style == "eager" or position_bias is not None
+                or (mask is not None and mask.dtype.is_floating_point),
+            )
         if observed is not None:
             values["weights"] = observed
             weights_source = "observed"

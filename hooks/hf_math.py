@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..probe.attention_math import attention_logits, softmax_with_sinks
 from ..probe.selection import index_heads
 
 
@@ -147,13 +148,8 @@ class Recompute:
                 dtype = self.compute_dtype
                 q = index_heads(self.q.detach(), self.heads)[0].to(dtype)
                 k = index_heads(self.k.detach(), self.kv_heads)[0].to(dtype)  # the kv head of each selected head
-                logits = torch.matmul(q, k.transpose(-1, -2))  # (B, h, Tq, D) @ (B, h, D, Tk), a new tensor
-                if self.scaling != 1.0:
-                    logits.mul_(self.scaling)
-                if self.position_bias is not None:
-                    logits.add_(self._per_head(self.position_bias).to(dtype))
-                if self.softcap is not None:
-                    logits.div_(self.softcap).tanh_().mul_(self.softcap)
+                bias = None if self.position_bias is None else self._per_head(self.position_bias)
+                logits = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap)
             self._logits = logits
         return self._logits
 
@@ -194,25 +190,14 @@ class Recompute:
                     z = logits + add
                 else:  # the logits are needed for nothing else: one (query, key) tensor per head less
                     z, self._logits = logits.add_(add), None
-                if self.sinks is not None:
-                    # attention sinks: one extra logit per head that takes probability mass and no value
-                    b, h, tq, _ = z.shape
-                    sink = self.sinks.detach().to(z.dtype).index_select(0, _index(self.heads, z.device))
-                    z = torch.cat([z, sink.view(1, h, 1, 1).expand(b, h, tq, 1)], dim=-1)
-                    z = z - z.max(dim=-1, keepdim=True).values
-                    weights = torch.softmax(z, dim=-1)[..., :-1].contiguous()
-                else:
-                    weights = torch.softmax(z, dim=-1)
+                # attention sinks: one extra logit per head that takes probability mass and no value
+                weights = softmax_with_sinks(z, self.sinks, self.heads)
                 if not self.additive and add is not None:
                     empty = self.info.empty_rows(self.heads)
                     if empty is not None:
                         weights.masked_fill_(empty, 0.0)  # rows with no allowed key attend nothing
             self._weights = weights
         return self._weights.to(self.out_dtype)
-
-
-def _index(heads: tuple[int, ...], device) -> torch.Tensor:
-    return torch.tensor(heads, dtype=torch.long, device=device)
 
 
 def kv_of_heads(heads: tuple[int, ...], num_heads: int, num_kv_heads: int) -> tuple[int, ...]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..probe.attention_math import masked_softmax
+
 #: Additive mask entries and ``masked_fill`` values at or below this count as masking (-1e4, -1e9, finfo.min, -inf).
 MASKED_AT = -1e4
 
@@ -62,18 +64,6 @@ def forbids_future(allowed: torch.Tensor, query_offset: int | None = None) -> bo
         return False
     future = torch.ones(tq, tk, dtype=torch.bool, device=allowed.device).triu(1 + (query_offset or 0))
     return not bool((allowed & future).any())
-
-
-def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
-    """Softmax over keys with the entries ``allowed`` forbids at ``-inf``; a row with no allowed key is all zeros
-    (what CPU sdpa returns for it). ``allowed`` broadcasts to ``scores``.
-
-    With ``in_place`` the mask is written into ``scores``, which the caller must own and no longer need (it
-    saves one (query, key) tensor per selected head, e.g. when a capture keeps the weights but not the scores).
-    """
-    fill = float("-inf")
-    masked = scores.masked_fill_(~allowed, fill) if in_place else scores.masked_fill(~allowed, fill)
-    return torch.softmax(masked, dim=-1).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
 
 
 class Recomputed:

@@ -84,7 +84,8 @@ class OwnModuleAdapter(Adapter):
             module.hook_q.register_forward_hook(note_dtype),
         ]
         for field in _HOOKED:
-            if session.wants(site, field):
+            # statistics of an own module come from the weights it computed (they are what is checked)
+            if session.wants(site, field) or session.wants(site, "stats"):
                 handles.append(getattr(module, f"hook_{field}").register_forward_hook(stash(field)))
         for h in handles:
             stack.callback(h.remove)

@@ -16,7 +16,7 @@ from torch import nn
 
 from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
 from .interface import Adapter, Lazy, Site
-from .record import TENSOR_FIELDS, AttentionRecord
+from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
 from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
 
@@ -260,6 +260,7 @@ class CaptureSession:
                 "not its output or a pipeline (for a pipeline use pipeline.model)"
             )
         self.model_class = type(model).__name__
+        self.stats_missing: list[int] = []  # layers whose statistics could not be computed (keep=("stats",))
         self._model = model  # dropped on exit; the Capture never holds it
         self._compiled = compiled_modules(model)
         self.selection = selection
@@ -377,6 +378,16 @@ class CaptureSession:
                 f"({self.static_sites} found before the run, {n - self.static_sites} while it ran); "
                 "negative numbers count from the end of the layers found before the run"
             )
+        if exc_type is None and self.stats_missing:
+            layers = sorted(set(self.stats_missing))
+            warnings.warn(
+                f"keep=('stats',) could not compute statistics for layer(s) {layers[:12]}: their adapter observed "
+                "neither q and k nor the weights (record.stats is None there, and check() says so). Statistics are "
+                "computed from q and k for Hugging Face attention and scaled_dot_product_attention calls, and from the "
+                "weights for own modules, nn.MultiheadAttention, hand-written softmax and output_attentions models",
+                AttnprobeWarning,
+                stacklevel=3,
+            )
         if exc_type is None and not self.selection.idle and self._compiled:
             silent = [s.name or "<root>" for s in self.sites[: self.static_sites] if s.selected and not s.calls]
             if not len(self.capture) or silent:
@@ -420,7 +431,7 @@ class CaptureSession:
             "selection": {
                 "layers": sel.layers,
                 "heads": sel.heads if sel.heads_by_layer is None else dict(sel.heads_by_layer),
-                "keep": tuple(f for f in TENSOR_FIELDS if f in sel.keep),
+                "keep": tuple(f for f in KEEP_NAMES if f in sel.keep),
                 "device": str(sel.device),
                 "dtype": None if sel.dtype is None else str(sel.dtype).replace("torch.", ""),
                 "max_bytes": sel.max_bytes,
@@ -480,6 +491,11 @@ class CaptureSession:
                 f for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding)) if t is not None
             )
 
+        stats_call = values.pop("stats", None)
+        adapter_allowed = allowed
+        if self.stats_only:
+            allowed = None  # (batch, head, query, key): what a statistics capture never holds; stats hold its facts
+
         # plan every copy first, with its exact stored size, so the budget fails before any memory is spent
         masks = {"allowed": allowed, "query_padding": query_padding, "sinks": sinks}
         plan = []  # (field, tensor or Lazy, head index or None, head axis, planned bytes)
@@ -516,6 +532,10 @@ class CaptureSession:
                 else:
                     stored[f] = self.store.put(t, index, axis)
 
+        if "stats" in self.selection.keep:
+            stored["stats"] = self._stats(site, call, stats_call, tensors, stored, kind, values, query_padding,
+                                          adapter_allowed, sinks)
+
         record: AttentionRecord = AttentionRecord(
             name=site.name,
             layer=site.layer,
@@ -533,6 +553,75 @@ class CaptureSession:
             record = self.disk.write(record)
         self.capture._append(record)
         return record
+
+
+    @property
+    def stats_only(self) -> bool:
+        """A statistics capture that keeps no (query, key) tensor (``keep=("stats", ...)`` without scores/weights)."""
+        keep = self.selection.keep
+        return "stats" in keep and not ({"scores", "weights"} & keep)
+
+    def _stats(self, site, call: int, stats_call, tensors, stored, kind, values, query_padding, allowed, sinks):
+        """The per-row statistics of one record: blockwise from the adapter's ``AttentionCall`` (q, k and the
+        call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
+        weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
+        from .pooling import pool_weights
+        from .stats import attention_stats, stats_from_weights
+
+        where = f"layer {site.layer}, call {call}: stats"
+        q_len = None
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if stats_call is not None:
+                B, h, q_len, k_len = stats_call.shape
+                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
+                kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
+                stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding,
+                                        overview=self.selection.overview, **kwargs)
+                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
+            else:
+                def selected(name, index):
+                    t = stored.get(name) if name != "v" else None  # a stored v is per kv head
+                    if t is None:
+                        t = tensors.get(name)
+                        if isinstance(t, Lazy):
+                            t = t.fn()
+                        elif t is not None:
+                            t = index_heads(t.detach(), index)[0]
+                    return t
+
+                weights = selected("weights", site.heads)
+                if weights is None:
+                    values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "none"}
+                    self.stats_missing.append(site.layer)
+                    return None
+                B, h, q_len, k_len = weights.shape
+                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
+                al = allowed if allowed is None or allowed.shape[1] == 1 else index_heads(allowed, site.heads)[0]
+                group = site.num_heads // max(site.num_kv_heads or site.num_heads, 1)
+                v = selected("v", tuple(hd // group for hd in site.heads)) if tensors.get("v") is not None else None
+                output = selected("output", site.heads)
+                stats = stats_from_weights(weights, scores=selected("scores", site.heads), allowed=al, v=v,
+                                           output=None if v is None else output, diag_offset=diag,
+                                           query_padding=query_padding,
+                                           sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
+                if self.selection.overview is not None:
+                    stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})
+                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
+        if self.selection.overview is not None and self.selection.overview.windows:
+            values["meta"] = {**values["meta"], "stats_windows": [
+                [min(q0, q_len), min(q1, q_len), min(k0, k_len), min(k1, k_len)]
+                for q0, q1, k0, k1 in self.selection.overview.windows]}
+        nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
+        self.store.reserve(nbytes, where)
+        return {name: t.to(self.selection.device) for name, t in stats.items()}
+
+
+def _diag_offset(kind: str, query_offset: int, q_len: int, k_len: int) -> int | None:
+    """Key index of query 0's own key (self-attention), as the checks place queries; None otherwise."""
+    if kind != "self":
+        return None
+    offset = query_offset if query_offset + q_len <= k_len else k_len - q_len
+    return offset if offset >= 0 else None
 
 
 def compiled_modules(model: nn.Module) -> list[str]:

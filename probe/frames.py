@@ -33,6 +33,17 @@ FRAME_SCHEMA: dict[str, str] = {
     "weight": "float32",  # post-softmax; NaN when weights were not captured
     "allowed": "boolean",  # True = the query may attend the key; <NA> when the mask is unknown
 }
+#: Column -> dtype of ``Capture.to_frame()`` for a statistics capture (``keep=("stats",)`` without scores or
+#: weights): one row per (layer, call, head, batch, query_pos), a column per statistic (``probe.stats.ROW_STATS``).
+STATS_FRAME_SCHEMA: dict[str, str] = {
+    "layer": "int64", "name": "category", "call": "int64", "head": "int64", "batch": "int64", "query_pos": "int64",
+    "entropy": "float32", "max_weight": "float32", "min_weight": "float32", "argmax_key": "int64",
+    "first_key_mass": "float32", "diagonal_mass": "float32", "previous_mass": "float32", "masked_mass": "float32",
+    "masked_max": "float32", "row_sum_error": "float32", "max_score": "float32", "finite": "bool",
+    "output_error": "float32", "output_scale": "float32", "first_key": "int64", "last_key": "int64",
+    "allowed_keys": "int64", "diagonal_allowed": "bool",
+}
+
 #: Added by ``to_frame(tokens=...)``.
 TOKEN_SCHEMA: dict[str, str] = {"query_token": "category", "key_token": "category"}
 
@@ -93,6 +104,12 @@ def to_frame(cap, tokens=None, key_tokens=None):
     """
     import pandas as pd
 
+    records = list(cap)
+    if records and all(r.weights is None and r.scores is None and r.stats is not None for r in records):
+        if tokens is not None or key_tokens is not None:
+            raise AttnprobeError("to_frame(tokens=...) names (query, key) cells; a statistics capture has one row per "
+                                 "query: join tokens on query_pos yourself")
+        return stats_frame(records)
     with_tokens = tokens is not None or key_tokens is not None
     vocab = _Vocab()
     names: dict[str, int] = {}  # module path -> category code, in order of first appearance
@@ -159,6 +176,69 @@ def to_frame(cap, tokens=None, key_tokens=None):
     return pd.DataFrame(data, copy=False)
 
 
+def stats_frame(records):
+    """One row per (layer, call, head, batch, query_pos) of records with ``stats`` (``STATS_FRAME_SCHEMA``).
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+        >>> with attnprobe.capture(attn, keep=("stats",)) as cap:
+        ...     _ = attn(torch.randn(1, 4, 8))
+        >>> frame = cap.to_frame()
+        >>> len(frame), frame["last_key"].tolist()[:4]
+        (8, [0, 1, 2, 3])
+    """
+    import pandas as pd
+
+    names: dict[str, int] = {}
+    columns = [c for c in STATS_FRAME_SCHEMA if c not in ("layer", "name", "call", "head", "batch", "query_pos")]
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in STATS_FRAME_SCHEMA}
+    for r in records:
+        if r.stats is None:
+            continue
+        B, H, Tq = r.stats["entropy"].shape
+        n = B * H * Tq
+        parts["layer"].append(np.full(n, r.layer, dtype=np.int64))
+        parts["name"].append(np.full(n, names.setdefault(r.name, len(names)), dtype=np.int64))
+        parts["call"].append(np.full(n, r.call, dtype=np.int64))
+        parts["head"].append(np.tile(np.repeat(np.asarray(r.heads, dtype=np.int64), Tq), B))
+        parts["batch"].append(np.repeat(np.arange(B, dtype=np.int64), H * Tq))
+        parts["query_pos"].append(np.tile(np.arange(Tq, dtype=np.int64) + r.query_offset, B * H))
+        for c in columns:
+            parts[c].append(r.stats[c].detach().cpu().numpy().reshape(-1).astype(STATS_FRAME_SCHEMA[c]))
+    data = {}
+    for c, dtype in STATS_FRAME_SCHEMA.items():
+        values = np.concatenate(parts[c]) if parts[c] else np.zeros(0, dtype="int64" if c == "name" else dtype)
+        data[c] = pd.Categorical.from_codes(values, categories=list(names)) if c == "name" else values
+    return pd.DataFrame(data, copy=False).astype({c: d for c, d in STATS_FRAME_SCHEMA.items() if c != "name"})
+
+
+def _summary_from_stats(r, acc: dict) -> None:
+    """Add a statistics-only record to the per-(layer, head) sums of ``summary`` (the same means, from the
+    per-row statistics instead of the weights)."""
+    st = {k: v.detach().to("cpu") for k, v in r.stats.items()}
+    real = st["allowed_keys"] > 0  # (B, H, Tq): rows with at least one allowed key
+    if r.query_padding is not None:
+        real &= ~r.query_padding.cpu()[:, None, :]
+    counts = real.sum(dim=(0, 2))
+    sums = {col: torch.where(real, st[col].float(), 0.0).sum(dim=(0, 2))
+            for col in ("entropy", "max_weight", "first_key_mass", "masked_mass")}
+    if r.kind == "self":
+        for col in ("diagonal_mass", "previous_mass"):
+            ok = real & ~torch.isnan(st[col])
+            sums[col] = torch.where(ok, st[col].float(), 0.0).sum(dim=(0, 2))
+            sums[col + "_rows"] = ok.sum(dim=(0, 2))
+    row_err = torch.where(real, st["row_sum_error"].float(), 0.0).amax(dim=(0, 2))
+    for i, head in enumerate(r.heads):
+        a = acc.setdefault((r.layer, head), {"name": r.name, "rows": 0, "row_sum_error": math.nan})
+        a["rows"] += int(counts[i])
+        err = float(row_err[i])
+        a["row_sum_error"] = err if math.isnan(a["row_sum_error"]) else max(a["row_sum_error"], err)
+        for col, v in sums.items():
+            a[col] = a.get(col, 0.0) + float(v[i])
+
+
 def summary(cap):
     """Per-(layer, head) statistics of ``cap`` (see ``SUMMARY_SCHEMA``)."""
     import pandas as pd
@@ -166,6 +246,9 @@ def summary(cap):
     acc: dict[tuple[int, int], dict] = {}
     left_out = []
     for r in cap:
+        if r.weights is None and r.stats is not None:
+            _summary_from_stats(r, acc)
+            continue
         if r.weights is None:
             left_out.append(r)
             continue

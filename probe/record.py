@@ -26,6 +26,9 @@ import torch
 #: ``weights`` post-softmax.
 TENSOR_FIELDS: tuple[str, ...] = ("q", "k", "v", "scores", "weights", "output")
 
+#: What ``capture(keep=...)`` accepts: the tensors, and ``"stats"`` (per-row statistics, ``record.stats``).
+KEEP_NAMES: tuple[str, ...] = TENSOR_FIELDS + ("stats",)
+
 #: How a record's weights were obtained (``AttentionRecord.weights_source``).
 WEIGHTS_SOURCES = (
     "observed",  # read from the attention code itself (hook point, softmax output)
@@ -117,6 +120,10 @@ class AttentionRecord:
     """Names of the fields the adapter actually observed or derived (the rest are None)."""
     meta: Mapping[str, Any] = field(default_factory=dict)
     """Adapter-specific details (read-only), e.g. the model class or the base backend."""
+    stats: Mapping[str, torch.Tensor] | None = None
+    """Per-row statistics (read-only mapping, ``capture(keep=("stats",))``): ``attnprobe.probe.stats.ROW_STATS``
+    ``(batch, head, query)`` and ``KEY_STATS`` ``(batch, head, key)``, computed blockwise from q and k without
+    a ``(query, key)`` tensor; None when not asked for."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("self", "cross"):
@@ -125,6 +132,8 @@ class AttentionRecord:
             raise ValueError(f"weights_source must be one of {WEIGHTS_SOURCES}, got {self.weights_source!r}")
         if not isinstance(self.meta, MappingProxyType):
             object.__setattr__(self, "meta", MappingProxyType(dict(self.meta)))
+        if self.stats is not None and not isinstance(self.stats, MappingProxyType):
+            object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
         if not self.identified:
             present = {f for f in TENSOR_FIELDS + ("allowed", "query_padding") if getattr(self, f) is not None}
             object.__setattr__(self, "identified", frozenset(present))
@@ -133,17 +142,22 @@ class AttentionRecord:
         # pickle (torch.save, multiprocessing) cannot store the read-only meta view: store a dict
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["meta"] = dict(self.meta)
+        state["stats"] = None if self.stats is None else dict(self.stats)
         return (_rebuild_record, (state,))
 
     # ------------------------------------------------------------------ derived facts
     @property
     def batch_size(self) -> int | None:
         t = self._first_tensor(("weights", "scores", "q", "output", "k", "v", "allowed"))
+        if t is None and self.stats is not None:
+            t = self.stats["entropy"]
         return None if t is None else int(t.shape[0])
 
     @property
     def query_len(self) -> int | None:
         t = self._first_tensor(("weights", "scores", "q", "output", "allowed"))
+        if t is None and self.stats is not None:
+            t = self.stats["entropy"]
         return None if t is None else int(t.shape[2])
 
     @property
@@ -152,6 +166,8 @@ class AttentionRecord:
             t = getattr(self, f)
             if t is not None:
                 return int(t.shape[axis])
+        if self.stats is not None:
+            return int(self.stats["key_weight"].shape[2])
         return None
 
     @property
@@ -172,6 +188,8 @@ class AttentionRecord:
             t = getattr(self, f)
             if t is not None:
                 total += t.numel() * t.element_size()
+        for t in (self.stats or {}).values():
+            total += t.numel() * t.element_size()
         return total
 
     def head_index(self, head: int) -> int:
@@ -215,6 +233,8 @@ class AttentionRecord:
             t = getattr(self, f)
             if t is not None:
                 parts.append(f"{f}={tuple(t.shape)}")
+        if self.stats is not None:
+            parts.append(f"stats={tuple(self.stats['entropy'].shape)}")
         parts.append(f"backend={self.backend!r}")
         return f"AttentionRecord({', '.join(parts)})"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CaptureBudgetError, SelectionError
-from .record import TENSOR_FIELDS
+from .record import KEEP_NAMES, TENSOR_FIELDS
 
 
 def _as_int(item, what: str, value) -> int:
@@ -72,11 +72,11 @@ def _keep_set(keep) -> frozenset[str]:
     else:
         raise SelectionError(
             f"keep must be a tensor name or a list of them, e.g. keep=['weights'] or keep=('q', 'k'), "
-            f"got {keep!r}; choose from {list(TENSOR_FIELDS)} (None keeps all)"
+            f"got {keep!r}; choose from {list(KEEP_NAMES)} (None keeps all tensors)"
         )
-    unknown = [k for k in items if k not in TENSOR_FIELDS]
+    unknown = [k for k in items if k not in KEEP_NAMES]
     if unknown:
-        raise SelectionError(f"keep= got unknown tensor name(s) {unknown}; choose from {list(TENSOR_FIELDS)}")
+        raise SelectionError(f"keep= got unknown tensor name(s) {unknown}; choose from {list(KEEP_NAMES)}")
     return frozenset(items)
 
 
@@ -144,9 +144,14 @@ class Selection:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype | None = None
     max_bytes: int | None = None
+    block_bytes: int | None = None
+    """Memory target of one block of the statistics engine (``keep=("stats",)``); None = its default."""
+    overview: object | None = None
+    """``probe.stats.Overview``: pooled weights and exact windows a statistics capture also keeps; None = none."""
 
     @classmethod
-    def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None) -> "Selection":
+    def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
+              block_bytes=None, overview=None) -> "Selection":
         layer_tuple = None if layers is None else int_list(layers, "layers")
         head_tuple, by_layer = None, None
         if isinstance(heads, Mapping):
@@ -192,7 +197,24 @@ class Selection:
                     f"such as '500MB' or '2GiB', got {max_bytes!r}"
                 )
             max_bytes = operator.index(max_bytes)
-        return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes)
+        if isinstance(block_bytes, str):
+            block_bytes = parse_bytes(block_bytes)
+        if block_bytes is not None and (isinstance(block_bytes, bool) or not hasattr(block_bytes, "__index__")
+                                        or operator.index(block_bytes) <= 0):
+            raise SelectionError(f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
+                                 f"as '32MB', got {block_bytes!r}")
+        if overview is not None:
+            from .stats import Overview
+
+            if isinstance(overview, int) and not isinstance(overview, bool):
+                overview = Overview(cells=overview)
+            if not isinstance(overview, Overview):
+                raise SelectionError(f"overview= takes a number of cells (such as 512) or a probe.stats.Overview, "
+                                     f"got {overview!r}")
+            if "stats" not in keep_set:
+                raise SelectionError('overview= is computed by the statistics engine: add "stats" to keep=')
+        return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes,
+                   None if block_bytes is None else operator.index(block_bytes), overview)
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
         """Check layer numbers against the model (negative numbers count from the end).
@@ -237,7 +259,8 @@ class Selection:
                     f"heads={{...}} names layer(s) {unselected} that layers={list(self.layers)} does not select; "
                     "add them to layers=, or leave layers out (the keys of heads={...} then choose the layers)"
                 )
-        return Selection(resolved, self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes)
+        return Selection(resolved, self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes,
+                         self.block_bytes, self.overview)
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers

@@ -23,6 +23,12 @@ Each check has a stable name (``CHECKS``) and returns ``Violation`` records, one
 - ``empty_rows`` (info): real query rows with no allowed key. Such rows, and padded query rows
   (``record.query_padding`` or the declared mask), are left out of every other check but ``finite``.
 
+A statistics-only record (``capture(keep=("stats",))``: ``record.stats``, no weights) is checked as one block of
+per-row statistics by the same registered functions: every check but ``softmax_match`` (which needs the weights
+and the scores, and says so in ``skipped``) gives the verdict it gives on the full record, with offending rows
+named per row (``causal`` and ``padding`` from the first and last key each row gives weight, ``padding`` also
+from the weight per key).
+
 Tolerances depend on the coarsest dtype involved (``DEFAULT_TOLERANCES``); matches also allow for the
 rounding of the scores (relative error ``expm1(2 * eps * max|score|)``). A weight on a forbidden key counts
 when it exceeds ``FORBIDDEN_WEIGHT`` (correct masking gives exact zeros in every dtype) or ``atol``

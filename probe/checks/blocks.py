@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from ..record import AttentionRecord
+from ..stats import KEY_STATS, ROW_STATS
 from .declarations import declared_for, mask_tensor
 from .tolerances import tolerance
 
@@ -16,6 +17,14 @@ from .tolerances import tolerance
 DECLARED_PADDING = "the declared attention_mask"
 QUERY_PADDING = "the record's query_padding"
 MASK_PADDING = "keys the record's mask lets no query attend"
+
+
+def shared_heads(t: torch.Tensor) -> torch.Tensor:
+    """``(batch, head, ...)`` -> ``(batch, 1, ...)`` when every head holds the same values (a mask shared by the
+    heads is reported once, not once per head, as from a ``(batch, 1, query, key)`` mask)."""
+    if t.shape[1] > 1 and torch.equal(t, t[:, :1].expand_as(t)):
+        return t[:, :1]
+    return t
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -90,7 +99,11 @@ class RecordFacts:
         stored = [getattr(rec, f) for f in ("weights", "scores", "output", "v")]
         wide = any(t is not None and t.dtype == torch.float64 for t in stored)
         self.cdtype = torch.float64 if wide else torch.float32
-        self.device = next((t.device for t in stored + [rec.allowed] if t is not None), torch.device("cpu"))
+        # a statistics-only record: every check reads per-row statistics instead of (query, key) tensors
+        self.stats = rec.stats if rec.weights is None and rec.stats is not None else None
+        first_stat = None if self.stats is None else self.stats["entropy"]
+        self.device = next((t.device for t in stored + [rec.allowed, first_stat] if t is not None),
+                           torch.device("cpu"))
         self.tol = tolerance(rec.dtype, *(t.dtype for t in stored if t is not None), atol=run.atol, rtol=run.rtol)
         self.allowed = None if rec.allowed is None else rec.allowed.to(self.device, torch.bool)
         self.qpos = torch.arange(self.Tq, device=self.device) + rec.query_offset  # reported query positions
@@ -123,10 +136,15 @@ class RecordFacts:
     def _own_position(self):
         """(may each query attend its own position, is that position a padded key): ``(B, 1 or H, Tq)`` each,
         or None without a mask. Linear in the sequence: one entry per query row."""
-        if self.diag is None or self.allowed is None:
+        if self.diag is None or (self.allowed is None and self.stats is None):
             return None, None
         own_key = self.diag.clamp(max=self.Tk - 1)
-        own = self.allowed[..., torch.arange(self.Tq, device=self.device), own_key]  # (B, 1 or H, Tq)
+        if self.allowed is None:
+            own = shared_heads(self.stats["diagonal_allowed"].to(self.device))  # (B, 1 or H, Tq)
+            attends_any = shared_heads(self.stats["allowed_keys"].to(self.device) > 0)
+        else:
+            own = self.allowed[..., torch.arange(self.Tq, device=self.device), own_key]  # (B, 1 or H, Tq)
+            attends_any = self.allowed.any(-1)
         if self.key_pad is None:
             return own, torch.zeros_like(own)
         excused = self.key_pad[:, own_key][:, None, :].expand_as(own)  # a padded token: its row is padding too
@@ -134,7 +152,7 @@ class RecordFacts:
             # padding read off the mask (keys no query attends) is also what a mask shifted by one gives
             # the last key; trust it only where no other row of that (batch, head) misses its own key
             real = torch.ones_like(own) if self.query_pad is None else ~self.query_pad[:, None, :]
-            shifted = (~own & ~excused & real & self.allowed.any(-1)).any(-1, keepdim=True)
+            shifted = (~own & ~excused & real & attends_any).any(-1, keepdim=True)
             excused = excused & ~shifted
         return own, excused
 
@@ -181,12 +199,18 @@ class RecordFacts:
             return None, "", None
         if rec.kind == "self" and self.offset == 0 and self.Tq == self.Tk and rec.query_padding is not None:
             return rec.query_padding.to(self.device, torch.bool), QUERY_PADDING, None
-        if self.allowed is not None and (rec.kind == "cross" or (self.offset == 0 and self.Tq == self.Tk)):
-            return ~self.allowed.any(1).any(1), MASK_PADDING, None
+        if rec.kind == "cross" or (self.offset == 0 and self.Tq == self.Tk):
+            if self.allowed is not None:
+                return ~self.allowed.any(1).any(1), MASK_PADDING, None
+            if self.stats is not None:
+                return ~self.stats["key_allowed"].to(self.device).any(1), MASK_PADDING, None
         return None, "", None
 
     def chunks(self, elements: int):
         """Row ranges ``(a, b)`` such that no (batch, head, rows, key) temporary passes ``elements``."""
+        if self.stats is not None:  # per-row statistics: the whole record is one block, O(T)
+            yield 0, self.Tq
+            return
         per_row = self.B * max(len(self.rec.heads), 1) * self.Tk
         step = max(1, elements // max(per_row, 1))
         for a in range(0, self.Tq, step):
@@ -214,6 +238,11 @@ class RowBlock:
             return None if t is None else t[:, :, a:b]
 
         self.w = None if rec.weights is None else rows(rec.weights).to(self.device, self.cdtype)
+        #: per-row statistics of these rows (``ROW_STATS`` (B, H, rows), ``KEY_STATS`` whole) for a
+        #: statistics-only record, else None
+        self.st = None if facts.stats is None else {
+            n: (s if n in KEY_STATS else s[:, :, a:b]).to(self.device) for n, s in facts.stats.items()
+            if n in KEY_STATS or n in ROW_STATS}
         self.scores, self.output = rows(rec.scores), rows(rec.output)
         self.allowed = rows(facts.allowed)
         self.query_pad = None if facts.query_pad is None else facts.query_pad[:, a:b]
@@ -224,10 +253,18 @@ class RowBlock:
         if self.allowed is not None:
             empty = empty | ~self.allowed.any(-1)
             self.empty_known = True
-        self.declared = self._declared_allowed()
-        if self.declared is not None:
-            empty = empty | ~self.declared.any(-1)
+        if self.st is not None:
+            empty = empty | shared_heads(self.st["allowed_keys"] == 0)
             self.empty_known = True
+            self.declared = None  # never (rows, key): the declared-empty rows are counted per row below
+            declared_empty = self._declared_empty_rows()
+            if declared_empty is not None:
+                empty = empty | declared_empty
+        else:
+            self.declared = self._declared_allowed()
+            if self.declared is not None:
+                empty = empty | ~self.declared.any(-1)
+                self.empty_known = True
         self.empty = empty  # (B, 1 or H, Tq)
         self.real = torch.ones_like(empty) if self.query_pad is None else ~self.query_pad[:, None, :]
         self.checked = self.real & ~empty  # (B, 1 or H, Tq): the rows every value check looks at
@@ -260,8 +297,27 @@ class RowBlock:
             allowed = keys.expand(self.B, 1, self.Tq, self.Tk) if allowed is None else allowed & keys
         return allowed
 
+    def _declared_empty_rows(self) -> torch.Tensor | None:
+        """(B, 1, rows) rows the declarations leave no key to attend, counted per row (O(T), no (rows, key))."""
+        causal = self.causal_declared and self.causal and self.diag is not None
+        padded = self.key_pad is not None and self.key_pad_source == DECLARED_PADDING
+        if not (causal or padded):
+            return None
+        real = torch.ones(self.B, self.Tk, device=self.device) if not padded else (~self.key_pad).float()
+        if not causal:
+            return (real.sum(-1) == 0)[:, None, None].expand(self.B, 1, self.Tq)
+        cum = torch.cat([torch.zeros(self.B, 1, device=self.device), real.cumsum(-1)], dim=-1)  # (B, Tk + 1)
+        hi = (self.diag + 1).clamp(0, self.Tk)
+        window = self.rec.sliding_window
+        lo = (self.diag - window + 1).clamp(0, self.Tk) if window else torch.zeros_like(hi)
+        count = cum[:, hi] - cum[:, lo]  # real keys in the window [lo, diag]
+        self.empty_known = True
+        return (count == 0)[:, None, :]
+
     def finite_rows(self) -> torch.Tensor:
         """Checked rows whose weights are all finite (non-finite ones are ``finite``'s business)."""
+        if self._finite_rows is None and self.st is not None:
+            self._finite_rows = self.checked & self.st["finite"]
         if self._finite_rows is None:
             w = self.w
             self._finite_rows = self.checked if all_finite(w) else self.checked & torch.isfinite(w).all(-1)

@@ -35,7 +35,7 @@ def _fmt(x: float | None) -> str:
 @register('finite', severity='error',
           doc='no NaN/inf in weights and outputs (any row), nor in scores at allowed positions')
 def check_finite(run: CheckRun, p: RowBlock) -> None:
-    if p.w is None and p.output is None and p.scores is None:
+    if p.w is None and p.output is None and p.scores is None and p.st is None:
         run.skip("finite", "no weights, output or scores captured", p)
         return
     run.ran("finite", p)
@@ -48,6 +48,9 @@ def check_finite(run: CheckRun, p: RowBlock) -> None:
             f"{n} NaN/inf {what} in padded or fully masked query rows (a softmax over only -inf?): they reach "
             "real rows of the next layer through 0 * NaN; zero such rows after the softmax"))
 
+    if p.st is not None:  # statistics: one flag per row (weights, scores at allowed keys, observed output)
+        both("row(s) (weights, scores at allowed keys or output)", ~p.st["finite"])
+        return
     if p.w is not None and not all_finite(p.w):
         both("weight(s)", ~torch.isfinite(p.w))
     if p.output is not None and not all_finite(p.output):
@@ -86,6 +89,13 @@ def check_finite(run: CheckRun, p: RowBlock) -> None:
 @register('range', severity='error',
           doc='weights within [0, 1]')
 def check_range(run: CheckRun, p: RowBlock) -> None:
+    if p.st is not None:
+        run.ran("range", p)
+        low, high = p.st["min_weight"], p.st["max_weight"]
+        bad = ((low < -p.tol.atol) | (high > 1 + p.tol.atol)) & p.finite_rows()
+        run.emit(p, "range", "range", bad, lambda n, worst: (
+            f"{n} row(s) with weights outside [0, 1] (worst {_fmt(worst)})"), values=torch.maximum(-low, high - 1))
+        return
     if not _has(run, p, "range", "weights"):
         return
     run.ran("range", p)
@@ -112,6 +122,14 @@ def _masked_scores(p: RowBlock) -> torch.Tensor:
 @register('row_sum', severity='error',
           doc='weights of each real query row sum to 1 (1 - sink mass with attention sinks)')
 def check_row_sum(run: CheckRun, p: RowBlock) -> None:
+    if p.st is not None:  # the engine measured each row against 1 - sink mass itself
+        run.ran("row_sum", p)
+        err, tol = p.st["row_sum_error"], p.tol.row_sum
+        what = "1" if p.rec.sinks is None else "1 - sink mass"
+        run.emit(p, "row_sum", "row_sum", (err > tol) & p.finite_rows(), lambda n, worst: (
+            f"{n} row(s) do not sum to {what} (worst error {_fmt(worst)}, tolerance {tol:.2g}): a softmax over "
+            "the wrong axis, weights changed after the softmax, or dropout on the weights"), values=err)
+        return
     if not _has(run, p, "row_sum", "weights"):
         return
     expected, what = 1.0, "1"
@@ -143,7 +161,7 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
     if p.diag is None:
         run.skip("causal", "query positions unknown (more queries than keys)", p)
         return
-    if p.w is None and p.allowed is None:
+    if p.w is None and p.allowed is None and p.st is None:
         run.skip("causal", "no weights and no mask captured", p)
         return
     if not p.causal and not p.causal_declared:
@@ -151,6 +169,9 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
     run.ran("causal", p)
     source = "declared causal=True" if p.causal_declared else "the module says it is causal"
     thr = p.tol.forbidden
+    if p.st is not None:
+        _causal_from_stats(run, p, source)
+        return
     future = p.future()
     rows = p.checked[..., None]
     if not p.causal:  # declared bidirectional: some query must attend some later real key
@@ -177,11 +198,40 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
         if window is not None:
             run.emit(p, "causal", "window", p.allowed & window & rows, lambda n, _: (
                 f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"))
+    _causal_own(run, p)
+
+
+def _causal_own(run: CheckRun, p: RowBlock) -> None:
     if p.own is not None:  # a causal mask lets every real query attend its own position
         bad = ~p.own & ~p.own_excused & p.checked
         run.emit(p, "causal", "own", bad, lambda n, _: (
             f"{n} query row(s) may not attend their own position: the causal mask is shifted by one "
             "(tril(diagonal=-1))"))
+
+
+def _causal_from_stats(run: CheckRun, p: RowBlock, source: str) -> None:
+    """``causal`` from per-row statistics: the last key a row gives weight says "after my position", the
+    first key "older than the window" (``stats.WEIGHT_THRESHOLD`` decides what counts as weight)."""
+    rec, st, diag = p.rec, p.st, p.diag.view(1, 1, -1)
+    first, last = st["first_key"], st["last_key"]
+    if not p.causal:  # declared bidirectional: some query must attend some later real key
+        later = (p.Tk - 1 - p.diag).clamp(min=0).view(1, 1, -1).to(torch.long)  # later keys per row
+        if p.key_pad is not None:
+            pad = torch.cat([torch.zeros(p.B, 1, dtype=torch.long, device=p.device), p.key_pad.long().cumsum(-1)], -1)
+            later = later - (pad[:, -1:] - pad[:, (p.diag + 1).clamp(max=p.Tk)])[:, None, :]
+        candidates = p.checked & p.finite_rows().all(1, keepdim=True)
+        seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
+        seen[1] += int((later * candidates).sum())
+        seen[2] = seen[2] or bool(((last > diag) & candidates & (later > 0)).any())
+        return
+    run.emit(p, "causal", "future", (last > diag) & p.checked, lambda n, _: (
+        f"{n} query row(s) put weight on keys after their position ({source}): the causal mask is missing or "
+        "shifted"))
+    if rec.sliding_window:
+        old = (first >= 0) & (first <= diag - rec.sliding_window) & p.checked
+        run.emit(p, "causal", "window", old, lambda n, _: (
+            f"{n} query row(s) put weight on keys older than the sliding window of {rec.sliding_window}"))
+    _causal_own(run, p)
 
 
 def _check_forbidden(run: CheckRun, p: RowBlock, check: str, forbidden: torch.Tensor, what: str, why: str) -> None:
@@ -204,6 +254,10 @@ def check_padding(run: CheckRun, p: RowBlock) -> None:
         if declared_for(run.attention_mask, p.rec) is None:
             run.skip("padding", "no key padding known from the record; declare attention_mask=(batch, key)", p)
         return
+    if p.st is not None:
+        run.ran("padding", p)
+        _padding_from_stats(run, p)
+        return
     if p.w is None and p.allowed is None:
         run.skip("padding", "no weights and no mask captured", p)
         return
@@ -212,9 +266,29 @@ def check_padding(run: CheckRun, p: RowBlock) -> None:
                      f"; padding from {p.key_pad_source}")
 
 
+def _padding_from_stats(run: CheckRun, p: RowBlock) -> None:
+    """Rows whose first or last attended key is padding (left and right padding), and the padded keys that got
+    weight from any counted row (``key_weight``: holes in the middle too)."""
+    st, pad = p.st, p.key_pad  # pad (B, Tk)
+    def padded(key):  # (B, H, rows) -> is that key padding
+        at = pad.gather(1, key.clamp(min=0).flatten(1)).view_as(key)
+        return at & (key >= 0)
+    rows = (padded(st["first_key"]) | padded(st["last_key"])) & p.checked
+    keys = (st["key_weight"] > p.tol.forbidden) & pad[:, None, :]
+    run.emit(p, "padding", "padding", rows, lambda n, _: (
+        f"{n} query row(s) put weight on padded keys (padding from {p.key_pad_source})"), keys=keys)
+
+
 @register('mask', severity='error',
           doc="no weight where the record's own mask disallows")
 def check_mask(run: CheckRun, p: RowBlock) -> None:
+    if p.st is not None:
+        run.ran("mask", p)
+        bad = (p.st["masked_max"] > p.tol.forbidden) & p.checked
+        run.emit(p, "mask", "mask", bad, lambda n, worst: (
+            f"{n} query row(s) put weight on keys the record's own mask disallows (max {_fmt(worst)}): the mask "
+            "the module built did not reach the softmax"), values=p.st["masked_max"])
+        return
     if not _has(run, p, "mask", "weights", "allowed"):
         return
     run.ran("mask", p)
@@ -239,6 +313,10 @@ def _score_slack(p: RowBlock) -> torch.Tensor | float:
 @register('softmax_match', severity='error',
           doc='weights equal the softmax of the masked scores')
 def check_softmax_match(run: CheckRun, p: RowBlock) -> None:
+    if p.st is not None:
+        run.skip("softmax_match", "statistics only: the weights were computed from the scores, so they match by "
+                 "construction; keep weights and scores to compare a kernel's own weights", p)
+        return
     if not _has(run, p, "softmax_match", "weights", "scores", "allowed"):
         return
     run.ran("softmax_match", p)
@@ -260,6 +338,19 @@ def check_softmax_match(run: CheckRun, p: RowBlock) -> None:
           doc='per-head output equals weights @ v (grouped-query heads mapped to their kv head)')
 def check_output_match(run: CheckRun, p: RowBlock) -> None:
     rec = p.rec
+    if p.st is not None:
+        err, scale = p.st["output_error"], p.st["output_scale"]
+        if bool(torch.isnan(scale).all()):
+            run.skip("output_match", "statistics only and the adapter observed no output", p)
+            return
+        run.ran("output_match", p)
+        slack = 0.0 if p.tol.eps < 1e-6 else torch.expm1(2 * p.tol.eps * p.st["max_score"].abs().nan_to_num(0.0))
+        bad = (err > p.tol.atol + (p.tol.rtol + slack) * scale) & p.finite_rows() & torch.isfinite(err)
+        run.emit(p, "output_match", "output_match", bad, lambda n, w: (
+            f"{n} output row(s) differ from weights @ v (worst {_fmt(w)}): the kernel computed something else "
+            "than its weights say (mask dropped inside the kernel, wrong kv head for grouped-query heads, "
+            "another scale, dropout)"), values=err)
+        return
     if not _has(run, p, "output_match", "weights", "v", "output"):
         return
     if rec.num_kv_heads <= 0 or rec.num_heads % rec.num_kv_heads:

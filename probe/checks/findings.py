@@ -103,13 +103,14 @@ class CheckRun:
         *,
         values: torch.Tensor | None = None,
         severity: str | None = None,
+        keys: torch.Tensor | None = None,
     ) -> None:
         """Add offending cells ``(B, 1 or H, Tq, Tk)`` or rows ``(B, 1 or H, Tq)`` of one kind of finding.
 
         ``values`` (broadcastable to ``bad``) gives the error size for ``worst``. Positions and counts
         are reduced on the tensor; Python only walks the (batch, head) groups that have any.
         """
-        if not bool(bad.any()):
+        if not bool(bad.any()) and (keys is None or not bool(keys.any())):
             return
         severity = REGISTRY[check].severity if severity is None else severity
         rec = p.rec
@@ -135,11 +136,15 @@ class CheckRun:
         if values is not None:
             worst = torch.where(bad, values, -math.inf).flatten(2).amax(-1).tolist()
         rows = bad.any(-1) if per_key else bad  # (B, 1 or H, Tq)
-        keys = bad.any(-2) if per_key else None  # (B, 1 or H, Tk)
+        if per_key:
+            keys = bad.any(-2)  # (B, 1 or H, Tk)
+        elif keys is not None:  # row findings that also know their keys (statistics: weight per key)
+            keys = keys.expand(*bad.shape[:2], keys.shape[-1])
+            counts = torch.where(counts > 0, counts, keys.sum(-1))
         for b, h in (counts > 0).nonzero().tolist():
             finding.groups.setdefault((b, h), _Group()).add(
-                int(counts[b, h]), None if worst is None else worst[b][h], rows[b, h],
-                keys[b, h] if per_key else None, start=p.start, queries=len(p.all_qpos),
+                int(counts[b, h]), None if worst is None or math.isinf(worst[b][h]) else worst[b][h], rows[b, h],
+                None if keys is None else keys[b, h], start=p.start, queries=len(p.all_qpos),
             )
 
     def violations(self) -> list[Violation]:

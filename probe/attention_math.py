@@ -1,0 +1,201 @@
+"""The math of one attention call, written once: logits, the model's mask, softmax (with sinks).
+
+Every recompute in attnprobe goes through here: the adapters' full recompute of scores and weights
+(``hooks/hf_math.py``, ``hooks/masks.py``) and the blockwise statistics engine (``probe/stats.py``), so
+a statistic and a full weight matrix are the same numbers, computed the same way.
+
+``AttentionCall`` describes a call as the attention function received it (q, k, v, mask, bias,
+softcapping, sinks, scaling and the mask semantics); ``AttentionCall.block(a, b, c, d)`` gives the
+logits and the permission of query rows ``a:b`` against keys ``c:d`` of the selected heads, so no
+caller ever needs a ``(query x key)`` tensor larger than one block.
+
+Two mask semantics exist among the backends attnprobe wraps (``additive``):
+
+* **boolean** (sdpa with a bool mask or ``is_causal``, hand-written ``masked_fill(-inf)``): masked
+  entries are ``-inf``; a row with no allowed key has weight 0 everywhere (what CPU sdpa returns).
+* **additive** (Hugging Face eager functions: ``softmax(logits + mask)`` with ``finfo.min`` where
+  masked): a row with no allowed key comes out uniform (every logit rounds to ``finfo.min``), or all
+  zero with attention sinks (the sink logit takes all the mass).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .selection import index_heads
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, *, scaling: float, bias: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """``(batch, head, rows, d) x (batch, head, keys, d) -> (batch, head, rows, keys)``: ``q @ k^T * scaling``,
+    plus ``bias`` (a position bias), softcapped (``tanh(s / cap) * cap``). A new tensor in ``q``'s dtype.
+
+    Example::
+
+        >>> attention_logits(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 2, 4), scaling=0.5).tolist()
+        [[[[2.0, 2.0]]]]
+    """
+    logits = torch.matmul(q, k.transpose(-1, -2))
+    if scaling != 1.0:
+        logits.mul_(scaling)
+    if bias is not None:
+        logits.add_(bias.to(logits.dtype))
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def softmax_with_sinks(z: torch.Tensor, sinks: torch.Tensor | None, heads=None) -> torch.Tensor:
+    """Softmax over the last axis of ``z`` ``(batch, head, rows, keys)``; with ``sinks`` ``(head,)`` (or the
+    model's heads, picked by ``heads``) one extra logit per head takes part and is dropped."""
+    if sinks is None:
+        return torch.softmax(z, dim=-1)
+    b, h, rows, _ = z.shape
+    sink = sinks.detach().to(z.device, z.dtype)
+    if heads is not None:
+        sink = sink.index_select(0, torch.tensor(heads, dtype=torch.long, device=z.device))
+    z = torch.cat([z, sink.view(1, h, 1, 1).expand(b, h, rows, 1)], dim=-1)
+    z = z - z.max(dim=-1, keepdim=True).values
+    return torch.softmax(z, dim=-1)[..., :-1].contiguous()
+
+
+def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """Softmax over keys with the entries ``allowed`` forbids at ``-inf``; a row with no allowed key is all zeros
+    (what CPU sdpa returns for it). ``allowed`` broadcasts to ``scores``.
+
+    With ``in_place`` the mask is written into ``scores``, which the caller must own and no longer need (it
+    saves one (query, key) tensor per selected head, e.g. when a capture keeps the weights but not the scores).
+    """
+    fill = float("-inf")
+    masked = scores.masked_fill_(~allowed, fill) if in_place else scores.masked_fill(~allowed, fill)
+    return torch.softmax(masked, dim=-1).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
+
+
+def mask_allows(mask: torch.Tensor, masked_at: float | None = None) -> torch.Tensor:
+    """A mask as attention code hands it over -> bool, True = may attend: a bool mask as it is, a float mask
+    (added to the scores) where the entry is above ``masked_at`` (default ``finfo.min / 2``), an integer 0/1
+    mask where it is not 0."""
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point:
+        return mask > (torch.finfo(mask.dtype).min / 2 if masked_at is None else masked_at)
+    return mask != 0
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def _rows(t: torch.Tensor, a: int, b: int, c: int, d: int) -> torch.Tensor:
+    """Rows ``a:b`` and keys ``c:d`` of a 4-D tensor that may broadcast (size 1) along either axis (a view)."""
+    t = t if t.shape[-2] == 1 else t[..., a:b, :]
+    return t if t.shape[-1] == 1 else t[..., c:d]
+
+
+@dataclass
+class AttentionCall:
+    """One attention call as the function received it, for the selected heads.
+
+    ``q`` ``(batch, head, query, d)`` and ``k``/``v`` ``(batch, head, key, d)`` are already restricted to the
+    selected query heads (each selected head's kv head repeated beside it). ``mask``: None, bool (True =
+    attend), or float (added to the logits; entries at or below ``masked_at`` mask), broadcastable to
+    ``(batch, 1 or head, query, key)``. ``causal``: query ``i`` may also only attend keys ``<= i + causal_offset``
+    (sdpa's ``is_causal`` is upper-left aligned: offset 0). ``bias``: a position bias added to the logits.
+    ``output``: what the function returned per head ``(batch, head, query, d_v)``, or None.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scaling: float
+    v: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    masked_at: float | None = None
+    causal: bool = False
+    causal_offset: int = 0
+    bias: torch.Tensor | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    """Sink logits of the selected heads ``(head,)``."""
+    additive: bool = False
+    output: torch.Tensor | None = None
+
+    @classmethod
+    def for_heads(cls, q, k, v=None, *, heads, kv_heads, mask=None, bias=None, sinks=None, output=None, **kw):
+        """From full-head tensors: pick the selected heads (and the kv head each reads), detached."""
+        def pick(t, index, axis=1):
+            return None if t is None else index_heads(t.detach(), tuple(index), axis)[0]
+
+        def per_head(t):
+            if t is None:
+                return None
+            t = _as_4d(t.detach())
+            return t if t.shape[1] == 1 else pick(t, heads)
+
+        return cls(q=pick(q, heads), k=pick(k, kv_heads), v=pick(v, kv_heads), mask=per_head(mask),
+                   bias=per_head(bias), sinks=pick(sinks, heads, 0) if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 else None,
+                   output=pick(output, heads), **kw)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(batch, head, query, key)``."""
+        return (self.q.shape[0], self.q.shape[1], self.q.shape[2], self.k.shape[2])
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.promote_types(self.q.dtype, torch.float32)
+
+    def allowed(self, a: int, b: int, c: int, d: int) -> torch.Tensor | None:
+        """``(batch or 1, 1 or head, b - a, d - c)`` bool, True = may attend; None when every key is allowed."""
+        allowed = None
+        if self.mask is not None:
+            m = _rows(_as_4d(self.mask), a, b, c, d)
+            allowed = mask_allows(m, self.masked_at)
+        if self.causal:
+            rows = torch.arange(a, b, device=self.q.device)[:, None] + self.causal_offset
+            tril = torch.arange(c, d, device=self.q.device)[None, :] <= rows
+            allowed = tril if allowed is None else allowed & tril
+        return None if allowed is None else _as_4d(allowed)
+
+    def forbidden(self, a: int, b: int, c: int, d: int) -> torch.Tensor | None:
+        """The complement of ``allowed`` (what a softmax input is filled with ``-inf`` at), built directly."""
+        forbidden = None
+        if self.mask is not None:
+            forbidden = ~mask_allows(_rows(_as_4d(self.mask), a, b, c, d), self.masked_at)
+        if self.causal:
+            rows = torch.arange(a, b, device=self.q.device)[:, None] + self.causal_offset
+            later = torch.arange(c, d, device=self.q.device)[None, :] > rows
+            forbidden = later if forbidden is None else forbidden | later
+        return None if forbidden is None else _as_4d(forbidden)
+
+    def logits(self, a: int, b: int, c: int, d: int) -> torch.Tensor:
+        """``(batch, head, b - a, d - c)`` in the compute dtype: scaled ``q @ k`` plus bias, softcapped, plus the
+        part of a float mask that is not masking (a relative bias folded into the mask, as Swin does), i.e.
+        the logits the softmax sees at the allowed keys."""
+        dtype = self.compute_dtype
+        bias = None if self.bias is None else _rows(_as_4d(self.bias), a, b, c, d)
+        s = attention_logits(self.q[:, :, a:b].to(dtype), self.k[:, :, c:d].to(dtype), scaling=self.scaling,
+                             bias=bias, softcap=self.softcap)
+        if self.mask is not None and self.mask.dtype.is_floating_point:
+            m = _rows(_as_4d(self.mask), a, b, c, d)
+            s = torch.where(mask_allows(m, self.masked_at), s + m.to(dtype), s)
+        return s
+
+    def key_limit(self, b: int) -> int:
+        """Keys a block of rows ending at ``b`` can reach: a causal call never lets them see later keys."""
+        tk = self.k.shape[2]
+        return min(tk, b + self.causal_offset) if self.causal else tk
+
+
+def sink_logsumexp(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``log(exp(lse) + exp(sink))`` per head: the normaliser once the sink logit takes part (``lse`` ``(B, h, rows)``)."""
+    if sinks is None:
+        return lse
+    return torch.logaddexp(lse, sinks.to(lse.device, lse.dtype).view(1, -1, 1))
+
+
+NEG_INF = -math.inf

@@ -1,0 +1,306 @@
+"""Statistics mode (capture(keep=("stats",))): per-row statistics computed blockwise, equal to the ones a full
+capture's weights give; checks, frames and summary on them; no (query x key) tensor of the full size."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+from checks_helpers import BUGS, LEFT_PADDED, RIGHT_PADDED, TinyTransformer, capture_one, declarations
+from test_checks import CTX_MASK, run_model
+
+import attnprobe
+from attnprobe.probe.attention_math import AttentionCall, attention_logits, softmax_with_sinks
+from attnprobe.probe.errors import SelectionError
+from attnprobe.probe.stats import KEY_STATS, ROW_STATS, attention_stats, record_stats, stats_from_weights
+
+ALL_STATS = ROW_STATS + KEY_STATS
+
+
+def assert_stats_equal(got, want, atol=1e-5, where=""):
+    for name in ALL_STATS:
+        a, b = got[name], want[name]
+        assert a.shape == b.shape, (where, name, a.shape, b.shape)
+        if a.dtype.is_floating_point:
+            assert torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-5, equal_nan=True), (
+                where, name, (a.float() - b.float()).abs().nan_to_num(99).max())
+        else:
+            assert torch.equal(a, b), (where, name)
+
+
+# --------------------------------------------------------------------------- the engine itself
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("block_bytes", [1 << 20, 30000, 2000, 300], ids=["all-rows", "row-blocks", "few-rows",
+                                                                           "key-blocks"])
+def test_engine_equals_the_statistics_of_the_full_weights(additive, sinks, block_bytes):
+    """Blocks of rows, and keys in blocks with a running max: the same numbers as the full softmax (padded and
+    empty rows, softcapping, sinks, both mask semantics)."""
+    torch.manual_seed(0)
+    B, h, T, D = 2, 3, 37, 8
+    q, k, v = torch.randn(B, h, T, D) * 2, torch.randn(B, h, T, D) * 2, torch.randn(B, h, T, D)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, :5] = True  # left padding: rows 0..4 of batch 0 have no allowed key under the causal mask
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & ~pad[:, None, None, :]
+    mask = torch.zeros(B, 1, T, T).masked_fill(~allowed, torch.finfo(torch.float32).min) if additive else allowed
+    sink = torch.randn(h) if sinks else None
+    s = attention_logits(q, k, scaling=0.3, softcap=5.0)
+    w = softmax_with_sinks(s + mask if additive else s.masked_fill(~allowed, -math.inf), sink)
+    if not additive:
+        w = w.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+    output = w @ v + 1e-3 * torch.randn(B, h, T, D)
+    call = AttentionCall(q, k, scaling=0.3, v=v, mask=mask, additive=additive, sinks=sink, softcap=5.0, output=output)
+    got = attention_stats(call, diag_offset=0, query_padding=pad, block_bytes=block_bytes)
+    want = stats_from_weights(w, scores=s, allowed=allowed.expand(B, 1, T, T), v=v, output=output, sinks=sink,
+                              diag_offset=0, query_padding=pad)
+    assert_stats_equal(got, want)
+    assert got["allowed_keys"][0, 0, :5].eq(0).all() and got["finite"].all()
+    assert (got["output_error"] > 5e-4).all()  # the 1e-3 noise added to the output is seen
+
+
+@pytest.mark.parametrize("block_bytes", [1 << 20, 20000, 300], ids=["all-rows", "row-blocks", "key-blocks"])
+def test_engine_with_an_implicit_causal_mask_reads_only_the_keys_rows_reach(block_bytes):
+    """sdpa's is_causal: blocks of rows stop at the last key they may attend; the statistics still cover every key."""
+    torch.manual_seed(1)
+    B, h, T, D = 1, 2, 41, 4
+    q, k, v = torch.randn(B, h, T, D), torch.randn(B, h, T, D), torch.randn(B, h, T, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = attention_stats(AttentionCall(q, k, scaling=0.5, v=v, causal=True, output=out), diag_offset=0,
+                          block_bytes=block_bytes)
+    s = attention_logits(q, k, scaling=0.5)
+    allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
+    w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
+    assert_stats_equal(got, stats_from_weights(w, scores=s, allowed=allowed, v=v, output=out, diag_offset=0))
+
+
+def test_engine_causal_counts_and_positions():
+    q = k = torch.zeros(1, 1, 4, 2)
+    s = attention_stats(AttentionCall(q, k, scaling=1.0, causal=True), diag_offset=0)
+    assert s["first_key"][0, 0].tolist() == [0, 0, 0, 0] and s["last_key"][0, 0].tolist() == [0, 1, 2, 3]
+    assert s["allowed_keys"][0, 0].tolist() == [1, 2, 3, 4] and s["diagonal_allowed"].all()
+    assert torch.allclose(s["entropy"][0, 0], torch.log(torch.arange(1.0, 5.0)))
+    assert torch.allclose(s["key_weight"][0, 0], torch.tensor([1 + 1 / 2 + 1 / 3 + 1 / 4, 1 / 2 + 1 / 3 + 1 / 4,
+                                                              1 / 3 + 1 / 4, 1 / 4]))
+    assert torch.isnan(s["previous_mass"][0, 0, 0]) and torch.isnan(s["output_error"]).all()
+
+
+def test_a_nan_or_minus_inf_at_an_allowed_key_is_not_finite():
+    q = torch.zeros(1, 1, 3, 2)
+    k = torch.zeros(1, 1, 3, 2)
+    q[0, 0, 1, 0] = math.nan
+    k[0, 0, 2, 0] = math.inf  # query 2 meets an inf logit only at its allowed key 2 (0 * inf = NaN there)
+    s = attention_stats(AttentionCall(q, k, scaling=1.0, causal=True), diag_offset=0)
+    assert s["finite"][0, 0].tolist() == [True, False, False]
+
+
+# --------------------------------------------------------------------------- captures
+def _hf(name, attn):
+    hf_helpers = pytest.importorskip("hf_helpers")
+    try:
+        return hf_helpers, hf_helpers.build(name, attn)
+    except ValueError:
+        pytest.skip(f"{name} has no {attn}")
+
+
+@pytest.mark.parametrize("name,attn", [("llama", "sdpa"), ("llama", "eager"), ("mistral", "sdpa"), ("gemma2", "eager"),
+                                       ("gpt_oss", "eager"), ("t5", "sdpa"), ("bert", "sdpa"), ("gpt2", "eager")])
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_hugging_face_statistics_equal_the_full_capture(name, attn, padding, assert_no_hooks):
+    """Blockwise from q, k and the call's own mask, position bias (T5), softcapping (Gemma 2), sinks (GPT-OSS),
+    sliding window (Mistral): equal to the statistics of the weights a full capture recomputes or observes."""
+    hf_helpers, model = _hf(name, attn)
+    batch = hf_helpers.inputs(name, padding)
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats_cap:
+        stats_out = model(**batch)
+    assert_no_hooks(model)
+    with torch.no_grad(), attnprobe.capture(model) as full_cap:
+        full_out = model(**batch)
+    for a, b in zip(stats_out.values(), full_out.values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)  # the model is not perturbed
+    assert len(stats_cap) == len(full_cap) > 0
+    for rs, rf in zip(stats_cap, full_cap):
+        assert rs.weights is None and rs.scores is None and rs.allowed is None
+        assert rs.meta["stats_source"] == "blockwise"
+        assert_stats_equal(rs.stats, record_stats(rf), where=(name, rf.layer, rf.kind))
+
+
+def test_stats_are_read_only_and_sized_by_the_sequence():
+    attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+    with attnprobe.capture(attn, keep=("stats",)) as cap:
+        attn(torch.randn(3, 5, 8))
+    rec = cap[0]
+    assert rec.batch_size == 3 and rec.query_len == 5 and rec.key_len == 5
+    assert rec.stats["entropy"].shape == (3, 2, 5) and rec.stats["key_weight"].shape == (3, 2, 5)
+    with pytest.raises(TypeError):
+        rec.stats["entropy"] = None
+    assert "stats=(3, 2, 5)" in repr(rec) and cap.info["selection"]["keep"] == ("stats",)
+    with pytest.raises(SelectionError, match="stats"):
+        attnprobe.capture(attn, keep=("statistics",))
+    with pytest.raises(SelectionError, match="block_bytes"):
+        attnprobe.capture(attn, keep=("stats",), block_bytes=0)
+
+
+def _torch_models():
+    th = pytest.importorskip("torch_helpers")
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+
+    class MhaCall(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    return {
+        "own": attnprobe.MultiHeadAttention(16, num_heads=4, causal=True),
+        "torch_mha": MhaCall(),
+        "sdpa": th.SdpaBlock(causal=True, kv_heads=2),
+        "handwritten": th.HeadList(),  # found with modules="auto"
+    }
+
+
+@pytest.mark.parametrize("kind", ["own", "torch_mha", "sdpa", "handwritten"])
+def test_every_adapter_gives_statistics(kind):
+    model = _torch_models()[kind].eval()
+    options = {"modules": "auto"} if kind == "handwritten" else {}
+    x = torch.randn(2, 6, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad(), attnprobe.capture(model, keep=("stats",), **options) as stats_cap:
+            model(x)
+        with torch.no_grad(), attnprobe.capture(model, **options) as full_cap:
+            model(x)
+    assert len(stats_cap) == len(full_cap) > 0
+    for rs, rf in zip(stats_cap, full_cap):
+        assert rs.stats is not None and rs.weights is None, (kind, rs.meta.get("stats_source"))
+        assert_stats_equal(rs.stats, record_stats(rf), where=kind)
+    assert attnprobe.check(stats_cap).ok
+
+
+# --------------------------------------------------------------------------- checks on statistics
+def _stats_only(cap):
+    return [replace(r, weights=None, scores=None, allowed=None, stats=record_stats(r)) for r in cap]
+
+
+def _verdicts(result):
+    out = {}
+    for v in result.violations:
+        if v.check != "softmax_match":
+            out.setdefault((v.check, v.severity, v.layer, v.head, v.batch), set()).update(v.queries)
+    return out
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "own-mask"])
+@pytest.mark.parametrize("mask", [LEFT_PADDED, RIGHT_PADDED], ids=["left", "right"])
+@pytest.mark.parametrize("bug", (None,) + BUGS)
+def test_broken_attention_gets_the_same_verdicts_from_statistics(bug, mask, declared):
+    """Every broken-attention case of the check tests, checked on full records and on their statistics: the same
+    checks fire in the same (layer, head, batch) with the same query positions; softmax_match says why it cannot
+    run on statistics."""
+    torch.manual_seed(0)
+    cap = run_model(TinyTransformer(bug=bug), mask)
+    kw = declarations(mask, CTX_MASK) if declared else {}
+    full, stats = attnprobe.check(cap, **kw), attnprobe.check(_stats_only(cap), **kw)
+    assert _verdicts(stats) == _verdicts(full), (bug, full.table(), stats.table())
+    assert any(s.startswith("softmax_match: statistics only") for s in stats.skipped)
+    assert {c for c, n in stats.coverage.items() if n} == {c for c, n in full.coverage.items() if n} - {"softmax_match"}
+
+
+@pytest.mark.parametrize("bug", [None, "causal_plus_one", "padding_not_masked", "nan_rows", "doubled_scale"])
+def test_a_statistics_capture_checks_like_a_full_one(bug):
+    torch.manual_seed(0)
+    model = TinyTransformer(bug=bug)
+    x, ctx = torch.randn(2, 7, 16), torch.randn(2, 6, 12)
+    full = capture_one(model, x, ctx, LEFT_PADDED, CTX_MASK)
+    stats = capture_one(model, x, ctx, LEFT_PADDED, CTX_MASK, options={"keep": ("stats",)})
+    kw = declarations(LEFT_PADDED, CTX_MASK)
+    assert _verdicts(attnprobe.check(stats, **kw)) == _verdicts(attnprobe.check(full, **kw))
+
+
+# --------------------------------------------------------------------------- frames
+def test_to_frame_and_summary_from_statistics():
+    hf_helpers, model = _hf("llama", "sdpa")
+    batch = hf_helpers.inputs("llama", "left")
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats_cap:
+        model(**batch)
+    with torch.no_grad(), attnprobe.capture(model) as full_cap:
+        model(**batch)
+    frame = stats_cap.to_frame()
+    B, H, T = stats_cap[0].stats["entropy"].shape
+    assert len(frame) == len(stats_cap) * B * H * T
+    assert list(frame.columns[:6]) == ["layer", "name", "call", "head", "batch", "query_pos"]
+    assert not frame.duplicated(["layer", "call", "head", "batch", "query_pos"]).any()
+    a, b = stats_cap.summary(), full_cap.summary()
+    assert a[["layer", "head", "rows"]].equals(b[["layer", "head", "rows"]])
+    for col in ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass",
+                "row_sum_error"):
+        assert ((a[col] - b[col]).abs() <= 1e-5).all(), (col, a[col].tolist(), b[col].tolist())
+
+
+# --------------------------------------------------------------------------- memory
+def _largest_allocation(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+@pytest.mark.parametrize("keep", [("stats",), ("stats", "q", "k", "v", "output")])
+def test_statistics_never_allocate_a_full_query_by_key_tensor(keep):
+    """The profiler's largest single allocation is no larger than the plain forward's own (CPU sdpa allocates a
+    (query x key) bool buffer) and below one head's (query x key) float32 matrix, while a full capture of the same
+    call allocates that (the bound can fail)."""
+    th = pytest.importorskip("torch_helpers")
+    torch.manual_seed(0)
+    T = 512
+    model = th.SdpaBlock(causal=True, kv_heads=2).eval()
+    x = torch.randn(1, T, 16)
+    one_head = T * T * 4
+
+    def run(**options):
+        with torch.no_grad(), attnprobe.capture(model, **options) as cap:
+            model(x)
+        return cap
+
+    cap = run(keep=keep, block_bytes=256 << 10)
+    assert cap[0].stats is not None and attnprobe.check(cap, causal=True).ok
+    plain = _largest_allocation(lambda: model(x))
+    assert plain < one_head
+    assert _largest_allocation(lambda: run(keep=keep, block_bytes=256 << 10)) <= max(plain, one_head // 4)
+    assert _largest_allocation(lambda: run(keep=("weights",))) >= one_head
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_statistics_on_cuda_equal_cpu():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    cpu = attention_stats(AttentionCall(q, k, scaling=8 ** -0.5, v=v, causal=True, output=out), diag_offset=0)
+    gpu = attention_stats(AttentionCall(q.cuda(), k.cuda(), scaling=8 ** -0.5, v=v.cuda(), causal=True,
+                                        output=out.cuda()), diag_offset=0)
+    assert_stats_equal({n: t.cpu() for n, t in gpu.items()}, cpu, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_generation_steps_get_the_statistics_of_the_full_capture(name):
+    """KV-cache steps (one query, query_offset > 0; Mistral's sliding window): the same statistics and verdicts."""
+    hf_helpers, model = _hf(name, "sdpa")
+    batch = hf_helpers.inputs(name, "left")
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats_cap:
+        model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), attnprobe.capture(model) as full_cap:
+        model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len(stats_cap) == len(full_cap) and {r.step for r in stats_cap} == {0, 1, 2}
+    for rs, rf in zip(stats_cap, full_cap):
+        assert_stats_equal(rs.stats, record_stats(rf), where=(rf.layer, rf.step))
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, 3, dtype=torch.long)], 1)
+    kw = {"causal": True, "attention_mask": mask}
+    assert _verdicts(attnprobe.check(stats_cap, **kw)) == _verdicts(attnprobe.check(full_cap, **kw))
+    assert attnprobe.check(stats_cap, **kw).ok
