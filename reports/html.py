@@ -410,12 +410,13 @@ def sort_value(x) -> str:
     return str(x)
 
 
-def render(template: str, **context):
-    """Render ``template`` with the page script and style inlined and a CSP that pins the script.
+def render(template: str, *, script_name: str = "report.js", **context):
+    """Render ``template`` with the page script (``static/<script_name>``) and style inlined and a CSP that pins
+    the script.
 
     Returns an iterator of text chunks (a file is written without holding the whole document twice).
     """
-    script = _static("report.js")
+    script = _static(script_name)
     if "</script" in script.lower() or "<!--" in script:
         raise AssertionError("the report script must not contain '</script' or '<!--'")
     digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
@@ -577,6 +578,8 @@ def to_html(
     With ``path``, an existing file is replaced only with ``overwrite=True``; returns the path.
 
     Records captured under ``generate`` (with ``step``) are shown stitched (``attnprobe.stitch``).
+    A statistics-only capture (``keep=("stats",)``, long inputs) gets the long-input page of ``reports.long``:
+    pooled overviews, per-row statistics along the sequence and exact windows.
 
     Example::
 
@@ -587,6 +590,11 @@ def to_html(
         >>> html.startswith("<!doctype html>")
         True
     """
+    from .long import stats_only, to_html_long
+
+    if stats_only(capture):  # a long input: statistics, pooled overviews and windows, no (query x key) matrix
+        return to_html_long(capture, path, batch=batch, checks=checks, title=title, precision=precision,
+                            overwrite=overwrite)
     started = time.perf_counter()
     if path is not None:
         output_path(path, overwrite=overwrite)  # fail before the work

@@ -341,7 +341,8 @@ def image_path(path, *, overwrite: bool):
     return p, fmt
 
 
-def _save(fig, path, *, overwrite: bool, dpi: float):
+def save_figure(fig, path, *, overwrite: bool, dpi: float):
+    """Write a matplotlib figure to ``path`` (format by suffix; an existing file only with ``overwrite``)."""
     p, fmt = image_path(path, overwrite=overwrite)
     # savefig would add a suffix of its own choosing and replace any file; write exactly here, complete or
     # not at all (an interrupted or failed write leaves the old file, if any, as it was)
@@ -362,17 +363,23 @@ def save_heatmap(record: AttentionRecord, path, head: int | None = None, *, figs
     image_path(path, overwrite=overwrite)  # fail before drawing
     fig = Figure(figsize=figsize, layout="constrained")
     heatmap(record, head, ax=fig.add_subplot(), **options)
-    return _save(fig, path, overwrite=overwrite, dpi=dpi)
+    return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
 
 
 def save_grid(capture, path, *, figsize=None, dpi: float = 100, overwrite: bool = False, **options):
-    """Write ``head_grid(capture, **options)`` to ``path``; returns the path."""
+    """Write ``head_grid(capture, **options)`` to ``path``; returns the path. A statistics-only capture (long
+    inputs, no weights) is drawn by ``reports.long.save_long_grid`` (pooled overviews and exact windows)."""
     from matplotlib.figure import Figure
+
+    from .long import save_long_grid, stats_only
+
+    if stats_only(capture):
+        return save_long_grid(capture, path, batch=options.get("batch", 0), dpi=dpi, overwrite=overwrite)
 
     image_path(path, overwrite=overwrite)
     fig = None if figsize is None else Figure(figsize=figsize, layout="constrained")
     fig = head_grid(capture, fig=fig, **options)
-    return _save(fig, path, overwrite=overwrite, dpi=dpi)
+    return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
 
 
 def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsize=None, dpi: float = 100,
@@ -393,4 +400,4 @@ def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsiz
         summary_plot(frame, column, ax=ax, **options)
     for ax in axes[len(columns):]:
         ax.set_axis_off()
-    return _save(fig, path, overwrite=overwrite, dpi=dpi)
+    return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
