@@ -201,8 +201,10 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None, *, stats=No
         "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
         "keep": keep,
     }
+    note = None
     if stats is None:
-        stats = switch_to_stats(work, options, max_bytes)
+        note = switch_to_stats(work, options, max_bytes)
+        stats = note is not None
     if stats:
         options["keep"] = ("stats",)
         if overview is not None:
@@ -221,6 +223,8 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None, *, stats=No
         raise
     except Exception as exc:
         blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
+    if note is not None:  # after the capture: an error stays one line
+        click.echo(note, err=True)
     return cap
 
 
@@ -231,19 +235,18 @@ def capture_limit(options, max_bytes_text) -> tuple[int | None, str]:
     return available_memory(), "the memory available on this machine"
 
 
-def switch_to_stats(work, options, max_bytes_text) -> bool:
-    """Whether a full capture of this input would pass the limit; if so, say on stderr (one line) that the
-    statistics mode is used instead."""
+def switch_to_stats(work, options, max_bytes_text) -> str | None:
+    """When a full capture of this input would pass the limit: the line that says the statistics mode is used
+    instead (``run_capture`` prints it on stderr once the capture worked); else None."""
     from .probe.selection import format_bytes
 
     need = planned_attention_bytes(work, options)
     limit, what = capture_limit(options, max_bytes_text)
     if limit is None or need <= limit:
-        return False
-    click.echo(f"attnprobe: a full capture of this input needs at least {format_bytes(need)}, more than {what} "
-               f"({format_bytes(limit)}): using the statistics mode (--stats: per-row statistics computed "
-               "blockwise, no query x key matrix)", err=True)
-    return True
+        return None
+    return (f"attnprobe: a full capture of this input needs at least {format_bytes(need)}, more than {what} "
+            f"({format_bytes(limit)}): used the statistics mode (--stats: per-row statistics computed blockwise, "
+            "no query x key matrix; --full refuses instead)")
 
 
 def statistics_overview(work, heads, windows, cells):
