@@ -13,10 +13,36 @@ last may be shorter); the mean divides by the entries a cell really has.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Pooler", "cell_size", "pool_weights"]
+__all__ = ["Overview", "Pooler", "cell_size", "pool_weights"]
+
+
+@dataclass(frozen=True)
+class Overview:
+    """What a statistics capture also keeps of the weights, still without a ``(query x key)`` tensor:
+    the weights pooled (max and mean) to at most ``cells`` x ``cells`` cells (``OVERVIEW_STATS``), and the exact
+    weights of a few ``windows`` ``(q0, q1, k0, k1)`` (query rows ``q0:q1`` x keys ``k0:k1``, as
+    ``window_<i>``). Both are computed block by block from the engine's exact weights (``pooling.py``)."""
+
+    cells: int | None = 512
+    windows: tuple[tuple[int, int, int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.cells is not None and (isinstance(self.cells, bool) or not isinstance(self.cells, int)
+                                       or self.cells < 1):
+            raise ValueError(f"Overview cells must be a positive int, got {self.cells!r}")
+        windows = []
+        for w in self.windows:
+            w = tuple(w)
+            if len(w) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in w) \
+                    or w[0] >= w[1] or w[2] >= w[3]:
+                raise ValueError(f"an Overview window is (q0, q1, k0, k1) with 0 <= q0 < q1 and 0 <= k0 < k1, "
+                                 f"got {w!r}")
+            windows.append(w)
+        object.__setattr__(self, "windows", tuple(windows))
 
 
 def cell_size(length: int, cells: int | None) -> int:
@@ -58,7 +84,7 @@ def _pool_axis(t: torch.Tensor, start: int, size: int, dim: int, op: str) -> tup
 class Pooler:
     """Accumulates exact weight blocks into ``overview_max``/``overview_mean`` and ``window_<i>`` tensors.
 
-    ``overview``: a ``probe.stats.Overview`` (``cells``, ``windows``). Windows are clipped to ``(Tq, Tk)``
+    ``overview``: an ``Overview`` (``cells``, ``windows``). Windows are clipped to ``(Tq, Tk)``
     (``windows`` holds the clipped bounds).
     """
 
@@ -130,7 +156,6 @@ def pool_weights(weights: torch.Tensor, overview, *, rows_per_block: int | None 
 
     Example::
 
-        >>> from attnprobe.probe.stats import Overview
         >>> w = torch.arange(16.0).view(1, 1, 4, 4)
         >>> out = pool_weights(w, Overview(cells=2, windows=((1, 2, 0, 4),)))
         >>> out["overview_max"][0, 0].tolist(), out["overview_mean"][0, 0].tolist(), out["window_0"][0, 0].tolist()

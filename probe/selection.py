@@ -204,7 +204,7 @@ class Selection:
             raise SelectionError(f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
                                  f"as '32MB', got {block_bytes!r}")
         if overview is not None:
-            from .stats import Overview
+            from .pooling import Overview
 
             if isinstance(overview, int) and not isinstance(overview, bool):
                 overview = Overview(cells=overview)

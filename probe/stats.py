@@ -35,14 +35,13 @@ verdicts). Everything is O(T).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
 import torch
 
 from .attention_math import AttentionCall, sink_logsumexp
-from .pooling import Pooler
+from .pooling import Overview, Pooler  # noqa: F401  (Overview: part of this module's interface)
 
 #: Statistics with one value per (batch, head, query), in order.
 ROW_STATS: tuple[str, ...] = (
@@ -172,31 +171,6 @@ class _Rows:
             out["output_error"], out["output_scale"] = nan, nan.clone()
         out["finite"] = finite
         return out
-
-
-@dataclass(frozen=True)
-class Overview:
-    """What a statistics capture also keeps of the weights, still without a ``(query x key)`` tensor:
-    the weights pooled (max and mean) to at most ``cells`` x ``cells`` cells (``OVERVIEW_STATS``), and the exact
-    weights of a few ``windows`` ``(q0, q1, k0, k1)`` (query rows ``q0:q1`` x keys ``k0:k1``, as
-    ``window_<i>``). Both are computed block by block from the engine's exact weights (``pooling.py``)."""
-
-    cells: int | None = 512
-    windows: tuple[tuple[int, int, int, int], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.cells is not None and (isinstance(self.cells, bool) or not isinstance(self.cells, int)
-                                       or self.cells < 1):
-            raise ValueError(f"Overview cells must be a positive int, got {self.cells!r}")
-        windows = []
-        for w in self.windows:
-            w = tuple(w)
-            if len(w) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in w) \
-                    or w[0] >= w[1] or w[2] >= w[3]:
-                raise ValueError(f"an Overview window is (q0, q1, k0, k1) with 0 <= q0 < q1 and 0 <= k0 < k1, "
-                                 f"got {w!r}")
-            windows.append(w)
-        object.__setattr__(self, "windows", tuple(windows))
 
 
 def _rows_per_block(B: int, h: int, keys: int, itemsize: int, block_bytes: int) -> int:

@@ -552,6 +552,47 @@ def input_facts(records: list[AttentionRecord], batch: int, data: ReportData, to
     }
 
 
+def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bool | None = True,
+                 title: str | None = None, precision: str = "exact", overwrite: bool = False):
+    """The HTML report of a statistics-only capture (see the module doc); ``to_html`` calls it for one."""
+    from .long import build_long_data, stats_only
+
+    started = time.perf_counter()
+    check_precision(precision)
+    if path is not None:
+        output_path(path, overwrite=overwrite)
+    records = list(capture)
+    if not stats_only(capture):
+        raise AttnprobeError("to_html_long takes a statistics-only capture (keep=('stats',)); use to_html")
+    if checks is True:
+        from ..probe.checks import check
+
+        checks = check(capture)
+    blobs = encoding.Blobs()
+    try:
+        data = build_long_data(records, batch, precision, blobs)
+        ids = blobs.results()
+    except BaseException:
+        blobs.close()
+        raise
+    model = capture.info.get("model_class", "model")
+    chunks = render(
+        "long.html.j2",
+        script_name="long.js",
+        title=title or f"attnprobe report: {model}",
+        info=describe_info(capture.info),
+        records=data,
+        batch=batch,
+        precision=precision,
+        checks_text=None if not checks else checks.table(),
+        checks_ok=None if not checks else checks.ok,
+        meta_json=script_json({"records": data, "precision": precision}),
+        blobs=ids,
+        elapsed=time.perf_counter() - started,
+    )
+    return write_or_return(chunks, path, overwrite)
+
+
 def to_html(
     capture,
     path=None,
@@ -590,7 +631,7 @@ def to_html(
         >>> html.startswith("<!doctype html>")
         True
     """
-    from .long import stats_only, to_html_long
+    from .long import stats_only
 
     if stats_only(capture):  # a long input: statistics, pooled overviews and windows, no (query x key) matrix
         return to_html_long(capture, path, batch=batch, checks=checks, title=title, precision=precision,

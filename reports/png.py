@@ -371,7 +371,7 @@ def save_grid(capture, path, *, figsize=None, dpi: float = 100, overwrite: bool 
     inputs, no weights) is drawn by ``reports.long.save_long_grid`` (pooled overviews and exact windows)."""
     from matplotlib.figure import Figure
 
-    from .long import save_long_grid, stats_only
+    from .long import stats_only
 
     if stats_only(capture):
         return save_long_grid(capture, path, batch=options.get("batch", 0), dpi=dpi, overwrite=overwrite)
@@ -400,4 +400,48 @@ def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsiz
         summary_plot(frame, column, ax=ax, **options)
     for ax in axes[len(columns):]:
         ax.set_axis_off()
+    return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
+
+
+def save_long_grid(capture, path, *, batch: int = 0, dpi: float = 100, overwrite: bool = False):
+    """PNG of a statistics-only capture: per head its pooled overview (mean weight, log colour scale; axes in
+    token positions) and, for each window the capture holds, the window's exact weights. Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+
+    from .long import stats_only, windows_of
+
+    image_path(path, overwrite=overwrite)  # fail before drawing
+    records = list(capture)
+    if not stats_only(capture):
+        raise AttnprobeError("save_long_grid takes a statistics-only capture (keep=('stats',))")
+    panels = []
+    for r in records:
+        check_batch(r, batch)
+        for i, head in enumerate(r.heads):
+            if "overview_mean" in r.stats:
+                q_len, k_len = int(r.stats["entropy"].shape[2]), int(r.stats["key_weight"].shape[2])
+                panels.append((f"L{r.layer} H{head} mean (pooled)", r.stats["overview_mean"][batch, i],
+                               (0, q_len, 0, k_len)))
+            for w, (q0, q1, k0, k1) in enumerate(windows_of(r)):
+                panels.append((f"L{r.layer} H{head} q{q0}:{q1} k{k0}:{k1}", r.stats[f"window_{w}"][batch, i],
+                               (q0, q1, k0, k1)))
+    if not panels:
+        raise AttnprobeError("nothing to draw: the capture has no overview or window (capture with overview=)")
+    cols = min(8, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(2.2 * cols, 2.2 * rows), layout="constrained")
+    for n, (label, t, window) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, n + 1)
+        a = t.float().numpy()
+        positive = a[a > 0]
+        norm = LogNorm(vmin=max(float(positive.min()), 1e-8), vmax=float(positive.max())) if positive.size else None
+        extent = (window[2] - 0.5, window[3] - 0.5, window[1] - 0.5, window[0] - 0.5)  # token positions
+        ax.imshow(np.where(a > 0, a, np.nan), cmap="viridis", norm=norm, interpolation="nearest", aspect="auto",
+                  extent=extent)
+        ax.set_title(label, fontsize=7)
+        ax.tick_params(labelsize=6)
     return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
