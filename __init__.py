@@ -26,6 +26,8 @@ _EXPORTS = {
     "attention_modules": ".hooks.api",
     "capture": ".hooks.api",
     "run": ".hooks.api",
+    "scan": ".hooks.api",
+    "monitor": ".hooks.api",
     "stitch": ".probe.generation",
     "load": ".probe.capture",
     "AttnprobeError": ".probe.errors",
@@ -47,11 +49,13 @@ _EXPORTS = {
     "token_strings": ".hooks.hf_tokens",
 }
 _SUBPACKAGES = ("reports",)
+#: public modules whose code lives in a room: attnprobe.heads is hooks/heads.py
+_MODULES = {"heads": ".hooks.heads", "integrations": ".hooks.integrations"}
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .hooks.api import attention_modules, capture, run
+    from .hooks.api import attention_modules, capture, monitor, run, scan
     from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError
@@ -78,10 +82,14 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
         globals()[name] = value  # resolve once
         return value
+    if name in _MODULES:
+        module = importlib.import_module(_MODULES[name], __name__)
+        globals()[name] = module
+        return module
     if name in _SUBPACKAGES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'attnprobe' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES) | set(_MODULES))

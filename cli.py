@@ -59,9 +59,10 @@ class Progress:
             self.bar.close()
 
 
-#: OS errors that are about the place the user chose (full disk, no permission, name too long): exit 2.
+#: OS errors that are about the place the user chose (full disk, no permission, name too long, a failing
+#: device): exit 2.
 USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
-                  errno.ENAMETOOLONG}
+                  errno.ENAMETOOLONG, errno.EIO}
 
 
 def handle_errors(fn):
@@ -96,8 +97,8 @@ def handle_errors(fn):
             if isinstance(exc, known):
                 raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
             if isinstance(exc, OSError) and exc.errno in USER_OS_ERRORS:  # the place, not attnprobe
-                where = f" {exc.filename}" if exc.filename else ""
-                raise UsageProblem(f"cannot use{where}: {exc.strerror or exc}") from None
+                what = f"cannot use {exc.filename}" if exc.filename else "the system refused"
+                raise UsageProblem(f"{what}: {exc.strerror or exc}") from None
             click.echo(
                 f"attnprobe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
                 err=True,
@@ -105,6 +106,12 @@ def handle_errors(fn):
             sys.exit(3)
 
     return wrapper
+
+
+modules_option = click.option(
+    "--modules", "modules",
+    help="Hand-written attention to read: module names from named_modules(), e.g. blocks.0.attn,blocks.1.attn, "
+         "or 'auto' to trace every module (slower); as capture(model, modules=...). `attnprobe info` lists candidates.")
 
 
 TRUST_REMOTE_CODE = click.option(
@@ -157,6 +164,7 @@ def model_and_input_options(fn):
         click.option("--ids", "ids", multiple=True, help="Token ids '101 2023 102' (models without a tokenizer); repeatable."),
         click.option("--layers", help="Attention layers, e.g. 0-3,7; negative ones count from the end: --layers=-2--1 (default: all)."),
         click.option("--heads", help="Heads, e.g. 0,5 (default: all)."),
+        modules_option,
         click.option("--device", help="Device to run on, e.g. cpu or cuda:0 (default: the model's)."),
         click.option("--dtype", help="Run the model in float32, float16, bfloat16 or float64."),
         click.option("--max-bytes", help="Fail early instead of storing more than this, e.g. 500MB."),
@@ -185,14 +193,16 @@ def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress
     )
 
 
-def run_capture(work, layers, heads, max_bytes, progress, keep=None, *, stats=None, overview=None):
+def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=None, *, stats=None, overview=None):
     """Capture the workload. ``stats``: True = statistics mode (``keep=("stats",)``, nothing grows as query x key),
     None = switch to it by itself (one line on stderr) when a full capture cannot fit --max-bytes (or the memory
     available), False = never. ``overview``: the ``Overview`` a statistics report also keeps."""
+    import warnings
+
     import attnprobe
 
     from .probe import loading
-    from .probe.errors import AttnprobeError, CaptureBudgetError, SelectionError
+    from .probe.errors import AttnprobeError, CaptureBudgetError, SelectionError, UnsupportedModelError
     from .probe.selection import parse_bytes
 
     options = {
@@ -200,6 +210,7 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None, *, stats=No
         "heads": loading.parse_int_list(heads, "--heads"),
         "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
         "keep": keep,
+        "modules": loading.parse_modules(modules),
     }
     note = None
     if stats is None:
@@ -212,14 +223,23 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None, *, stats=No
     check_input_size(work, options, max_bytes)
     progress.stage("capturing attention")
     try:
-        _, cap = attnprobe.run(work.model, work.inputs, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, cap = attnprobe.run(work.model, work.inputs, **options)
+        if options["modules"] is None and not cap.info.get("attention_modules"):
+            raise UsageProblem(no_attention_advice(work.model, work.source))  # instead of the Python advice
+        for w in caught:  # the rest as they came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except CaptureBudgetError as exc:  # the library's advice names Python arguments (keep=, dtype=) a CLI user lacks
         what = str(exc).split(". Select", 1)[0]
         raise UsageProblem(f"{what}; select fewer layers (--layers) or heads (--heads), or raise --max-bytes") from None
     except SelectionError as exc:
-        raise UsageProblem(str(exc).replace("attnprobe.attention_modules(model) lists them",
-                                            "`attnprobe info` lists them")) from None
-    except AttnprobeError:
+        raise UsageProblem(cli_selection_message(exc, work.model)) from None
+    except UnsupportedModelError as exc:
+        if not str(exc).startswith("no attention found"):
+            raise
+        raise UsageProblem(no_attention_advice(work.model, work.source)) from None
+    except (AttnprobeError, click.ClickException):
         raise
     except Exception as exc:
         blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
@@ -268,6 +288,35 @@ def statistics_overview(work, heads, windows, cells):
         n, m = min(128, length), min(128, key_length)
         chosen = tuple(dict.fromkeys([(0, n, 0, m), (length - n, length, key_length - m, key_length)]))
     return Overview(cells=cells or default_cells(work, heads), windows=chosen)
+
+
+def cli_selection_message(exc: Exception, model) -> str:
+    """A SelectionError in command-line words; a module name that is not in the model lists the candidates."""
+    from .probe.candidates import softmax_modules
+
+    text = (str(exc).replace("attnprobe.attention_modules(model) lists them", "`attnprobe info` lists them")
+            .replace("modules=:", "--modules:").replace("model.named_modules()", "named_modules()"))
+    if text.startswith("--modules:") and "is not a module" in text:
+        found = [c.name or "<root>" for c in softmax_modules(model)]
+        if found:
+            text += f"; modules whose code calls softmax: {','.join(found[:8])}" + (" ..." if len(found) > 8 else "")
+    return text
+
+
+def no_attention_advice(model, source: str) -> str:
+    """One line for a model with no attention attnprobe reads by itself: the --modules to pass, with candidates."""
+    from .probe.candidates import softmax_modules
+
+    found = softmax_modules(model)
+    head = (f"no attention found in {source} ({type(model).__name__}) that attnprobe reads by itself "
+            "(its own modules, Hugging Face attention, torch.nn.MultiheadAttention, visible sdpa calls)")
+    if not found:
+        return head + "; no module's code calls softmax either: name the modules that compute attention with " \
+                      "--modules NAME[,NAME...], or trace every module with --modules auto"
+    names = ",".join(c.name or "<root>" for c in found[:8])
+    return (head + f"; hand-written softmax attention is read when named: --modules {names}"
+            + (f" (and {len(found) - 8} more: `attnprobe info` lists them)" if len(found) > 8 else "")
+            + " or --modules auto")
 
 
 def planned_attention_bytes(work, options) -> int:
@@ -395,34 +444,47 @@ def main() -> None:
 
 @main.command()
 @click.argument("model", required=False)
+@modules_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @TRUST_REMOTE_CODE
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 @handle_errors
-def info(model, fmt, trust_remote_code, quiet, debug):
+def info(model, modules, fmt, trust_remote_code, quiet, debug):
     """List the attention modules of MODEL: layers, heads (query / kv), backend, capture strategy.
 
     A model folder is read from its config alone (on the meta device): no weights are loaded.
+    When attnprobe finds no attention it reads by itself, the modules whose code computes a softmax
+    are listed as candidates for --modules (hand-written attention).
 
     \b
     Examples:
       attnprobe info
       attnprobe info ./my-bert
       attnprobe info mypkg.models:tiny_gpt --format json
+      attnprobe info mypkg.models:nanogpt --modules transformer.h.0.attn,transformer.h.1.attn
     """
     import attnprobe
 
+    from .hooks import default_adapters
     from .probe import loading
+    from .probe.candidates import softmax_modules
 
     progress = Progress(2, quiet)
     try:
         progress.stage("loading model")
         net, _, source = loading.load_model(model, trust_remote_code=trust_remote_code, weights=False)
         progress.stage("finding attention")
-        found = attnprobe.attention_modules(net)
+        names = loading.parse_modules(modules)
+        try:
+            found = attnprobe.attention_modules(net, adapters=None if names is None else default_adapters(modules=names))
+        except attnprobe.SelectionError as exc:
+            raise UsageProblem(cli_selection_message(exc, net)) from None
     finally:
         progress.close()
+    read = [m.name for m in found]
+    candidates = [c for c in softmax_modules(net)
+                  if not any(c.name == n or c.name.startswith(n + ".") or not n for n in read)]
     config = getattr(net, "config", None)
     backend = getattr(config, "_attn_implementation", None)
     if fmt == "json":
@@ -431,21 +493,39 @@ def info(model, fmt, trust_remote_code, quiet, debug):
             "class": type(net).__name__,
             "backend": backend,
             "attention_modules": [m.__dict__ for m in found],
+            "candidates": [c.__dict__ for c in candidates],
+            "traced_at_run_time": names == "auto",
         }, indent=2))
         return
     click.echo(f"model:    {source}")
     click.echo(f"class:    {type(net).__name__}" + (f" (attention implementation: {backend})" if backend else ""))
     click.echo(f"layers:   {len(found)} attention module(s)")
-    if not found:
-        click.echo("no attention module found; direct scaled_dot_product_attention calls or hand-written "
-                   "attention are found only while the model runs")
-        return
-    rows = [("layer", "name", "class", "heads q/kv", "strategy")]
-    for m in found:
-        rows.append((str(m.layer), m.name or "<root>", m.module_class, f"{m.num_heads}/{m.num_kv_heads}", m.strategy))
+    if names == "auto":
+        click.echo("--modules auto: every module is traced while the model runs; hand-written attention is "
+                   "numbered then (check, report and export show it)")
+    if found:
+        rows = [("layer", "name", "class", "heads q/kv", "strategy")]
+        for m in found:
+            heads = "?" if m.num_heads is None else f"{m.num_heads}/{m.num_kv_heads}"  # traced: known once it runs
+            rows.append((str(m.layer), m.name or "<root>", m.module_class, heads, m.strategy))
+        echo_table(rows)
+    if candidates and (not found or names is None):
+        click.echo(("no attention module found that attnprobe reads by itself; " if not found else "also ")
+                   + "these modules compute a softmax in their code (hand-written attention?):")
+        echo_table([("name", "class", "softmax at")] + [(c.name or "<root>", c.module_class, c.where) for c in candidates],
+                   indent="  ")
+        listed = ",".join(c.name or "<root>" for c in candidates)
+        click.echo(f"read them with --modules {listed} (or --modules auto), in check, report, export and info")
+    elif not found and names != "auto":
+        click.echo("no attention module found, and no module's code calls softmax; direct scaled_dot_product_attention "
+                   "calls are found only while the model runs (check, report, export); for attention reached "
+                   "indirectly use --modules auto")
+
+
+def echo_table(rows: list[tuple[str, ...]], indent: str = "") -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        click.echo(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 @main.command()
@@ -453,13 +533,15 @@ def info(model, fmt, trust_remote_code, quiet, debug):
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output file: .parquet or .csv.")
 @click.option("--what", type=click.Choice(["frame", "summary"]), default="frame", show_default=True,
               help="The tidy frame (one row per layer, head, batch, query, key) or the per-head summary.")
+@click.option("--drop-padding", is_flag=True, help="Leave out the rows of padded queries (frame only; the "
+              "query_padding column marks them otherwise).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--raw-csv", is_flag=True,
               help="Write text cells as they are. By default a CSV text cell starting with =, +, -, @, tab or CR "
                    "gets a leading ' so that a spreadsheet shows it instead of evaluating it.")
 @handle_errors
-def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
-           out, what, overwrite, raw_csv):
+def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, trust_remote_code,
+           quiet, debug, out, what, drop_padding, overwrite, raw_csv):
     """Capture MODEL on the input and write the tidy frame or the per-head summary.
 
     \b
@@ -470,6 +552,8 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     """
     from .probe.frames import write_frame
 
+    if drop_padding and what != "frame":
+        raise UsageProblem("--drop-padding applies to --what frame; the summary leaves padded rows out already")
     out_path = checked_name(out)
     if out.endswith(("/", os.sep)):  # Path() drops the slash: "x.csv/" would become the file x.csv
         raise UsageProblem(f"--out {out!r} ends with a slash (a folder); export writes one file: "
@@ -483,15 +567,27 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         keep = ["scores", "weights"] if what == "frame" else ["weights"]
-        cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep)
+        cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep, modules=modules)
         progress.stage("building frame")
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tokens, key_tokens = token_labels(work)
-        frame = cap.to_frame(tokens=tokens, key_tokens=key_tokens) if what == "frame" else cap.summary()
+        if what == "frame":
+            frame = cap.to_frame(tokens=tokens, key_tokens=key_tokens, drop_padding=drop_padding)
+        else:
+            frame = cap.summary()  # padded rows are never in the summary's means
         written = write_frame(frame, out_path, overwrite=overwrite, formula_safe=not raw_csv)
     finally:
         progress.close()
     click.echo(f"wrote {written} ({len(frame):,} rows, {what})")
+
+
+def report_format(out: str | None, fmt: str | None) -> str:
+    """--format, or when it is not given the one --out names: .png -> png, anything else -> html."""
+    if fmt is not None:
+        return fmt
+    if out is not None and not out.endswith(("/", os.sep)) and Path(out).suffix.lower() == ".png":
+        return "png"
+    return "html"
 
 
 def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path]:
@@ -508,7 +604,8 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
         targets = {"html": path}
     elif suffix == ".png":
         if fmt != "png":
-            raise UsageProblem(f"--out {out!r} is a PNG file: use --format png, or give a folder")
+            raise UsageProblem(f"--out {out!r} is a PNG file but --format {fmt} asks for HTML: leave --format out, "
+                               "or give a folder")
         targets = {"grid": path}
     elif suffix:
         raise UsageProblem(f"--out {out!r}: give a .html file, a .png file or a folder")
@@ -567,8 +664,11 @@ def check_output(target: Path, overwrite: bool) -> None:
 @main.command()
 @model_and_input_options
 @click.option("--out", help="An .html file, a .png file, or a folder (default: attnprobe-report.html).")
-@click.option("--format", "fmt", type=click.Choice(["html", "png", "all"]), default="html", show_default=True)
-@click.option("--batch", type=int, default=0, show_default=True, help="Batch row to show.")
+@click.option("--format", "fmt", type=click.Choice(["html", "png", "all"]),
+              help="What to write (default: what --out names: NAME.png a PNG grid, NAME.html or a folder the HTML "
+                   "report; all = HTML and PNGs into a folder).")
+@click.option("--batch", type=int, help="The one batch row to show (default: every row in the HTML, up to 8, with a "
+              "selector; row 0 in the PNG grid).")
 @click.option("--precision", type=click.Choice(["exact", "bfloat16"]), default="exact", show_default=True,
               help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
@@ -580,8 +680,8 @@ def check_output(target: Path, overwrite: bool) -> None:
               help="Statistics mode: pool each head's weights to at most this many cells a side (max and mean; "
                    "default 512 for up to 2 heads, 256 up to 8, 128 beyond). Implies --stats.")
 @handle_errors
-def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
-           out, fmt, batch, precision, overwrite, stats, windows, cells):
+def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, trust_remote_code,
+           quiet, debug, out, fmt, batch, precision, overwrite, stats, windows, cells):
     """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
 
     \b
@@ -590,7 +690,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
       attnprobe report --text "The cat sat." --text "Hi" --out cats.html
       attnprobe report ./my-gpt2 --layers 0-3 --heads 0,5 --format all --out gpt2-report
       attnprobe report ./my-t5 --text "translate: hi" --decoder-text "<pad> hallo"
-      attnprobe report mypkg.models:tiny --ids "1 5 9 2" --format png --out heads.png
+      attnprobe report mypkg.models:tiny --ids "1 5 9 2" --out heads.png   # the format from the suffix
       attnprobe report ./my-llama --file long.txt --stats --window 4000:4100,0:200 --format all
 
     A long input (or --stats) gives a statistics report: per head the weights pooled to at most --cells cells,
@@ -602,6 +702,7 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
 
     from . import reports
 
+    fmt = report_format(out, fmt)
     if precision != "exact" and fmt == "png":
         raise UsageProblem("--precision sets how values are stored in the HTML report; --format png writes no HTML "
                            "(use --format all, or leave --precision out)")
@@ -610,14 +711,14 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         n_rows = len(next(iter(work.inputs.values())))
-        if not 0 <= batch < n_rows:
+        if batch is not None and not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
         if (windows or cells is not None) and stats is False:
             raise UsageProblem("--window and --cells belong to the statistics mode; leave out --full")
         if windows or cells is not None:
             stats = True
         overview = statistics_overview(work, heads, windows, cells)
-        cap = run_capture(work, layers, heads, max_bytes, progress, stats=stats, overview=overview)
+        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats, overview=overview)
         if len(cap) == 0:
             raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
         tokens, key_tokens = token_labels(work)
@@ -639,7 +740,8 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
                                            precision=precision, overwrite=overwrite,
                                            title=f"attnprobe report: {work.source}"))
         if "grid" in targets:
-            written.append(reports.save_grid(cap, targets["grid"], batch=batch, overwrite=overwrite))
+            written.append(reports.save_grid(cap, targets["grid"], batch=batch or 0, overwrite=overwrite, tokens=tokens,
+                                             key_tokens=key_tokens))
         if "summary" in targets:
             written.append(reports.save_summary(cap, targets["summary"], overwrite=overwrite))
     finally:
@@ -658,8 +760,8 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, device, d
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @STATS_OPTION
 @handle_errors
-def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dtype, max_bytes, trust_remote_code, quiet, debug,
-          causal, check_names, fmt, stats):
+def check(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, trust_remote_code,
+          quiet, debug, causal, check_names, fmt, stats):
     """Capture MODEL on the input and check attention invariants (for CI).
 
     Exit code 0 when clean, 1 when an invariant is violated or nothing could be verified (for example
@@ -688,7 +790,7 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
     progress = Progress(4, quiet)
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
-        cap = run_capture(work, layers, heads, max_bytes, progress, stats=stats)
+        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats)
         progress.stage("checking")
         declared_causal, declared_mask = declarations(work, cap, causal)
         with warnings.catch_warnings(record=True) as caught:
@@ -706,6 +808,7 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, device, dt
             "checks": list(result.checks),
             "violations": [_violation_json(v) for v in result.violations],
             "skipped": list(result.skipped),
+            "declarations": list(result.declarations),
             "warnings": notes,
         }, indent=2))
     else:
@@ -768,6 +871,52 @@ def token_labels(work):
     if work.is_encoder_decoder:
         return work.decoder_tokens, work.tokens
     return work.tokens, None
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--data", "data", required=True, type=click.Path(exists=True),
+              help="Inputs: .txt (one per line), .jsonl, .csv, .parquet, or a datasets save_to_disk folder.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the Parquet dataset.")
+@click.option("--field", help="The text field of .jsonl (default: text), .csv, .parquet or a datasets folder.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Inputs per forward (padded).")
+@click.option("--max-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
+@click.option("--layers", help="Attention layers, e.g. 0-3,7 (default: all).")
+@click.option("--heads", help="Heads, e.g. 0,5 (default: all).")
+@click.option("--limit", type=click.IntRange(min=1), help="Scan only the first N inputs.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Inputs per Parquet file (an interrupted scan loses at most one chunk).")
+@click.option("--resume", is_flag=True, help="Skip the chunks already written in OUT.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
+@handle_errors
+def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, chunk_size, resume, quiet, debug):
+    """Per-head attention statistics of MODEL over every input of --data, to a Parquet dataset in --out.
+
+    One row per input, layer and head: each statistic averaged over the input's real query rows, plus
+    row-level extremes (entropy_min, max_score_max, ...). No (query x key) tensor is stored, so memory stays
+    flat in the number of inputs. Runs unchanged under `accelerate launch --num_processes N -m attnprobe scan` and `torchrun`
+    (each process scans its own chunks).
+
+    \b
+    Examples:
+      attnprobe scan --data sentences.txt --out scan/
+      attnprobe scan ./my-bert --data data.jsonl --field text --batch-size 32 --max-length 128 --out scan/
+      duckdb -c "SELECT layer, head, avg(entropy) FROM 'scan/*.parquet' GROUP BY ALL"
+    """
+    import attnprobe
+
+    from .probe import loading
+
+    net, tokenizer, source = loading.load_model(model)
+    if tokenizer is None:
+        raise UsageProblem(f"{source} has no tokenizer: a scan reads texts (give a model folder with its tokenizer)")
+    result = attnprobe.scan(net, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
+                            max_length=max_length, layers=loading.parse_int_list(layers, "layers"),
+                            heads=loading.parse_int_list(heads, "heads"), limit=limit, resume=resume,
+                            chunk_size=chunk_size, progress=not quiet)
+    skipped = f", {result.chunks_skipped} chunk(s) already there" if result.chunks_skipped else ""
+    click.echo(f"scanned {result.inputs} input(s) into {result.out}/ ({result.chunks_written} chunk(s) written{skipped})")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -55,11 +55,11 @@ class capture:
 
     ``layers``: attention layer numbers (ints, negative from the end; None = all, [] = none).
     ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
-    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all), and ``"stats"`` for per-row
-    statistics (``record.stats``, ``attnprobe.probe.stats``) computed blockwise without a (query, key) tensor;
-    ``block_bytes`` is the memory target of one block (default ``probe.stats.DEFAULT_BLOCK_BYTES``);
-    ``overview`` (with ``"stats"``: a number of cells, or a ``probe.stats.Overview`` with exact windows) also keeps
-    the weights pooled to at most that many cells a side (``record.stats["overview_max"]``/``["overview_mean"]``).
+    ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all), and ``"stats"``: per-row
+    statistics in ``record.stats``, computed blockwise without storing any (query x key) tensor
+    (``block_bytes``: the memory target of one block); ``overview`` (with ``"stats"``: a number of cells, or a
+    ``probe.pooling.Overview`` with exact windows) also keeps the weights pooled to at most that many cells a side
+    (``record.stats["overview_max"]``/``["overview_mean"]``) and the windows' exact weights (``["window_<i>"]``).
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
@@ -88,8 +88,7 @@ class capture:
     """
 
     def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None, store=None, overwrite: bool = False, block_bytes=None,
-                 overview=None):
+                 modules=None, block_bytes=None, store=None, overwrite: bool = False, overview=None):
         self._session = CaptureSession(
             model,
             Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes,
@@ -131,3 +130,57 @@ def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[A
             else:
                 output = model(inputs)
     return output, cap
+
+
+def scan(model: nn.Module, data, out, *, tokenizer=None, field: str | None = None, batch_size: int = 16,
+         max_length: int | None = None, layers=None, heads=None, limit: int | None = None, resume: bool = False,
+         chunk_size: int = 256, progress: bool = True):
+    """Per-head statistics of ``model`` over every input of ``data``, written to a Parquet dataset in ``out``.
+
+    ``data``: a ``.txt`` file (one input per line), ``.jsonl`` (``field``, default ``text``), ``.csv`` or
+    ``.parquet`` (``field``), a folder saved by ``datasets``' ``save_to_disk``, or a list of texts.
+    Inputs are tokenized by ``tokenizer`` in padded batches of ``batch_size`` (truncated to ``max_length``)
+    and run under ``capture(keep=("stats",))``: memory stays flat in the number of inputs, and no
+    (query x key) tensor is stored. Each input gets one row per (layer, head): the mean of every statistic
+    over its real query rows, and the row-level extremes (``entropy_min``, ``max_score_max``, ...).
+    ``out/part-NNNNN.parquet`` holds ``chunk_size`` inputs each; ``resume=True`` skips chunks already
+    written. Under ``accelerate launch`` / ``torchrun`` each process scans its own chunks.
+    Returns a ``ScanResult`` (``.to_frame()`` reads the whole scan).
+    """
+    from ..probe.scan import run_scan
+
+    return run_scan(capture, model, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
+                    max_length=max_length, layers=layers, heads=heads, limit=limit, resume=resume,
+                    chunk_size=chunk_size, progress=progress)
+
+
+def monitor(model: nn.Module, *, every: int = 100, layers=None, heads=None, log_dir=None, alerts=None,
+            raise_on=(), block_bytes: int | None = None):
+    """Watch ``model``'s attention while it trains: per-head statistics on every ``every``-th forward call.
+
+    A context manager (and an object with ``close()``). On forward calls 0, ``every``, ``2 * every``, ...
+    the statistics of ``capture(keep=("stats",))`` are computed from the q and k the forward made (no grad,
+    detached, no (query x key) tensor kept, the graph, gradients and random stream untouched) and added to
+    ``mon.history`` (one row per step, layer and head: means over real query rows, plus ``entropy_min``,
+    ``max_weight_max``, ``max_score_max``, ``nonfinite_rows``). Between sampled calls nothing is computed.
+
+    ``log_dir``: also write TensorBoard scalars ("attention/layer 03/head 05/entropy", needs tensorboard).
+    ``alerts``: thresholds, e.g. ``{"entropy_below": 0.05, "max_score_above": 50.0, "nonfinite": True}``:
+    each fires an ``AttnprobeWarning`` once per (layer, head, alert) and is kept in ``mon.alerts``;
+    ``raise_on``: alert names that raise ``AttentionAlert`` instead (for CI jobs).
+    Inside ``torch.compile``d code the sampled steps are skipped (monitor the model before compiling it).
+
+    Example::
+
+        >>> import torch, attnprobe
+        >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2, causal=True))
+        >>> with attnprobe.monitor(model, every=2) as mon:
+        ...     for _ in range(5):
+        ...         _ = model(torch.randn(1, 4, 8))
+        >>> sorted(mon.history["step"].unique().tolist()), len(mon.history)
+        ([0, 2, 4], 6)
+    """
+    from ..probe.monitor import Monitor
+
+    return Monitor(capture, model, every=every, layers=layers, heads=heads, log_dir=log_dir, alerts=alerts,
+                   raise_on=raise_on, block_bytes=block_bytes)

@@ -30,7 +30,6 @@ import functools
 import inspect
 import math
 import sys
-import warnings
 from contextlib import ExitStack
 from functools import partial
 
@@ -40,13 +39,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..probe.attention_math import AttentionCall, mask_allows
-from ..probe.errors import AttnprobeError, AttnprobeWarning, SelectionError
-from ..probe.lint import LINT_SAME_KV, lint_violation
+from ..probe.errors import AttnprobeError, SelectionError, warn_user
+from ..probe.intent import Intent, module_intent
+from ..probe.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
+from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
-from .trace import Tracer, format_location, user_stacklevel
+from .trace import Tracer, format_location
 from .trace_read import EXPECTED, Finding, analyze
 
 _SDPA = F.scaled_dot_product_attention
@@ -329,11 +330,33 @@ class FunctionalAdapter(Adapter):
             _Run(self, session, model, sites, claimed).start(stack, roots=roots)
 
 
+_TENSOR_FIELDS = ("q", "k", "v", "scores", "weights", "output", "allowed")
+
+
+def _stacked_fields(site: Site, group: list[Finding]) -> dict[str, object]:
+    """The tensor fields of single-head findings stacked as the heads of one record (the selected heads, made on
+    first use); a field one of them lacks is None."""
+    fields: dict[str, object] = {}
+    for name in _TENSOR_FIELDS[:-1]:
+        parts = [getattr(f, name) for f in group]
+        if any(p is None for p in parts):
+            fields[name] = None
+            continue
+        chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
+        fields[name] = Lazy((chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype,
+                            partial(torch.cat, chosen, dim=1))
+    masks = [f.allowed for f in group]
+    # one (B, 1, Tq, Tk) mask per head
+    fields["allowed"] = compress_heads(torch.cat(masks, dim=1)) if all(m is not None for m in masks) else None
+    return fields
+
+
 class _Run:
     """One capture session's functional interception."""
 
     def __init__(self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]) -> None:
         self.adapter, self.session, self.model = adapter, session, model
+        self.owner = session.thread  # module hooks of other threads' forwards do nothing (the mode is per thread)
         self._names: dict[int, str] | None = None
         self.claimed = claimed
         self.named = {id(s.module): s for s in sites}
@@ -344,6 +367,7 @@ class _Run:
         self.tracer: Tracer | None = None
         self.owner_of: dict[int, nn.Module] = {}
         self.failed = False  # a traced forward raised (the session closes our stack without the exception)
+        self.intents: dict[int, Intent | None] = {}  # id(module) -> what it declares (probe/intent.py)
 
     @property
     def names(self) -> dict[int, str]:
@@ -387,14 +411,11 @@ class _Run:
                 for site in self.named.values():
                     produced = site.calls or any(key[0] == id(site.module) for key in self.traced_sites)
                     if self.ran.get(id(site.module)) and not produced:
-                        warnings.warn(
+                        warn_user(
                             f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no softmax "
                             "attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
                             "F.softmax/torch.softmax/Tensor.softmax/nn.Softmax (direct scaled_dot_product_attention "
-                            "calls are recorded on their own)",
-                            AttnprobeWarning,
-                            stacklevel=user_stacklevel(),
-                        )
+                            "calls are recorded on their own)")
         finally:
             self.model = self.session = self.tracer = None  # the capture must not keep the model alive
             self.named, self.owner_of, self._names = {}, {}, {}
@@ -403,7 +424,7 @@ class _Run:
     def _warn_once(self, key, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, AttnprobeWarning, stacklevel=user_stacklevel())
+            warn_user(message)
 
     # -- direct scaled_dot_product_attention calls --------------------------------------------
     def _on_sdpa(self, args, kwargs, out) -> None:
@@ -596,7 +617,7 @@ class _Run:
 
     # -- hand-written attention: module scopes ---------------------------------------------------
     def _enter(self, module: nn.Module, args, *, traced: bool) -> None:
-        if self.tracer is None:
+        if self.tracer is None or elsewhere(self.owner):
             return
         if id(module) in self.named:
             self.ran[id(module)] = self.ran.get(id(module), 0) + 1
@@ -604,7 +625,7 @@ class _Run:
 
     def _exit(self, module: nn.Module, args, kwargs, output):
         tracer = self.tracer
-        if tracer is None:
+        if tracer is None or elsewhere(self.owner):
             return None
         scope = tracer.exit(module)
         if output is None:
@@ -615,9 +636,11 @@ class _Run:
             with torch._C.DisableTorchFunction():
                 if scope.traced and scope.softmaxes:
                     returned = _tensor_ids(output)
+                    unread = self._unread_mask_buffers(scope)
                     for softmax in scope.softmaxes:
                         finding = analyze(scope, softmax, returned)
                         if finding is not None:
+                            finding.lints.extend(unread)
                             self._route(finding, scope)
                 parent = tracer.current()
                 if parent is not None and parent.traced:
@@ -634,6 +657,22 @@ class _Run:
             scope.nodes.clear()
             scope.producer.clear()
         return None
+
+    def _unread_mask_buffers(self, scope) -> list[tuple[str, str]]:
+        """``lint_unread_mask_buffer`` findings: causal mask buffers of the scope's module that its forward never
+        read (no torch call of the scope took them), unless the module says it is not causal."""
+        module = scope.module
+        if id(module) not in self.intents:
+            self.intents[id(module)] = module_intent(module)
+        intent = self.intents[id(module)]
+        if intent is None or intent.causal is False or not intent.mask_buffers:
+            return []
+        read = {id(t) for node in scope.nodes for t in node.inputs}
+        return [(LINT_UNREAD_MASK_BUFFER,
+                 f"{b.declaration()} holds a causal mask ({b.description}) but {type(module).__name__}.forward never "
+                 f"reads it: the mask is not applied (e.g. att = att.masked_fill(self.{b.name}[..., :T, :T] == 0, "
+                 "float('-inf')))")
+                for b in intent.mask_buffers if id(b.tensor) not in read]
 
     def _route(self, finding: Finding, scope) -> None:
         """Hand a finding to the scope of the module its layer belongs to."""
@@ -700,6 +739,7 @@ class _Run:
         return site
 
     def _emit_group(self, owner: nn.Module, group: list[Finding]) -> None:
+        """One record from the findings of one layer's call: one finding, or single-head findings stacked as heads."""
         first = group[0]
         stacked = len(group) > 1
         heads = len(group) if stacked else first.heads
@@ -713,52 +753,20 @@ class _Run:
                             f"before and {heads} now; calls with another head count are not recorded")
             site.calls += 1
             return
-        fields: dict[str, object] = {}
-        if stacked:
-            for name in ("q", "k", "v", "scores", "weights", "output"):
-                parts = [getattr(f, name) for f in group]
-                if any(p is None for p in parts):
-                    fields[name] = None
-                    continue
-                chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
-                fields[name] = Lazy((chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype,
-                                    partial(torch.cat, chosen, dim=1))
-            masks = [f.allowed for f in group]
-            allowed = None
-            if all(m is not None for m in masks):
-                allowed = compress_heads(torch.cat(masks, dim=1))  # one (B, 1, Tq, Tk) mask per head
-        else:
-            fields = {name: getattr(first, name) for name in ("q", "k", "v", "scores", "weights", "output")}
-            allowed = first.allowed
-        call = site.calls
+        fields = _stacked_fields(site, group) if stacked else {name: getattr(first, name) for name in _TENSOR_FIELDS}
         violations = tuple(
-            lint_violation(check, name=site.name, layer=site.layer, call=call, message=message,
+            lint_violation(check, name=site.name, layer=site.layer, call=site.calls, message=message,
                            head=(h if stacked else None))
             for h, f in enumerate(group)
             for check, message in f.lints
         )
         causals = [f.causal for f in group]
         identified = frozenset.intersection(*(f.identified for f in group))
-        meta = {
-            "module_class": type(first.module).__name__,
-            "softmax_at": first.meta.get("softmax_at", "?"),
-            "kind_from": first.meta.get("kind_from", "lengths"),
-            "lint": violations,
-            "dropout_in_eval": any(f.meta.get("dropout_in_eval", False) for f in group),
-        }
-        if stacked:
-            meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
-        for name in ("folded", "query_vector"):
-            if name in first.meta:
-                meta[name] = first.meta[name]
-        missing = {name: reason for f in group for name, reason in f.missing.items() if name not in identified}
-        if missing:
-            meta["missing"] = missing
+        meta = self._group_meta(group, violations, identified)
         record = self.session.emit(
             site,
             kind=first.kind,
             **fields,
-            allowed=allowed,
             causal=None if None in causals else all(causals),
             scaling=first.scaling,
             backend="hand-written",
@@ -771,9 +779,28 @@ class _Run:
         )
         if record is not None:
             self._warn_lints(violations)
-            if missing:
-                self._warn_missing(site, missing)
+            if "missing" in meta:
+                self._warn_missing(site, meta["missing"])
             if meta["dropout_in_eval"]:
                 self._warn_eval_dropout(site, f"F.dropout(p={first.dropout:g}) on the attention weights runs",
                                         "F.dropout's training argument defaults to True; pass training=self.training "
                                         "or use nn.Dropout")
+
+    def _group_meta(self, group: list[Finding], violations: tuple, identified: frozenset[str]) -> dict:
+        first = group[0]
+        meta = {
+            "module_class": type(first.module).__name__,
+            "softmax_at": first.meta.get("softmax_at", "?"),
+            "kind_from": first.meta.get("kind_from", "lengths"),
+            "lint": violations,
+            "dropout_in_eval": any(f.meta.get("dropout_in_eval", False) for f in group),
+        }
+        if len(group) > 1:
+            meta["head_modules"] = tuple(self.names.get(id(f.module), "?") for f in group)
+        for name in ("folded", "query_vector"):
+            if name in first.meta:
+                meta[name] = first.meta[name]
+        missing = {name: reason for f in group for name, reason in f.missing.items() if name not in identified}
+        if missing:
+            meta["missing"] = missing
+        return meta

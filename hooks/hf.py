@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,7 +28,8 @@ import torch
 from torch import nn
 
 from ..probe.attention_math import AttentionCall
-from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.errors import UnsupportedModelError, warn_user
+from ..probe.threads import elsewhere
 from . import hf_compat
 from .base import Adapter, Lazy, Site
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
@@ -126,6 +126,8 @@ def _private_attention(base: str) -> Callable:
         recorders = _HANDLERS.get(id(module))
         if recorders:
             for recorder in tuple(recorders):
+                if elsewhere(recorder.session.thread):
+                    continue  # another thread's forward: its call is not this capture's
                 recorder.on_call(fn, query, key, value, attention_mask, args, kwargs, result)
         return result
 
@@ -550,7 +552,7 @@ class _Recorder:
 def _warn_once(key, message: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, AttnprobeWarning, stacklevel=4)
+        warn_user(message)
 
 
 # ------------------------------------------------------------------------------------ adapter
@@ -605,14 +607,11 @@ class HuggingFaceAdapter(Adapter):
         if old_style and "weights" not in session.selection.keep:
             # the fallback records weights only: asking the model for output_attentions would keep every layer's
             # weights alive until it returns, for nothing
-            warnings.warn(
+            warn_user(
                 f"{type(model).__name__}: {len(old_style)} attention module(s) without the attention interface "
                 f"({', '.join(sorted({type(s.module).__name__ for s in old_style}))}) give attnprobe only their "
                 f"weights (through output_attentions), which keep={sorted(session.selection.keep)} leaves out: they "
-                "are not recorded. Add 'weights' to keep= to record them",
-                AttnprobeWarning,
-                stacklevel=4,
-            )
+                "are not recorded. Add 'weights' to keep= to record them")
             for site in old_style:
                 site.selected = False  # not captured (the session's end-of-capture warnings count them out)
         elif old_style:

@@ -48,9 +48,8 @@ Old-style models (hooks/hf_fallback.py)
 from __future__ import annotations
 
 import functools
-import warnings
 
-from ..probe.errors import AttnprobeWarning
+from ..probe.errors import warn_user
 
 _WARNED: set = set()
 
@@ -72,17 +71,14 @@ def version_tuple() -> tuple[int, ...]:
     return tuple(parts)
 
 
-def warn_unrecognised(key, what: str, stacklevel: int = 2) -> None:
+def warn_unrecognised(key, what: str) -> None:
     """Warn once per ``key`` that transformers did something attnprobe does not recognise, naming the release."""
     if key in _WARNED:
         return
     _WARNED.add(key)
-    warnings.warn(
+    warn_user(
         f"transformers {version()}: {what}. This release may have changed something attnprobe relies on "
-        "(see attnprobe/hooks/hf_compat.py); please report it with your transformers version",
-        AttnprobeWarning,
-        stacklevel=stacklevel + 1,
-    )
+        "(see attnprobe/hooks/hf_compat.py); please report it with your transformers version")
 
 
 # ------------------------------------------------------------------------------- generation cache (9, 10)

@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from ..probe.threads import current, elsewhere
 from . import hf_compat
 
 INPUT_NAMES = ("input_ids", "inputs_embeds", "input_features", "pixel_values", "input_values", "decoder_input_ids")
@@ -103,10 +104,13 @@ class KindProbe:
     def __init__(self, module: nn.Module, stack: ExitStack) -> None:
         self.kind = "self"
         self._params = forward_params(type(module))
+        self._owner = current()  # made as the capture opens, in its thread; other threads' calls are not read
         handle = module.register_forward_pre_hook(self._before, with_kwargs=True)
         stack.callback(handle.remove)
 
     def _before(self, module, args, kwargs):
+        if elsewhere(self._owner):
+            return
         cross = any(argument(self._params, n, args, kwargs) is not None for n in CROSS_NAMES)
         for q_name, k_name in QUERY_KEY_NAMES:
             if not cross and q_name in self._params and k_name in self._params:
@@ -156,6 +160,7 @@ class StackState:
         self.reordered = False  # beam search reordered the cache's batch rows since the previous step
         self._reorder_seen = False
         self._watched: list = []  # (cache, its own reorder_cache attribute or None, the wrapper)
+        self._owner = current()  # made as the capture opens, in its thread; other threads' calls are not read
         for handle in (
             module.register_forward_pre_hook(self._before, with_kwargs=True),
             module.register_forward_hook(self._after, always_call=True),
@@ -164,6 +169,8 @@ class StackState:
         stack.callback(self._forget)
 
     def _before(self, module, args, kwargs):
+        if elsewhere(self._owner):
+            return
         mask = argument(self._params, "attention_mask", args, kwargs)
         self.padding = padding_from(mask)
         self.built_mask = self.padding is None and _built_mask(mask)
@@ -187,12 +194,13 @@ class StackState:
                     ("cache", type(unknown)),
                     f"{self._name}.forward received a {type(unknown).__name__}, which attnprobe does not recognise "
                     "as a generation cache (no transformers.cache_utils.Cache): generation steps are not recorded "
-                    "(records have step=None) and query positions are read from the key and query lengths",
-                    stacklevel=4,
+                    "(records have step=None) and query positions are read from the key and query lengths"
                 )
                 self.position = None  # the queries are the last positions of the keys
 
     def _after(self, module, args, output):
+        if elsewhere(self._owner):
+            return
         # a module called on its own later must not see this call's state
         self.padding, self.step, self.position, self.built_mask, self.reordered = None, None, 0, False, False
 

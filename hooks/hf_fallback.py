@@ -10,13 +10,13 @@ handed back exactly as they asked for it (attentions removed when they did not a
 from __future__ import annotations
 
 import inspect
-import warnings
 from contextlib import ExitStack
 
 import torch
 from torch import nn
 
-from ..probe.errors import AttnprobeWarning, UnsupportedModelError
+from ..probe.errors import UnsupportedModelError, warn_user
+from ..probe.threads import current, elsewhere
 from . import hf_compat
 from .functional import code_reaches_sdpa
 from .hf_context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
@@ -113,6 +113,7 @@ class _ForceAttentions:
         self.model = model
         self.params = forward_params(type(model))
         self.calls: list[tuple[bool, bool]] = []  # (caller asked for attentions, caller wants a tuple)
+        self._owner = current()  # other threads' calls run as if attnprobe were absent
         for handle in (
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
@@ -128,6 +129,8 @@ class _ForceAttentions:
         return args, kwargs
 
     def _before(self, module, args, kwargs):
+        if elsewhere(self._owner):
+            return None
         config = module.config
         asked = argument(self.params, "output_attentions", args, kwargs)
         asked = bool(getattr(config, "output_attentions", False) if asked is None else asked)
@@ -143,7 +146,7 @@ class _ForceAttentions:
         return args, kwargs
 
     def _after(self, module, args, kwargs, output):
-        if not self.calls:
+        if not self.calls or elsewhere(self._owner):
             return None
         asked, wants_tuple = self.calls.pop()
         if asked or output is None:
@@ -261,16 +264,13 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
         _attach_site(session, site, surroundings, stack, strict)
 
     models = sorted({type(m).__name__ for m in (f.model for f in forced.values())}) or [type(model).__name__]
-    warnings.warn(
+    warn_user(
         f"{', '.join(models)}: no attention interface in {', '.join(sorted({type(s.module).__name__ for s in sites}))} "
         "(old-style attention code in transformers): attnprobe "
         f"falls back to output_attentions for {len(sites)} module(s) and records post-softmax weights only "
         f"(weights_source='output_attentions'). {', '.join(_MISSING)} are None because the model computes them "
         "inside its own forward, where no hook point exists; the model may also take its eager path to return "
-        "weights. The output you asked for is unchanged.",
-        AttnprobeWarning,
-        stacklevel=5,
-    )
+        "weights. The output you asked for is unchanged.")
 
 
 def _refuse_if_path_changes(site, owners) -> None:
@@ -304,7 +304,11 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
 
     warned = []  # this capture has said once that the module is left out
 
+    owner = session.thread
+
     def after(mod, args, output):
+        if elsewhere(owner):
+            return  # another thread's forward
         try:
             weights = readable(mod, output)
         except UnsupportedModelError as e:
@@ -312,8 +316,7 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
                 raise
             if not warned:
                 warned.append(True)
-                warnings.warn(f"{e}; it is not recorded (the model's other attention modules are)", AttnprobeWarning,
-                              stacklevel=2)
+                warn_user(f"{e}; it is not recorded (the model's other attention modules are)")
             return None
         record(mod, weights)
 

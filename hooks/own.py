@@ -7,6 +7,7 @@ from contextlib import ExitStack
 from torch import nn
 
 from ..probe.modules import MultiHeadAttention
+from ..probe.threads import elsewhere
 from .base import Adapter, Site
 from .masks import forbids_future
 
@@ -35,13 +36,16 @@ class OwnModuleAdapter(Adapter):
     def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
         module: MultiHeadAttention = site.module
         calls: list[dict] = []  # one entry per call in progress
+        owner = session.thread  # calls from other threads pass through unrecorded
 
         def before(mod, args, kwargs):
+            if elsewhere(owner):
+                return
             calls.append({"info": mod.resolve_call(*args, **kwargs)})
 
         def after(mod, args, kwargs, output):
-            if not calls:
-                return  # the forward failed before our pre-hook ran
+            if not calls or elsewhere(owner):
+                return  # the forward failed before our pre-hook ran, or another thread's call
             seen = calls.pop()
             if output is None:
                 return  # the forward raised (always_call): nothing to record
@@ -69,12 +73,12 @@ class OwnModuleAdapter(Adapter):
 
         def stash(field):
             def hook(_mod, _inp, out):
-                if calls:
+                if calls and not elsewhere(owner):
                     calls[-1][field] = out
             return hook
 
         def note_dtype(_mod, _inp, q):
-            if calls:
+            if calls and not elsewhere(owner):
                 calls[-1]["dtype"] = q.dtype
 
         handles = [

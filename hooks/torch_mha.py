@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -49,12 +48,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..probe.errors import AttnprobeError, AttnprobeWarning
+from ..probe.errors import AttnprobeError, warn_user
+from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, forbids_future
 from .modes import exit_mode
-from .trace import user_stacklevel
 
 #: ``nn.MultiheadAttention.forward`` parameters, in order.
 _PARAMS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
@@ -296,12 +295,9 @@ class TorchMHAAdapter(Adapter):
             else:
                 skipped.append(f"{name!r} ({type(m).__name__})")
         if skipped:  # its forward may change what reaches torch's attention: the hooks could not tell
-            warnings.warn(
+            warn_user(
                 f"nn.MultiheadAttention subclass(es) overriding forward are not read: {', '.join(skipped[:5])}"
-                + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""),
-                AttnprobeWarning,
-                stacklevel=user_stacklevel(),
-            )
+                + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""))
         return sites
 
     def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
@@ -315,8 +311,11 @@ class TorchMHAAdapter(Adapter):
     def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
         calls: list[_Call | _Untouched | None] = []  # one per call in progress
         warned: set[str] = set()
+        owner = session.thread  # calls from other threads pass through untouched
 
         def before(mod, args, kwargs):
+            if elsewhere(owner):
+                return None
             bound = _bind(args, kwargs)
             if bound is not None and any(getattr(bound[n], "is_nested", False) for n in _PARAMS[:3]):
                 calls.append(self._let_nested_through(site, warned))
@@ -352,7 +351,7 @@ class TorchMHAAdapter(Adapter):
                 undo(calls.pop())
 
         def after(mod, args, kwargs, output):
-            if not calls:
+            if not calls or elsewhere(owner):
                 return None
             call = calls.pop()
             undo(call)
@@ -377,12 +376,9 @@ class TorchMHAAdapter(Adapter):
             except Exception as exc:  # never break the model's forward over a reading problem
                 if "record-error" not in warned:
                     warned.add("record-error")
-                    warnings.warn(
+                    warn_user(
                         f"attnprobe could not read nn.MultiheadAttention {site.name!r} ({type(exc).__name__}: {exc}); "
-                        "the module ran unchanged, its calls are not in the capture",
-                        AttnprobeWarning,
-                        stacklevel=user_stacklevel(),
-                    )
+                        "the module ran unchanged, its calls are not in the capture")
             return output if call.forced else None
 
         handles = [
@@ -399,24 +395,18 @@ class TorchMHAAdapter(Adapter):
     def _warn_unreadable(site: Site, output, warned: set[str]) -> None:
         if "unreadable" not in warned:
             warned.add("unreadable")
-            warnings.warn(
+            warn_user(
                 f"nn.MultiheadAttention {site.name!r} returned {type(output).__name__}, not torch's (output, weights) "
-                "pair; its calls are not recorded",
-                AttnprobeWarning,
-                stacklevel=user_stacklevel(),
-            )
+                "pair; its calls are not recorded")
 
     def _let_nested_through(self, site: Site, warned: set[str]) -> _Untouched:
         """Nested tensors run only on torch's fast path, which exposes no weights and refuses any
         ``__torch_function__`` handler: let this one call run as if no capture were open."""
         if "nested" not in warned:
             warned.add("nested")
-            warnings.warn(
+            warn_user(
                 f"nn.MultiheadAttention {site.name!r} received nested tensors: such calls run on torch's fused fast "
-                "path, unchanged and not captured; pass a padded batch with key_padding_mask to capture them",
-                AttnprobeWarning,
-                stacklevel=user_stacklevel(),
-            )
+                "path, unchanged and not captured; pass a padded batch with key_padding_mask to capture them")
         guard = None
         if torch._C._is_torch_function_enabled():  # a capture's function mode would force the slow path
             guard = torch._C.DisableTorchFunction()
@@ -517,13 +507,10 @@ class TorchMHAAdapter(Adapter):
         error = meta.get("output_error")
         if record is not None and error is not None and error > _output_tolerance(parts.q.dtype) and "output" not in warned:
             warned.add("output")
-            warnings.warn(
+            warn_user(
                 f"nn.MultiheadAttention {site.name!r}: weights @ V from its projection weights does not reproduce "
                 f"the module's output (max error {error:.3g}); its forward or parameters may have been patched, "
-                "so this record's q/k/v/weights may not be what ran",
-                AttnprobeWarning,
-                stacklevel=user_stacklevel(),
-            )
+                "so this record's q/k/v/weights may not be what ran")
 
     @staticmethod
     def _output_error(mod, per_head: torch.Tensor, attn_output: torch.Tensor, batched: bool) -> float:

@@ -53,10 +53,19 @@ def _internal(filename: str) -> bool:
     return filename.startswith(_INTERNAL_DIRS) or filename in _INTERNAL_FILES
 
 
+_INTERNAL_CODE: dict = {}  # code object -> whether it is torch's or attnprobe's (user_location runs on every op)
+
+
 def user_location(depth: int = 2) -> tuple[str, int]:
     """(file, line) of the innermost frame outside torch and attnprobe."""
     frame = sys._getframe(depth)
-    while frame is not None and _internal(frame.f_code.co_filename):
+    while frame is not None:
+        code = frame.f_code
+        internal = _INTERNAL_CODE.get(code)
+        if internal is None:
+            internal = _INTERNAL_CODE[code] = _internal(code.co_filename)
+        if not internal:
+            break
         frame = frame.f_back
     if frame is None:
         return ("?", 0)

@@ -27,7 +27,7 @@ from .trace_ops import einsum_operands
 _MAX_STEPS = 32
 
 
-def scalar(x) -> float | None:
+def _scalar(x) -> float | None:
     """A plain number, or the value of a one-element tensor; None for anything else (bools included)."""
     if isinstance(x, bool):
         return None
@@ -38,7 +38,7 @@ def scalar(x) -> float | None:
     return None
 
 
-def query_rows(t: torch.Tensor) -> int:
+def _query_rows(t: torch.Tensor) -> int:
     """Size of the query axis of scores shaped (…, query, key); a 1-D row of scores is one query."""
     return t.shape[-2] if t.dim() >= 2 else 1
 
@@ -87,7 +87,7 @@ def _scale_step(node: Node) -> ChainStep | None:
     a, b = p.get("input"), p.get("other")
     if node.op == "div" and p.get("rounding_mode") is not None:
         return None
-    sa, sb = scalar(a), scalar(b)
+    sa, sb = _scalar(a), _scalar(b)
     if isinstance(a, torch.Tensor) and a.numel() > 1 and sb is not None:
         if node.op == "div" and sb == 0:
             return None
@@ -162,7 +162,7 @@ def chain_step(node: Node, out: torch.Tensor) -> ChainStep | None:
         return ChainStep("pass", node, src, node.parent_of(src)) if isinstance(src, torch.Tensor) else None
     if op == "reshape":
         src = node.input
-        if isinstance(src, torch.Tensor) and src.shape[-1:] == out.shape[-1:] and query_rows(src) == query_rows(out):
+        if isinstance(src, torch.Tensor) and src.shape[-1:] == out.shape[-1:] and _query_rows(src) == _query_rows(out):
             return ChainStep("relayout", node, src, node.parent_of(src))
         return None
     readers = {"mul": _scale_step, "div": _scale_step, "add": _additive_chain_step, "sub": _additive_chain_step,
@@ -433,6 +433,25 @@ def _einsum_product(node: Node) -> Product | None:
     return Product(q, node.parent_of(a), k, node.parent_of(b), 1.0, vector=not ql)
 
 
+def _column_product(node: Node, out: torch.Tensor) -> tuple[Product, Node] | None:
+    """Scores of query vectors made as a column, then squeezed: ``torch.bmm(keys, query.unsqueeze(2)).squeeze(2)``,
+    ``(K @ q[..., None]).squeeze(-1)`` (Luong's dot attention): the product with its node, else None."""
+    src = node.input
+    if node.op != "reshape" or not isinstance(src, torch.Tensor) or src.dim() < 2 or src.shape[-1] != 1 \
+            or src.shape[:-1] != out.shape:
+        return None
+    product = node.parent_of(src)
+    if product is None or product.op != "matmul":
+        return None
+    a, b = product.params.get("input"), product.params.get("other")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2 \
+            or b.shape[-1] != 1:
+        return None
+    q, qp, fq, _ = strip(b, product.parent_of(b))
+    k, kp, fk = _keys(a, product, transposed=False)
+    return Product(q.squeeze(-1), qp, k, kp, fq * fk, vector=True), product
+
+
 def scores_product(node: Node, out: torch.Tensor) -> Product | None:
     """Q and K of the product ``node`` that made the scores ``out``, None when its form is not read."""
     if node.op == "matmul":
@@ -478,6 +497,10 @@ def read_scores_chain(softmax: Node, x: torch.Tensor) -> ScoresChain:
                              "as q @ k^T"
             else:
                 chain.product, chain.product_node = product, parent
+            break
+        column = _column_product(parent, t)
+        if column is not None:
+            chain.product, chain.product_node = column
             break
         step = chain_step(parent, t)
         if step is None:

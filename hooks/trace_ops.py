@@ -23,7 +23,7 @@ add / sub          input, other, alpha                           +, -, add(_), s
 masked_fill        input, mask, value                            torch.masked_fill, Tensor.masked_fill(_)
 where              condition, input, other                       torch.where, Tensor.where (self is ``input``)
 setitem            input, index, value                           ``s[index] = value``
-permute            input, dims (a full permutation)              permute, transpose(_), swapaxes, swapdims, movedim,
+permute            input, dims (a full permutation)              permute, transpose, swapaxes, swapdims, movedim,
                                                                  .T, .mT, .H, .mH, a one-operand einsum ``"bhqd->bqhd"``
 reshape            input                                         view, reshape, flatten, unflatten, (un)squeeze, ...
 pass               input                                         contiguous, casts, to, type_as, clone
@@ -106,18 +106,20 @@ def _build_table() -> None:
 
     _op("mul", binary, torch.mul, _T.mul, _T.__mul__, g(torch, "multiply", None), g(_T, "multiply", None))
     _op("mul", binary, _T.__rmul__, reflected=True)
-    _op("mul", binary, _T.mul_, g(_T, "multiply_", None), inplace=True)
+    # ``s *= c`` and the like: torch dispatches them as mul_, div_, add_, sub_; the operators are listed too, in case
+    # a release hands them over as they are
+    _op("mul", binary, _T.mul_, g(_T, "multiply_", None), g(_T, "__imul__", None), inplace=True)
     div = ("input", "other", "rounding_mode")
     _op("div", div, torch.div, _T.div, _T.__truediv__, g(torch, "divide", None), g(_T, "divide", None),
         torch.true_divide, _T.true_divide, defaults={"rounding_mode": None})
     _op("div", div, _T.__rtruediv__, g(_T, "__rdiv__", None), reflected=True, defaults={"rounding_mode": None})
-    _op("div", div, _T.div_, g(_T, "divide_", None), g(_T, "true_divide_", None), defaults={"rounding_mode": None},
-        inplace=True)
+    _op("div", div, _T.div_, g(_T, "divide_", None), g(_T, "true_divide_", None), g(_T, "__itruediv__", None),
+        g(_T, "__idiv__", None), defaults={"rounding_mode": None}, inplace=True)
     additive = ("input", "other", "alpha")
     for name, funcs, reflected, inplace in (
-        ("add", (torch.add, _T.add, _T.__add__), None, (_T.add_,)),
+        ("add", (torch.add, _T.add, _T.__add__), None, (_T.add_, g(_T, "__iadd__", None))),
         ("sub", (torch.sub, _T.sub, _T.__sub__, g(torch, "subtract", None), g(_T, "subtract", None)), _T.__rsub__,
-         (_T.sub_, g(_T, "subtract_", None))),
+         (_T.sub_, g(_T, "subtract_", None), g(_T, "__isub__", None))),
     ):
         _op(name, additive, *funcs, defaults={"alpha": 1})
         _op(name, additive, *inplace, defaults={"alpha": 1}, inplace=True)
@@ -162,11 +164,6 @@ def _build_table() -> None:
 
 _build_table()
 _AXIS_PROPERTIES = {"mT": "mT", "mH": "mT", "T": "T", "H": "T"}  # conjugation changes no real value
-
-
-def is_followed(func) -> bool:
-    """Whether the tracer reads ``func`` (anything else is recorded as op ``"other"``)."""
-    return func in _SIGNATURES or _property_name(func) is not None
 
 
 def _property_name(func) -> str | None:
@@ -235,7 +232,7 @@ def _as_permutation(call: Call) -> Call:
     a malformed call (it will raise in torch) or an einsum of two operands stays as it is."""
     p = call.params
     if call.op == "einsum":
-        dims = einsum_permutation(p.get("equation"), p.get("operands") or ())
+        dims = _einsum_permutation(p.get("equation"), p.get("operands") or ())
         if dims is None:
             return call
         src = p["operands"][0]
@@ -270,7 +267,7 @@ def _movedim_order(source, destination, nd: int) -> list[int]:
     return [next(rest) if o is None else o for o in order]
 
 
-def einsum_permutation(equation, operands) -> list[int] | None:
+def _einsum_permutation(equation, operands) -> list[int] | None:
     """The axis order of a one-operand einsum that only moves axes (``"bhqd->bqhd"``), else None."""
     if not isinstance(equation, str) or len(operands) != 1 or not isinstance(operands[0], torch.Tensor):
         return None

@@ -161,43 +161,9 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
 
 def _read_scores(scope: Scope, softmax: Node, x: torch.Tensor, w: torch.Tensor, chain: ScoresChain,
                  layout: ScoresLayout) -> Finding:
-    """The finding's weights (as observed), scores (before the first mask: recomputed from the tensor entering it)
-    and ``allowed`` (every mask on the way, combined)."""
-    steps = chain.steps
-    first_mask = next((i for i, s in enumerate(steps) if s.kind == "mask"), None)
-
-    def to_x(m: torch.Tensor, shape) -> torch.Tensor:
-        m = m.expand(shape)
-        return m if tuple(shape) == tuple(x.shape) else m.reshape(x.shape)
-
+    """The finding's weights (as observed), scores (before the first mask) and ``allowed`` (the masks on the way)."""
     with torch.no_grad():
-        if first_mask is None:
-            scores = x.detach()
-        else:
-            start = steps[first_mask]
-            if start.node is chain.product_node:  # baddbmm: the scores before its mask term are computed here
-                product = chain.product
-                scores = (product.q @ product.k.transpose(-2, -1)) * product.factor
-            else:
-                scores = start.inp.detach()
-            for s in steps[first_mask:]:
-                if s.kind == "scale":
-                    scores = scores * s.factor
-                elif s.kind in ("bias", "mask") and s.bias is not None:
-                    scores = scores + s.bias
-                elif s.kind == "relayout":
-                    scores = scores.reshape(s.node.out.shape)
-            scores = scores.reshape(x.shape)
-        allowed = None
-        masks = [s for s in steps if s.kind == "mask"]
-        if masks:
-            allowed = to_x(masks[0].allowed, masks[0].node.out.shape)
-            for s in masks[1:]:
-                allowed = allowed & to_x(s.allowed, s.node.out.shape)
-        elif chain.product is not None:
-            allowed = torch.ones((1,) * (x.dim() - 1) + tuple(x.shape[-1:]), dtype=torch.bool, device=x.device)
-            allowed = allowed.expand(x.shape)
-
+        scores, allowed = _scores_before_masks(x, chain), _allowed(x, chain)
     finding = Finding(
         key=softmax.where or ("?", 0),
         module=scope.module,
@@ -220,6 +186,48 @@ def _read_scores(scope: Scope, softmax: Node, x: torch.Tensor, w: torch.Tensor, 
     if allowed is not None:
         finding.allowed = compress_heads(layout.record(layout.rows(allowed)))
     return finding
+
+
+def _scores_before_masks(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor:
+    """The softmax input without its masks: from the tensor entering the first mask, the later steps replayed
+    (scales, biases, relayouts) without the masking entries."""
+    steps = chain.steps
+    first_mask = next((i for i, s in enumerate(steps) if s.kind == "mask"), None)
+    if first_mask is None:
+        return x.detach()
+    start = steps[first_mask]
+    if start.node is chain.product_node:  # baddbmm: the scores before its mask term are computed here
+        product = chain.product
+        scores = (product.q @ product.k.transpose(-2, -1)) * product.factor
+    else:
+        scores = start.inp.detach()
+    for s in steps[first_mask:]:
+        if s.kind == "scale":
+            scores = scores * s.factor
+        elif s.kind in ("bias", "mask") and s.bias is not None:
+            scores = scores + s.bias
+        elif s.kind == "relayout":
+            scores = scores.reshape(s.node.out.shape)
+    return scores.reshape(x.shape)
+
+
+def _allowed(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor | None:
+    """Every mask on the way combined, laid out like ``x``; all True when the path from a product has none; None
+    when the path was not followed to a product and had no mask."""
+
+    def like_x(m: torch.Tensor, shape) -> torch.Tensor:
+        m = m.expand(shape)
+        return m if tuple(shape) == tuple(x.shape) else m.reshape(x.shape)
+
+    masks = [s for s in chain.steps if s.kind == "mask"]
+    if masks:
+        allowed = like_x(masks[0].allowed, masks[0].node.out.shape)
+        for s in masks[1:]:
+            allowed = allowed & like_x(s.allowed, s.node.out.shape)
+        return allowed
+    if chain.product is not None:
+        return torch.ones((1,) * (x.dim() - 1) + tuple(x.shape[-1:]), dtype=torch.bool, device=x.device).expand(x.shape)
+    return None
 
 
 def _softmax_dim(node: Node, nd: int) -> int:
@@ -299,28 +307,32 @@ class _ValueProduct:
 
 def _value_product(softmax: Node, weights: torch.Tensor, vector: bool) -> _ValueProduct | None:
     """Forwards from the weights, through dropout, casts and relayouts, to their product with V."""
-    frontier = [(softmax, weights)]
+    frontier = [(softmax, weights, vector)]  # vector: the weights of one query vector have no query axis yet
     dropout = 0.0
     for _ in range(6):
         following = []
-        for node, t in frontier:
+        for node, t, vec in frontier:
             for c in node.consumers:
-                found = _as_value_product(c, t, vector, dropout)
+                found = _as_value_product(c, t, vec, dropout)
                 if found is not None:
+                    if vec != vector:  # a query axis of 1 was added on the way: its output has it too
+                        found.out = found.out.squeeze(-2)
                     return found
                 if c.input is not t or not isinstance(c.out, torch.Tensor):
                     continue
-                if c.op == "reshape" and c.out.shape[-2:] == t.shape[-2:]:  # (B, H, T, T) viewed (B*H, T, T) for bmm
-                    following.append((c, c.out))
+                if vec and c.op == "reshape" and c.out.shape == (*t.shape[:-1], 1, t.shape[-1]):
+                    following.append((c, c.out, False))  # w.unsqueeze(1) for torch.bmm(w.unsqueeze(1), values)
+                elif c.op == "reshape" and c.out.shape[-2:] == t.shape[-2:]:  # (B, H, T, T) viewed (B*H, T, T) for bmm
+                    following.append((c, c.out, vec))
                 elif c.op == "pass":
-                    following.append((c, c.out))
+                    following.append((c, c.out, vec))
                 elif c.op == "dropout":
                     dropout = float(c.params.get("p", 0.5)) if c.params.get("training", True) else dropout
-                    following.append((c, c.out))
+                    following.append((c, c.out, vec))
                 elif c.op == "module" and isinstance(c.module, (nn.Dropout, nn.Identity)):
                     if isinstance(c.module, nn.Dropout) and c.module.training:
                         dropout = float(c.module.p)
-                    following.append((c, c.out))
+                    following.append((c, c.out, vec))
         frontier = following
     return None
 
@@ -374,7 +386,9 @@ def _read_values(finding: Finding, scope: Scope, softmax: Node, w: torch.Tensor,
     else:
         finding.missing["output"] = (f"the output of {found.node.name} at {format_location(found.node.where)} has "
                                      f"shape {tuple(found.out.shape)}, not laid out like the weights {tuple(w.shape)}")
-    if finding.k is not None and _same_tensor(finding.k, finding.v):
+    # keys computed in the call and used again as values (weights @ K); keys taken as they came in (an encoder's
+    # outputs in Luong or Bahdanau attention, attention pooling) are keys and values by design
+    if finding.k is not None and chain.product.k_parent is not None and _same_tensor(finding.k, finding.v):
         finding.lints.append((
             lint_rules.LINT_SAME_KV,
             "the same tensor is used as keys and as values (weights @ K): values need their own projection",

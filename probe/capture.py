@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 import sys
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -14,8 +13,10 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from .errors import AttnprobeWarning, SelectionError, UnsupportedModelError
+from .errors import NotCapturedError, SelectionError, UnsupportedModelError, warn_user
 from .interface import Adapter, Lazy, Site
+from . import threads
+from .intent import Intent, module_intent
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
 from .selection import Selection, Store, int_list, index_heads, kv_heads_for
 
@@ -37,6 +38,10 @@ class Capture(Sequence):
 
     def __init__(self, records: Iterable[AttentionRecord] = (), info: Mapping[str, Any] | None = None) -> None:
         self._records: list[AttentionRecord] = list(records)
+        stray = next(((i, r) for i, r in enumerate(self._records) if not isinstance(r, AttentionRecord)), None)
+        if stray is not None:
+            raise TypeError(f"Capture() takes AttentionRecords (e.g. records of another capture), got "
+                            f"{type(stray[1]).__name__} at position {stray[0]}")
         self._info = MappingProxyType(dict(info or {}))
 
     def __reduce__(self):
@@ -130,17 +135,19 @@ class Capture(Sequence):
         for r in self._records:
             if r.layer == layer and r.call == call:
                 return r
-        raise KeyError(
+        raise NotCapturedError(
             f"no record for layer {layer}, call {call}; captured layers: {list(self.layers)}"
             + (f", calls of that layer: {[r.call for r in self._records if r.layer == layer]}" if any(r.layer == layer for r in self._records) else "")
         )
 
     # -- frames (pandas is imported only here) ----------------------------------------------
-    def to_frame(self, tokens=None, key_tokens=None):
-        """Tidy long frame: one row per (layer, call, head, batch, query_pos, key_pos). See ``frames.FRAME_SCHEMA``."""
+    def to_frame(self, tokens=None, key_tokens=None, *, drop_padding: bool = False):
+        """Tidy long frame: one row per (layer, call, head, batch, query_pos, key_pos). See ``frames.FRAME_SCHEMA``.
+
+        ``query_padding`` marks padded query rows; ``drop_padding=True`` leaves them out."""
         from .frames import to_frame
 
-        return to_frame(self, tokens=tokens, key_tokens=key_tokens)
+        return to_frame(self, tokens=tokens, key_tokens=key_tokens, drop_padding=drop_padding)
 
     def summary(self):
         """One row per (layer, head): entropy, max weight, mass on first key / diagonal / previous token,
@@ -149,19 +156,21 @@ class Capture(Sequence):
 
         return summary(self)
 
-    def to_parquet(self, path, *, tokens=None, key_tokens=None, overwrite: bool = False):
+    def to_parquet(self, path, *, tokens=None, key_tokens=None, overwrite: bool = False, drop_padding: bool = False):
         """Write ``to_frame()`` to a Parquet file (refuses an existing file unless ``overwrite``)."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="parquet", overwrite=overwrite)
+        frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
+        return write_frame(frame, path, format="parquet", overwrite=overwrite)
 
-    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, formula_safe: bool = True):
+    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, formula_safe: bool = True,
+               drop_padding: bool = False):
         """Write ``to_frame()`` as CSV; returns the text when ``path`` is None. Text a spreadsheet would
         evaluate (``=``, ``+``, ``-``, ``@``, tab, CR first) gets a leading ``'`` unless ``formula_safe=False``."""
         from .frames import write_frame
 
-        return write_frame(self.to_frame(tokens, key_tokens), path, format="csv", overwrite=overwrite,
-                           formula_safe=formula_safe)
+        frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
+        return write_frame(frame, path, format="csv", overwrite=overwrite, formula_safe=formula_safe)
 
     # -- other viewers (bertviz, circuitsvis; neither is imported) ------------------------------
     def to_bertviz(self, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:
@@ -270,7 +279,9 @@ class CaptureSession:
         self.capture = Capture()
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
         self._named: list | None = None  # (name, module) of the model, walked once per discover()
+        self._intents: dict[int, Intent | None] = {}  # id(site) -> what its module declares, read once
         self._stack: ExitStack | None = None
+        self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
         self.disk = None  # a RecordWriter when records go to a directory (store=)
         if store is not None:
             from .disk import RecordWriter
@@ -319,12 +330,9 @@ class CaptureSession:
                 "attention. Capture the Python module before scripting it (outputs are the same)"
             )
         if scripted:
-            warnings.warn(
+            warn_user(
                 f"{', '.join(map(repr, scripted[:3]))} in {self.model_class} run TorchScript (torch.jit.script/trace): attention "
-                "inside them cannot be seen and is not recorded; capture the Python modules before scripting",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "inside them cannot be seen and is not recorded; capture the Python modules before scripting")
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
                 f"no attention found in {self.model_class}. attnprobe reads its own MultiHeadAttention, Hugging Face "
@@ -343,6 +351,9 @@ class CaptureSession:
 
         self._stack = ExitStack()
         try:
+            self.thread = threads.current()  # hooks let other threads' calls pass (threads.elsewhere)
+            held = threads.claim([model, *(s.module for s in self.sites)], self.model_class)
+            self._stack.callback(threads.release, held)
             if self.disk is not None:
                 self.disk.open()
             for adapter, sites in found:
@@ -392,33 +403,24 @@ class CaptureSession:
             silent = [s.name or "<root>" for s in self.sites[: self.static_sites] if s.selected and not s.calls]
             if not len(self.capture) or silent:
                 what = "nothing was recorded" if not len(self.capture) else f"no call of {silent[:5]} was recorded"
-                warnings.warn(
+                warn_user(
                     f"{self.model_class} is compiled with torch.compile ({', '.join(self._compiled[:3])}) and {what}: "
                     "compiled code may run without attnprobe's hooks and function mode (its outputs are not "
                     "changed). Capture and call the module before compilation (`compiled._orig_mod`, or the "
-                    "module before `.compile()`)",
-                    AttnprobeWarning,
-                    stacklevel=3,
-                )
+                    "module before `.compile()`)")
                 return
         if exc_type is None and not self.selection.idle and not self.sites:
-            warnings.warn(
+            warn_user(
                 f"no attention found in {self.model_class} while the capture was open (was the model called inside "
                 "the `with` block?). attnprobe reads its own MultiHeadAttention, Hugging Face attention modules, "
                 "torch.nn.MultiheadAttention and F.scaled_dot_product_attention calls it can see in the model's code; "
                 "a call reached indirectly (a function kept in a dict or an attribute) needs capture(model, "
                 "modules='auto'), and hand-written softmax attention is read when you ask for it: "
-                "capture(model, modules=[...]) or modules='auto'",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "capture(model, modules=[...]) or modules='auto'")
         elif exc_type is None and not self.selection.idle and len(self.capture) == 0 and any(s.selected for s in self.sites):
-            warnings.warn(
+            warn_user(
                 f"the capture of {self.model_class} saw no attention call: the model was not called inside "
-                "the `with` block, or the selected layers never ran",
-                AttnprobeWarning,
-                stacklevel=3,
-            )
+                "the `with` block, or the selected layers never ran")
 
     def _info(self) -> dict[str, Any]:
         sel = self.selection
@@ -449,6 +451,12 @@ class CaptureSession:
         site.layer = len(self.sites)
         self.sites.append(site)
         self.select_site(site)
+
+    def intent_of(self, site) -> Intent | None:
+        """What ``site``'s module declares about causality (``probe.intent``), read once per site."""
+        if id(site) not in self._intents:
+            self._intents[id(site)] = None if site.module is None else module_intent(site.module)
+        return self._intents[id(site)]
 
     # -- recording -------------------------------------------------------------------------
     def wants(self, site, field: str | None = None) -> bool:
@@ -536,6 +544,9 @@ class CaptureSession:
             stored["stats"] = self._stats(site, call, stats_call, tensors, stored, kind, values, query_padding,
                                           adapter_allowed, sinks)
 
+        intent = self.intent_of(site)
+        if intent is not None and intent.causal:  # what the module's own code declares (probe/intent.py)
+            values["meta"] = {**values.get("meta", {}), "declared_causal": intent.source}
         record: AttentionRecord = AttentionRecord(
             name=site.name,
             layer=site.layer,

@@ -24,8 +24,8 @@ import json
 import math
 import numbers
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -171,6 +171,18 @@ def check_target(path, *, overwrite: bool) -> Path:
     return target
 
 
+def _new_folder(target: Path, kind: str) -> Path:
+    """A new hidden folder beside ``target`` (permissions as any new folder: mkdtemp's would be private)."""
+    for _ in range(100):
+        folder = target.parent / f".{target.name[:200]}.{secrets.token_hex(4)}.{kind}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary folder beside {target}")  # pragma: no cover
+
+
 def _move_into_place(staging: Path, target: Path) -> None:
     """Rename the complete ``staging`` folder to ``target``; an existing target (already checked) is set aside
     first and deleted only once the new folder is in place."""
@@ -179,7 +191,7 @@ def _move_into_place(staging: Path, target: Path) -> None:
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
             os.replace(staging, target)  # rename onto an empty directory is atomic
             return
-        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old"))
+        old = _new_folder(target, "old")
         os.rmdir(old)
         os.replace(target, old)
     try:
@@ -232,7 +244,7 @@ class RecordWriter:
     def open(self) -> None:
         self.target.parent.mkdir(parents=True, exist_ok=True)
         check_target(self.target, overwrite=self.overwrite)  # again: the folder may have appeared since
-        self.staging = Path(tempfile.mkdtemp(dir=self.target.parent, prefix=f".{self.target.name}.", suffix=".partial"))
+        self.staging = _new_folder(self.target, "partial")
         (self.staging / RECORDS).mkdir()
         self.entries = []
 

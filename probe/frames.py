@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .errors import AttnprobeError, AttnprobeWarning
+from .errors import AttnprobeError, warn_user
 from .files import atomic_open
 from .sinks import sink_mass
 from .tokens import record_token_rows
@@ -32,6 +31,7 @@ FRAME_SCHEMA: dict[str, str] = {
     "score": "float32",  # pre-softmax; NaN when scores were not captured
     "weight": "float32",  # post-softmax; NaN when weights were not captured
     "allowed": "boolean",  # True = the query may attend the key; <NA> when the mask is unknown
+    "query_padding": "boolean",  # True = the query row is padding ("don't care"); <NA> when the record does not say
 }
 #: Column -> dtype of ``Capture.to_frame()`` for a statistics capture (``keep=("stats",)`` without scores or
 #: weights): one row per (layer, call, head, batch, query_pos), a column per statistic (``probe.stats.ROW_STATS``).
@@ -42,6 +42,7 @@ STATS_FRAME_SCHEMA: dict[str, str] = {
     "masked_max": "float32", "row_sum_error": "float32", "max_score": "float32", "finite": "bool",
     "output_error": "float32", "output_scale": "float32", "first_key": "int64", "last_key": "int64",
     "allowed_keys": "int64", "diagonal_allowed": "bool",
+    "query_padding": "boolean",  # as in FRAME_SCHEMA: a padded query row, <NA> when the record does not say
 }
 
 #: Added by ``to_frame(tokens=...)``.
@@ -83,11 +84,8 @@ def _warn_left_out(records: list, what: str, needs: str, fix: str) -> None:
         return
     shown = ", ".join(f"layer {r.layer} call {r.call} ({r.name!r})" for r in records[:5])
     more = f" and {len(records) - 5} more" if len(records) > 5 else ""
-    warnings.warn(
-        f"{what} left out {len(records)} record(s) without {needs}: {shown}{more}; {fix}",
-        AttnprobeWarning,
-        stacklevel=4,
-    )
+    warn_user(
+        f"{what} left out {len(records)} record(s) without {needs}: {shown}{more}; {fix}")
 
 
 def _values(t: torch.Tensor | None, n: int) -> np.ndarray:
@@ -96,12 +94,16 @@ def _values(t: torch.Tensor | None, n: int) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy().reshape(-1)
 
 
-def to_frame(cap, tokens=None, key_tokens=None):
+def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
     """The tidy frame of ``cap`` (see ``FRAME_SCHEMA``; plus ``TOKEN_SCHEMA`` columns with tokens).
 
     ``tokens`` name the query sequence, ``key_tokens`` the context of cross-attention and of an encoder
-    (see ``attnprobe.probe.tokens``).
+    (see ``attnprobe.probe.tokens``). ``query_padding`` marks the rows of padded queries (their weights
+    mean nothing; ``summary()`` leaves them out); ``drop_padding=True`` leaves them out of the frame too
+    (rows whose padding is unknown, <NA>, stay).
     """
+    if not isinstance(drop_padding, bool):
+        raise TypeError(f"drop_padding must be True or False, got {type(drop_padding).__name__}")
     import pandas as pd
 
     records = list(cap)
@@ -109,12 +111,13 @@ def to_frame(cap, tokens=None, key_tokens=None):
         if tokens is not None or key_tokens is not None:
             raise AttnprobeError("to_frame(tokens=...) names (query, key) cells; a statistics capture has one row per "
                                  "query: join tokens on query_pos yourself")
-        return stats_frame(records)
+        return stats_frame(records, drop_padding=drop_padding)
     with_tokens = tokens is not None or key_tokens is not None
     vocab = _Vocab()
     names: dict[str, int] = {}  # module path -> category code, in order of first appearance
     parts: dict[str, list[np.ndarray]] = {c: [] for c in FRAME_SCHEMA}
     parts["allowed_known"] = []
+    parts["padding_known"] = []
     token_parts: dict[str, list[np.ndarray]] = {"query_token": [], "key_token": []}
     left_out = []
     for r in cap:
@@ -141,6 +144,12 @@ def to_frame(cap, tokens=None, key_tokens=None):
             np.zeros(n, dtype=bool) if allowed is None else allowed.expand(B, H, Tq, Tk).cpu().numpy().reshape(-1)
         )
         parts["allowed_known"].append(np.full(n, allowed is not None))
+        padding = r.query_padding
+        parts["query_padding"].append(
+            np.zeros(n, dtype=bool) if padding is None
+            else padding.cpu().bool()[:, None, :, None].expand(B, H, Tq, Tk).numpy().reshape(-1)
+        )
+        parts["padding_known"].append(np.full(n, padding is not None))
         if with_tokens:
             q_rows, k_rows = record_token_rows(r, tokens, key_tokens)
             for col, rows, pos in (("query_token", q_rows, qpos), ("key_token", k_rows, kpos)):
@@ -167,17 +176,22 @@ def to_frame(cap, tokens=None, key_tokens=None):
         "score": cat("score", np.float32),
         "weight": cat("weight", np.float32),
         "allowed": pd.arrays.BooleanArray(cat("allowed", bool), ~known),
+        "query_padding": pd.arrays.BooleanArray(cat("query_padding", bool), ~cat("padding_known", bool)),
     }
     if with_tokens:
         categories = list(vocab.index)
         for col in TOKEN_SCHEMA:
             codes = np.concatenate(token_parts[col]) if token_parts[col] else np.zeros(0, dtype=np.int64)
             data[col] = pd.Categorical.from_codes(codes, categories=categories)
-    return pd.DataFrame(data, copy=False)
+    frame = pd.DataFrame(data, copy=False)
+    if drop_padding:
+        frame = frame[~frame["query_padding"].fillna(False).to_numpy(dtype=bool)].reset_index(drop=True)
+    return frame
 
 
-def stats_frame(records):
-    """One row per (layer, call, head, batch, query_pos) of records with ``stats`` (``STATS_FRAME_SCHEMA``).
+def stats_frame(records, *, drop_padding: bool = False):
+    """One row per (layer, call, head, batch, query_pos) of records with ``stats`` (``STATS_FRAME_SCHEMA``);
+    ``drop_padding=True`` leaves padded query rows out.
 
     Example::
 
@@ -192,8 +206,10 @@ def stats_frame(records):
     import pandas as pd
 
     names: dict[str, int] = {}
-    columns = [c for c in STATS_FRAME_SCHEMA if c not in ("layer", "name", "call", "head", "batch", "query_pos")]
+    columns = [c for c in STATS_FRAME_SCHEMA
+               if c not in ("layer", "name", "call", "head", "batch", "query_pos", "query_padding")]
     parts: dict[str, list[np.ndarray]] = {c: [] for c in STATS_FRAME_SCHEMA}
+    known: list[np.ndarray] = []
     for r in records:
         if r.stats is None:
             continue
@@ -207,11 +223,22 @@ def stats_frame(records):
         parts["query_pos"].append(np.tile(np.arange(Tq, dtype=np.int64) + r.query_offset, B * H))
         for c in columns:
             parts[c].append(r.stats[c].detach().cpu().numpy().reshape(-1).astype(STATS_FRAME_SCHEMA[c]))
+        padding = r.query_padding
+        parts["query_padding"].append(np.zeros(n, dtype=bool) if padding is None else
+                                      padding.cpu().bool()[:, None, :].expand(B, H, Tq).numpy().reshape(-1))
+        known.append(np.full(n, padding is not None))
     data = {}
     for c, dtype in STATS_FRAME_SCHEMA.items():
+        if c == "query_padding":
+            flags = np.concatenate(parts[c]) if parts[c] else np.zeros(0, dtype=bool)
+            data[c] = pd.arrays.BooleanArray(flags, ~(np.concatenate(known) if known else np.zeros(0, dtype=bool)))
+            continue
         values = np.concatenate(parts[c]) if parts[c] else np.zeros(0, dtype="int64" if c == "name" else dtype)
         data[c] = pd.Categorical.from_codes(values, categories=list(names)) if c == "name" else values
-    return pd.DataFrame(data, copy=False).astype({c: d for c, d in STATS_FRAME_SCHEMA.items() if c != "name"})
+    frame = pd.DataFrame(data, copy=False).astype({c: d for c, d in STATS_FRAME_SCHEMA.items() if c != "name"})
+    if drop_padding:
+        frame = frame[~frame["query_padding"].fillna(False).to_numpy(dtype=bool)].reset_index(drop=True)
+    return frame
 
 
 def _summary_from_stats(r, acc: dict) -> None:
@@ -390,6 +417,8 @@ def write_frame(frame, path, *, format: str | None = None, overwrite: bool = Fal
         if format not in (None, "csv"):
             raise AttnprobeError("only CSV can be returned as text; give a path to write Parquet")
         return frame_csv(frame, formula_safe=formula_safe)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path (str or os.PathLike), or None for CSV text, got {type(path).__name__}")
     path = Path(os.fspath(path))
     fmt = format or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
     if fmt not in ("parquet", "csv"):

@@ -2,17 +2,22 @@
 
 Each lint has its own name and is reported as a ``Violation`` with severity ``"warning"``:
 
-=====================  ==========================================================================
-``lint_unused_mask``   a mask was built from the scores and never applied (e.g. the result of
-                       ``scores.masked_fill(mask, -inf)`` is not used; ``masked_fill_`` was meant)
-``lint_same_kv``       the same tensor is used as keys and as values
-``lint_head_merge``    heads are merged by a reshape that does not put the head axis right before
-                       ``d_head`` (``(B, H, T, D).reshape(B, T, H * D)`` without ``transpose(1, 2)``);
-                       followed through transposes, permutes and one-operand einsums
-                       (``"bhqd->bqhd"``), also from an einsum ``weights @ V`` that writes
-                       ``(B, T, D, H)``; a merge by einsum with the output weights is by name: fine
-``lint_softmax_axis``  the softmax runs over an axis that is not the key axis
-=====================  ==========================================================================
+===========================  ==========================================================================
+``lint_unused_mask``         a mask was built from the scores and never applied (e.g. the result of
+                             ``scores.masked_fill(mask, -inf)`` is not used; ``masked_fill_`` was meant)
+``lint_same_kv``             the same tensor is used as keys and as values
+``lint_head_merge``          heads are merged by a reshape that does not put the head axis right before
+                             ``d_head`` (``(B, H, T, D).reshape(B, T, H * D)`` without ``transpose(1, 2)``);
+                             followed through transposes, permutes and one-operand einsums
+                             (``"bhqd->bqhd"``), also from an einsum ``weights @ V`` that writes
+                             ``(B, T, D, H)``; a merge by einsum with the output weights is by name: fine
+``lint_softmax_axis``        the softmax runs over an axis that is not the key axis
+``lint_unread_mask_buffer``  a registered causal mask buffer (nanoGPT's ``self.bias``: lower-triangular)
+                             that the forward never reads; the message names the line that registers it
+===========================  ==========================================================================
+
+A lint explains the failures it causes (``LINT_EXPLAINS``): ``check`` reports those under it, with
+``Violation.caused_by`` naming the lint, so the cause comes first.
 
 attnprobe finds these while it traces hand-written attention (``capture(..., modules=...)``), stores
 them on the record (``record.meta["lint"]``, a tuple of ``Violation``) and warns once per layer and lint
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from .violations import Violation
 
@@ -51,9 +57,21 @@ LINT_UNUSED_MASK = "lint_unused_mask"
 LINT_SAME_KV = "lint_same_kv"
 LINT_HEAD_MERGE = "lint_head_merge"
 LINT_SOFTMAX_AXIS = "lint_softmax_axis"
+LINT_UNREAD_MASK_BUFFER = "lint_unread_mask_buffer"
 
 #: Every lint, in the order they are reported.
-LINT_CHECKS: tuple[str, ...] = (LINT_UNUSED_MASK, LINT_SAME_KV, LINT_HEAD_MERGE, LINT_SOFTMAX_AXIS)
+LINT_CHECKS: tuple[str, ...] = (LINT_UNUSED_MASK, LINT_SAME_KV, LINT_HEAD_MERGE, LINT_SOFTMAX_AXIS,
+                                LINT_UNREAD_MASK_BUFFER)
+
+#: The failures each lint explains: a finding of these checks in the record (layer and call) of the lint is
+#: reported under it, with ``caused_by`` naming it (see ``attribute_causes``). In the order causes are tried.
+LINT_EXPLAINS: dict[str, frozenset[str]] = {
+    LINT_SOFTMAX_AXIS: frozenset({"row_sum", "softmax_match", "range", "causal", "padding", "mask", "empty_rows"}),
+    LINT_UNUSED_MASK: frozenset({"causal", "padding", "mask", "softmax_match"}),
+    LINT_UNREAD_MASK_BUFFER: frozenset({"causal", "padding", "mask"}),
+    LINT_HEAD_MERGE: frozenset({"output_match"}),
+    LINT_SAME_KV: frozenset({"output_match"}),
+}
 
 
 def lint_violation(check: str, *, name: str, layer: int, call: int, message: str, head: int | None = None) -> Violation:
@@ -61,6 +79,37 @@ def lint_violation(check: str, *, name: str, layer: int, call: int, message: str
     if check not in LINT_CHECKS:
         raise ValueError(f"unknown lint {check!r}; lints are {list(LINT_CHECKS)}")
     return Violation(check=check, severity="warning", name=name, layer=layer, head=head, call=call, count=1, message=message)
+
+
+def attribute_causes(violations: Iterable[Violation]) -> list[Violation]:
+    """``violations`` with ``caused_by`` set on each failure a lint of the same record (layer and call; the same
+    head when the lint names one) explains (``LINT_EXPLAINS``), ordered by cause: each explaining lint followed
+    by what it explains, then everything else, each part in the order given."""
+    violations = list(violations)
+    lints_of: dict[tuple, list[Violation]] = {}
+    for v in violations:
+        if v.check in LINT_EXPLAINS:
+            lints_of.setdefault((v.layer, v.call), []).append(v)
+    priority = list(LINT_EXPLAINS)
+    explained: dict[int, list[Violation]] = {}
+    rest = []
+    for v in violations:
+        if v.check in LINT_EXPLAINS:
+            continue
+        candidates = sorted(lints_of.get((v.layer, v.call), ()), key=lambda lint: priority.index(lint.check))
+        cause = next((lint for lint in candidates if v.check in LINT_EXPLAINS[lint.check]
+                      and (lint.head is None or v.head is None or lint.head == v.head)), None)
+        if cause is None:
+            rest.append(v)
+        else:
+            explained.setdefault(id(cause), []).append(replace(v, caused_by=cause.check))
+    ordered = []
+    for v in violations:
+        if id(v) in explained:
+            ordered += [v, *explained[id(v)]]
+    unexplained = {id(v) for v in rest}
+    return ordered + [v for v in violations
+                      if id(v) in unexplained or (v.check in LINT_EXPLAINS and id(v) not in explained)]
 
 
 def lints(records: Iterable) -> tuple[Violation, ...]:

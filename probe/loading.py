@@ -71,6 +71,19 @@ def parse_int_list(text: str | None, what: str) -> list[int] | None:
     return out
 
 
+def parse_modules(text: str | None) -> list[str] | str | None:
+    """``--modules``: ``"auto"``, or module names separated by commas (``<root>`` is the model itself)."""
+    if text is None:
+        return None
+    if text.strip() == "auto":
+        return "auto"
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise InputError(f"--modules {text!r} names no module: give names from named_modules(), e.g. "
+                         "--modules blocks.0.attn,blocks.1.attn, or --modules auto")
+    return ["" if n == "<root>" else n for n in names]
+
+
 def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
@@ -395,6 +408,12 @@ def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_t
         for k in unknown:
             if k in ("token_type_ids", "decoder_attention_mask"):
                 work.inputs.pop(k)
+            elif k == "attention_mask":
+                if not bool(work.inputs[k].all()):
+                    raise InputError(
+                        f"{source}: {type(model).__name__}.forward takes no attention_mask, so the padding of inputs "
+                        "of different lengths cannot reach it: give inputs of one length (or one input)")
+                work.inputs.pop(k)  # no padding: the model needs no mask
         if "input_ids" not in accepted and "input_ids" in work.inputs:
             raise InputError(
                 f"{source}: {type(model).__name__}.forward takes no input_ids; give a factory whose model takes token ids"

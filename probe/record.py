@@ -22,6 +22,8 @@ from typing import Any, Literal, Mapping
 
 import torch
 
+from .errors import NotCapturedError
+
 #: The tensors a capture can keep, in the vocabulary used everywhere: ``scores`` are pre-softmax,
 #: ``weights`` post-softmax.
 TENSOR_FIELDS: tuple[str, ...] = ("q", "k", "v", "scores", "weights", "output")
@@ -197,8 +199,8 @@ class AttentionRecord:
         try:
             return self.heads.index(head)
         except ValueError:
-            raise KeyError(
-                f"head {head} of {self.name!r} was not captured (stored heads: {list(self.heads)}); "
+            raise NotCapturedError(
+                f"head {head} of {(self.name or '<root>')!r} was not captured (layer {self.layer}; stored heads: {list(self.heads)}); "
                 "capture it with heads=None or include it in heads=[...]"
             ) from None
 

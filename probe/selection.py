@@ -115,10 +115,11 @@ def parse_bytes(text: str | int) -> int:
         raise SelectionError(f"cannot read {text!r} as a size; write e.g. 500MB, 2GiB or 1000000")
     value = float(m.group(1)) * units[m.group(2)]
     if not math.isfinite(value) or value > MAX_BYTES:
-        raise SelectionError(f"size {text!r} is beyond any memory ({format_bytes(MAX_BYTES)} at most); "
+        raise SelectionError(f"size {text!r} is beyond any memory (at most 2**60 bytes, 1 EiB); "
                              "write e.g. 500MB or 2GiB, or leave the budget out for none")
     if value < 1:
-        raise SelectionError(f"size {text!r} is less than one byte; write e.g. 500MB, 2GiB or 1000000")
+        raise SelectionError(f"max_bytes must be a positive size: {text!r} is less than one byte; write e.g. 500MB, "
+                             "2GiB or 1000000")
     return int(value)
 
 
@@ -131,6 +132,22 @@ def format_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def overview_of(overview, keep) -> object | None:
+    """``capture(overview=)``: None, a number of cells, or a ``probe.pooling.Overview``; needs ``"stats"`` in keep."""
+    if overview is None:
+        return None
+    from .pooling import Overview
+
+    if isinstance(overview, int) and not isinstance(overview, bool):
+        overview = Overview(cells=overview)
+    if not isinstance(overview, Overview):
+        raise SelectionError(f"overview= takes a number of cells (such as 512) or a probe.pooling.Overview, "
+                             f"got {overview!r}")
+    if "stats" not in keep:
+        raise SelectionError('overview= is computed by the statistics engine: add "stats" to keep=')
+    return overview
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,7 @@ class Selection:
     block_bytes: int | None = None
     """Memory target of one block of the statistics engine (``keep=("stats",)``); None = its default."""
     overview: object | None = None
-    """``probe.stats.Overview``: pooled weights and exact windows a statistics capture also keeps; None = none."""
+    """``probe.pooling.Overview``: pooled weights and exact windows a statistics capture also keeps; None = none."""
 
     @classmethod
     def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
@@ -203,18 +220,8 @@ class Selection:
                                         or operator.index(block_bytes) <= 0):
             raise SelectionError(f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
                                  f"as '32MB', got {block_bytes!r}")
-        if overview is not None:
-            from .pooling import Overview
-
-            if isinstance(overview, int) and not isinstance(overview, bool):
-                overview = Overview(cells=overview)
-            if not isinstance(overview, Overview):
-                raise SelectionError(f"overview= takes a number of cells (such as 512) or a probe.stats.Overview, "
-                                     f"got {overview!r}")
-            if "stats" not in keep_set:
-                raise SelectionError('overview= is computed by the statistics engine: add "stats" to keep=')
         return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes,
-                   None if block_bytes is None else operator.index(block_bytes), overview)
+                   None if block_bytes is None else operator.index(block_bytes), overview_of(overview, keep_set))
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
         """Check layer numbers against the model (negative numbers count from the end).

@@ -9,7 +9,7 @@ models), else when the record is as long as ``key_tokens`` and not as ``tokens``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .errors import AttnprobeError
 from .record import AttentionRecord
@@ -21,6 +21,8 @@ def token_rows(tokens, batch_size: int, what: str) -> list[list[str]] | None:
         return None
     if isinstance(tokens, (str, bytes)):
         raise AttnprobeError(f"{what} must be a list of token strings (or one list per batch row), not one string")
+    if not isinstance(tokens, Iterable):
+        raise TypeError(f"{what} must be a list of token strings (or one list per batch row), got {type(tokens).__name__}")
     rows = list(tokens)
     if not rows or all(isinstance(t, str) for t in rows):
         return [list(rows)] * batch_size

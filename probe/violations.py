@@ -20,7 +20,7 @@ SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 #: Columns of ``CheckResult.to_frame()``, in order.
 FRAME_COLUMNS: tuple[str, ...] = (
     "check", "severity", "name", "layer", "head", "batch", "call", "step",
-    "queries", "keys", "query_count", "key_count", "count", "worst", "message",
+    "queries", "keys", "query_count", "key_count", "count", "worst", "message", "caused_by",
 )
 
 
@@ -59,6 +59,9 @@ class Violation:
     0 when no position is known."""
     key_count: int = 0
     """How many distinct key positions offend (``keys`` lists the first ``MAX_POSITIONS``)."""
+    caused_by: str | None = None
+    """The lint of the same record (layer and call) that explains this failure, e.g. ``"lint_softmax_axis"``
+    (see ``attnprobe.probe.lint.LINT_EXPLAINS``); None when no lint does."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -78,6 +81,28 @@ class Violation:
 
     def __str__(self) -> str:
         return f"{self.check} [{self.severity}] {self.where()}: {self.message}"
+
+
+def cause_groups(violations) -> tuple[list[tuple[Violation, list[Violation]]], list[Violation]]:
+    """([(cause, the violations it explains), ...], the rest), in order. A cause is a violation that some
+    other violation of the same record (layer, call) names in ``caused_by``."""
+    violations = list(violations)
+    explained: dict[tuple, list[Violation]] = {}
+    for v in violations:
+        if v.caused_by is not None:
+            explained.setdefault((v.caused_by, v.layer, v.call), []).append(v)
+    groups, rest, placed = [], [], set()
+    for v in violations:
+        key = (v.check, v.layer, v.call)
+        if v.caused_by is None and key in explained and key not in placed:
+            placed.add(key)
+            groups.append((v, explained[key]))
+    causes = {id(c) for c, _ in groups}
+    for v in violations:
+        if id(v) in causes or (v.caused_by is not None and (v.caused_by, v.layer, v.call) in placed):
+            continue
+        rest.append(v)
+    return groups, rest
 
 
 class InvariantError(AssertionError):
@@ -136,6 +161,9 @@ class CheckResult:
     """One line per check that could not run on some record, saying why (e.g. no scores captured)."""
     coverage: Mapping[str, int] = field(default_factory=dict)
     """Check name -> number of records it ran on (0 = it never ran)."""
+    declarations: tuple[str, ...] = ()
+    """What the model's own code declared and ``check`` held it to without being told, one line per record
+    (e.g. causality from a registered triangular mask buffer, with the line that registers it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.coverage, MappingProxyType):
@@ -224,7 +252,7 @@ class CheckResult:
             "check": "string", "severity": "string", "name": "string", "message": "string",
             "layer": "Int64", "head": "Int64", "batch": "Int64", "step": "Int64",
             "call": "int64", "count": "int64", "query_count": "int64", "key_count": "int64",
-            "worst": "float64",
+            "worst": "float64", "caused_by": "string",
         })
 
     def headline(self) -> str:
@@ -242,20 +270,30 @@ class CheckResult:
         """A readable text table: a headline, one line per check that found something, the
         violations (errors first, at most ``max_rows``) and what was skipped."""
         lines = [self.headline()]
+        groups, rest = cause_groups(self.violations)
         by_check: dict[str, list[Violation]] = {}
-        for v in self.violations:
+        for v in [v for cause, explained in groups for v in (cause, *explained)] + rest:  # causes first
             by_check.setdefault(v.check, []).append(v)
         for check, found in by_check.items():
             severities = ", ".join(_plural(sum(v.severity == s for v in found), s) for s in SEVERITIES
                                    if any(v.severity == s for v in found))
-            lines.append(f"  {check}: {severities} in layer(s) {_layers(found)}")
+            causes = sorted({v.caused_by for v in found if v.caused_by})
+            effects = [e for cause, explained in groups if cause.check == check for e in explained]
+            lines.append(f"  {check}: {severities} in layer(s) {_layers(found)}"
+                         + (f", the cause of {len(effects)} finding(s) listed under it" if effects else "")
+                         + (f", caused by {' / '.join(causes)}" if causes else ""))
+        for note in self.declarations:
+            lines.append(f"  from the model's code: {note}")
         if self.violations:
             order = {s: i for i, s in enumerate(SEVERITIES)}
-            shown = sorted(self.violations, key=lambda v: order[v.severity])[:max_rows]
+            # each cause, then the failures it explains (indented); then the rest, errors first
+            shown = [(v, v is not cause) for cause, explained in groups for v in (cause, *explained)]
+            shown += [(v, False) for v in sorted(rest, key=lambda v: order[v.severity])]
+            shown = shown[:max_rows]
             rows = [("check", "severity", "where", "queries", "keys", "count", "worst", "message")]
-            for v in shown:
+            for v, under in shown:
                 rows.append((
-                    v.check,
+                    ("  " if under else "") + v.check,
                     v.severity,
                     v.where(),
                     _positions(v.queries, v.query_count),

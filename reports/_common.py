@@ -48,6 +48,37 @@ class HeadView:
         return ~self.allowed & (self.weights != 0)
 
 
+def require_record(obj, function: str) -> AttentionRecord:
+    """``obj`` when it is one AttentionRecord; a one-line TypeError naming what to pass otherwise."""
+    if isinstance(obj, AttentionRecord):
+        return obj
+    from ..probe.capture import Capture
+
+    if isinstance(obj, Capture):
+        layer = obj[0].layer if len(obj) else 0
+        raise TypeError(
+            f"{function}() draws one AttentionRecord, got a Capture of {len(obj)} record(s): pick one, e.g. "
+            f"{function}(cap.record({layer}), ...) or cap[0], or draw every record with save_grid(cap, path)"
+        )
+    raise TypeError(f"{function}() draws one AttentionRecord (e.g. cap[0] or cap.record(layer)), got {type(obj).__name__}")
+
+
+def require_records(obj, function: str) -> list[AttentionRecord]:
+    """The records of a Capture (or of a list of records); a one-line TypeError naming what to pass otherwise."""
+    if isinstance(obj, AttentionRecord):
+        raise TypeError(
+            f"{function}() takes a Capture, got one AttentionRecord: pass the capture it came from, or "
+            f"Capture([record]); for one head of one record use heatmap(record, head=...)"
+        )
+    from ..probe.capture import Capture
+
+    if isinstance(obj, Capture) or (isinstance(obj, (list, tuple)) and all(isinstance(r, AttentionRecord) for r in obj)):
+        return list(obj)
+    raise TypeError(
+        f"{function}() takes an attnprobe.Capture (from `with attnprobe.capture(model) as cap`), got {type(obj).__name__}"
+    )
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy()
 

@@ -27,13 +27,15 @@ from ..probe.capture import Capture
 from ..probe.errors import AttnprobeError
 from ..probe.files import atomic_open
 from ..probe.record import AttentionRecord
-from ..probe.violations import CheckResult, Violation
+from ..probe.violations import CheckResult, Violation, cause_groups
 from . import encoding
 from ..probe.tokens import token_rows
 from ._common import check_batch, display_token, head_view, output_path, record_labels
 
 #: Refuse reports that would hold more matrix values than this (about 4 bytes each, exact precision).
 MAX_VALUES = 80_000_000
+#: A report shows every batch row up to this many (with a selector); pass ``batch=`` for the others.
+MAX_BATCH_ROWS = 8
 
 
 # ----------------------------------------------------------------------------------- records shown
@@ -116,70 +118,101 @@ def check_precision(precision: str) -> None:
 def build_data(
     sources: list[list[AttentionRecord]],
     *,
-    batch: int,
+    batch: int | list[int],
     tokens,
     key_tokens,
     precision: str,
     masked_scores: bool,
     max_values: int | None,
 ) -> ReportData:
-    """Encode the records of one capture (``sources`` of length 1) or of two matched captures (diff).
+    """Encode the records of one capture (``sources`` of length 1) or of two matched captures (diff), for
+    batch row ``batch`` or for each of a list of rows.
 
-    Steps: refuse a page past ``max_values``; per record (a group of matched records), its facts
-    (``_record_meta``), per source its encoded heads and their colour statistics (``_source_meta``), per head
-    its thumbnail (``_Thumbnails``); then the page's meta. Blobs are encoded lazily, in the order added.
+    Steps: refuse a page past ``max_values``; per batch row, per record (a group of matched records), its
+    facts (``_record_meta``), per source its encoded heads and their colour statistics (``_source_meta``), per
+    head its thumbnail (``_Thumbnails``); then the page's meta: the first row's records, thumbnails and
+    ``batch`` at the top, the other rows' in ``moreRows`` (same keys). Blobs are encoded lazily, in the order
+    added.
     """
+    rows = [batch] if isinstance(batch, int) else list(batch)
     check_precision(precision)
-    _refuse_past_budget(sources, batch, max_values)
+    _refuse_past_budget(sources, rows, max_values)
     diff = len(sources) == 2
     tok = _Tokens()
     blobs = encoding.Blobs()
-    thumbs = _Thumbnails(diff)
-    records_meta = []
     try:
-        for rid, group in enumerate(zip(*sources)):
-            r = group[0]
-            meta = _record_meta(rid, r, record_labels(r, batch, tokens, key_tokens), tok)
-            views = []  # per source, the head views of its record
-            for rec in group:
-                views.append([head_view(rec, h, batch) for h in r.heads])
-                meta["sources"].append(_source_meta(rec, views[-1], blobs, precision, masked_scores))
-            for i in range(len(r.heads)):
-                meta["thumbs"].append(thumbs.add([vs[i] for vs in views]))
-                meta["thumbShape"] = thumbs.shape
-            records_meta.append(meta)
-        thumb_blob = blobs.add(thumbs.encoded().tobytes)
+        per_row = [_row_meta(sources, b, tokens, key_tokens, tok, blobs, precision, masked_scores, diff) for b in rows]
         blob_list = blobs.results()
     except BaseException:
         blobs.close()
         raise
     meta = {
-        "records": records_meta,
+        **per_row[0],
         "tokens": tok.lists,
-        "thumbBlob": thumb_blob,
-        "thumbMax": thumbs.max,
         "precision": precision,
         "maskedScores": masked_scores,
-        "batch": batch,
         "mode": "diff" if diff else "report",
+        "moreRows": per_row[1:],
     }
     return ReportData(meta, blob_list, tok.lists)
 
 
-def _refuse_past_budget(sources: list[list[AttentionRecord]], batch: int, max_values: int | None) -> None:
-    """Check the batch row exists in every record, and the page's weights and scores fit ``max_values``."""
-    values = 0
+def _row_meta(sources, batch: int, tokens, key_tokens, tok: "_Tokens", blobs: encoding.Blobs, precision: str,
+              masked_scores: bool, diff: bool) -> dict[str, Any]:
+    """One batch row of the page: its records (as the page reads them) and its thumbnails."""
+    thumbs = _Thumbnails(diff)
+    records_meta = []
+    for rid, group in enumerate(zip(*sources)):
+        r = group[0]
+        meta = _record_meta(rid, r, record_labels(r, batch, tokens, key_tokens), tok)
+        views = []  # per source, the head views of its record
+        for rec in group:
+            views.append([head_view(rec, h, batch) for h in r.heads])
+            meta["sources"].append(_source_meta(rec, views[-1], blobs, precision, masked_scores))
+        for i in range(len(r.heads)):
+            meta["thumbs"].append(thumbs.add([vs[i] for vs in views]))
+            meta["thumbShape"] = thumbs.shape
+        records_meta.append(meta)
+    return {"batch": batch, "records": records_meta, "thumbBlob": blobs.add(thumbs.encoded().tobytes),
+            "thumbMax": thumbs.max}
+
+
+def values_per_row(sources: list[list[AttentionRecord]]) -> int:
+    """Weights and scores one batch row puts on the page."""
+    return sum(r.query_len * r.key_len * len(r.heads) * ((r.weights is not None) + (r.scores is not None))
+               for rows in sources for r in rows)
+
+
+def _refuse_past_budget(sources: list[list[AttentionRecord]], batches: list[int], max_values: int | None) -> None:
+    """Check the batch rows exist in every record, and the page's weights and scores fit ``max_values``."""
     for rows in sources:
         for r in rows:
-            check_batch(r, batch)
-            per_head = r.query_len * r.key_len
-            values += per_head * len(r.heads) * ((r.weights is not None) + (r.scores is not None))
+            for b in batches:
+                check_batch(r, b)
+    values = values_per_row(sources) * len(batches)
     if max_values is not None and values > max_values:
+        rows = f" ({len(batches)} batch rows)" if len(batches) > 1 else ""
         raise AttnprobeError(
-            f"this report would hold {values:,} values (~{values * 4 / 2**20:,.0f} MiB before compression), more "
-            f"than max_values={max_values:,}. Report fewer layers or heads (cap.select(layers=..., heads=...)), "
-            "use precision='bfloat16', or raise max_values="
+            f"this report would hold {values:,} values{rows} (~{values * 4 / 2**20:,.0f} MiB before compression), more "
+            f"than max_values={max_values:,}. Report fewer layers or heads (cap.select(layers=..., heads=...))"
+            + (", one batch row (batch=)" if len(batches) > 1 else "")
+            + ", use precision='bfloat16', or raise max_values="
         )
+
+
+def report_rows(records: list[AttentionRecord], batch, max_values: int | None) -> tuple[list[int], int]:
+    """(batch rows the page shows, rows the input has). ``batch``: an int (that row), a list of rows, or None:
+    every row up to ``MAX_BATCH_ROWS`` and as many as fit ``max_values`` (row 0 always)."""
+    size = max((r.batch_size or 1) for r in records)
+    if batch is None:
+        per_row = values_per_row([records]) or 1
+        fit = size if max_values is None else max(1, max_values // per_row)
+        return list(range(min(size, MAX_BATCH_ROWS, fit))), size
+    if isinstance(batch, (list, tuple)):
+        if not batch:
+            raise AttnprobeError("batch=[] names no batch row; give rows, one row, or None for every row")
+        return list(dict.fromkeys(batch)), size
+    return [batch], size
 
 
 def _record_meta(rid: int, r: AttentionRecord, labels, tok: _Tokens) -> dict[str, Any]:
@@ -314,8 +347,12 @@ class CheckRow:
     other_batch: bool  # the violation is in another batch row than the one shown
 
 
-def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int) -> dict[str, Any]:
-    """Rows of the checks table, and which (record id, head) are flagged."""
+def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int,
+                shown: list[int] | None = None) -> dict[str, Any]:
+    """Rows of the checks table, and which (record id, head) are flagged (with the cells to mark in batch row
+    ``batch``). ``shown``: every batch row the page shows (default: ``batch`` alone); a finding in one of them
+    links to its head in that row (``#head-<record>-<head>-b<row>``), one in another row says so."""
+    shown = [batch] if shown is None else shown
     if checks is None:
         return {"given": False, "rows": [], "flags": {}}
     if not isinstance(checks, CheckResult):
@@ -326,7 +363,8 @@ def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int
         by_layer.setdefault(m["layer"], m)
     rows: list[CheckRow] = []
     flags: dict[str, dict[str, Any]] = {}
-    for v in checks.violations:
+    groups, rest = cause_groups(checks.violations)  # each cause, then the failures it explains
+    for v in [v for cause, explained in groups for v in (cause, *explained)] + rest:
         m = None if v.layer is None else (by_call.get((v.layer, v.call)) or by_layer.get(v.layer))
         target = None
         if m is not None:
@@ -339,7 +377,9 @@ def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int
                     flag["marks"].append({"check": v.check, "queries": list(v.queries), "keys": list(v.keys)})
             if heads:
                 target = f"#head-{m['id']}-{heads[0]}"
-        rows.append(CheckRow(v, target, v.batch is not None and v.batch != batch))
+                if len(shown) > 1 and v.batch in shown:
+                    target += f"-b{v.batch}"
+        rows.append(CheckRow(v, target, v.batch is not None and v.batch not in shown))
     return {"given": True, "result": checks, "rows": rows, "flags": flags}
 
 
@@ -519,36 +559,69 @@ def weights_note(records: list[AttentionRecord], info) -> dict[str, Any] | None:
     }
 
 
-def input_facts(records: list[AttentionRecord], batch: int, data: ReportData, tokens, key_tokens) -> dict[str, Any]:
-    """What the overview says about the input: batch, sequence lengths, the tokens as given."""
+def layer_ranges(layers) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0–3, 5"``."""
+    out: list[str] = []
+    run: list[int] = []
+    for layer in sorted(set(layers)):
+        if run and layer != run[-1] + 1:
+            out.append(f"{run[0]}–{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+            run = []
+        run.append(layer)
+    if run:
+        out.append(f"{run[0]}–{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+    return ", ".join(out)
+
+
+def input_facts(records: list[AttentionRecord], batch, data: ReportData, tokens, key_tokens) -> dict[str, Any]:
+    """What the overview says about the input: batch rows (those shown), sequence lengths and the layers that
+    run over them, each shown row's tokens as given."""
     size = records[0].batch_size or 1
-    q_row = None if tokens is None else token_rows(tokens, size, "tokens")[batch]
-    k_row = None if key_tokens is None else token_rows(key_tokens, size, "key_tokens")[batch]
-    sequences: dict[int, list[str]] = {}
-    keys: dict[int, list[str]] = {}
-    padded: dict[int | None, set[int]] = {}
+    shown = [batch] if isinstance(batch, int) else list(batch)
+    q_rows = None if tokens is None else token_rows(tokens, size, "tokens")
+    k_rows = None if key_tokens is None else token_rows(key_tokens, size, "key_tokens")
+    sequences: dict[int, list[int]] = {}
+    keys: dict[int, list[int]] = {}
     for m in data.meta["records"]:
-        name = m["name"] or "(model itself)"
-        sequences.setdefault(m["queryOffset"] + m["tq"], []).append(name + (" queries" if m["kind"] == "cross" else ""))
+        sequences.setdefault(m["queryOffset"] + m["tq"], []).append(m["layer"])
         if m["kind"] == "cross":
-            keys.setdefault(m["tk"], []).append(name)
-        else:
-            padded.setdefault(m["qTokens"], set()).update(p + m["queryOffset"] for p in m["sources"][0]["padding"])
+            keys.setdefault(m["tk"], []).append(m["layer"])
 
-    def padded_of(row):
-        if row is None or row not in data.token_lists:
-            return set()
-        return padded.get(data.token_lists.index(row), set())
+    def padded_of(row, b: int) -> set[int]:
+        """Positions of ``row`` (batch row ``b``'s tokens) that some self-attention record marks as padding."""
+        padded: set[int] = set()
+        if row is None:
+            return padded
+        for r in records:
+            if r.kind == "cross" or r.query_padding is None:
+                continue
+            labels = record_labels(r, b, tokens, key_tokens)
+            if labels.query == row[r.query_offset: r.query_offset + r.query_len]:
+                marks = r.query_padding[min(b, r.query_padding.shape[0] - 1)]
+                padded.update(int(p) + r.query_offset for p in marks.nonzero().flatten().tolist())
+        return padded
 
+    rows = []
+    for b in shown:
+        q_row = None if q_rows is None else q_rows[b]
+        k_row = None if k_rows is None else k_rows[b]
+        rows.append({"batch": b, "query_tokens": q_row, "key_tokens": k_row,
+                     "query_padded": padded_of(q_row, b), "key_padded": padded_of(k_row, b)})
+    plural = lambda n: "s" if n > 1 else ""  # noqa: E731
     return {
         "batch_size": size,
-        "batch": batch,
-        "sequences": [(n, ", ".join(dict.fromkeys(names))) for n, names in sequences.items()],
-        "key_sequences": [(n, ", ".join(dict.fromkeys(names))) for n, names in keys.items()],
-        "query_tokens": q_row,
-        "key_tokens": k_row,
-        "query_padded": padded_of(q_row),
-        "key_padded": padded_of(k_row),
+        "batch": shown[0],
+        "shown": shown,
+        "all_shown": len(shown) == size,
+        "max_rows": MAX_BATCH_ROWS,
+        "sequences": [(n, f"layer{plural(len(set(ls)))} {layer_ranges(ls)}") for n, ls in sequences.items()],
+        "key_sequences": [(n, f"layer{plural(len(set(ls)))} {layer_ranges(ls)}") for n, ls in keys.items()],
+        "rows": rows,
+        # the first shown row, as before (the diff page and older templates read these)
+        "query_tokens": rows[0]["query_tokens"],
+        "key_tokens": rows[0]["key_tokens"],
+        "query_padded": rows[0]["query_padded"],
+        "key_padded": rows[0]["key_padded"],
     }
 
 
@@ -599,7 +672,7 @@ def to_html(
     *,
     tokens=None,
     key_tokens=None,
-    batch: int = 0,
+    batch: int | list[int] | None = None,
     checks: CheckResult | bool | None = True,
     title: str | None = None,
     precision: str = "exact",
@@ -610,8 +683,9 @@ def to_html(
     """Write one self-contained HTML report of ``capture``; return the document when ``path`` is None.
 
     ``tokens``: labels of the query sequence (and of the keys of self-attention), one list of strings
-    or one list per batch row; ``key_tokens``: labels of the keys of cross-attention; ``batch``: the
-    batch row shown. ``checks``: the checks panel (violating heads are highlighted and linked):
+    or one list per batch row; ``key_tokens``: labels of the keys of cross-attention. ``batch``: the batch
+    rows shown, with a selector above the grid: None (the default) every row up to ``MAX_BATCH_ROWS`` (8) that
+    fits ``max_values`` (the page says when rows were left out), an int one row, a list those rows. ``checks``: the checks panel (violating heads are highlighted and linked):
     True (the default) runs ``attnprobe.check(capture)``; pass your own ``CheckResult`` (e.g. with
     ``causal=`` or ``attention_mask=`` declared), or False for no panel. ``precision="exact"`` keeps
     every float32 value bit for bit; ``"bfloat16"`` rounds values to about 3 significant digits for a file about half the size (the page
@@ -640,16 +714,20 @@ def to_html(
     if path is not None:
         output_path(path, overwrite=overwrite)  # fail before the work
     records, undrawn, stitched = shown_records(capture)
-    data = build_data([records], batch=batch, tokens=tokens, key_tokens=key_tokens, precision=precision,
+    rows, _ = report_rows(records, batch, max_values)
+    data = build_data([records], batch=rows, tokens=tokens, key_tokens=key_tokens, precision=precision,
                       masked_scores=masked_scores, max_values=max_values)
+    row_metas = [data.meta, *data.meta["moreRows"]]
     # records without weights (a scores-only capture) have no summary row; the report says why elsewhere
     summary = Capture([r for r in records if r.weights is not None], capture.info).summary()
     if checks is True:
         from ..probe.checks import check
 
         checks = check(capture)
-    panel = check_panel(None if checks is False else checks, data.meta["records"], batch)
-    data.meta["flags"] = panel["flags"]
+    checks = None if checks is False else checks
+    panel = check_panel(checks, data.meta["records"], rows[0], rows)
+    for b, row_meta in zip(rows, row_metas):  # the cells to mark differ by row
+        row_meta["flags"] = check_panel(checks, row_meta["records"], b, rows)["flags"] if b != rows[0] else panel["flags"]
     data.meta["summary"] = {
         f"{row.layer}-{row.head}": {c: page_number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
         for row in summary.itertuples()
@@ -664,7 +742,7 @@ def to_html(
         undrawn=undrawn,
         weightless=weights_note(records, capture.info),
         stitched=stitched,
-        input=input_facts(records, batch, data, tokens, key_tokens),
+        input=input_facts(records, rows, data, tokens, key_tokens),
         precision=precision,
         masked_scores=masked_scores,
         summary=summary,

@@ -20,7 +20,7 @@ from ..probe.capture import Capture
 from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
 from ..probe.violations import CheckResult
-from .html import checks_document, shown_records, to_html
+from .html import MAX_BATCH_ROWS, checks_document, shown_records, to_html
 
 #: The most bytes a notebook view holds; settable. The page travels base64-encoded in a data: URL (4/3 of its size),
 #: which Chromium accepts up to 2 MiB.
@@ -77,6 +77,9 @@ def capture_view(capture: Capture, *, what: str = "capture") -> str:
         records, _, _ = shown_records(capture)
     except AttnprobeError as exc:
         return _note(html.escape(f"{capture!r}: {exc}"))
+    # every batch row (as the report shows them) when they all fit exactly; else batch row 0, as before
+    size = max(r.batch_size or 1 for r in records)
+    batch = None if _estimate(records, "exact") * min(size, MAX_BATCH_ROWS) <= MAX_BYTES else 0
     chosen, precision = records, "exact"
     for precision in ("exact", "bfloat16"):
         chosen = list(records)
@@ -87,7 +90,7 @@ def capture_view(capture: Capture, *, what: str = "capture") -> str:
     document = None
     while chosen:
         try:
-            document = to_html(Capture(chosen, capture.info), precision=precision, max_values=None)
+            document = to_html(Capture(chosen, capture.info), precision=precision, max_values=None, batch=batch)
         except AttnprobeError as exc:
             return _note(html.escape(f"{capture!r}: {exc}"))
         if _view_bytes(document) <= MAX_BYTES or len(chosen) == 1:
@@ -100,6 +103,8 @@ def capture_view(capture: Capture, *, what: str = "capture") -> str:
             f"too large to show here; write the report to a file: {full}"
         ))
     parts = []
+    if batch == 0 and size > 1:
+        parts.append(f"batch row 0 of {size}")
     if len(chosen) < len(records):
         layers = sorted({r.layer for r in chosen})
         parts.append(f"showing the first {len(chosen)} of {len(records)} records (layers {layers[0]} to {layers[-1]})")

@@ -7,6 +7,7 @@ and return the Axes; nothing here calls ``show()``. The ``save_*`` writers build
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -23,12 +24,18 @@ from ._common import (
     head_view,
     output_path,
     record_labels,
+    require_record,
+    require_records,
     resolve_head,
 )
 
 VALUES = ("weights", "scores")
 #: Summary columns drawn by ``save_summary`` by default (see ``attnprobe.probe.frames.SUMMARY_SCHEMA``).
 SUMMARY_COLUMNS = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass")
+#: Size of the token labels of ``head_grid`` (every k-th token is labelled when they do not all fit).
+GRID_TOKEN_POINTS = 7.0
+#: Size of the numbers written into summary cells; smaller text is not drawn at all (see ``cell_labels``).
+CELL_FONT_POINTS = 7.0
 
 
 def _current_axes():
@@ -50,9 +57,10 @@ def tick_positions(n: int, max_ticks: int) -> np.ndarray:
     return np.arange(0, n, step)
 
 
-def _set_ticks(ax, axis: str, labels: list[str] | None, n: int, offset: int, max_ticks: int, fontsize) -> None:
+def _set_ticks(ax, axis: str, labels: list[str] | None, n: int, offset: int, max_ticks: int, fontsize,
+               limit: int = 24) -> None:
     pos = tick_positions(n, max_ticks)
-    text = [display_token(labels[i], 24) if labels is not None else str(i + offset) for i in pos]
+    text = [display_token(labels[i], limit) if labels is not None else str(i + offset) for i in pos]
     if axis == "x":
         ax.set_xticks(pos, text, rotation=90, fontsize=fontsize, parse_math=False)
     else:
@@ -150,6 +158,7 @@ def heatmap(
         >>> attnprobe.reports.heatmap(cap[0], head=1, ax=ax, tokens=list("abcde")) is ax
         True
     """
+    record = require_record(record, "heatmap")
     _check_value(value)
     head = resolve_head(record, head)
     view = head_view(record, head, batch)
@@ -171,8 +180,7 @@ def heatmap(
     ax.set_ylabel("query")
     legend = _legend(ax, view, value)
     if title:
-        text = title if isinstance(title, str) else f"layer {record.layer} head {head}" + (
-            f" (call {record.call})" if record.call else "") + (" cross" if record.kind == "cross" else "")
+        text = title if isinstance(title, str) else head_title(record, head, batch)
         ax.set_title(text, loc="left", fontsize="small", pad=18 if legend else 6)
     if colorbar:
         ax.figure.colorbar(image, ax=ax, label="weight" if value == "weights" else "score (pre-softmax)",
@@ -181,7 +189,7 @@ def heatmap(
 
 
 def _grid_records(capture) -> list[AttentionRecord]:
-    records = list(capture)
+    records = require_records(capture, "head_grid")
     if any(r.step is not None for r in records):  # a generation: one stitched matrix per module, as in the HTML
         from ..probe.generation import shown
 
@@ -201,13 +209,19 @@ def head_grid(
     cmap="viridis",
     normalize: str = "shared",
     cell_inches: float | None = None,
+    tokens=None,
+    key_tokens=None,
+    title: str | bool = True,
 ):
     """A grid of small heatmaps, one row per record (layer, call), one column per head; returns the Figure.
 
     ``normalize="shared"`` uses one colour scale for every head (with one colour bar; weights end at
     their 99th percentile, as in ``heatmap``);
     ``"head"`` scales each head to its own range (to see the pattern of weak heads). ``fig=None``
-    builds a new ``matplotlib.figure.Figure`` (pyplot is not used).
+    builds a new ``matplotlib.figure.Figure`` (pyplot is not used). ``tokens`` / ``key_tokens`` (as in
+    ``heatmap``) label the queries of each row's first panel and the keys of the bottom row (and of a row
+    whose keys differ from the row below, cross-attention), at ``GRID_TOKEN_POINTS``; every k-th token
+    when they do not all fit. The title says which batch row is shown.
     """
     from matplotlib.figure import Figure
 
@@ -217,12 +231,18 @@ def head_grid(
     records = _grid_records(capture)
     for r in records:
         check_batch(r, batch)
+    labels = [record_labels(r, batch, tokens, key_tokens) for r in records]
     ncols = max(len(r.heads) for r in records)
     nrows = len(records)
     if cell_inches is None:
-        cell_inches = max(0.35, min(1.3, 18.0 / max(ncols, nrows)))
+        longest = max(max(r.query_len or 0, r.key_len or 0) for r in records)
+        # room for every token label when the grid is small (one layer of 4 heads, 13 tokens)
+        wanted = longest * GRID_TOKEN_POINTS * 1.3 / 72 if tokens is not None or key_tokens is not None else 1.3
+        cell_inches = max(0.35, min(max(1.3, wanted), 3.0, 18.0 / max(ncols, nrows)))
     if fig is None:
-        fig = Figure(figsize=(ncols * cell_inches + 1.6, nrows * cell_inches + 0.8), layout="constrained")
+        extra = 0.9 if tokens is not None or key_tokens is not None else 0.0  # the token labels' margins
+        fig = Figure(figsize=(ncols * cell_inches + 1.6 + extra, nrows * cell_inches + 1.0 + extra),
+                     layout="constrained")
     views = [[head_view(r, h, batch) for h in r.heads] for r in records]
     vmin = vmax = None
     extend = "neither"
@@ -258,10 +278,87 @@ def head_grid(
             if j == 0:
                 label = f"L{r.layer}" + (f" c{r.call}" if r.call else "") + (" x" if r.kind == "cross" else "")
                 ax.set_ylabel(label, fontsize="x-small")
+            fit = max(1, int(cell_inches * 72 / (GRID_TOKEN_POINTS * 1.3)))  # labels that fit along one cell
+            tq, tk = view.shape
+            if j == 0 and labels[i].query is not None:
+                _set_ticks(ax, "y", labels[i].query, tq, r.query_offset, fit, GRID_TOKEN_POINTS, limit=10)
+            last_of_its_keys = i == nrows - 1 or labels[i + 1].key != labels[i].key
+            if labels[i].key is not None and last_of_its_keys:
+                _set_ticks(ax, "x", labels[i].key, tk, r.key_start, fit, GRID_TOKEN_POINTS, limit=10)
+    if title:
+        size = records[0].batch_size
+        fig.suptitle(title if isinstance(title, str) else
+                     f"attention {value} of batch row {batch}" + (f" (of {size})" if size and size > 1 else "")
+                     + " · rows: layer (L), columns: head (H)", fontsize="small", x=0.01, ha="left")
     if normalize == "shared" and image is not None:
         fig.colorbar(image, ax=axes, label="weight" if value == "weights" else "score (pre-softmax)", shrink=0.8,
                      extend=extend)
     return fig
+
+
+
+
+def cell_label(v: float) -> str:
+    """A value short enough for a cell: two decimals, or one significant digit in e-notation below 0.01."""
+    if v == 0:
+        return "0"
+    if 0.01 <= abs(v) < 1000:
+        return f"{v:.2f}"
+    return f"{v:.0e}"
+
+
+def cell_labels(cells, *, always: bool = False, fontsize: float = CELL_FONT_POINTS):
+    """One artist writing ``cells`` ``(x, y, text, colour)`` centred in the cells of an image, drawn only when
+    every one fits inside its cell (or ``always``).
+
+    The decision is taken at draw time, so it holds for the figure's final layout and the DPI it is saved
+    at; the text is ``fontsize`` points, never smaller. The artist's ``shown`` says what its last draw did
+    (None before the first draw).
+    """
+    return _cell_labels_class()(cells, always=always, fontsize=fontsize)
+
+
+@functools.cache
+def _cell_labels_class():
+    from matplotlib.artist import Artist
+    from matplotlib.text import Text
+
+    class CellLabels(Artist):
+        def __init__(self, cells, *, always: bool, fontsize: float):
+            super().__init__()
+            self.texts = [Text(x, y, label, ha="center", va="center", fontsize=fontsize, color=color)
+                          for x, y, label, color in cells]
+            self.always, self.shown = always, None
+
+        def draw(self, renderer):
+            if not self.get_visible() or not self.texts:
+                return
+            ax = self.axes
+            for t in self.texts:
+                t.set_figure(self.figure)
+                t.set_transform(ax.transData)
+                t.set_clip_path(ax.patch)
+            (x0, y0), (x1, y1) = ax.transData.transform([(0, 0), (1, 1)])
+            width, height = abs(x1 - x0), abs(y1 - y0)  # one cell, in pixels at this draw's DPI
+            boxes = [t.get_window_extent(renderer) for t in self.texts]
+            self.shown = self.always or all(b.width <= 0.85 * width and b.height <= 0.9 * height for b in boxes)
+            if self.shown:
+                for t in self.texts:
+                    t.draw(renderer)
+
+    return CellLabels
+
+
+def head_title(record: AttentionRecord, head: int, batch: int) -> str:
+    """'module · layer L · head H · batch row B' (+ call, cross): which matrix a heatmap shows."""
+    name = record.name if len(record.name) <= 40 else "…" + record.name[-39:]
+    parts = [name] if name else []
+    parts += [f"layer {record.layer}", f"head {head}", f"batch row {batch}"]
+    if record.call:
+        parts.append(f"call {record.call}")
+    if record.kind == "cross":
+        parts.append("cross-attention")
+    return " · ".join(parts)
 
 
 def _summary_frame(data):
@@ -271,7 +368,8 @@ def _summary_frame(data):
         return data
     summary = getattr(data, "summary", None)
     if summary is None:
-        raise TypeError(f"expected a Capture or the frame of Capture.summary(), got {type(data).__name__}")
+        hint = " (a record: pass the Capture it came from)" if isinstance(data, AttentionRecord) else ""
+        raise TypeError(f"expected a Capture or the frame of Capture.summary(), got {type(data).__name__}{hint}")
     return summary()
 
 
@@ -281,7 +379,9 @@ def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", anno
 
     ``data`` is a Capture or its summary frame; ``column`` one of the summary's numeric columns
     (entropy, max_weight, first_key_mass, diagonal_mass, previous_mass, masked_mass, row_sum_error).
-    Values are written into the cells when there are at most 16 x 16 of them (``annotate``).
+    Values are written into the cells (``annotate=None``) when every one fits its cell at
+    ``CELL_FONT_POINTS`` (7 pt) in the drawn figure; otherwise the colour bar alone gives them.
+    ``annotate=True`` writes them whatever the size, ``False`` never.
     """
     frame = _summary_frame(data)
     numeric = [c for c in frame.columns if c not in ("layer", "name", "head", "rows")]
@@ -308,14 +408,13 @@ def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", anno
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_title(column, loc="left", fontsize="small")
-    if annotate is None:
-        annotate = values.shape[0] <= 16 and values.shape[1] <= 16
-    if annotate:
+    if annotate is None or annotate:
+        # numbers only where every one fits its cell at CELL_FONT_POINTS, decided when the figure is drawn
+        # (at its final layout and DPI); otherwise the colour bar alone tells the values
         middle = (finite.min() + finite.max()) / 2 if finite.size else 0
-        for (i, j), v in np.ndenumerate(values):
-            if np.isfinite(v):
-                ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize="xx-small",
-                        color="white" if v < middle else "black")
+        cells = [(j, i, cell_label(v), "white" if v < middle else "black")
+                 for (i, j), v in np.ndenumerate(values) if np.isfinite(v)]
+        ax.add_artist(cell_labels(cells, always=annotate is True))
     if colorbar:
         bar = ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
         # nearly equal heads (entropy 1.97081 to 1.97086) would otherwise get ticks "3.5 .. 6.0" and an
@@ -360,6 +459,7 @@ def save_heatmap(record: AttentionRecord, path, head: int | None = None, *, figs
     """
     from matplotlib.figure import Figure
 
+    record = require_record(record, "save_heatmap")
     image_path(path, overwrite=overwrite)  # fail before drawing
     fig = Figure(figsize=figsize, layout="constrained")
     heatmap(record, head, ax=fig.add_subplot(), **options)
@@ -367,15 +467,16 @@ def save_heatmap(record: AttentionRecord, path, head: int | None = None, *, figs
 
 
 def save_grid(capture, path, *, figsize=None, dpi: float = 100, overwrite: bool = False, **options):
-    """Write ``head_grid(capture, **options)`` to ``path``; returns the path. A statistics-only capture (long
-    inputs, no weights) is drawn by ``reports.long.save_long_grid`` (pooled overviews and exact windows)."""
+    """Write ``head_grid(capture, **options)`` to ``path`` (``tokens=`` labels the axes); returns the path. A
+    statistics-only capture (long inputs, no weights) is drawn by ``save_long_grid`` (pooled overviews and exact
+    windows)."""
     from matplotlib.figure import Figure
 
     from .long import stats_only
 
+    require_records(capture, "save_grid")
     if stats_only(capture):
         return save_long_grid(capture, path, batch=options.get("batch", 0), dpi=dpi, overwrite=overwrite)
-
     image_path(path, overwrite=overwrite)
     fig = None if figsize is None else Figure(figsize=figsize, layout="constrained")
     fig = head_grid(capture, fig=fig, **options)

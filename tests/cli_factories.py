@@ -75,3 +75,52 @@ class IgnoresPadding(TinyDecoder):
 def ignores_padding():
     torch.manual_seed(0)
     return IgnoresPadding(causal=False)
+
+
+class NanoGPT(nn.Module):
+    """Token ids in, two nanoGPT-style hand-written causal attention blocks (a registered tril buffer)."""
+
+    def __init__(self, vocab: int = 50, bug=None):
+        super().__init__()
+        from wild_models import CausalSelfAttention
+
+        self.emb = nn.Embedding(vocab, 16)
+        self.h = nn.ModuleList([CausalSelfAttention(block_size=8, bug=bug) for _ in range(2)])
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for block in self.h:
+            x = x + block(x)
+        return x
+
+
+def nanogpt():
+    torch.manual_seed(0)
+    return NanoGPT()
+
+
+def nanogpt_masks_the_past():
+    torch.manual_seed(0)
+    return NanoGPT(bug="mask_eq_1")
+
+
+class SoftmaxAxisGPT(nn.Module):
+    """Token ids in, one layer of single-head hand-written attention whose softmax runs over the query axis."""
+
+    def __init__(self, vocab: int = 50):
+        super().__init__()
+        from torch_helpers import HeadList
+
+        self.emb = nn.Embedding(vocab, 16)
+        self.h = nn.ModuleList([HeadList(bug="softmax_axis")])
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        for block in self.h:
+            x = x + block(x)
+        return x
+
+
+def softmax_axis_gpt():
+    torch.manual_seed(0)
+    return SoftmaxAxisGPT().eval()

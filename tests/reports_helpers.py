@@ -121,6 +121,12 @@ class Opened:
         assert not self.dialogs, f"the page opened dialogs: {self.dialogs}"
 
 
+# One Chromium for the whole session: every test module that imports the ``browser`` fixture gets its own
+# session-scoped instance of it, and a second sync Playwright started while the first runs fails ("Sync API inside
+# the asyncio loop"); the instances share this one, closed when the last of them is torn down.
+_SHARED: dict = {"users": 0}
+
+
 @pytest.fixture(scope="session")
 def browser():
     """Debian's Chromium, headless, with a fresh profile. Skipped when it is missing (failed under
@@ -136,15 +142,30 @@ def browser():
         from playwright.sync_api import sync_playwright
     except ImportError:
         pytest.fail("the browser tests need the playwright package: pip install -e '.[dev]'")
-    with tempfile.TemporaryDirectory() as profile, sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, offline=True,
-            viewport={"width": 1280, "height": 900},
-        )
+    if not _SHARED["users"]:
+        profile = tempfile.TemporaryDirectory()
+        playwright = sync_playwright().start()
         try:
-            yield context
-        finally:
-            context.close()
+            context = playwright.chromium.launch_persistent_context(
+                profile.name, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, offline=True,
+                viewport={"width": 1280, "height": 900},
+            )
+        except BaseException:
+            playwright.stop()
+            profile.cleanup()
+            raise
+        _SHARED.update(profile=profile, playwright=playwright, context=context)
+    _SHARED["users"] += 1
+    try:
+        yield _SHARED["context"]
+    finally:
+        _SHARED["users"] -= 1
+        if not _SHARED["users"]:
+            try:
+                _SHARED["context"].close()
+            finally:
+                _SHARED["playwright"].stop()
+                _SHARED["profile"].cleanup()
 
 
 @pytest.fixture

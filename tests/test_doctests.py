@@ -16,10 +16,17 @@ CORE_MODULES = {
     "attnprobe.probe.record": True,
     "attnprobe.probe.modules": True,
     "attnprobe.probe.selection": False,
-    "attnprobe.probe.frames": False,
+    "attnprobe.probe.frames": True,
+    "attnprobe.probe.attention_math": True,
     "attnprobe.probe.generation": False,  # its example needs a generating model: shown as comments
     "attnprobe.probe.disk": True,
     "attnprobe.probe.interop": True,
+    "attnprobe.probe.stats": True,
+    "attnprobe.probe.scan": False,
+    "attnprobe.probe.monitor": False,
+    "attnprobe.probe.heads": False,
+    "attnprobe.hooks.heads": True,
+    "attnprobe.reports.monitor": True,
     "attnprobe.hooks.own": False,
     "attnprobe.hooks.base": False,
 }

@@ -1,4 +1,7 @@
-"""Notebook views: Capture, AttentionRecord and CheckResult render inline with the report's own page, bounded in size."""
+"""Notebook views: Capture, AttentionRecord and CheckResult render inline with the report's own page, bounded in size.
+
+The views in Chromium: tests/test_reports_browser.py (one browser per test session).
+"""
 
 from __future__ import annotations
 
@@ -10,14 +13,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-import torch
 
 import attnprobe
 from attnprobe.probe import display
 from attnprobe.reports import inline, to_html
 
-from reports_helpers import browser, stack_capture, words  # noqa: F401  (browser fixture)
+from reports_helpers import stack_capture
 
 
 def frames(view: str) -> list[str]:
@@ -88,38 +89,3 @@ def test_probe_reaches_the_renderer_only_through_the_registered_hook():
            "out, cap = attnprobe.run(attn, torch.randn(1, 3, 8))\nassert cap._repr_html_().startswith('<iframe')\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-
-
-def test_views_open_in_chromium_offline_and_a_head_opens_on_click(assert_no_hooks, browser, tmp_path):
-    cap = stack_capture(assert_no_hooks)
-    result = attnprobe.check(cap, causal=True)
-    notebook = tmp_path / "notebook.html"  # a page holding the three outputs, as a notebook does
-    notebook.write_text("<!doctype html><html><body><h1>cell outputs</h1>"
-                        f"{cap._repr_html_()}{cap[0]._repr_html_()}{result._repr_html_()}</body></html>")
-    page = browser.new_page()
-    requests, errors = [], []
-    page.on("request", lambda r: requests.append(r.url))
-    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
-    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-    try:
-        page.goto(notebook.as_uri())
-        page.wait_for_function("() => document.querySelectorAll('iframe').length === 3")
-        page.wait_for_timeout(300)
-        reports = [f for f in page.frames[1:] if f.evaluate("() => document.querySelector('#grid') !== null")]
-        assert len(reports) == 2
-        for frame in reports:
-            frame.evaluate("() => window.attnprobe.ready")
-        report = reports[0]
-        assert report.locator("a.thumb").count() == 9
-        report.click('a.thumb[data-rid="1"][data-head="2"]')
-        report.wait_for_function("() => window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
-        assert "layer 1" in report.text_content("#detail-title")
-        checks = [f for f in page.frames[1:] if f not in reports]
-        assert checks and "passed" in checks[0].text_content("#checks")
-        for frame in reports:
-            assert frame.evaluate("() => window.attnprobe.errors") == []
-        assert not errors, errors
-        foreign = [u for u in requests if u != notebook.as_uri() and not u.startswith(("data:", "blob:"))]
-        assert foreign == [], foreign
-    finally:
-        page.close()

@@ -330,3 +330,98 @@ def test_infinite_change_and_scores_only_capture_render(tmp_path, open_report, a
     assert readout["rows"][0]["weight"] == "not captured"
     assert as_float32(readout["rows"][0]["score"]) == scores_only[0].scores[0, 1, 4, 2].item()
     report.assert_clean()
+
+
+# ------------------------------------------------------------------------------------------ notebook views
+def test_notebook_views_open_offline_and_a_head_opens_on_click(assert_no_hooks, browser, tmp_path):
+    cap = stack_capture(assert_no_hooks)
+    result = attnprobe.check(cap, causal=True)
+    notebook = tmp_path / "notebook.html"  # a page holding the three outputs, as a notebook does
+    notebook.write_text("<!doctype html><html><body><h1>cell outputs</h1>"
+                        f"{cap._repr_html_()}{cap[0]._repr_html_()}{result._repr_html_()}</body></html>")
+    page = browser.new_page()
+    requests, errors = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    try:
+        page.goto(notebook.as_uri())
+        page.wait_for_function("() => document.querySelectorAll('iframe').length === 3")
+        page.wait_for_timeout(300)
+        reports = [f for f in page.frames[1:] if f.evaluate("() => document.querySelector('#grid') !== null")]
+        assert len(reports) == 2
+        for frame in reports:
+            frame.evaluate("() => window.attnprobe.ready")
+        report = reports[0]
+        assert report.locator("a.thumb").count() == 9
+        report.click('a.thumb[data-rid="1"][data-head="2"]')
+        report.wait_for_function("() => window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
+        assert "layer 1" in report.text_content("#detail-title")
+        checks = [f for f in page.frames[1:] if f not in reports]
+        assert checks and "passed" in checks[0].text_content("#checks")
+        for frame in reports:
+            assert frame.evaluate("() => window.attnprobe.errors") == []
+        assert not errors, errors
+        foreign = [u for u in requests if u != notebook.as_uri() and not u.startswith(("data:", "blob:"))]
+        assert foreign == [], foreign
+    finally:
+        page.close()
+
+
+def test_bidi_and_invisible_tokens_are_drawn_escaped(tmp_path, browser, assert_no_hooks):
+    from test_safety_tokens import ESCAPED, TRICKY
+
+    cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=len(TRICKY), batch=1, padded=False)
+    path = to_html(cap, tmp_path / "tricky.html", tokens=TRICKY)
+    text = path.read_text(encoding="utf-8")
+    assert not any(ch in text for ch in "\u202e\u200b\u2066\u2069\u3164\ufe0f\u200f")  # nowhere in the file
+    page = browser.new_page()
+    try:
+        # record every label the canvases draw
+        page.add_init_script("""(() => {
+            window.__drawn = [];
+            const fill = CanvasRenderingContext2D.prototype.fillText;
+            CanvasRenderingContext2D.prototype.fillText = function (t, ...rest) {
+                window.__drawn.push(String(t)); return fill.call(this, t, ...rest); };
+        })()""")
+        page.goto(path.resolve().as_uri() + "#head-0-1")
+        page.evaluate("window.attnprobe.ready")
+        page.wait_for_function("() => window.attnprobe.state().head === 1")
+        page.wait_for_function("() => window.__drawn.length > 0")
+        drawn = set(page.evaluate("window.__drawn"))
+        assert {e for e in ESCAPED} <= drawn, drawn
+        assert not any(ch in t for t in drawn for ch in "\u202e\u200b\u2066\u3164\ufe0f\u200f")
+        shown = page.evaluate("Array.from(document.querySelectorAll('.tokenlist .tok')).map(e => e.textContent)")
+        assert shown == ESCAPED
+        for q in range(len(TRICKY)):
+            readout = hover_cell(page, q, 0)
+            assert readout["q"] == f'"{ESCAPED[q]}"' and readout["k"] == f'"{ESCAPED[0]}"'
+    finally:
+        page.close()
+
+
+def test_batch_row_selector_switches_grid_and_detail(tmp_path, open_report, assert_no_hooks):
+    cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=2)
+    report = open_report(to_html(cap, tmp_path / "rows.html", tokens=[words(5, "a"), words(5, "b")]))
+    page = report.page
+    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
+    page.click('a.thumb[data-rid="1"][data-head="0"]')
+    page.wait_for_function("() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+                           ".textContent.includes('loading')")
+    assert "batch row 0" in page.text_content("#detail-title")
+    assert as_float32(hover_cell(page, 3, 1)["rows"][0]["weight"]) == cap[1].weights[0, 0, 3, 1].item()
+    thumb = page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()")
+    page.select_option("#batch-row", "1")
+    page.wait_for_function("() => window.attnprobe.state().batch === 1 && location.hash === '#head-1-0-b1' && "
+                           "!document.querySelector('#detail-title').textContent.includes('loading')")
+    assert "batch row 1" in page.text_content("#detail-title")
+    readout = hover_cell(page, 3, 1)
+    assert as_float32(readout["rows"][0]["weight"]) == cap[1].weights[1, 0, 3, 1].item()
+    assert readout["q"] == '"b3"'
+    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
+    assert page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()") != thumb
+    # a link into another row (the checks table's) switches the row too
+    page.evaluate("location.hash = '#head-0-1-b0'")
+    page.wait_for_function("() => window.attnprobe.state().batch === 0 && window.attnprobe.state().rid === 0")
+    assert page.eval_on_selector("#batch-row", "s => s.value") == "0"
+    report.assert_clean()

@@ -48,7 +48,7 @@ def test_heatmap_draws_into_the_given_axes_with_token_ticks_and_a_colour_bar(ass
     assert [t.get_text() for t in ax.get_yticklabels()] == words(7)
     assert len(fig.axes) == 2  # the heatmap and its colour bar
     assert fig.axes[1].get_ylabel() == "weight"
-    assert "layer 1 head 2" in ax.get_title(loc="left")
+    assert ax.get_title(loc="left") == "layers.1 · layer 1 · head 2 · batch row 1"  # module, layer, head, batch row
     shown = ax.images[0].get_array()
     np.testing.assert_array_equal(shown.data, cap[1].weights[1, 2].numpy())
     np.testing.assert_array_equal(shown.mask, ~cap[1].allowed[1, 0].numpy())
@@ -194,7 +194,9 @@ def test_summary_plot_draws_a_layer_by_head_map(tmp_path, assert_no_hooks):
     assert values.shape == (2, 3)
     frame = cap.summary()
     np.testing.assert_allclose(values[1, 2], frame.query("layer == 1 and head == 2")["entropy"].item(), rtol=1e-6)
-    assert len(ax.texts) == 6  # annotated cells
+    (labels,) = ax.artists  # the cell numbers, drawn when they fit (they do: 2 x 3 cells)
+    ax.figure.draw_without_rendering()
+    assert labels.shown and [t.get_fontsize() for t in labels.texts] == [7.0] * 6
     with pytest.raises(AttnprobeError, match="column must be one of"):
         summary_plot(frame, "nope", ax=ax)
     path = save_summary(frame, tmp_path / "summary.png", dpi=50)

@@ -156,3 +156,18 @@ def test_long_name_device_and_read_only_place_are_one_line_exit_2(cli, tmp_path)
     if Path("/proc/self").is_dir():
         line = one_line_error(cli("export", TINY, *IDS, "--out", "/proc/attnprobe.csv"))
         assert line.startswith("attnprobe: error: cannot write") and "/proc" in line
+
+
+def test_an_os_error_about_the_place_is_the_users_exit_2(cli, tmp_path, monkeypatch):
+    import errno
+
+    import attnprobe.probe.frames as frames
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", "frame.csv")
+
+    monkeypatch.setattr(frames, "write_frame", full)
+    line = one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv"))
+    assert line == "attnprobe: error: cannot use frame.csv: No space left on device"
+    monkeypatch.setattr(frames, "write_frame", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    assert one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv")) == "attnprobe: error: the system refused: I/O error"

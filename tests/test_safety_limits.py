@@ -37,7 +37,7 @@ def one_line(args, tmp_path, monkeypatch, code=2) -> str:
     ("--heads", "0-40000,50000-90000", "names 80,002 numbers"),
     ("--layers", "-5000000000--1", "names 5,000,000,000 numbers"),
     ("--max-bytes", "1e400", "size '1e400' is beyond any memory"),
-    ("--max-bytes", "0.5", "less than one byte"),
+    ("--max-bytes", "0.5", "max_bytes must be a positive size: '0.5' is less than one byte"),
 ])
 def test_cli_ranges_and_budgets(tmp_path, monkeypatch, option, value, expected):
     line = one_line(["check", TINY, "--ids", "1 2 3", f"{option}={value}"], tmp_path, monkeypatch)

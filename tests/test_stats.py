@@ -304,3 +304,14 @@ def test_generation_steps_get_the_statistics_of_the_full_capture(name):
     kw = {"causal": True, "attention_mask": mask}
     assert _verdicts(attnprobe.check(stats_cap, **kw)) == _verdicts(attnprobe.check(full_cap, **kw))
     assert attnprobe.check(stats_cap, **kw).ok
+
+
+def test_statistics_are_saved_and_loaded_with_the_capture(tmp_path):
+    attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+    with attnprobe.capture(attn, keep=("stats",)) as cap:
+        attn(torch.randn(2, 5, 8), attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]))
+    cap.save(tmp_path / "cap")
+    back = attnprobe.load(tmp_path / "cap")
+    assert back[0].weights is None
+    assert_stats_equal(back[0].stats, cap[0].stats, atol=0)
+    assert _verdicts(attnprobe.check(back, causal=True)) == _verdicts(attnprobe.check(cap, causal=True))

@@ -412,16 +412,18 @@ BUGS = {
 }
 
 
+#: Each bug in every form, at two ranks each, so that every rank meets a bug: a query vector has only the key axis
+#: (no softmax_axis bug) and one head nothing to merge (head_merge at 4-D and folded only).
+BUG_RANKS = {"unused_mask": ("1d", "4d"), "same_kv": ("1d", "3d"), "softmax_axis": ("2d", "4d"),
+             "head_merge": ("4d", "folded")}
+
+
 def _bug_cases():
     for form in FORMS:
-        for rank in RANKS:
-            for bug in BUGS:
-                if bug == "unused_mask" and FORMS[form].drop_mask is None:
-                    continue  # ``s[index] = -inf`` has no result to throw away
-                if bug == "softmax_axis" and rank == "1d":
-                    continue  # a query vector has only the key axis
-                if bug == "head_merge" and rank not in ("4d", "folded"):
-                    continue  # one head: nothing to merge
+        for bug, ranks in BUG_RANKS.items():
+            if bug == "unused_mask" and FORMS[form].drop_mask is None:
+                continue  # ``s[index] = -inf`` has no result to throw away
+            for rank in ranks:
                 yield form, rank, bug
 
 
@@ -482,6 +484,45 @@ def test_keyword_mask_from_the_issue_gives_the_whole_record_and_its_bug():
     assert "softmax_match" in result.coverage and "output_match" in result.coverage and result.skipped == ()
     cap, warned = capture(Keywords(drop=True).eval(), future)
     assert [v.check for v in cap[0].meta["lint"]] == ["lint_unused_mask"]
+
+
+class LuongDot(nn.Module):
+    """Seq2seq dot attention: each decoder state is one query vector over the encoder's outputs (keys and values by
+    design), the scores made as a column and squeezed, the weights unsqueezed for the product with the values."""
+
+    def __init__(self, heads: bool = False):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, hidden, encoder_outputs, source_mask):
+        if self.heads:  # hidden (B, H, d), encoder_outputs (B, H, S, d)
+            scores = (encoder_outputs @ hidden.unsqueeze(-1)).squeeze(-1)  # (B, H, S)
+            w = scores.masked_fill(~source_mask[:, None], NEG).softmax(-1)
+            return (w.unsqueeze(-2) @ encoder_outputs).squeeze(-2)  # (B, H, d)
+        scores = torch.bmm(encoder_outputs, hidden.unsqueeze(2)).squeeze(2)  # (B, S)
+        w = F.softmax(scores.masked_fill(mask=~source_mask, value=NEG), dim=1)
+        return torch.bmm(w.unsqueeze(1), encoder_outputs).squeeze(1)  # (B, d)
+
+
+@pytest.mark.parametrize("heads", [False, True], ids=["bmm", "matmul with heads"])
+def test_query_vectors_as_columns_in_seq2seq_dot_attention(heads):
+    torch.manual_seed(4)
+    lead = (B, H) if heads else (B,)
+    hidden, enc = torch.randn(*lead, DH), torch.randn(*lead, T, DH)
+    source_mask = torch.tensor([[True] * T, [True] * 3 + [False] * 2])
+    model = LuongDot(heads)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with attnprobe.capture(model, modules=[model]) as cap:
+            out = model(hidden, enc, source_mask)
+    assert [str(w.message) for w in caught] == []  # encoder outputs as keys and values: no lint_same_kv
+    (rec,) = cap
+    heads_of = (lambda t: t) if heads else (lambda t: t[:, None])
+    assert rec.identified == ALL and rec.num_heads == (H if heads else 1) and rec.scaling == 1.0
+    assert torch.equal(rec.q, heads_of(hidden).unsqueeze(-2)) and torch.equal(rec.k, heads_of(enc))
+    assert torch.equal(rec.v, heads_of(enc)) and torch.equal(rec.output, heads_of(out).unsqueeze(-2))
+    assert torch.equal(rec.allowed_for_heads()[:, 0, 0], source_mask)
+    torch.testing.assert_close(rec.weights, reference_weights(rec.q, rec.k, 1.0, rec.allowed_for_heads()))
 
 
 # ------------------------------------------------------------------------------------------------ partial records
@@ -590,4 +631,5 @@ def test_in_place_and_out_are_known_to_overwrite_the_input():
     assert read_call(torch.add, (S, S), {"out": S}).inplace
     call = read_call(torch.add, (S, S), {"out": buf})
     assert not call.inplace and call.out is buf and "out" not in call.params
+    assert read_call(_T.__iadd__, (S, S), {}).inplace  # ``s += m``, should a release hand the operator over as it is
     assert read_call(torch.cdist, (S, S), {}).op == "other"

@@ -185,8 +185,11 @@ def test_partial_record_when_the_scores_cannot_be_followed():
             return F.softmax(scores, dim=-1) @ x
 
     model = Odd()
-    (rec,) = run(model, X, modules=[model])
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"the record has no q, k, v, output, allowed: the scores come "
+                      r"from neg\(\.\.\.\) at test_torch_handwritten.py:\d+, a call attnprobe does not follow"):
+        (rec,) = run(model, X, modules=[model])
     assert rec.identified == {"scores", "weights"} and rec.q is None and rec.allowed is None and rec.scaling is None
+    assert set(rec.meta["missing"]) == {"q", "k", "v", "output", "allowed"}
     torch.testing.assert_close(rec.weights, F.softmax(rec.scores, dim=-1))
 
 

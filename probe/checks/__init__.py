@@ -39,12 +39,12 @@ when given. A check that needs a field the record lacks is skipped and says so i
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 
 import torch
 
-from ..errors import AttnprobeWarning
+from ..errors import warn_user
+from ..lint import attribute_causes
 from ..record import AttentionRecord
 from ..violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
 from . import builtin as _builtin  # noqa: F401  (registers the built-in checks)
@@ -111,7 +111,7 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
             raise ValueError(f"{name} must be a non-negative finite number (or None for the dtype's default, "
                              f"see DEFAULT_TOLERANCES), got {value!r}")
     records, keep = records_of(capture_or_record)
-    declared_layers_exist(causal, attention_mask, records, stacklevel=3)
+    declared_layers_exist(causal, attention_mask, records)
     run = CheckRun(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
     weightless: dict[int, str] = {}
     prepared = 0
@@ -147,7 +147,7 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
             f"(batch, key) shapes {sorted({(r.batch_size, r.key_len) for r in records})}; pass the input "
             "padding mask (batch, key), or {layer: mask} for models whose layers see different sequences"
         )
-    _warn(run, records, weightless, stacklevel=3)
+    _warn(run, records, weightless)
     skipped = tuple(
         f"{c}: {reason} ({_layer_list(list(layers.values()))})"
         for (c, reason), layers in sorted(run.skips.items(), key=lambda kv: _order(kv[0][0]))
@@ -158,11 +158,13 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     violations = sorted(run.violations() + run.lint,
                         key=lambda v: (v.layer if v.layer is not None else -1, v.call, _order(v.check)))
     return CheckResult(
-        violations=tuple(violations),
+        violations=tuple(attribute_causes(violations)),  # a lint that explains failures first, they under it
         checks=run.selected + tuple(run.lint_seen),
         records=len(records),
         skipped=skipped,
         coverage=coverage,
+        declarations=tuple(f"{what} in layer(s) " + ", ".join(f"{layer} ({name})" for layer, name in sorted(where.items()))
+                           for what, where in run.declarations.items()),
     )
 
 
@@ -181,31 +183,25 @@ def _layer_list(layers: list[int]) -> str:
     return f"{len(layers)} record(s), {_layers_only(layers)}"
 
 
-def _warn(run: CheckRun, records: list[AttentionRecord], weightless: dict[int, str], stacklevel: int) -> None:
+def _warn(run: CheckRun, records: list[AttentionRecord], weightless: dict[int, str]) -> None:
     if not records:
-        warnings.warn(
+        warn_user(
             "nothing to check: the capture holds no attention records (the model was not called inside the "
-            "`with attnprobe.capture(...)` block, or the selected layers never ran)",
-            AttnprobeWarning, stacklevel=stacklevel,
-        )
+            "`with attnprobe.capture(...)` block, or the selected layers never ran)")
     if weightless:
         backends = ", ".join(sorted({b for b in weightless.values()}))
-        warnings.warn(
+        warn_user(
             f"weights were asked for but {_layers_only(weightless)} came without them "
             f"(backend: {backends}), so range, row_sum, mask, softmax_match and output_match could not run "
             "there: that backend returns no weights. Capture through an adapter that recomputes them (the "
             "Hugging Face adapter does for sdpa) or switch the model to eager attention "
-            "(model.set_attn_implementation('eager'))",
-            AttnprobeWarning, stacklevel=stacklevel,
-        )
+            "(model.set_attn_implementation('eager'))")
     if run.dropout_layers:
         ps = ", ".join(sorted({f"{p:g}" for p in run.dropout_layers.values()}))
-        warnings.warn(
+        warn_user(
             f"dropout (p={ps}) was active in {_layers_only(run.dropout_layers)}: weights and outputs "
             "after dropout cannot sum to one or match, so those failures were not reported. Call model.eval() "
-            "(and pass dropout_p=0 to scaled_dot_product_attention outside training) before capturing to check them",
-            AttnprobeWarning, stacklevel=stacklevel,
-        )
+            "(and pass dropout_p=0 to scaled_dot_product_attention outside training) before capturing to check them")
 
 
 def assert_invariants(capture_or_record, *, causal=None, attention_mask=None, checks=None, atol=None,

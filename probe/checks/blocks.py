@@ -123,8 +123,15 @@ class RecordFacts:
 
         self.causal = declared_for(run.causal, rec)
         self.causal_declared = self.causal is not None
-        if self.causal is None:
+        self.causal_source = f"declared causal={self.causal}"
+        intent = rec.meta.get("declared_causal")  # what the module's own code declares (probe/intent.py)
+        if self.causal is None and intent and rec.kind == "self":
+            self.causal, self.causal_declared = True, True
+            self.causal_source = f"causal as declared by {intent}"
+            run.declarations.setdefault(f"causal (declared by {intent})", {})[rec.layer] = rec.name or "<root>"
+        elif self.causal is None:
             self.causal = rec.causal
+            self.causal_source = "the module says it is causal"
 
         self.key_pad, self.key_pad_source, declared_query_pad = self._padding(run)
         query_pad = rec.query_padding.to(self.device, torch.bool) if rec.query_padding is not None else None
@@ -225,7 +232,7 @@ class RowBlock:
         self.rec, self.index = rec, facts.index
         self.B, self.Tq, self.Tk = facts.B, b - a, facts.Tk
         self.device, self.cdtype, self.tol = facts.device, facts.cdtype, facts.tol
-        self.causal, self.causal_declared = facts.causal, facts.causal_declared
+        self.causal, self.causal_declared, self.causal_source = facts.causal, facts.causal_declared, facts.causal_source
         self.key_pad, self.key_pad_source = facts.key_pad, facts.key_pad_source
         self.start, self.all_qpos = a, facts.qpos
         self.qpos = facts.qpos[a:b]

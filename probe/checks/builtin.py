@@ -167,7 +167,7 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
     if not p.causal and not p.causal_declared:
         return  # a bidirectional record: nothing to hold it to
     run.ran("causal", p)
-    source = "declared causal=True" if p.causal_declared else "the module says it is causal"
+    source = p.causal_source
     thr = p.tol.forbidden
     if p.st is not None:
         _causal_from_stats(run, p, source)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
 import torch
 
-from ..errors import AttnprobeWarning
+from ..errors import warn_user
 from ..record import AttentionRecord
 
 
@@ -75,16 +74,14 @@ def validate_declarations(causal, attention_mask) -> None:
         mask_tensor(attention_mask, "attention_mask")
 
 
-def declared_layers_exist(causal, attention_mask, records: list[AttentionRecord], stacklevel: int) -> None:
+def declared_layers_exist(causal, attention_mask, records: list[AttentionRecord]) -> None:
     """Warn when ``{layer: ...}`` declarations name layers no record has (a typo, or another numbering)."""
     layers = {r.layer for r in records}
     for what, value in (("causal", causal), ("attention_mask", attention_mask)):
         if isinstance(value, Mapping) and records:
             unknown = sorted(set(value) - layers)
             if unknown:
-                warnings.warn(
+                warn_user(
                     f"{what} was declared for layer(s) {unknown} but the records have layers {sorted(layers)}: "
                     "those declarations were not used (layers are record.layer, counted over every attention "
-                    "module of the model; a capture of some layers keeps the model's numbers)",
-                    AttnprobeWarning, stacklevel=stacklevel,
-                )
+                    "module of the model; a capture of some layers keeps the model's numbers)")

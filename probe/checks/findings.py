@@ -83,6 +83,7 @@ class CheckRun:
         self.ran_on: dict[str, set[int]] = {c: set() for c in self.selected}
         self.bidirectional: dict[int, list] = {}  # record index -> [record, later real keys, any attended]
         self.dropout_layers: dict[int, float] = {}
+        self.declarations: dict[str, dict[int, str]] = {}  # what a module declared -> {layer: name} held to it
         self.mask_fitted = False
 
     def skip(self, check: str, reason: str, where) -> None:

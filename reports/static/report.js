@@ -8,7 +8,11 @@
   const META = JSON.parse(document.getElementById("attnprobe-meta").textContent, (key, v) =>
     v !== null && typeof v === "object" && !Array.isArray(v) && typeof v.$float === "string" &&
     Object.keys(v).length === 1 ? Number(v.$float) : v);
-  const RECORDS = META.records;
+  // batch rows: the first at the top of META, the others in META.moreRows (same keys); useRow() swaps them in
+  const ROWS = [{ batch: META.batch, records: META.records, thumbBlob: META.thumbBlob, thumbMax: META.thumbMax,
+    flags: META.flags }, ...(META.moreRows || [])];
+  let ROW = 0;
+  let RECORDS = META.records;
   const DIFF = META.mode === "diff";
   const PLANES = META.precision === "exact" ? 4 : 2;
   const ROUNDED = META.precision !== "exact";
@@ -798,7 +802,28 @@
       row.appendChild(box);
       body.appendChild(row);
     }
-    $("grid-scale").addEventListener("change", () => document.querySelectorAll("a.thumb canvas[data-drawn]").forEach(drawThumb));
+  }
+
+  async function loadThumbs() {
+    const raw = await inflate(base64Bytes(META.thumbBlob));
+    const halves = new Uint16Array(raw.buffer, raw.byteOffset, raw.byteLength / 2);
+    const out = new Float32Array(halves.length);
+    for (let i = 0; i < halves.length; i++) out[i] = halfToFloat(halves[i]);
+    return out;
+  }
+
+  // Show batch row ROWS[i]: its grid, and the open head (if any) in that row.
+  async function useRow(i, reopen = true) {
+    if (i === ROW || !ROWS[i]) return;
+    ROW = i;
+    Object.assign(META, ROWS[i]);
+    RECORDS = META.records;
+    thumbs = await loadThumbs();
+    $("grid-body").textContent = "";
+    buildGrid();
+    const select = $("batch-row");
+    if (select) select.value = String(i);
+    if (reopen && state.rid !== null) await openHead(state.rid, state.head);
   }
 
   // ------------------------------------------------------------------ sortable tables
@@ -827,9 +852,11 @@
 
   // ------------------------------------------------------------------ routing and controls
   function route() {
-    const m = /^#head-(\d+)-(\d+)$/.exec(location.hash);
+    const m = /^#head-(\d+)-(\d+)(?:-b(\d+))?$/.exec(location.hash);
     if (!m) return null;
-    const p = openHead(+m[1], +m[2]).catch(fail);
+    const row = m[3] === undefined ? ROW : ROWS.findIndex((x) => x.batch === +m[3]);
+    if (row < 0) { fail(new Error("batch row " + m[3] + " is not in this report")); return null; }
+    const p = useRow(row, false).then(() => openHead(+m[1], +m[2])).catch(fail);
     $("detail").scrollIntoView();
     return p;
   }
@@ -848,11 +875,15 @@
   }
 
   async function main() {
-    const raw = await inflate(base64Bytes(META.thumbBlob));
-    const halves = new Uint16Array(raw.buffer, raw.byteOffset, raw.byteLength / 2);
-    thumbs = new Float32Array(halves.length);
-    for (let i = 0; i < halves.length; i++) thumbs[i] = halfToFloat(halves[i]);
+    thumbs = await loadThumbs();
     buildGrid();
+    $("grid-scale").addEventListener("change", () => document.querySelectorAll("a.thumb canvas[data-drawn]").forEach(drawThumb));
+    const select = $("batch-row");
+    if (select) select.addEventListener("change", () => {
+      const i = +select.value;
+      if (state.rid !== null) location.hash = "#head-" + state.rid + "-" + state.head + "-b" + ROWS[i].batch;
+      else useRow(i).catch(fail);
+    });
     document.querySelectorAll("table.sortable").forEach(sortable);
     for (const id of ["colour-by", "scale", "norm"]) $(id).addEventListener("change", repaint);
     $("zoom-in").addEventListener("click", () => state.group && state.group.zoomTo(state.group.cell * 1.5));
@@ -876,7 +907,8 @@
   // Used by the browser tests and handy from the console.
   api.openHead = (rid, head) => openHead(rid, head);
   api.state = () => ({ rid: state.rid, head: state.head, cell: state.group ? state.group.cell : null,
-    viewers: state.group ? state.group.viewers.length : 0 });
+    viewers: state.group ? state.group.viewers.length : 0, batch: META.batch });
+  api.useBatchRow = (batch) => useRow(ROWS.findIndex((x) => x.batch === batch));
   api.cellCenter = (q, k, viewer) => state.group.viewers[viewer || 0].reveal(q, k);
   api.zoomTo = (cell) => state.group.zoomTo(cell);
   api.ready = main().catch((err) => { api.errors.push(String(err && err.stack || err)); throw err; });

@@ -1,0 +1,281 @@
+"""Watch attention while a model trains: per-head statistics every N forward calls, alerts, TensorBoard.
+
+``Monitor`` counts the model's top-level forward calls. On calls 0, ``every``, ``2 * every``, ... it opens a
+statistics capture (``keep=("stats",)``: computed blockwise from the q and k the forward made, under
+``torch.no_grad()``, detached, no (query x key) tensor kept) for that one forward and closes it when the
+forward returns (or raises). Between sampled calls nothing is attached, computed or copied: the only cost is
+one counter in a forward pre-hook. Statistics never touch the graph, the gradients or the random stream
+(dropout masks are the same with the monitor on and off).
+
+Each sampled call adds one row per (layer, head) to ``history``: the statistics averaged over the call's real
+query rows (``entropy``, ``max_weight``, ``first_key_mass``, ``diagonal_mass``, ``previous_mass``,
+``masked_mass``, ``row_sum_error``, ``max_score``), and the extremes that matter (``entropy_min``, over rows
+that may attend more than one key, ``max_weight_max``, ``max_score_max``, ``nonfinite_rows``).
+
+The capture itself is not made here: probe/ never imports the adapters; ``attnprobe.monitor`` passes the wired
+``attnprobe.capture``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import AttnprobeError, AttnprobeWarning, warn_user
+
+#: per-row statistics averaged over a call's real query rows
+MEANS = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass", "row_sum_error",
+         "max_score")
+#: row-level extremes: (column, statistic, how)
+EXTREMES = (("entropy_min", "entropy", "min"), ("max_weight_max", "max_weight", "max"),
+            ("max_score_max", "max_score", "max"))
+#: alert name -> (history column, comparison, what it means)
+ALERTS = {
+    "entropy_below": ("entropy", "<", "the head's mean attention entropy (nats) fell below the threshold: entropy collapse"),
+    "max_score_above": ("max_score_max", ">", "the largest attention logit passed the threshold: logit growth"),
+    "max_weight_above": ("max_weight_max", ">", "one key took more than this share of a row's weight"),
+    "nonfinite": ("nonfinite_rows", ">", "a row had a NaN or infinite weight or logit"),
+}
+
+
+class MonitorError(AttnprobeError, ValueError):
+    """A monitor option cannot be used; the message says what to do."""
+
+
+class AttentionAlert(AttnprobeError, RuntimeError):
+    """An alert named in ``raise_on`` fired (for CI jobs and training scripts that should stop)."""
+
+
+def _alert_spec(alerts: Mapping[str, Any] | None) -> dict[str, float]:
+    spec = {}
+    for name, value in (alerts or {}).items():
+        if name not in ALERTS:
+            raise MonitorError(f"no alert {name!r}; the alerts are {', '.join(ALERTS)}")
+        if name == "nonfinite":
+            if value:
+                spec[name] = 0.0
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise MonitorError(f"alert {name!r} needs a finite number as its threshold, not {value!r}")
+        spec[name] = float(value)
+    return spec
+
+
+class Monitor:
+    """See ``attnprobe.monitor``."""
+
+    def __init__(self, capture: Callable, model: nn.Module, *, every: int = 100, layers=None, heads=None,
+                 log_dir=None, alerts: Mapping[str, Any] | None = None, raise_on: Iterable[str] = (),
+                 block_bytes: int | None = None, writer=None, on_step: Callable | None = None):
+        if not isinstance(model, nn.Module):
+            raise MonitorError(f"monitor watches a torch.nn.Module, not {type(model).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise MonitorError(f"every must be a positive whole number of forward calls, not {every!r}")
+        self.alert_spec = _alert_spec(alerts)
+        self.raise_on = set(raise_on)
+        unknown = self.raise_on - set(ALERTS)
+        if unknown:
+            raise MonitorError(f"raise_on names no alert {', '.join(sorted(unknown))}; the alerts are {', '.join(ALERTS)}")
+        self._capture, self.model, self.every = capture, model, every
+        self._options = {"keep": ("stats",), "layers": layers, "heads": heads}
+        if block_bytes is not None:
+            self._options["block_bytes"] = block_bytes
+        # checked now, not at the first sampled step: a wrong layer or head fails before training starts
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AttnprobeWarning)  # "saw no attention call": none was made, on purpose
+            with capture(model, **self._options):
+                pass
+        self.calls = 0
+        self.step: int | None = None  # set by integrations (the Trainer's global step); else the call number
+        self._rows: list[dict] = []
+        self._alert_rows: list[dict] = []
+        self._fired: set = set()
+        self._open: Any = None
+        self._thread: int | None = None
+        self._handles: list = []
+        self._writer = writer
+        self._own_writer = False
+        self._on_step = on_step
+        if log_dir is not None and writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise MonitorError("log_dir= writes TensorBoard files: that needs the tensorboard package "
+                                   "(pip install tensorboard)") from None
+            self._writer = SummaryWriter(log_dir=str(log_dir))
+            self._own_writer = True
+        self._handles = [
+            model.register_forward_pre_hook(self._before),
+            model.register_forward_hook(self._after, always_call=True),
+        ]
+
+    # ------------------------------------------------------------------ hooks
+    def _before(self, module, args):
+        call = self.calls
+        self.calls += 1
+        if call % self.every or self._open is not None:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        session = self._capture(self.model, **self._options)
+        cap = session.__enter__()
+        self._open = (session, cap, call)
+        self._thread = threading.get_ident()
+        return None
+
+    def _after(self, module, args, output):
+        if self._open is None or self._thread != threading.get_ident():
+            return None
+        session, cap, call = self._open
+        self._open = None
+        if output is None:  # the forward raised (a hook called always): close quietly, nothing to record
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", AttnprobeWarning)
+                session.__exit__(None, None, None)
+            return None
+        session.__exit__(None, None, None)
+        self._record(cap, call)
+        return None
+
+    # ------------------------------------------------------------------ results
+    def _record(self, cap, call: int) -> None:
+        step = call if self.step is None else self.step
+        new = per_head_rows(cap, step=step, call=call)
+        self._rows.extend(new)
+        if self._writer is not None:
+            for row in new:
+                base = f"attention/layer {row['layer']:02d}/head {row['head']:02d}"
+                for name in ("entropy", "entropy_min", "max_score_max", "max_weight", "first_key_mass"):
+                    value = row[name]
+                    if value is not None and math.isfinite(value):
+                        self._writer.add_scalar(f"{base}/{name}", value, step)
+            self._writer.flush()
+        fired = self._alerts(new)
+        if self._on_step is not None:
+            self._on_step(new, fired)
+        raising = [a for a in fired if a["alert"] in self.raise_on]
+        if raising:
+            a = raising[0]
+            raise AttentionAlert(f"attnprobe alert {a['alert']} at step {a['step']}: layer {a['layer']} head {a['head']} "
+                                 f"{a['column']} = {a['value']:.6g} (threshold {a['threshold']:.6g})")
+
+    def _alerts(self, rows: list[dict]) -> list[dict]:
+        fired = []
+        for row in rows:
+            for name, threshold in self.alert_spec.items():
+                column, how, meaning = ALERTS[name]
+                value = row[column]
+                if value is None or (isinstance(value, float) and math.isnan(value)):
+                    continue
+                if (value < threshold) if how == "<" else (value > threshold):
+                    alert = {"step": row["step"], "layer": row["layer"], "head": row["head"], "alert": name,
+                             "column": column, "value": float(value), "threshold": threshold}
+                    fired.append(alert)
+                    self._alert_rows.append(alert)
+                    key = (row["layer"], row["head"], name)
+                    if key not in self._fired and name not in self.raise_on:  # those raise instead
+                        self._fired.add(key)
+                        warn_user(f"attnprobe alert {name} at step {row['step']}: layer {row['layer']} head "
+                                  f"{row['head']} {column} = {value:.6g} (threshold {threshold:.6g}; {meaning})")
+        return fired
+
+    @property
+    def rows(self) -> tuple[dict, ...]:
+        """The history as plain dicts, oldest first (what ``history`` is built from)."""
+        return tuple(self._rows)
+
+    @property
+    def history(self):
+        """One row per sampled step, layer and head: the statistics (a pandas DataFrame)."""
+        import pandas as pd
+
+        columns = ["step", "call", "layer", "head", "module", "rows", "nonfinite_rows", *MEANS, *(c for c, _, _ in EXTREMES)]
+        return pd.DataFrame(self._rows, columns=columns)
+
+    @property
+    def alerts(self):
+        """Every alert that fired (step, layer, head, alert, column, value, threshold), a pandas DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame(self._alert_rows, columns=["step", "layer", "head", "alert", "column", "value", "threshold"])
+
+    def to_parquet(self, path) -> None:
+        """Write ``history`` to a Parquet file (written to a temporary name, then renamed into place)."""
+        import os
+        from pathlib import Path
+
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            self.history.to_parquet(tmp, index=False)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Detach from the model (and close an open capture and the TensorBoard writer). Safe to call twice."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._open is not None:
+            session, _, _ = self._open
+            self._open = None
+            session.__exit__(None, None, None)
+        if self._writer is not None and self._own_writer:
+            self._writer.close()
+        self._writer = None
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Monitor(every={self.every}, calls={self.calls}, sampled={len({r['call'] for r in self._rows})}, "
+                f"alerts={len(self._alert_rows)}, {'open' if self._handles else 'closed'})")
+
+
+def per_head_rows(cap, *, step: int, call: int) -> list[dict]:
+    """One dict per (layer, head) of a statistics capture: means over real query rows and the extremes."""
+    rows = []
+    for rec in cap:
+        stats = getattr(rec, "stats", None)
+        if not stats:
+            continue
+        batch, heads, queries = stats["entropy"].shape
+        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else ~rec.query_padding.cpu()
+        real = real[:, None, :].expand(batch, heads, queries)
+        values = {name: stats[name].detach().double().cpu() for name in MEANS if name in stats}
+        finite = stats["finite"].detach().cpu().bool()
+        # a row that may attend one key has entropy 0 by construction (a causal row 0): not a collapse
+        informative = stats["allowed_keys"].detach().cpu() > 1 if "allowed_keys" in stats else None
+        for h, head in enumerate(rec.heads):
+            mask = real[:, h]
+            row = {"step": step, "call": call, "layer": rec.layer, "head": int(head), "module": rec.name,
+                   "rows": int(mask.sum()), "nonfinite_rows": int((~finite[:, h] & mask).sum())}
+            for name in MEANS:
+                v = values.get(name)
+                if v is None:
+                    row[name] = math.nan
+                    continue
+                picked = v[:, h][mask]
+                if name == "max_score":
+                    picked = picked[picked.isfinite()]
+                row[name] = float(picked.nanmean()) if picked.numel() else math.nan
+            for column, name, how in EXTREMES:
+                v = values.get(name)
+                keep = mask if informative is None or name != "entropy" else mask & informative[:, h]
+                picked = v[:, h][keep] if v is not None else torch.empty(0)
+                picked = picked[~picked.isnan() & (picked.isfinite() if name == "max_score" else True)]
+                row[column] = (float(picked.min()) if how == "min" else float(picked.max())) if picked.numel() else math.nan
+            rows.append(row)
+    return rows

@@ -1,0 +1,375 @@
+"""Dataset-scale scans: per-head attention statistics over many inputs, to a partitioned Parquet dataset.
+
+``scan(model, data, out)`` runs the model over every input of ``data`` in padded batches under a statistics
+capture (``keep=("stats",)``: no (query x key) tensor is stored) and writes, for every input, layer and head,
+the statistics aggregated over the input's real query rows (padding left out) to ``out/part-NNNNN.parquet``,
+one file per chunk of ``chunk_size`` inputs. The folder reads as one table with pandas, polars or DuckDB
+(``SELECT layer, head, avg(entropy) FROM 'out/*.parquet' GROUP BY ALL``).
+
+- ``out/_scan.json`` holds what the scan is (model, selection, data, truncation, chunking): a scan refuses to
+  write into a folder that holds another scan's files;
+- ``resume=True`` skips the chunks already written (each file is written to a temporary name and renamed
+  into place, so an interrupted scan loses at most the chunk it was writing);
+- under ``accelerate launch`` or ``torchrun`` every process takes its own chunks (accelerate's
+  ``split_between_processes``), writes its own files, and the main process writes ``out/_manifest.json``
+  when all are done.
+
+The capture itself is not made here: probe/ never imports the adapters. ``attnprobe.scan`` passes the
+wired ``attnprobe.capture``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import AttnprobeError
+from .heads import entropy_ratio
+
+FORMAT = 1
+CONFIG = "_scan.json"  # "_" first: pyarrow, pandas and Spark readers of the folder skip it
+MANIFEST = "_manifest.json"
+
+#: Per-row statistics averaged over an input's real query rows (NaN rows, e.g. ``previous_mass`` of the
+#: first query, left out of the mean).
+MEAN_STATS = ("entropy", "entropy_ratio", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass",
+              "masked_mass", "row_sum_error", "max_score", "output_error")
+#: Row-level extremes kept beside the means: (column, statistic, "min" | "max").
+EXTREMES = (("entropy_min", "entropy", "min"), ("max_weight_max", "max_weight", "max"),
+            ("max_score_max", "max_score", "max"), ("masked_mass_max", "masked_mass", "max"),
+            ("row_sum_error_max", "row_sum_error", "max"), ("output_error_max", "output_error", "max"))
+
+
+class ScanError(AttnprobeError, ValueError):
+    """A scan's data, folder or options cannot be used; the message says what to do."""
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def read_inputs(path: str | os.PathLike, *, field: str | None = None, limit: int | None = None) -> list[str]:
+    """The texts of ``path``: ``.txt`` (one per line, blank lines skipped), ``.jsonl`` (``field``, default
+    ``text``), ``.csv`` / ``.parquet`` (``field``), or a folder saved by ``datasets``' ``save_to_disk``."""
+    path = Path(path)
+    if limit is not None and limit < 1:
+        raise ScanError(f"limit must be a positive number of inputs, not {limit}")
+    if not path.exists():
+        raise ScanError(f"no data at {str(path)!r}: give a .txt, .jsonl, .csv or .parquet file, or a folder "
+                        "saved with datasets' save_to_disk")
+    suffix = path.suffix.lower()
+    if path.is_dir():
+        texts = _read_datasets_folder(path, field or "text", limit)
+    elif suffix == ".txt":
+        texts = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.rstrip("\r\n")
+                if line.strip():
+                    texts.append(line)
+                    if limit is not None and len(texts) >= limit:
+                        break
+    elif suffix == ".jsonl":
+        texts = []
+        name = field or "text"
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ScanError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+                if not isinstance(row, dict) or name not in row:
+                    raise ScanError(f"{path}:{number}: no field {name!r} (choose one with --field)")
+                texts.append(str(row[name]))
+                if limit is not None and len(texts) >= limit:
+                    break
+    elif suffix in (".csv", ".parquet"):
+        import pandas as pd
+
+        if field is None:
+            raise ScanError(f"{path.name}: say which column holds the text (--field / field=)")
+        frame = pd.read_csv(path, usecols=lambda c: c == field, dtype=str, keep_default_na=False,
+                            nrows=limit) if suffix == ".csv" else pd.read_parquet(path)
+        if field not in frame.columns:
+            raise ScanError(f"{path.name}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
+                            if suffix == ".parquet" else f"{path.name}: no column {field!r}")
+        texts = [str(t) for t in frame[field].tolist()[:limit]]
+    else:
+        raise ScanError(f"cannot read {path.name}: give a .txt, .jsonl, .csv or .parquet file, or a datasets folder")
+    if not texts:
+        raise ScanError(f"{path} holds no input")
+    return texts
+
+
+def _read_datasets_folder(path: Path, field: str, limit: int | None) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise ScanError(f"{path} is a folder: reading a datasets folder needs the datasets package "
+                        "(pip install datasets); or give a .txt, .jsonl, .csv or .parquet file") from None
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; say it in one line
+        raise ScanError(f"{path}: not a folder saved with datasets' save_to_disk ({e})") from None
+    if isinstance(data, datasets.DatasetDict):
+        raise ScanError(f"{path} holds the splits {', '.join(data)}: give one split's folder")
+    if field not in data.column_names:
+        raise ScanError(f"{path}: no column {field!r} (columns: {', '.join(data.column_names)})")
+    column = data[field] if limit is None else data.select(range(min(limit, len(data))))[field]
+    return [str(t) for t in column]
+
+
+# ----------------------------------------------------------------------------------------------- aggregation
+
+
+def aggregate(cap, indexes: Sequence[int], tokens: Sequence[int]) -> dict[str, list]:
+    """Columns of one row per (input, record, head): statistics over each input's real query rows."""
+    columns: dict[str, list] = {name: [] for name in ("input", "tokens", "layer", "head", "module", "kind", "call",
+                                                      "rows", "nonfinite_rows", *MEAN_STATS,
+                                                      *(c for c, _, _ in EXTREMES))}
+    for rec in cap:
+        stats = getattr(rec, "stats", None)
+        if not stats:
+            raise ScanError(f"{rec.name}: no statistics were computed for this layer "
+                            f"({rec.weights_source} weights); a scan needs q and k")
+        batch, heads, queries = stats["entropy"].shape
+        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else ~rec.query_padding.cpu()
+        real = real[:, None, :].expand(batch, heads, queries)
+        values = {name: stats[name].detach().double().cpu() for name in
+                  {*MEAN_STATS, *(s for _, s, _ in EXTREMES)} if name in stats}
+        if "allowed_keys" in stats:  # entropy / its largest possible value, log(allowed keys)
+            values["entropy_ratio"] = entropy_ratio(values["entropy"], stats["allowed_keys"].cpu())
+        finite = stats["finite"].cpu().bool()
+        count = real.sum(-1)
+        for name in MEAN_STATS:
+            if name not in values:
+                values[name] = torch.full((batch, heads, queries), math.nan, dtype=torch.float64)
+        means = {}
+        for name in MEAN_STATS:
+            v = values[name].masked_fill(~real, math.nan)
+            v = v.masked_fill(v.isinf(), math.nan) if name == "max_score" else v
+            means[name] = v.nanmean(-1)
+        extremes = {}
+        for column, name, how in EXTREMES:
+            v = values[name].masked_fill(~real | values[name].isnan(), math.inf if how == "min" else -math.inf)
+            out = v.amin(-1) if how == "min" else v.amax(-1)
+            extremes[column] = out.masked_fill(out.isinf() & (count == 0), math.nan)
+        nonfinite = (~finite & real).sum(-1)
+        for b in range(batch):
+            for h, head in enumerate(rec.heads):
+                columns["input"].append(int(indexes[b]))
+                columns["tokens"].append(int(tokens[b]))
+                columns["layer"].append(rec.layer)
+                columns["head"].append(int(head))
+                columns["module"].append(rec.name)
+                columns["kind"].append(rec.kind)
+                columns["call"].append(rec.call)
+                columns["rows"].append(int(count[b, h]))
+                columns["nonfinite_rows"].append(int(nonfinite[b, h]))
+                for name in MEAN_STATS:
+                    columns[name].append(float(means[name][b, h]))
+                for column in extremes:
+                    columns[column].append(float(extremes[column][b, h]))
+    return columns
+
+
+# ----------------------------------------------------------------------------------------------- the folder
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which inputs each chunk holds."""
+
+    inputs: int
+    chunk_size: int
+
+    @property
+    def chunks(self) -> int:
+        return math.ceil(self.inputs / self.chunk_size)
+
+    def span(self, chunk: int) -> range:
+        return range(chunk * self.chunk_size, min(self.inputs, (chunk + 1) * self.chunk_size))
+
+
+def part_name(chunk: int) -> str:
+    return f"part-{chunk:05d}.parquet"
+
+
+def prepare_folder(out: Path, config: dict, *, resume: bool, main: bool) -> None:
+    """Create ``out`` (main process) and make sure it holds this scan's files only."""
+    existing = out / CONFIG
+    if out.exists() and not out.is_dir():
+        raise ScanError(f"{out} is a file: give a folder for the scan")
+    if existing.exists():
+        try:
+            theirs = json.loads(existing.read_text())
+        except (OSError, json.JSONDecodeError):
+            raise ScanError(f"{existing} cannot be read: give another folder") from None
+        different = sorted(k for k in set(theirs) | set(config) if theirs.get(k) != config.get(k))
+        if different:
+            raise ScanError(f"{out} holds another scan (its {', '.join(different)} differ): give another folder "
+                            "or remove it")
+        if not resume and any(out.glob("part-*.parquet")):
+            raise ScanError(f"{out} already holds this scan's files: pass --resume (resume=True) to skip the chunks "
+                            "written, or give another folder")
+    elif out.is_dir() and any(out.iterdir()):
+        raise ScanError(f"{out} holds other files: give an empty or new folder")
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not existing.exists():
+            _write_text(existing, json.dumps(config, indent=2, sort_keys=True))
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_part(path: Path, columns: dict[str, list], metadata: dict) -> None:
+    """One chunk's rows, with the scan's description in the file's metadata; renamed into place."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(columns)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                           b"attnprobe": json.dumps(metadata, sort_keys=True).encode()})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def model_description(model, source: str | None) -> str:
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or ""
+    return source or name or type(model).__name__
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class ScanResult:
+    """Where a scan wrote, and how much."""
+
+    out: Path
+    inputs: int
+    chunks_written: int
+    chunks_skipped: int
+
+    def to_frame(self):
+        """The whole scan as one pandas DataFrame (reads every part)."""
+        import pandas as pd
+
+        parts = sorted(self.out.glob("part-*.parquet"))
+        return pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True)
+
+
+def _process_state():
+    """accelerate's view of the processes (one process when not launched); None without accelerate."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    try:
+        from accelerate import PartialState
+    except ImportError:
+        if launched:
+            raise ScanError("this scan runs in several processes: that needs accelerate (pip install accelerate)")
+        return None
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def run_scan(capture: Callable, model, data, out, *, tokenizer=None, field: str | None = None, batch_size: int = 16,
+             max_length: int | None = None, layers=None, heads=None, limit: int | None = None, resume: bool = False,
+             chunk_size: int = 256, progress: bool = True, source: str | None = None,
+             block_bytes: int | None = None) -> ScanResult:
+    """See ``attnprobe.scan``."""
+    if tokenizer is None:
+        raise ScanError("a scan reads texts: give the model's tokenizer (tokenizer=)")
+    for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ScanError(f"{name} must be a positive whole number, not {value!r}")
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        raise ScanError(f"max_length must be a positive whole number, not {max_length!r}")
+    texts = list(data) if not isinstance(data, (str, os.PathLike)) else read_inputs(data, field=field, limit=limit)
+    if limit is not None:
+        texts = texts[:limit]
+    if not texts:
+        raise ScanError("no input to scan")
+    out = Path(out)
+    plan = Plan(len(texts), chunk_size)
+    config = {
+        "format": FORMAT, "model": model_description(model, source),
+        "data": str(data) if isinstance(data, (str, os.PathLike)) else f"{len(texts)} texts given in Python",
+        "field": field, "inputs": len(texts), "chunk_size": chunk_size, "max_length": max_length,
+        "layers": None if layers is None else list(layers), "heads": _jsonable(heads),
+    }
+    state = _process_state()
+    main = state is None or state.is_main_process
+    prepare_folder(out, config, resume=resume, main=main)
+    if state is not None:
+        state.wait_for_everyone()
+    todo = [c for c in range(plan.chunks) if not (resume and (out / part_name(c)).exists())]
+    skipped = plan.chunks - len(todo)
+    mine = todo
+    if state is not None and state.num_processes > 1:
+        with state.split_between_processes(todo) as share:
+            mine = list(share)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    options = {"keep": ("stats",), "layers": layers, "heads": heads}
+    if block_bytes is not None:
+        options["block_bytes"] = block_bytes
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=sum(len(plan.span(c)) for c in mine), unit="input", disable=not progress,
+               desc=f"scan{'' if state is None or state.num_processes == 1 else f' [{state.process_index}]'}")
+    was_training = model.training
+    model.eval()
+    try:
+        for chunk in mine:
+            span = plan.span(chunk)
+            columns: dict[str, list] = {}
+            for start in range(span.start, span.stop, batch_size):
+                index = list(range(start, min(span.stop, start + batch_size)))
+                batch = tokenizer([texts[i] for i in index], padding=True, truncation=max_length is not None,
+                                  max_length=max_length, return_tensors="pt")
+                batch = {k: v.to(device) for k, v in batch.items()}
+                counts = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else \
+                    [batch["input_ids"].shape[-1]] * len(index)
+                with torch.no_grad(), capture(model, **options) as cap:
+                    model(**batch)
+                for name, values in aggregate(cap, index, counts).items():
+                    columns.setdefault(name, []).extend(values)
+                bar.update(len(index))
+            write_part(out / part_name(chunk), columns,
+                       {**config, "chunk": chunk, "first_input": span.start, "last_input": span.stop - 1,
+                        "process": 0 if state is None else state.process_index})
+    finally:
+        bar.close()
+        model.train(was_training)
+    if state is not None:
+        state.wait_for_everyone()
+    if main:
+        parts = sorted(p.name for p in out.glob("part-*.parquet"))
+        missing = [part_name(c) for c in range(plan.chunks) if part_name(c) not in parts]
+        _write_text(out / MANIFEST, json.dumps({**config, "parts": parts, "complete": not missing,
+                                                "missing": missing}, indent=2, sort_keys=True))
+    return ScanResult(out=out, inputs=len(texts), chunks_written=len(mine), chunks_skipped=skipped)
+
+
+def _jsonable(heads):
+    if heads is None:
+        return None
+    if isinstance(heads, dict):
+        return {str(k): list(v) for k, v in heads.items()}
+    return list(heads)

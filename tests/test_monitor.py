@@ -1,0 +1,208 @@
+"""attnprobe.monitor and the Trainer callback: statistics every N steps, untouched training, alerts, TensorBoard."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import attnprobe
+from attnprobe.probe.monitor import AttentionAlert, Monitor, MonitorError, per_head_rows
+
+
+class Tiny(nn.Module):
+    """Two causal layers of attnprobe's own attention with dropout, and a head to train."""
+
+    def __init__(self, dropout=0.1):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.layers = nn.ModuleList(attnprobe.MultiHeadAttention(16, num_heads=4, causal=True, dropout=dropout)
+                                    for _ in range(2))
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + self.drop(layer(x))
+        return self.head(x)
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (2, 12), generator=g) for _ in range(n)]
+
+
+def train(model, data, make_monitor=None):
+    """Train a few steps; return (losses, final parameters, the RNG state after, the monitor)."""
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = make_monitor(model) if make_monitor else None
+    losses = []
+    try:
+        for ids in data:
+            loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+    finally:
+        if mon is not None:
+            mon.close()
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], torch.get_rng_state(), mon
+
+
+def test_training_is_bitwise_the_same_and_only_every_nth_call_is_sampled(assert_no_hooks):
+    data = batches(10)
+    torch.manual_seed(1)
+    plain_model = Tiny().train()
+    watched_model = Tiny().train()
+    watched_model.load_state_dict(plain_model.state_dict())
+    plain = train(plain_model, data)
+    watched = train(watched_model, data, lambda m: attnprobe.monitor(m, every=3))
+    assert torch.equal(plain[0], watched[0])  # losses: dropout masks and forwards identical
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))  # the same gradients, steps, weights
+    assert torch.equal(plain[2], watched[2])  # the random stream: not one draw more
+    mon = watched[3]
+    history = mon.history
+    assert sorted(history["step"].unique()) == [0, 3, 6, 9] and len(history) == 4 * 2 * 4
+    assert {"entropy", "entropy_min", "max_score_max", "max_weight_max", "nonfinite_rows"} <= set(history.columns)
+    assert (history["nonfinite_rows"] == 0).all() and history["entropy"].between(0, math.log(12)).all()
+    assert_no_hooks(watched_model)
+
+
+def test_sampled_values_equal_a_statistics_capture_of_the_same_call():
+    model = Tiny(dropout=0.0).eval()
+    ids = batches(1)[0]
+    with attnprobe.monitor(model, every=1) as mon, torch.no_grad():
+        model(ids)
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as cap:
+        model(ids)
+    expected = per_head_rows(cap, step=0, call=0)
+    assert list(mon.rows) == expected and len(expected) == 8
+
+
+def test_nothing_is_captured_between_sampled_calls():
+    entered = []
+
+    def counting_capture(model, **options):
+        session = attnprobe.capture(model, **options)
+        enter = session.__enter__
+
+        def counted():
+            entered.append(1)
+            return enter()
+
+        session.__enter__ = counted
+        return session
+
+    model = Tiny(dropout=0.0).eval()
+    with Monitor(counting_capture, model, every=4) as mon, torch.no_grad():
+        for ids in batches(9):
+            model(ids)
+    assert len(entered) == 3 and sorted(mon.history["step"].unique()) == [0, 4, 8]
+
+
+def test_no_hook_left_when_the_training_loop_raises_on_a_sampled_step(assert_no_hooks):
+    model = Tiny(dropout=0.0)
+    with pytest.raises(IndexError):
+        with attnprobe.monitor(model, every=2):
+            model(batches(1)[0])
+            model(batches(1)[0])
+            model(torch.tensor([[1, 500]]))  # a sampled call whose forward raises (500 outside the vocabulary)
+    assert_no_hooks(model)
+    mon = attnprobe.monitor(model, every=1)
+    mon.close()
+    mon.close()  # twice is fine
+    assert_no_hooks(model)
+
+
+def test_alerts_warn_once_per_head_are_kept_and_can_raise():
+    model = Tiny(dropout=0.0).eval()
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        with attnprobe.monitor(model, every=1, alerts={"entropy_below": 10.0, "nonfinite": True}) as mon:
+            for ids in batches(3):
+                model(ids)
+    messages = [str(w.message) for w in caught if issubclass(w.category, attnprobe.AttnprobeWarning)]
+    assert len(messages) == 8  # once per (layer, head, alert), not once per step
+    assert messages[0].startswith("attnprobe alert entropy_below at step 0: layer 0 head 0 entropy = ")
+    alerts = mon.alerts
+    assert len(alerts) == 3 * 8 and set(alerts["alert"]) == {"entropy_below"}
+    with pytest.raises(AttentionAlert, match=r"max_score_above at step 0: layer 0 head 0 max_score_max = "):
+        with attnprobe.monitor(model, every=1, alerts={"max_score_above": -1e9}, raise_on=["max_score_above"]):
+            model(batches(1)[0])
+    with pytest.raises(MonitorError, match="no alert 'entropy_under'"):
+        attnprobe.monitor(model, alerts={"entropy_under": 1.0})
+    with pytest.raises(MonitorError, match="every must be a positive whole number"):
+        attnprobe.monitor(model, every=0)
+    with pytest.raises(attnprobe.SelectionError):
+        attnprobe.monitor(model, layers=[7])  # refused before training starts, not at the first sampled step
+
+
+def test_history_to_parquet_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = Tiny(dropout=0.0).eval()
+    with attnprobe.monitor(model, every=2, log_dir=tmp_path / "tb") as mon, torch.no_grad():
+        for ids in batches(5):
+            model(ids)
+    mon.to_parquet(tmp_path / "history.parquet")
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "history.parquet"), mon.history)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tag = "attention/layer 01/head 03/entropy"
+    assert tag in events.Tags()["scalars"]
+    values = events.Scalars(tag)
+    assert [e.step for e in values] == [0, 2, 4]
+    expected = mon.history.query("layer == 1 and head == 3")["entropy"].tolist()
+    assert [e.value for e in values] == pytest.approx(expected, rel=1e-6)
+
+
+def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
+    transformers = pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32))
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(16)]
+    callback = attnprobe.integrations.AttnprobeCallback(every=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=2,
+                             logging_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "attention/layer_00/entropy" in entry]
+    assert len(logged) == 3, trainer.state.log_history
+    assert all({"attention/layer_01/entropy_min_head", "attention/layer_01/max_score_max", "loss"} <= set(e)
+               for e in logged)
+    history = callback.history
+    assert sorted(history["step"].unique()) == [0, 2, 4]  # every 2nd forward call, numbered by global step
+    assert len(history) == 3 * 2 * 4
+    assert_no_hooks(model)
+
+
+def test_monitor_plot_draws_one_line_per_layer_or_head():
+    from matplotlib.figure import Figure
+
+    model = Tiny(dropout=0.0).eval()
+    with attnprobe.monitor(model, every=2) as mon, torch.no_grad():
+        for ids in batches(6):
+            model(ids)
+    history = mon.history
+    ax = attnprobe.reports.monitor_plot(history, ax=Figure().add_subplot())
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == ["layer 0", "layer 1"]
+    assert list(lines[1].get_xdata()) == [0, 2, 4]
+    expected = history[history["layer"] == 1].groupby("step")["entropy_min"].min().tolist()
+    assert list(lines[1].get_ydata()) == pytest.approx(expected)
+    per_head = attnprobe.reports.monitor_plot(history, "max_score_max", by="head", ax=Figure().add_subplot())
+    assert len(per_head.get_lines()) == 8
+    with pytest.raises(ValueError, match="no statistic 'loss'"):
+        attnprobe.reports.monitor_plot(history, "loss")
+    with pytest.raises(TypeError, match="mon.history"):
+        attnprobe.reports.monitor_plot(mon)
