@@ -708,7 +708,12 @@ def to_html(
     from .long import stats_only
 
     if stats_only(capture):  # a long input: statistics, pooled overviews and windows, no (query x key) matrix
-        return to_html_long(capture, path, batch=batch, checks=checks, title=title, precision=precision,
+        if isinstance(batch, (list, tuple)):
+            if len(batch) != 1:
+                raise AttnprobeError(f"a statistics report (long input) shows one batch row; got batch={batch!r}: "
+                                     "pass one row, e.g. batch=0 (--batch 0)")
+            batch = batch[0]
+        return to_html_long(capture, path, batch=batch or 0, checks=checks, title=title, precision=precision,
                             overwrite=overwrite)
     started = time.perf_counter()
     if path is not None:
