@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ..probe.capture import Capture
 from ..probe.record import AttentionRecord
 from ..probe.stats import OVERVIEW_STATS
 from . import encoding
@@ -29,7 +30,10 @@ ROW_PLOTS: tuple[str, ...] = ("entropy", "max_weight", "first_key_mass", "diagon
 
 
 def stats_only(capture) -> bool:
-    """Whether every record of ``capture`` carries statistics and no weights or scores (a long-input capture)."""
+    """Whether ``capture`` is a Capture whose every record carries statistics and no weights or scores (a
+    long-input capture); False for anything else (the caller's own checks name what was wrong)."""
+    if not isinstance(capture, Capture):
+        return False
     records = list(capture)
     return bool(records) and all(r.stats is not None and r.weights is None and r.scores is None for r in records)
 
