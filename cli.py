@@ -120,6 +120,40 @@ TRUST_REMOTE_CODE = click.option(
          "refused instead; read its code before passing this.")
 
 
+STATS_OPTION = click.option(
+    "--stats/--full", "stats", default=None,
+    help="--stats: statistics mode (per-row statistics computed blockwise; memory grows as the input length, not "
+         "its square). --full: always a full capture. Default: full, switching to --stats by itself (said on "
+         "stderr) when a full capture would pass --max-bytes or the memory available.")
+
+
+def parse_window(text: str, length: int, key_length: int) -> tuple[int, int, int, int]:
+    """``--window Q0:Q1,K0:K1`` -> (q0, q1, k0, k1), checked against the input's length."""
+    try:
+        rows, keys = text.split(",")
+        q0, q1 = (int(x) for x in rows.split(":"))
+        k0, k1 = (int(x) for x in keys.split(":"))
+    except ValueError:
+        raise UsageProblem(f"--window {text!r}: write query rows and keys as Q0:Q1,K0:K1, e.g. --window 0:64,0:64") from None
+    if not (0 <= q0 < q1 <= length and 0 <= k0 < k1 <= key_length):
+        raise UsageProblem(f"--window {text!r} is outside the input ({length} queries x {key_length} keys): "
+                           "choose 0 <= Q0 < Q1 <= queries and 0 <= K0 < K1 <= keys")
+    return q0, q1, k0, k1
+
+
+def default_cells(work, heads) -> int:
+    """Overview cells per side for a statistics report: 512 for up to 2 heads, 256 up to 8, 128 beyond (a
+    32k-token report of 32 heads stays under 30 MB)."""
+    import attnprobe
+
+    from .probe import loading
+
+    chosen = loading.parse_int_list(heads, "--heads")
+    total = sum(m.num_heads if chosen is None else len(chosen) for m in attnprobe.attention_modules(work.model)
+                if m.num_heads)
+    return 512 if total <= 2 else 256 if total <= 8 else 128
+
+
 def model_and_input_options(fn):
     """MODEL, the inputs, the selection, and --quiet/--debug, shared by every command that runs a model."""
     options = [
@@ -159,7 +193,10 @@ def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress
     )
 
 
-def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=None):
+def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=None, *, stats=None, overview=None):
+    """Capture the workload. ``stats``: True = statistics mode (``keep=("stats",)``, nothing grows as query x key),
+    None = switch to it by itself (one line on stderr) when a full capture cannot fit --max-bytes (or the memory
+    available), False = never. ``overview``: the ``Overview`` a statistics report also keeps."""
     import warnings
 
     import attnprobe
@@ -175,6 +212,14 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=Non
         "keep": keep,
         "modules": loading.parse_modules(modules),
     }
+    note = None
+    if stats is None:
+        note = switch_to_stats(work, options, max_bytes)
+        stats = note is not None
+    if stats:
+        options["keep"] = ("stats",)
+        if overview is not None:
+            options["overview"] = overview
     check_input_size(work, options, max_bytes)
     progress.stage("capturing attention")
     try:
@@ -198,7 +243,51 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=Non
         raise
     except Exception as exc:
         blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
+    if note is not None:  # after the capture: an error stays one line
+        click.echo(note, err=True)
     return cap
+
+
+def capture_limit(options, max_bytes_text) -> tuple[int | None, str]:
+    """(bytes, what) a capture must fit: --max-bytes, else the memory available (None: unknown)."""
+    if options.get("max_bytes") is not None:
+        return options["max_bytes"], f"--max-bytes {max_bytes_text}"
+    return available_memory(), "the memory available on this machine"
+
+
+def switch_to_stats(work, options, max_bytes_text) -> str | None:
+    """When a full capture of this input would pass the limit: the line that says the statistics mode is used
+    instead (``run_capture`` prints it on stderr once the capture worked); else None."""
+    from .probe.selection import format_bytes
+
+    need = planned_attention_bytes(work, options)
+    limit, what = capture_limit(options, max_bytes_text)
+    if limit is None or need <= limit:
+        return None
+    return (f"attnprobe: a full capture of this input needs at least {format_bytes(need)}, more than {what} "
+            f"({format_bytes(limit)}): used the statistics mode (--stats: per-row statistics computed blockwise, "
+            "no query x key matrix; --full refuses instead)")
+
+
+def statistics_overview(work, heads, windows, cells):
+    """The ``Overview`` a statistics report keeps: --cells (or ``default_cells``) and the --window choices
+    (default: the first and the last 128 x 128 of the input)."""
+    from .probe.stats import Overview
+
+    ids = work.inputs.get("input_ids")
+    if ids is None or ids.ndim != 2:
+        if windows:
+            raise UsageProblem("--window needs token ids (input_ids) to check the window against the input")
+        return Overview(cells=cells or default_cells(work, heads))
+    length = key_length = int(ids.shape[-1])
+    if "decoder_input_ids" in work.inputs:
+        length = int(work.inputs["decoder_input_ids"].shape[-1])
+    if windows:
+        chosen = tuple(parse_window(w, length, key_length) for w in windows)
+    else:
+        n, m = min(128, length), min(128, key_length)
+        chosen = tuple(dict.fromkeys([(0, n, 0, m), (length - n, length, key_length - m, key_length)]))
+    return Overview(cells=cells or default_cells(work, heads), windows=chosen)
 
 
 def cli_selection_message(exc: Exception, model) -> str:
@@ -244,6 +333,8 @@ def planned_attention_bytes(work, options) -> int:
     if "decoder_input_ids" in work.inputs:  # cross-attention is decoder x encoder: the shorter side bounds it
         length = min(length, work.inputs["decoder_input_ids"].shape[-1])
     keep = options.get("keep")
+    if keep is not None and set(keep) == {"stats"}:  # O(T) per head: far below any (query x key) capture
+        return 0
     square = 2 if keep is None else sum(name in keep for name in ("scores", "weights"))
     per_head = 4 if keep is None else sum(name in keep for name in ("q", "k", "v", "output"))
     config = getattr(work.model, "config", None)
@@ -288,11 +379,9 @@ def check_input_size(work, options, max_bytes_text) -> None:
     from .probe.selection import format_bytes
 
     need = planned_attention_bytes(work, options)
-    limit, what = options.get("max_bytes"), f"--max-bytes {max_bytes_text}"
+    limit, what = capture_limit(options, max_bytes_text)
     if limit is None:
-        limit, what = available_memory(), "the memory available on this machine"
-        if limit is None:
-            return
+        return
     if need > limit:
         rows, length = work.inputs["input_ids"].shape
         over = "capture budget exceeded: " if max_bytes_text is not None else "too large an input: "
@@ -601,9 +690,16 @@ def check_output(target: Path, overwrite: bool) -> None:
 @click.option("--precision", type=click.Choice(["exact", "bfloat16"]), default="exact", show_default=True,
               help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
+@STATS_OPTION
+@click.option("--window", "windows", multiple=True, metavar="Q0:Q1,K0:K1",
+              help="Statistics mode: also store the exact weights of query rows Q0:Q1 x keys K0:K1 (repeatable; "
+                   "default: the first and the last 128 x 128). Implies --stats.")
+@click.option("--cells", type=click.IntRange(1, 512), default=None,
+              help="Statistics mode: pool each head's weights to at most this many cells a side (max and mean; "
+                   "default 512 for up to 2 heads, 256 up to 8, 128 beyond). Implies --stats.")
 @handle_errors
 def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, trust_remote_code,
-           quiet, debug, out, fmt, batch, precision, overwrite):
+           quiet, debug, out, fmt, batch, precision, overwrite, stats, windows, cells):
     """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
 
     \b
@@ -613,6 +709,10 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
       attnprobe report ./my-gpt2 --layers 0-3 --heads 0,5 --format all --out gpt2-report
       attnprobe report ./my-t5 --text "translate: hi" --decoder-text "<pad> hallo"
       attnprobe report mypkg.models:tiny --ids "1 5 9 2" --out heads.png   # the format from the suffix
+      attnprobe report ./my-llama --file long.txt --stats --window 4000:4100,0:200 --format all
+
+    A long input (or --stats) gives a statistics report: per head the weights pooled to at most --cells cells,
+    per-row statistics along the sequence, and the exact weights of the --window choices.
     """
     import warnings
 
@@ -631,7 +731,12 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
         n_rows = len(next(iter(work.inputs.values())))
         if batch is not None and not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
-        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules)
+        if (windows or cells is not None) and stats is False:
+            raise UsageProblem("--window and --cells belong to the statistics mode; leave out --full")
+        if windows or cells is not None:
+            stats = True
+        overview = statistics_overview(work, heads, windows, cells)
+        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats, overview=overview)
         if len(cap) == 0:
             raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
         tokens, key_tokens = token_labels(work)
@@ -671,9 +776,10 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
                    "declared causal). In an encoder-decoder this concerns the decoder's self-attention only.")
 @click.option("--checks", "check_names", help="Only these checks, e.g. causal,padding (default: all).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@STATS_OPTION
 @handle_errors
 def check(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, trust_remote_code,
-          quiet, debug, causal, check_names, fmt):
+          quiet, debug, causal, check_names, fmt, stats):
     """Capture MODEL on the input and check attention invariants (for CI).
 
     Exit code 0 when clean, 1 when an invariant is violated or nothing could be verified (for example
@@ -702,7 +808,7 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, modules, d
     progress = Progress(4, quiet)
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
-        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules)
+        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats)
         progress.stage("checking")
         declared_causal, declared_mask = declarations(work, cap, causal)
         with warnings.catch_warnings(record=True) as caught:

@@ -57,7 +57,9 @@ class capture:
     ``heads``: head numbers for every selected layer, or ``{layer: heads}``.
     ``keep``: which of ``q, k, v, scores, weights, output`` to store (None = all), and ``"stats"``: per-row
     statistics in ``record.stats``, computed blockwise without storing any (query x key) tensor
-    (``block_bytes``: the memory target of one block).
+    (``block_bytes``: the memory target of one block); ``overview`` (with ``"stats"``: a number of cells, or a
+    ``probe.pooling.Overview`` with exact windows) also keeps the weights pooled to at most that many cells a side
+    (``record.stats["overview_max"]``/``["overview_mean"]``) and the windows' exact weights (``["window_<i>"]``).
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
@@ -86,11 +88,11 @@ class capture:
     """
 
     def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None, block_bytes=None, store=None, overwrite: bool = False):
+                 modules=None, block_bytes=None, store=None, overwrite: bool = False, overview=None):
         self._session = CaptureSession(
             model,
             Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes,
-                            block_bytes=block_bytes),
+                            block_bytes=block_bytes, overview=overview),
             default_adapters(modules=modules),
             store=store,
             overwrite=overwrite,

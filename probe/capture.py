@@ -579,6 +579,7 @@ class CaptureSession:
         """The per-row statistics of one record: blockwise from the adapter's ``AttentionCall`` (q, k and the
         call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
         weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
+        from .pooling import pool_weights
         from .stats import attention_stats, stats_from_weights
 
         where = f"layer {site.layer}, call {call}: stats"
@@ -588,7 +589,8 @@ class CaptureSession:
                 B, h, q_len, k_len = stats_call.shape
                 diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
                 kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
-                stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding, **kwargs)
+                stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding,
+                                        overview=self.selection.overview, **kwargs)
                 values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
             else:
                 def selected(name, index):
@@ -616,7 +618,13 @@ class CaptureSession:
                                            output=None if v is None else output, diag_offset=diag,
                                            query_padding=query_padding,
                                            sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
+                if self.selection.overview is not None:
+                    stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})
                 values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
+        if self.selection.overview is not None and self.selection.overview.windows:
+            values["meta"] = {**values["meta"], "stats_windows": [
+                [min(q0, q_len), min(q1, q_len), min(k0, k_len), min(k1, k_len)]
+                for q0, q1, k0, k1 in self.selection.overview.windows]}
         nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
         self.store.reserve(nbytes, where)
         return {name: t.to(self.selection.device) for name, t in stats.items()}

@@ -134,6 +134,22 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def overview_of(overview, keep) -> object | None:
+    """``capture(overview=)``: None, a number of cells, or a ``probe.pooling.Overview``; needs ``"stats"`` in keep."""
+    if overview is None:
+        return None
+    from .pooling import Overview
+
+    if isinstance(overview, int) and not isinstance(overview, bool):
+        overview = Overview(cells=overview)
+    if not isinstance(overview, Overview):
+        raise SelectionError(f"overview= takes a number of cells (such as 512) or a probe.pooling.Overview, "
+                             f"got {overview!r}")
+    if "stats" not in keep:
+        raise SelectionError('overview= is computed by the statistics engine: add "stats" to keep=')
+    return overview
+
+
 @dataclass(frozen=True)
 class Selection:
     """A validated capture request. Build it with ``Selection.build(...)``."""
@@ -147,10 +163,12 @@ class Selection:
     max_bytes: int | None = None
     block_bytes: int | None = None
     """Memory target of one block of the statistics engine (``keep=("stats",)``); None = its default."""
+    overview: object | None = None
+    """``probe.pooling.Overview``: pooled weights and exact windows a statistics capture also keeps; None = none."""
 
     @classmethod
     def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-              block_bytes=None) -> "Selection":
+              block_bytes=None, overview=None) -> "Selection":
         layer_tuple = None if layers is None else int_list(layers, "layers")
         head_tuple, by_layer = None, None
         if isinstance(heads, Mapping):
@@ -203,7 +221,7 @@ class Selection:
             raise SelectionError(f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
                                  f"as '32MB', got {block_bytes!r}")
         return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes,
-                   None if block_bytes is None else operator.index(block_bytes))
+                   None if block_bytes is None else operator.index(block_bytes), overview_of(overview, keep_set))
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
         """Check layer numbers against the model (negative numbers count from the end).
@@ -249,7 +267,7 @@ class Selection:
                     "add them to layers=, or leave layers out (the keys of heads={...} then choose the layers)"
                 )
         return Selection(resolved, self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes,
-                         self.block_bytes)
+                         self.block_bytes, self.overview)
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers

@@ -41,6 +41,7 @@ from typing import Mapping
 import torch
 
 from .attention_math import AttentionCall, sink_logsumexp
+from .pooling import Overview, Pooler  # noqa: F401  (Overview: part of this module's interface)
 
 #: Statistics with one value per (batch, head, query), in order.
 ROW_STATS: tuple[str, ...] = (
@@ -50,6 +51,10 @@ ROW_STATS: tuple[str, ...] = (
 )
 #: Statistics with one value per (batch, head, key).
 KEY_STATS: tuple[str, ...] = ("key_weight", "key_allowed")
+
+#: Per (batch, head, query cell, key cell): the weights pooled to at most ``Overview.cells`` cells a side
+#: (``capture(overview=...)``); and ``window_<i>`` ``(batch, head, q1 - q0, k1 - k0)``: exact weights of window i.
+OVERVIEW_STATS: tuple[str, ...] = ("overview_max", "overview_mean")
 
 #: A weight above this counts as attention for ``first_key``/``last_key`` (the checks' ``FORBIDDEN_WEIGHT``).
 WEIGHT_THRESHOLD = 1e-6
@@ -179,19 +184,23 @@ def _counted_rows(query_padding: torch.Tensor | None, B: int, Tq: int, device) -
     return (~query_padding.to(device, torch.bool)).float()
 
 
-def _collect(parts: list[dict], key_weight: torch.Tensor, key_allowed: torch.Tensor) -> Mapping[str, torch.Tensor]:
+def _collect(parts: list[dict], key_weight: torch.Tensor, key_allowed: torch.Tensor,
+             extra: dict | None = None) -> Mapping[str, torch.Tensor]:
     stats = {name: torch.cat([p[name] for p in parts], dim=2) for name in ROW_STATS}
     stats["key_weight"], stats["key_allowed"] = key_weight, key_allowed
+    stats.update(extra or {})
     return MappingProxyType(stats)
 
 
 def attention_stats(call: AttentionCall, *, diag_offset: int | None = None, query_padding: torch.Tensor | None = None,
-                    block_bytes: int = DEFAULT_BLOCK_BYTES) -> Mapping[str, torch.Tensor]:
+                    block_bytes: int = DEFAULT_BLOCK_BYTES,
+                    overview: Overview | None = None) -> Mapping[str, torch.Tensor]:
     """Every statistic of ``call`` (``ROW_STATS`` ``(batch, head, query)``, ``KEY_STATS`` ``(batch, head, key)``),
     exact, without a tensor larger than ``block_bytes`` (a few of them at once).
 
     ``diag_offset``: key index of query 0 in self-attention (its own key), None for cross-attention.
     ``query_padding`` ``(batch, query)``: rows left out of ``key_weight``.
+    ``overview``: also the pooled weights and exact windows (``Overview``), from the same exact weights.
 
     Example::
 
@@ -215,6 +224,8 @@ def attention_stats(call: AttentionCall, *, diag_offset: int | None = None, quer
         key_block = max(1, block_bytes // max(1, B * h * rows_step * itemsize * _TEMPORARIES))
     counted = _counted_rows(query_padding, B, Tq, device).to(dtype)
     stats = _Engine(call, B, h, Tq, Tk, dtype, device, diag_offset)
+    if overview is not None:
+        stats.pool = Pooler(overview, B, h, Tq, Tk, device)
     with torch.no_grad():
         for a in range(0, Tq, rows_step):
             b = min(a + rows_step, Tq)
@@ -244,6 +255,7 @@ class _Engine:
         self.key_allowed = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)
         self.parts: list[dict] = []
         self.first_key = self._first_attendable()  # (B, h, 1): the key first_key_mass reads
+        self.pool: Pooler | None = None
 
     def _first_attendable(self) -> torch.Tensor:
         """``(B, h, 1)`` the first key some query may attend (0 under a causal mask alone), read from the mask a
@@ -304,7 +316,7 @@ class _Engine:
                "allowed_keys": torch.zeros(B, h, n, dtype=torch.long, device=device),
                "diag_allowed": torch.zeros(B, h, n, dtype=torch.bool, device=device),
                "first": torch.full((B, h, n), self.Tk, dtype=torch.long, device=device),
-               "last": torch.full((B, h, n), -1, dtype=torch.long, device=device)}
+               "last": torch.full((B, h, n), -1, dtype=torch.long, device=device), "a": a}
         out = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
         scale = None if dv is None else torch.zeros_like(out)
         pending = []  # key-block sums of e that need l: (c, d, e-block summed against counted rows)
@@ -363,6 +375,8 @@ class _Engine:
         last = (d - 1) - hit.flip(-1).argmax(-1)
         acc["first"] = torch.where(any_hit, torch.minimum(acc["first"], first), acc["first"])
         acc["last"] = torch.where(any_hit, torch.maximum(acc["last"], last), acc["last"])
+        if self.pool is not None:
+            self.pool.add(e * inv[..., None], acc["a"], c)
 
     def _total(self, l: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """The softmax normaliser in units of ``e``: ``l``, plus ``exp(sink - shift)`` with attention sinks."""
@@ -401,6 +415,8 @@ class _Engine:
             stats["output_scale"] = torch.full_like(m, math.nan)
         if self.call.additive and sinks is None:  # an empty row of an additive mask is uniform over every key
             stats = self._uniform_rows(stats, empty, diag, a, b)
+            if self.pool is not None:
+                self.pool.add_uniform(empty, a, 1.0 / Tk)
         stats["finite"] = finite
         return stats
 
@@ -422,7 +438,8 @@ class _Engine:
         return out
 
     def result(self) -> Mapping[str, torch.Tensor]:
-        return _collect(self.parts, self.key_weight, self.key_allowed)
+        return _collect(self.parts, self.key_weight, self.key_allowed,
+                        None if self.pool is None else self.pool.result())
 
 
 def _gather(t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:

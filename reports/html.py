@@ -450,12 +450,13 @@ def sort_value(x) -> str:
     return str(x)
 
 
-def render(template: str, **context):
-    """Render ``template`` with the page script and style inlined and a CSP that pins the script.
+def render(template: str, *, script_name: str = "report.js", **context):
+    """Render ``template`` with the page script (``static/<script_name>``) and style inlined and a CSP that pins
+    the script.
 
     Returns an iterator of text chunks (a file is written without holding the whole document twice).
     """
-    script = _static("report.js")
+    script = _static(script_name)
     if "</script" in script.lower() or "<!--" in script:
         raise AssertionError("the report script must not contain '</script' or '<!--'")
     digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
@@ -624,6 +625,47 @@ def input_facts(records: list[AttentionRecord], batch, data: ReportData, tokens,
     }
 
 
+def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bool | None = True,
+                 title: str | None = None, precision: str = "exact", overwrite: bool = False):
+    """The HTML report of a statistics-only capture (see the module doc); ``to_html`` calls it for one."""
+    from .long import build_long_data, stats_only
+
+    started = time.perf_counter()
+    check_precision(precision)
+    if path is not None:
+        output_path(path, overwrite=overwrite)
+    records = list(capture)
+    if not stats_only(capture):
+        raise AttnprobeError("to_html_long takes a statistics-only capture (keep=('stats',)); use to_html")
+    if checks is True:
+        from ..probe.checks import check
+
+        checks = check(capture)
+    blobs = encoding.Blobs()
+    try:
+        data = build_long_data(records, batch, precision, blobs)
+        ids = blobs.results()
+    except BaseException:
+        blobs.close()
+        raise
+    model = capture.info.get("model_class", "model")
+    chunks = render(
+        "long.html.j2",
+        script_name="long.js",
+        title=title or f"attnprobe report: {model}",
+        info=describe_info(capture.info),
+        records=data,
+        batch=batch,
+        precision=precision,
+        checks_text=None if not checks else checks.table(),
+        checks_ok=None if not checks else checks.ok,
+        meta_json=script_json({"records": data, "precision": precision}),
+        blobs=ids,
+        elapsed=time.perf_counter() - started,
+    )
+    return write_or_return(chunks, path, overwrite)
+
+
 def to_html(
     capture,
     path=None,
@@ -651,6 +693,8 @@ def to_html(
     With ``path``, an existing file is replaced only with ``overwrite=True``; returns the path.
 
     Records captured under ``generate`` (with ``step``) are shown stitched (``attnprobe.stitch``).
+    A statistics-only capture (``keep=("stats",)``, long inputs) gets the long-input page of ``reports.long``:
+    pooled overviews, per-row statistics along the sequence and exact windows.
 
     Example::
 
@@ -661,6 +705,16 @@ def to_html(
         >>> html.startswith("<!doctype html>")
         True
     """
+    from .long import stats_only
+
+    if stats_only(capture):  # a long input: statistics, pooled overviews and windows, no (query x key) matrix
+        if isinstance(batch, (list, tuple)):
+            if len(batch) != 1:
+                raise AttnprobeError(f"a statistics report (long input) shows one batch row; got batch={batch!r}: "
+                                     "pass one row, e.g. batch=0 (--batch 0)")
+            batch = batch[0]
+        return to_html_long(capture, path, batch=batch or 0, checks=checks, title=title, precision=precision,
+                            overwrite=overwrite)
     started = time.perf_counter()
     if path is not None:
         output_path(path, overwrite=overwrite)  # fail before the work

@@ -440,7 +440,8 @@ def image_path(path, *, overwrite: bool):
     return p, fmt
 
 
-def _save(fig, path, *, overwrite: bool, dpi: float):
+def save_figure(fig, path, *, overwrite: bool, dpi: float):
+    """Write a matplotlib figure to ``path`` (format by suffix; an existing file only with ``overwrite``)."""
     p, fmt = image_path(path, overwrite=overwrite)
     # savefig would add a suffix of its own choosing and replace any file; write exactly here, complete or
     # not at all (an interrupted or failed write leaves the old file, if any, as it was)
@@ -462,18 +463,24 @@ def save_heatmap(record: AttentionRecord, path, head: int | None = None, *, figs
     image_path(path, overwrite=overwrite)  # fail before drawing
     fig = Figure(figsize=figsize, layout="constrained")
     heatmap(record, head, ax=fig.add_subplot(), **options)
-    return _save(fig, path, overwrite=overwrite, dpi=dpi)
+    return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
 
 
 def save_grid(capture, path, *, figsize=None, dpi: float = 100, overwrite: bool = False, **options):
-    """Write ``head_grid(capture, **options)`` to ``path`` (``tokens=`` labels the axes); returns the path."""
+    """Write ``head_grid(capture, **options)`` to ``path`` (``tokens=`` labels the axes); returns the path. A
+    statistics-only capture (long inputs, no weights) is drawn by ``save_long_grid`` (pooled overviews and exact
+    windows)."""
     from matplotlib.figure import Figure
 
+    from .long import stats_only
+
     require_records(capture, "save_grid")
+    if stats_only(capture):
+        return save_long_grid(capture, path, batch=options.get("batch", 0), dpi=dpi, overwrite=overwrite)
     image_path(path, overwrite=overwrite)
     fig = None if figsize is None else Figure(figsize=figsize, layout="constrained")
     fig = head_grid(capture, fig=fig, **options)
-    return _save(fig, path, overwrite=overwrite, dpi=dpi)
+    return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
 
 
 def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsize=None, dpi: float = 100,
@@ -494,4 +501,48 @@ def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsiz
         summary_plot(frame, column, ax=ax, **options)
     for ax in axes[len(columns):]:
         ax.set_axis_off()
-    return _save(fig, path, overwrite=overwrite, dpi=dpi)
+    return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
+
+
+def save_long_grid(capture, path, *, batch: int = 0, dpi: float = 100, overwrite: bool = False):
+    """PNG of a statistics-only capture: per head its pooled overview (mean weight, log colour scale; axes in
+    token positions) and, for each window the capture holds, the window's exact weights. Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+
+    from .long import stats_only, windows_of
+
+    image_path(path, overwrite=overwrite)  # fail before drawing
+    records = list(capture)
+    if not stats_only(capture):
+        raise AttnprobeError("save_long_grid takes a statistics-only capture (keep=('stats',))")
+    panels = []
+    for r in records:
+        check_batch(r, batch)
+        for i, head in enumerate(r.heads):
+            if "overview_mean" in r.stats:
+                q_len, k_len = int(r.stats["entropy"].shape[2]), int(r.stats["key_weight"].shape[2])
+                panels.append((f"L{r.layer} H{head} mean (pooled)", r.stats["overview_mean"][batch, i],
+                               (0, q_len, 0, k_len)))
+            for w, (q0, q1, k0, k1) in enumerate(windows_of(r)):
+                panels.append((f"L{r.layer} H{head} q{q0}:{q1} k{k0}:{k1}", r.stats[f"window_{w}"][batch, i],
+                               (q0, q1, k0, k1)))
+    if not panels:
+        raise AttnprobeError("nothing to draw: the capture has no overview or window (capture with overview=)")
+    cols = min(8, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(2.2 * cols, 2.2 * rows), layout="constrained")
+    for n, (label, t, window) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, n + 1)
+        a = t.float().numpy()
+        positive = a[a > 0]
+        norm = LogNorm(vmin=max(float(positive.min()), 1e-8), vmax=float(positive.max())) if positive.size else None
+        extent = (window[2] - 0.5, window[3] - 0.5, window[1] - 0.5, window[0] - 0.5)  # token positions
+        ax.imshow(np.where(a > 0, a, np.nan), cmap="viridis", norm=norm, interpolation="nearest", aspect="auto",
+                  extent=extent)
+        ax.set_title(label, fontsize=7)
+        ax.tick_params(labelsize=6)
+    return save_figure(fig, path, overwrite=overwrite, dpi=dpi)

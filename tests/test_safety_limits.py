@@ -73,7 +73,7 @@ def test_a_large_file_is_refused_before_the_forward_with_the_figure(tmp_path, mo
         raise AssertionError("the forward ran")
 
     monkeypatch.setattr(attnprobe, "run", never)
-    line = one_line(["check", "--file", "many.txt", "--max-bytes", "50MB"], tmp_path, monkeypatch)
+    line = one_line(["check", "--file", "many.txt", "--max-bytes", "50MB", "--full"], tmp_path, monkeypatch)
     assert line.startswith("attnprobe: error: capture budget exceeded: the input (3,000 row(s) of up to ") and "needs at least " in line
     assert "more than --max-bytes 50MB (47.7 MiB)" in line and "give fewer inputs" in line
 
@@ -83,7 +83,7 @@ def test_without_a_budget_the_machine_memory_is_the_limit(tmp_path, monkeypatch)
 
     (tmp_path / "many.txt").write_text("\n".join(f"line {i}" for i in range(200)))
     monkeypatch.setattr(cli, "available_memory", lambda: 10 * 2**20)
-    line = one_line(["report", "--file", "many.txt"], tmp_path, monkeypatch)
+    line = one_line(["report", "--file", "many.txt", "--full"], tmp_path, monkeypatch)
     assert line.startswith("attnprobe: error: too large an input: the input (200 row(s)")
     assert "more than the memory available on this machine (10.0 MiB)" in line
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from ..record import AttentionRecord
-from ..stats import KEY_STATS
+from ..stats import KEY_STATS, ROW_STATS
 from .declarations import declared_for, mask_tensor
 from .tolerances import tolerance
 
@@ -248,7 +248,8 @@ class RowBlock:
         #: per-row statistics of these rows (``ROW_STATS`` (B, H, rows), ``KEY_STATS`` whole) for a
         #: statistics-only record, else None
         self.st = None if facts.stats is None else {
-            n: (s if n in KEY_STATS else s[:, :, a:b]).to(self.device) for n, s in facts.stats.items()}
+            n: (s if n in KEY_STATS else s[:, :, a:b]).to(self.device) for n, s in facts.stats.items()
+            if n in KEY_STATS or n in ROW_STATS}
         self.scores, self.output = rows(rec.scores), rows(rec.output)
         self.allowed = rows(facts.allowed)
         self.query_pad = None if facts.query_pad is None else facts.query_pad[:, a:b]
