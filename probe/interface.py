@@ -62,6 +62,11 @@ class Session(Protocol):
     """The thread that opened the capture: hooks let other threads' calls pass (``probe.threads.elsewhere``)."""
 
     @property
+    def compiled(self) -> list[str]:
+        """Names of the model's modules compiled with ``torch.compile`` (adapters make their hooks reach them)."""
+        ...
+
+    @property
     def stats_only(self) -> bool:
         """A statistics capture that keeps no (query, key) tensor: adapters hand over what the engine reads in
         blocks and build no (query, key) mask."""
