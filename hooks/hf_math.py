@@ -56,28 +56,26 @@ class MaskInfo:
     """One mask as the softmax sees it, derived once and shared by every layer that receives it.
 
     Hugging Face builds one mask per forward and hands the same tensor to every layer, so the
-    boolean ``allowed``, its complement (what the softmax masks) and the check for rows with no allowed
-    key are computed once per forward, not once per layer.
+    boolean ``allowed``, the float mask to add and the check for rows with no allowed key are
+    computed once per forward, not once per layer.
     """
 
     def __init__(self, mask, allowed: torch.Tensor) -> None:
         self.mask, self.allowed = mask, allowed
-        self._forbidden: dict = {}
+        self._add: dict = {}
         self._empty = None
 
-    def forbidden(self, heads) -> torch.Tensor | None:
-        """Bool ``(batch or 1, 1 or head, query, key)``, True where the query may not attend the key (None: all
-        allowed). A mask that is the same for every sequence of the batch (``is_causal``) stays one (query, key)."""
-        key = heads if self.allowed.shape[1] > 1 else None
-        if key not in self._forbidden:
+    def to_add(self, fill: float, heads, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """``dtype`` ``(batch, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed)."""
+        key = (fill, dtype, heads if self.allowed.shape[1] > 1 else None)
+        if key not in self._add:
             allowed = self.for_heads(heads)
-            if allowed.dim() == 4 and allowed.shape[0] > 1 and allowed.stride(0) == 0:
-                allowed = allowed[:1]  # expanded over the batch: broadcasting does the rest
             if self.mask is None and bool(allowed.all()):
-                self._forbidden[key] = None
+                self._add[key] = None
             else:
-                self._forbidden[key] = ~allowed
-        return self._forbidden[key]
+                self._add[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device
+                                             ).masked_fill_(~allowed, fill)
+        return self._add[key]
 
     def for_heads(self, heads) -> torch.Tensor:
         a = self.allowed
@@ -163,21 +161,14 @@ class Recompute:
         """Where the selected heads' queries may attend, from the mask the call received."""
         return self.info.for_heads(self.heads)
 
-    def _masked(self, logits: torch.Tensor, in_place: bool) -> torch.Tensor:
-        """The logits the softmax sees: masked entries at ``-inf`` (boolean semantics) or ``finfo.min`` (additive;
-        the sum eager computes, ``logit + finfo.min``, rounds to it), a float mask added. Without ``in_place``, a
-        new tensor, or ``logits`` itself when nothing is masked; with it, written into ``logits``."""
+    def _mask_to_add(self) -> torch.Tensor | None:
+        """The float mask added to the logits before the softmax (None when nothing is added)."""
         if self.mask is not None and self.mask.dtype.is_floating_point:
-            add = self._per_head(self.mask).to(self.compute_dtype)
-            return logits.add_(add) if in_place else logits + add
+            return self._per_head(self.mask).to(self.compute_dtype)
         # boolean semantics mask with -inf; sdpa with a position bias turns a bool or causal mask into
         # finfo.min where masked (create_position_bias_mask), which is the additive semantics
-        forbidden = self.info.forbidden(self.heads)
-        if forbidden is None:
-            return logits
         fill = torch.finfo(self.q.dtype).min if self.additive else float("-inf")
-        # (out of place, where() reads the logits and writes the result in one pass; masked_fill would copy, then fill)
-        return logits.masked_fill_(forbidden, fill) if in_place else torch.where(forbidden, fill, logits)
+        return self.info.to_add(fill, self.heads, self.compute_dtype)
 
     def scores(self) -> torch.Tensor:
         if self._scores is None:
@@ -193,15 +184,16 @@ class Recompute:
         if self._weights is None:
             with torch.no_grad():
                 logits = self.logits()
-                # the logits are needed for nothing else when no scores are kept: the mask and the softmax are
-                # then written into them, and the weights are the one (query, key) tensor this call allocates
-                z = self._masked(logits, in_place=not self.scores_wanted)
-                if not self.scores_wanted:
-                    self._logits = None
+                add = self._mask_to_add()
+                if add is None:
+                    z = logits
+                elif self.scores_wanted:
+                    z = logits + add
+                else:  # the logits are needed for nothing else: one (query, key) tensor per head less
+                    z, self._logits = logits.add_(add), None
                 # attention sinks: one extra logit per head that takes probability mass and no value
-                weights = softmax_with_sinks(z, self.sinks, self.heads,
-                                             in_place=z is not logits or not self.scores_wanted)
-                if not self.additive and self.info.forbidden(self.heads) is not None:
+                weights = softmax_with_sinks(z, self.sinks, self.heads)
+                if not self.additive and add is not None:
                     empty = self.info.empty_rows(self.heads)
                     if empty is not None:
                         weights.masked_fill_(empty, 0.0)  # rows with no allowed key attend nothing

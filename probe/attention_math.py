@@ -38,12 +38,9 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, *, scaling: float, bias: 
         >>> attention_logits(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 2, 4), scaling=0.5).tolist()
         [[[[2.0, 2.0]]]]
     """
-    if scaling != 1.0 or not q.is_contiguous():
-        # the scaling goes on q (rows x d), not on the (rows x keys) product: one pass over the small tensor
-        # instead of one over the large one, and it writes q contiguous, which the batched matmul needs anyway
-        # (a model's q is usually a strided view of a fused projection, and a block of rows is a slice)
-        q = torch.mul(q.detach(), scaling, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
     logits = torch.matmul(q, k.transpose(-1, -2))
+    if scaling != 1.0:
+        logits.mul_(scaling)
     if bias is not None:
         logits.add_(bias.to(logits.dtype))
     if softcap is not None:
@@ -51,13 +48,11 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, *, scaling: float, bias: 
     return logits
 
 
-def softmax_with_sinks(z: torch.Tensor, sinks: torch.Tensor | None, heads=None, *, in_place: bool = False
-                       ) -> torch.Tensor:
+def softmax_with_sinks(z: torch.Tensor, sinks: torch.Tensor | None, heads=None) -> torch.Tensor:
     """Softmax over the last axis of ``z`` ``(batch, head, rows, keys)``; with ``sinks`` ``(head,)`` (or the
-    model's heads, picked by ``heads``) one extra logit per head takes part and is dropped. With ``in_place``
-    (and no sinks) the result is written into ``z``, which the caller owns and no longer needs."""
+    model's heads, picked by ``heads``) one extra logit per head takes part and is dropped."""
     if sinks is None:
-        return torch.softmax(z, dim=-1, out=z) if in_place else torch.softmax(z, dim=-1)
+        return torch.softmax(z, dim=-1)
     b, h, rows, _ = z.shape
     sink = sinks.detach().to(z.device, z.dtype)
     if heads is not None:
@@ -75,10 +70,8 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, *, in_place: boo
     saves one (query, key) tensor per selected head, e.g. when a capture keeps the weights but not the scores).
     """
     fill = float("-inf")
-    # out of place, where() reads the scores and writes the result in one pass (masked_fill copies, then fills)
-    masked = scores.masked_fill_(~allowed, fill) if in_place else torch.where(allowed, scores, fill)
-    # ``masked`` is ours either way: the softmax is written into it rather than into another (query, key) tensor
-    return torch.softmax(masked, dim=-1, out=masked).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
+    masked = scores.masked_fill_(~allowed, fill) if in_place else scores.masked_fill(~allowed, fill)
+    return torch.softmax(masked, dim=-1).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
 
 
 def mask_allows(mask: torch.Tensor, masked_at: float | None = None) -> torch.Tensor:
