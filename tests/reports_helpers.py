@@ -219,3 +219,18 @@ def hover_cell(page, q: int, k: int, viewer: int = 0) -> dict[str, str]:
             return {text: r.textContent, rows, q: q && q.textContent, k: k && k.textContent};
         }"""
     )
+
+
+def wait_until(page, predicate: str, timeout: float = 30.0, interval: float = 0.05) -> None:
+    """Poll ``predicate`` (a JavaScript function, e.g. ``"() => window.attnprobe.ready"``) until it is true.
+
+    Not ``page.wait_for_function``: its polling eval()s the predicate in older Playwright releases (1.45, the
+    oldest the project declares), which the report's Content-Security-Policy forbids; ``evaluate`` calls the
+    function without eval."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
+        time.sleep(interval)

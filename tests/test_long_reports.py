@@ -20,7 +20,7 @@ from attnprobe.probe.stats import Overview
 from attnprobe.reports import encoding
 from attnprobe.reports.long import ROW_PLOTS
 
-from reports_helpers import browser, open_report  # noqa: F401  (the shared browser fixtures)
+from reports_helpers import wait_until, browser, open_report  # noqa: F401  (the shared browser fixtures)
 
 transformers = pytest.importorskip("transformers")
 
@@ -222,7 +222,7 @@ def test_long_report_opens_in_chromium_and_its_size_grows_as_the_input(tmp_path,
     assert at_32k < 30e6, f"{at_32k / 1e6:.1f} MB at 32k tokens"
 
     page = open_report(path)
-    page.page.wait_for_function("() => Object.keys(window.attnprobe.drawn).length >= 1")
+    wait_until(page.page, "() => Object.keys(window.attnprobe.drawn).length >= 1")
     page.page.evaluate("Promise.all(Object.values(window.attnprobe.drawn))")
     page.assert_clean()
     first = page.page.locator("details.long-head").first
@@ -239,6 +239,6 @@ def test_long_report_opens_in_chromium_and_its_size_grows_as_the_input(tmp_path,
     assert np.float32(float(match.group(3))) == np.float32(want)
     # another head draws on demand
     page.page.locator("details.long-head summary").nth(5).click()
-    page.page.wait_for_function("() => Object.keys(window.attnprobe.drawn).length >= 2")
+    wait_until(page.page, "() => Object.keys(window.attnprobe.drawn).length >= 2")
     page.page.evaluate("Promise.all(Object.values(window.attnprobe.drawn))")
     page.assert_clean()

@@ -11,7 +11,7 @@ import attnprobe
 from attnprobe import CheckResult, Violation
 from attnprobe.reports import diff_html, to_html
 
-from reports_helpers import (  # noqa: F401  (browser fixtures)
+from reports_helpers import (wait_until,   # noqa: F401  (browser fixtures)
     Stack,
     browser,
     canvas_colours,
@@ -40,11 +40,11 @@ def test_grid_and_head_view_render_exact_values_offline(tmp_path, open_report, a
     page = report.page
     # every head has a thumbnail, and the thumbnails are drawn (lazily, once visible)
     assert page.locator("a.thumb").count() == 9
-    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 9")
+    wait_until(page, "() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 9")
     assert canvas_colours(page, 'a.thumb[data-rid="1"][data-head="2"] canvas') >= 4
     # opening a head by clicking its thumbnail draws the matrix
     page.click('a.thumb[data-rid="1"][data-head="2"]')
-    page.wait_for_function("() => window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
+    wait_until(page, "() => window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
     assert "layer 1" in page.text_content("#detail-title") and "head 2" in page.text_content("#detail-title")
     page.wait_for_timeout(100)  # one animation frame
     assert canvas_colours(page, "#viewers canvas.view") > 10
@@ -83,7 +83,7 @@ def test_detail_title_names_the_batch_row_it_shows(tmp_path, open_report, assert
     report = open_report(to_html(cap, tmp_path / "row1.html", tokens=words(5), batch=1))
     page = report.page
     page.click('a.thumb[data-rid="1"][data-head="0"]')
-    page.wait_for_function("() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+    wait_until(page, "() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
                            ".textContent.includes('loading')")
     title = page.text_content("#detail-title")
     assert "layer 1" in title and "head 0" in title and "batch row 1" in title, title
@@ -112,7 +112,7 @@ def test_hostile_tokens_show_as_text_and_never_run(tmp_path, open_report, assert
     path = to_html(cap, tmp_path / "hostile.html", tokens=HOSTILE, title=title)
     report = open_report(path, "#head-0-1")
     page = report.page
-    page.wait_for_function("() => window.attnprobe.state().head === 1")
+    wait_until(page, "() => window.attnprobe.state().head === 1")
     assert page.evaluate("window.__pwned") is None
     assert page.locator("img").count() == 0 and page.locator("b:text('bold')").count() == 0
     # the document has exactly the report's own scripts: the data blocks and the one program
@@ -136,7 +136,7 @@ def test_cross_attention_has_query_and_key_tokens_on_their_own_axes(tmp_path, op
     cross = next(i for i, r in enumerate(cap) if r.kind == "cross")
     report = open_report(path, f"#head-{cross}-1")
     page = report.page
-    page.wait_for_function(f"() => window.attnprobe.state().rid === {cross}")
+    wait_until(page, f"() => window.attnprobe.state().rid === {cross}")
     assert "context" in page.text_content("#viewers .vtitle")
     key_chips = page.evaluate("Array.from(document.querySelectorAll('.tokenlist .tok.key')).map(e => e.textContent)")
     assert key_chips == keys
@@ -164,7 +164,7 @@ def test_generation_capture_shows_the_stitched_matrix(tmp_path, open_report, ass
     path = to_html(steps, tmp_path / "gen.html", tokens=words(8))
     report = open_report(path, "#head-1-1")
     page = report.page
-    page.wait_for_function("() => window.attnprobe.state().rid === 1")
+    wait_until(page, "() => window.attnprobe.state().rid === 1")
     assert "stitched" in page.text_content("#grid-body") and "5 generation steps stitched" in page.text_content("#detail-title")
     assert page.locator("a.thumb").count() == 4  # two layers x two heads, not one per step
     rec = full.record(1)
@@ -194,7 +194,7 @@ def test_checks_panel_highlights_and_links_violating_heads(tmp_path, open_report
     assert page.locator("a.thumb.bad, a.thumb.warned").count() == 2
     assert "<script>" in page.text_content("table.violations")  # a message is text too
     page.click("table.violations a:text('layer 1 head 2')")
-    page.wait_for_function("() => window.attnprobe.state().rid === 1 && window.attnprobe.state().head === 2")
+    wait_until(page, "() => window.attnprobe.state().rid === 1 && window.attnprobe.state().head === 2")
     assert "1 error(s)" in page.text_content("#head-facts")
     report.assert_clean()
 
@@ -281,7 +281,7 @@ def test_bfloat16_report_says_values_are_rounded(tmp_path, open_report, assert_n
     path = to_html(cap, tmp_path / "bf16.html", precision="bfloat16")
     report = open_report(path, "#head-0-0")
     page = report.page
-    page.wait_for_function("() => window.attnprobe.state().rid === 0")
+    wait_until(page, "() => window.attnprobe.state().rid === 0")
     readout = hover_cell(page, 4, 2)
     expected = cap[0].weights[0, 0, 4, 2].to(torch.bfloat16).float().item()
     assert as_float32(readout["rows"][0]["weight"]) == expected
@@ -304,7 +304,7 @@ def test_diff_report_shows_both_captures_and_the_difference_side_by_side(tmp_pat
     first = page.locator("table.summary tbody tr").first  # ranked by the largest change
     assert first.locator("td").nth(0).text_content() == "1" and first.locator("td").nth(2).text_content() == "1"
     page.click('a.thumb[data-rid="1"][data-head="1"]')
-    page.wait_for_function("() => window.attnprobe.state().viewers === 3")
+    wait_until(page, "() => window.attnprobe.state().viewers === 3")
     page.wait_for_timeout(100)
     for i in range(3):
         assert canvas_colours(page, f"#viewers .viewer:nth-child({i + 1}) canvas.view") > 5
@@ -334,7 +334,7 @@ def test_infinite_change_and_scores_only_capture_render(tmp_path, open_report, a
     scores_only = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=1, keep=["scores"])
     report = open_report(to_html(scores_only, tmp_path / "scores.html"), "#head-0-1")
     page = report.page
-    page.wait_for_function("() => window.attnprobe.state().viewers === 1")
+    wait_until(page, "() => window.attnprobe.state().viewers === 1")
     assert page.eval_on_selector("#colour-by", "e => e.value") == "scores"
     assert canvas_colours(page, "#viewers canvas.view") > 3
     readout = hover_cell(page, 4, 2)
@@ -357,7 +357,7 @@ def test_notebook_views_open_offline_and_a_head_opens_on_click(assert_no_hooks, 
     page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
     try:
         page.goto(notebook.as_uri())
-        page.wait_for_function("() => document.querySelectorAll('iframe').length === 3")
+        wait_until(page, "() => document.querySelectorAll('iframe').length === 3")
         page.wait_for_timeout(300)
         reports = [f for f in page.frames[1:] if f.evaluate("() => document.querySelector('#grid') !== null")]
         assert len(reports) == 2
@@ -366,7 +366,7 @@ def test_notebook_views_open_offline_and_a_head_opens_on_click(assert_no_hooks, 
         report = reports[0]
         assert report.locator("a.thumb").count() == 9
         report.click('a.thumb[data-rid="1"][data-head="2"]')
-        report.wait_for_function("() => window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
+        wait_until(report, "() => window.attnprobe.state().head === 2 && window.attnprobe.state().rid === 1")
         assert "layer 1" in report.text_content("#detail-title")
         checks = [f for f in page.frames[1:] if f not in reports]
         assert checks and "passed" in checks[0].text_content("#checks")
@@ -397,8 +397,8 @@ def test_bidi_and_invisible_tokens_are_drawn_escaped(tmp_path, browser, assert_n
         })()""")
         page.goto(path.resolve().as_uri() + "#head-0-1")
         page.evaluate("window.attnprobe.ready")
-        page.wait_for_function("() => window.attnprobe.state().head === 1")
-        page.wait_for_function("() => window.__drawn.length > 0")
+        wait_until(page, "() => window.attnprobe.state().head === 1")
+        wait_until(page, "() => window.__drawn.length > 0")
         drawn = set(page.evaluate("window.__drawn"))
         assert {e for e in ESCAPED} <= drawn, drawn
         assert not any(ch in t for t in drawn for ch in "\u202e\u200b\u2066\u3164\ufe0f\u200f")
@@ -436,13 +436,13 @@ def test_token_view_shows_where_a_token_attends_with_exact_weights(tmp_path, ope
     path = to_html(cap, tmp_path / "report.html", tokens=words(7), batch=0)
     report = open_report(path)
     page = report.page
-    page.wait_for_function("() => window.attnprobe.tokenView().ready")
+    wait_until(page, "() => window.attnprobe.tokenView().ready")
     # the first record with weights is shown: one row of query tokens, one of key tokens, a canvas between
     assert page.evaluate("window.attnprobe.tokenView().rid") == 0
     assert page.locator("#tv-body .tv-tok.q").count() == 7 and page.locator("#tv-body .tv-tok.k").count() == 7
     assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == words(7)
     page.select_option("#tv-record", "1")
-    page.wait_for_function("() => window.attnprobe.tokenView().rid === 1 && window.attnprobe.tokenView().ready")
+    wait_until(page, "() => window.attnprobe.tokenView().rid === 1 && window.attnprobe.tokenView().ready")
     rec = cap[1]
     blank = page.evaluate("document.getElementById('tv-canvas').toDataURL()")
     q = 5
@@ -487,7 +487,7 @@ def test_token_view_of_a_long_input_points_to_the_heatmap(tmp_path, open_report,
     path = to_html(cap, tmp_path / "long.html")
     report = open_report(path)
     page = report.page
-    page.wait_for_function("() => !document.getElementById('tv-note').hidden")
+    wait_until(page, "() => !document.getElementById('tv-note').hidden")
     assert "heatmap" in page.text_content("#tv-note") and "300" in page.text_content("#tv-note")
     assert page.locator("#tv-body .tv-tok").count() == 0
     report.assert_clean()
@@ -503,11 +503,11 @@ def test_token_view_works_in_the_notebook_view(assert_no_hooks, browser, tmp_pat
     page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
     try:
         page.goto(notebook.as_uri())
-        page.wait_for_function("() => document.querySelectorAll('iframe').length === 1")
+        wait_until(page, "() => document.querySelectorAll('iframe').length === 1")
         page.wait_for_timeout(300)
         frame = page.frames[1]
         frame.evaluate("() => window.attnprobe.ready")
-        frame.wait_for_function("() => window.attnprobe.tokenView().ready")
+        wait_until(frame, "() => window.attnprobe.tokenView().ready")
         frame.locator('#tv-body .tv-tok.q[data-i="4"]').hover()
         rows = token_view_readout(frame)["rows"]
         assert sorted(rows) == ["0", "1"]
@@ -524,25 +524,25 @@ def test_batch_row_selector_switches_grid_and_detail(tmp_path, open_report, asse
     cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=2)
     report = open_report(to_html(cap, tmp_path / "rows.html", tokens=[words(5, "a"), words(5, "b")]))
     page = report.page
-    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
+    wait_until(page, "() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
     page.click('a.thumb[data-rid="1"][data-head="0"]')
-    page.wait_for_function("() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+    wait_until(page, "() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
                            ".textContent.includes('loading')")
     assert "batch row 0" in page.text_content("#detail-title")
     assert as_float32(hover_cell(page, 3, 1)["rows"][0]["weight"]) == cap[1].weights[0, 0, 3, 1].item()
     thumb = page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()")
     page.select_option("#batch-row", "1")
-    page.wait_for_function("() => window.attnprobe.state().batch === 1 && location.hash === '#head-1-0-b1' && "
+    wait_until(page, "() => window.attnprobe.state().batch === 1 && location.hash === '#head-1-0-b1' && "
                            "!document.querySelector('#detail-title').textContent.includes('loading')")
     assert "batch row 1" in page.text_content("#detail-title")
     readout = hover_cell(page, 3, 1)
     assert as_float32(readout["rows"][0]["weight"]) == cap[1].weights[1, 0, 3, 1].item()
     assert readout["q"] == '"b3"'
-    page.wait_for_function("() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
+    wait_until(page, "() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
     assert page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()") != thumb
     # a link into another row (the checks table's) switches the row too
     page.evaluate("location.hash = '#head-0-1-b0'")
-    page.wait_for_function("() => window.attnprobe.state().batch === 0 && window.attnprobe.state().rid === 0")
+    wait_until(page, "() => window.attnprobe.state().batch === 0 && window.attnprobe.state().rid === 0")
     assert page.eval_on_selector("#batch-row", "s => s.value") == "0"
     report.assert_clean()
 
@@ -551,10 +551,10 @@ def test_token_view_follows_the_batch_row(tmp_path, open_report, assert_no_hooks
     cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=2)
     report = open_report(to_html(cap, tmp_path / "rows.html", tokens=[words(5, "a"), words(5, "b")]))
     page = report.page
-    page.wait_for_function("() => window.attnprobe.tokenView().ready")
+    wait_until(page, "() => window.attnprobe.tokenView().ready")
     assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == words(5, "a")
     page.evaluate("window.attnprobe.useBatchRow(1)")
-    page.wait_for_function("() => window.attnprobe.tokenView().ready && "
+    wait_until(page, "() => window.attnprobe.tokenView().ready && "
                            "document.querySelector('#tv-body .tv-tok.q .text').textContent === 'b0'")
     assert "batch row 1" in page.text_content("#tv-title")
     hover_token(page, "q", 4)
