@@ -20,6 +20,7 @@ Two mask semantics exist among the backends attnprobe wraps (``additive``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -123,6 +124,9 @@ class AttentionCall:
     """Sink logits of the selected heads ``(head,)``."""
     additive: bool = False
     output: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    """``(query,)`` long, ascending: each q row's position among the call's queries (what ``causal`` and the
+    diagonal are counted from); None = ``0 .. query - 1``. Set by ``take_rows`` for a sample of rows."""
 
     @classmethod
     def for_heads(cls, q, k, v=None, *, heads, kv_heads, mask=None, bias=None, sinks=None, output=None, **kw):
@@ -140,6 +144,30 @@ class AttentionCall:
                    bias=per_head(bias), sinks=pick(sinks, heads, 0) if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 else None,
                    output=pick(output, heads), **kw)
 
+    def take_rows(self, rows: torch.Tensor) -> "AttentionCall":
+        """The same call for the query rows ``rows`` only (``(n,)`` long, ascending, unique): q, the mask, the bias
+        and the output cut to those rows; ``positions`` remembers where they were."""
+        rows = rows.to(self.q.device, torch.long)
+        if rows.dim() != 1 or (rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all())):
+            raise ValueError("take_rows takes ascending, unique row indices (1-D)")
+
+        def cut(t):
+            if t is None:
+                return None
+            t = _as_4d(t)
+            return t if t.shape[-2] == 1 else t.index_select(-2, rows.to(t.device))
+
+        positions = rows if self.positions is None else self.positions.index_select(0, rows)
+        return dataclasses.replace(self, q=self.q.index_select(2, rows), mask=cut(self.mask), bias=cut(self.bias),
+                                   output=None if self.output is None else self.output.index_select(2, rows),
+                                   positions=positions)
+
+    def row_positions(self, a: int, b: int) -> torch.Tensor:
+        """``(b - a,)`` long: the positions of q rows ``a:b``."""
+        if self.positions is None:
+            return torch.arange(a, b, device=self.q.device)
+        return self.positions[a:b].to(self.q.device)
+
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """``(batch, head, query, key)``."""
@@ -156,7 +184,7 @@ class AttentionCall:
             m = _rows(_as_4d(self.mask), a, b, c, d)
             allowed = mask_allows(m, self.masked_at)
         if self.causal:
-            rows = torch.arange(a, b, device=self.q.device)[:, None] + self.causal_offset
+            rows = self.row_positions(a, b)[:, None] + self.causal_offset
             tril = torch.arange(c, d, device=self.q.device)[None, :] <= rows
             allowed = tril if allowed is None else allowed & tril
         return None if allowed is None else _as_4d(allowed)
@@ -167,7 +195,7 @@ class AttentionCall:
         if self.mask is not None:
             forbidden = ~mask_allows(_rows(_as_4d(self.mask), a, b, c, d), self.masked_at)
         if self.causal:
-            rows = torch.arange(a, b, device=self.q.device)[:, None] + self.causal_offset
+            rows = self.row_positions(a, b)[:, None] + self.causal_offset
             later = torch.arange(c, d, device=self.q.device)[None, :] > rows
             forbidden = later if forbidden is None else forbidden | later
         return None if forbidden is None else _as_4d(forbidden)
@@ -188,7 +216,10 @@ class AttentionCall:
     def key_limit(self, b: int) -> int:
         """Keys a block of rows ending at ``b`` can reach: a causal call never lets them see later keys."""
         tk = self.k.shape[2]
-        return min(tk, b + self.causal_offset) if self.causal else tk
+        if not self.causal:
+            return tk
+        last = b - 1 if self.positions is None else int(self.positions[b - 1])
+        return max(0, min(tk, last + 1 + self.causal_offset))
 
 
 def sink_logsumexp(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

@@ -193,14 +193,16 @@ def _collect(parts: list[dict], key_weight: torch.Tensor, key_allowed: torch.Ten
 
 
 def attention_stats(call: AttentionCall, *, diag_offset: int | None = None, query_padding: torch.Tensor | None = None,
-                    block_bytes: int = DEFAULT_BLOCK_BYTES,
-                    overview: Overview | None = None) -> Mapping[str, torch.Tensor]:
+                    block_bytes: int = DEFAULT_BLOCK_BYTES, overview: Overview | None = None,
+                    rows: torch.Tensor | None = None) -> Mapping[str, torch.Tensor]:
     """Every statistic of ``call`` (``ROW_STATS`` ``(batch, head, query)``, ``KEY_STATS`` ``(batch, head, key)``),
     exact, without a tensor larger than ``block_bytes`` (a few of them at once).
 
     ``diag_offset``: key index of query 0 in self-attention (its own key), None for cross-attention.
     ``query_padding`` ``(batch, query)``: rows left out of ``key_weight``.
     ``overview``: also the pooled weights and exact windows (``Overview``), from the same exact weights.
+    ``rows``: only these query rows (``(n,)`` ascending indices, a sample): row statistics ``(batch, head, n)``,
+    and ``key_weight`` summed over them alone.
 
     Example::
 
@@ -213,6 +215,12 @@ def attention_stats(call: AttentionCall, *, diag_offset: int | None = None, quer
         >>> s["last_key"][0, 0].tolist(), s["key_weight"][0, 0].tolist()[0] > 1.8
         ([0, 1, 2], True)
     """
+    if rows is not None:
+        if overview is not None:
+            raise ValueError("attention_stats: an overview needs every query row, not a sample (rows=)")
+        call = call.take_rows(rows)
+        if query_padding is not None:
+            query_padding = query_padding.index_select(1, rows.to(query_padding.device, torch.long))
     B, h, Tq, Tk = call.shape
     dtype, device = call.compute_dtype, call.q.device
     itemsize = torch.finfo(dtype).bits // 8
@@ -308,7 +316,8 @@ class _Engine:
                 m = m_new
         shift = torch.where(torch.isfinite(m), m, 0.0)  # e = exp(z - shift); -inf rows stay 0
         empty = torch.isneginf(m)  # no allowed key (NaN rows are not empty: they are not finite)
-        diag = None if self.diag_offset is None else torch.arange(a, b, device=device) + self.diag_offset
+        positions = self.call.row_positions(a, b)
+        diag = None if self.diag_offset is None else positions + self.diag_offset
         dv = None if self.v is None else self.v.shape[-1]
         z_ = torch.zeros(B, h, n, device=device, dtype=dtype)
         acc = {"l": z_.clone(), "dot": z_.clone(), "min": torch.full_like(z_, math.inf), "first_e": z_.clone(),
@@ -332,10 +341,9 @@ class _Engine:
                 _gather(e, diag, c, d, acc["diag_e"])
                 _gather(e, diag - 1, c, d, acc["prev_e"])
             if allowed is None:  # every key, or a causal mask alone: counted from positions
-                rows = torch.arange(a, b, device=device)
-                limit = rows + self.call.causal_offset + 1 if self.call.causal else torch.full_like(rows, d)
+                limit = positions + self.call.causal_offset + 1 if self.call.causal else torch.full_like(positions, d)
                 acc["allowed_keys"] += (limit.clamp(c, d) - c).view(1, 1, -1)
-                reach = min(d, b - 1 + self.call.causal_offset + 1) if self.call.causal else d
+                reach = min(d, self.call.key_limit(b)) if self.call.causal else d
                 self.key_allowed[..., c:max(c, reach)] = True
                 if diag is not None:
                     acc["diag_allowed"] |= ((diag >= c) & (diag < d) & (diag < limit)).view(1, 1, -1)

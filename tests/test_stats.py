@@ -76,6 +76,35 @@ def test_engine_with_an_implicit_causal_mask_reads_only_the_keys_rows_reach(bloc
     assert_stats_equal(got, stats_from_weights(w, scores=s, allowed=allowed, v=v, output=out, diag_offset=0))
 
 
+@pytest.mark.parametrize("case", ["causal", "causal-offset", "padding-mask", "cross"])
+@pytest.mark.parametrize("block_bytes", [1 << 20, 300], ids=["all-rows", "key-blocks"])
+def test_sampled_rows_get_the_statistics_of_those_rows(case, block_bytes):
+    """rows=: a sample of query rows (what the training monitor asks for) gets exactly the row statistics those rows
+    have in the full call: causal limits, the diagonal and the mask are counted from the rows' positions."""
+    torch.manual_seed(2)
+    B, h, Tq, D = 2, 2, 29, 4
+    Tk = Tq + (3 if case == "causal-offset" else 0)
+    q, k, v = torch.randn(B, h, Tq, D), torch.randn(B, h, Tk, D), torch.randn(B, h, Tk, D)
+    pad = torch.zeros(B, Tk, dtype=torch.bool)
+    pad[1, :4] = True
+    mask = ~pad[:, None, None, :].expand(B, 1, Tq, Tk) if case == "padding-mask" else None
+    call = AttentionCall(q, k, scaling=0.4, v=v, mask=mask, causal=case.startswith("causal"),
+                         causal_offset=3 if case == "causal-offset" else 0)
+    full_call = replace(call, output=torch.randn(B, h, Tq, D))
+    diag = None if case == "cross" else Tk - Tq
+    rows = torch.tensor([0, 3, 4, 11, 28])
+    full = attention_stats(full_call, diag_offset=diag, block_bytes=block_bytes)
+    got = attention_stats(full_call, diag_offset=diag, block_bytes=block_bytes, rows=rows)
+    for name in ROW_STATS:
+        a, b = got[name], full[name][:, :, rows]
+        assert a.shape == (B, h, len(rows)), name
+        assert torch.allclose(a.double(), b.double(), atol=1e-6, equal_nan=True) if a.dtype.is_floating_point \
+            else torch.equal(a, b), name
+    assert got["key_weight"].shape == (B, h, Tk) and torch.allclose(got["key_weight"].sum(-1), torch.full((B, h), 5.0))
+    with pytest.raises(ValueError, match="ascending"):
+        attention_stats(call, rows=torch.tensor([3, 1]))
+
+
 def test_engine_causal_counts_and_positions():
     q = k = torch.zeros(1, 1, 4, 2)
     s = attention_stats(AttentionCall(q, k, scaling=1.0, causal=True), diag_offset=0)
