@@ -7,10 +7,12 @@ forward returns (or raises). Between sampled calls nothing is attached, computed
 one counter in a forward pre-hook. Statistics never touch the graph, the gradients or the random stream
 (dropout masks are the same with the monitor on and off).
 
-Each sampled call adds one row per (layer, head) to ``history``: the statistics averaged over the call's real
-query rows (``entropy``, ``max_weight``, ``first_key_mass``, ``diagonal_mass``, ``previous_mass``,
+On a sampled call the statistics are those of ``rows`` query rows per head (``capture(stats_rows=rows)``: evenly
+spaced from the first row to the last, the same positions every step for the same length; every row when the
+sequence is shorter, or with ``rows=None``). Each sampled call adds one row per (layer, head) to ``history``: the
+statistics averaged over the sampled real query rows (``rows`` counts them; ``entropy``, ``max_weight``, ``first_key_mass``, ``diagonal_mass``, ``previous_mass``,
 ``masked_mass``, ``row_sum_error``, ``max_score``), and the extremes that matter (``entropy_min``, over rows
-that may attend more than one key, ``max_weight_max``, ``max_score_max``, ``nonfinite_rows``).
+that may attend more than one key, ``max_weight_max``, ``max_score_max``, ``nonfinite_rows``), over the same rows.
 
 The capture itself is not made here: probe/ never imports the adapters; ``attnprobe.monitor`` passes the wired
 ``attnprobe.capture``.
@@ -70,20 +72,24 @@ def _alert_spec(alerts: Mapping[str, Any] | None) -> dict[str, float]:
 class Monitor:
     """See ``attnprobe.monitor``."""
 
-    def __init__(self, capture: Callable, model: nn.Module, *, every: int = 100, layers=None, heads=None,
+    def __init__(self, capture: Callable, model: nn.Module, *, every: int = 100, rows: int | None = 64, layers=None,
+                 heads=None,
                  log_dir=None, alerts: Mapping[str, Any] | None = None, raise_on: Iterable[str] = (),
                  block_bytes: int | None = None, writer=None, on_step: Callable | None = None):
         if not isinstance(model, nn.Module):
             raise MonitorError(f"monitor watches a torch.nn.Module, not {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise MonitorError(f"every must be a positive whole number of forward calls, not {every!r}")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise MonitorError(f"rows must be a positive whole number of query rows per head (such as 64), or None "
+                               f"for every row, not {rows!r}")
         self.alert_spec = _alert_spec(alerts)
         self.raise_on = set(raise_on)
         unknown = self.raise_on - set(ALERTS)
         if unknown:
             raise MonitorError(f"raise_on names no alert {', '.join(sorted(unknown))}; the alerts are {', '.join(ALERTS)}")
-        self._capture, self.model, self.every = capture, model, every
-        self._options = {"keep": ("stats",), "layers": layers, "heads": heads}
+        self._capture, self.model, self.every, self.query_rows = capture, model, every, rows
+        self._options = {"keep": ("stats",), "layers": layers, "heads": heads, "stats_rows": rows}
         if block_bytes is not None:
             self._options["block_bytes"] = block_bytes
         # checked now, not at the first sampled step: a wrong layer or head fails before training starts
@@ -240,7 +246,7 @@ class Monitor:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Monitor(every={self.every}, calls={self.calls}, sampled={len({r['call'] for r in self._rows})}, "
+        return (f"Monitor(every={self.every}, rows={self.query_rows}, calls={self.calls}, sampled={len({r['call'] for r in self._rows})}, "
                 f"alerts={len(self._alert_rows)}, {'open' if self._handles else 'closed'})")
 
 
@@ -252,7 +258,9 @@ def per_head_rows(cap, *, step: int, call: int) -> list[dict]:
         if not stats:
             continue
         batch, heads, queries = stats["entropy"].shape
-        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else ~rec.query_padding.cpu()
+        # the rows the statistics describe: every query row, or the ones rows= sampled (at their real positions)
+        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else \
+            ~rec.query_padding.cpu().bool()[:, rec.stats_positions]
         real = real[:, None, :].expand(batch, heads, queries)
         values = {name: stats[name].detach().double().cpu() for name in MEANS if name in stats}
         finite = stats["finite"].detach().cpu().bool()
