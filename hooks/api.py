@@ -184,8 +184,8 @@ def monitor(model: nn.Module, *, every: int = 100, rows: int | None = 64, layers
         >>> with attnprobe.monitor(model, every=2, rows=3) as mon:
         ...     for _ in range(5):
         ...         _ = model(torch.randn(1, 10, 8))
-        >>> sorted(mon.history["step"].unique().tolist()), len(mon.history), mon.history["rows"].max()
-        ([0, 2, 4], 6, 3)
+        >>> sorted(mon.history["step"].unique().tolist()), len(mon.history), mon.history["rows"].tolist()
+        ([0, 2, 4], 6, [3, 3, 3, 3, 3, 3])
     """
     from ..probe.monitor import Monitor
 
