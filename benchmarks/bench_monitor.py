@@ -91,7 +91,6 @@ def steps_figures(args):
                 with attnprobe.monitor(model, every=10**9, rows=64 if name == "rows=64" else None) as mon:
                     kinds[name].append(block(step, 1))  # its call 0 is sampled
                 assert len(mon.rows) == 6 * 12
-    plain = statistics.median(kinds["plain"])
     print(f"training step, GPT-2 shape 6 x 12 x 384, batch 8 x 256 ({args.rounds} rounds, shuffled; medians):")
     for name, times in kinds.items():
         ratio = statistics.median(t / p for t, p in zip(times, kinds["plain"]))
@@ -101,9 +100,10 @@ def steps_figures(args):
         for sampled in ("rows=64", "rows=None"):
             ratios = [((every - 1) * b + s) / (every * p)
                       for p, b, s in zip(kinds["plain"], kinds["between"], kinds[sampled])]
+            paired = statistics.median(s / p for s, p in zip(kinds[sampled], kinds["plain"]))
             print(f"  every={every:<4} {sampled:<9}: ((N-1) between + sampled) / (N plain): median "
                   f"{statistics.median(ratios):.4f}x (target <= {target}); with between = plain (the hook figure "
-                  f"below): {1 + (statistics.median(kinds[sampled]) - plain) / (every * plain):.4f}x")
+                  f"below), 1 + (sampled / plain of the round - 1) / N: {1 + (paired - 1) / every:.4f}x")
     if args.blocks:
         ratios = []
         for _ in range(args.blocks):
