@@ -251,6 +251,8 @@ def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> Atte
         changes["allowed"] = index_heads(record.allowed, positions)[0]
     if record.sinks is not None:
         changes["sinks"] = index_heads(record.sinks, positions, axis=0)[0]
+    if record.stats is not None:  # every statistic is (batch, head, ...)
+        changes["stats"] = {name: index_heads(t, positions)[0] for name, t in record.stats.items()}
     return replace(record, **changes)
 
 

@@ -201,3 +201,20 @@ def test_downstream_of_a_sampled_capture_uses_the_real_positions_or_refuses(tmp_
     # saved and loaded: the positions travel with the record
     loaded = attnprobe.load(cap.save(tmp_path / "cap"))
     assert loaded[0].meta["stats_rows"] == positions and loaded[0].query_len == 30
+
+
+def test_selecting_heads_of_a_statistics_capture_selects_their_statistics():
+    """Capture.select(heads=) cuts record.stats to those heads too (it kept every head, so summary() labelled head
+    0's figures as head 1's)."""
+    torch.manual_seed(0)
+    model = Own().eval()
+    _, cap = attnprobe.run(model, inputs(12), keep=("stats",), stats_rows=5)
+    picked = cap.select(heads=[3, 1])
+    for full, rec in zip(cap, picked):
+        assert rec.heads == (3, 1)
+        for name, t in rec.stats.items():
+            want = full.stats[name][:, [3, 1]]
+            assert torch.equal(t, want) or torch.allclose(t, want, rtol=0, atol=0, equal_nan=True), name
+    whole = cap.summary().set_index(["layer", "head"])
+    part = picked.summary().set_index(["layer", "head"])
+    assert part["entropy"].to_numpy() == pytest.approx(whole.loc[part.index, "entropy"].to_numpy())
