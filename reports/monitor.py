@@ -88,8 +88,8 @@ def _lines(history, stat: str) -> dict:
     """One statistic as the page draws it: per layer (the heads aggregated as ``monitor_plot`` does) and per head."""
     how = _AGGREGATE[stat]
     per_layer = history.groupby(["layer", "step"])[stat].agg(how).reset_index()
-    layers = [{"layer": int(layer), "steps": rows["step"].astype(int).tolist(), "values": rows[stat].astype(float).tolist()}
-              for layer, rows in per_layer.groupby("layer")]
+    layers = [{"layer": int(layer), "steps": rows["step"].astype(int).tolist(),
+               "values": rows[stat].astype(float).tolist()} for layer, rows in per_layer.groupby("layer")]
     heads = [{"layer": int(layer), "head": int(head), "steps": rows["step"].astype(int).tolist(),
               "values": rows[stat].astype(float).tolist()}
              for (layer, head), rows in history.sort_values("step").groupby(["layer", "head"])]
