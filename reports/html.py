@@ -637,6 +637,13 @@ def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bo
     records = list(capture)
     if not stats_only(capture):
         raise AttnprobeError("to_html_long takes a statistics-only capture (keep=('stats',)); use to_html")
+    sampled = [r for r in records if "stats_rows" in r.meta]
+    if sampled:
+        raise AttnprobeError(
+            f"layer {sampled[0].layer} has the statistics of {len(sampled[0].meta['stats_rows'])} sampled query rows "
+            f"of {sampled[0].query_len} (capture(stats_rows=)): the long-input report draws every row along the "
+            "sequence. Capture without stats_rows= for the report; a monitor's history has its own page, "
+            "attnprobe.reports.monitor_html(mon)")
     if checks is True:
         from ..probe.checks import check
 
