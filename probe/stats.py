@@ -265,6 +265,18 @@ class _Engine:
         self.parts: list[dict] = []
         self.first_key = self._first_attendable()  # (B, h, 1): the key first_key_mass reads
         self.pool: Pooler | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A ``shape`` view of buffer ``name``, made once at the size of the largest block (the first block of rows
+        against every key) and reused by every block: blocks of many sizes would otherwise fragment the heap
+        (resident memory 2.5x the plain forward at 16k tokens) and page in fresh memory each time."""
+        need = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < need:
+            size = max(need, math.prod(shape[:-1]) * self.Tk)
+            buf = self._buffers[name] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buf[:need].view(shape)
 
     def _first_attendable(self) -> torch.Tensor:
         """``(B, h, 1)`` the first key some query may attend (0 under a causal mask alone), read from the mask a
@@ -387,11 +399,13 @@ class _Engine:
         B, h, n, dtype, device, call = self.B, self.h, b - a, self.dtype, self.device, self.call
         positions = call.row_positions(a, b)
         diag = None if self.diag_offset is None else positions + self.diag_offset
-        s = call.logits(a, b, c, d)  # (B, h, n, K), a fresh tensor
+        shape = (B, h, n, d - c)
+        s = call.logits(a, b, c, d, out=self._scratch("logits", shape))  # (B, h, n, K), ours to change
         allowed = None
         if call.mask is not None:
             allowed = call.allowed(a, b, c, d)  # (B or 1, 1 or h, n, K), usually the same for every head
-            z = s + torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
+            forbid = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
+            z = torch.add(s, forbid, out=self._scratch("weights", shape))
         else:
             z, tile = s, None
             if call.causal:  # keys from `lo` on are later than some row's own position: mask that tile only
@@ -406,7 +420,7 @@ class _Engine:
         shift = torch.where(torch.isfinite(m), m, 0.0)
         s.sub_(shift[..., None])  # in place from here on: the logits minus the row's max (what the entropy reads)
         if z is s:
-            e = torch.exp(s)
+            e = torch.exp(s, out=self._scratch("weights", shape))
             if tile is not None:  # zero where the row may not attend (they were -inf for the exp)
                 lo, later, raw = tile
                 s[..., lo:] = raw.sub_(shift[..., None]).masked_fill_(later, 0.0)
