@@ -450,19 +450,23 @@ def sort_value(x) -> str:
     return str(x)
 
 
-def render(template: str, *, script_name: str = "report.js", **context):
-    """Render ``template`` with the page script (``static/<script_name>``) and style inlined and a CSP that pins
-    the script.
+def render(template: str, *, script_name: str = "report.js", page_scripts: tuple[str, ...] = (), **context):
+    """Render ``template`` with the page script (``static/<script_name>``), any further ``page_scripts`` (names in
+    ``static/``, e.g. ``("monitor.js",)`` for a report's Monitor section) and the style inlined, and a CSP that pins
+    each script by its own hash (no 'unsafe-inline', no eval).
 
     Returns an iterator of text chunks (a file is written without holding the whole document twice).
     """
-    script = _static(script_name)
-    if "</script" in script.lower() or "<!--" in script:
-        raise AssertionError("the report script must not contain '</script' or '<!--'")
-    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+    names = (script_name, *page_scripts)
+    scripts = [_static(name) for name in names]
+    for name, text in zip(names, scripts):
+        if "</script" in text.lower() or "<!--" in text:
+            raise AssertionError(f"the page script {name} must not contain '</script' or '<!--'")
+    digests = [base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") for text in scripts]
+    hashes = " ".join(f"'sha256-{digest}'" for digest in digests)
     csp = (
         "default-src 'none'; "
-        f"script-src 'sha256-{digest}'; "
+        f"script-src {hashes}; "
         "style-src 'unsafe-inline'; "
         "base-uri 'none'; form-action 'none'"
     )
@@ -470,7 +474,8 @@ def render(template: str, *, script_name: str = "report.js", **context):
     return env.get_template(template).generate(
         csp=csp,
         style=_static("report.css"),
-        script=script,
+        script=scripts[0],
+        page_scripts=scripts[1:],
         fmt=fmt,
         sort_value=sort_value,
         display_token=display_token,
@@ -623,6 +628,23 @@ def input_facts(records: list[AttentionRecord], batch, data: ReportData, tokens,
         "query_padded": rows[0]["query_padded"],
         "key_padded": rows[0]["key_padded"],
     }
+
+
+def monitor_section(monitor, *, alerts=None, stats=None, report: bool = True) -> dict[str, Any] | None:
+    """What a page's monitor part shows (``reports.monitor_data.monitor_context``, its data as the page's JSON in
+    ``meta_json``): the Monitor section of ``to_html(monitor=)`` (``report=True``: errors name ``monitor_alerts=``
+    and ``monitor_stats=``) or ``monitor_html``'s page. A report without a monitor: None (refusing alerts or
+    statistics given without one). ``stats`` None: ``PAGE_STATS``."""
+    from .monitor_data import PAGE_STATS, monitor_context
+
+    if monitor is None and report:
+        if alerts is not None or stats is not None:
+            given = "monitor_alerts=" if alerts is not None else "monitor_stats="
+            raise TypeError(f"{given} was given without monitor=: pass the monitor (or its history) as monitor=")
+        return None
+    context = monitor_context(monitor, alerts=alerts, stats=PAGE_STATS if stats is None else stats, report=report)
+    context["meta_json"] = script_json(context.pop("meta"))
+    return context
 
 
 def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bool | None = True,

@@ -1,9 +1,13 @@
 // attnprobe monitor page: statistics of a training run against the step. Self-contained: no network, no
 // external code. Data is text, never markup: every string reaches the page through textContent or setAttribute.
+// Two homes: its own page (monitor_html: data in #attnprobe-meta, API at window.attnprobe) and the Monitor section
+// of a capture's report (to_html(monitor=): data in #attnprobe-monitor-meta, API at window.attnprobeMonitor, since
+// the report's own script owns window.attnprobe and #attnprobe-meta).
 (function () {
   "use strict";
 
-  const META = JSON.parse(document.getElementById("attnprobe-meta").textContent, (key, v) =>
+  const EMBEDDED = document.getElementById("attnprobe-monitor-meta") !== null;
+  const META = JSON.parse(document.getElementById(EMBEDDED ? "attnprobe-monitor-meta" : "attnprobe-meta").textContent, (key, v) =>
     v !== null && typeof v === "object" && !Array.isArray(v) && typeof v.$float === "string" &&
     Object.keys(v).length === 1 ? Number(v.$float) : v);
   const SVG = "http://www.w3.org/2000/svg";
@@ -13,7 +17,8 @@
   // What tests and scripts read: `ready` settles when the plots are drawn, `errors` lists what went wrong,
   // `plots` maps each statistic to what its plot shows now ({by, series}).
   const api = { errors: [], plots: {}, ready: null };
-  window.attnprobe = api;
+  if (EMBEDDED) window.attnprobeMonitor = api;
+  else window.attnprobe = api;
 
   function el(tag, cls, text) {
     const e = document.createElement(tag);
