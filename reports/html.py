@@ -648,14 +648,17 @@ def monitor_section(monitor, *, alerts=None, stats=None, report: bool = True) ->
 
 
 def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bool | None = True,
-                 title: str | None = None, precision: str = "exact", overwrite: bool = False):
-    """The HTML report of a statistics-only capture (see the module doc); ``to_html`` calls it for one."""
+                 title: str | None = None, precision: str = "exact", overwrite: bool = False, monitor=None,
+                 monitor_alerts=None, monitor_stats=None):
+    """The HTML report of a statistics-only capture (see the module doc); ``to_html`` calls it for one.
+    ``monitor=``, ``monitor_alerts=``, ``monitor_stats=``: a Monitor section, as ``to_html`` takes them."""
     from .long import build_long_data, stats_only
 
     started = time.perf_counter()
     check_precision(precision)
     if path is not None:
         output_path(path, overwrite=overwrite)
+    monitor_part = monitor_section(monitor, alerts=monitor_alerts, stats=monitor_stats)
     records = list(capture)
     if not stats_only(capture):
         raise AttnprobeError("to_html_long takes a statistics-only capture (keep=('stats',)); use to_html")
@@ -688,6 +691,8 @@ def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bo
         precision=precision,
         checks_text=None if not checks else checks.table(),
         checks_ok=None if not checks else checks.ok,
+        monitor=monitor_part,
+        page_scripts=("monitor.js",) if monitor_part else (),
         meta_json=script_json({"records": data, "precision": precision}),
         blobs=ids,
         elapsed=time.perf_counter() - started,
@@ -708,6 +713,9 @@ def to_html(
     masked_scores: bool = False,
     overwrite: bool = False,
     max_values: int | None = MAX_VALUES,
+    monitor=None,
+    monitor_alerts=None,
+    monitor_stats=None,
 ):
     """Write one self-contained HTML report of ``capture``; return the document when ``path`` is None.
 
@@ -720,6 +728,11 @@ def to_html(
     every float32 value bit for bit; ``"bfloat16"`` rounds values to about 3 significant digits for a file about half the size (the page
     says so). Scores of cells the query may not attend are left out unless ``masked_scores=True``.
     With ``path``, an existing file is replaced only with ``overwrite=True``; returns the path.
+
+    ``monitor``: a training run watched by ``attnprobe.monitor`` (the monitor, an ``AttnprobeCallback``, or its
+    history frame with ``monitor_alerts=mon.alerts`` beside it) adds a Monitor section with the plots and alerts
+    table of ``monitor_html`` (``monitor_stats``: the statistics drawn, as its ``stats=``); its script is pinned by
+    its own hash in the page's Content-Security-Policy, beside the report's.
 
     Records captured under ``generate`` (with ``step``) are shown stitched (``attnprobe.stitch``).
     A statistics-only capture (``keep=("stats",)``, long inputs) gets the long-input page of ``reports.long``:
@@ -743,10 +756,12 @@ def to_html(
                                      "pass one row, e.g. batch=0 (--batch 0)")
             batch = batch[0]
         return to_html_long(capture, path, batch=batch or 0, checks=checks, title=title, precision=precision,
-                            overwrite=overwrite)
+                            overwrite=overwrite, monitor=monitor, monitor_alerts=monitor_alerts,
+                            monitor_stats=monitor_stats)
     started = time.perf_counter()
     if path is not None:
         output_path(path, overwrite=overwrite)  # fail before the work
+    monitor_part = monitor_section(monitor, alerts=monitor_alerts, stats=monitor_stats)
     records, undrawn, stitched = shown_records(capture)
     rows, _ = report_rows(records, batch, max_values)
     data = build_data([records], batch=rows, tokens=tokens, key_tokens=key_tokens, precision=precision,
@@ -782,6 +797,8 @@ def to_html(
         summary=summary,
         summary_targets={(m["layer"], h): f"#head-{m['id']}-{h}" for m in reversed(data.meta["records"]) for h in m["heads"]},
         checks=panel,
+        monitor=monitor_part,
+        page_scripts=("monitor.js",) if monitor_part else (),
         meta_json=script_json(data.meta),
         blobs=data.blobs,
         elapsed=time.perf_counter() - started,
