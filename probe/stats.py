@@ -464,7 +464,7 @@ class _Engine:
         real = counted.view(B, 1, n) * ~empty
         self.key_weight[..., c:d] += (real * inv).unsqueeze(-2).matmul(e).squeeze(-2)
         if self.pool is not None:
-            self.pool.add(e * inv[..., None], a, c)
+            self.pool.add(e, a, c, row_scale=inv)
         out = scale = None
         if self.v is not None:
             dv = self.v.shape[-1]
@@ -480,7 +480,7 @@ class _Engine:
         acc["first"] = torch.where(first >= 0, torch.minimum(acc["first"], first + c), acc["first"])
         acc["last"] = torch.where(last >= 0, torch.maximum(acc["last"], last + c), acc["last"])
         if self.pool is not None:
-            self.pool.add(e * inv[..., None], acc["a"], c)
+            self.pool.add(e, acc["a"], c, row_scale=inv)
 
     def _total(self, l: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """The softmax normaliser in units of ``e``: ``l``, plus ``exp(sink - shift)`` with attention sinks."""
