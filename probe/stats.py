@@ -410,7 +410,9 @@ class _Engine:
             z, tile = s, None
             if call.causal:  # keys from `lo` on are later than some row's own position: mask that tile only
                 limit = positions + call.causal_offset + 1  # (n,) the first key each row may not attend
-                lo = min(max(int(limit.min()) - c, 0), d - c)
+                # the block's first row has the smallest position (they ascend): known on the host for contiguous rows
+                start = a if call.positions is None else int(call.positions[a])
+                lo = min(max(start + call.causal_offset + 1 - c, 0), d - c)
                 if lo < d - c:
                     later = torch.arange(c + lo, d, device=device)[None, :] >= limit[:, None]
                     tile = (lo, later, s[..., lo:].clone())
