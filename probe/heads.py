@@ -51,10 +51,7 @@ def head_means(cap) -> list[dict]:
         stats = getattr(rec, "stats", None)
         if not stats:
             raise ClassifyError(f"{rec.name} has no statistics: capture with keep=('stats',) (or scan a data set)")
-        batch, heads, queries = stats["entropy"].shape
-        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else \
-            ~rec.query_padding.cpu()[:, rec.stats_positions]
-        real = real[:, None, :].expand(batch, heads, queries)
+        real = rec.stats_real_rows  # every query row the statistics describe, less padding
         values = {name: stats[name].detach().double().cpu() for name in ("previous_mass", "first_key_mass",
                                                                          "diagonal_mass")}
         values["entropy_ratio"] = entropy_ratio(stats["entropy"].detach().cpu(), stats["allowed_keys"].cpu())

@@ -303,11 +303,7 @@ def per_head_rows(cap, *, step: int, call: int) -> list[dict]:
         stats = getattr(rec, "stats", None)
         if not stats:
             continue
-        batch, heads, queries = stats["entropy"].shape
-        # the rows the statistics describe: every query row, or the ones rows= sampled (at their real positions)
-        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else \
-            ~rec.query_padding.cpu().bool()[:, rec.stats_positions]
-        real = real[:, None, :].expand(batch, heads, queries)
+        real = rec.stats_real_rows  # every query row the statistics describe, less padding
         values = {name: stats[name].detach().double().cpu() for name in MEANS if name in stats}
         finite = stats["finite"].detach().cpu().bool()
         # a row that may attend one key has entropy 0 by construction (a causal row 0): not a collapse

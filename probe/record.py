@@ -177,6 +177,18 @@ class AttentionRecord:
         return torch.arange(int(self.stats["entropy"].shape[2]))
 
     @property
+    def stats_real_rows(self) -> torch.Tensor | None:
+        """``(batch, head, n)`` bool, on the CPU: which rows of ``stats``' row statistics are real query rows (not
+        padding), what averages over a record's rows take; None when there are no statistics."""
+        positions = self.stats_positions
+        if positions is None:
+            return None
+        batch, heads, rows = self.stats["entropy"].shape
+        real = torch.ones(batch, rows, dtype=torch.bool) if self.query_padding is None else \
+            ~self.query_padding.detach().cpu().bool()[:, positions]
+        return real[:, None, :].expand(batch, heads, rows)
+
+    @property
     def key_len(self) -> int | None:
         for f, axis in (("weights", 3), ("scores", 3), ("allowed", 3), ("k", 2), ("v", 2)):
             t = getattr(self, f)

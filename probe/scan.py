@@ -141,8 +141,7 @@ def aggregate(cap, indexes: Sequence[int], tokens: Sequence[int]) -> dict[str, l
             raise ScanError(f"{rec.name}: no statistics were computed for this layer "
                             f"({rec.weights_source} weights); a scan needs q and k")
         batch, heads, queries = stats["entropy"].shape
-        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else ~rec.query_padding.cpu()
-        real = real[:, None, :].expand(batch, heads, queries)
+        real = rec.stats_real_rows  # every query row the statistics describe, less padding
         values = {name: stats[name].detach().double().cpu() for name in
                   {*MEAN_STATS, *(s for _, s, _ in EXTREMES)} if name in stats}
         if "allowed_keys" in stats:  # entropy / its largest possible value, log(allowed keys)
