@@ -66,15 +66,35 @@ class MaskInfo:
         self._empty = None
 
     def to_add(self, fill: float, heads, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-        """``dtype`` ``(batch, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed)."""
+        """``dtype`` ``(batch or 1, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed).
+        A mask that is the same for every sequence (sdpa's ``is_causal``, expanded over the batch) stays one."""
         key = (fill, dtype, heads if self.allowed.shape[1] > 1 else None)
         if key not in self._add:
             allowed = self.for_heads(heads)
+            if allowed.shape[0] > 1 and allowed.stride(0) == 0:
+                allowed = allowed[:1]  # broadcasting does the rest
             if self.mask is None and bool(allowed.all()):
                 self._add[key] = None
             else:
                 self._add[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device
                                              ).masked_fill_(~allowed, fill)
+        return self._add[key]
+
+    def float_mask(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor:
+        """A float mask (the additive one eager functions receive) for ``heads``, in ``dtype``, cut to ``k_len``
+        keys: converted once per forward, not once per layer."""
+        key = ("float", dtype, k_len, heads if self.mask.shape[1] > 1 else None)
+        if key not in self._add:
+            t = as_4d(self.mask.detach())[..., :k_len]
+            self._add[key] = (index_heads(t, heads)[0] if t.shape[1] > 1 else t).to(dtype)
+        return self._add[key]
+
+    def float_bias(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor:
+        """The part of a float mask that is not masking (Swin folds a relative bias into it): the mask where it
+        allows, 0 where it masks. Added to the logits, it gives the scores."""
+        key = ("bias", dtype, k_len, heads if self.mask.shape[1] > 1 else None)
+        if key not in self._add:
+            self._add[key] = self.float_mask(heads, dtype, k_len).masked_fill(~self.for_heads(heads), 0.0)
         return self._add[key]
 
     def for_heads(self, heads) -> torch.Tensor:
@@ -164,7 +184,7 @@ class Recompute:
     def _mask_to_add(self) -> torch.Tensor | None:
         """The float mask added to the logits before the softmax (None when nothing is added)."""
         if self.mask is not None and self.mask.dtype.is_floating_point:
-            return self._per_head(self.mask).to(self.compute_dtype)
+            return self.info.float_mask(self.heads, self.compute_dtype, self.k.shape[2])
         # boolean semantics mask with -inf; sdpa with a position bias turns a bool or causal mask into
         # finfo.min where masked (create_position_bias_mask), which is the additive semantics
         fill = torch.finfo(self.q.dtype).min if self.additive else float("-inf")
@@ -174,9 +194,10 @@ class Recompute:
         if self._scores is None:
             logits = self.logits()
             if self.mask is not None and self.mask.dtype.is_floating_point:
-                # a float mask may carry more than masking (Swin folds its relative bias into it)
+                # a float mask may carry more than masking (Swin folds its relative bias into it): its bias part
+                # (0 where it masks) is added, a new tensor; the logits stay free for the weights
                 with torch.no_grad():
-                    logits = torch.where(self.allowed(), logits + self._per_head(self.mask).to(logits.dtype), logits)
+                    logits = logits + self.info.float_bias(self.heads, logits.dtype, self.k.shape[2])
             self._scores = logits
         return self._scores.to(self.out_dtype)
 
@@ -185,14 +206,26 @@ class Recompute:
             with torch.no_grad():
                 logits = self.logits()
                 add = self._mask_to_add()
-                if add is None:
-                    z = logits
-                elif self.scores_wanted:
-                    z = logits + add
-                else:  # the logits are needed for nothing else: one (query, key) tensor per head less
-                    z, self._logits = logits.add_(add), None
-                # attention sinks: one extra logit per head that takes probability mass and no value
-                weights = softmax_with_sinks(z, self.sinks, self.heads)
+                # the logits are free when no record keeps them (no scores wanted, or the scores are a tensor of
+                # their own): the mask and the softmax are then written into them, and the weights are the only
+                # (query, key) tensor made here. Otherwise the masked logits are the one new tensor, and the
+                # softmax is written into it. (Each op gives the same numbers in place as out of place.)
+                own = not self.scores_wanted or (
+                    self._scores is not None and self._scores is not logits
+                    # (logits + add in place keeps the logits' dtype: under autocast the product is bfloat16 and
+                    # the sum must stay float32, as it is out of place)
+                    and (add is None or torch.result_type(logits, add) == logits.dtype))
+                if own:
+                    self._logits = None
+                    z = logits if add is None else logits.add_(add)
+                elif add is not None:
+                    z, own = torch.add(logits, add), True
+                else:
+                    z = logits  # kept as the scores: the softmax makes the weights' own tensor
+                if self.sinks is None:
+                    weights = torch.softmax(z, dim=-1, out=z) if own else torch.softmax(z, dim=-1)
+                else:  # attention sinks: one extra logit per head that takes probability mass and no value
+                    weights = softmax_with_sinks(z, self.sinks, self.heads)
                 if not self.additive and add is not None:
                     empty = self.info.empty_rows(self.heads)
                     if empty is not None:
