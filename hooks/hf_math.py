@@ -146,7 +146,7 @@ class Recompute:
     """
 
     def __init__(self, q, k, mask_info: MaskInfo, *, heads, kv_heads, scaling, additive, position_bias=None,
-                 softcap=None, sinks=None, out_dtype=None, scores_wanted=True):
+                 softcap=None, sinks=None, out_dtype=None, scores_wanted=True, keep_inputs=()):
         self.q, self.k, self.info, self.mask = q, k, mask_info, mask_info.mask
         self.heads, self.kv_heads = heads, kv_heads
         self.scaling, self.additive = scaling, additive
@@ -156,18 +156,41 @@ class Recompute:
         self._logits = self._scores = self._weights = None
         #: False when nobody will ask for ``scores``: ``weights`` may then add the mask to the logits in place
         self.scores_wanted = scores_wanted
+        #: "q" and/or "k": a record keeps them as ``kept_q()``/``kept_k()``, the very copies the product reads
+        #: (a contiguous k is read transposed: for some shapes another last bit than eager's; the HF adapter shares q)
+        self.keep_inputs = frozenset(keep_inputs)
+        self._inputs: tuple | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (self.q.shape[0], len(self.heads), self.q.shape[2], self.k.shape[2])
 
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q of the selected heads and k of the kv head each reads, in the compute dtype. One a record keeps
+        (``keep_inputs``) is a new contiguous tensor: the batched product would copy a strided view of the model's
+        projection anyway, so the record's copy and the product's are one."""
+        if self._inputs is None:
+            def take(t, index, kept):
+                t, fresh = index_heads(t.detach(), index)
+                t = t.to(self.compute_dtype)
+                return t.clone(memory_format=torch.contiguous_format) if kept and not fresh else t
+
+            with torch.no_grad():
+                self._inputs = (take(self.q, self.heads, "q" in self.keep_inputs),
+                                take(self.k, self.kv_heads, "k" in self.keep_inputs))  # the kv head of each head
+        return self._inputs
+
+    def kept_q(self) -> torch.Tensor:
+        return self.inputs()[0]
+
+    def kept_k(self) -> torch.Tensor:
+        return self.inputs()[1]
+
     def logits(self) -> torch.Tensor:
         """``(batch, head, query, key)`` in the compute dtype: scaled q @ k (+ position bias), softcapped."""
         if self._logits is None:
             with torch.no_grad():
-                dtype = self.compute_dtype
-                q = index_heads(self.q.detach(), self.heads)[0].to(dtype)
-                k = index_heads(self.k.detach(), self.kv_heads)[0].to(dtype)  # the kv head of each selected head
+                q, k = self.inputs()
                 bias = None if self.position_bias is None else self._per_head(self.position_bias)
                 logits = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap)
             self._logits = logits

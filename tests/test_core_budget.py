@@ -353,3 +353,40 @@ def test_hf_weights_only_capture_adds_the_mask_to_the_logits_in_place():
     assert seen_both.count - plain.count == 2
     torch.testing.assert_close(cap[0].weights, both[0].weights, rtol=0, atol=0)
     assert both[0].scores is not None and not torch.equal(both[0].scores, both[0].weights)
+
+
+class _Copies(TorchDispatchMode):
+    """Counts copies (clone, _to_copy, contiguous) whose result has ``shape``."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("clone", "_to_copy", "contiguous") and tuple(out.shape) == self.shape:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_kept_q_is_the_copy_the_product_reads(name):
+    """A Hugging Face capture that keeps q and recomputes the scores copies q once: the record keeps the very
+    contiguous copy the batched q @ k reads (issue 22: once two copies, the record's and the product's)."""
+    from hf_helpers import build
+
+    model = build(name, "sdpa")
+    B, T = 2, 9
+    ids = torch.randint(3, 100, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), attnprobe.capture(model, layers=[0]) as full:
+        model(ids)
+    q_shape = full[0].q.shape  # (batch, head, query, d_head)
+    counts = {}
+    for keep in (["scores"], ["q", "scores"]):
+        with torch.no_grad(), _Copies(q_shape) as seen, attnprobe.capture(model, layers=[0], keep=keep) as cap:
+            model(ids)
+        counts[tuple(keep)] = seen.count
+    assert counts["q", "scores"] == counts["scores",], counts  # keeping q adds no copy of it
+    torch.testing.assert_close(cap[0].q, full[0].q, rtol=0, atol=0)
+    torch.testing.assert_close(cap[0].scores, full[0].scores, rtol=0, atol=0)
+    assert cap[0].q.is_contiguous()
