@@ -500,7 +500,7 @@ class _Recorder:
         self.session.emit(
             self.site,
             kind=where.kind,
-            **{"q": call.q, "k": call.k, "v": call.v, **values},  # q and k may be Lazy (``_shared_inputs``)
+            **{"q": call.q, "k": call.k, "v": call.v, **values},  # q may be Lazy (``_q_shared``)
             allowed=None if mask_info is None else mask_info.allowed,
             query_padding=where.query_padding,
             causal=None if semantics.is_causal is None else bool(semantics.is_causal),
@@ -585,15 +585,15 @@ class _Recorder:
             if self._kv_of_heads is None:
                 self._kv_of_heads = kv_of_heads(site.heads, call.heads, call.kv_heads)
             mask = call.mask
-            shared = self._shared_inputs(call)
+            keep_q = self._q_shared(call)
             rec = Recompute(
                 q, call.k, mask_info, heads=site.heads, kv_heads=self._kv_of_heads, scaling=semantics.scaling,
                 additive=self.style == "eager" or semantics.position_bias is not None
                 or (mask is not None and mask.dtype.is_floating_point),
                 position_bias=semantics.position_bias, softcap=semantics.softcap, sinks=semantics.sinks,
-                scores_wanted=wants(site, "scores"), keep_inputs=shared,
+                scores_wanted=wants(site, "scores"), keep_q=keep_q,
             )
-            if "q" in shared:
+            if keep_q:
                 values["q"] = Lazy((call.batch, len(site.heads), call.q_len, q.shape[-1]), q.dtype, rec.kept_q)
             if self._scores_trusted(rec, observed, call.kwargs):
                 values["scores"] = Lazy(rec.shape, q.dtype, rec.scores)
@@ -628,19 +628,13 @@ class _Recorder:
             identified.add("output")
         return values, identified, weights_source
 
-    def _shared_inputs(self, call: "_Call") -> tuple[str, ...]:
-        """("q",) when the record keeps q as the very copy the recompute's product reads (``Recompute.inputs``): q
-        kept, stored as it is (same device and dtype, the compute dtype), no statistics. Written once, not twice.
-
-        Not k: the product reads k transposed, and a contiguous k copy would give the matrix library another
-        layout than the one eager attention (and the recompute until now) hands it, so scores that differ in the
-        last bit from eager's for some shapes."""
+    def _q_shared(self, call: "_Call") -> bool:
+        """Whether the record keeps q as the very copy the recompute's product reads (``Recompute.inputs``): q kept,
+        stored as it is (same device and dtype, the compute dtype), no statistics. Written once, not twice."""
         site, sel, q = self.site, self.session.selection, call.q
-        if (not self.session.wants(site, "q") or self.session.wants(site, "stats")
-                or q.dtype != torch.promote_types(q.dtype, torch.float32) or sel.device != q.device
-                or sel.dtype not in (None, q.dtype)):
-            return ()
-        return ("q",)
+        return (self.session.wants(site, "q") and not self.session.wants(site, "stats")
+                and q.dtype == torch.promote_types(q.dtype, torch.float32) and sel.device == q.device
+                and sel.dtype in (None, q.dtype))
 
     def _meta(self, call: "_Call", semantics: "_Semantics", where: "_Where", dtype: torch.dtype) -> dict:
         meta, state, module = self.meta, self.state, self.module

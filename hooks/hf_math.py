@@ -83,7 +83,7 @@ class MaskInfo:
     def float_mask(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor:
         """A float mask (the additive one eager functions receive) for ``heads``, in ``dtype``, cut to ``k_len``
         keys: converted once per forward, not once per layer."""
-        key = ("float", dtype, k_len, heads if self.mask.shape[1] > 1 else None)
+        key = ("float", dtype, k_len, heads if as_4d(self.mask).shape[1] > 1 else None)
         if key not in self._add:
             t = as_4d(self.mask.detach())[..., :k_len]
             self._add[key] = (index_heads(t, heads)[0] if t.shape[1] > 1 else t).to(dtype)
@@ -92,7 +92,7 @@ class MaskInfo:
     def float_bias(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor:
         """The part of a float mask that is not masking (Swin folds a relative bias into it): the mask where it
         allows, 0 where it masks. Added to the logits, it gives the scores."""
-        key = ("bias", dtype, k_len, heads if self.mask.shape[1] > 1 else None)
+        key = ("bias", dtype, k_len, heads if as_4d(self.mask).shape[1] > 1 else None)
         if key not in self._add:
             self._add[key] = self.float_mask(heads, dtype, k_len).masked_fill(~self.for_heads(heads), 0.0)
         return self._add[key]
@@ -146,7 +146,7 @@ class Recompute:
     """
 
     def __init__(self, q, k, mask_info: MaskInfo, *, heads, kv_heads, scaling, additive, position_bias=None,
-                 softcap=None, sinks=None, out_dtype=None, scores_wanted=True, keep_inputs=()):
+                 softcap=None, sinks=None, out_dtype=None, scores_wanted=True, keep_q=False):
         self.q, self.k, self.info, self.mask = q, k, mask_info, mask_info.mask
         self.heads, self.kv_heads = heads, kv_heads
         self.scaling, self.additive = scaling, additive
@@ -156,9 +156,8 @@ class Recompute:
         self._logits = self._scores = self._weights = None
         #: False when nobody will ask for ``scores``: ``weights`` may then add the mask to the logits in place
         self.scores_wanted = scores_wanted
-        #: "q" and/or "k": a record keeps them as ``kept_q()``/``kept_k()``, the very copies the product reads
-        #: (a contiguous k is read transposed: for some shapes another last bit than eager's; the HF adapter shares q)
-        self.keep_inputs = frozenset(keep_inputs)
+        #: True when a record keeps q as ``kept_q()``: the very copy the product reads
+        self.keep_q = keep_q
         self._inputs: tuple | None = None
 
     @property
@@ -166,25 +165,23 @@ class Recompute:
         return (self.q.shape[0], len(self.heads), self.q.shape[2], self.k.shape[2])
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q of the selected heads and k of the kv head each reads, in the compute dtype. One a record keeps
-        (``keep_inputs``) is a new contiguous tensor: the batched product would copy a strided view of the model's
-        projection anyway, so the record's copy and the product's are one."""
+        """q of the selected heads and k of the kv head each reads, in the compute dtype. With ``keep_q``, q is a
+        new contiguous tensor: the batched product would copy a strided view of the model's projection anyway, so
+        the record's copy and the product's are one. (Not k: the product reads k transposed, and a contiguous copy
+        of k hands the matrix library another layout than eager attention does: another last bit for some shapes.)"""
         if self._inputs is None:
-            def take(t, index, kept):
-                t, fresh = index_heads(t.detach(), index)
-                t = t.to(self.compute_dtype)
-                return t.clone(memory_format=torch.contiguous_format) if kept and not fresh else t
-
             with torch.no_grad():
-                self._inputs = (take(self.q, self.heads, "q" in self.keep_inputs),
-                                take(self.k, self.kv_heads, "k" in self.keep_inputs))  # the kv head of each head
+                q, fresh = index_heads(self.q.detach(), self.heads)
+                q = q.to(self.compute_dtype)
+                if self.keep_q and not fresh:
+                    q = q.clone(memory_format=torch.contiguous_format)
+                k = index_heads(self.k.detach(), self.kv_heads)[0].to(self.compute_dtype)  # the kv head of each head
+            self._inputs = (q, k)
         return self._inputs
 
     def kept_q(self) -> torch.Tensor:
+        """q as the record keeps it (``keep_q``): the copy the product reads."""
         return self.inputs()[0]
-
-    def kept_k(self) -> torch.Tensor:
-        return self.inputs()[1]
 
     def logits(self) -> torch.Tensor:
         """``(batch, head, query, key)`` in the compute dtype: scaled q @ k (+ position bias), softcapped."""
