@@ -11,8 +11,10 @@ run's own):
 3. MiniLM (all-MiniLM-L6-v2, batch 8 x 128): ``keep=("stats",)`` vs a plain sdpa forward (target <= 1.10x),
    interleaved rounds, medians.
 
-Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5]``. Timings are noisy on a
-shared machine: compare only the ratios of one run.
+Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5] [--threads N]``. Timings are
+noisy on a shared machine: compare only the ratios of one run. On a machine others are using, ``--threads 1`` keeps
+torch's thread pool from waiting on busy cores (every op of the engine would pay for it); CPU seconds are printed
+beside wall seconds.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _llama(T: int):
     return model, ids
 
 
-def one(mode: str, T: int) -> dict:
+def one(mode: str, T: int, threads: int | None = None) -> dict:
     """One measurement in this process: the forward (plain) or capture + check (stats)."""
     import resource
 
@@ -47,8 +49,10 @@ def one(mode: str, T: int) -> dict:
 
     import attnprobe
 
+    if threads:
+        torch.set_num_threads(threads)
     model, ids = _llama(T)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         if mode == "plain":
             model(input_ids=ids)
@@ -59,14 +63,15 @@ def one(mode: str, T: int) -> dict:
             result = attnprobe.check(cap, causal=True)
             verdict = {"ok": result.ok, "errors": len(result.errors), "records": result.records,
                        "stats_bytes": cap.nbytes}
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    return {"mode": mode, "T": T, "seconds": seconds, "peak_rss": peak, "verdict": verdict}
+    return {"mode": mode, "T": T, "seconds": seconds, "cpu": cpu, "peak_rss": peak, "verdict": verdict}
 
 
-def measure(mode: str, T: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", mode, str(T)], capture_output=True, text=True,
-                         check=True)
+def measure(mode: str, T: int, threads: int | None = None) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", mode, str(T), *(["--threads", str(threads)] if threads
+                                                                            else [])],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -138,23 +143,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="MiniLM rounds (interleaved, shuffled)")
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--skip-minilm", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], int(args.one[1]))))
+        print(json.dumps(one(args.one[0], int(args.one[1]), args.threads)))
         return
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; the machine may be shared: compare ratios "
           "of this run only")
     print("tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads), batch 1, each run in its own process")
-    print(f"{'T':>6}  {'plain s':>8}  {'stats s':>8}  {'time x':>6}  {'plain RSS':>10}  {'stats RSS':>10}  "
-          f"{'RSS x':>5}  verdict")
+    print(f"{'T':>6}  {'plain s':>8}  {'stats s':>8}  {'time x':>6}  {'cpu x':>6}  {'plain RSS':>10}  "
+          f"{'stats RSS':>10}  {'RSS x':>5}  verdict")
     for T in args.lengths:
-        runs = [measure("plain", T), measure("stats", T)]
+        runs = [measure("plain", T, args.threads), measure("stats", T, args.threads)]
         p, s = runs
         v = s["verdict"]
         print(f"{T:>6}  {p['seconds']:>8.2f}  {s['seconds']:>8.2f}  {s['seconds'] / p['seconds']:>6.2f}  "
+              f"{s['cpu'] / p['cpu']:>6.2f}  "
               f"{p['peak_rss'] / 2**20:>8.0f}MB  {s['peak_rss'] / 2**20:>8.0f}MB  "
               f"{s['peak_rss'] / p['peak_rss']:>5.2f}  ok={v['ok']} errors={v['errors']} records={v['records']} "
               f"stats={v['stats_bytes'] / 2**20:.1f}MB", flush=True)

@@ -1,14 +1,22 @@
 """The cost of leaving attnprobe.monitor on while a model trains, measured in one run.
 
     steps    training step (forward + backward + AdamW) of a GPT-2-shaped model (6 layers x 12 heads x 384,
-             batch 8 x 256, random init): blocks of `every` steps with the monitor (one sampled step per block)
-             against the same number of steps without it, blocks interleaved in shuffled order; the ratio is the
-             median over rounds of (monitored block / plain block).      targets: every=10 <= 1.02, every=100 <= 1.005
-    sampled  one sampled step on its own / one plain step (what a sampled step costs)
+             batch 8 x 256, random init, sdpa attention), four kinds of step interleaved in shuffled order each
+             round: plain; monitored but not sampled (the monitor attached, between its sampled calls); one sampled
+             step with rows=64; one sampled step with rows=None (every query row). Medians over rounds, and per
+             round the ratio to that round's plain step.
+    every    the monitored training step at every=N, from the same run: per round
+             ((N - 1) * between-step + sampled step) / (N * plain step), median over rounds.
+             targets: every=10 <= 1.02, every=100 <= 1.005. (A block of 100 steps per round and kind would take
+             over ten minutes per round on a shared 2-core machine; the steps of one block are the kinds measured.)
+             --blocks K also measures every=10 directly: K rounds of 10 plain steps against 10 monitored steps.
+    hook     what the monitor costs a forward call between sampled calls (its counter in a pre-hook and a hook),
+             over 20,000 calls of a tiny module (microseconds, far below the noise of a training step)
     memory   a tiny model trained for --long steps with every=1: resident memory after 10% and after all steps
              (flat: no growth beyond the history frame), hooks left after close() and after a loop that raises
 
-Run:  python benchmarks/bench_monitor.py [--rounds 5] [--long 10000] [--only steps|memory]
+Run:  python benchmarks/bench_monitor.py [--rounds 6] [--blocks 0] [--long 10000] [--only steps|memory] [--threads N]
+The load average (uptime) is printed before and after: on a shared machine the noise can exceed the margins.
 """
 
 from __future__ import annotations
@@ -51,35 +59,91 @@ def block(step, n):
     return time.perf_counter() - t0
 
 
+def load_average() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def steps_figures(args):
     torch.manual_seed(0)
     model = gpt2()
     ids = torch.randint(0, 1000, (8, 256))
     step = step_fn(model, ids)
     step()  # warm up
-    for every in (10, 100):
+    step()
+    between = attnprobe.monitor(model, every=10**9)  # one sampled step untimed: lazy imports, first capture set-up
+    block(step, 1)
+    between.close()
+    kinds = {"plain": [], "between": [], "rows=64": [], "rows=None": []}
+    for _ in range(args.rounds):
+        order = list(kinds)
+        random.shuffle(order)
+        for name in order:
+            if name == "plain":
+                kinds[name].append(block(step, 1))
+            elif name == "between":
+                mon = attnprobe.monitor(model, every=10**9)
+                mon.calls = 1  # past its sampled call 0: this step is one between sampled steps
+                kinds[name].append(block(step, 1))
+                mon.close()
+                assert not mon.rows
+            else:
+                with attnprobe.monitor(model, every=10**9, rows=64 if name == "rows=64" else None) as mon:
+                    kinds[name].append(block(step, 1))  # its call 0 is sampled
+                assert len(mon.rows) == 6 * 12
+    print(f"training step, GPT-2 shape 6 x 12 x 384, batch 8 x 256 ({args.rounds} rounds, shuffled; medians):")
+    for name, times in kinds.items():
+        ratio = statistics.median(t / p for t, p in zip(times, kinds["plain"]))
+        print(f"  {name:<10} {statistics.median(times) * 1e3:8.0f} ms   / plain of the round: median {ratio:.3f}x "
+              f"(rounds {', '.join(f'{t / p:.3f}' for t, p in zip(times, kinds['plain']))})")
+    for every, target in ((10, 1.02), (100, 1.005)):
+        for sampled in ("rows=64", "rows=None"):
+            ratios = [((every - 1) * b + s) / (every * p)
+                      for p, b, s in zip(kinds["plain"], kinds["between"], kinds[sampled])]
+            paired = statistics.median(s / p for s, p in zip(kinds[sampled], kinds["plain"]))
+            print(f"  every={every:<4} {sampled:<9}: ((N-1) between + sampled) / (N plain): median "
+                  f"{statistics.median(ratios):.4f}x (target <= {target}); with between = plain (the hook figure "
+                  f"below), 1 + (sampled / plain of the round - 1) / N: {1 + (paired - 1) / every:.4f}x")
+    if args.blocks:
         ratios = []
-        for _ in range(args.rounds):
+        for _ in range(args.blocks):
             order = ["plain", "monitor"]
             random.shuffle(order)
             times = {}
             for name in order:
                 if name == "plain":
-                    times[name] = block(step, every)
+                    times[name] = block(step, 10)
                 else:
-                    with attnprobe.monitor(model, every=every):
-                        times[name] = block(step, every)
+                    with attnprobe.monitor(model, every=10):
+                        times[name] = block(step, 10)
             ratios.append(times["monitor"] / times["plain"])
-        target = 1.02 if every == 10 else 1.005
-        print(f"every={every:<4} monitored / plain over blocks of {every} steps: median {statistics.median(ratios):.3f}x "
-              f"(target <= {target}; rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
-    sampled, plain = [], []
-    for _ in range(args.rounds):
-        plain.append(block(step, 1))
-        with attnprobe.monitor(model, every=1000):  # its first call is sampled
-            sampled.append(block(step, 1))
-    print(f"one sampled step / one plain step: {statistics.median(s / p for s, p in zip(sampled, plain)):.2f}x "
-          f"(plain step {statistics.median(plain) * 1e3:.0f} ms)")
+        print(f"  every=10 measured over blocks of 10 steps: median {statistics.median(ratios):.3f}x "
+              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+def hook_figures(args):
+    tiny = nn.Sequential(attnprobe.MultiHeadAttention(4, num_heads=1))
+    x = torch.randn(1, 1, 4)
+    calls = 20_000
+
+    def run():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            tiny(x)
+        return (time.perf_counter() - t0) / calls
+
+    plain, hooked = [], []
+    with torch.no_grad():
+        for _ in range(5):
+            plain.append(run())
+            mon = attnprobe.monitor(tiny, every=10**9)
+            mon.calls = 1  # past its sampled call 0: every call below is one between sampled calls
+            hooked.append(run())
+            mon.close()
+            assert not mon.rows
+    p, h = statistics.median(plain), statistics.median(hooked)
+    print(f"hook: a forward call between sampled calls costs {(h - p) * 1e6:+.1f} us ({p * 1e6:.1f} us -> "
+          f"{h * 1e6:.1f} us per call of a tiny attention module, medians of 5 x {calls:,} calls)")
 
 
 def rss_mb() -> float:
@@ -122,15 +186,22 @@ def memory_figures(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--blocks", type=int, default=0, help="also measure every=10 over K rounds of 10-step blocks")
     parser.add_argument("--long", type=int, default=10000)
     parser.add_argument("--only", choices=["steps", "memory"])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (on a shared machine 1 is steadier: no thread waits for a descheduled peer)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {load_average()} (1, 5, 15 min)")
     if args.only != "memory":
         steps_figures(args)
+        hook_figures(args)
     if args.only != "steps":
         memory_figures(args)
+    print(f"load average at the end: {load_average()}")
 
 
 if __name__ == "__main__":

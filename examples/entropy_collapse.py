@@ -2,7 +2,8 @@
 synthetic task, once with a stable learning rate and once with one too high, the monitor on in both.
 
 Writes a PNG of the loss, each layer's lowest head entropy and the largest attention logit against the step,
-and prints which alerts fired and when, next to the step where the loss diverged (if it did).
+one HTML page per run beside it (``attnprobe.reports.monitor_html``: the monitor's statistics per layer and per
+head, and its alerts), and prints which alerts fired and when, next to the step where the loss diverged (if it did).
 
     python examples/entropy_collapse.py                 # 2 x 300 steps, a few minutes on a laptop CPU
     python examples/entropy_collapse.py --steps 40      # a quick look
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -73,7 +75,7 @@ def run(lr, steps, every, seed=0):
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
-    return losses, mon.history, mon.alerts
+    return losses, mon
 
 
 def diverged_at(losses, window=20):
@@ -102,7 +104,11 @@ def main():
 
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     for lr, style in zip(args.rates, ("-", "--")):
-        losses, history, alerts = run(lr, args.steps, args.every)
+        losses, mon = run(lr, args.steps, args.every)
+        history, alerts = mon.history, mon.alerts
+        page = Path(args.out).with_name(f"{Path(args.out).stem}-lr{lr:g}.html")
+        attnprobe.reports.monitor_html(mon, page, title=f"entropy collapse: lr {lr:g}", overwrite=True)
+        print(f"wrote {page}")
         per_layer = history.groupby(["step", "layer"]).agg(entropy=("entropy", "min"), score=("max_score_max", "max"))
         axes[0].plot(losses, style, label=f"lr {lr:g}")
         for layer, rows in per_layer.groupby(level="layer"):

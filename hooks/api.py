@@ -60,6 +60,9 @@ class capture:
     (``block_bytes``: the memory target of one block); ``overview`` (with ``"stats"``: a number of cells, or a
     ``probe.pooling.Overview`` with exact windows) also keeps the weights pooled to at most that many cells a side
     (``record.stats["overview_max"]``/``["overview_mean"]``) and the windows' exact weights (``["window_<i>"]``).
+    ``stats_rows`` (with ``"stats"``): the statistics of at most that many query rows per call, evenly spaced from
+    the first row to the last (``probe.selection.sampled_rows``), as ``attnprobe.monitor(rows=)`` samples them;
+    ``record.meta["stats_rows"]`` lists their positions (see the docs' "Watch attention while a model trains").
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
@@ -88,11 +91,11 @@ class capture:
     """
 
     def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None, block_bytes=None, store=None, overwrite: bool = False, overview=None):
+                 modules=None, block_bytes=None, store=None, overwrite: bool = False, overview=None, stats_rows=None):
         self._session = CaptureSession(
             model,
             Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes,
-                            block_bytes=block_bytes, overview=overview),
+                            block_bytes=block_bytes, overview=overview, stats_rows=stats_rows),
             default_adapters(modules=modules),
             store=store,
             overwrite=overwrite,
@@ -154,8 +157,8 @@ def scan(model: nn.Module, data, out, *, tokenizer=None, field: str | None = Non
                     chunk_size=chunk_size, progress=progress)
 
 
-def monitor(model: nn.Module, *, every: int = 100, layers=None, heads=None, log_dir=None, alerts=None,
-            raise_on=(), block_bytes: int | None = None):
+def monitor(model: nn.Module, *, every: int = 100, rows: int | None = 64, layers=None, heads=None, log_dir=None,
+            alerts=None, raise_on=(), block_bytes: int | None = None):
     """Watch ``model``'s attention while it trains: per-head statistics on every ``every``-th forward call.
 
     A context manager (and an object with ``close()``). On forward calls 0, ``every``, ``2 * every``, ...
@@ -163,6 +166,10 @@ def monitor(model: nn.Module, *, every: int = 100, layers=None, heads=None, log_
     detached, no (query x key) tensor kept, the graph, gradients and random stream untouched) and added to
     ``mon.history`` (one row per step, layer and head: means over real query rows, plus ``entropy_min``,
     ``max_weight_max``, ``max_score_max``, ``nonfinite_rows``). Between sampled calls nothing is computed.
+
+    ``rows``: the statistics of this many query rows per head on each sampled call, evenly spaced from the first
+    row to the last (the same positions every step for the same length; every row when the sequence is shorter);
+    None = every row. The history's ``rows`` column counts the sampled real rows.
 
     ``log_dir``: also write TensorBoard scalars ("attention/layer 03/head 05/entropy", needs tensorboard).
     ``alerts``: thresholds, e.g. ``{"entropy_below": 0.05, "max_score_above": 50.0, "nonfinite": True}``:
@@ -174,13 +181,13 @@ def monitor(model: nn.Module, *, every: int = 100, layers=None, heads=None, log_
 
         >>> import torch, attnprobe
         >>> model = torch.nn.Sequential(attnprobe.MultiHeadAttention(8, num_heads=2, causal=True))
-        >>> with attnprobe.monitor(model, every=2) as mon:
+        >>> with attnprobe.monitor(model, every=2, rows=3) as mon:
         ...     for _ in range(5):
-        ...         _ = model(torch.randn(1, 4, 8))
-        >>> sorted(mon.history["step"].unique().tolist()), len(mon.history)
-        ([0, 2, 4], 6)
+        ...         _ = model(torch.randn(1, 10, 8))
+        >>> sorted(mon.history["step"].unique().tolist()), len(mon.history), mon.history["rows"].tolist()
+        ([0, 2, 4], 6, [3, 3, 3, 3, 3, 3])
     """
     from ..probe.monitor import Monitor
 
-    return Monitor(capture, model, every=every, layers=layers, heads=heads, log_dir=log_dir, alerts=alerts,
+    return Monitor(capture, model, every=every, rows=rows, layers=layers, heads=heads, log_dir=log_dir, alerts=alerts,
                    raise_on=raise_on, block_bytes=block_bytes)

@@ -28,9 +28,9 @@ class AttnprobeCallback(TrainerCallback):
         trainer.train()
     """
 
-    def __init__(self, every: int = 100, *, layers=None, heads=None, log_dir=None, alerts=None, raise_on=(),
+    def __init__(self, every: int = 100, *, rows=64, layers=None, heads=None, log_dir=None, alerts=None, raise_on=(),
                  block_bytes=None):
-        self.options = {"every": every, "layers": layers, "heads": heads, "log_dir": log_dir, "alerts": alerts,
+        self.options = {"every": every, "rows": rows, "layers": layers, "heads": heads, "log_dir": log_dir, "alerts": alerts,
                         "raise_on": raise_on, "block_bytes": block_bytes}
         self.monitor = None
         self._history = None

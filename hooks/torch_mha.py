@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..probe.attention_math import AttentionCall
 from ..probe.errors import AttnprobeError, warn_user
 from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site
@@ -126,11 +127,25 @@ class MHAParts:
     q: torch.Tensor  # (batch, head, query, d_head)
     k: torch.Tensor  # (batch, head, key, d_head); key includes bias_k / zero-attention slots
     v: torch.Tensor  # (batch, head, key, d_head)
-    allowed: torch.Tensor  # (batch, 1 or head, query, key) bool
     mask: torch.Tensor | None  # the float mask added to the scores, (1 or batch, 1 or head, query, key)
     scaling: float
     extra_keys: int  # keys appended by bias_k/bias_v and add_zero_attn
     causal_kernel: bool  # the call ran with sdpa's is_causal instead of its attn_mask
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """``(batch, 1 or head, query, key)`` bool, True = may attend: a view where it can be (no mask, a padding
+        mask), a (query x key) tensor only under a causal mask, and only when asked for (a statistics capture
+        reads the mask and ``causal_kernel`` instead)."""
+        B, _, L, _ = self.q.shape
+        S = self.k.shape[2]
+        if self.mask is None:
+            allowed = torch.ones((), dtype=torch.bool, device=self.q.device).expand(B, 1, L, S)
+        else:
+            allowed = (self.mask > MASKED_AT).expand(B, self.mask.shape[1], L, S)  # the bias is split off per head
+        if self.causal_kernel:
+            allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=self.q.device).tril()
+        return allowed
 
     def bias_for(self, heads: tuple[int, ...]) -> torch.Tensor | None:
         """The non-masking part of the float mask (ALiBi, relative positions) for ``heads``, added to their scores.
@@ -192,14 +207,8 @@ def mha_parts(mod: nn.MultiheadAttention, query, key, value, key_padding_mask, a
     if kpm is not None:
         kpm = kpm.view(B, 1, 1, S)
         mask = kpm if mask is None else mask + kpm
-    if mask is None:
-        allowed = torch.ones(B, 1, L, S, dtype=torch.bool, device=q.device)
-    else:
-        allowed = (mask > MASKED_AT).expand(B, mask.shape[1], L, S)  # the bias is split off per head when needed
-    if causal_kernel:
-        allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
     return MHAParts(
-        q=q.view(B, H, L, d), k=k.view(B, H, S, d), v=v.view(B, H, S, d), allowed=allowed, mask=mask,
+        q=q.view(B, H, L, d), k=k.view(B, H, S, d), v=v.view(B, H, S, d), mask=mask,
         scaling=math.sqrt(1.0 / float(d)), extra_keys=extra, causal_kernel=causal_kernel,
     )
 
@@ -386,7 +395,8 @@ class TorchMHAAdapter(Adapter):
                 return None
             # no dispatch mode under inference_mode: there torch hands a dispatch mode whole ops (linear, sdpa)
             # that may then run on other kernels; the output is recomputed instead
-            observe = session.wants(site, "output") and not torch.is_inference_mode_enabled()
+            observe = ((session.wants(site, "output") or session.wants(site, "stats"))
+                       and not torch.is_inference_mode_enabled())
             watch = _OutProjInput(mod.out_proj.weight).start() if observe else None
             calls.append(_Call(bound, forced, watch))
             if not forced:
@@ -505,10 +515,12 @@ class TorchMHAAdapter(Adapter):
             bias = parts.bias_for(heads)
             return s if bias is None else s + bias
 
-        recomputed = Recomputed(
-            scores_of_heads, lambda: parts.allowed if parts.allowed.shape[1] == 1 else _pick(parts.allowed, heads),
-            keep_scores=session.wants(site, "scores"),
-        )
+        def allowed_of_heads() -> torch.Tensor:
+            allowed = parts.allowed
+            return allowed if allowed.shape[1] == 1 else _pick(allowed, heads)
+
+        recomputed = Recomputed(scores_of_heads, allowed_of_heads,
+                                keep_scores=session.wants(site, "scores"))
 
         def weights() -> torch.Tensor:
             # each derived tensor is computed on first use only, for a field the capture keeps (or the output)
@@ -542,16 +554,24 @@ class TorchMHAAdapter(Adapter):
         causal = bool(b["is_causal"]) or (
             attn_mask is not None and forbids_future(~attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT)
         )
+        stats = None
+        if session.wants(site, "stats") and dropout == 0.0:
+            # blockwise from q and k with the call's own mask: no (query x key) tensor (the module's sdpa made none)
+            stats = AttentionCall.for_heads(
+                parts.q, parts.k, parts.v, heads=heads, kv_heads=heads, mask=parts.mask, masked_at=MASKED_AT,
+                causal=parts.causal_kernel, scaling=parts.scaling,
+                output=per_head_out)
         record = session.emit(
             site,
             kind="self" if self_attention else "cross",
+            stats=stats,
             q=parts.q,
             k=parts.k,
             v=parts.v,
             scores=lazy(recomputed.scores, S),
             weights=lazy(weights, S),
             output=per_head_out if per_head_out is not None else (lazy(output, d_v) if dropout == 0.0 else None),
-            allowed=parts.allowed,
+            allowed=None if session.stats_only else parts.allowed,
             query_padding=query_padding,
             causal=causal,
             scaling=parts.scaling,

@@ -30,16 +30,17 @@ from .selection import index_heads
 
 
 def attention_logits(q: torch.Tensor, k: torch.Tensor, *, scaling: float, bias: torch.Tensor | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``(batch, head, rows, d) x (batch, head, keys, d) -> (batch, head, rows, keys)``: ``q @ k^T * scaling``,
-    plus ``bias`` (a position bias), softcapped (``tanh(s / cap) * cap``). A new tensor in ``q``'s dtype.
+    plus ``bias`` (a position bias), softcapped (``tanh(s / cap) * cap``). A new tensor in ``q``'s dtype, or
+    written into ``out`` (contiguous, of that shape: a buffer the caller reuses block after block).
 
     Example::
 
         >>> attention_logits(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 2, 4), scaling=0.5).tolist()
         [[[[2.0, 2.0]]]]
     """
-    logits = torch.matmul(q, k.transpose(-1, -2))
+    logits = torch.matmul(q, k.transpose(-1, -2)) if out is None else torch.matmul(q, k.transpose(-1, -2), out=out)
     if scaling != 1.0:
         logits.mul_(scaling)
     if bias is not None:
@@ -201,14 +202,15 @@ class AttentionCall:
             forbidden = later if forbidden is None else forbidden | later
         return None if forbidden is None else _as_4d(forbidden)
 
-    def logits(self, a: int, b: int, c: int, d: int) -> torch.Tensor:
+    def logits(self, a: int, b: int, c: int, d: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """``(batch, head, b - a, d - c)`` in the compute dtype: scaled ``q @ k`` plus bias, softcapped, plus the
         part of a float mask that is not masking (a relative bias folded into the mask, as Swin does), i.e.
-        the logits the softmax sees at the allowed keys."""
+        the logits the softmax sees at the allowed keys. ``out``: a buffer to write them into (see
+        ``attention_logits``); the result may still be a new tensor (a float mask)."""
         dtype = self.compute_dtype
         bias = None if self.bias is None else _rows(_as_4d(self.bias), a, b, c, d)
         s = attention_logits(self.q[:, :, a:b].to(dtype), self.k[:, :, c:d].to(dtype), scaling=self.scaling,
-                             bias=bias, softcap=self.softcap)
+                             bias=bias, softcap=self.softcap, out=out)
         if self.mask is not None and self.mask.dtype.is_floating_point:
             m = _rows(_as_4d(self.mask), a, b, c, d)
             s = torch.where(mask_allows(m, self.masked_at), s + m.to(dtype), s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,7 +19,7 @@ from .interface import Adapter, Lazy, Site
 from . import threads
 from .intent import Intent, module_intent
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
-from .selection import Selection, Store, int_list, index_heads, kv_heads_for
+from .selection import Selection, Store, int_list, index_heads, kv_heads_for, sampled_rows
 
 
 class Capture(Sequence):
@@ -250,6 +251,8 @@ def select_record_heads(record: AttentionRecord, heads: tuple[int, ...]) -> Atte
         changes["allowed"] = index_heads(record.allowed, positions)[0]
     if record.sinks is not None:
         changes["sinks"] = index_heads(record.sinks, positions, axis=0)[0]
+    if record.stats is not None:  # every statistic is (batch, head, ...)
+        changes["stats"] = {name: index_heads(t, positions)[0] for name, t in record.stats.items()}
     return replace(record, **changes)
 
 
@@ -580,7 +583,7 @@ class CaptureSession:
         call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
         weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
         from .pooling import pool_weights
-        from .stats import attention_stats, stats_from_weights
+        from .stats import attention_stats
 
         where = f"layer {site.layer}, call {call}: stats"
         q_len = None
@@ -589,8 +592,9 @@ class CaptureSession:
                 B, h, q_len, k_len = stats_call.shape
                 diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
                 kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
+                rows = sampled_rows(q_len, self.selection.stats_rows)
                 stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding,
-                                        overview=self.selection.overview, **kwargs)
+                                        overview=self.selection.overview, rows=rows, **kwargs)
                 values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
             else:
                 def selected(name, index):
@@ -614,13 +618,16 @@ class CaptureSession:
                 group = site.num_heads // max(site.num_kv_heads or site.num_heads, 1)
                 v = selected("v", tuple(hd // group for hd in site.heads)) if tensors.get("v") is not None else None
                 output = selected("output", site.heads)
-                stats = stats_from_weights(weights, scores=selected("scores", site.heads), allowed=al, v=v,
-                                           output=None if v is None else output, diag_offset=diag,
-                                           query_padding=query_padding,
-                                           sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
+                rows = sampled_rows(q_len, self.selection.stats_rows)
+                stats = _weights_stats(rows, weights, scores=selected("scores", site.heads), allowed=al, v=v,
+                                       output=None if v is None else output, diag_offset=diag,
+                                       query_padding=query_padding,
+                                       sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
                 if self.selection.overview is not None:
                     stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})
                 values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
+        if rows is not None:  # statistics of a sample of query rows: the record says which, and of how many
+            values["meta"] = {**values["meta"], "stats_rows": rows.tolist(), "stats_query_len": q_len}
         if self.selection.overview is not None and self.selection.overview.windows:
             values["meta"] = {**values["meta"], "stats_windows": [
                 [min(q0, q_len), min(q1, q_len), min(k0, k_len), min(k1, k_len)]
@@ -628,6 +635,41 @@ class CaptureSession:
         nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
         self.store.reserve(nbytes, where)
         return {name: t.to(self.selection.device) for name, t in stats.items()}
+
+
+def _weights_stats(rows: torch.Tensor | None, weights: torch.Tensor, *, scores, allowed, output, diag_offset,
+                   query_padding, **rest):
+    """``stats_from_weights`` of the query rows ``rows`` (None: every row): the row-indexed tensors cut to those rows
+    first, so only they are computed; the diagonal and previous-key statistics, which ``stats_from_weights`` counts
+    from row numbers, are read at each row's own position."""
+    from .stats import stats_from_weights
+
+    if rows is None:
+        return stats_from_weights(weights, scores=scores, allowed=allowed, output=output, diag_offset=diag_offset,
+                                  query_padding=query_padding, **rest)
+
+    def cut(t, axis=2):
+        return t if t is None or t.shape[axis] == 1 else t.index_select(axis, rows.to(t.device))
+
+    w = cut(weights)
+    stats = dict(stats_from_weights(w, scores=cut(scores), allowed=cut(allowed),
+                                    output=cut(output), diag_offset=None,
+                                    query_padding=cut(query_padding, 1), **rest))
+    if diag_offset is not None:
+        B, h, n, Tk = w.shape
+        own = rows.to(w.device) + diag_offset  # (n,) each row's own key
+        for name, key in (("diagonal_mass", own), ("previous_mass", own - 1)):
+            inside = (key >= 0) & (key < Tk)
+            got = w.gather(-1, key.clamp(0, Tk - 1).view(1, 1, n, 1).expand(B, h, n, 1))[..., 0]
+            stats[name] = torch.where(inside, got.to(stats[name].dtype), math.nan)
+        inside = own < Tk
+        if allowed is None:
+            stats["diagonal_allowed"] = inside.view(1, 1, n).expand(B, h, n).clone()
+        else:
+            al = cut(allowed).expand(-1, -1, n, -1)
+            got = al.gather(-1, own.clamp(max=Tk - 1).view(1, 1, n, 1).expand(*al.shape[:2], n, 1))[..., 0]
+            stats["diagonal_allowed"] = (got.to(torch.bool) & inside).expand(B, h, n).clone()
+    return MappingProxyType(stats)
 
 
 def _diag_offset(kind: str, query_offset: int, q_len: int, k_len: int) -> int | None:

@@ -53,7 +53,7 @@ SUMMARY_SCHEMA: dict[str, str] = {
     "layer": "int64",
     "name": "category",
     "head": "int64",
-    "rows": "int64",  # real query rows the means are over (padded and empty rows excluded)
+    "rows": "int64",  # real query rows the means are over (padded, empty excluded; with stats_rows= the sampled ones)
     "entropy": "float32",  # mean entropy of a row, in nats
     "max_weight": "float32",  # mean of each row's largest weight
     "first_key_mass": "float32",  # mean weight on the first key that is not padding
@@ -220,10 +220,11 @@ def stats_frame(records, *, drop_padding: bool = False):
         parts["call"].append(np.full(n, r.call, dtype=np.int64))
         parts["head"].append(np.tile(np.repeat(np.asarray(r.heads, dtype=np.int64), Tq), B))
         parts["batch"].append(np.repeat(np.arange(B, dtype=np.int64), H * Tq))
-        parts["query_pos"].append(np.tile(np.arange(Tq, dtype=np.int64) + r.query_offset, B * H))
+        positions = r.stats_positions.numpy()  # every row, or the rows capture(stats_rows=) sampled
+        parts["query_pos"].append(np.tile(positions + r.query_offset, B * H))
         for c in columns:
             parts[c].append(r.stats[c].detach().cpu().numpy().reshape(-1).astype(STATS_FRAME_SCHEMA[c]))
-        padding = r.query_padding
+        padding = None if r.query_padding is None else r.query_padding.cpu()[:, r.stats_positions]
         parts["query_padding"].append(np.zeros(n, dtype=bool) if padding is None else
                                       padding.cpu().bool()[:, None, :].expand(B, H, Tq).numpy().reshape(-1))
         known.append(np.full(n, padding is not None))
@@ -246,8 +247,8 @@ def _summary_from_stats(r, acc: dict) -> None:
     per-row statistics instead of the weights)."""
     st = {k: v.detach().to("cpu") for k, v in r.stats.items()}
     real = st["allowed_keys"] > 0  # (B, H, Tq): rows with at least one allowed key
-    if r.query_padding is not None:
-        real &= ~r.query_padding.cpu()[:, None, :]
+    if r.query_padding is not None:  # of the rows the statistics describe (all, or those stats_rows= sampled)
+        real &= ~r.query_padding.cpu()[:, r.stats_positions][:, None, :]
     counts = real.sum(dim=(0, 2))
     sums = {col: torch.where(real, st[col].float(), 0.0).sum(dim=(0, 2))
             for col in ("entropy", "max_weight", "first_key_mass", "masked_mass")}

@@ -52,7 +52,8 @@ def head_means(cap) -> list[dict]:
         if not stats:
             raise ClassifyError(f"{rec.name} has no statistics: capture with keep=('stats',) (or scan a data set)")
         batch, heads, queries = stats["entropy"].shape
-        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else ~rec.query_padding.cpu()
+        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else \
+            ~rec.query_padding.cpu()[:, rec.stats_positions]
         real = real[:, None, :].expand(batch, heads, queries)
         values = {name: stats[name].detach().double().cpu() for name in ("previous_mass", "first_key_mass",
                                                                          "diagonal_mass")}

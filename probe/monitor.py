@@ -7,10 +7,13 @@ forward returns (or raises). Between sampled calls nothing is attached, computed
 one counter in a forward pre-hook. Statistics never touch the graph, the gradients or the random stream
 (dropout masks are the same with the monitor on and off).
 
-Each sampled call adds one row per (layer, head) to ``history``: the statistics averaged over the call's real
-query rows (``entropy``, ``max_weight``, ``first_key_mass``, ``diagonal_mass``, ``previous_mass``,
-``masked_mass``, ``row_sum_error``, ``max_score``), and the extremes that matter (``entropy_min``, over rows
-that may attend more than one key, ``max_weight_max``, ``max_score_max``, ``nonfinite_rows``).
+On a sampled call the statistics are those of ``rows`` query rows per head (``capture(stats_rows=rows)``: evenly
+spaced from the first row to the last, the same positions every step for the same length; every row when the
+sequence is shorter, or with ``rows=None``). Each sampled call adds one row per (layer, head) to ``history``: the
+statistics averaged over the sampled real query rows (``rows`` counts them; ``entropy``, ``max_weight``,
+``first_key_mass``, ``diagonal_mass``, ``previous_mass``, ``masked_mass``, ``row_sum_error``, ``max_score``), and
+the extremes that matter (``entropy_min``, over rows that may attend more than one key, ``max_weight_max``,
+``max_score_max``, ``nonfinite_rows``), over the same rows. The history is kept by column (``History``).
 
 The capture itself is not made here: probe/ never imports the adapters; ``attnprobe.monitor`` passes the wired
 ``attnprobe.capture``.
@@ -19,9 +22,11 @@ The capture itself is not made here: probe/ never imports the adapters; ``attnpr
 from __future__ import annotations
 
 import math
+import operator
 import threading
+from array import array
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +47,51 @@ ALERTS = {
     "max_weight_above": ("max_weight_max", ">", "one key took more than this share of a row's weight"),
     "nonfinite": ("nonfinite_rows", ">", "a row had a NaN or infinite weight or logit"),
 }
+
+
+#: the history's columns, in order
+COLUMNS = ("step", "call", "layer", "head", "module", "rows", "nonfinite_rows", *MEANS, *(c for c, _, _ in EXTREMES))
+_WHOLE = ("step", "call", "layer", "head", "rows", "nonfinite_rows")
+
+
+class History(Sequence):
+    """The monitor's rows, kept by column: 8 bytes a value, as in the frame, so resident memory grows as the frame
+    does (a dict per row took about 0.8 KB). Reads as a sequence of dicts (``mon.rows``), oldest first; a slice
+    builds only the rows it names."""
+
+    def __init__(self) -> None:
+        self._columns: dict[str, Any] = {c: [] if c == "module" else array("q" if c in _WHOLE else "d")
+                                         for c in COLUMNS}
+        self._names: dict[str, str] = {}  # one string object per module name
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        for c in COLUMNS:
+            value = row[c]
+            self._columns[c].append(self._names.setdefault(value, value) if c == "module" else value)
+
+    def __len__(self) -> int:
+        return len(self._columns["step"])
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._row(i) for i in range(*index.indices(len(self)))]
+        i = operator.index(index)
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(f"history row {index} out of range ({len(self)} rows)")
+        return self._row(i)
+
+    def _row(self, i: int) -> dict:
+        row = {c: self._columns[c][i] for c in COLUMNS}
+        return {c: math.nan if isinstance(v, float) and v != v else v for c, v in row.items()}  # NaN: one object
+
+    def frame(self):
+        import numpy as np
+        import pandas as pd
+
+        data = {c: list(col) if c == "module" else np.array(col, dtype=np.int64 if c in _WHOLE else np.float64)
+                for c, col in self._columns.items()}
+        return pd.DataFrame(data, columns=list(COLUMNS))
 
 
 class MonitorError(AttnprobeError, ValueError):
@@ -70,20 +120,24 @@ def _alert_spec(alerts: Mapping[str, Any] | None) -> dict[str, float]:
 class Monitor:
     """See ``attnprobe.monitor``."""
 
-    def __init__(self, capture: Callable, model: nn.Module, *, every: int = 100, layers=None, heads=None,
+    def __init__(self, capture: Callable, model: nn.Module, *, every: int = 100, rows: int | None = 64, layers=None,
+                 heads=None,
                  log_dir=None, alerts: Mapping[str, Any] | None = None, raise_on: Iterable[str] = (),
                  block_bytes: int | None = None, writer=None, on_step: Callable | None = None):
         if not isinstance(model, nn.Module):
             raise MonitorError(f"monitor watches a torch.nn.Module, not {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise MonitorError(f"every must be a positive whole number of forward calls, not {every!r}")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise MonitorError(f"rows must be a positive whole number of query rows per head (such as 64), or None "
+                               f"for every row, not {rows!r}")
         self.alert_spec = _alert_spec(alerts)
         self.raise_on = set(raise_on)
         unknown = self.raise_on - set(ALERTS)
         if unknown:
             raise MonitorError(f"raise_on names no alert {', '.join(sorted(unknown))}; the alerts are {', '.join(ALERTS)}")
-        self._capture, self.model, self.every = capture, model, every
-        self._options = {"keep": ("stats",), "layers": layers, "heads": heads}
+        self._capture, self.model, self.every, self.query_rows = capture, model, every, rows
+        self._options = {"keep": ("stats",), "layers": layers, "heads": heads, "stats_rows": rows}
         if block_bytes is not None:
             self._options["block_bytes"] = block_bytes
         # checked now, not at the first sampled step: a wrong layer or head fails before training starts
@@ -93,7 +147,7 @@ class Monitor:
                 pass
         self.calls = 0
         self.step: int | None = None  # set by integrations (the Trainer's global step); else the call number
-        self._rows: list[dict] = []
+        self._rows = History()
         self._alert_rows: list[dict] = []
         self._fired: set = set()
         self._open: Any = None
@@ -147,7 +201,8 @@ class Monitor:
     def _record(self, cap, call: int) -> None:
         step = call if self.step is None else self.step
         new = per_head_rows(cap, step=step, call=call)
-        self._rows.extend(new)
+        for row in new:
+            self._rows.append(row)
         if self._writer is not None:
             for row in new:
                 base = f"attention/layer {row['layer']:02d}/head {row['head']:02d}"
@@ -186,17 +241,14 @@ class Monitor:
         return fired
 
     @property
-    def rows(self) -> tuple[dict, ...]:
-        """The history as plain dicts, oldest first (what ``history`` is built from)."""
-        return tuple(self._rows)
+    def rows(self) -> History:
+        """The history as a sequence of plain dicts, oldest first (``mon.rows[-72:]``: the latest 72)."""
+        return self._rows
 
     @property
     def history(self):
         """One row per sampled step, layer and head: the statistics (a pandas DataFrame)."""
-        import pandas as pd
-
-        columns = ["step", "call", "layer", "head", "module", "rows", "nonfinite_rows", *MEANS, *(c for c, _, _ in EXTREMES)]
-        return pd.DataFrame(self._rows, columns=columns)
+        return self._rows.frame()
 
     @property
     def alerts(self):
@@ -240,7 +292,7 @@ class Monitor:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Monitor(every={self.every}, calls={self.calls}, sampled={len({r['call'] for r in self._rows})}, "
+        return (f"Monitor(every={self.every}, rows={self.query_rows}, calls={self.calls}, sampled={len(set(self._rows._columns['call']))}, "
                 f"alerts={len(self._alert_rows)}, {'open' if self._handles else 'closed'})")
 
 
@@ -252,7 +304,9 @@ def per_head_rows(cap, *, step: int, call: int) -> list[dict]:
         if not stats:
             continue
         batch, heads, queries = stats["entropy"].shape
-        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else ~rec.query_padding.cpu()
+        # the rows the statistics describe: every query row, or the ones rows= sampled (at their real positions)
+        real = torch.ones(batch, queries, dtype=torch.bool) if rec.query_padding is None else \
+            ~rec.query_padding.cpu().bool()[:, rec.stats_positions]
         real = real[:, None, :].expand(batch, heads, queries)
         values = {name: stats[name].detach().double().cpu() for name in MEANS if name in stats}
         finite = stats["finite"].detach().cpu().bool()

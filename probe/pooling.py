@@ -58,27 +58,27 @@ def cell_size(length: int, cells: int | None) -> int:
 
 def _pool_axis(t: torch.Tensor, start: int, size: int, dim: int, op: str) -> tuple[int, torch.Tensor]:
     """Pool ``t`` (whose index 0 along ``dim`` is global position ``start``) into cells of ``size``:
-    ``(first cell, pooled)``. Pads with zeros (weights are >= 0, so a zero never wins a max over real entries)."""
+    ``(first cell, pooled)``. A cell cut by the block's edge is pooled over the part inside (weights are >= 0: the
+    max and the sum over the whole cell come out right once every block is folded in). No copy of ``t`` is made."""
     if size == 1:
         return start, t
     dim = dim % t.dim()
-    off = start % size
-    n = t.shape[dim]
-    ncell = math.ceil((off + n) / size)
-    pad_after = ncell * size - off - n
-    if off or pad_after:
-        shape = list(t.shape)
-        parts = []
-        if off:
-            shape[dim] = off
-            parts.append(t.new_zeros(shape))
-        parts.append(t)
-        if pad_after:
-            shape[dim] = pad_after
-            parts.append(t.new_zeros(shape))
-        t = torch.cat(parts, dim=dim)
-    t = t.unflatten(dim, (ncell, size))
-    return start // size, (t.amax(dim + 1) if op == "max" else t.sum(dim + 1))
+    n, off = t.shape[dim], start % size
+
+    def pool(x: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.amax(axis) if op == "max" else x.sum(axis)
+
+    pieces, i = [], 0
+    if off:  # the end of a cell the previous block began
+        i = min(size - off, n)
+        pieces.append(pool(t.narrow(dim, 0, i), dim).unsqueeze(dim))
+    whole = (n - i) // size * size
+    if whole:
+        pieces.append(pool(t.narrow(dim, i, whole).unflatten(dim, (whole // size, size)), dim + 1))
+        i += whole
+    if i < n:  # the start of a cell the next block ends
+        pieces.append(pool(t.narrow(dim, i, n - i), dim).unsqueeze(dim))
+    return start // size, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 class Pooler:
@@ -100,18 +100,24 @@ class Pooler:
         self.window = [torch.zeros(B, h, q1 - q0, k1 - k0, device=device, dtype=dtype)
                        for q0, q1, k0, k1 in self.windows]
 
-    def add(self, w: torch.Tensor, a: int, c: int) -> None:
-        """Fold in exact weights ``w`` ``(B, h, rows, keys)`` of query rows ``a:`` and keys ``c:`` (each entry once)."""
+    def add(self, w: torch.Tensor, a: int, c: int, row_scale: torch.Tensor | None = None) -> None:
+        """Fold in exact weights ``w`` ``(B, h, rows, keys)`` of query rows ``a:`` and keys ``c:`` (each entry once);
+        with ``row_scale`` ``(B, h, rows)`` the weights are ``w * row_scale[..., None]`` (the engine's ``e`` and
+        ``1 / sum``: applied after pooling over keys, so no block-sized product is made)."""
         n, kn = w.shape[-2], w.shape[-1]
         w = w.to(self.dtype)
+        scale = None if row_scale is None else row_scale.to(self.dtype)[..., None]
         for (q0, q1, k0, k1), out in zip(self.windows, self.window):
             r0, r1, s0, s1 = max(a, q0), min(a + n, q1), max(c, k0), min(c + kn, k1)
             if r0 < r1 and s0 < s1:
-                out[:, :, r0 - q0:r1 - q0, s0 - k0:s1 - k0] = w[:, :, r0 - a:r1 - a, s0 - c:s1 - c]
+                part = w[:, :, r0 - a:r1 - a, s0 - c:s1 - c]
+                out[:, :, r0 - q0:r1 - q0, s0 - k0:s1 - k0] = part if scale is None else part * scale[:, :, r0 - a:r1 - a]
         if self.cells is None:
             return
         ck, kmax = _pool_axis(w, c, self.rk, -1, "max")
         _, ksum = _pool_axis(w, c, self.rk, -1, "sum")
+        if scale is not None:
+            kmax, ksum = kmax * scale, ksum * scale
         cq, qmax = _pool_axis(kmax, a, self.rq, -2, "max")
         _, qsum = _pool_axis(ksum, a, self.rq, -2, "sum")
         region = (slice(None), slice(None), slice(cq, cq + qmax.shape[-2]), slice(ck, ck + qmax.shape[-1]))

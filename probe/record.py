@@ -125,7 +125,9 @@ class AttentionRecord:
     stats: Mapping[str, torch.Tensor] | None = None
     """Per-row statistics (read-only mapping, ``capture(keep=("stats",))``): ``attnprobe.probe.stats.ROW_STATS``
     ``(batch, head, query)`` and ``KEY_STATS`` ``(batch, head, key)``, computed blockwise from q and k without
-    a ``(query, key)`` tensor; None when not asked for."""
+    a ``(query, key)`` tensor; None when not asked for. With ``capture(stats_rows=)`` the row statistics are those
+    of a sample of query rows, ``(batch, head, sample)``: ``meta["stats_rows"]`` lists their positions among the
+    call's queries (``stats_positions``) and ``meta["stats_query_len"]`` how many queries the call had."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("self", "cross"):
@@ -159,8 +161,20 @@ class AttentionRecord:
     def query_len(self) -> int | None:
         t = self._first_tensor(("weights", "scores", "q", "output", "allowed"))
         if t is None and self.stats is not None:
+            if "stats_query_len" in self.meta:  # statistics of sampled rows (capture(stats_rows=))
+                return int(self.meta["stats_query_len"])
             t = self.stats["entropy"]
         return None if t is None else int(t.shape[2])
+
+    @property
+    def stats_positions(self) -> torch.Tensor | None:
+        """``(n,)`` long: the query rows (indices among the call's queries) that ``stats``' row statistics describe,
+        in order; None when there are no statistics. Every row unless captured with ``stats_rows=``."""
+        if self.stats is None:
+            return None
+        if "stats_rows" in self.meta:
+            return torch.as_tensor(list(self.meta["stats_rows"]), dtype=torch.long)
+        return torch.arange(int(self.stats["entropy"].shape[2]))
 
     @property
     def key_len(self) -> int | None:

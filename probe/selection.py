@@ -151,6 +151,39 @@ def overview_of(overview, keep) -> object | None:
     return overview
 
 
+def stats_rows_of(stats_rows, keep, overview) -> int | None:
+    """``capture(stats_rows=)``: None (every query row) or a positive whole number of rows; needs ``"stats"`` in
+    keep and no overview (an overview pools every row)."""
+    if stats_rows is None:
+        return None
+    if isinstance(stats_rows, bool) or not hasattr(stats_rows, "__index__") or operator.index(stats_rows) < 1:
+        raise SelectionError(f"stats_rows must be a positive whole number of query rows (such as 64), or None for "
+                             f"every row, got {stats_rows!r}")
+    if "stats" not in keep:
+        raise SelectionError('stats_rows= samples the rows of the statistics engine: add "stats" to keep=')
+    if overview is not None:
+        raise SelectionError("stats_rows= cannot be combined with overview=: an overview pools every query row; "
+                             "leave one of them out")
+    return operator.index(stats_rows)
+
+
+def sampled_rows(length: int, count: int | None) -> torch.Tensor | None:
+    """The query rows ``stats_rows=count`` samples from a call of ``length`` rows: ``count`` positions evenly spaced
+    from the first row to the last (both included), the same ones for the same length; None (every row) when
+    ``count`` is None or not less than ``length``.
+
+    Example::
+
+        >>> sampled_rows(10, 4).tolist(), sampled_rows(10, 1).tolist(), sampled_rows(3, 4)
+        ([0, 3, 6, 9], [9], None)
+    """
+    if count is None or count >= length:
+        return None
+    if count == 1:
+        return torch.tensor([length - 1])
+    return torch.arange(count) * (length - 1) // (count - 1)  # a step >= 1: ascending, no repeats
+
+
 @dataclass(frozen=True)
 class Selection:
     """A validated capture request. Build it with ``Selection.build(...)``."""
@@ -166,10 +199,13 @@ class Selection:
     """Memory target of one block of the statistics engine (``keep=("stats",)``); None = its default."""
     overview: object | None = None
     """``probe.pooling.Overview``: pooled weights and exact windows a statistics capture also keeps; None = none."""
+    stats_rows: int | None = None
+    """Statistics of at most this many query rows per call (``sampled_rows``: evenly spaced, the last one
+    included); None = every row."""
 
     @classmethod
     def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-              block_bytes=None, overview=None) -> "Selection":
+              block_bytes=None, overview=None, stats_rows=None) -> "Selection":
         layer_tuple = None if layers is None else int_list(layers, "layers")
         head_tuple, by_layer = None, None
         if isinstance(heads, Mapping):
@@ -221,8 +257,10 @@ class Selection:
                                         or operator.index(block_bytes) <= 0):
             raise SelectionError(f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
                                  f"as '32MB', got {block_bytes!r}")
+        overview = overview_of(overview, keep_set)
         return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes,
-                   None if block_bytes is None else operator.index(block_bytes), overview_of(overview, keep_set))
+                   None if block_bytes is None else operator.index(block_bytes), overview,
+                   stats_rows_of(stats_rows, keep_set, overview))
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
         """Check layer numbers against the model (negative numbers count from the end).
@@ -268,7 +306,7 @@ class Selection:
                     "add them to layers=, or leave layers out (the keys of heads={...} then choose the layers)"
                 )
         return Selection(resolved, self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes,
-                         self.block_bytes, self.overview)
+                         self.block_bytes, self.overview, self.stats_rows)
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers

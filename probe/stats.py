@@ -258,12 +258,25 @@ class _Engine:
         self.dtype, self.device, self.diag_offset = dtype, device, diag_offset
         self.sinks = None if call.sinks is None else call.sinks.to(device, dtype).view(1, -1, 1)
         self.v = None if call.output is None or call.v is None else call.v.to(dtype)
-        self.v_abs = None if self.v is None else self.v.abs()
+        # [v, |v|] side by side: one product per block gives the output and its scale (weights are >= 0)
+        self.v_both = None if self.v is None else torch.cat([self.v, self.v.abs()], dim=-1)
         self.key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
         self.key_allowed = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)
         self.parts: list[dict] = []
         self.first_key = self._first_attendable()  # (B, h, 1): the key first_key_mass reads
         self.pool: Pooler | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A ``shape`` view of buffer ``name``, made once at the size of the largest block (the first block of rows
+        against every key) and reused by every block: blocks of many sizes would otherwise fragment the heap
+        (resident memory 2.5x the plain forward at 16k tokens) and page in fresh memory each time."""
+        need = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < need:
+            size = max(need, math.prod(shape[:-1]) * self.Tk)
+            buf = self._buffers[name] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buf[:need].view(shape)
 
     def _first_attendable(self) -> torch.Tensor:
         """``(B, h, 1)`` the first key some query may attend (0 under a causal mask alone), read from the mask a
@@ -295,6 +308,8 @@ class _Engine:
         return s, allowed, z
 
     def rows(self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor) -> None:
+        if len(blocks) == 1:
+            return self._one_block(a, b, *blocks[0], counted)
         B, h, n, dtype, device = self.B, self.h, b - a, self.dtype, self.device
         m = torch.full((B, h, n), -math.inf, device=device, dtype=dtype)
         arg = torch.zeros(B, h, n, dtype=torch.long, device=device)
@@ -351,12 +366,14 @@ class _Engine:
                 acc["allowed_keys"] += allowed.sum(-1, dtype=torch.long).expand(B, h, n)
                 self.key_allowed[..., c:d] |= allowed.any(-2).expand(B, h, d - c)
                 if diag is not None:
-                    got = torch.zeros(allowed.shape[:3], dtype=torch.bool, device=device)
-                    _gather(allowed, diag, c, d, got)
+                    rows = allowed.expand(*allowed.shape[:2], n, d - c)  # a mask the same for every query: a view
+                    got = torch.zeros(rows.shape[:3], dtype=torch.bool, device=device)
+                    _gather(rows, diag, c, d, got)
                     acc["diag_allowed"] |= got
             if out is not None:
-                out += e @ self.v[:, :, c:d]
-                scale += e @ self.v_abs[:, :, c:d]
+                both = e @ self.v_both[:, :, c:d]
+                out += both[..., :dv]
+                scale += both[..., dv:]
             # entropy needs sum e * z over the allowed keys: s (zero at forbidden keys) times e, in place in s,
             # which nothing reads again
             acc["dot"] += s.mul_(e).sum(-1)
@@ -372,19 +389,98 @@ class _Engine:
             self._key_sums(e, c, d, real, acc, l_final=self._total(l, shift))
         self.parts.append(self._finish(a, b, m, arg, l, shift, empty, diag, acc, out, scale))
 
+    def _one_block(self, a: int, b: int, c: int, d: int, counted: torch.Tensor) -> None:
+        """Rows ``a:b`` whose keys ``c:d`` fit one block: every statistic in one pass over the block, with as few
+        full-size passes as the math allows (the logits, their max, ``e = exp(z - max)``, and reductions of ``e``).
+        Index statistics (argmax, first and last key above the threshold) come from chunk maxima of ``e``: one
+        cheap pass, then a look inside the one chunk that holds the answer (a comparison over the whole block
+        and an index reduction cost ten times more on CPUs). A causal mask alone is applied to the keys some
+        row of the block may not see (a tile as wide as the block), not to the whole block."""
+        B, h, n, dtype, device, call = self.B, self.h, b - a, self.dtype, self.device, self.call
+        positions = call.row_positions(a, b)
+        diag = None if self.diag_offset is None else positions + self.diag_offset
+        shape = (B, h, n, d - c)
+        s = call.logits(a, b, c, d, out=self._scratch("logits", shape))  # (B, h, n, K), ours to change
+        allowed = None
+        if call.mask is not None:
+            allowed = call.allowed(a, b, c, d)  # (B or 1, 1 or h, n, K), usually the same for every head
+            forbid = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
+            z = torch.add(s, forbid, out=self._scratch("weights", shape))
+        else:
+            z, tile = s, None
+            if call.causal:  # keys from `lo` on are later than some row's own position: mask that tile only
+                limit = positions + call.causal_offset + 1  # (n,) the first key each row may not attend
+                lo = min(max(int(limit.min()) - c, 0), d - c)
+                if lo < d - c:
+                    later = torch.arange(c + lo, d, device=device)[None, :] >= limit[:, None]
+                    tile = (lo, later, s[..., lo:].clone())
+                    s[..., lo:].masked_fill_(later, -math.inf)
+        m, arg = z.max(-1)  # the largest logit at an allowed key (-inf: none is allowed; NaN: a NaN logit), its key
+        arg = arg + c
+        shift = torch.where(torch.isfinite(m), m, 0.0)
+        s.sub_(shift[..., None])  # in place from here on: the logits minus the row's max (what the entropy reads)
+        if z is s:
+            e = torch.exp(s, out=self._scratch("weights", shape))
+            if tile is not None:  # zero where the row may not attend (they were -inf for the exp)
+                lo, later, raw = tile
+                s[..., lo:] = raw.sub_(shift[..., None]).masked_fill_(later, 0.0)
+        else:
+            e = z.sub_(shift[..., None]).exp_()  # in place: z is not needed again
+        empty = torch.isneginf(m)
+        l = e.sum(-1)
+        total = self._total(l, shift)
+        first, last = _hits(e, WEIGHT_THRESHOLD * total)
+        # sum e * (z - max): the entropy without the cancellation of adding the max and taking it off again
+        dot = torch.einsum("bhqk,bhqk->bhq", e, s)
+        if allowed is not None and not bool(torch.isfinite(dot).all()):
+            # a NaN or inf logit at a key the row may not attend meets e = 0 there: count only allowed keys
+            dot = torch.einsum("bhqk,bhqk->bhq", e, torch.where(allowed, s, 0.0))
+        acc = {"l": l, "dot": dot, "dot_shifted": True, "min": e.amin(-1), "a": a,
+               "first_e": torch.zeros_like(l), "diag_e": torch.full_like(l, math.nan),
+               "prev_e": torch.full_like(l, math.nan),
+               "first": torch.where(first >= 0, first + c, self.Tk), "last": torch.where(last >= 0, last + c, -1)}
+        _gather(e, self.first_key.expand(B, h, n), c, d, acc["first_e"])
+        if diag is not None:
+            _gather(e, diag, c, d, acc["diag_e"])
+            _gather(e, diag - 1, c, d, acc["prev_e"])
+        if allowed is None:  # every key, or a causal mask alone: counted from positions
+            limit = positions + call.causal_offset + 1 if call.causal else torch.full_like(positions, d)
+            acc["allowed_keys"] = (limit.clamp(c, d) - c).view(1, 1, -1).expand(B, h, n).clone()
+            reach = min(d, call.key_limit(b)) if call.causal else d
+            self.key_allowed[..., c:max(c, reach)] = True
+            acc["diag_allowed"] = torch.zeros(B, h, n, dtype=torch.bool, device=device)
+            if diag is not None:
+                acc["diag_allowed"] |= ((diag >= c) & (diag < d) & (diag < limit)).view(1, 1, -1)
+        else:
+            acc["allowed_keys"] = allowed.sum(-1, dtype=torch.long).expand(B, h, n).clone()
+            self.key_allowed[..., c:d] |= allowed.any(-2).expand(B, h, d - c)
+            acc["diag_allowed"] = torch.zeros(B, h, n, dtype=torch.bool, device=device)
+            if diag is not None:
+                rows = allowed.expand(*allowed.shape[:2], n, d - c)  # a mask the same for every query: a view
+                _gather(rows, diag, c, d, acc["diag_allowed"])
+        if d < self.Tk or c > 0:  # keys this block of rows cannot reach weigh 0
+            acc["min"].clamp_(max=0.0)
+        inv = torch.where(total > 0, 1.0 / total, 0.0)
+        real = counted.view(B, 1, n) * ~empty
+        self.key_weight[..., c:d] += (real * inv).unsqueeze(-2).matmul(e).squeeze(-2)
+        if self.pool is not None:
+            self.pool.add(e, a, c, row_scale=inv)
+        out = scale = None
+        if self.v is not None:
+            dv = self.v.shape[-1]
+            both = e @ self.v_both[:, :, c:d]
+            out, scale = both[..., :dv], both[..., dv:]
+        self.parts.append(self._finish(a, b, m, arg, l, shift, empty, diag, acc, out, scale))
+
     def _key_sums(self, e, c, d, real, acc, *, l_final) -> None:
         """Sums over this block's keys that need each row's normaliser: key_weight, first/last key."""
         inv = torch.where(l_final > 0, 1.0 / l_final, 0.0)
         self.key_weight[..., c:d] += (real * inv).unsqueeze(-2).matmul(e).squeeze(-2)
-        hit = (e > (WEIGHT_THRESHOLD * l_final)[..., None]).view(torch.uint8)  # weight > threshold, e not divided
-        first = hit.argmax(-1)  # the first maximum: the first hit, or 0 when there is none
-        any_hit = hit.gather(-1, first.unsqueeze(-1)).squeeze(-1).bool()
-        first = first + c
-        last = (d - 1) - hit.flip(-1).argmax(-1)
-        acc["first"] = torch.where(any_hit, torch.minimum(acc["first"], first), acc["first"])
-        acc["last"] = torch.where(any_hit, torch.maximum(acc["last"], last), acc["last"])
+        first, last = _hits(e, WEIGHT_THRESHOLD * l_final)  # weight > threshold, e not divided
+        acc["first"] = torch.where(first >= 0, torch.minimum(acc["first"], first + c), acc["first"])
+        acc["last"] = torch.where(last >= 0, torch.maximum(acc["last"], last + c), acc["last"])
         if self.pool is not None:
-            self.pool.add(e * inv[..., None], acc["a"], c)
+            self.pool.add(e, acc["a"], c, row_scale=inv)
 
     def _total(self, l: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """The softmax normaliser in units of ``e``: ``l``, plus ``exp(sink - shift)`` with attention sinks."""
@@ -395,7 +491,8 @@ class _Engine:
         total = self._total(l, shift)
         expected = 1.0 if sinks is None else 1.0 - torch.exp(sinks - shift) / total
         inv = torch.where(total > 0, 1.0 / total, 0.0)
-        lse = torch.log(total) + shift
+        # entropy = log(total) + shift - sum(e * z) / total, with the shift taken out of both where it was
+        lse = torch.log(total) + (0.0 if acc.get("dot_shifted") else shift)
         stats = {
             "entropy": torch.where(l > 0, lse * (l * inv) - acc["dot"] * inv, 0.0),
             "max_weight": torch.where(empty, 0.0, torch.exp(m - shift) * inv),
@@ -448,6 +545,60 @@ class _Engine:
     def result(self) -> Mapping[str, torch.Tensor]:
         return _collect(self.parts, self.key_weight, self.key_allowed,
                         None if self.pool is None else self.pool.result())
+
+
+#: Keys per chunk of ``_chunk_max``: index statistics look inside one chunk per row.
+_CHUNK = 64
+
+
+def _chunk_max(e: torch.Tensor) -> torch.Tensor:
+    """``(..., K) -> (..., ceil(K / _CHUNK))``: the largest value of each chunk of ``_CHUNK`` keys."""
+    K = e.shape[-1]
+    whole = K - K % _CHUNK
+    parts = []
+    if whole:
+        parts.append(e[..., :whole].unflatten(-1, (whole // _CHUNK, _CHUNK)).amax(-1))
+    if whole < K:
+        parts.append(e[..., whole:].amax(-1, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _inside(e: torch.Tensor, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of chunk ``chunk`` ``(...)`` of each row of ``e`` ``(..., K)``: ``(..., _CHUNK)`` values and their
+    key indices (keys past ``K`` repeat the last key and are never reported: callers mask them with ``valid``)."""
+    K = e.shape[-1]
+    keys = chunk.unsqueeze(-1) * _CHUNK + torch.arange(_CHUNK, device=e.device)
+    return e.gather(-1, keys.clamp(max=K - 1)), keys
+
+
+def _first_true(found: torch.Tensor) -> torch.Tensor:
+    """Index of the first True along the last axis (0 when there is none)."""
+    return found.to(torch.uint8).argmax(-1)
+
+
+def _last_true(found: torch.Tensor) -> torch.Tensor:
+    """Index of the last True along the last axis (the last index when there is none)."""
+    return found.shape[-1] - 1 - found.flip(-1).to(torch.uint8).argmax(-1)
+
+
+def _hits(e: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, last)`` ``(...)``: the first and last key whose value in ``e`` ``(..., K)`` is ``> threshold``
+    (``(...)``), -1 when none is. Long rows go by chunk maxima: one cheap pass over ``e``, then a look inside the
+    first and the last chunk that holds a hit (a comparison over the whole block and an index reduction of it
+    cost ten times more on CPUs); short rows, where that detour costs more than it saves, directly."""
+    threshold = threshold.unsqueeze(-1)
+    K = e.shape[-1]
+    if K < 16 * _CHUNK:
+        hit = e > threshold
+        some = hit.any(-1)
+        return torch.where(some, _first_true(hit), -1), torch.where(some, _last_true(hit), -1)
+    in_chunk = _chunk_max(e) > threshold
+    some = in_chunk.any(-1)
+    values, keys = _inside(e, _first_true(in_chunk))
+    first = keys.gather(-1, _first_true((values > threshold) & (keys < K)).unsqueeze(-1)).squeeze(-1)
+    values, keys = _inside(e, _last_true(in_chunk))
+    last = keys.gather(-1, _last_true((values > threshold) & (keys < K)).unsqueeze(-1)).squeeze(-1)
+    return torch.where(some, first, -1), torch.where(some, last, -1)
 
 
 def _gather(t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:

@@ -279,6 +279,7 @@ def diff_html(
         masked_scores=masked_scores,
         compare_columns=[c for c in COMPARE_SCHEMA if c != "kind"],
         compare_rows=rows,
+        monitor=None,
         meta_json=script_json(data.meta),
         blobs=data.blobs,
         elapsed=time.perf_counter() - started,

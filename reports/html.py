@@ -450,19 +450,23 @@ def sort_value(x) -> str:
     return str(x)
 
 
-def render(template: str, *, script_name: str = "report.js", **context):
-    """Render ``template`` with the page script (``static/<script_name>``) and style inlined and a CSP that pins
-    the script.
+def render(template: str, *, script_name: str = "report.js", page_scripts: tuple[str, ...] = (), **context):
+    """Render ``template`` with the page script (``static/<script_name>``), any further ``page_scripts`` (names in
+    ``static/``, e.g. ``("monitor.js",)`` for a report's Monitor section) and the style inlined, and a CSP that pins
+    each script by its own hash (no 'unsafe-inline', no eval).
 
     Returns an iterator of text chunks (a file is written without holding the whole document twice).
     """
-    script = _static(script_name)
-    if "</script" in script.lower() or "<!--" in script:
-        raise AssertionError("the report script must not contain '</script' or '<!--'")
-    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+    names = (script_name, *page_scripts)
+    scripts = [_static(name) for name in names]
+    for name, text in zip(names, scripts):
+        if "</script" in text.lower() or "<!--" in text:
+            raise AssertionError(f"the page script {name} must not contain '</script' or '<!--'")
+    digests = [base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") for text in scripts]
+    hashes = " ".join(f"'sha256-{digest}'" for digest in digests)
     csp = (
         "default-src 'none'; "
-        f"script-src 'sha256-{digest}'; "
+        f"script-src {hashes}; "
         "style-src 'unsafe-inline'; "
         "base-uri 'none'; form-action 'none'"
     )
@@ -470,7 +474,8 @@ def render(template: str, *, script_name: str = "report.js", **context):
     return env.get_template(template).generate(
         csp=csp,
         style=_static("report.css"),
-        script=script,
+        script=scripts[0],
+        page_scripts=scripts[1:],
         fmt=fmt,
         sort_value=sort_value,
         display_token=display_token,
@@ -625,18 +630,45 @@ def input_facts(records: list[AttentionRecord], batch, data: ReportData, tokens,
     }
 
 
+def monitor_section(monitor, *, alerts=None, stats=None, report: bool = True) -> dict[str, Any] | None:
+    """What a page's monitor part shows (``reports.monitor_data.monitor_context``, its data as the page's JSON in
+    ``meta_json``): the Monitor section of ``to_html(monitor=)`` (``report=True``: errors name ``monitor_alerts=``
+    and ``monitor_stats=``) or ``monitor_html``'s page. A report without a monitor: None (refusing alerts or
+    statistics given without one). ``stats`` None: ``PAGE_STATS``."""
+    from .monitor_data import PAGE_STATS, monitor_context
+
+    if monitor is None and report:
+        if alerts is not None or stats is not None:
+            given = "monitor_alerts=" if alerts is not None else "monitor_stats="
+            raise TypeError(f"{given} was given without monitor=: pass the monitor (or its history) as monitor=")
+        return None
+    context = monitor_context(monitor, alerts=alerts, stats=PAGE_STATS if stats is None else stats, report=report)
+    context["meta_json"] = script_json(context.pop("meta"))
+    return context
+
+
 def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bool | None = True,
-                 title: str | None = None, precision: str = "exact", overwrite: bool = False):
-    """The HTML report of a statistics-only capture (see the module doc); ``to_html`` calls it for one."""
+                 title: str | None = None, precision: str = "exact", overwrite: bool = False, monitor=None,
+                 monitor_alerts=None, monitor_stats=None):
+    """The HTML report of a statistics-only capture (see the module doc); ``to_html`` calls it for one.
+    ``monitor=``, ``monitor_alerts=``, ``monitor_stats=``: a Monitor section, as ``to_html`` takes them."""
     from .long import build_long_data, stats_only
 
     started = time.perf_counter()
     check_precision(precision)
     if path is not None:
         output_path(path, overwrite=overwrite)
+    monitor_part = monitor_section(monitor, alerts=monitor_alerts, stats=monitor_stats)
     records = list(capture)
     if not stats_only(capture):
         raise AttnprobeError("to_html_long takes a statistics-only capture (keep=('stats',)); use to_html")
+    sampled = [r for r in records if "stats_rows" in r.meta]
+    if sampled:
+        raise AttnprobeError(
+            f"layer {sampled[0].layer} has the statistics of {len(sampled[0].meta['stats_rows'])} sampled query rows "
+            f"of {sampled[0].query_len} (capture(stats_rows=)): the long-input report draws every row along the "
+            "sequence. Capture without stats_rows= for the report; a monitor's history has its own page, "
+            "attnprobe.reports.monitor_html(mon)")
     if checks is True:
         from ..probe.checks import check
 
@@ -659,6 +691,8 @@ def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bo
         precision=precision,
         checks_text=None if not checks else checks.table(),
         checks_ok=None if not checks else checks.ok,
+        monitor=monitor_part,
+        page_scripts=("monitor.js",) if monitor_part else (),
         meta_json=script_json({"records": data, "precision": precision}),
         blobs=ids,
         elapsed=time.perf_counter() - started,
@@ -679,6 +713,9 @@ def to_html(
     masked_scores: bool = False,
     overwrite: bool = False,
     max_values: int | None = MAX_VALUES,
+    monitor=None,
+    monitor_alerts=None,
+    monitor_stats=None,
 ):
     """Write one self-contained HTML report of ``capture``; return the document when ``path`` is None.
 
@@ -691,6 +728,11 @@ def to_html(
     every float32 value bit for bit; ``"bfloat16"`` rounds values to about 3 significant digits for a file about half the size (the page
     says so). Scores of cells the query may not attend are left out unless ``masked_scores=True``.
     With ``path``, an existing file is replaced only with ``overwrite=True``; returns the path.
+
+    ``monitor``: a training run watched by ``attnprobe.monitor`` (the monitor, an ``AttnprobeCallback``, or its
+    history frame with ``monitor_alerts=mon.alerts`` beside it) adds a Monitor section with the plots and alerts
+    table of ``monitor_html`` (``monitor_stats``: the statistics drawn, as its ``stats=``); its script is pinned by
+    its own hash in the page's Content-Security-Policy, beside the report's.
 
     Records captured under ``generate`` (with ``step``) are shown stitched (``attnprobe.stitch``).
     A statistics-only capture (``keep=("stats",)``, long inputs) gets the long-input page of ``reports.long``:
@@ -714,10 +756,12 @@ def to_html(
                                      "pass one row, e.g. batch=0 (--batch 0)")
             batch = batch[0]
         return to_html_long(capture, path, batch=batch or 0, checks=checks, title=title, precision=precision,
-                            overwrite=overwrite)
+                            overwrite=overwrite, monitor=monitor, monitor_alerts=monitor_alerts,
+                            monitor_stats=monitor_stats)
     started = time.perf_counter()
     if path is not None:
         output_path(path, overwrite=overwrite)  # fail before the work
+    monitor_part = monitor_section(monitor, alerts=monitor_alerts, stats=monitor_stats)
     records, undrawn, stitched = shown_records(capture)
     rows, _ = report_rows(records, batch, max_values)
     data = build_data([records], batch=rows, tokens=tokens, key_tokens=key_tokens, precision=precision,
@@ -753,6 +797,8 @@ def to_html(
         summary=summary,
         summary_targets={(m["layer"], h): f"#head-{m['id']}-{h}" for m in reversed(data.meta["records"]) for h in m["heads"]},
         checks=panel,
+        monitor=monitor_part,
+        page_scripts=("monitor.js",) if monitor_part else (),
         meta_json=script_json(data.meta),
         blobs=data.blobs,
         elapsed=time.perf_counter() - started,

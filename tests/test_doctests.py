@@ -15,7 +15,7 @@ CORE_MODULES = {
     "attnprobe.probe.interface": False,
     "attnprobe.probe.record": True,
     "attnprobe.probe.modules": True,
-    "attnprobe.probe.selection": False,
+    "attnprobe.probe.selection": True,
     "attnprobe.probe.frames": True,
     "attnprobe.probe.attention_math": True,
     "attnprobe.probe.generation": False,  # its example needs a generating model: shown as comments

@@ -54,3 +54,8 @@ def test_every_example_is_run_by_these_tests():
 def test_entropy_collapse_example_runs(tmp_path):
     done = run_example("entropy_collapse.py", ["--steps", "20"], tmp_path)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert (tmp_path / "entropy_collapse.png").stat().st_size > 0
+    pages = sorted(p.name for p in tmp_path.glob("entropy_collapse-lr*.html"))
+    assert pages == ["entropy_collapse-lr0.001.html", "entropy_collapse-lr0.03.html"], pages
+    page = (tmp_path / pages[0]).read_text(encoding="utf-8")
+    assert page.startswith("<!doctype html>") and 'id="plot-entropy_min"' in page and 'id="alerts"' in page

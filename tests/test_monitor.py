@@ -206,3 +206,24 @@ def test_monitor_plot_draws_one_line_per_layer_or_head():
         attnprobe.reports.monitor_plot(history, "loss")
     with pytest.raises(TypeError, match="mon.history"):
         attnprobe.reports.monitor_plot(mon)
+
+
+def test_history_keeps_about_eight_bytes_a_value_not_a_dict_per_row():
+    """Resident memory grows as the history frame does: the rows are kept by column, not as one dict each."""
+    import tracemalloc
+
+    from attnprobe.probe.monitor import COLUMNS, History
+
+    history = History()
+    template = {c: 0 for c in COLUMNS} | {"module": "layers.0"}
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(20_000):
+        history.append({**template, "step": i, "entropy": i * 0.5, "module": f"layers.{i % 2}"})
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 20_000 * (8 * len(COLUMNS)) * 1.5, grown  # a dict per row: about 0.8 KB each
+    assert len(history) == 20_000 and history[-1]["step"] == 19_999 and history[3]["entropy"] == 1.5
+    assert [r["step"] for r in history[5:8]] == [5, 6, 7] and history[0]["module"] == "layers.0"
+    frame = history.frame()
+    assert list(frame.columns) == list(COLUMNS) and frame["step"].dtype == "int64" and len(frame) == 20_000

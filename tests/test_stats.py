@@ -105,6 +105,34 @@ def test_sampled_rows_get_the_statistics_of_those_rows(case, block_bytes):
         attention_stats(call, rows=torch.tensor([3, 1]))
 
 
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+def test_long_rows_find_argmax_and_first_and_last_keys_by_chunks(mask):
+    """Rows of 1,000+ keys take the chunked search for the first and last key above the threshold: the same keys
+    as the full weights give, also when the hit sits in the last, partial chunk or there is none (empty rows)."""
+    torch.manual_seed(3)
+    B, h, T, D = 2, 2, 1100, 8
+    q, k = torch.randn(B, h, T, D) * 3, torch.randn(B, h, T, D) * 3
+    k[:, :, -1] = q[:, :, -1]  # the last query attends its own key, in the last (partial) chunk of 64 keys
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, :70] = True  # left padding
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    if mask == "causal":
+        allowed, call = causal.expand(B, 1, T, T), AttentionCall(q, k, scaling=1.0, causal=True)
+    else:
+        allowed = (causal[None, None] & ~pad[:, None, None, :])
+        call = AttentionCall(q, k, scaling=1.0, mask=allowed)
+    s = attention_logits(q, k, scaling=1.0)
+    w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    got = attention_stats(call, diag_offset=0, block_bytes=8 << 20)
+    want = stats_from_weights(w, scores=s, allowed=allowed, diag_offset=0)
+    for name in ("first_key", "last_key", "argmax_key", "allowed_keys"):
+        assert torch.equal(got[name], want[name]), name
+    assert (got["last_key"][:, :, -1] == T - 1).sum() >= 3  # hits in the last, partial chunk (keys 1088+) were found
+    if mask == "padding":
+        assert (got["first_key"][1, :, :70] == -1).all() and (got["first_key"][1, :, 70:] >= 70).all()
+    assert_stats_equal(got, want, atol=2e-5)
+
+
 def test_engine_causal_counts_and_positions():
     q = k = torch.zeros(1, 1, 4, 2)
     s = attention_stats(AttentionCall(q, k, scaling=1.0, causal=True), diag_offset=0)
@@ -307,6 +335,39 @@ def test_statistics_never_allocate_a_full_query_by_key_tensor(keep):
                                                          diag_offset=0, block_bytes=256 << 10))
     assert engine < one_head // 4, engine
     assert _largest_allocation(lambda: run(keep=keep, block_bytes=256 << 10)) <= max(plain, one_head // 4)
+    assert _largest_allocation(lambda: run(keep=("weights",))) >= one_head
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_multihead_attention_statistics_never_allocate_a_full_query_by_key_tensor(causal):
+    """nn.MultiheadAttention's fast path (need_weights=False) runs sdpa: its statistics come from q and k blockwise,
+    with its own masks (a causal mask, key padding), the same as the full capture's, without a (query x key) tensor
+    (the full capture, which keeps the weights, allocates one: the bound can fail)."""
+    torch.manual_seed(0)
+    T, E = 512, 16
+    mha = torch.nn.MultiheadAttention(E, 4, batch_first=True).eval()
+    x = torch.randn(2, T, E)
+    pad = torch.zeros(2, T, dtype=torch.bool)
+    pad[1, -40:] = True
+    kwargs = {"need_weights": False, "key_padding_mask": pad}
+    if causal:
+        kwargs.update(attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(T), is_causal=True)
+        kwargs.pop("key_padding_mask")
+
+    def run(**options):
+        with torch.no_grad(), attnprobe.capture(mha, **options) as cap:
+            mha(x, x, x, **kwargs)
+        return cap
+
+    stats_cap, full_cap = run(keep=("stats",), block_bytes=256 << 10), run()
+    rec = stats_cap[0]
+    assert rec.meta["stats_source"] == "blockwise" and rec.allowed is None
+    assert_stats_equal(rec.stats, record_stats(full_cap[0]))
+    assert (rec.stats["output_error"] < 1e-5).all()  # weights @ v against the output the module computed
+    one_head = T * T * 4
+    # torch's own kernel allocates a (query x key) bool buffer (a quarter of one head's float matrix), and, with a
+    # key padding mask, a (batch, head, query, key) float mask: the capture adds nothing of that size
+    assert _largest_allocation(lambda: run(keep=("stats",), block_bytes=256 << 10)) < one_head // 2
     assert _largest_allocation(lambda: run(keep=("weights",))) >= one_head
 
 

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import warn_user
+from ..errors import SelectionError, warn_user
 from ..lint import attribute_causes
 from ..record import AttentionRecord
 from ..violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
@@ -121,6 +121,12 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
             if not run.selected:
                 continue
             record_shapes(rec, index)
+            if rec.weights is None and rec.stats is not None and "stats_rows" in rec.meta:
+                raise SelectionError(
+                    f"record {index} ({rec.name!r}, layer {rec.layer}) has the statistics of "
+                    f"{len(rec.meta['stats_rows'])} sampled query rows of {rec.query_len} (capture(stats_rows=), "
+                    "attnprobe.monitor(rows=)): the checks need every row. Capture without stats_rows= "
+                    "(keep=('stats',) checks every row in O(T) memory), or with rows=None in the monitor")
             if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
                 for c in run.selected:
                     run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
