@@ -4,8 +4,8 @@ Every figure is measured in one run with the variants interleaved: each round ru
 once, in a shuffled order, and a ratio is the median over rounds of that round's ratio, so load
 from other processes hits both sides of a ratio alike:
 
-    full capture            / eager + output_attentions=True   (what users do today)   target <= 1.30
-    weights-only capture    / eager + output_attentions=True                            target <= 1.15
+    full capture            / eager + output_attentions=True   (what users do today)   target <= 1.15
+    weights-only capture    / eager + output_attentions=True                            target <= 1.05
     idle capture (layers=[])/ plain forward                                             target <= 1.02
     one selected layer      / plain sdpa forward                                        (reported)
 
@@ -34,7 +34,7 @@ import torch
 
 import attnprobe
 
-TARGETS = {"full": 1.30, "weights": 1.15, "idle": 1.02}
+TARGETS = {"full": 1.15, "weights": 1.05, "idle": 1.02}  # issue 22 (were 1.30 and 1.15)
 
 
 def load():

@@ -26,8 +26,12 @@ just before the call (what the tool allocated, results included). Linux only; el
 Peers come from the optional ``bench`` extra (``pip install -e ".[bench]"``; keep them out of the environment you
 test attnprobe in: they pin their own releases); a peer that is not installed is skipped, and said so.
 
+``--profile`` prints, instead of the table, where one capture's time goes at each shape: the torch ops a weights-only
+and a full capture run beyond the plain forward (count and self time, torch.profiler), and the Python time spent
+in attnprobe's recorder per layer.
+
 Run:  python benchmarks/bench_peers.py [--rounds 10] [--slow-rounds 3] [--shapes 8x128 1x1024] [--grad both] [--skip torchlens]
-      [--no-memory]
+      [--no-memory] [--profile]
 The machine this ran on may be shared: absolute times move with its load, ratios within a round much less.
 """
 
@@ -271,6 +275,54 @@ def memory(keys, shapes, grads) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------------------- profile
+def profile(shapes, grads) -> None:
+    """Ops one capture runs beyond the plain forward (torch.profiler), and Python time in the recorder per layer."""
+    from attnprobe.hooks import hf as hf_adapter
+
+    runs = build(["plain", "attnprobe weights", "attnprobe six"])
+    spent = [0.0]
+    receive = hf_adapter._Recorder.receive
+
+    def timed(self, *args, **kwargs):  # everything attnprobe does per layer: Python, recompute and copies
+        start = time.perf_counter()
+        try:
+            return receive(self, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    def ops(run, ids):
+        run(ids)  # warm-up
+        spent[0], start = 0.0, time.perf_counter()
+        run(ids)  # timed without the profiler
+        wall, recorder = time.perf_counter() - start, spent[0]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run(ids)
+        return {e.key: (e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()}, wall, recorder
+
+    hf_adapter._Recorder.receive = timed
+    try:
+        for grad in grads:
+            for shape in shapes:
+                ids = inputs(shape)
+                with grad_context(grad):
+                    plain, plain_wall, _ = ops(runs["plain"], ids)
+                    for key in ("attnprobe weights", "attnprobe six"):
+                        got, wall, recorder = ops(runs[key], ids)
+                        layers = config().n_layer
+                        print(f"\n{key}, {shape} {'grad' if grad else 'no_grad'}: {wall * 1e3:.0f} ms (plain "
+                              f"{plain_wall * 1e3:.0f} ms, one call each); in attnprobe's recorder "
+                              f"{recorder / layers * 1e3:.2f} ms per layer (Python, recompute and copies); "
+                              "ops beyond the plain forward (profiled call):")
+                        extra = [(k, n - plain.get(k, (0, 0.0))[0], t - plain.get(k, (0, 0.0))[1])
+                                 for k, (n, t) in got.items()]
+                        for k, n, t in sorted(extra, key=lambda e: -e[2])[:12]:
+                            if n or t > 0.5:
+                                print(f"  {k:<48} {n:+5d} calls {t:+9.1f} ms self")
+    finally:
+        hf_adapter._Recorder.receive = receive
+
+
 # ------------------------------------------------------------------------------------------ main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,6 +333,7 @@ def main() -> None:
     parser.add_argument("--grad", choices=["off", "on", "both"], default="both")
     parser.add_argument("--skip", nargs="*", default=[], help="row keys to leave out, e.g. torchlens")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-row memory processes")
+    parser.add_argument("--profile", action="store_true", help="where one capture's time goes (no table)")
     parser.add_argument("--memory-row", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -289,6 +342,9 @@ def main() -> None:
     grads = {"off": [False], "on": [True], "both": [False, True]}[args.grad]
     if args.memory_row:
         print(json.dumps(memory_row(args.memory_row, args.shapes, grads)))
+        return
+    if args.profile:
+        profile(args.shapes, grads)
         return
 
     keys = []

@@ -500,7 +500,7 @@ class _Recorder:
         self.session.emit(
             self.site,
             kind=where.kind,
-            q=call.q, k=call.k, v=call.v,
+            **{"q": call.q, "k": call.k, "v": call.v, **values},  # q may be Lazy (``_q_shared``)
             allowed=None if mask_info is None else mask_info.allowed,
             query_padding=where.query_padding,
             causal=None if semantics.is_causal is None else bool(semantics.is_causal),
@@ -516,7 +516,6 @@ class _Recorder:
             sliding_window=semantics.sliding_window,
             identified=frozenset(identified),
             meta=self._meta(call, semantics, where, dtype),
-            **values,
         )
 
     def _semantics(self, call: "_Call") -> "_Semantics":
@@ -586,13 +585,16 @@ class _Recorder:
             if self._kv_of_heads is None:
                 self._kv_of_heads = kv_of_heads(site.heads, call.heads, call.kv_heads)
             mask = call.mask
+            keep_q = self._q_shared(call)
             rec = Recompute(
                 q, call.k, mask_info, heads=site.heads, kv_heads=self._kv_of_heads, scaling=semantics.scaling,
                 additive=self.style == "eager" or semantics.position_bias is not None
                 or (mask is not None and mask.dtype.is_floating_point),
                 position_bias=semantics.position_bias, softcap=semantics.softcap, sinks=semantics.sinks,
-                scores_wanted=wants(site, "scores"),
+                scores_wanted=wants(site, "scores"), keep_q=keep_q,
             )
+            if keep_q:
+                values["q"] = Lazy((call.batch, len(site.heads), call.q_len, q.shape[-1]), q.dtype, rec.kept_q)
             if self._scores_trusted(rec, observed, call.kwargs):
                 values["scores"] = Lazy(rec.shape, q.dtype, rec.scores)
                 identified.add("scores")
@@ -625,6 +627,14 @@ class _Recorder:
             values["output"] = output
             identified.add("output")
         return values, identified, weights_source
+
+    def _q_shared(self, call: "_Call") -> bool:
+        """Whether the record keeps q as the very copy the recompute's product reads (``Recompute.inputs``): q kept,
+        stored as it is (same device and dtype, the compute dtype), no statistics. Written once, not twice."""
+        site, sel, q = self.site, self.session.selection, call.q
+        return (self.session.wants(site, "q") and not self.session.wants(site, "stats")
+                and q.dtype == torch.promote_types(q.dtype, torch.float32) and sel.device == q.device
+                and sel.dtype in (None, q.dtype))
 
     def _meta(self, call: "_Call", semantics: "_Semantics", where: "_Where", dtype: torch.dtype) -> dict:
         meta, state, module = self.meta, self.state, self.module

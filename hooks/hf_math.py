@@ -66,15 +66,35 @@ class MaskInfo:
         self._empty = None
 
     def to_add(self, fill: float, heads, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-        """``dtype`` ``(batch, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed)."""
+        """``dtype`` ``(batch or 1, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed).
+        A mask that is the same for every sequence (sdpa's ``is_causal``, expanded over the batch) stays one."""
         key = (fill, dtype, heads if self.allowed.shape[1] > 1 else None)
         if key not in self._add:
             allowed = self.for_heads(heads)
+            if allowed.shape[0] > 1 and allowed.stride(0) == 0:
+                allowed = allowed[:1]  # broadcasting does the rest
             if self.mask is None and bool(allowed.all()):
                 self._add[key] = None
             else:
                 self._add[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device
                                              ).masked_fill_(~allowed, fill)
+        return self._add[key]
+
+    def float_mask(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor:
+        """A float mask (the additive one eager functions receive) for ``heads``, in ``dtype``, cut to ``k_len``
+        keys: converted once per forward, not once per layer."""
+        key = ("float", dtype, k_len, heads if as_4d(self.mask).shape[1] > 1 else None)
+        if key not in self._add:
+            t = as_4d(self.mask.detach())[..., :k_len]
+            self._add[key] = (index_heads(t, heads)[0] if t.shape[1] > 1 else t).to(dtype)
+        return self._add[key]
+
+    def float_bias(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor:
+        """The part of a float mask that is not masking (Swin folds a relative bias into it): the mask where it
+        allows, 0 where it masks. Added to the logits, it gives the scores."""
+        key = ("bias", dtype, k_len, heads if as_4d(self.mask).shape[1] > 1 else None)
+        if key not in self._add:
+            self._add[key] = self.float_mask(heads, dtype, k_len).masked_fill(~self.for_heads(heads), 0.0)
         return self._add[key]
 
     def for_heads(self, heads) -> torch.Tensor:
@@ -126,7 +146,7 @@ class Recompute:
     """
 
     def __init__(self, q, k, mask_info: MaskInfo, *, heads, kv_heads, scaling, additive, position_bias=None,
-                 softcap=None, sinks=None, out_dtype=None, scores_wanted=True):
+                 softcap=None, sinks=None, out_dtype=None, scores_wanted=True, keep_q=False):
         self.q, self.k, self.info, self.mask = q, k, mask_info, mask_info.mask
         self.heads, self.kv_heads = heads, kv_heads
         self.scaling, self.additive = scaling, additive
@@ -136,18 +156,38 @@ class Recompute:
         self._logits = self._scores = self._weights = None
         #: False when nobody will ask for ``scores``: ``weights`` may then add the mask to the logits in place
         self.scores_wanted = scores_wanted
+        #: True when a record keeps q as ``kept_q()``: the very copy the product reads
+        self.keep_q = keep_q
+        self._inputs: tuple | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (self.q.shape[0], len(self.heads), self.q.shape[2], self.k.shape[2])
 
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q of the selected heads and k of the kv head each reads, in the compute dtype. With ``keep_q``, q is a
+        new contiguous tensor: the batched product would copy a strided view of the model's projection anyway, so
+        the record's copy and the product's are one. (Not k: the product reads k transposed, and a contiguous copy
+        of k hands the matrix library another layout than eager attention does: another last bit for some shapes.)"""
+        if self._inputs is None:
+            with torch.no_grad():
+                q, fresh = index_heads(self.q.detach(), self.heads)
+                q = q.to(self.compute_dtype)
+                if self.keep_q and not fresh:
+                    q = q.clone(memory_format=torch.contiguous_format)
+                k = index_heads(self.k.detach(), self.kv_heads)[0].to(self.compute_dtype)  # the kv head of each head
+            self._inputs = (q, k)
+        return self._inputs
+
+    def kept_q(self) -> torch.Tensor:
+        """q as the record keeps it (``keep_q``): the copy the product reads."""
+        return self.inputs()[0]
+
     def logits(self) -> torch.Tensor:
         """``(batch, head, query, key)`` in the compute dtype: scaled q @ k (+ position bias), softcapped."""
         if self._logits is None:
             with torch.no_grad():
-                dtype = self.compute_dtype
-                q = index_heads(self.q.detach(), self.heads)[0].to(dtype)
-                k = index_heads(self.k.detach(), self.kv_heads)[0].to(dtype)  # the kv head of each selected head
+                q, k = self.inputs()
                 bias = None if self.position_bias is None else self._per_head(self.position_bias)
                 logits = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap)
             self._logits = logits
@@ -164,7 +204,7 @@ class Recompute:
     def _mask_to_add(self) -> torch.Tensor | None:
         """The float mask added to the logits before the softmax (None when nothing is added)."""
         if self.mask is not None and self.mask.dtype.is_floating_point:
-            return self._per_head(self.mask).to(self.compute_dtype)
+            return self.info.float_mask(self.heads, self.compute_dtype, self.k.shape[2])
         # boolean semantics mask with -inf; sdpa with a position bias turns a bool or causal mask into
         # finfo.min where masked (create_position_bias_mask), which is the additive semantics
         fill = torch.finfo(self.q.dtype).min if self.additive else float("-inf")
@@ -174,9 +214,10 @@ class Recompute:
         if self._scores is None:
             logits = self.logits()
             if self.mask is not None and self.mask.dtype.is_floating_point:
-                # a float mask may carry more than masking (Swin folds its relative bias into it)
+                # a float mask may carry more than masking (Swin folds its relative bias into it): its bias part
+                # (0 where it masks) is added, a new tensor; the logits stay free for the weights
                 with torch.no_grad():
-                    logits = torch.where(self.allowed(), logits + self._per_head(self.mask).to(logits.dtype), logits)
+                    logits = logits + self.info.float_bias(self.heads, logits.dtype, self.k.shape[2])
             self._scores = logits
         return self._scores.to(self.out_dtype)
 
@@ -185,14 +226,26 @@ class Recompute:
             with torch.no_grad():
                 logits = self.logits()
                 add = self._mask_to_add()
-                if add is None:
-                    z = logits
-                elif self.scores_wanted:
-                    z = logits + add
-                else:  # the logits are needed for nothing else: one (query, key) tensor per head less
-                    z, self._logits = logits.add_(add), None
-                # attention sinks: one extra logit per head that takes probability mass and no value
-                weights = softmax_with_sinks(z, self.sinks, self.heads)
+                # the logits are free when no record keeps them (no scores wanted, or the scores are a tensor of
+                # their own): the mask and the softmax are then written into them, and the weights are the only
+                # (query, key) tensor made here. Otherwise the masked logits are the one new tensor, and the
+                # softmax is written into it. (Each op gives the same numbers in place as out of place.)
+                own = not self.scores_wanted or (
+                    self._scores is not None and self._scores is not logits
+                    # (logits + add in place keeps the logits' dtype: under autocast the product is bfloat16 and
+                    # the sum must stay float32, as it is out of place)
+                    and (add is None or torch.result_type(logits, add) == logits.dtype))
+                if own:
+                    self._logits = None
+                    z = logits if add is None else logits.add_(add)
+                elif add is not None:
+                    z, own = torch.add(logits, add), True
+                else:
+                    z = logits  # kept as the scores: the softmax makes the weights' own tensor
+                if self.sinks is None:
+                    weights = torch.softmax(z, dim=-1, out=z) if own else torch.softmax(z, dim=-1)
+                else:  # attention sinks: one extra logit per head that takes probability mass and no value
+                    weights = softmax_with_sinks(z, self.sinks, self.heads)
                 if not self.additive and add is not None:
                     empty = self.info.empty_rows(self.heads)
                     if empty is not None:

@@ -73,7 +73,8 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, *, in_place: boo
     """
     fill = float("-inf")
     masked = scores.masked_fill_(~allowed, fill) if in_place else scores.masked_fill(~allowed, fill)
-    return torch.softmax(masked, dim=-1).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
+    # ``masked`` is ours either way: the softmax is written into it (the same numbers as into a new tensor)
+    return torch.softmax(masked, dim=-1, out=masked).masked_fill_(~allowed.any(-1, keepdim=True), 0.0)
 
 
 def mask_allows(mask: torch.Tensor, masked_at: float | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ the one copy that lands in a record. The budget is checked on the planned size, 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
@@ -349,7 +350,8 @@ def index_heads(t: torch.Tensor, index: tuple[int, ...] | None, axis: int = 1) -
     return t.index_select(axis, torch.tensor(index, dtype=torch.long, device=t.device)), True
 
 
-def _runs(index: tuple[int, ...]) -> list[tuple[int, int, int]]:
+@functools.lru_cache(maxsize=256)  # read for every stored tensor of every call: the same few head selections
+def _runs(index: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
     """``index`` as runs of consecutive numbers: (position in index, first number, length)."""
     runs: list[tuple[int, int, int]] = []
     for pos, i in enumerate(index):
@@ -357,7 +359,7 @@ def _runs(index: tuple[int, ...]) -> list[tuple[int, int, int]]:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((pos, i, 1))
-    return runs
+    return tuple(runs)
 
 
 class Store:
@@ -418,14 +420,14 @@ class Store:
         """
         t = t.detach()
         device, dtype = self.selection.device, self.target_dtype(t.dtype)
-        if index is None or len(_runs(index)) == 1:  # all heads or one run of them: a view, then the one copy
+        if index is None or len(_runs(tuple(index))) == 1:  # all heads or one run of them: a view, then the one copy
             return index_heads(t, index, axis)[0].to(device=device, dtype=dtype, copy=True)
         if t.device == device and t.dtype == dtype:
             return t.index_select(axis, torch.tensor(index, dtype=torch.long, device=t.device))
         shape = list(t.shape)
         shape[axis] = len(index)
         out = torch.empty(shape, dtype=dtype, device=device)
-        for pos, first, length in _runs(index):  # copy_ converts dtype and device on the way
+        for pos, first, length in _runs(tuple(index)):  # copy_ converts dtype and device on the way
             out.narrow(axis, pos, length).copy_(t.narrow(axis, first, length))
         return out
 

@@ -232,8 +232,10 @@ def test_recomputed_fields_are_computed_only_when_kept(kind):
             extra[keep] = {op: n - plain.counts.get(op, 0) for op, n in ops.counts.items()}
             (rec,) = cap
             torch.testing.assert_close(getattr(rec, keep), getattr(full[0], keep)[:, [1, 3]], rtol=0, atol=0)
-    assert extra["q"].get("_softmax", 0) == 0 and extra["scores"].get("_softmax", 0) == 0  # no unasked weights
-    assert extra["weights"].get("_softmax") == 1
+    # softmax passes: `_softmax` into a new tensor, `softmax` (its out= form) into one the recompute owns
+    softmaxes = {keep: c.get("_softmax", 0) + c.get("softmax", 0) for keep, c in extra.items()}
+    assert softmaxes["q"] == 0 and softmaxes["scores"] == 0, softmaxes  # no unasked weights
+    assert softmaxes["weights"] == 1, softmaxes
     # the weights' products: q @ k only (no weights @ v for an output that is not kept)
     products = {keep: sum(c.get(op, 0) for op in ("bmm", "mm", "matmul")) for keep, c in extra.items()}
     assert products["weights"] == products["scores"], products
@@ -329,8 +331,9 @@ def test_per_head_float_mask_is_not_copied_for_every_head(kind):
 
 
 def test_hf_weights_only_capture_adds_the_mask_to_the_logits_in_place():
-    """Weights recomputed for a Hugging Face call, scores not kept: the logits of the selected heads and their
-    softmax are the only (query, key) tensors made (the mask is added in place), and the weights are right."""
+    """Weights recomputed for a Hugging Face call, scores not kept: the logits of the selected heads are the only
+    (query, key) tensor made (the mask is added and the softmax written in place: they become the record's
+    weights); with scores kept, the masked logits are the one more (the weights), and the weights are right."""
     from hf_helpers import build
 
     model = build("llama", "sdpa")
@@ -341,8 +344,49 @@ def test_hf_weights_only_capture_adds_the_mask_to_the_logits_in_place():
             model(ids)
         with _BigFloats(B * 2 * T * T) as seen, attnprobe.capture(model, layers=[0], heads=[0, 1], keep="weights") as cap:
             model(ids)
-        with attnprobe.capture(model, layers=[0], heads=[0, 1], keep=["scores", "weights"]) as both:
+        with _BigFloats(B * 2 * T * T) as seen_both, attnprobe.capture(model, layers=[0], heads=[0, 1],
+                                                                       keep=["scores", "weights"]) as both:
             model(ids)
-    assert seen.count - plain.count == 2  # the logits, then their softmax (kept as the record's weights)
+    # the logits, the softmax written into them (issue 22: once two, the softmax a tensor of its own)
+    assert seen.count - plain.count == 1
+    # the logits (kept as the scores), the masked logits the softmax is written into (issue 22: once three)
+    assert seen_both.count - plain.count == 2
     torch.testing.assert_close(cap[0].weights, both[0].weights, rtol=0, atol=0)
     assert both[0].scores is not None and not torch.equal(both[0].scores, both[0].weights)
+
+
+class _Copies(TorchDispatchMode):
+    """Counts copies (clone, _to_copy, contiguous) whose result has ``shape``."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("clone", "_to_copy", "contiguous") and tuple(out.shape) == self.shape:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_kept_q_is_the_copy_the_product_reads(name):
+    """A Hugging Face capture that keeps q and recomputes the scores copies q once: the record keeps the very
+    contiguous copy the batched q @ k reads (issue 22: once two copies, the record's and the product's)."""
+    from hf_helpers import build
+
+    model = build(name, "sdpa")
+    B, T = 2, 9
+    ids = torch.randint(3, 100, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), attnprobe.capture(model, layers=[0]) as full:
+        model(ids)
+    q_shape = full[0].q.shape  # (batch, head, query, d_head)
+    counts = {}
+    for keep in (["scores"], ["q", "scores"]):
+        with torch.no_grad(), _Copies(q_shape) as seen, attnprobe.capture(model, layers=[0], keep=keep) as cap:
+            model(ids)
+        counts[tuple(keep)] = seen.count
+    assert counts["q", "scores"] == counts["scores",], counts  # keeping q adds no copy of it
+    torch.testing.assert_close(cap[0].q, full[0].q, rtol=0, atol=0)
+    torch.testing.assert_close(cap[0].scores, full[0].scores, rtol=0, atol=0)
+    assert cap[0].q.is_contiguous()
