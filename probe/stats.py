@@ -391,8 +391,8 @@ class _Engine:
 
     def _one_block(self, a: int, b: int, c: int, d: int, counted: torch.Tensor) -> None:
         """Rows ``a:b`` whose keys ``c:d`` fit one block: every statistic in one pass over the block, with as few
-        full-size passes as the math allows (the logits, their max and its key, ``e = exp(z - max)`` written over
-        the logits' buffer, and reductions of ``e``; the first and last key above the threshold by ``_hits``). A
+        full-size passes as the math allows (the logits, their max and its key, ``e = exp(z - max)`` in a second
+        buffer, and reductions of ``e``; the first and last key above the threshold by ``_hits``). A
         causal mask alone is applied to the keys some row of the block may not see (a tile as wide as the block),
         not to the whole block. The logits and ``e`` live in two buffers reused by every block (``_scratch``)."""
         B, h, n, dtype, device, call = self.B, self.h, b - a, self.dtype, self.device, self.call
