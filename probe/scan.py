@@ -203,10 +203,15 @@ def part_name(chunk: int) -> str:
 
 
 def prepare_folder(out: Path, config: dict, *, resume: bool, main: bool) -> None:
-    """Create ``out`` (main process) and make sure it holds this scan's files only."""
+    """Create ``out`` (main process) and make sure it holds this scan's files only. The other processes call it
+    after the main one has (a barrier between): they check only that the folder's config is this scan's, since
+    the main process may already be writing its parts."""
     existing = out / CONFIG
     if out.exists() and not out.is_dir():
         raise ScanError(f"{out} is a file: give a folder for the scan")
+    if not main and not existing.exists():
+        raise ScanError(f"{existing} is missing after the main process prepared {out}: is it on a disk every process "
+                        "shares?")
     if existing.exists():
         try:
             theirs = json.loads(existing.read_text())
@@ -216,7 +221,7 @@ def prepare_folder(out: Path, config: dict, *, resume: bool, main: bool) -> None
         if different:
             raise ScanError(f"{out} holds another scan (its {', '.join(different)} differ): give another folder "
                             "or remove it")
-        if not resume and any(out.glob("part-*.parquet")):
+        if main and not resume and any(out.glob("part-*.parquet")):
             raise ScanError(f"{out} already holds this scan's files: pass --resume (resume=True) to skip the chunks "
                             "written, or give another folder")
     elif out.is_dir() and any(out.iterdir()):
@@ -315,9 +320,14 @@ def run_scan(capture: Callable, model, data, out, *, tokenizer=None, field: str 
     }
     state = _process_state()
     main = state is None or state.is_main_process
-    prepare_folder(out, config, resume=resume, main=main)
+    # the main process checks and creates the folder first; the others check it once it is there (checking at the
+    # same time, they could see the main process's config half-written and call the folder foreign)
+    if main:
+        prepare_folder(out, config, resume=resume, main=True)
     if state is not None:
         state.wait_for_everyone()
+    if not main:
+        prepare_folder(out, config, resume=resume, main=False)
     todo = [c for c in range(plan.chunks) if not (resume and (out / part_name(c)).exists())]
     skipped = plan.chunks - len(todo)
     mine = todo

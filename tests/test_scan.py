@@ -179,3 +179,20 @@ def test_two_processes_equal_one(tmp_path, lines, launcher):
                  for p in (tmp_path / "two").glob("*.parquet")}
     assert processes == {0, 1}
     assert json.loads((tmp_path / "two" / "_manifest.json").read_text())["complete"]
+
+
+def test_only_the_main_process_checks_a_folder_before_the_barrier(tmp_path):
+    """The other processes check the folder after the main one prepared it (a barrier between) and only that its
+    config is this scan's: the main process may already be writing parts, which must not read as a stale scan."""
+    from attnprobe.probe.scan import ScanError, part_name, prepare_folder
+
+    out, config = tmp_path / "scan", {"format": 1, "inputs": 4}
+    with pytest.raises(ScanError, match="missing after the main process"):
+        prepare_folder(out, config, resume=False, main=False)
+    prepare_folder(out, config, resume=False, main=True)
+    (out / part_name(0)).write_bytes(b"written by the main process after the barrier")
+    prepare_folder(out, config, resume=False, main=False)  # not "already holds this scan's files"
+    with pytest.raises(ScanError, match="another scan"):
+        prepare_folder(out, {**config, "inputs": 5}, resume=False, main=False)
+    with pytest.raises(ScanError, match="already holds"):
+        prepare_folder(out, config, resume=False, main=True)
