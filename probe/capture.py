@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import operator
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -583,7 +582,7 @@ class CaptureSession:
         call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
         weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
         from .pooling import pool_weights
-        from .stats import attention_stats
+        from .stats import attention_stats, stats_from_weights
 
         where = f"layer {site.layer}, call {call}: stats"
         q_len = None
@@ -619,10 +618,10 @@ class CaptureSession:
                 v = selected("v", tuple(hd // group for hd in site.heads)) if tensors.get("v") is not None else None
                 output = selected("output", site.heads)
                 rows = sampled_rows(q_len, self.selection.stats_rows)
-                stats = _weights_stats(rows, weights, scores=selected("scores", site.heads), allowed=al, v=v,
-                                       output=None if v is None else output, diag_offset=diag,
-                                       query_padding=query_padding,
-                                       sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
+                stats = stats_from_weights(weights, scores=selected("scores", site.heads), allowed=al, v=v,
+                                           output=None if v is None else output, diag_offset=diag,
+                                           query_padding=query_padding, rows=rows,
+                                           sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
                 if self.selection.overview is not None:
                     stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})
                 values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
@@ -635,41 +634,6 @@ class CaptureSession:
         nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
         self.store.reserve(nbytes, where)
         return {name: t.to(self.selection.device) for name, t in stats.items()}
-
-
-def _weights_stats(rows: torch.Tensor | None, weights: torch.Tensor, *, scores, allowed, output, diag_offset,
-                   query_padding, **rest):
-    """``stats_from_weights`` of the query rows ``rows`` (None: every row): the row-indexed tensors cut to those rows
-    first, so only they are computed; the diagonal and previous-key statistics, which ``stats_from_weights`` counts
-    from row numbers, are read at each row's own position."""
-    from .stats import stats_from_weights
-
-    if rows is None:
-        return stats_from_weights(weights, scores=scores, allowed=allowed, output=output, diag_offset=diag_offset,
-                                  query_padding=query_padding, **rest)
-
-    def cut(t, axis=2):
-        return t if t is None or t.shape[axis] == 1 else t.index_select(axis, rows.to(t.device))
-
-    w = cut(weights)
-    stats = dict(stats_from_weights(w, scores=cut(scores), allowed=cut(allowed),
-                                    output=cut(output), diag_offset=None,
-                                    query_padding=cut(query_padding, 1), **rest))
-    if diag_offset is not None:
-        B, h, n, Tk = w.shape
-        own = rows.to(w.device) + diag_offset  # (n,) each row's own key
-        for name, key in (("diagonal_mass", own), ("previous_mass", own - 1)):
-            inside = (key >= 0) & (key < Tk)
-            got = w.gather(-1, key.clamp(0, Tk - 1).view(1, 1, n, 1).expand(B, h, n, 1))[..., 0]
-            stats[name] = torch.where(inside, got.to(stats[name].dtype), math.nan)
-        inside = own < Tk
-        if allowed is None:
-            stats["diagonal_allowed"] = inside.view(1, 1, n).expand(B, h, n).clone()
-        else:
-            al = cut(allowed).expand(-1, -1, n, -1)
-            got = al.gather(-1, own.clamp(max=Tk - 1).view(1, 1, n, 1).expand(*al.shape[:2], n, 1))[..., 0]
-            stats["diagonal_allowed"] = (got.to(torch.bool) & inside).expand(B, h, n).clone()
-    return MappingProxyType(stats)
 
 
 def _diag_offset(kind: str, query_offset: int, q_len: int, k_len: int) -> int | None:

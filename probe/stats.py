@@ -71,7 +71,7 @@ class _Rows:
     engine's exact weights, or a full capture's weights)."""
 
     def __init__(self, B: int, h: int, a: int, b: int, Tk: int, *, diag_offset: int | None, device, dtype,
-                 dv: int | None) -> None:
+                 dv: int | None, positions: torch.Tensor | None = None) -> None:
         n = b - a
         self.a, self.b, self.Tk = a, b, Tk
         z = torch.zeros(B, h, n, device=device, dtype=dtype)
@@ -89,7 +89,8 @@ class _Rows:
         self.max_score = torch.full_like(z, -math.inf)
         self.min_score = torch.full_like(z, math.inf)
         # key index of each row's own key (self-attention), else None
-        self.diag = None if diag_offset is None else torch.arange(a, b, device=device) + diag_offset
+        rows = torch.arange(a, b, device=device) if positions is None else positions[a:b].to(device)
+        self.diag = None if diag_offset is None else rows + diag_offset
         self.out = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
         self.first_key = None  # (B, h, 1) the first key any query may attend; None = key 0
         self.scale = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
@@ -618,12 +619,21 @@ def _gather(t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:
 def stats_from_weights(weights: torch.Tensor, *, scores: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
                        v: torch.Tensor | None = None, output: torch.Tensor | None = None,
                        sinks: torch.Tensor | None = None, diag_offset: int | None = None,
-                       query_padding: torch.Tensor | None = None,
-                       block_bytes: int = DEFAULT_BLOCK_BYTES) -> Mapping[str, torch.Tensor]:
+                       query_padding: torch.Tensor | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                       rows: torch.Tensor | None = None) -> Mapping[str, torch.Tensor]:
     """The same statistics as ``attention_stats``, from full tensors: ``weights`` ``(batch, head, query, key)``,
     ``scores`` (the logits; None: ``max_score`` NaN, finiteness from the weights alone), ``allowed`` ``(batch,
-    1 or head, query, key)`` (None: every key allowed), ``v`` ``(batch, head, key, d)`` (each query head's kv
-    head) with the observed ``output``, ``sinks`` ``(head,)``."""
+    1 or head, query or 1, key)`` (None: every key allowed), ``v`` ``(batch, head, key, d)`` (each query head's kv
+    head) with the observed ``output``, ``sinks`` ``(head,)``. ``rows``: only these query rows, as in
+    ``attention_stats`` (the diagonal read at each row's own position)."""
+    if rows is not None:
+        rows = rows.to(weights.device, torch.long)
+
+        def cut(t: torch.Tensor | None, axis: int = 2) -> torch.Tensor | None:
+            return t if t is None or t.shape[axis] == 1 else t.index_select(axis, rows.to(t.device))
+
+        weights, scores, allowed, output = cut(weights), cut(scores), cut(allowed), cut(output)
+        query_padding = cut(query_padding, 1)
     B, h, Tq, Tk = weights.shape
     dtype = torch.promote_types(weights.dtype, torch.float32)
     device = weights.device
@@ -639,8 +649,8 @@ def stats_from_weights(weights: torch.Tensor, *, scores: torch.Tensor | None = N
             b = min(a + step, Tq)
             w = weights[:, :, a:b].to(dtype)
             s = None if scores is None else scores[:, :, a:b].to(dtype)
-            al = None if allowed is None else allowed[:, :, a:b].to(torch.bool)
-            acc = _Rows(B, h, a, b, Tk, diag_offset=diag_offset, device=device, dtype=dtype, dv=dv)
+            al = None if allowed is None else (allowed if allowed.shape[2] == 1 else allowed[:, :, a:b]).to(torch.bool)
+            acc = _Rows(B, h, a, b, Tk, diag_offset=diag_offset, device=device, dtype=dtype, dv=dv, positions=rows)
             acc.first_key = key_allowed.to(torch.uint8).argmax(-1, keepdim=True)
             acc.add(w, 0, scores=s, allowed=al, v=v, exact_zero_outside=False)
             real = counted[:, a:b].view(B, 1, -1) * (1.0 if al is None else al.any(-1).to(dtype))

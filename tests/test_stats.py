@@ -133,6 +133,28 @@ def test_long_rows_find_argmax_and_first_and_last_keys_by_chunks(mask):
     assert_stats_equal(got, want, atol=2e-5)
 
 
+@pytest.mark.parametrize("allowed_rows", ["every-row", "broadcast"])
+def test_statistics_of_full_weights_for_sampled_rows(allowed_rows):
+    """stats_from_weights(rows=): the rows cut before anything is computed, the diagonal read at each row's own
+    position; a mask the same for every query (shape (batch, 1, 1, key)) works in blocks of rows too."""
+    torch.manual_seed(4)
+    B, h, T = 2, 3, 23
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, :3] = True
+    allowed = (~pad)[:, None, None, :]
+    if allowed_rows == "every-row":
+        allowed = allowed.expand(B, 1, T, T).clone()
+    w = torch.softmax(torch.randn(B, h, T, T).masked_fill(~allowed, -math.inf), -1)
+    rows = torch.tensor([0, 5, 6, 22])
+    full = stats_from_weights(w, allowed=allowed, diag_offset=0, block_bytes=2000)
+    got = stats_from_weights(w, allowed=allowed, diag_offset=0, rows=rows, block_bytes=2000)
+    for name in ROW_STATS:
+        a, b = got[name], full[name][:, :, rows]
+        assert torch.allclose(a.double(), b.double(), atol=1e-7, equal_nan=True) if a.dtype.is_floating_point \
+            else torch.equal(a, b), name
+    assert torch.equal(got["key_allowed"], full["key_allowed"])
+
+
 def test_engine_causal_counts_and_positions():
     q = k = torch.zeros(1, 1, 4, 2)
     s = attention_stats(AttentionCall(q, k, scaling=1.0, causal=True), diag_offset=0)
