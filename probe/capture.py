@@ -272,6 +272,7 @@ class CaptureSession:
             )
         self.model_class = type(model).__name__
         self.stats_missing: list[int] = []  # layers whose statistics could not be computed (keep=("stats",))
+        self._workspace: dict = {}  # the statistics engine's block buffers, reused by every record; freed on exit
         self._model = model  # dropped on exit; the Capture never holds it
         self._compiled = compiled_modules(model)
         self.selection = selection
@@ -381,6 +382,7 @@ class CaptureSession:
             self._stack = None
             self._model = None
             self._named = None
+            self._workspace = {}
         if len(self.sites) != len(self.capture.info["attention_modules"]):  # sites found while the model ran
             self.capture._info = MappingProxyType(self._info())
         if self.disk is not None:
@@ -593,7 +595,8 @@ class CaptureSession:
                 kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
                 rows = sampled_rows(q_len, self.selection.stats_rows)
                 stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding,
-                                        overview=self.selection.overview, rows=rows, **kwargs)
+                                        overview=self.selection.overview, rows=rows, workspace=self._workspace,
+                                        **kwargs)
                 values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
             else:
                 def selected(name, index):
