@@ -202,19 +202,25 @@ class AttentionCall:
             forbidden = later if forbidden is None else forbidden | later
         return None if forbidden is None else _as_4d(forbidden)
 
-    def logits(self, a: int, b: int, c: int, d: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, a: int, b: int, c: int, d: int, out: torch.Tensor | None = None, *,
+               times: float = 1.0) -> torch.Tensor:
         """``(batch, head, b - a, d - c)`` in the compute dtype: scaled ``q @ k`` plus bias, softcapped, plus the
         part of a float mask that is not masking (a relative bias folded into the mask, as Swin does), i.e.
         the logits the softmax sees at the allowed keys. ``out``: a buffer to write them into (see
-        ``attention_logits``); the result may still be a new tensor (a float mask)."""
+        ``attention_logits``); the result may still be a new tensor (a float mask). ``times``: the logits times
+        this (the statistics engine asks for ``log2(e)`` times them, for ``exp2``); with neither bias, softcapping
+        nor a float mask, the factor and the scaling go into the block's ``q`` rows, not over the whole block."""
         dtype = self.compute_dtype
+        q, k = self.q[:, :, a:b].to(dtype), self.k[:, :, c:d].to(dtype)
+        float_mask = self.mask is not None and self.mask.dtype.is_floating_point
+        if self.bias is None and self.softcap is None and not float_mask and (times != 1.0 or self.scaling != 1.0):
+            return attention_logits(q * (self.scaling * times), k, scaling=1.0, out=out)
         bias = None if self.bias is None else _rows(_as_4d(self.bias), a, b, c, d)
-        s = attention_logits(self.q[:, :, a:b].to(dtype), self.k[:, :, c:d].to(dtype), scaling=self.scaling,
-                             bias=bias, softcap=self.softcap, out=out)
-        if self.mask is not None and self.mask.dtype.is_floating_point:
+        s = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap, out=out)
+        if float_mask:
             m = _rows(_as_4d(self.mask), a, b, c, d)
             s = torch.where(mask_allows(m, self.masked_at), s + m.to(dtype), s)
-        return s
+        return s if times == 1.0 else s.mul_(times)
 
     def key_limit(self, b: int) -> int:
         """Keys a block of rows ending at ``b`` can reach: a causal call never lets them see later keys."""

@@ -66,6 +66,11 @@ DEFAULT_BLOCK_BYTES = 128 << 20
 #: How many (rows, keys) float temporaries one block of the engine holds at once.
 _TEMPORARIES = 4
 
+#: At most this many query rows per block: more make the block outgrow the CPU's caches without making its
+#: products faster (engine time / sdpa at 4,096 tokens: 1.9 with 128 rows, 2.4 with 256; 32 to 128 rows are within
+#: 7% of each other at 16k and 32k tokens, fewer cost more: 2.8 with 8 rows at 32k).
+_MAX_ROWS = 128
+
 
 class _Rows:
     """Statistics of query rows ``a:b`` accumulated over key blocks (one accumulator, two sources: the
@@ -176,7 +181,7 @@ class _Rows:
 
 
 def _rows_per_block(B: int, h: int, keys: int, itemsize: int, block_bytes: int) -> int:
-    return max(1, block_bytes // max(1, B * h * keys * itemsize * _TEMPORARIES))
+    return max(1, min(_MAX_ROWS, block_bytes // max(1, B * h * keys * itemsize * _TEMPORARIES)))
 
 
 def _counted_rows(query_padding: torch.Tensor | None, B: int, Tq: int, device) -> torch.Tensor:
@@ -355,7 +360,8 @@ class _Engine:
         for c, d in blocks:
             s, allowed, z = kept if kept is not None else self._block(a, b, c, d)
             # z is not needed again: in place, unless z is the logits themselves (nothing masked)
-            e = (z - shift[..., None] if z is s else z.sub_(shift[..., None])).exp_()
+            x = z - shift[..., None] if z is s else z.sub_(shift[..., None])
+            e = _exp(x, out=x)
             acc["l"] += e.sum(-1)
             acc["min"] = torch.minimum(acc["min"], e.amin(-1))
             _gather(e, self.first_key.expand(B, h, n), c, d, acc["first_e"])
@@ -400,14 +406,16 @@ class _Engine:
         """Rows ``a:b`` whose keys ``c:d`` fit one block: every statistic in one pass over the block, with as few
         full-size passes as the math allows. The logits get ``-inf`` where the row may not attend (a causal mask
         alone: only the tile of keys some row of the block may not see), then their max and its key (``amax`` and
-        ``_first_zero``: a max with indices costs ten times an ``amax`` on CPUs), ``e = exp(logits - max)`` in a
+        ``_row_max``: a max with indices costs ten times an ``amax`` on CPUs), ``e = exp(logits - max)`` in a
         second buffer, reductions of ``e``, and the first and last key above the threshold (``_hits``). The logits
         and ``e`` live in two buffers reused by every block (``_scratch``)."""
         B, h, n, dtype, device, call = self.B, self.h, b - a, self.dtype, self.device, self.call
         positions = call.row_positions(a, b)
         diag = None if self.diag_offset is None else positions + self.diag_offset
         shape = (B, h, n, d - c)
-        s = call.logits(a, b, c, d, out=self._scratch("logits", shape))  # (B, h, n, K), ours to change
+        # (B, h, n, K), ours to change: log2(e) times the logits, so that e is one exp2 (see _exp) and its max is
+        # the block's max, exactly 0 once shifted
+        s = call.logits(a, b, c, d, out=self._scratch("logits", shape), times=_LOG2E)
         allowed, forbidden, at = None, None, s
         if call.mask is not None:
             allowed = call.allowed(a, b, c, d)  # (B or 1, 1 or h, n, K), usually the same for every head
@@ -421,19 +429,21 @@ class _Engine:
                 forbidden, at = torch.arange(c + lo, d, device=device)[None, :] >= limit[:, None], s[..., lo:]
         if forbidden is not None:  # -inf, never a finite sentinel: NaN/inf logits there no longer count
             at.masked_fill_(forbidden, -math.inf)
-        m = s.amax(-1)  # the largest logit at an allowed key (-inf: none is allowed; NaN: a NaN logit)
-        shift = torch.where(torch.isfinite(m), m, 0.0)
-        s.sub_(shift[..., None])  # in place from here on: the logits minus the row's max (what the entropy reads)
         weights = self._scratch("weights", shape)
-        arg = _first_zero(s, m, scratch=weights) + c  # before e takes that buffer
-        e = _exp(s, out=weights)
+        # the largest logit at an allowed key (-inf: none is allowed; NaN: a NaN logit), base 2, and its key; s minus
+        # that max in place from here on; the weights buffer is scratch until e takes it
+        m2, arg = _row_max(s, scratch=weights)
+        arg = arg + c
+        e = torch.exp2(s, out=weights)
+        m = m2 * _LN2  # the natural logit's max; e = exp(logits - shift) to float rounding
+        shift = torch.where(torch.isfinite(m), m, 0.0)
         if forbidden is not None:  # the entropy's sum of e * s must see 0 there, not 0 * -inf
             at.masked_fill_(forbidden, 0.0)
         empty = torch.isneginf(m)
         l = e.sum(-1)
         total = self._total(l, shift)
         # sum e * (z - max): the entropy without the cancellation of adding the max and taking it off again
-        dot = s.mul_(e).sum(-1)  # in place: s is only a scratch buffer from here on
+        dot = s.mul_(e).sum(-1).mul_(_LN2)  # in place: s is only a scratch buffer from here on
         first, last = _hits(e, WEIGHT_THRESHOLD * total, scratch=s)  # s is not read again
         acc = {"l": l, "dot": dot, "dot_shifted": True, "min": e.amin(-1), "a": a,
                "first_e": torch.zeros_like(l), "diag_e": torch.full_like(l, math.nan),
@@ -554,14 +564,16 @@ class _Engine:
                         None if self.pool is None else self.pool.result())
 
 
-#: Keys per chunk of ``_chunk_max``: index statistics look inside one chunk per row.
-_CHUNK = 64
+#: Keys per chunk of ``_chunk_max``: index statistics look inside one chunk per row. A max over chunks of 256 costs
+#: what a max over the whole row costs; chunks of 64 cost twice that, of 16 twenty times.
+_CHUNK = 256
 
-#: Rows of at least this many keys are searched by chunks (``_hits``, ``_first_zero``), and get their output's
+#: Rows of at least this many keys are searched by chunks (``_hits``, ``_row_max``), and get their output's
 #: scale by a matrix-vector product (``_Engine._products``).
-_LONG_ROW = 16 * _CHUNK
+_LONG_ROW = 1024
 
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 def _chunk_max(e: torch.Tensor) -> torch.Tensor:
@@ -620,29 +632,39 @@ def _hits(e: torch.Tensor, threshold: torch.Tensor, *, scratch: torch.Tensor | N
     return torch.where(some, first, -1), torch.where(some, last, -1)
 
 
-def _first_zero(x: torch.Tensor, m: torch.Tensor, *, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """``(...)`` the first key where ``x`` ``(..., K)`` is exactly 0, ``x`` being logits minus their row's max ``m``
-    ``(...)`` (so every other value is below 0 or -inf): the key of the largest logit, the first one on ties, as a
-    max with indices gives it. Rows whose max is NaN or +inf (not finite) take the max with indices; rows with no
-    allowed key get 0. Long rows by chunk maxima, short rows by float arithmetic (see ``_hits``)."""
-    K = x.shape[-1]
-    if K < _LONG_ROW:
-        down = K - torch.arange(K, device=x.device, dtype=x.dtype)  # K..1
-        # sign + 1 is 1 at the zeros, 0 below; times K - key; its max is K - (the first zero)
-        arg = K - torch.sign(x, out=scratch).add_(1.0).mul_(down).amax(-1).nan_to_num_(0.0, 0.0, 0.0).long()
+def _row_max(s: torch.Tensor, *, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, key)`` ``(...)`` of each row of ``s`` ``(..., K)``, the key of the first max as a max with indices gives
+    it (costs ten times an ``amax`` on CPUs); and ``s`` minus its row's max, in place (rows whose max is not finite
+    keep their values). Long rows by chunk maxima (the first chunk that holds the max, then inside it), which also
+    give the max; short rows by float arithmetic over the shifted block (see ``_hits``; ``scratch``: a buffer of
+    ``s``'s shape to work in). Rows whose max is NaN or +inf take the max with indices (that NaN's or inf's key);
+    rows with no allowed key (max ``-inf``) get some key, which callers replace."""
+    K = s.shape[-1]
+    if K >= _LONG_ROW:
+        chunks = _chunk_max(s)
+        m = chunks.amax(-1)
+        values, keys = _inside(s, _first_true(chunks == m.unsqueeze(-1)))
+        arg = keys.gather(-1, _first_true((values == m.unsqueeze(-1)) & (keys < K)).unsqueeze(-1)).squeeze(-1)
     else:
-        values, keys = _inside(x, _first_true(_chunk_max(x) == 0))
-        arg = keys.gather(-1, _first_true((values == 0) & (keys < K)).unsqueeze(-1)).squeeze(-1)
+        m, arg = s.amax(-1), None
     odd = torch.isnan(m) | torch.isposinf(m)
-    if bool(odd.any()):  # rare: a NaN or inf logit; the index a max with indices gives (that NaN's, or the inf's)
-        arg = torch.where(odd, x.max(-1)[1], arg)
-    return arg.clamp_(0, K - 1)
+    if bool(odd.any()):  # rare: a NaN or inf logit (the rows keep their values, so this can come after the shift)
+        odd_arg = s.max(-1)[1]
+    s.sub_(torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1))
+    if arg is None:
+        down = K - torch.arange(K, device=s.device, dtype=s.dtype)  # K..1
+        # sign + 1 is 1 where the shifted logit is 0 (the max), 0 below; times K - key; its max is K - the first max
+        arg = K - torch.sign(s, out=scratch).add_(1.0).mul_(down).amax(-1).nan_to_num_(0.0, 0.0, 0.0).long()
+    if bool(odd.any()):
+        arg = torch.where(odd, odd_arg, arg)
+    return m, arg.clamp_(0, K - 1)
 
 
 def _exp(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` into ``out``, as ``exp2(x * log2(e))``: torch's CPU ``exp`` costs 4.4x its ``exp2`` (0.63 against
-    0.14 ns a float32 on AVX-512). Rounding the product moves each value by at most ``|x| * 2^-24`` relative: under
-    1e-6 for every weight above 1e-7 of its row's largest, and far below a weight's own size below that."""
+    """``exp(x)`` into ``out`` (which may be ``x``), as ``exp2(x * log2(e))``: torch's CPU ``exp`` costs 4.4x its
+    ``exp2`` (0.63 against 0.14 ns a float32 on AVX-512). Rounding the product moves each value by at most
+    ``|x| * 2^-24`` relative: under 1e-6 for every weight above 1e-7 of its row's largest, and far below a weight's
+    own size below that. (A one-block row gets its logits in base 2 from the product itself: ``_one_block``.)"""
     return torch.mul(x, _LOG2E, out=out).exp2_()
 
 

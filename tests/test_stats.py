@@ -112,7 +112,7 @@ def test_long_rows_find_argmax_and_first_and_last_keys_by_chunks(mask):
     torch.manual_seed(3)
     B, h, T, D = 2, 2, 1100, 8
     q, k = torch.randn(B, h, T, D) * 3, torch.randn(B, h, T, D) * 3
-    k[:, :, -1] = q[:, :, -1]  # the last query attends its own key, in the last (partial) chunk of 64 keys
+    k[:, :, -1] = q[:, :, -1]  # the last query attends its own key, in the last (partial) chunk of 256 keys
     pad = torch.zeros(B, T, dtype=torch.bool)
     pad[1, :70] = True  # left padding
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -127,7 +127,7 @@ def test_long_rows_find_argmax_and_first_and_last_keys_by_chunks(mask):
     want = stats_from_weights(w, scores=s, allowed=allowed, diag_offset=0)
     for name in ("first_key", "last_key", "argmax_key", "allowed_keys"):
         assert torch.equal(got[name], want[name]), name
-    assert (got["last_key"][:, :, -1] == T - 1).sum() >= 3  # hits in the last, partial chunk (keys 1088+) were found
+    assert (got["last_key"][:, :, -1] == T - 1).sum() >= 3  # hits in the last, partial chunk (keys 1024+) were found
     if mask == "padding":
         assert (got["first_key"][1, :, :70] == -1).all() and (got["first_key"][1, :, 70:] >= 70).all()
     assert_stats_equal(got, want, atol=2e-5)
@@ -173,6 +173,73 @@ def test_a_nan_or_minus_inf_at_an_allowed_key_is_not_finite():
     k[0, 0, 2, 0] = math.inf  # query 2 meets an inf logit only at its allowed key 2 (0 * inf = NaN there)
     s = attention_stats(AttentionCall(q, k, scaling=1.0, causal=True), diag_offset=0)
     assert s["finite"][0, 0].tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("K", [5, 200, 1100], ids=["short", "short-200", "long"])
+def test_the_largest_logit_and_the_keys_above_the_threshold_are_found_as_torch_finds_them(K):
+    """The engine's searches (float arithmetic for short rows, chunk maxima for long ones) give what a max with
+    indices and a comparison give: the first key on ties, a NaN or +inf row's own index, no key for an empty row."""
+    from attnprobe.probe.stats import _hits, _row_max
+
+    torch.manual_seed(5)
+    s = torch.randn(3, 2, 6, K).round(decimals=1)  # many ties
+    s[0, 0, 1] = -math.inf  # no allowed key
+    s[0, 0, 2, K // 2] = math.nan
+    s[0, 1, 0, K - 1] = math.inf
+    s[1, 0, 3, :] = 7.0  # every key ties
+    s[1, 1, 4, K - 1] = 50.0  # the max in the last (partial) chunk
+    want_max, want = s.max(-1)
+    x = s.clone()
+    m, got = _row_max(x, scratch=torch.empty_like(s))
+    empty = torch.isneginf(m)
+    assert torch.equal(m, want_max) or torch.allclose(m, want_max, equal_nan=True)
+    assert torch.equal(got[~empty], want[~empty]) and (got[empty] >= 0).all()
+    shift = torch.where(torch.isfinite(m), m, 0.0)[..., None]
+    assert torch.equal(x.nan_to_num(), (s - shift).nan_to_num())  # shifted in place
+
+    e = torch.exp(x)
+    threshold = torch.rand(3, 2, 6) * 0.5
+    threshold[2, 1, 5] = 2.0  # nothing above it
+    first, last = _hits(e, threshold, scratch=torch.empty_like(e))
+    hit = e > threshold[..., None]
+    keys = torch.arange(K)
+    some = hit.any(-1)
+    assert torch.equal(first, torch.where(some, torch.where(hit, keys, K).amin(-1), -1))
+    assert torch.equal(last, torch.where(some, torch.where(hit, keys, -1).amax(-1), -1))
+    assert first[2, 1, 5] == -1 and last[1, 1, 4] == K - 1
+
+
+def test_output_scale_bounds_the_weighted_absolute_values():
+    """output_scale is |w| @ max|v| over each key's values: at least max(|w| @ |v|) (what an output's rounding
+    error scales with), exactly it when every weight sits on one key."""
+    torch.manual_seed(6)
+    q, k, v = torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)
+    w = torch.softmax(attention_logits(q, k, scaling=0.5), -1)
+    st = attention_stats(AttentionCall(q, k, scaling=0.5, v=v, output=w @ v), diag_offset=0)
+    exact = (w @ v.abs()).amax(-1)
+    assert (st["output_scale"] >= exact - 1e-6).all()
+    assert torch.allclose(st["output_scale"], (w @ v.abs().amax(-1, keepdim=True))[..., 0], atol=1e-6)
+    one = attention_stats(AttentionCall(q * 0, k, scaling=0.5, v=v, output=w @ v, mask=torch.eye(9, dtype=torch.bool)
+                                        [None, None]), diag_offset=0)
+    assert torch.allclose(one["output_scale"], v.abs().amax(-1), atol=1e-6)
+
+
+def test_a_workspace_keeps_the_block_buffers_for_the_next_call():
+    """attention_stats(workspace=): the next call reuses the buffers (a capture passes one per capture), with the
+    same results; another dtype gets its own."""
+    torch.manual_seed(7)
+    q, k, v = torch.randn(1, 2, 30, 4), torch.randn(1, 2, 30, 4), torch.randn(1, 2, 30, 4)
+    call = AttentionCall(q, k, scaling=0.5, v=v, causal=True, output=torch.randn(1, 2, 30, 4))
+    ws: dict = {}
+    first = attention_stats(call, diag_offset=0, workspace=ws)
+    pointers = {key: buf.data_ptr() for key, buf in ws.items()}
+    assert len(pointers) == 2 and all(key[1] == torch.float32 for key in pointers)
+    again = attention_stats(call, diag_offset=0, workspace=ws)
+    assert {key: buf.data_ptr() for key, buf in ws.items()} == pointers
+    assert_stats_equal(again, first, atol=0)
+    assert_stats_equal(attention_stats(call, diag_offset=0), first, atol=0)
+    attention_stats(replace(call, q=q.double(), k=k.double(), v=v.double()), diag_offset=0, workspace=ws)
+    assert len(ws) == 4
 
 
 # --------------------------------------------------------------------------- captures
