@@ -63,13 +63,14 @@ WEIGHT_THRESHOLD = 1e-6
 #: Default memory target of one block: the largest (batch, head, rows, keys) temporary is about this size.
 DEFAULT_BLOCK_BYTES = 128 << 20
 
-#: How many (rows, keys) float temporaries one block of the engine holds at once.
+#: How many (rows, keys) float temporaries a block of the engine holds at once when keys come in blocks too.
 _TEMPORARIES = 4
 
-#: At most this many query rows per block: more make the block outgrow the CPU's caches without making its
-#: products faster (engine time / sdpa at 4,096 tokens: 1.9 with 128 rows, 2.4 with 256; 32 to 128 rows are within
-#: 7% of each other at 16k and 32k tokens, fewer cost more: 2.8 with 8 rows at 32k).
-_MAX_ROWS = 128
+#: At most this many query rows per block. Fewer make its products slower (65 GFLOP/s with 32 rows, 73 with 64, on
+#: one AVX-512 core); more make the block outgrow the CPU's caches: engine time / sdpa, one thread, was 2.05 with 64
+#: rows and 2.12 with 128 at 16k tokens, 2.05 with 64 and 2.12 with 32 at 32k, 1.9 with 64 or 128 and 2.4 with 256
+#: at 4k.
+_MAX_ROWS = 64
 
 
 class _Rows:
@@ -181,7 +182,8 @@ class _Rows:
 
 
 def _rows_per_block(B: int, h: int, keys: int, itemsize: int, block_bytes: int) -> int:
-    return max(1, min(_MAX_ROWS, block_bytes // max(1, B * h * keys * itemsize * _TEMPORARIES)))
+    """Rows of a block whose rows fit one block of keys: its two buffers (logits, weights) take ``block_bytes``."""
+    return max(1, min(_MAX_ROWS, block_bytes // max(1, B * h * keys * itemsize * 2)))
 
 
 def _counted_rows(query_padding: torch.Tensor | None, B: int, Tq: int, device) -> torch.Tensor:
