@@ -66,11 +66,13 @@ DEFAULT_BLOCK_BYTES = 128 << 20
 #: How many (rows, keys) float temporaries a block of the engine holds at once when keys come in blocks too.
 _TEMPORARIES = 4
 
-#: At most this many query rows per block. Fewer make its products slower (65 GFLOP/s with 32 rows, 73 with 64, on
-#: one AVX-512 core); more make the block outgrow the CPU's caches: engine time / sdpa, one thread, was 2.05 with 64
-#: rows and 2.12 with 128 at 16k tokens, 2.05 with 64 and 2.12 with 32 at 32k, 1.9 with 64 or 128 and 2.4 with 256
-#: at 4k.
-_MAX_ROWS = 64
+#: A block's rows: as many as fill this many bytes of logits, but at least ``_MIN_ROWS``. Fewer rows make its
+#: products slower (65 GFLOP/s with 32 rows, 73 with 64, on one AVX-512 core); a larger block outgrows the CPU's
+#: caches. Engine time / sdpa, one thread: 2.05 with 64 rows and 2.12 with 128 at 16k tokens; 2.05 with 64 and 2.12
+#: with 32 at 32k; 2.16 with 64, 2.26 with 128 and 2.37 with 32 at 4k. Short rows get more of them (all 128 rows of
+#: 8 x 12 heads x 128 keys: one block per layer, not two).
+_CACHE_BYTES = 8 << 20
+_MIN_ROWS = 64
 
 
 class _Rows:
@@ -182,8 +184,10 @@ class _Rows:
 
 
 def _rows_per_block(B: int, h: int, keys: int, itemsize: int, block_bytes: int) -> int:
-    """Rows of a block whose rows fit one block of keys: its two buffers (logits, weights) take ``block_bytes``."""
-    return max(1, min(_MAX_ROWS, block_bytes // max(1, B * h * keys * itemsize * 2)))
+    """Rows of a block whose rows fit one block of keys: as many as fill ``_CACHE_BYTES``, at least ``_MIN_ROWS``,
+    and never more than ``block_bytes`` holds in the block's two buffers (logits, weights)."""
+    row = max(1, B * h * keys * itemsize)
+    return max(1, min(max(_MIN_ROWS, _CACHE_BYTES // row), block_bytes // (2 * row)))
 
 
 def _counted_rows(query_padding: torch.Tensor | None, B: int, Tq: int, device) -> torch.Tensor:
