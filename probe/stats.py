@@ -199,7 +199,10 @@ def _counted_rows(query_padding: torch.Tensor | None, B: int, Tq: int, device) -
 
 def _collect(parts: list[dict], key_weight: torch.Tensor, key_allowed: torch.Tensor,
              extra: dict | None = None) -> Mapping[str, torch.Tensor]:
-    stats = {name: torch.cat([p[name] for p in parts], dim=2) for name in ROW_STATS}
+    if len(parts) == 1:  # one block of rows (every row of a short input): its tensors as they are
+        stats = {name: parts[0][name] for name in ROW_STATS}
+    else:
+        stats = {name: torch.cat([p[name] for p in parts], dim=2) for name in ROW_STATS}
     stats["key_weight"], stats["key_allowed"] = key_weight, key_allowed
     stats.update(extra or {})
     return MappingProxyType(stats)
@@ -275,8 +278,8 @@ class _Engine:
         self.sinks = None if call.sinks is None else call.sinks.to(device, dtype).view(1, -1, 1)
         self.v = None if call.output is None or call.v is None else call.v.to(dtype)
         # the largest |v| of each key: e @ v_max bounds max_d (e @ |v|)_d, what the output's rounding error scales with
-        self.v_max = None if self.v is None else self.v.abs().amax(-1)
-        self.v_plus = None if self.v is None else torch.cat([self.v, self.v_max.unsqueeze(-1)], dim=-1)
+        # (the larger of the max and minus the min: two reductions, no |v| tensor)
+        self.v_max = None if self.v is None else torch.maximum(self.v.amax(-1), self.v.amin(-1).neg_())
         self.key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
         self.key_allowed = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)
         self.parts: list[dict] = []
@@ -485,15 +488,13 @@ class _Engine:
         self.parts.append(self._finish(a, b, m, arg, l, shift, empty, diag, acc, out, scale))
 
     def _products(self, e: torch.Tensor, c: int, d: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(e @ v, e @ max|v|)`` over keys ``c:d``, each undivided by the normaliser: the output and its scale
-        (None, None without an observed output). Short rows go by one product with ``max|v|`` as an extra column of
-        ``v``; long rows by a second, matrix-vector product, which costs less there."""
+        """``(e @ v, e @ max|v|)`` over keys ``c:d``, each undivided by the normaliser: the output (a new tensor) and
+        its scale (None, None without an observed output). The scale is a matrix-vector product, taken as
+        ``max|v| @ e^T``: the orientation that runs at memory speed (``e @ max|v|`` costs as much as ``e @ v``)."""
         if self.v is None:
             return None, None
-        if d - c < _LONG_ROW:
-            both = e @ self.v_plus[:, :, c:d]
-            return both[..., :-1], both[..., -1]
-        return e @ self.v[:, :, c:d], torch.einsum("bhqk,bhk->bhq", e, self.v_max[:, :, c:d])
+        scale = torch.matmul(self.v_max[:, :, None, c:d], e.transpose(-1, -2)).squeeze(-2)
+        return e @ self.v[:, :, c:d], scale
 
     def _key_sums(self, e, c, d, real, acc, *, l_final) -> None:
         """Sums over this block's keys that need each row's normaliser: key_weight, first/last key."""
@@ -534,8 +535,7 @@ class _Engine:
         finite = finite | (empty & (acc["dot"] == 0))
         if out is not None:
             obs = self.call.output[:, :, a:b].to(self.dtype)
-            out = out * inv[..., None]
-            stats["output_error"] = (out - obs).abs().amax(-1)
+            stats["output_error"] = out.mul_(inv[..., None]).sub_(obs).abs_().amax(-1)  # out is ours
             stats["output_scale"] = scale * inv
             finite &= torch.isfinite(stats["output_error"])  # NaN/inf in the observed row (or in v) reaches it
         else:
