@@ -654,14 +654,14 @@ def _row_max(s: torch.Tensor, *, scratch: torch.Tensor | None = None) -> tuple[t
     else:
         m, arg = s.amax(-1), None
     odd = torch.isnan(m) | torch.isposinf(m)
-    if bool(odd.any()):  # rare: a NaN or inf logit (the rows keep their values, so this can come after the shift)
-        odd_arg = s.max(-1)[1]
+    # rare: a NaN or +inf logit; those rows keep their values through the shift, but other rows do not
+    odd_arg = s.max(-1)[1] if bool(odd.any()) else None
     s.sub_(torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1))
     if arg is None:
         down = K - torch.arange(K, device=s.device, dtype=s.dtype)  # K..1
         # sign + 1 is 1 where the shifted logit is 0 (the max), 0 below; times K - key; its max is K - the first max
         arg = K - torch.sign(s, out=scratch).add_(1.0).mul_(down).amax(-1).nan_to_num_(0.0, 0.0, 0.0).long()
-    if bool(odd.any()):
+    if odd_arg is not None:
         arg = torch.where(odd, odd_arg, arg)
     return m, arg.clamp_(0, K - 1)
 
