@@ -18,20 +18,27 @@ Rows (each tool gets its own deep copy of the same HF weights, attention as it n
     torchlens              torchlens.trace of the eager model, every operation saved
 
 Every row that gives weights has them compared with HF eager's output_attentions (max abs difference), so a fast
-wrong answer cannot win. Peak memory: each row runs in a fresh process of its own (``--memory-row``): after one
-warm-up call at a small shape, glibc's free memory is trimmed, the kernel's peak-RSS mark is reset
-(/proc/self/clear_refs), the row runs once, and the figure is the peak resident memory above the resident memory
-just before the call (what the tool allocated, results included). Linux only; elsewhere the column is blank.
+wrong answer cannot win. Peak memory: each row, shape and grad mode runs in a fresh process of its own
+(``--memory-row``): after one warm-up call at a small shape, glibc's free memory is trimmed, the kernel's peak-RSS
+mark is reset (/proc/self/clear_refs), the row runs once, and the figure is the peak resident memory above the
+resident memory just before the call (what the tool allocated, results included). One call per process, because a
+tool may hold memory from its previous call and free it during the next (TransformerLens keeps each attention's
+last pattern on the module): a second call in the same process would be measured against a baseline that
+already holds it. The memory a tool still holds once the result is dropped is printed beside the peak. Linux only;
+elsewhere the column is blank.
 
 Peers come from the optional ``bench`` extra (``pip install -e ".[bench]"``; keep them out of the environment you
 test attnprobe in: they pin their own releases); a peer that is not installed is skipped, and said so.
+
+``--tensors ROW ...`` prints, instead of the table, the tensors alive at the peak of one call of each row (and of
+the plain forward): their total and the largest groups by op, shape and the code that made them.
 
 ``--profile`` prints, instead of the table, where one capture's time goes at each shape: the torch ops a weights-only
 and a full capture run beyond the plain forward (count and self time, torch.profiler), and the Python time spent
 in attnprobe's recorder per layer.
 
 Run:  python benchmarks/bench_peers.py [--rounds 10] [--slow-rounds 3] [--shapes 8x128 1x1024] [--grad both] [--skip torchlens]
-      [--no-memory] [--profile]
+      [--no-memory] [--profile] [--tensors "attnprobe six" "tl six"]
 The machine this ran on may be shared: absolute times move with its load, ratios within a round much less.
 """
 
@@ -235,7 +242,9 @@ def _rss_kb(field: str) -> int:
 
 
 def memory_row(key: str, shapes, grads) -> dict:
-    """Peak resident memory (MB) one call of ``key`` adds, per shape and grad mode, in this fresh process."""
+    """Per shape and grad mode, in this process: (peak resident memory one call of ``key`` adds, resident memory it
+    still holds once its result is dropped), MB. ``memory()`` asks one shape and grad mode per fresh process: what
+    one call holds on to would lower the next call's figure (it is freed during that call)."""
     runs = build(["plain", key] if key != "plain" else ["plain"])
     run = runs[key]
     libc = ctypes.CDLL("libc.so.6")
@@ -255,23 +264,28 @@ def memory_row(key: str, shapes, grads) -> dict:
                 result = run(ids)
             peak = _rss_kb("VmHWM")
             del result
-            out[f"{shape}/{int(grad)}"] = (peak - before) / 1024
+            gc.collect()
+            libc.malloc_trim(0)
+            out[f"{shape}/{int(grad)}"] = ((peak - before) / 1024, (_rss_kb("VmRSS") - before) / 1024)
     return out
 
 
 def memory(keys, shapes, grads) -> dict:
+    """(key, shape, grad) -> (peak MB, MB held after the call), each measured in a fresh process."""
     out = {}
     for key in keys:
-        cmd = [sys.executable, os.path.abspath(sys.argv[0]), "--memory-row", key, "--shapes", *shapes,
-               "--grad", {(False,): "off", (True,): "on"}.get(tuple(grads), "both")]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-        if proc.returncode or not line.startswith("{"):
-            print(f"  (memory of {key!r} not measured: {proc.stderr.strip().splitlines()[-1:]})")
-            continue
-        for k, v in json.loads(line).items():
-            shape, grad = k.split("/")
-            out[key, shape, bool(int(grad))] = v
+        for shape in shapes:
+            for grad in grads:
+                cmd = [sys.executable, os.path.abspath(sys.argv[0]), "--memory-row", key, "--shapes", shape,
+                       "--grad", "on" if grad else "off"]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+                if proc.returncode or not line.startswith("{"):
+                    print(f"  (memory of {key!r} at {shape} not measured: {proc.stderr.strip().splitlines()[-1:]})")
+                    continue
+                for k, v in json.loads(line).items():
+                    shape_, grad_ = k.split("/")
+                    out[key, shape_, bool(int(grad_))] = tuple(v)
     return out
 
 
@@ -323,6 +337,74 @@ def profile(shapes, grads) -> None:
         hf_adapter._Recorder.receive = receive
 
 
+# --------------------------------------------------------------------------------------- tensors
+def live_tensors(keys, shapes, grads, top: int = 10) -> None:
+    """The tensors alive at the peak of one call of each row: every storage an aten op returns (1 MiB or more) is
+    counted from its creation to its release (a TorchDispatchMode; weakref on the storage). Unlike resident memory
+    this does not move with the allocator or the load: it says which tensors make the peak and who made them."""
+    import collections
+    import traceback
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    places = (os.path.dirname(attnprobe.__file__) + os.sep, "transformers/", "transformer_lens/", "bench_peers")
+
+    def origin() -> str:  # the innermost frames in the model, the tool or this script
+        frames = [f for f in traceback.extract_stack()[:-3] if any(w in f.filename for w in places)]
+        return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[-2:][::-1])
+
+    class Live(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live, self.now, self.peak, self.at_peak = {}, 0, 0, {}
+
+        def _release(self, ptr):
+            entry = self.live.pop(ptr, None)
+            if entry is not None:
+                self.now -= entry[0]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            out = func(*args, **kwargs)
+            for t in tree_leaves(out):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr in self.live or ptr in inputs or storage.nbytes() < 1 << 20:
+                    continue
+                self.live[ptr] = (storage.nbytes(), func.overloadpacket.__name__, tuple(t.shape), origin())
+                self.now += storage.nbytes()
+                weakref.finalize(storage, self._release, ptr)
+            if self.now > self.peak:
+                self.peak, self.at_peak = self.now, dict(self.live)
+            return out
+
+    runs = build(["plain", *keys])
+    for grad in grads:
+        for shape in shapes:
+            ids = inputs(shape)
+            for key in ["plain", *keys]:
+                with grad_context(grad):
+                    runs[key](inputs("1x16"))
+                    with Live() as seen:
+                        result = runs[key](ids)
+                    del result
+                groups, counts = collections.Counter(), collections.Counter()
+                for size, op, shape_, where in seen.at_peak.values():
+                    groups[op, shape_, where] += size
+                    counts[op, shape_, where] += 1
+                print(f"\n{ROWS[key][0]}, {shape} {'grad' if grad else 'no_grad'}: {seen.peak / 2**20:.0f} MiB of "
+                      "tensors alive at the peak (those of 1 MiB or more), the largest groups:")
+                for (op, shape_, where), size in groups.most_common(top):
+                    print(f"  {size / 2**20:7.1f} MiB  {counts[op, shape_, where]:3d} x {op:<22} "
+                          f"{str(shape_):<20} {where}")
+
+
 # ------------------------------------------------------------------------------------------ main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -334,6 +416,9 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="row keys to leave out, e.g. torchlens")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-row memory processes")
     parser.add_argument("--profile", action="store_true", help="where one capture's time goes (no table)")
+    parser.add_argument("--tensors", nargs="+", metavar="ROW",
+                        help='the tensors alive at the peak of one call of these rows, e.g. "attnprobe six" '
+                             '"tl six" (no table)')
     parser.add_argument("--memory-row", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -342,6 +427,9 @@ def main() -> None:
     grads = {"off": [False], "on": [True], "both": [False, True]}[args.grad]
     if args.memory_row:
         print(json.dumps(memory_row(args.memory_row, args.shapes, grads)))
+        return
+    if args.tensors:
+        live_tensors(args.tensors, args.shapes, grads)
         return
     if args.profile:
         profile(args.shapes, grads)
@@ -395,10 +483,12 @@ def main() -> None:
     for key in keys:
         print(f"  {ROWS[key][0]:<{width}} " + " ".join(f"{cpu_ratios[key, s, g]:>19.2f}" for s, g in columns))
     if mem:
-        print("\npeak resident memory one call adds (MB; fresh process per row):")
+        print("\npeak resident memory one call adds (MB; a fresh process per row, shape and grad mode), and (in "
+              "brackets) what the tool still holds after the call once its result is dropped:")
         for key in keys:
             print(f"  {ROWS[key][0]:<{width}} " + " ".join(
-                f"{mem[key, s, g]:>19.1f}" if (key, s, g) in mem else f"{'-':>19}" for s, g in columns))
+                f"{mem[key, s, g][0]:>10.1f} {f'({mem[key, s, g][1]:.0f})':>8}" if (key, s, g) in mem else f"{'-':>19}"
+                for s, g in columns))
     print("\nmax |weights - HF eager output_attentions| (no_grad):")
     for key in keys:
         if ROWS[key][2]:
@@ -417,18 +507,20 @@ def check(keys, ratios, mem, columns, diffs) -> None:
 
     for shape, grad in columns:
         where = f"{shape} {'grad' if grad else 'no_grad'}"
-        fastest = min(weight_peers, key=lambda k: ratios[k, shape, grad])
-        mine = ratios["attnprobe weights", shape, grad]
-        line(mine <= ratios[fastest, shape, grad],
-             f"{where}: weights {mine:.2f} <= fastest weight-giving peer ({fastest}) {ratios[fastest, shape, grad]:.2f}")
-        if "tl six" in keys:
+        if "attnprobe weights" in keys:
+            fastest = min(weight_peers, key=lambda k: ratios[k, shape, grad])
+            mine = ratios["attnprobe weights", shape, grad]
+            theirs = ratios[fastest, shape, grad]
+            line(mine <= theirs, f"{where}: weights {mine:.2f} <= fastest weight-giving peer ({fastest}) {theirs:.2f}")
+        if "tl six" in keys and "attnprobe six" in keys:
             mine, theirs = ratios["attnprobe six", shape, grad], ratios["tl six", shape, grad]
             line(mine <= theirs, f"{where}: six {mine:.2f} <= TransformerLens six {theirs:.2f}")
             if ("attnprobe six", shape, grad) in mem and ("tl six", shape, grad) in mem:
-                mine, theirs = mem["attnprobe six", shape, grad], mem["tl six", shape, grad]
+                mine, theirs = mem["attnprobe six", shape, grad][0], mem["tl six", shape, grad][0]
                 line(mine <= theirs, f"{where}: six peak {mine:.0f} MB <= TransformerLens six {theirs:.0f} MB")
-        idle = ratios["attnprobe idle", shape, grad]
-        line(idle <= 1.01, f"{where}: idle {idle:.3f} <= 1.01")
+        if "attnprobe idle" in keys:
+            idle = ratios["attnprobe idle", shape, grad]
+            line(idle <= 1.01, f"{where}: idle {idle:.3f} <= 1.01")
     worst = max((v for (k, _), v in diffs.items() if k.startswith("attnprobe")), default=0.0)
     line(worst <= 1e-5, f"attnprobe weights within 1e-5 of eager output_attentions (max {worst:.1e})")
 
