@@ -415,8 +415,9 @@ class _Engine:
         """Rows ``a:b`` whose keys ``c:d`` fit one block: every statistic in one pass over the block, with as few
         full-size passes as the math allows. The logits get ``-inf`` where the row may not attend (a causal mask
         alone: only the tile of keys some row of the block may not see), then their max and its key (``_row_max``: a
-        max with indices costs ten times an ``amax`` on CPUs), ``e = exp(logits - max)`` in a second buffer, reductions of ``e``, and the first and last key above the threshold (``_hits``). The logits
-        and ``e`` live in two buffers reused by every block (``_scratch``)."""
+        max with indices costs ten times an ``amax`` on CPUs), ``e = exp(logits - max)`` in a second buffer,
+        reductions of ``e``, and the first and last key above the threshold (``_hits``). The logits and ``e`` live in
+        two buffers reused by every block (``_scratch``)."""
         B, h, n, dtype, device, call = self.B, self.h, b - a, self.dtype, self.device, self.call
         positions = call.row_positions(a, b)
         diag = None if self.diag_offset is None else positions + self.diag_offset
