@@ -60,7 +60,8 @@ OVERVIEW_STATS: tuple[str, ...] = ("overview_max", "overview_mean")
 #: A weight above this counts as attention for ``first_key``/``last_key`` (the checks' ``FORBIDDEN_WEIGHT``).
 WEIGHT_THRESHOLD = 1e-6
 
-#: Default memory target of one block: the largest (batch, head, rows, keys) temporary is about this size.
+#: Default memory target of one block: its two (batch, head, rows, keys) buffers (logits, weights) take at most this
+#: much together; when one row's keys do not fit, keys come in blocks and each temporary is about a quarter of it.
 DEFAULT_BLOCK_BYTES = 128 << 20
 
 #: How many (rows, keys) float temporaries a block of the engine holds at once when keys come in blocks too.
