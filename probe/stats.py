@@ -60,7 +60,8 @@ OVERVIEW_STATS: tuple[str, ...] = ("overview_max", "overview_mean")
 #: A weight above this counts as attention for ``first_key``/``last_key`` (the checks' ``FORBIDDEN_WEIGHT``).
 WEIGHT_THRESHOLD = 1e-6
 
-#: Default memory target of one block: the largest (batch, head, rows, keys) temporary is about this size.
+#: Default memory target of one block: its two (batch, head, rows, keys) buffers (logits, weights) take at most this
+#: much together; when one row's keys do not fit, keys come in blocks and each temporary is about a quarter of it.
 DEFAULT_BLOCK_BYTES = 128 << 20
 
 #: How many (rows, keys) float temporaries a block of the engine holds at once when keys come in blocks too.
@@ -414,10 +415,10 @@ class _Engine:
     def _one_block(self, a: int, b: int, c: int, d: int, counted: torch.Tensor) -> None:
         """Rows ``a:b`` whose keys ``c:d`` fit one block: every statistic in one pass over the block, with as few
         full-size passes as the math allows. The logits get ``-inf`` where the row may not attend (a causal mask
-        alone: only the tile of keys some row of the block may not see), then their max and its key (``amax`` and
-        ``_row_max``: a max with indices costs ten times an ``amax`` on CPUs), ``e = exp(logits - max)`` in a
-        second buffer, reductions of ``e``, and the first and last key above the threshold (``_hits``). The logits
-        and ``e`` live in two buffers reused by every block (``_scratch``)."""
+        alone: only the tile of keys some row of the block may not see), then their max and its key (``_row_max``: a
+        max with indices costs ten times an ``amax`` on CPUs), ``e = exp(logits - max)`` in a second buffer,
+        reductions of ``e``, and the first and last key above the threshold (``_hits``). The logits and ``e`` live in
+        two buffers reused by every block (``_scratch``)."""
         B, h, n, dtype, device, call = self.B, self.h, b - a, self.dtype, self.device, self.call
         positions = call.row_positions(a, b)
         diag = None if self.diag_offset is None else positions + self.diag_offset
@@ -574,8 +575,8 @@ class _Engine:
 #: what a max over the whole row costs; chunks of 64 cost twice that, of 16 twenty times.
 _CHUNK = 256
 
-#: Rows of at least this many keys are searched by chunks (``_hits``, ``_row_max``), and get their output's
-#: scale by a matrix-vector product (``_Engine._products``).
+#: Rows of at least this many keys are searched by chunks (``_hits``, ``_row_max``); shorter ones by float
+#: arithmetic over the whole block.
 _LONG_ROW = 1024
 
 _LOG2E = 1.4426950408889634
