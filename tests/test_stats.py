@@ -242,6 +242,38 @@ def test_a_workspace_keeps_the_block_buffers_for_the_next_call():
     assert len(ws) == 4
 
 
+@pytest.mark.parametrize("mask", ["padding", "causal"])
+def test_a_nan_logit_at_a_key_the_row_may_not_attend_does_not_count(mask):
+    """A NaN key (a padded position whose hidden state went NaN in an earlier layer) makes NaN logits only at keys
+    the rows may not attend: their statistics are those of the masked softmax, finite (the engine fills forbidden
+    keys by a min with a bound, then exactly for a block where that left a NaN max)."""
+    torch.manual_seed(8)
+    B, h, T, D = 1, 2, 40, 4
+    q, k, v = torch.randn(B, h, T, D), torch.randn(B, h, T, D), torch.randn(B, h, T, D)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    if mask == "padding":
+        k[:, :, 3] = math.nan
+        allowed = causal & (torch.arange(T) != 3)
+        call = AttentionCall(q, k, scaling=0.5, v=v, mask=allowed[None, None])
+    else:  # the last key: forbidden to every row but the last, which sees NaN
+        k[:, :, T - 1] = math.nan
+        allowed = causal
+        call = AttentionCall(q, k, scaling=0.5, v=v, causal=True)
+    s = attention_logits(q, k, scaling=0.5)
+    w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
+    output = torch.nan_to_num(w, 0.0) @ v
+    got = attention_stats(replace(call, output=output), diag_offset=0, block_bytes=20000)
+    finite = got["finite"][0, 0]
+    if mask == "padding":
+        assert finite.all()
+    else:
+        assert finite[:-1].all() and not finite[-1]
+    rows = slice(None) if mask == "padding" else slice(0, T - 1)
+    want = stats_from_weights(w, scores=s, allowed=allowed.expand(B, 1, T, T), diag_offset=0)
+    for name in ("entropy", "max_weight", "argmax_key", "first_key", "last_key", "max_score"):
+        assert torch.allclose(got[name][..., rows].double(), want[name][..., rows].double(), atol=1e-5), name
+
+
 # --------------------------------------------------------------------------- captures
 def _hf(name, attn):
     hf_helpers = pytest.importorskip("hf_helpers")
