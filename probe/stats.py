@@ -460,7 +460,7 @@ class _Engine:
         empty = torch.isneginf(m)
         l = e.sum(-1)
         total = self._total(l, shift)
-        # sum e * (z - max): the entropy without the cancellation of adding the max and taking it off again
+        # sum e * (logits - max), forbidden keys 0: the entropy without adding the max and taking it off again
         dot = s.mul_(e).sum(-1).mul_(_LN2)  # in place: s is only a scratch buffer from here on
         first, last = _hits(e, WEIGHT_THRESHOLD * total, scratch=s)  # s is not read again
         acc = {"l": l, "dot": dot, "dot_shifted": True, "min": e.amin(-1), "a": a,
