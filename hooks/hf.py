@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
@@ -28,10 +29,11 @@ from torch import nn
 
 from ..probe.attention_math import AttentionCall
 from ..probe.errors import UnsupportedModelError, warn_user
+from ..probe.selection import index_heads
 from ..probe.threads import elsewhere
 from . import hf_compat
 from .base import Adapter, Lazy, Site
-from .deliver import deliver, listen, number, value_of
+from .deliver import deliver, held, listen, number, value_of
 from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
 from .hf_math import MaskMemo, Recompute, kv_of_heads
 from .hf_source import name_branches, record_dtype, softmax_dtype
@@ -48,6 +50,13 @@ _NOT_WRAPPED = ("flash", "flex", "paged", "|", "/", ":")
 _STRATEGY = "attention interface"
 _LOCK = threading.Lock()
 _WARNED: set = set()
+#: Verdicts of ``_Recorder._scores_trusted``, kept across captures: module -> {(function, argument names, mask dtype,
+#: weights dtype, heads, the module's plain attributes): verdict}. A function's math for one such key does not change
+#: between captures, and judging it costs a softmax and four passes over (query x key) per layer (at 1 x 1,024 tokens,
+#: more than the eager forward itself), so a module is judged once per process, not once per capture. Its plain
+#: attributes (numbers, flags, strings: the scaling, ``is_causal``, ``training``, GPT-2's scaling switches) are part
+#: of the key, so a function whose math follows one of them is judged again when it changes.
+_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 # --------------------------------------------------------------------------------------- classes
@@ -459,7 +468,6 @@ class _Recorder:
         # float64 model are then only float32-accurate, and the record says so (checks use its dtype)
         self.softmax_dtype = softmax_dtype(_base_function(type(module), base)) if base == "eager" else None
         self._kv_of_heads = None
-        self._verified: dict[frozenset, bool] = {}
 
     # -- helpers --------------------------------------------------------------------------
     def _sync_heads(self, heads: int, kv_heads: int) -> None:
@@ -471,8 +479,7 @@ class _Recorder:
 
     def _use(self, fn: Callable) -> None:
         """Describe the function this call ran (a user may register another one under the same name)."""
-        self._fn = fn
-        self._verified = {}  # another function: its math is judged afresh
+        self._fn = fn  # another function: its math is judged afresh (the verdicts are keyed by function)
         meta = {k: v for k, v in self.meta.items() if k != "base_function"}
         if self.base != "eager" and fn is not _sdpa_forward():
             meta["base_function"] = getattr(fn, "__qualname__", repr(fn))
@@ -617,7 +624,7 @@ class _Recorder:
                 or (mask is not None and mask.dtype.is_floating_point),
             )
         if observed is not None:
-            values["weights"] = observed
+            values["weights"] = self._observed_weights(observed, call)
             weights_source = "observed"
         elif self.recomputable and "weights" not in values:
             weights_source = "recomputed"  # recomputable, only not kept
@@ -627,6 +634,19 @@ class _Recorder:
             values["output"] = output
             identified.add("output")
         return values, identified, weights_source
+
+    def _observed_weights(self, observed: torch.Tensor, call: "_Call"):
+        """The weights the function returned, as the record takes them: the function's own tensor (a ``Lazy`` that
+        hands it over) where nothing but the model's caller can still reach it, else the tensor, which the record
+        copies. Kept as it is when every head is selected, it is a whole tensor of its own (not a view, not an
+        inference tensor) and autograd does not hold it (no grad): what ``output_attentions`` returns, the same
+        tensor. A copy at 1 x 1,024 tokens cost a fifth of an eager layer. Delivered by a compiled graph, it is one
+        of the graph's buffers: ``held`` copies it then."""
+        if (observed.requires_grad or observed.is_inference() or observed._is_view() or not observed.is_contiguous()
+                or self.site.heads != tuple(range(call.heads))
+                or observed.untyped_storage().nbytes() != observed.numel() * observed.element_size()):
+            return observed
+        return Lazy(tuple(observed.shape), observed.dtype, lambda: held(observed))
 
     def _q_shared(self, call: "_Call") -> bool:
         """Whether the record keeps q as the very copy the recompute's product reads (``Recompute.inputs``): q kept,
@@ -652,26 +672,33 @@ class _Recorder:
         """Whether attnprobe's formula is what the backend computed.
 
         sdpa's semantics are known (it ignores unknown keyword arguments). A model file's eager
-        function may do its own math: the first call with each set of argument names compares the
-        recomputed weights of the selected heads with the ones the function returned (before the
-        budget check, once). In training mode with dropout there is nothing to compare with, and
-        the formula every transformers eager function uses is assumed.
+        function may do its own math: the first call of each module with each function, set of
+        argument names, mask dtype and weights dtype compares the recomputed weights of the selected
+        heads with the ones the function returned (before the budget check, once per process: the
+        verdict is kept for later captures). In training mode with dropout there is nothing to
+        compare with, and the formula every transformers eager function uses is assumed.
         """
         if self.base == "sdpa":
             return True
-        key = frozenset(n for n, val in kwargs.items() if val is not None)
-        verdict = self._verified.get(key)
+        if observed is None:
+            return True  # dropout active: nothing to compare with; the formula is the standard one
+        mask = rec.mask
+        key = (self._fn, frozenset(n for n, val in kwargs.items() if val is not None),
+               None if mask is None else mask.dtype, observed.dtype, self.site.heads,
+               tuple((n, val) for n, val in vars(self.module).items() if type(val) in (bool, int, float, str)))
+        verdicts = _VERDICTS.setdefault(self.module, {})
+        verdict = verdicts.get(key)
         if verdict is None:
-            if observed is None:
-                return True  # dropout active: nothing to compare with; the formula is the standard one
             with torch.no_grad():
                 mine = rec.weights().float()
-                theirs = observed.detach()
-                theirs = theirs.index_select(1, torch.tensor(self.site.heads, device=theirs.device)).float()
-                rows = rec.allowed().any(dim=-1, keepdim=True).expand_as(mine)
-                error = float((mine - theirs).abs().masked_fill(~rows, 0).max()) if mine.numel() else 0.0
+                theirs = index_heads(observed.detach(), self.site.heads)[0].float()  # a view for every head
+                error = 0.0
+                if mine.numel():
+                    # rows with no allowed key are left out (the two mask semantics differ there by design)
+                    difference = torch.sub(mine, theirs).abs_().masked_fill_(~rec.allowed().any(-1, keepdim=True), 0)
+                    error = float(difference.max())
             tolerance = 1e-5 if observed.dtype in (torch.float32, torch.float64) else 1e-2
-            verdict = self._verified[key] = error <= tolerance
+            verdict = verdicts[key] = error <= tolerance
             if not verdict:
                 _warn_once(
                     ("eager-math", type(self.module)),

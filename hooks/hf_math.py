@@ -89,12 +89,15 @@ class MaskInfo:
             self._add[key] = (index_heads(t, heads)[0] if t.shape[1] > 1 else t).to(dtype)
         return self._add[key]
 
-    def float_bias(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor:
+    def float_bias(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor | None:
         """The part of a float mask that is not masking (Swin folds a relative bias into it): the mask where it
-        allows, 0 where it masks. Added to the logits, it gives the scores."""
+        allows, 0 where it masks. Added to the logits, it gives the scores. None when it is 0 everywhere (a mask
+        that only masks, what eager attention usually receives): the scores are then the logits themselves, with
+        no (query, key) sum made per layer (at 1 x 1,024 tokens that sum cost a tenth of an eager layer)."""
         key = ("bias", dtype, k_len, heads if as_4d(self.mask).shape[1] > 1 else None)
         if key not in self._add:
-            self._add[key] = self.float_mask(heads, dtype, k_len).masked_fill(~self.for_heads(heads), 0.0)
+            bias = self.float_mask(heads, dtype, k_len).masked_fill(~self.for_heads(heads), 0.0)
+            self._add[key] = bias if bool(bias.any()) else None
         return self._add[key]
 
     def for_heads(self, heads) -> torch.Tensor:
@@ -216,8 +219,10 @@ class Recompute:
             if self.mask is not None and self.mask.dtype.is_floating_point:
                 # a float mask may carry more than masking (Swin folds its relative bias into it): its bias part
                 # (0 where it masks) is added, a new tensor; the logits stay free for the weights
-                with torch.no_grad():
-                    logits = logits + self.info.float_bias(self.heads, logits.dtype, self.k.shape[2])
+                bias = self.info.float_bias(self.heads, logits.dtype, self.k.shape[2])
+                if bias is not None:
+                    with torch.no_grad():
+                        logits = logits + bias
             self._scores = logits
         return self._scores.to(self.out_dtype)
 

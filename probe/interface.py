@@ -26,7 +26,8 @@ class Lazy:
     """A tensor an adapter can produce on demand, already restricted to the selected heads.
 
     ``shape`` and ``dtype`` are what ``fn()`` will return, so the budget is checked before the work.
-    ``fn()`` returns a tensor nothing else holds (the record keeps it without another copy).
+    ``fn()`` returns a tensor the record keeps without another copy: a new one, or one the model never writes into
+    again (the weights an eager attention function returned, which ``output_attentions`` hands out as they are).
     """
 
     shape: tuple[int, ...]
