@@ -16,7 +16,7 @@ from transformers.masking_utils import eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import attnprobe
-from attnprobe.hooks import hf_math
+from attnprobe.hooks import hf, hf_math
 from hf_helpers import build, inputs
 
 _names = itertools.count()
@@ -67,7 +67,8 @@ def test_an_eager_modules_math_is_judged_once_not_once_per_capture(judged):
     assert attnprobe.check(second).ok
 
 
-def test_a_function_attnprobe_does_not_reproduce_keeps_its_weights_and_gets_no_scores(recwarn):
+def test_a_function_attnprobe_does_not_reproduce_keeps_its_weights_and_gets_no_scores(recwarn, monkeypatch):
+    monkeypatch.setattr(hf, "_WARNED", set())  # the warning is given once per module class and process
     name = _register(_scaled_eager)
     model, batch = build("llama", name), inputs("llama", "right")
     for module in model.modules():
@@ -91,7 +92,7 @@ def test_a_changed_plain_attribute_gets_the_function_judged_again(recwarn):
     assert all(r.scores is None for r in changed)
 
 
-def test_the_scores_of_a_mask_that_only_masks_are_the_logits(judged):
+def test_the_scores_of_a_mask_that_only_masks_are_the_logits():
     """A float mask that is 0 or finfo.min adds nothing to the scores: they are scaled q @ k, not a sum made per
     layer; the weights still see the mask."""
     model, batch = build("gpt2", "eager"), inputs("gpt2", "right")
