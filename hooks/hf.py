@@ -52,10 +52,10 @@ _LOCK = threading.Lock()
 _WARNED: set = set()
 #: Verdicts of ``_Recorder._scores_trusted``, kept across captures: module -> {(function, argument names, mask dtype,
 #: weights dtype, heads, the module's plain attributes): verdict}. A function's math for one such key does not change
-#: between captures, and judging it costs a softmax and four passes over (query x key) per layer (at 1 x 1,024 tokens,
-#: more than the eager forward itself), so a module is judged once per process, not once per capture. Its plain
-#: attributes (numbers, flags, strings: the scaling, ``is_causal``, ``training``, GPT-2's scaling switches) are part
-#: of the key, so a function whose math follows one of them is judged again when it changes.
+#: between captures, and judging it costs a softmax and four passes over (query x key) per layer (at 1 x 1,024
+#: tokens, two thirds of what the eager forward itself costs), so a module is judged once per process, not once per
+#: capture. Its plain attributes (numbers, flags, strings: the scaling, ``is_causal``, ``training``, GPT-2's scaling
+#: switches) are part of the key, so a function whose math follows one of them is judged again when it changes.
 _VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -640,7 +640,7 @@ class _Recorder:
         hands it over) where nothing but the model's caller can still reach it, else the tensor, which the record
         copies. Kept as it is when every head is selected, it is a whole tensor of its own (not a view, not an
         inference tensor) and autograd does not hold it (no grad): what ``output_attentions`` returns, the same
-        tensor. A copy at 1 x 1,024 tokens cost a fifth of an eager layer. Delivered by a compiled graph, it is one
+        tensor. A copy at 1 x 1,024 tokens cost a tenth of an eager layer. Delivered by a compiled graph, it is one
         of the graph's buffers: ``held`` copies it then."""
         if (observed.requires_grad or observed.is_inference() or observed._is_view() or not observed.is_contiguous()
                 or self.site.heads != tuple(range(call.heads))
