@@ -20,7 +20,7 @@ import errno
 import os
 import secrets
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 from .errors import AttnprobeError
 
@@ -88,16 +88,6 @@ def _explain(exc: OSError, target: Path) -> OutputError:
     return OutputError(exc.errno, f"cannot write {target}: {reason}; nothing was written there")
 
 
-def _create_temp(folder: Path) -> tuple[int, Path]:
-    for _ in range(100):
-        temp = folder / f"{TEMP_PREFIX}{secrets.token_hex(6)}{TEMP_SUFFIX}"
-        try:  # 0o666 and the umask, as for any new file (mkstemp would make it private: 0o600)
-            return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), temp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"could not create a temporary file in {folder}")  # pragma: no cover
-
-
 def _move_into_place(temp: Path, target: Path, overwrite: bool) -> None:
     if overwrite:
         os.replace(temp, target)  # atomic; replaces a symlink itself, never its target
@@ -114,36 +104,85 @@ def _move_into_place(temp: Path, target: Path, overwrite: bool) -> None:
     os.unlink(temp)
 
 
-@contextlib.contextmanager
-def atomic_open(path, mode: str = "wb", *, overwrite: bool = False, encoding: str | None = None,
-                errors: str | None = None, newline: str | None = None) -> Iterator[IO]:
+class atomic_open:
     """Open a temporary file next to ``path`` for writing; on a clean exit move it to ``path``.
 
     ``mode`` is ``"w"`` (text) or ``"wb"`` (bytes). On any exception, KeyboardInterrupt included,
     the temporary file is removed, ``path`` is untouched and the exception propagates; OS errors
     (full disk, permission, name too long) become an ``OutputError`` naming the file and the reason.
+
+    A class, not a generator: a Ctrl-C that lands inside ``contextlib``'s ``__enter__``, after the temporary
+    file is made and before the ``with`` block starts, would skip the generator's cleanup and leave the file
+    behind. Here the name is chosen before the file is made, and ``__enter__`` removes it on any exception,
+    including one that lands just after ``os.open`` returned.
     """
-    if mode not in ("w", "wb"):
-        raise ValueError(f"atomic_open writes only: mode 'w' or 'wb', not {mode!r}")
-    target = target_path(path, overwrite=overwrite)
-    try:
-        fd, temp = _create_temp(target.parent)
-    except OSError as exc:
-        raise _explain(exc, target) from None
-    try:
+
+    def __init__(self, path, mode: str = "wb", *, overwrite: bool = False, encoding: str | None = None,
+                 errors: str | None = None, newline: str | None = None) -> None:
+        if mode not in ("w", "wb"):
+            raise ValueError(f"atomic_open writes only: mode 'w' or 'wb', not {mode!r}")
+        self.path, self.mode, self.overwrite = path, mode, overwrite
         text = "b" not in mode
-        with os.fdopen(fd, mode, encoding=encoding if text else None, errors=errors if text else None,
-                       newline=newline if text else None) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the name points at it
-        _move_into_place(temp, target, overwrite)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
+        self.options = {"encoding": encoding, "errors": errors, "newline": newline} if text else {}
+        self.temp: Path | None = None  # the temporary file, from the moment its name is chosen
+        self.file: IO | None = None
+
+    def __enter__(self) -> IO:
+        self.target = target_path(self.path, overwrite=self.overwrite)
+        try:
+            fd = self._create()
+            self.file = os.fdopen(fd, self.mode, **self.options)
+            return self.file
+        except BaseException as exc:
+            self._discard()
+            explained = self._explained(exc)
+            if explained is exc:
+                raise
+            raise explained from None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            try:
+                self.file.flush()
+                os.fsync(self.file.fileno())  # the data is on disk before the name points at it
+                self.file.close()
+                _move_into_place(self.temp, self.target, self.overwrite)
+                return False
+            except BaseException as error:
+                self._discard()
+                explained = self._explained(error)
+                if explained is error:
+                    raise
+                raise explained from error
+        self._discard()
+        explained = self._explained(exc)
+        if explained is not exc:
+            raise explained from exc
+        return False  # the exception propagates as it is
+
+    def _create(self) -> int:
+        folder = self.target.parent
+        for _ in range(100):
+            self.temp = folder / f"{TEMP_PREFIX}{secrets.token_hex(6)}{TEMP_SUFFIX}"
+            try:  # 0o666 and the umask, as for any new file (mkstemp would make it private: 0o600)
+                return os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            except FileExistsError:
+                self.temp = None  # another's file: never removed
+        raise FileExistsError(f"could not create a temporary file in {folder}")  # pragma: no cover
+
+    def _discard(self) -> None:
+        """Close and remove the temporary file (gone already once it was moved into place)."""
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()
+        if self.temp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.temp)
+
+    def _explained(self, exc: BaseException) -> BaseException:
         if isinstance(exc, OSError) and not isinstance(exc, (AttnprobeError, FileExistsError)):
-            raise _explain(exc, target) from exc
-        raise
+            return _explain(exc, self.target)
+        return exc
 
 
 def write_atomic(path, data: str | bytes, *, overwrite: bool = False, encoding: str = "utf-8") -> Path:

@@ -163,3 +163,21 @@ def test_device_or_pipe_is_never_replaced(tmp_path):
     if Path("/dev/null").exists():
         with pytest.raises(OutputError, match="not a regular file"):
             write_atomic("/dev/null", "x", overwrite=True)
+
+
+def test_ctrl_c_just_after_the_temporary_file_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """A signal can land right after ``os.open`` returned, before anyone holds the new file's descriptor."""
+    (tmp_path / "a.txt").write_text("old")
+    real_open = os.open
+
+    def interrupted_open(*args, **kwargs):
+        real_open(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "open", interrupted_open)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_open(tmp_path / "a.txt", "w", overwrite=True) as f:
+            f.write("new")
+    monkeypatch.undo()
+    assert (tmp_path / "a.txt").read_text() == "old"
+    assert leftovers(tmp_path) == []
