@@ -134,31 +134,22 @@ class atomic_open:
             self.file = os.fdopen(fd, self.mode, **self.options)
             return self.file
         except BaseException as exc:
-            self._discard()
-            explained = self._explained(exc)
-            if explained is exc:
-                raise
-            raise explained from None
+            self._fail(exc)
+            raise
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            try:
-                self.file.flush()
-                os.fsync(self.file.fileno())  # the data is on disk before the name points at it
-                self.file.close()
-                _move_into_place(self.temp, self.target, self.overwrite)
-                return False
-            except BaseException as error:
-                self._discard()
-                explained = self._explained(error)
-                if explained is error:
-                    raise
-                raise explained from error
-        self._discard()
-        explained = self._explained(exc)
-        if explained is not exc:
-            raise explained from exc
-        return False  # the exception propagates as it is
+        if exc_type is not None:
+            self._fail(exc)
+            return False  # the exception propagates as it is
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())  # the data is on disk before the name points at it
+            self.file.close()
+            _move_into_place(self.temp, self.target, self.overwrite)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        return False
 
     def _create(self) -> int:
         folder = self.target.parent
@@ -179,10 +170,12 @@ class atomic_open:
             with contextlib.suppress(OSError):
                 os.unlink(self.temp)
 
-    def _explained(self, exc: BaseException) -> BaseException:
+    def _fail(self, exc: BaseException) -> None:
+        """Remove the temporary file; an OS error (full disk, permission, ...) is raised again as an ``OutputError``
+        naming the file and the reason, anything else is left for the caller to raise as it is."""
+        self._discard()
         if isinstance(exc, OSError) and not isinstance(exc, (AttnprobeError, FileExistsError)):
-            return _explain(exc, self.target)
-        return exc
+            raise _explain(exc, self.target) from exc
 
 
 def write_atomic(path, data: str | bytes, *, overwrite: bool = False, encoding: str = "utf-8") -> Path:
