@@ -257,19 +257,12 @@ class Monitor:
 
         return pd.DataFrame(self._alert_rows, columns=["step", "layer", "head", "alert", "column", "value", "threshold"])
 
-    def to_parquet(self, path) -> None:
-        """Write ``history`` to a Parquet file (written to a temporary name, then renamed into place)."""
-        import os
-        from pathlib import Path
+    def to_parquet(self, path, *, overwrite: bool = False):
+        """Write ``history`` to a Parquet file and return its path. The file appears complete or not at all, and an
+        existing file is replaced only with ``overwrite=True`` (as ``Capture.to_parquet`` and ``to_html`` do)."""
+        from .frames import write_frame
 
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            self.history.to_parquet(tmp, index=False)
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        return write_frame(self.history, path, format="parquet", overwrite=overwrite)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -151,10 +151,16 @@ def test_history_to_parquet_and_tensorboard(tmp_path):
     with attnprobe.monitor(model, every=2, log_dir=tmp_path / "tb") as mon, torch.no_grad():
         for ids in batches(5):
             model(ids)
-    mon.to_parquet(tmp_path / "history.parquet")
+    assert mon.to_parquet(tmp_path / "history.parquet") == tmp_path / "history.parquet"
     import pandas as pd
 
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "history.parquet"), mon.history)
+    with pytest.raises(FileExistsError, match="overwrite=True"):  # the history written before is kept
+        mon.to_parquet(tmp_path / "history.parquet")
+    mon.to_parquet(tmp_path / "history.parquet", overwrite=True)
+    with pytest.raises(FileNotFoundError, match="does not exist; create it first"):
+        mon.to_parquet(tmp_path / "missing" / "history.parquet")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.parquet", "tb"]  # no temporary file left
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tag = "attention/layer 01/head 03/entropy"
