@@ -673,9 +673,10 @@ class _Recorder:
 
         sdpa's semantics are known (it ignores unknown keyword arguments). A model file's eager
         function may do its own math: the first call of each module with each function, set of
-        argument names, mask dtype and weights dtype compares the recomputed weights of the selected
-        heads with the ones the function returned (before the budget check, once per process: the
-        verdict is kept for later captures). In training mode with dropout there is nothing to
+        argument names, mask dtype, weights dtype, head selection and set of plain attribute values
+        (``_VERDICTS``) compares the recomputed weights of the selected heads with the ones the
+        function returned (before the budget check, once per process: the verdict is kept for later
+        captures). In training mode with dropout there is nothing to
         compare with, and the formula every transformers eager function uses is assumed.
         """
         if self.base == "sdpa":
