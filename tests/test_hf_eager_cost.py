@@ -101,6 +101,16 @@ def test_the_scores_of_a_mask_that_only_masks_are_the_logits():
         logits = r.q.float() @ r.k.float().transpose(-1, -2) * r.scaling
         assert torch.equal(r.scores, logits)
         assert (r.weights.triu(1) == 0).all()  # causal, from the mask
+    # the mask's non-masking part: none for 0 / finfo.min, the bias itself where a mask carries one (Swin)
+    low = torch.finfo(torch.float32).min
+    masking = torch.tensor([[0.0, low], [0.0, 0.0]]).view(1, 1, 2, 2)
+    info = hf_math.MaskInfo(masking, hf_math.allowed_from(masking, batch=1, q_len=2, k_len=2, implicit_causal=False,
+                                                          device="cpu"))
+    assert info.float_bias((0,), torch.float32, 2) is None
+    biased = masking + torch.tensor([[0.5, 0.0], [0.0, -0.25]])
+    info = hf_math.MaskInfo(biased, hf_math.allowed_from(biased, batch=1, q_len=2, k_len=2, implicit_causal=False,
+                                                         device="cpu"))
+    assert torch.equal(info.float_bias((0,), torch.float32, 2), torch.tensor([[[[0.5, 0.0], [0.0, -0.25]]]]))
 
 
 def test_eager_weights_are_kept_as_the_function_returned_them_when_nothing_else_writes_them():
