@@ -98,12 +98,15 @@ try:  # once to the side: every lazy import done (torch, transformers, numpy, ji
     main(warm_up)
 except SystemExit as exc:
     assert exc.code == 0, exc.code
-def slow_down(frame, event, arg):  # the work takes ~20 ms; spread it over a second, evenly across its Python calls
-    if event == "call":
-        time.sleep(0.00005)
+def slow_down(frame, event, arg, sleep=time.sleep):  # the work takes ~20 ms; spread it over a second, evenly
+    if event == "call":                                # across its Python calls (sleep bound here: the hook may
+        sleep(0.00005)                                 # still run while the interpreter clears module globals)
 sys.setprofile(slow_down)
 Path(sys.argv[1]).write_text("started")
-main(args)
+try:
+    main(args)
+finally:
+    sys.setprofile(None)  # not during the interpreter's shutdown
 """
 
 
