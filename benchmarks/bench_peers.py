@@ -516,31 +516,27 @@ def check(keys, ratios, mem, columns, diffs) -> None:
     def line(ok: bool, text: str):
         print(f"  {'ok    ' if ok else 'MISSED'} {text}")
 
+    # the targets judge the sdpa rows; the eager-model rows (attnprobe on the kernel the peers run) are judged
+    # the same way and marked apart
+    judged = (("", "attnprobe weights", "attnprobe six"),
+              ("eager model, ", "attnprobe eager weights", "attnprobe eager six"))
     for shape, grad in columns:
         where = f"{shape} {'grad' if grad else 'no_grad'}"
-        if "attnprobe weights" in keys:
-            fastest = min(weight_peers, key=lambda k: ratios[k, shape, grad])
-            mine = ratios["attnprobe weights", shape, grad]
-            theirs = ratios[fastest, shape, grad]
-            line(mine <= theirs, f"{where}: weights {mine:.2f} <= fastest weight-giving peer ({fastest}) {theirs:.2f}")
-        if "tl six" in keys and "attnprobe six" in keys:
-            mine, theirs = ratios["attnprobe six", shape, grad], ratios["tl six", shape, grad]
-            line(mine <= theirs, f"{where}: six {mine:.2f} <= TransformerLens six {theirs:.2f}")
-            if ("attnprobe six", shape, grad) in mem and ("tl six", shape, grad) in mem:
-                mine, theirs = mem["attnprobe six", shape, grad][0], mem["tl six", shape, grad][0]
-                line(mine <= theirs, f"{where}: six peak {mine:.0f} MB <= TransformerLens six {theirs:.0f} MB")
+        for mark, weights_row, six_row in judged:
+            if weights_row in keys and weight_peers:
+                fastest = min(weight_peers, key=lambda k: ratios[k, shape, grad])
+                mine, theirs = ratios[weights_row, shape, grad], ratios[fastest, shape, grad]
+                line(mine <= theirs, f"{where}: {mark}weights {mine:.2f} <= fastest weight-giving peer ({fastest}) "
+                                     f"{theirs:.2f}")
+            if six_row in keys and "tl six" in keys:
+                mine, theirs = ratios[six_row, shape, grad], ratios["tl six", shape, grad]
+                line(mine <= theirs, f"{where}: {mark}six {mine:.2f} <= TransformerLens six {theirs:.2f}")
+                if (six_row, shape, grad) in mem and ("tl six", shape, grad) in mem:
+                    mine, theirs = mem[six_row, shape, grad][0], mem["tl six", shape, grad][0]
+                    line(mine <= theirs, f"{where}: {mark}six peak {mine:.0f} MB <= TransformerLens six {theirs:.0f} MB")
         if "attnprobe idle" in keys:
             idle = ratios["attnprobe idle", shape, grad]
             line(idle <= 1.01, f"{where}: idle {idle:.3f} <= 1.01")
-        # not the targets (its rows keep the sdpa kernel): attnprobe on the kernel the peers run
-        if "attnprobe eager weights" in keys and weight_peers:
-            fastest = min(weight_peers, key=lambda k: ratios[k, shape, grad])
-            mine, theirs = ratios["attnprobe eager weights", shape, grad], ratios[fastest, shape, grad]
-            line(mine <= theirs, f"{where}: eager model, weights {mine:.2f} <= fastest weight-giving peer "
-                                 f"({fastest}) {theirs:.2f}")
-        if "attnprobe eager six" in keys and "tl six" in keys:
-            mine, theirs = ratios["attnprobe eager six", shape, grad], ratios["tl six", shape, grad]
-            line(mine <= theirs, f"{where}: eager model, six {mine:.2f} <= TransformerLens six {theirs:.2f}")
     worst = max((v for (k, _), v in diffs.items() if k.startswith("attnprobe")), default=0.0)
     line(worst <= 1e-5, f"attnprobe weights within 1e-5 of eager output_attentions (max {worst:.1e})")
 
