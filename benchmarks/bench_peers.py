@@ -533,7 +533,8 @@ def check(keys, ratios, mem, columns, diffs) -> None:
                 line(mine <= theirs, f"{where}: {mark}six {mine:.2f} <= TransformerLens six {theirs:.2f}")
                 if (six_row, shape, grad) in mem and ("tl six", shape, grad) in mem:
                     mine, theirs = mem[six_row, shape, grad][0], mem["tl six", shape, grad][0]
-                    line(mine <= theirs, f"{where}: {mark}six peak {mine:.0f} MB <= TransformerLens six {theirs:.0f} MB")
+                    line(mine <= theirs,
+                         f"{where}: {mark}six peak {mine:.0f} MB <= TransformerLens six {theirs:.0f} MB")
         if "attnprobe idle" in keys:
             idle = ratios["attnprobe idle", shape, grad]
             line(idle <= 1.01, f"{where}: idle {idle:.3f} <= 1.01")
