@@ -257,8 +257,8 @@ def main() -> None:
             print(f"MiniLM 8x128: plain sdpa {p * 1e3:.1f} ms, keep=('stats',) {s * 1e3:.1f} ms: {s / p:.2f}x "
                   "(target <= 1.10x; medians of interleaved rounds)")
             print(f"  floor (sdpa's kernel + products, max, exp2, sums, entropy and the output error inline; 5 of "
-                  f"the statistics, no tool): {f * 1e3:.1f} ms: {f / p:.2f}x; its output error {floor_error:.1e}, its entropy and max score "
-                  f"within {agree:.1e} of the capture's; "
+                  f"the statistics, no tool): {f * 1e3:.1f} ms: {f / p:.2f}x; its output error {floor_error:.1e}, "
+                  f"its entropy and max score within {agree:.1e} of the capture's; "
                   + ("the target is below it" if f / p > 1.10 else "the target is above it"))
 
 

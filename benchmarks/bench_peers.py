@@ -19,12 +19,12 @@ Rows (each tool gets its own deep copy of the same HF weights, attention as it n
     attnprobe eager weights  attnprobe.capture(eager model, keep=("weights",)): the kernel the peers run
     attnprobe eager six      attnprobe.capture(eager model): q, k, v, scores, weights, output
     floor weights          no tool: sdpa's own kernel for the output, then q @ k, the mask and a softmax beside it,
-                           written inline in the attention function (what any tool that keeps sdpa's output bitwise
-                           and gives the weights must run at least)
+                           written inline in the attention function (the least that a tool on torch's ops must run
+                           to keep sdpa's output bitwise and give the weights)
     floor six              the same, keeping q, k, v and the output as views and the scores as a tensor of their own
 
-The floor rows answer what the sdpa targets ask for: below the floor, no tool can keep sdpa's kernel and its
-outputs bitwise and give the weights. A missed sdpa target is printed with the floor beside it.
+The floor rows answer what the sdpa targets ask for: below the floor, no tool built on torch's ops can keep sdpa's
+kernel and its outputs bitwise and give the weights. A missed sdpa target is printed with the floor beside it.
 
 The issue's targets judge the sdpa rows, which keep the model's fused kernel and its outputs bitwise (the weights are
 computed beside it). The two eager-model rows show what attnprobe costs on the peers' own kernel (outputs bitwise
