@@ -8,6 +8,11 @@ from other processes hits both sides of a ratio alike:
     weights-only capture    / eager + output_attentions=True                            target <= 1.05
     idle capture (layers=[])/ plain forward                                             target <= 1.02
     one selected layer      / plain sdpa forward                                        (reported)
+    floor weights           / eager + output_attentions=True                            (reported)
+
+The floor (benchmarks/floors.py) is the sdpa model with an attention function that runs sdpa's own kernel (its
+outputs are checked bitwise) and then the weights inline, with no tool, in the fewest torch ops: a weights target
+below it cannot be met by a tool on torch's ops that keeps the model's outputs bitwise.
 
 Run:  python benchmarks/bench_hf_capture.py [--rounds 30] [--profile full]
 
@@ -54,8 +59,21 @@ def load():
 
 
 def variants(sdpa, eager, batch):
+    from floors import weights_floor, with_attention  # this folder is on the path when run as a script
+
+    floor_fn = weights_floor()
+    floor_model = with_attention(sdpa, "bench_hf_capture_floor", floor_fn)
+
     def plain():
         return sdpa(**batch)
+
+    def floor():  # its weights are handed to the caller, who drops them, as a capture's are
+        floor_model(**batch)
+        kept = list(floor_fn.kept)
+        floor_fn.kept.clear()
+        return kept
+
+    floor.model = floor_model
 
     def eager_attentions():
         return eager(**batch, output_attentions=True)
@@ -74,6 +92,7 @@ def variants(sdpa, eager, batch):
         "weights": capture(keep=["weights"]),
         "idle": capture(layers=[]),
         "one layer": capture(layers=[3]),
+        "floor weights": floor,
     }
 
 
@@ -108,6 +127,10 @@ def main() -> None:
 
     sdpa, eager, batch = load()
     runs = variants(sdpa, eager, batch)
+    with torch.no_grad():
+        floor_model = runs["floor weights"].model
+        if not torch.equal(runs["plain"]().last_hidden_state, floor_model(**batch).last_hidden_state):
+            raise SystemExit("the floor's outputs differ from the sdpa model's: it must run sdpa's own kernel")
     times = measure(runs, args.rounds)
     print(f"all-MiniLM-L6-v2, batch {tuple(batch['input_ids'].shape)}, {torch.get_num_threads()} threads, "
           f"{args.rounds} interleaved rounds; median time per call (absolute times depend on machine load):")
@@ -119,11 +142,15 @@ def main() -> None:
          TARGETS["weights"]),
         ("idle capture / plain forward", ratio(times, "idle", "plain"), TARGETS["idle"]),
         ("one selected layer / plain sdpa forward", ratio(times, "one layer", "plain"), None),
+        ("floor weights / eager+output_attentions", ratio(times, "floor weights", "eager+output_attentions"), None),
     ]
     print("ratios:")
     for label, value, target in rows:
         verdict = "" if target is None else ("  ok" if value <= target else "  MISSED") + f" (target <= {target:.2f})"
         print(f"  {label:<42} {value:5.3f}x{verdict}")
+    floor = ratio(times, "floor weights", "eager+output_attentions")
+    print(f"the weights target ({TARGETS['weights']:.2f}) is " + ("below" if floor > TARGETS["weights"] else "above")
+          + f" the floor of keeping sdpa's kernel ({floor:.3f})")
 
     if args.profile:
         profiler = cProfile.Profile()

@@ -133,20 +133,6 @@ def _floor_attention():
     return attention
 
 
-def with_attention(model, name: str, fn):
-    """A deep copy of ``model`` whose attention function is ``fn``, registered as ``name`` with sdpa's mask
-    function (so it receives the masks sdpa would)."""
-    import copy
-
-    from attnprobe.hooks import hf_compat
-
-    hf_compat.register_attention(name, fn)
-    hf_compat.register_mask(name, hf_compat.mask_registry()["sdpa"])
-    copied = copy.deepcopy(model)
-    copied.set_attn_implementation(name)
-    return copied
-
-
 def minilm_batch() -> dict:
     """The MiniLM input of figure 3: 8 x 128 random token ids, no padding."""
     import torch
@@ -173,6 +159,8 @@ def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
 
     path = gt.get_model_path()
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    from floors import with_attention  # this folder is on the path when run as a script
+
     floor_fn = _floor_attention()
     floor_model = with_attention(model, "bench_floor_stats", floor_fn)
     batch = minilm_batch()

@@ -160,7 +160,8 @@ def main() -> None:
     import transformers
 
     import attnprobe
-    from bench_long import minilm_batch, with_attention  # this folder is on the path when run as a script
+    from bench_long import minilm_batch  # this folder is on the path when run as a script
+    from floors import with_attention
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="attnprobe_native_") as folder:

@@ -138,47 +138,14 @@ def transformer_bridge(eager):
 
 
 def floor_model(sdpa, key: str):
-    """A copy of the sdpa model whose attention function runs sdpa's own kernel (the output is bitwise the sdpa
-    model's) and then, inline, the least that giving the weights takes with torch's ops: one ``q @ k`` with the
-    scaling folded into q, the causal (or bool) mask added in place from a tensor made once, a softmax written into
-    the same buffer. The per-layer tensors go to ``model.floor_kept``. Written for this benchmark's model (no bias,
-    no grouped heads); ``max_differences`` checks its weights against eager's, and ``main`` its outputs against the
-    sdpa model's."""
-    from attnprobe.hooks import hf_compat
+    """A copy of the sdpa model with a floor's attention function (``floors.weights_floor``): sdpa's own kernel, then
+    the weights, or the six, in the fewest torch ops. ``max_differences`` checks its weights against eager's, and
+    ``main`` its outputs against the sdpa model's."""
+    from floors import weights_floor, with_attention  # this folder is on the path when run as a script
 
-    sdpa_forward, six = hf_compat.sdpa_forward(), key == "floor six"
-    model = copy.deepcopy(sdpa)
-    model.floor_kept = kept = []
-
-    masks = {}  # the additive mask, made once per shape (not per layer)
-
-    def additive(attention_mask, t: int, device, dtype):
-        if attention_mask is not None:  # a bool mask (this model gets one only with padding)
-            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill_(~attention_mask,
-                                                                                          float("-inf"))
-        if (t, device, dtype) not in masks:
-            masks[t, device, dtype] = torch.full((t, t), float("-inf"), dtype=dtype, device=device).triu_(1)
-        return masks[t, device, dtype]
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        out = sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs)
-        with torch.no_grad():
-            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-            # the scaling goes into q (d columns), not over the (query x key) product
-            scores = torch.matmul(query * scaling, key.transpose(-1, -2))
-            mask = additive(attention_mask, scores.shape[-1], scores.device, scores.dtype)
-            if six:  # the scores are kept: the masked logits are the weights' own tensor
-                weights = torch.add(scores, mask)
-                kept.append((query.detach(), key.detach(), value.detach(), scores, weights, out[0].detach()))
-            else:
-                weights = scores.add_(mask)
-                kept.append(weights)
-            torch.softmax(weights, dim=-1, out=weights)
-        return out
-
-    hf_compat.register_attention(FLOOR_NAMES[key], attention)
-    hf_compat.register_mask(FLOOR_NAMES[key], hf_compat.mask_registry()["sdpa"])
-    model.set_attn_implementation(FLOOR_NAMES[key])
+    fn = weights_floor(six=key == "floor six")
+    model = with_attention(sdpa, FLOOR_NAMES[key], fn)
+    model.floor_kept = fn.kept
     return model
 
 

@@ -1,0 +1,71 @@
+"""Floors: what a figure costs at least, written with no tool (shared by the benchmarks that print one).
+
+A floor is a copy of the model whose attention function, registered with transformers' attention interface, runs
+sdpa's own kernel (so the model's outputs stay bitwise the sdpa model's; each benchmark checks it) and then computes
+inline, in the fewest torch ops, only what the figure asks for. A figure below its floor cannot be met by a tool
+built on torch's ops that keeps the model's outputs bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def with_attention(model, name: str, fn):
+    """A deep copy of ``model`` whose attention function is ``fn``, registered as ``name`` with sdpa's mask
+    function (so it receives the masks sdpa would)."""
+    from attnprobe.hooks import hf_compat
+
+    hf_compat.register_attention(name, fn)
+    hf_compat.register_mask(name, hf_compat.mask_registry()["sdpa"])
+    copied = copy.deepcopy(model)
+    copied.set_attn_implementation(name)
+    return copied
+
+
+def weights_floor(*, six: bool = False):
+    """An attention function: sdpa's own kernel, then the weights in the fewest torch ops: one ``q @ k`` with the
+    scaling folded into q, sdpa's mask (bool, or causal when it gets none and the module is causal) added in place
+    from a tensor made once per shape, a softmax written into the same buffer. With ``six``, q, k, v and the output
+    are kept as views and the scores as a tensor of their own. Each call appends to ``fn.kept`` (the weights, or the
+    six with the weights fifth). Written for models without a position bias or grouped heads."""
+    from attnprobe.hooks import hf_compat
+
+    sdpa_forward = hf_compat.sdpa_forward()
+    causal_masks = {}  # made once per shape, not per layer
+
+    def additive(causal: bool, attention_mask, q_len: int, k_len: int, like: torch.Tensor):
+        if attention_mask is not None:  # bool, True = attend
+            return torch.zeros(attention_mask.shape, dtype=like.dtype, device=like.device).masked_fill_(
+                ~attention_mask, float("-inf"))
+        if not causal or q_len == 1:
+            return None
+        key = (q_len, k_len, like.device, like.dtype)
+        if key not in causal_masks:
+            causal_masks[key] = torch.full((q_len, k_len), float("-inf"), dtype=like.dtype,
+                                           device=like.device).triu_(1)
+        return causal_masks[key]
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        out = sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs)
+        with torch.no_grad():
+            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            scores = torch.matmul(query * scaling, key.transpose(-1, -2))
+            # sdpa's own rule: the call's is_causal, else the module's (default True), with no mask
+            causal = kwargs.get("is_causal")
+            causal = getattr(module, "is_causal", True) if causal is None else causal
+            mask = additive(causal, attention_mask, scores.shape[-2], scores.shape[-1], scores)
+            if six:  # the scores are kept: the masked logits are the weights' own tensor
+                weights = scores.clone() if mask is None else torch.add(scores, mask)
+                attention.kept.append((query.detach(), key.detach(), value.detach(), scores, weights,
+                                       out[0].detach()))
+            else:
+                weights = scores if mask is None else scores.add_(mask)
+                attention.kept.append(weights)
+            torch.softmax(weights, dim=-1, out=weights)
+        return out
+
+    attention.kept = []
+    return attention
