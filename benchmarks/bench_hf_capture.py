@@ -59,7 +59,7 @@ def load():
 
 
 def variants(sdpa, eager, batch):
-    from floors import weights_floor, with_attention  # this folder is on the path when run as a script
+    from floors import run, weights_floor, with_attention  # this folder is on the path when run as a script
 
     floor_fn = weights_floor()
     floor_model = with_attention(sdpa, "bench_hf_capture_floor", floor_fn)
@@ -67,12 +67,8 @@ def variants(sdpa, eager, batch):
     def plain():
         return sdpa(**batch)
 
-    def floor():  # its weights are handed to the caller, who drops them, as a capture's are
-        floor_fn.kept.clear()
-        floor_model(**batch)
-        kept = list(floor_fn.kept)
-        floor_fn.kept.clear()
-        return kept
+    def floor():
+        return run(floor_model, floor_fn, **batch)
 
     floor.model = floor_model
 

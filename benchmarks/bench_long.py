@@ -102,37 +102,6 @@ def exactness(T: int = 1024) -> float:
     return worst
 
 
-def _floor_attention():
-    """An attention function: sdpa's own kernel (the output is bitwise the sdpa model's), then the least a few
-    statistics take on torch's ops (see the module docstring, figure 3). The per-layer results go to ``.kept``."""
-    import math
-
-    import torch
-
-    from attnprobe.hooks import hf_compat
-
-    sdpa_forward, log2e = hf_compat.sdpa_forward(), math.log2(math.e)
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        out = sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs)
-        with torch.no_grad():
-            scaling = (kwargs.get("scaling") or query.shape[-1] ** -0.5) * log2e
-            x = torch.matmul(query * scaling, key.transpose(-1, -2))  # base-2 logits, the scaling folded into q
-            if attention_mask is not None:  # bool, True = attend (sdpa's mask); finfo.min: exp2 gives 0 there
-                x.masked_fill_(~attention_mask, torch.finfo(x.dtype).min)
-            m = x.amax(-1, keepdim=True)
-            x.sub_(m)
-            e = torch.exp2(x)
-            total = e.sum(-1, keepdim=True)
-            entropy = total.log() - x.mul_(e).sum(-1, keepdim=True).mul_(math.log(2)).div_(total)
-            error = torch.matmul(e, value).div_(total).sub_(out[0].transpose(1, 2)).abs_().amax(-1)
-            attention.kept.append((m, total, entropy, error))
-        return out
-
-    attention.kept = []
-    return attention
-
-
 def minilm_batch() -> dict:
     """The MiniLM input of figure 3: 8 x 128 random token ids, no padding."""
     import torch
@@ -159,9 +128,9 @@ def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
 
     path = gt.get_model_path()
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
-    from floors import with_attention  # this folder is on the path when run as a script
+    from floors import run, stats_floor, with_attention  # this folder is on the path when run as a script
 
-    floor_fn = _floor_attention()
+    floor_fn = stats_floor()
     floor_model = with_attention(model, "bench_floor_stats", floor_fn)
     batch = minilm_batch()
 
@@ -174,18 +143,19 @@ def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
             model(**batch)
 
     def floor():
-        floor_fn.kept.clear()
         with torch.no_grad():
-            return floor_model(**batch)
+            return run(floor_model, floor_fn, **batch)
 
-    if not torch.equal(plain().last_hidden_state, floor().last_hidden_state):
-        raise AssertionError("the floor's outputs differ from the plain model's: it must run sdpa's own kernel")
-    floor_error = max(float(kept[-1].max()) for kept in floor_fn.kept)
+    with torch.no_grad():
+        if not torch.equal(plain().last_hidden_state, floor_model(**batch).last_hidden_state):
+            raise AssertionError("the floor's outputs differ from the plain model's: it must run sdpa's own kernel")
+    kept = floor()
+    floor_error = max(float(layer[-1].max()) for layer in kept)
     with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as cap:  # the floor's numbers are the engine's
         model(**batch)
     agree = max(max(float((r.stats["entropy"] - entropy.squeeze(-1)).abs().max()),
                     float((r.stats["max_score"] - m.squeeze(-1) * math.log(2)).abs().max()))
-                for r, (m, _, entropy, _) in zip(cap, floor_fn.kept, strict=True))
+                for r, (m, _, entropy, _) in zip(cap, kept, strict=True))
     times = {"plain": [], "stats": [], "floor": []}
     fns = {"plain": plain, "stats": stats, "floor": floor}
     for fn in fns.values():

@@ -161,7 +161,7 @@ def main() -> None:
 
     import attnprobe
     from bench_long import minilm_batch  # this folder is on the path when run as a script
-    from floors import with_attention
+    from floors import run, with_attention
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="attnprobe_native_") as folder:
@@ -174,8 +174,7 @@ def main() -> None:
             return model(**batch)
 
         def floor():
-            native.kept.clear()
-            return floor_model(**batch)
+            return run(floor_model, native, **batch)
 
         def stats():
             with attnprobe.capture(model, keep=("stats",)) as cap:
@@ -183,11 +182,11 @@ def main() -> None:
             return cap
 
         with torch.no_grad():
-            if not torch.equal(plain().last_hidden_state, floor().last_hidden_state):
+            if not torch.equal(plain().last_hidden_state, floor_model(**batch).last_hidden_state):
                 sys.exit("the native floor's outputs differ from the plain model's: it must run sdpa's own kernel")
             cap = stats()
             worst = {}  # statistic -> max abs difference over the layers
-            for record, kept in zip(cap, native.kept, strict=True):
+            for record, kept in zip(cap, floor(), strict=True):
                 for name, mine in kept.items():
                     diff = float((mine.double() - record.stats[name].double()).abs().nan_to_num(0.0).max())
                     worst[name] = max(worst.get(name, 0.0), diff)

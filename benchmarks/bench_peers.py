@@ -138,15 +138,13 @@ def transformer_bridge(eager):
 
 
 def floor_model(sdpa, key: str):
-    """A copy of the sdpa model with a floor's attention function (``floors.weights_floor``): sdpa's own kernel, then
-    the weights, or the six, in the fewest torch ops. ``max_differences`` checks its weights against eager's, and
+    """(A copy of the sdpa model, its attention function ``floors.weights_floor``): sdpa's own kernel, then the
+    weights, or the six, in the fewest torch ops. ``max_differences`` checks its weights against eager's, and
     ``main`` its outputs against the sdpa model's."""
     from floors import weights_floor, with_attention  # this folder is on the path when run as a script
 
     fn = weights_floor(six=key == "floor six")
-    model = with_attention(sdpa, FLOOR_NAMES[key], fn)
-    model.floor_kept = fn.kept
-    return model
+    return with_attention(sdpa, FLOOR_NAMES[key], fn), fn
 
 
 def installed(tool: str | None) -> bool:
@@ -196,13 +194,12 @@ def build(keys):
 
             runs[key] = tl_run
         elif key.startswith("floor"):
-            floor = floor_model(sdpa, key)
+            from floors import run
 
-            def floor_run(ids, model=floor, six=key == "floor six"):
-                model.floor_kept.clear()
-                model(input_ids=ids)
-                kept = list(model.floor_kept)
-                model.floor_kept.clear()
+            floor, fn = floor_model(sdpa, key)
+
+            def floor_run(ids, model=floor, fn=fn, six=key == "floor six"):
+                kept = run(model, fn, input_ids=ids)
                 return [t[4] for t in kept] if six else kept
 
             floor_run.bitwise = lambda ids, floor=floor: torch.equal(sdpa(input_ids=ids).logits,

@@ -9,6 +9,7 @@ built on torch's ops that keeps the model's outputs bitwise.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -23,6 +24,17 @@ def with_attention(model, name: str, fn):
     copied = copy.deepcopy(model)
     copied.set_attn_implementation(name)
     return copied
+
+
+def run(model, fn, **inputs) -> list:
+    """One call of a floor ``model`` whose attention function is ``fn``: what ``fn`` kept during it, one entry per
+    attention call. The list is handed over (``fn.kept`` is empty again), so the caller drops it, as a capture's
+    records are dropped."""
+    fn.kept.clear()
+    model(**inputs)
+    kept = list(fn.kept)
+    fn.kept.clear()
+    return kept
 
 
 def weights_floor(*, six: bool = False):
@@ -65,6 +77,35 @@ def weights_floor(*, six: bool = False):
                 weights = scores if mask is None else scores.add_(mask)
                 attention.kept.append(weights)
             torch.softmax(weights, dim=-1, out=weights)
+        return out
+
+    attention.kept = []
+    return attention
+
+
+def stats_floor():
+    """An attention function: sdpa's own kernel, then the least that five of the statistics take on torch's ops
+    (entropy, max_weight, row_sum_error, max_score, output_error): the scaled ``q @ k`` in base 2 (the scaling folded
+    into q), its row max, one ``exp2``, the row sums, the entropy's sum, ``e @ v`` and its largest difference from
+    the observed output. Each call appends ``(max in base 2, row sums, entropy, output error)`` to ``fn.kept``."""
+    from attnprobe.hooks import hf_compat
+
+    sdpa_forward, log2e = hf_compat.sdpa_forward(), math.log2(math.e)
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        out = sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs)
+        with torch.no_grad():
+            scaling = (kwargs.get("scaling") or query.shape[-1] ** -0.5) * log2e
+            x = torch.matmul(query * scaling, key.transpose(-1, -2))  # base-2 logits, the scaling folded into q
+            if attention_mask is not None:  # bool, True = attend (sdpa's mask); finfo.min: exp2 gives 0 there
+                x.masked_fill_(~attention_mask, torch.finfo(x.dtype).min)
+            m = x.amax(-1, keepdim=True)
+            x.sub_(m)
+            e = torch.exp2(x)
+            total = e.sum(-1, keepdim=True)
+            entropy = total.log() - x.mul_(e).sum(-1, keepdim=True).mul_(math.log(2)).div_(total)
+            error = torch.matmul(e, value).div_(total).sub_(out[0].transpose(1, 2)).abs_().amax(-1)
+            attention.kept.append((m, total, entropy, error))
         return out
 
     attention.kept = []
