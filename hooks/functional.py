@@ -43,6 +43,7 @@ from ..probe.errors import AttnprobeError, SelectionError, warn_user
 from ..probe.intent import Intent, module_intent
 from ..probe.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
 from ..probe.threads import elsewhere
+from ..probe.walk import walk_of
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
@@ -108,9 +109,21 @@ def _may_call_sdpa(module: nn.Module, claimed: set[int]) -> bool:
     """
     if id(module) in claimed:
         return False
-    if not type(module).__module__.startswith("torch.nn.") and code_reaches_sdpa(type(module)):
+    if _class_may_call_sdpa(type(module)):
         return True
     return any(_may_call_sdpa(child, claimed) for child in module.children())
+
+
+def _class_may_call_sdpa(cls: type) -> bool:
+    return not cls.__module__.startswith("torch.nn.") and code_reaches_sdpa(cls)
+
+
+def _model_may_call_sdpa(model: nn.Module, claimed: set[int], walk: list | None) -> bool:
+    """``_may_call_sdpa(model, claimed)``, answered from the capture's walk of the model when no class in it may
+    call sdpa (the common case: a look at a few classes instead of a recursion over every module)."""
+    if walk is not None and not any(map(_class_may_call_sdpa, walk_of(model, walk).classes)):
+        return False
+    return _may_call_sdpa(model, claimed)
 
 
 _SDPA_NAME = "scaled_dot_product_attention"
@@ -251,6 +264,11 @@ class FunctionalAdapter(Adapter):
         self.modules = modules
         self.auto = False
         self._named_ids: frozenset[int] = frozenset()
+        self._walk: list | None = None  # the capture's walk of the model, kept by find_named for may_find_more
+
+    def find_named(self, model: nn.Module, named: list, claimed: set[int]) -> list[Site]:
+        self._walk = named
+        return self.find(model, claimed)
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
         named = self._resolve(model)
@@ -267,7 +285,7 @@ class FunctionalAdapter(Adapter):
         ids of every site found, this adapter's named modules included: those are still read here."""
         if self.auto or self._named_ids:
             return True
-        return _may_call_sdpa(model, claimed)
+        return _model_may_call_sdpa(model, claimed, self._walk)
 
     def traced_ids(self, model: nn.Module) -> set[int]:
         """Ids of the modules named in ``modules=`` and of everything inside them: the user asked for their code
@@ -324,7 +342,7 @@ class FunctionalAdapter(Adapter):
         dynamic = selection.layers is None or any(layer >= n_static for layer in selection.layers)
         roots = [model] if (self.auto and dynamic) else [s.module for s in sites if s.selected or dynamic]
         claimed = {id(s.module) for s in session.sites if s.adapter is not self}
-        sdpa = dynamic and (self.auto or _may_call_sdpa(model, claimed))
+        sdpa = dynamic and (self.auto or _model_may_call_sdpa(model, claimed, session.walk))
         if (sdpa or roots) and session.compiled:
             _skip_compiled(session, model)
             return

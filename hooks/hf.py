@@ -31,6 +31,7 @@ from ..probe.attention_math import AttentionCall
 from ..probe.errors import UnsupportedModelError, warn_user
 from ..probe.selection import index_heads
 from ..probe.threads import elsewhere
+from ..probe.walk import walk_of
 from . import hf_compat
 from .base import Adapter, Lazy, Site
 from .deliver import deliver, held, listen, number, value_of
@@ -295,10 +296,11 @@ def _check_mask(mask, base: str, *, batch: int, heads: int, q_len: int, k_len: i
 
 
 # ------------------------------------------------------------------------------------ configs
-def reachable_configs(model: nn.Module, modules) -> list:
-    """Every config object the model's modules read, with all their sub-configs (each once)."""
+def reachable_configs(model: nn.Module, modules, named: list | None = None) -> list:
+    """Every config object the model's modules read, with all their sub-configs (each once); ``named``: the
+    model's ``named_modules()``, if walked already."""
     PretrainedConfig = hf_compat.config_class()
-    roots = [getattr(m, "config", None) for m in model.modules()] + [getattr(m, "config", None) for m in modules]
+    roots = [c for _, c in walk_of(model, named).configs] + [getattr(m, "config", None) for m in modules]
     seen: dict[int, object] = {}
     todo = [c for c in roots if isinstance(c, PretrainedConfig)]
     while todo:
@@ -760,7 +762,7 @@ class HuggingFaceAdapter(Adapter):
         selected = [s for s in sites if s.selected]
         if not selected:
             return  # an idle capture touches nothing
-        surroundings = Surroundings(model, stack)
+        surroundings = Surroundings(model, stack, session.walk)
         interface = [s for s in selected if s.info["strategy"] == _STRATEGY]
         old_style = [s for s in selected if s.info["strategy"] != _STRATEGY]
         if interface:
@@ -782,7 +784,7 @@ class HuggingFaceAdapter(Adapter):
 
     def _attach_interface(self, session, model, sites, selected, surroundings, stack) -> None:
         bases = {id(s): self._check_site(s) for s in selected}
-        switch_configs(reachable_configs(model, [s.module for s in sites]), stack)
+        switch_configs(reachable_configs(model, [s.module for s in sites], session.walk), stack)
         masks = MaskMemo()
         stack.callback(masks.clear)
         for site in selected:

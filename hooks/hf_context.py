@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..probe.threads import current, elsewhere
+from ..probe.walk import walk_of
 from . import hf_compat
 from .deliver import deliver, listen, number
 
@@ -51,11 +52,7 @@ def argument(params: dict[str, int], name: str, args: tuple, kwargs: dict):
 
 def parents_of(model: nn.Module, named: list | None = None) -> dict[int, nn.Module]:
     """id(child) -> parent for every module under ``model`` (``named``: its ``named_modules()``, if walked already)."""
-    parents = {}
-    for parent in (m for _, m in named) if named is not None else model.modules():
-        for child in parent.children():
-            parents.setdefault(id(child), parent)
-    return parents
+    return walk_of(model, named).parents
 
 
 def ancestors(module: nn.Module, parents: dict[int, nn.Module]):
@@ -305,11 +302,12 @@ class StackState:
 class Surroundings:
     """Per capture: the stacks above the selected attention modules and the encoder/decoder split."""
 
-    def __init__(self, model: nn.Module, stack: ExitStack) -> None:
+    def __init__(self, model: nn.Module, stack: ExitStack, named: list | None = None) -> None:
         self._stack = stack
-        self.parents = parents_of(model)
+        walk = walk_of(model, named)  # the capture's walk of the model, or a new one
+        self.parents = walk.parents
         self._states: dict[int, StackState] = {}
-        self._encoder_ids, self._decoder_ids = _encoder_decoder_ids(model)
+        self._encoder_ids, self._decoder_ids = _encoder_decoder_ids(model, walk)
 
     def stack_of(self, module: nn.Module) -> StackState | None:
         """The state of the nearest stack above ``module``, linked to the stacks above it."""
@@ -331,11 +329,17 @@ class Surroundings:
         return None
 
 
-def _encoder_decoder_ids(model: nn.Module) -> tuple[set[int], set[int]]:
+def _encoder_decoder_ids(model: nn.Module, named: list | None = None) -> tuple[set[int], set[int]]:
     encoder, decoder = set(), set()
-    for m in model.modules():
-        config = getattr(m, "config", None)
-        if not getattr(config, "is_encoder_decoder", False) or not hasattr(m, "get_encoder"):
+    plain: set[int] = set()  # ids of configs that are no encoder-decoder (a model's layers share one config)
+    walk = walk_of(model, named)
+    for m, config in walk.configs:
+        if id(config) in plain:
+            continue
+        if not getattr(config, "is_encoder_decoder", False):
+            plain.add(id(config))
+            continue
+        if not hasattr(m, "get_encoder"):
             continue
         try:
             enc = m.get_encoder()
@@ -345,5 +349,6 @@ def _encoder_decoder_ids(model: nn.Module) -> tuple[set[int], set[int]]:
             continue
         inside = {id(x) for x in enc.modules()}
         encoder |= inside
-        decoder |= {id(x) for x in m.modules()} - inside - encoder
+        below = {id(x) for _, x in walk} if m is model else {id(x) for x in m.modules()}
+        decoder |= below - inside - encoder
     return encoder, decoder

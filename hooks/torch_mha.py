@@ -296,8 +296,11 @@ class TorchMHAAdapter(Adapter):
     name = "torch_mha"
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
+        return self.find_named(model, list(model.named_modules()), claimed)
+
+    def find_named(self, model: nn.Module, named: list, claimed: set[int]) -> list[Site]:
         sites, skipped = [], []
-        for name, m in model.named_modules():
+        for name, m in named:
             if not isinstance(m, nn.MultiheadAttention) or id(m) in claimed:
                 continue
             if type(m).forward is nn.MultiheadAttention.forward:

@@ -19,6 +19,7 @@ from . import threads
 from .intent import Intent, module_intent
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
 from .selection import Selection, Store, int_list, index_heads, kv_heads_for, sampled_rows
+from .walk import ModuleWalk
 
 
 class Capture(Sequence):
@@ -274,14 +275,14 @@ class CaptureSession:
         self.stats_missing: list[int] = []  # layers whose statistics could not be computed (keep=("stats",))
         self._workspace: dict = {}  # the statistics engine's block buffers, reused by every record; freed on exit
         self._model = model  # dropped on exit; the Capture never holds it
-        self._compiled = compiled_modules(model)
+        self._compiled: list[str] = []  # read from the walk when the capture opens
         self.selection = selection
         self.store = Store(selection)
         self.adapters = list(adapters)
         self.sites: list[Site] = []
         self.capture = Capture()
         self.static_sites = 0  # sites found before the run; adapters may add more while it runs
-        self._named: list | None = None  # (name, module) of the model, walked once per discover()
+        self._named: ModuleWalk | None = None  # (name, module) of the model, walked once per discover()
         self._intents: dict[int, Intent | None] = {}  # id(site) -> what its module declares, read once
         self._stack: ExitStack | None = None
         self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
@@ -292,6 +293,12 @@ class CaptureSession:
             self.disk = RecordWriter(store, overwrite=overwrite)  # refuses an existing target before the run
 
     @property
+    def walk(self) -> ModuleWalk | None:
+        """The model's modules as walked when the capture opened (None before and after): adapters read the tree
+        from it rather than walking it again."""
+        return self._named
+
+    @property
     def compiled(self) -> list[str]:
         """Names of the model's modules compiled with ``torch.compile`` (adapters make their hooks reach them)."""
         return self._compiled
@@ -300,7 +307,8 @@ class CaptureSession:
     def discover(self) -> list:
         """Ask every adapter for its sites; number them in module order. Attaches nothing."""
         model = self._model
-        named = self._named = list(model.named_modules())  # walked once, shared by the adapters that accept it
+        named = self._named = ModuleWalk(model)  # walked once, shared by the adapters and what they derive
+        self._compiled = compiled_modules(model, named)
         order = {id(m): i for i, (_, m) in enumerate(named)}
         claimed: set[int] = set()
         self._found = []
@@ -647,11 +655,12 @@ def _diag_offset(kind: str, query_offset: int, q_len: int, k_len: int) -> int | 
     return offset if offset >= 0 else None
 
 
-def compiled_modules(model: nn.Module) -> list[str]:
-    """Names of ``model``'s modules compiled with ``torch.compile`` (wrapped, or ``module.compile()``)."""
+def compiled_modules(model: nn.Module, named: list | None = None) -> list[str]:
+    """Names of ``model``'s modules compiled with ``torch.compile`` (wrapped, or ``module.compile()``); ``named``:
+    its ``named_modules()``, if walked already."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported here: no compile, no dynamo
     wrapper = getattr(eval_frame, "OptimizedModule", None)
-    return [name or "<root>" for name, m in model.named_modules()
+    return [name or "<root>" for name, m in (model.named_modules() if named is None else named)
             if (wrapper is not None and isinstance(m, wrapper)) or getattr(m, "_compiled_call_impl", None) is not None]
 
 

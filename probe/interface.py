@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .record import AttentionRecord
     from .selection import Selection
+    from .walk import ModuleWalk
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class Session(Protocol):
     """Every site of the capture, in layer order (sites found while the model runs come last)."""
     thread: int
     """The thread that opened the capture: hooks let other threads' calls pass (``probe.threads.elsewhere``)."""
+
+    @property
+    def walk(self) -> ModuleWalk | None:
+        """The model's modules as walked when the capture opened (``list(model.named_modules())`` with the parent
+        map and the config objects, each derived once): adapters read the tree from it instead of walking it."""
+        ...
 
     @property
     def compiled(self) -> list[str]:
