@@ -732,9 +732,6 @@ class HuggingFaceAdapter(Adapter):
         #: the functional adapter, whose ``modules=`` are traced rather than read through output_attentions
         self.traced = traced
 
-    def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
-        return self.find_named(model, list(model.named_modules()), claimed)
-
     def find_named(self, model: nn.Module, named: list, claimed: set[int]) -> list[Site]:
         if "transformers" not in sys.modules:  # no transformers model can exist yet
             return []

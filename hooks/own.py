@@ -23,9 +23,6 @@ _IDENTIFIED = frozenset(_HOOKED) | {"allowed"}  # every field is read from a hoo
 class OwnModuleAdapter(Adapter):
     name = "attnprobe"
 
-    def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
-        return self.find_named(model, list(model.named_modules()), claimed)
-
     def find_named(self, model: nn.Module, named: list[tuple[str, nn.Module]], claimed: set[int]) -> list[Site]:
         return [
             Site(name, module, self, module.num_heads, module.num_heads, info={"strategy": "hook points", "backend": "attnprobe"})

@@ -295,9 +295,6 @@ class TorchMHAAdapter(Adapter):
 
     name = "torch_mha"
 
-    def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
-        return self.find_named(model, list(model.named_modules()), claimed)
-
     def find_named(self, model: nn.Module, named: list, claimed: set[int]) -> list[Site]:
         sites, skipped = [], []
         for name, m in named:

@@ -94,7 +94,7 @@ class Session(Protocol):
 
 
 class Adapter:
-    """Base class: subclasses set ``name`` and implement ``find`` and ``attach``.
+    """Base class: subclasses set ``name`` and implement ``attach``, and ``find`` or ``find_named``.
 
     An adapter finds the attention modules it can read and attaches hooks for one capture session; everything
     it attaches is undone through the session's ExitStack.
@@ -106,8 +106,11 @@ class Adapter:
     dynamic: bool = False
 
     def find(self, model: nn.Module, claimed: set[int]) -> list[Site]:
-        """Sites for the modules of ``model`` this adapter reads, skipping ids in ``claimed``."""
-        raise NotImplementedError
+        """Sites for the modules of ``model`` this adapter reads, skipping ids in ``claimed``. The default walks the
+        modules for ``find_named``, for adapters that implement that one."""
+        if type(self).find_named is Adapter.find_named:
+            raise NotImplementedError(f"{type(self).__name__} implements neither find nor find_named")
+        return self.find_named(model, list(model.named_modules()), claimed)
 
     def find_named(self, model: nn.Module, named: list[tuple[str, nn.Module]], claimed: set[int]) -> list[Site]:
         """``find`` given ``named = list(model.named_modules())``, walked once by the session for every adapter.
