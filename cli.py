@@ -416,6 +416,27 @@ class CaptureFailed(Exception):
     """The forward failed under capture and runs without it: attnprobe's fault (exit 3); ``__cause__``."""
 
 
+def _interrupt_again(previous):
+    """An unraisable-exception hook for the length of a command. A Ctrl-C that lands while Python runs a finalizer (a
+    generator being closed, a weakref callback) cannot propagate: Python prints "Exception ignored in ..." with a
+    traceback, and the command would go on as if nothing had been pressed. Here it is delivered again to the main
+    thread, so the command stops with exit code 130 like any other Ctrl-C; every other exception goes to ``previous``.
+    Delivered from another thread a moment later: delivered at once, it would land in this hook, still inside the
+    finalizer (and one that lands in a finalizer again comes back here)."""
+    import _thread
+    import threading
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            later = threading.Timer(0.01, _thread.interrupt_main)
+            later.daemon = True
+            later.start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 class Commands(click.Group):
     """The command group: Ctrl-C anywhere in a command exits 130 (click would say "Aborted!" and exit 1,
     the code of "violations found")."""
@@ -430,6 +451,14 @@ class Commands(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        previous = sys.unraisablehook
+        sys.unraisablehook = _interrupt_again(previous)
+        try:
+            self._standalone(args, prog_name, complete_var, **extra)
+        finally:
+            sys.unraisablehook = previous
+
+    def _standalone(self, args, prog_name, complete_var, **extra):
         try:  # click's standalone mode says "Aborted!" and exits 1 for a Ctrl-C outside a command
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.Abort as exc:

@@ -34,6 +34,21 @@ def tiny():
     return TinyDecoder()
 
 
+def interrupted_in_a_finalizer():
+    """The tiny decoder, made after a Ctrl-C landed in a finalizer: a generator closed while it runs its ``finally``
+    (Python cannot raise it there; it prints "Exception ignored in ..." and goes on)."""
+    def closing():
+        try:
+            yield
+        finally:
+            raise KeyboardInterrupt
+
+    dropped = closing()
+    next(dropped)
+    del dropped
+    return tiny()
+
+
 def leaky():
     """A decoder whose causal mask is built and never applied."""
     torch.manual_seed(0)

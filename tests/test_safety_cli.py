@@ -88,6 +88,17 @@ def test_sigint_while_writing_keeps_the_old_report_and_exits_130(tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_sigint_inside_a_finalizer_still_stops_the_command_with_130(tmp_path):
+    """Python cannot raise a Ctrl-C that lands in a finalizer: it prints "Exception ignored in ..." with a traceback
+    and goes on. The CLI delivers it again, so the command stops like for any other Ctrl-C."""
+    done = subprocess.run([sys.executable, "-m", "attnprobe.cli", "report", "cli_factories:interrupted_in_a_finalizer",
+                           *IDS, "--out", "report.html", "-q"], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          preexec_fn=default_sigint, timeout=240)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr.strip().splitlines() == ["attnprobe: interrupted; files being written were left as they were"]
+    assert not (tmp_path / "report.html").exists() and leftovers(tmp_path) == []
+
+
 STARTED = """
 import sys, time
 from pathlib import Path
