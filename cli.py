@@ -422,7 +422,8 @@ def _interrupt_again(previous):
     traceback, and the command would go on as if nothing had been pressed. Here it is delivered again to the main
     thread, so the command stops with exit code 130 like any other Ctrl-C; every other exception goes to ``previous``.
     Delivered from another thread a moment later: delivered at once, it would land in this hook, still inside the
-    finalizer (and one that lands in a finalizer again comes back here)."""
+    finalizer (and one that lands in a finalizer again comes back here). ``hook.pending`` holds the deliveries, so
+    that the command's end can cancel one that has not happened yet."""
     import _thread
     import threading
 
@@ -430,10 +431,12 @@ def _interrupt_again(previous):
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
             later = threading.Timer(0.01, _thread.interrupt_main)
             later.daemon = True
+            hook.pending.append(later)
             later.start()
             return
         previous(unraisable)
 
+    hook.pending = []
     return hook
 
 
@@ -452,11 +455,13 @@ class Commands(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         previous = sys.unraisablehook
-        sys.unraisablehook = _interrupt_again(previous)
+        sys.unraisablehook = hook = _interrupt_again(previous)
         try:
             self._standalone(args, prog_name, complete_var, **extra)
         finally:
             sys.unraisablehook = previous
+            for later in hook.pending:  # the command has ended: nothing is left to interrupt
+                later.cancel()
 
     def _standalone(self, args, prog_name, complete_var, **extra):
         try:  # click's standalone mode says "Aborted!" and exits 1 for a Ctrl-C outside a command
