@@ -264,7 +264,7 @@ class FunctionalAdapter(Adapter):
         self.modules = modules
         self.auto = False
         self._named_ids: frozenset[int] = frozenset()
-        self._walk: list | None = None  # the capture's walk of the model, kept by find_named for may_find_more
+        self._walk: list | None = None  # the capture's walk of the model, from find_named to may_find_more (only)
 
     def find_named(self, model: nn.Module, named: list, claimed: set[int]) -> list[Site]:
         self._walk = named
@@ -283,9 +283,10 @@ class FunctionalAdapter(Adapter):
         """True with ``modules="auto"``, with modules named (one of them may hold several softmax attentions or
         call sdpa: each is a layer of its own), or when code of the model may call sdpa. ``claimed`` holds the
         ids of every site found, this adapter's named modules included: those are still read here."""
+        walk, self._walk = self._walk, None  # not kept: the adapter outlives the capture, the model may not
         if self.auto or self._named_ids:
             return True
-        return _model_may_call_sdpa(model, claimed, self._walk)
+        return _model_may_call_sdpa(model, claimed, walk)
 
     def traced_ids(self, model: nn.Module) -> set[int]:
         """Ids of the modules named in ``modules=`` and of everything inside them: the user asked for their code
@@ -335,6 +336,7 @@ class FunctionalAdapter(Adapter):
         return list(found.values())
 
     def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
+        self._walk = None  # in case may_find_more was not asked
         selection = session.selection
         if selection.idle:
             return

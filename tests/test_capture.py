@@ -244,6 +244,20 @@ def test_capture_keeps_no_reference_to_the_model():
     assert ref() is None and len(cap) == 3
 
 
+def test_the_capture_object_lets_go_of_the_model_on_exit():
+    """Also the ``capture(...)`` object itself, kept by the caller past its block: its session and adapters drop the
+    model and the walk of its modules."""
+    model = TinyEncoderDecoder()
+    x, ctx, _, _ = inputs()
+    session = attnprobe.capture(model)
+    with session as cap:
+        model(x, ctx)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and len(cap) == 3
+
+
 def test_capture_is_read_only_and_selects(model):
     x, ctx, _, _ = inputs()
     with attnprobe.capture(model) as cap:
