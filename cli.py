@@ -272,7 +272,7 @@ def switch_to_stats(work, options, max_bytes_text) -> str | None:
 def statistics_overview(work, heads, windows, cells):
     """The ``Overview`` a statistics report keeps: --cells (or ``default_cells``) and the --window choices
     (default: the first and the last 128 x 128 of the input)."""
-    from .probe.stats import Overview
+    from .probe.engine.stats import Overview
 
     ids = work.inputs.get("input_ids")
     if ids is None or ids.ndim != 2:

@@ -84,7 +84,7 @@ def exactness(T: int = 1024) -> float:
     import torch
 
     import attnprobe
-    from attnprobe.probe.stats import KEY_STATS, ROW_STATS, record_stats
+    from attnprobe.probe.engine.stats import KEY_STATS, ROW_STATS, record_stats
 
     model, ids = _llama(T)
     with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats_cap:

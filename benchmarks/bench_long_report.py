@@ -37,7 +37,7 @@ def child(case: str, tokens: int, cells: int, out: str) -> dict:
     import torch
 
     import attnprobe
-    from attnprobe.probe.stats import Overview
+    from attnprobe.probe.engine.stats import Overview
 
     net, ids = model(tokens)
     result: dict = {"case": case}

@@ -96,7 +96,7 @@ def native_attention(lib):
     import torch
 
     from attnprobe.hooks import hf_compat
-    from attnprobe.probe.stats import WEIGHT_THRESHOLD
+    from attnprobe.probe.engine.stats import WEIGHT_THRESHOLD
 
     sdpa_forward, log2e, ln2 = hf_compat.sdpa_forward(), math.log2(math.e), math.log(2)
     buffers = {}

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..probe.attention_math import AttentionCall, mask_allows
+from ..probe.engine.attention_math import AttentionCall, mask_allows
 from ..probe.errors import AttnprobeError, SelectionError, warn_user
 from ..probe.intent import Intent, module_intent
 from ..probe.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation

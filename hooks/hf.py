@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..probe.attention_math import AttentionCall
+from ..probe.engine.attention_math import AttentionCall
 from ..probe.errors import UnsupportedModelError, warn_user
 from ..probe.selection import index_heads
 from ..probe.threads import elsewhere

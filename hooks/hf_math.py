@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..probe.attention_math import attention_logits, softmax_with_sinks
+from ..probe.engine.attention_math import attention_logits, softmax_with_sinks
 from ..probe.selection import index_heads
 
 

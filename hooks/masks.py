@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..probe.attention_math import masked_softmax
+from ..probe.engine.attention_math import masked_softmax
 
 #: Additive mask entries and ``masked_fill`` values at or below this count as masking (-1e4, -1e9, finfo.min, -inf).
 MASKED_AT = -1e4

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..probe.attention_math import AttentionCall
+from ..probe.engine.attention_math import AttentionCall
 from ..probe.errors import AttnprobeError, warn_user
 from ..probe.threads import elsewhere
 from .base import Adapter, Lazy, Site

@@ -591,8 +591,8 @@ class CaptureSession:
         """The per-row statistics of one record: blockwise from the adapter's ``AttentionCall`` (q, k and the
         call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
         weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
-        from .pooling import pool_weights
-        from .stats import attention_stats, stats_from_weights
+        from .engine.pooling import pool_weights
+        from .engine.stats import attention_stats, stats_from_weights
 
         where = f"layer {site.layer}, call {call}: stats"
         q_len = None

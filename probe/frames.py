@@ -16,7 +16,7 @@ import torch
 
 from .errors import AttnprobeError, warn_user
 from .files import atomic_open
-from .sinks import sink_mass
+from .engine.sinks import sink_mass
 from .tokens import record_token_rows
 
 #: Column -> dtype of ``Capture.to_frame()``: the one schema, defined here only.
@@ -343,7 +343,7 @@ def summary(cap):
 
 def _expected_row_sum(r, allowed: torch.Tensor):
     """What each query row of ``r.weights`` should sum to, ``(batch, head, query)`` or a float: 1 without
-    attention sinks, ``1 - sink mass`` with them (the rule ``row_sum`` checks, probe/sinks.py), None when
+    attention sinks, ``1 - sink mass`` with them (the rule ``row_sum`` checks, probe/engine/sinks.py), None when
     the scores needed for the sink mass were not kept."""
     if r.sinks is None:
         return 1.0

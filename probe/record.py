@@ -123,7 +123,7 @@ class AttentionRecord:
     meta: Mapping[str, Any] = field(default_factory=dict)
     """Adapter-specific details (read-only), e.g. the model class or the base backend."""
     stats: Mapping[str, torch.Tensor] | None = None
-    """Per-row statistics (read-only mapping, ``capture(keep=("stats",))``): ``attnprobe.probe.stats.ROW_STATS``
+    """Per-row statistics (read-only mapping, ``capture(keep=("stats",))``): ``attnprobe.probe.engine.stats.ROW_STATS``
     ``(batch, head, query)`` and ``KEY_STATS`` ``(batch, head, key)``, computed blockwise from q and k without
     a ``(query, key)`` tensor; None when not asked for. With ``capture(stats_rows=)`` the row statistics are those
     of a sample of query rows, ``(batch, head, sample)``: ``meta["stats_rows"]`` lists their positions among the

@@ -139,7 +139,7 @@ def overview_of(overview, keep) -> object | None:
     """``capture(overview=)``: None, a number of cells, or a ``probe.pooling.Overview``; needs ``"stats"`` in keep."""
     if overview is None:
         return None
-    from .pooling import Overview
+    from .engine.pooling import Overview
 
     if isinstance(overview, int) and not isinstance(overview, bool):
         overview = Overview(cells=overview)

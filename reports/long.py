@@ -20,7 +20,7 @@ from typing import Any
 
 from ..probe.capture import Capture
 from ..probe.record import AttentionRecord
-from ..probe.stats import OVERVIEW_STATS
+from ..probe.engine.stats import OVERVIEW_STATS
 from . import encoding
 from ._common import check_batch
 

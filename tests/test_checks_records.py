@@ -74,7 +74,7 @@ def test_sinks_lower_the_row_sum_and_are_accounted_for():
 
 def test_expected_row_sums_is_what_rows_with_sinks_sum_to():
     """The one rule for sink row sums (shared by row_sum and anything reporting row-sum errors)."""
-    from attnprobe.probe.sinks import expected_row_sums
+    from attnprobe.probe.engine.sinks import expected_row_sums
 
     rec = causal_record(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
     expected = expected_row_sums(rec)

@@ -17,11 +17,11 @@ CORE_MODULES = {
     "attnprobe.probe.modules": True,
     "attnprobe.probe.selection": True,
     "attnprobe.probe.frames": True,
-    "attnprobe.probe.attention_math": True,
+    "attnprobe.probe.engine.attention_math": True,
     "attnprobe.probe.generation": False,  # its example needs a generating model: shown as comments
     "attnprobe.probe.disk": True,
     "attnprobe.probe.interop": True,
-    "attnprobe.probe.stats": True,
+    "attnprobe.probe.engine.stats": True,
     "attnprobe.probe.scan": False,
     "attnprobe.probe.monitor": False,
     "attnprobe.probe.heads": False,

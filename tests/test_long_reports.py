@@ -15,8 +15,8 @@ from click.testing import CliRunner
 import attnprobe
 from attnprobe.cli import main
 from attnprobe.probe.errors import SelectionError
-from attnprobe.probe.pooling import pool_weights
-from attnprobe.probe.stats import Overview
+from attnprobe.probe.engine.pooling import pool_weights
+from attnprobe.probe.engine.stats import Overview
 from attnprobe.reports import encoding
 from attnprobe.reports.long import ROW_PLOTS
 

@@ -11,11 +11,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import attnprobe
-from attnprobe.probe import stats as engine
+from attnprobe.probe.engine import stats as engine
 from attnprobe.probe.errors import AttnprobeError, SelectionError
 from attnprobe.probe.monitor import MEANS, MonitorError
 from attnprobe.probe.selection import sampled_rows
-from attnprobe.probe.stats import ROW_STATS
+from attnprobe.probe.engine.stats import ROW_STATS
 
 
 class Own(nn.Module):

@@ -13,9 +13,9 @@ from checks_helpers import BUGS, LEFT_PADDED, RIGHT_PADDED, TinyTransformer, cap
 from test_checks import CTX_MASK, run_model
 
 import attnprobe
-from attnprobe.probe.attention_math import AttentionCall, attention_logits, softmax_with_sinks
+from attnprobe.probe.engine.attention_math import AttentionCall, attention_logits, softmax_with_sinks
 from attnprobe.probe.errors import SelectionError
-from attnprobe.probe.stats import KEY_STATS, ROW_STATS, attention_stats, record_stats, stats_from_weights
+from attnprobe.probe.engine.stats import KEY_STATS, ROW_STATS, attention_stats, record_stats, stats_from_weights
 
 ALL_STATS = ROW_STATS + KEY_STATS
 
@@ -179,7 +179,7 @@ def test_a_nan_or_minus_inf_at_an_allowed_key_is_not_finite():
 def test_the_largest_logit_and_the_keys_above_the_threshold_are_found_as_torch_finds_them(K):
     """The engine's searches (float arithmetic for short rows, chunk maxima for long ones) give what a max with
     indices and a comparison give: the first key on ties, a NaN or +inf row's own index, no key for an empty row."""
-    from attnprobe.probe.stats import _hits, _row_max
+    from attnprobe.probe.engine.stats import _hits, _row_max
 
     torch.manual_seed(5)
     s = torch.randn(3, 2, 6, K).round(decimals=1)  # many ties

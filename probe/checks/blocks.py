@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from ..record import AttentionRecord
-from ..stats import KEY_STATS, ROW_STATS
+from ..engine.stats import KEY_STATS, ROW_STATS
 from .declarations import declared_for, mask_tensor
 from .tolerances import tolerance
 

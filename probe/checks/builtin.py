@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..sinks import sink_mass
+from ..engine.sinks import sink_mass
 from .blocks import RowBlock, all_finite
 from .declarations import declared_for
 from .findings import CheckRun

@@ -227,7 +227,7 @@ def attention_stats(call: AttentionCall, *, diag_offset: int | None = None, quer
     Example::
 
         >>> import torch
-        >>> from attnprobe.probe.attention_math import AttentionCall
+        >>> from attnprobe.probe.engine.attention_math import AttentionCall
         >>> q = k = torch.zeros(1, 1, 3, 4)
         >>> s = attention_stats(AttentionCall(q, k, scaling=0.5, causal=True), diag_offset=0)
         >>> [round(x, 4) for x in s["max_weight"][0, 0].tolist()]
@@ -753,7 +753,7 @@ def stats_from_weights(weights: torch.Tensor, *, scores: torch.Tensor | None = N
 def record_stats(record) -> Mapping[str, torch.Tensor] | None:
     """The statistics of a full record (``stats_from_weights`` over its weights, scores, mask, v and output);
     None when it has no weights."""
-    from .record import AttentionRecord
+    from ..record import AttentionRecord
 
     if not isinstance(record, AttentionRecord):
         raise TypeError(f"record_stats takes an AttentionRecord, got {type(record).__name__}")

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .record import AttentionRecord
+from ..record import AttentionRecord
 
 
 def sink_mass(scores: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The math of one attention call, written once: logits, the model's mask, softmax (with sinks).
 
 Every recompute in attnprobe goes through here: the adapters' full recompute of scores and weights
-(``hooks/hf_math.py``, ``hooks/masks.py``) and the blockwise statistics engine (``probe/stats.py``), so
+(``hooks/hf_math.py``, ``hooks/masks.py``) and the blockwise statistics engine (``probe/engine/stats.py``), so
 a statistic and a full weight matrix are the same numbers, computed the same way.
 
 ``AttentionCall`` describes a call as the attention function received it (q, k, v, mask, bias,
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .selection import index_heads
+from ..selection import index_heads
 
 
 def attention_logits(q: torch.Tensor, k: torch.Tensor, *, scaling: float, bias: torch.Tensor | None = None,
