@@ -40,9 +40,9 @@ _EXPORTS = {
     "MultiHeadAttention": ".probe.modules",
     "TENSOR_FIELDS": ".probe.record",
     "AttentionRecord": ".probe.record",
-    "CheckResult": ".probe.violations",
-    "InvariantError": ".probe.violations",
-    "Violation": ".probe.violations",
+    "CheckResult": ".probe.checks.violations",
+    "InvariantError": ".probe.checks.violations",
+    "Violation": ".probe.checks.violations",
     "CHECKS": ".probe.checks",
     "assert_invariants": ".probe.checks",
     "check": ".probe.checks",
@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .probe.generation import stitch
     from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
     from .probe.record import TENSOR_FIELDS, AttentionRecord
-    from .probe.violations import CheckResult, InvariantError, Violation
+    from .probe.checks.violations import CheckResult, InvariantError, Violation
     from .hooks.hf_tokens import token_strings
 
 

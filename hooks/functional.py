@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from ..probe.engine.attention_math import AttentionCall, mask_allows
 from ..probe.errors import AttnprobeError, SelectionError, warn_user
 from ..probe.intent import Intent, module_intent
-from ..probe.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
+from ..probe.checks.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
 from ..probe.threads import elsewhere
 from ..probe.walk import walk_of
 from .base import Adapter, Lazy, Site

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..probe import lint as lint_rules
+from ..probe.checks import lint as lint_rules
 from .masks import MASKED_AT, is_masking_value
 from .trace import PRODUCT_OPS, Node, format_location, reaches_product
 from .trace_ops import einsum_operands

@@ -1,11 +1,11 @@
 """Mistakes in hand-written attention seen on the traced calls: a mask whose result is dropped, heads merged by a
-reshape that mixes queries. Each returns ``(check name, message)`` pairs (``probe/lint.py`` names the checks)."""
+reshape that mixes queries. Each returns ``(check name, message)`` pairs (``probe/checks/lint.py`` names the checks)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..probe import lint as lint_rules
+from ..probe.checks import lint as lint_rules
 from .trace import Node, Scope, format_location
 from .trace_chain import chain_step
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..probe import lint as lint_rules
+from ..probe.checks import lint as lint_rules
 from .masks import compress_heads, forbids_future
 from .trace import Node, Scope, format_location
 from .trace_chain import ScoresChain, permuted, read_scores_chain, source, unfolded_heads, unrepeated_heads

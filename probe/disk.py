@@ -36,7 +36,7 @@ import torch
 from .errors import AttnprobeError
 from .files import write_atomic
 from .record import AttentionRecord
-from .violations import Violation
+from .checks.violations import Violation
 
 FORMAT = "attnprobe.capture"
 VERSION = 1

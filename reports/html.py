@@ -26,7 +26,7 @@ from ..probe.capture import Capture
 from ..probe.errors import AttnprobeError
 from ..probe.files import atomic_open
 from ..probe.record import AttentionRecord
-from ..probe.violations import CheckResult, Violation, cause_groups
+from ..probe.checks.violations import CheckResult, Violation, cause_groups
 from . import encoding
 from ..probe.tokens import token_rows
 from ..probe.version import __version__

@@ -19,7 +19,7 @@ from typing import Any
 from ..probe.capture import Capture
 from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
-from ..probe.violations import CheckResult
+from ..probe.checks.violations import CheckResult
 from .html import MAX_BATCH_ROWS, checks_document, shown_records, to_html
 
 #: The most bytes a notebook view holds; settable. The page travels base64-encoded in a data: URL (4/3 of its size),

@@ -18,7 +18,7 @@ from torch import nn
 import attnprobe
 from attnprobe.cli import main
 from attnprobe.probe.intent import mask_buffers, module_intent
-from attnprobe.probe.lint import attribute_causes
+from attnprobe.probe.checks.lint import attribute_causes
 from attnprobe.reports import to_html
 from torch_helpers import Head
 from wild_models import CausalSelfAttention

@@ -15,7 +15,7 @@ from checks_helpers import BuggyAttention, causal_allowed, capture_one, referenc
 import attnprobe
 from attnprobe import AttentionRecord, CheckResult, InvariantError, MultiHeadAttention, Violation
 from attnprobe.probe.checks import CHECK_DESCRIPTIONS, MAX_GROUPS, tolerance
-from attnprobe.probe.violations import FRAME_COLUMNS, MAX_POSITIONS
+from attnprobe.probe.checks.violations import FRAME_COLUMNS, MAX_POSITIONS
 
 B, H, KV, T, D = 2, 4, 2, 6, 8
 PAD = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # left padding in batch row 0

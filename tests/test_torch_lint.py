@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnprobe
-from attnprobe.probe.lint import LINT_CHECKS, head_merge_problem, lints, reshape_groups
+from attnprobe.probe.checks.lint import LINT_CHECKS, head_merge_problem, lints, reshape_groups
 from torch_helpers import ChunkedQKV, EinsumHeads, FusedSplit, Head, HeadList, leftovers
 
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))

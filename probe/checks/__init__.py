@@ -44,9 +44,9 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import SelectionError, warn_user
-from ..lint import attribute_causes
+from .lint import attribute_causes
 from ..record import AttentionRecord
-from ..violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
+from .violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
 from . import builtin as _builtin  # noqa: F401  (registers the built-in checks)
 from .blocks import RecordFacts, RowBlock, record_shapes
 from .declarations import declared_layers_exist, mask_tensor, validate_declarations

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from ..record import AttentionRecord
-from ..violations import MAX_POSITIONS, Violation
+from .violations import MAX_POSITIONS, Violation
 from .blocks import RowBlock
 from .registry import REGISTRY
 

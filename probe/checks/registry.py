@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..violations import SEVERITIES
+from .violations import SEVERITIES
 
 
 @dataclass(frozen=True)

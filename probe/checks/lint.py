@@ -41,7 +41,7 @@ Example::
     >>> with warnings.catch_warnings(record=True):
     ...     with attnprobe.capture(head, modules=[head]) as cap:
     ...         _ = head(torch.randn(1, 4, 8))
-    >>> [v.check for v in attnprobe.probe.lint.lints(cap)]
+    >>> [v.check for v in attnprobe.probe.checks.lint.lints(cap)]
     ['lint_same_kv']
 """
 

@@ -61,7 +61,7 @@ class Violation:
     """How many distinct key positions offend (``keys`` lists the first ``MAX_POSITIONS``)."""
     caused_by: str | None = None
     """The lint of the same record (layer and call) that explains this failure, e.g. ``"lint_softmax_axis"``
-    (see ``attnprobe.probe.lint.LINT_EXPLAINS``); None when no lint does."""
+    (see ``attnprobe.probe.checks.lint.LINT_EXPLAINS``); None when no lint does."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -319,7 +319,7 @@ class CheckResult:
 
     def _repr_html_(self) -> str | None:
         """Notebook view: the HTML report's checks table (see ``attnprobe.reports.inline``)."""
-        from .display import repr_html
+        from ..display import repr_html
 
         return repr_html(self)
 
