@@ -150,7 +150,7 @@ def scan(model: nn.Module, data, out, *, tokenizer=None, field: str | None = Non
     written. Under ``accelerate launch`` / ``torchrun`` each process scans its own chunks.
     Returns a ``ScanResult`` (``.to_frame()`` reads the whole scan).
     """
-    from ..probe.scan import run_scan
+    from ..probe.analyses.scan import run_scan
 
     return run_scan(capture, model, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
                     max_length=max_length, layers=layers, heads=heads, limit=limit, resume=resume,
@@ -187,7 +187,7 @@ def monitor(model: nn.Module, *, every: int = 100, rows: int | None = 64, layers
         >>> sorted(mon.history["step"].unique().tolist()), len(mon.history), mon.history["rows"].tolist()
         ([0, 2, 4], 6, [3, 3, 3, 3, 3, 3])
     """
-    from ..probe.monitor import Monitor
+    from ..probe.analyses.monitor import Monitor
 
     return Monitor(capture, model, every=every, rows=rows, layers=layers, heads=heads, log_dir=log_dir, alerts=alerts,
                    raise_on=raise_on, block_bytes=block_bytes)

@@ -1,10 +1,10 @@
-"""``attnprobe.heads``: label what each head does (see ``probe/heads.py`` for the labels and thresholds)."""
+"""``attnprobe.heads``: label what each head does (see ``probe/analyses/head_classes.py`` for the labels and thresholds)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..probe.heads import SCORES, THRESHOLDS, ClassifyError, head_means, induction_scores
+from ..probe.analyses.head_classes import SCORES, THRESHOLDS, ClassifyError, head_means, induction_scores
 from .api import capture
 
 __all__ = ["SCORES", "THRESHOLDS", "ClassifyError", "classify", "head_means", "induction_scores"]
@@ -25,7 +25,7 @@ def classify(source=None, *, model=None, probe: str | None = None, thresholds: M
         >>> list(table.columns[:3]), len(table)
         (['layer', 'head', 'module'], 2)
     """
-    from ..probe import heads
+    from ..probe.analyses import head_classes as heads
 
     return heads.classify(source, capture=capture, model=model, probe=probe, thresholds=thresholds,
                           vocab_size=vocab_size, seed=seed)

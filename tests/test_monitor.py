@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import attnprobe
-from attnprobe.probe.monitor import AttentionAlert, Monitor, MonitorError, per_head_rows
+from attnprobe.probe.analyses.monitor import AttentionAlert, Monitor, MonitorError, per_head_rows
 
 
 class Tiny(nn.Module):
@@ -218,7 +218,7 @@ def test_history_keeps_about_eight_bytes_a_value_not_a_dict_per_row():
     """Resident memory grows as the history frame does: the rows are kept by column, not as one dict each."""
     import tracemalloc
 
-    from attnprobe.probe.monitor import COLUMNS, History
+    from attnprobe.probe.analyses.monitor import COLUMNS, History
 
     history = History()
     template = {c: 0 for c in COLUMNS} | {"module": "layers.0"}

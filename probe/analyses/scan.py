@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .errors import AttnprobeError
-from .heads import entropy_ratio
+from ..errors import AttnprobeError
+from .head_classes import entropy_ratio
 
 FORMAT = 1
 CONFIG = "_scan.json"  # "_" first: pyarrow, pandas and Spark readers of the folder skip it

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import AttnprobeError
+from ..errors import AttnprobeError
 
 THRESHOLDS: Mapping[str, float] = {"previous": 0.5, "first": 0.5, "self": 0.5, "broad": 0.9, "induction": 0.4}
 SCORES: Mapping[str, str] = {"previous": "previous_mass", "first": "first_key_mass", "self": "diagonal_mass",
