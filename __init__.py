@@ -28,7 +28,7 @@ _EXPORTS = {
     "run": ".hooks.api",
     "scan": ".hooks.api",
     "monitor": ".hooks.api",
-    "stitch": ".probe.generation",
+    "stitch": ".probe.outputs.generation",
     "load": ".probe.capture",
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError
-    from .probe.generation import stitch
+    from .probe.outputs.generation import stitch
     from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
     from .probe.record import TENSOR_FIELDS, AttentionRecord
     from .probe.checks.violations import CheckResult, InvariantError, Violation

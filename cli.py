@@ -602,7 +602,7 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
       attnprobe export ./my-bert --text "hello world" --layers 0-1 --out frame.csv
       attnprobe export --what summary --out heads.csv
     """
-    from .probe.frames import write_frame
+    from .probe.outputs.frames import write_frame
 
     if drop_padding and what != "frame":
         raise UsageProblem("--drop-padding applies to --what frame; the summary leaves padded rows out already")

@@ -146,20 +146,20 @@ class Capture(Sequence):
         """Tidy long frame: one row per (layer, call, head, batch, query_pos, key_pos). See ``frames.FRAME_SCHEMA``.
 
         ``query_padding`` marks padded query rows; ``drop_padding=True`` leaves them out."""
-        from .frames import to_frame
+        from .outputs.frames import to_frame
 
         return to_frame(self, tokens=tokens, key_tokens=key_tokens, drop_padding=drop_padding)
 
     def summary(self):
         """One row per (layer, head): entropy, max weight, mass on first key / diagonal / previous token,
         mass on keys that were not allowed, worst row-sum error; padded and empty query rows excluded."""
-        from .frames import summary
+        from .outputs.frames import summary
 
         return summary(self)
 
     def to_parquet(self, path, *, tokens=None, key_tokens=None, overwrite: bool = False, drop_padding: bool = False):
         """Write ``to_frame()`` to a Parquet file (refuses an existing file unless ``overwrite``)."""
-        from .frames import write_frame
+        from .outputs.frames import write_frame
 
         frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
         return write_frame(frame, path, format="parquet", overwrite=overwrite)
@@ -168,7 +168,7 @@ class Capture(Sequence):
                drop_padding: bool = False):
         """Write ``to_frame()`` as CSV; returns the text when ``path`` is None. Text a spreadsheet would
         evaluate (``=``, ``+``, ``-``, ``@``, tab, CR first) gets a leading ``'`` unless ``formula_safe=False``."""
-        from .frames import write_frame
+        from .outputs.frames import write_frame
 
         frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
         return write_frame(frame, path, format="csv", overwrite=overwrite, formula_safe=formula_safe)
@@ -176,16 +176,16 @@ class Capture(Sequence):
     # -- other viewers (bertviz, circuitsvis; neither is imported) ------------------------------
     def to_bertviz(self, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:
         """Keyword arguments for ``bertviz.head_view`` / ``model_view``: ``bertviz.head_view(**cap.to_bertviz())``.
-        See ``attnprobe.probe.interop.to_bertviz``."""
-        from .interop import to_bertviz
+        See ``attnprobe.probe.outputs.interop.to_bertviz``."""
+        from .outputs.interop import to_bertviz
 
         return to_bertviz(self, batch, tokens=tokens, key_tokens=key_tokens, call=call)
 
     def to_circuitsvis(self, layer: int, batch: int = 0, *, tokens=None, call: int = 0,
                        head_names: bool = False) -> dict[str, Any]:
         """Keyword arguments for ``circuitsvis.attention.attention_patterns`` for one layer (negative counts from
-        the end). See ``attnprobe.probe.interop.to_circuitsvis``."""
-        from .interop import to_circuitsvis
+        the end). See ``attnprobe.probe.outputs.interop.to_circuitsvis``."""
+        from .outputs.interop import to_circuitsvis
 
         return to_circuitsvis(self, self._layer_number(layer), batch, tokens=tokens, call=call, head_names=head_names)
 
@@ -197,7 +197,7 @@ class Capture(Sequence):
         capture directory is replaced only with ``overwrite=True``, a folder of other files never. The folder is
         written under a temporary name and renamed into place when complete.
         """
-        from .disk import save
+        from .outputs.disk import save
 
         return save(self, path, overwrite=overwrite)
 
@@ -216,7 +216,7 @@ def load(path) -> Capture:
     """The ``Capture`` saved in directory ``path`` (by ``Capture.save`` or ``capture(..., store=path)``).
 
     Tensors are memory-mapped from the safetensors files: nothing is read until a tensor is used, so a
-    capture larger than memory opens at once. Nothing is unpickled (see ``probe/disk.py`` for the format).
+    capture larger than memory opens at once. Nothing is unpickled (see ``probe/outputs/disk.py`` for the format).
 
     Example::
 
@@ -226,7 +226,7 @@ def load(path) -> Capture:
         >>> torch.equal(attnprobe.load(folder)[0].weights, cap[0].weights)
         True
     """
-    from .disk import read
+    from .outputs.disk import read
 
     records, info = read(path)
     return Capture(records, info)
@@ -288,7 +288,7 @@ class CaptureSession:
         self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
         self.disk = None  # a RecordWriter when records go to a directory (store=)
         if store is not None:
-            from .disk import RecordWriter
+            from .outputs.disk import RecordWriter
 
             self.disk = RecordWriter(store, overwrite=overwrite)  # refuses an existing target before the run
 

@@ -15,7 +15,7 @@ import torch
 from ..probe.errors import AttnprobeError
 from ..probe.files import target_path
 from ..probe.record import AttentionRecord
-from ..probe.tokens import record_token_rows
+from ..probe.outputs.tokens import record_token_rows
 
 #: Colour of cells the query may not attend (light neutral grey: no sequential colour map uses it).
 DISALLOWED_COLOR = "#d4d4d4"
@@ -172,7 +172,7 @@ class Labels:
 
 
 def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> Labels:
-    """Query and key labels of ``record`` for batch row ``batch`` (see ``attnprobe.probe.tokens``)."""
+    """Query and key labels of ``record`` for batch row ``batch`` (see ``attnprobe.probe.outputs.tokens``)."""
     q_rows, k_rows = record_token_rows(record, tokens, key_tokens)
     query = None if q_rows is None else q_rows[batch][record.query_offset: record.query_offset + record.query_len]
     key = None if k_rows is None else k_rows[batch][record.key_start: record.key_start + record.key_len]

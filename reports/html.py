@@ -28,7 +28,7 @@ from ..probe.files import atomic_open
 from ..probe.record import AttentionRecord
 from ..probe.checks.violations import CheckResult, Violation, cause_groups
 from . import encoding
-from ..probe.tokens import token_rows
+from ..probe.outputs.tokens import token_rows
 from ..probe.version import __version__
 from ._common import check_batch, display_token, head_view, output_path, record_labels
 
@@ -52,7 +52,7 @@ def shown_records(capture) -> tuple[list[AttentionRecord], list[AttentionRecord]
     records = list(capture)
     stitched_runs = 0
     if any(r.step is not None for r in records):
-        from ..probe.generation import shown
+        from ..probe.outputs.generation import shown
 
         records, stitched_runs = shown(records)
     drawable = [r for r in records if r.weights is not None or r.scores is not None]

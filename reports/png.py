@@ -30,7 +30,7 @@ from ._common import (
 )
 
 VALUES = ("weights", "scores")
-#: Summary columns drawn by ``save_summary`` by default (see ``attnprobe.probe.frames.SUMMARY_SCHEMA``).
+#: Summary columns drawn by ``save_summary`` by default (see ``attnprobe.probe.outputs.frames.SUMMARY_SCHEMA``).
 SUMMARY_COLUMNS = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass")
 #: Size of the token labels of ``head_grid`` (every k-th token is labelled when they do not all fit).
 GRID_TOKEN_POINTS = 7.0
@@ -191,7 +191,7 @@ def heatmap(
 def _grid_records(capture) -> list[AttentionRecord]:
     records = require_records(capture, "head_grid")
     if any(r.step is not None for r in records):  # a generation: one stitched matrix per module, as in the HTML
-        from ..probe.generation import shown
+        from ..probe.outputs.generation import shown
 
         records = shown(records)[0]
     records = [r for r in records if r.weights is not None or r.scores is not None]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attnprobe
-from attnprobe.probe import disk
+from attnprobe.probe.outputs import disk
 from hf_helpers import build, inputs
 from reports_helpers import Stack, cross_capture, generation_capture, stack_capture, words
 from torch_helpers import Head

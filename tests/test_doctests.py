@@ -16,11 +16,11 @@ CORE_MODULES = {
     "attnprobe.probe.record": True,
     "attnprobe.probe.modules": True,
     "attnprobe.probe.selection": True,
-    "attnprobe.probe.frames": True,
+    "attnprobe.probe.outputs.frames": True,
     "attnprobe.probe.engine.attention_math": True,
-    "attnprobe.probe.generation": False,  # its example needs a generating model: shown as comments
-    "attnprobe.probe.disk": True,
-    "attnprobe.probe.interop": True,
+    "attnprobe.probe.outputs.generation": False,  # its example needs a generating model: shown as comments
+    "attnprobe.probe.outputs.disk": True,
+    "attnprobe.probe.outputs.interop": True,
     "attnprobe.probe.engine.stats": True,
     "attnprobe.probe.analyses.scan": False,
     "attnprobe.probe.analyses.monitor": False,

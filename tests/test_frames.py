@@ -12,7 +12,7 @@ import torch
 
 import attnprobe
 from attnprobe import AttentionRecord, Capture, MultiHeadAttention
-from attnprobe.probe.frames import FRAME_SCHEMA, SUMMARY_SCHEMA, TOKEN_SCHEMA
+from attnprobe.probe.outputs.frames import FRAME_SCHEMA, SUMMARY_SCHEMA, TOKEN_SCHEMA
 
 
 @pytest.fixture

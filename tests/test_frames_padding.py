@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnprobe
-from attnprobe.probe.frames import FRAME_SCHEMA
+from attnprobe.probe.outputs.frames import FRAME_SCHEMA
 
 
 @pytest.fixture

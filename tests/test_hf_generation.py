@@ -204,7 +204,7 @@ def test_a_report_of_selected_steps_draws_them_as_they_are(tmp_path):
     """capture.select(steps=[k]) holds part of a run: reports draw those steps (they failed, stitch needing step 0),
     stitch itself says the run is incomplete; whole runs are still drawn stitched."""
     from attnprobe import reports
-    from attnprobe.probe.generation import shown
+    from attnprobe.probe.outputs.generation import shown
 
     model = build("llama")
     _, cap = _greedy(model, inputs("llama", "left", length=5), num_beams=2)  # beam steps: drawn only one by one

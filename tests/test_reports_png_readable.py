@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from attnprobe.cli import main
-from attnprobe.probe.frames import SUMMARY_SCHEMA
+from attnprobe.probe.outputs.frames import SUMMARY_SCHEMA
 from attnprobe.reports import head_grid, heatmap, save_summary, summary_plot
 from attnprobe.reports.png import CELL_FONT_POINTS, GRID_TOKEN_POINTS
 from reports_helpers import cross_capture, stack_capture, words

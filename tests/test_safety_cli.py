@@ -219,7 +219,7 @@ def test_long_name_device_and_read_only_place_are_one_line_exit_2(cli, tmp_path)
 def test_an_os_error_about_the_place_is_the_users_exit_2(cli, tmp_path, monkeypatch):
     import errno
 
-    import attnprobe.probe.frames as frames
+    import attnprobe.probe.outputs.frames as frames
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", "frame.csv")

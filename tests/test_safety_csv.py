@@ -11,7 +11,7 @@ import torch
 
 import attnprobe
 from attnprobe import MultiHeadAttention
-from attnprobe.probe.frames import formula_safe_text, write_frame
+from attnprobe.probe.outputs.frames import formula_safe_text, write_frame
 
 HOSTILE = ["a\rb", "line\nfeed", 'say "hi"', "x,y", '=HYPERLINK("http://e.vil","x")', "+1", "-2", "@SUM(A1)",
            "\tTab", "\rCR", "plain"]

@@ -260,7 +260,7 @@ class Monitor:
     def to_parquet(self, path, *, overwrite: bool = False):
         """Write ``history`` to a Parquet file and return its path. The file appears complete or not at all, and an
         existing file is replaced only with ``overwrite=True`` (as ``Capture.to_parquet`` and ``to_html`` do)."""
-        from ..frames import write_frame
+        from ..outputs.frames import write_frame
 
         return write_frame(self.history, path, format="parquet", overwrite=overwrite)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .errors import AttnprobeError
+from ..errors import AttnprobeError
 from .generation import shown
-from .record import AttentionRecord
+from ..record import AttentionRecord
 from .tokens import record_token_rows
 
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from .errors import AttnprobeError
-from .files import write_atomic
-from .record import AttentionRecord
-from .checks.violations import Violation
+from ..errors import AttnprobeError
+from ..files import write_atomic
+from ..record import AttentionRecord
+from ..checks.violations import Violation
 
 FORMAT = "attnprobe.capture"
 VERSION = 1

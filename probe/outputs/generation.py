@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import torch
 
-from .errors import AttnprobeError
-from .record import AttentionRecord
+from ..errors import AttnprobeError
+from ..record import AttentionRecord
 
 #: how to ask generate for a cache that keeps every key (the keyword changed in transformers 5.24)
 _DYNAMIC_CACHE = "a transformers.DynamicCache() as its cache (cache=... from transformers 5.24, past_key_values=... before)"

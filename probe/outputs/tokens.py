@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from .errors import AttnprobeError
-from .record import AttentionRecord
+from ..errors import AttnprobeError
+from ..record import AttentionRecord
 
 
 def token_rows(tokens, batch_size: int, what: str) -> list[list[str]] | None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import AttnprobeError, warn_user
-from .files import atomic_open
-from .engine.sinks import sink_mass
+from ..errors import AttnprobeError, warn_user
+from ..files import atomic_open
+from ..engine.sinks import sink_mass
 from .tokens import record_token_rows
 
 #: Column -> dtype of ``Capture.to_frame()``: the one schema, defined here only.
@@ -98,7 +98,7 @@ def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
     """The tidy frame of ``cap`` (see ``FRAME_SCHEMA``; plus ``TOKEN_SCHEMA`` columns with tokens).
 
     ``tokens`` name the query sequence, ``key_tokens`` the context of cross-attention and of an encoder
-    (see ``attnprobe.probe.tokens``). ``query_padding`` marks the rows of padded queries (their weights
+    (see ``attnprobe.probe.outputs.tokens``). ``query_padding`` marks the rows of padded queries (their weights
     mean nothing; ``summary()`` leaves them out); ``drop_padding=True`` leaves them out of the frame too
     (rows whose padding is unknown, <NA>, stay).
     """
