@@ -146,7 +146,7 @@ def default_cells(work, heads) -> int:
     32k-token report of 32 heads stays under 30 MB)."""
     import attnprobe
 
-    from .probe import loading
+    from .probe.commandline import loading
 
     chosen = loading.parse_int_list(heads, "--heads")
     total = sum(m.num_heads if chosen is None else len(chosen) for m in attnprobe.attention_modules(work.model)
@@ -178,7 +178,7 @@ def model_and_input_options(fn):
 
 
 def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code=False):
-    from .probe import loading
+    from .probe.commandline import loading
 
     progress.stage("loading model")
     torch_dtype = loading.parse_dtype(dtype)
@@ -201,7 +201,7 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=Non
 
     import attnprobe
 
-    from .probe import loading
+    from .probe.commandline import loading
     from .probe.errors import AttnprobeError, CaptureBudgetError, SelectionError, UnsupportedModelError
     from .probe.selection import parse_bytes
 
@@ -292,7 +292,7 @@ def statistics_overview(work, heads, windows, cells):
 
 def cli_selection_message(exc: Exception, model) -> str:
     """A SelectionError in command-line words; a module name that is not in the model lists the candidates."""
-    from .probe.candidates import softmax_modules
+    from .probe.commandline.candidates import softmax_modules
 
     text = (str(exc).replace("attnprobe.attention_modules(model) lists them", "`attnprobe info` lists them")
             .replace("modules=:", "--modules:").replace("model.named_modules()", "named_modules()"))
@@ -305,7 +305,7 @@ def cli_selection_message(exc: Exception, model) -> str:
 
 def no_attention_advice(model, source: str) -> str:
     """One line for a model with no attention attnprobe reads by itself: the --modules to pass, with candidates."""
-    from .probe.candidates import softmax_modules
+    from .probe.commandline.candidates import softmax_modules
 
     found = softmax_modules(model)
     head = (f"no attention found in {source} ({type(model).__name__}) that attnprobe reads by itself "
@@ -519,8 +519,8 @@ def info(model, modules, fmt, trust_remote_code, quiet, debug):
     import attnprobe
 
     from .hooks import default_adapters
-    from .probe import loading
-    from .probe.candidates import softmax_modules
+    from .probe.commandline import loading
+    from .probe.commandline.candidates import softmax_modules
 
     progress = Progress(2, quiet)
     try:
@@ -958,7 +958,7 @@ def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, 
     """
     import attnprobe
 
-    from .probe import loading
+    from .probe.commandline import loading
 
     net, tokenizer, source = loading.load_model(model)
     if tokenizer is None:

@@ -122,7 +122,7 @@ def test_check_violations_exit_one_with_table_and_json(cli):
 
 
 def test_layers_count_from_the_end(cli):
-    from attnprobe.probe.loading import parse_int_list
+    from attnprobe.probe.commandline.loading import parse_int_list
 
     assert parse_int_list("-2--1, 0", "--layers") == [-2, -1, 0]
     result = cli("export", TINY, *IDS, "--layers=-1", "--what", "summary", "--out", "last.csv")
@@ -271,7 +271,7 @@ def test_an_input_file_without_text_is_refused(cli, tmp_path, content):
 
 
 def test_an_input_file_with_a_byte_order_mark(cli, tmp_path):
-    from attnprobe.probe.loading import read_texts
+    from attnprobe.probe.commandline.loading import read_texts
 
     (tmp_path / "inputs.txt").write_bytes("\ufeffhello world\r\n\r\nsecond line\r\n".encode("utf-8"))
     assert read_texts(("first",), "inputs.txt") == ["first", "hello world", "second line"]
@@ -428,7 +428,7 @@ def test_hf_encoder_decoder_needs_and_uses_decoder_text(cli, hf_dirs, tmp_path):
 
 def test_hf_encoder_decoder_declares_masks_per_layer(cli, hf_dirs):
     from attnprobe.cli import declarations
-    from attnprobe.probe import loading
+    from attnprobe.probe.commandline import loading
 
     net, tokenizer, source = loading.load_model(str(hf_dirs / "bart"))
     work = loading.build_workload(net, tokenizer, source, texts=["hello world", "a much longer input text"],

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from attnprobe.probe.candidates import softmax_modules
+from attnprobe.probe.commandline.candidates import softmax_modules
 from test_cli import cli, one_line_error  # noqa: F401  (the fixture)
 
 NANO = "cli_factories:nanogpt"

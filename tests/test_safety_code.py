@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from attnprobe.cli import main
-from attnprobe.probe import loading
+from attnprobe.probe.commandline import loading
 
 CONFIGURATION = '''
 from pathlib import Path

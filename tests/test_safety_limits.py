@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import attnprobe
 from attnprobe import SelectionError
 from attnprobe.cli import main, planned_attention_bytes
-from attnprobe.probe import loading
+from attnprobe.probe.commandline import loading
 
 TINY = "cli_factories:tiny"
 

