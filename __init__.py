@@ -46,7 +46,7 @@ _EXPORTS = {
     "CHECKS": ".probe.checks",
     "assert_invariants": ".probe.checks",
     "check": ".probe.checks",
-    "token_strings": ".hooks.hf_tokens",
+    "token_strings": ".hooks.hf.token_strings",
 }
 _SUBPACKAGES = ("reports",)
 #: public modules whose code lives in a room: attnprobe.heads is hooks/heads.py
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
     from .probe.record import TENSOR_FIELDS, AttentionRecord
     from .probe.checks.violations import CheckResult, InvariantError, Violation
-    from .hooks.hf_tokens import token_strings
+    from .hooks.hf.token_strings import token_strings
 
 
 def _inline_html(obj) -> str:

@@ -95,7 +95,7 @@ def native_attention(lib):
     """sdpa's own kernel, then every statistic (see the module docstring); results go to ``attention.kept``."""
     import torch
 
-    from attnprobe.hooks import hf_compat
+    from attnprobe.hooks.hf import compat as hf_compat
     from attnprobe.probe.engine.stats import WEIGHT_THRESHOLD
 
     sdpa_forward, log2e, ln2 = hf_compat.sdpa_forward(), math.log2(math.e), math.log(2)

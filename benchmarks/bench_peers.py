@@ -335,7 +335,7 @@ def memory(keys, shapes, grads) -> dict:
 # --------------------------------------------------------------------------------------- profile
 def profile(shapes, grads) -> None:
     """Ops one capture runs beyond the plain forward (torch.profiler), and Python time in the recorder per layer."""
-    from attnprobe.hooks import hf as hf_adapter
+    from attnprobe.hooks.hf import adapter as hf_adapter
 
     runs = build(["plain", "attnprobe weights", "attnprobe six"])
     spent = [0.0]

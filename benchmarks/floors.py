@@ -17,7 +17,7 @@ import torch
 def with_attention(model, name: str, fn):
     """A deep copy of ``model`` whose attention function is ``fn``, registered as ``name`` with sdpa's mask
     function (so it receives the masks sdpa would)."""
-    from attnprobe.hooks import hf_compat
+    from attnprobe.hooks.hf import compat as hf_compat
 
     hf_compat.register_attention(name, fn)
     hf_compat.register_mask(name, hf_compat.mask_registry()["sdpa"])
@@ -43,7 +43,7 @@ def weights_floor(*, six: bool = False):
     from a tensor made once per shape, a softmax written into the same buffer. With ``six``, q, k, v and the output
     are kept as views and the scores as a tensor of their own. Each call appends to ``fn.kept`` (the weights, or the
     six with the weights fifth). Written for models without a position bias or grouped heads."""
-    from attnprobe.hooks import hf_compat
+    from attnprobe.hooks.hf import compat as hf_compat
 
     sdpa_forward = hf_compat.sdpa_forward()
     causal_masks = {}  # made once per shape, not per layer
@@ -88,7 +88,7 @@ def stats_floor():
     (entropy, max_weight, row_sum_error, max_score, output_error): the scaled ``q @ k`` in base 2 (the scaling folded
     into q), its row max, one ``exp2``, the row sums, the entropy's sum, ``e @ v`` and its largest difference from
     the observed output. Each call appends ``(max in base 2, row sums, entropy, output error)`` to ``fn.kept``."""
-    from attnprobe.hooks import hf_compat
+    from attnprobe.hooks.hf import compat as hf_compat
 
     sdpa_forward, log2e = hf_compat.sdpa_forward(), math.log2(math.e)
 

@@ -11,7 +11,7 @@ def default_adapters(*, modules=None) -> list[Adapter]:
     ``modules``: hand-written attention to trace (``capture(..., modules=)``), passed to the functional adapter.
     """
     from .functional import FunctionalAdapter
-    from .hf import HuggingFaceAdapter
+    from .hf.adapter import HuggingFaceAdapter
     from .own import OwnModuleAdapter
     from .torch_mha import TorchMHAAdapter
 

@@ -14,7 +14,7 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 VOCAB = 100
 #: the keyword (and output field) of the generation cache: past_key_values up to transformers 5.23, cache from 5.24
-CACHE_ARG = __import__("attnprobe.hooks.hf_compat", fromlist=["x"]).cache_argument_name()
+CACHE_ARG = __import__("attnprobe.hooks.hf.compat", fromlist=["x"]).cache_argument_name()
 
 
 def _configs():

@@ -210,7 +210,7 @@ def test_selection_keep_and_heads(models, assert_no_hooks):
 
 
 def test_unselected_layers_run_the_plain_backend(models, monkeypatch):
-    from attnprobe.hooks import hf_math
+    from attnprobe.hooks.hf import recompute as hf_math
 
     built = []
     original = hf_math.Recompute.__init__
@@ -237,7 +237,7 @@ def test_idle_capture_touches_nothing(models, monkeypatch):
 
 
 def test_budget_fails_before_the_work(models, monkeypatch):
-    from attnprobe.hooks import hf_math
+    from attnprobe.hooks.hf import recompute as hf_math
 
     def boom(self):
         raise AssertionError("weights were recomputed before the budget check")

@@ -1,4 +1,4 @@
-"""What attnprobe relies on in transformers (hooks/hf_compat.py): found without depending on names, and a
+"""What attnprobe relies on in transformers (hooks/hf/compat.py): found without depending on names, and a
 warning naming the release when a release changes it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 import attnprobe
-from attnprobe.hooks import hf_compat
+from attnprobe.hooks.hf import compat as hf_compat
 from hf_helpers import CACHE_ARG, build, inputs, transformers
 
 NEW = 3

@@ -16,7 +16,7 @@ from transformers.masking_utils import eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import attnprobe
-from attnprobe.hooks import hf, hf_math
+from attnprobe.hooks.hf import adapter as hf, recompute as hf_math
 from hf_helpers import build, inputs
 
 _names = itertools.count()

@@ -89,7 +89,7 @@ def test_overridden_sdpa_is_recorded_and_judged_by_its_output():
 
 
 def test_model_code_that_branches_on_the_name_is_refused(monkeypatch):
-    from attnprobe.hooks import hf
+    from attnprobe.hooks.hf import adapter as hf
 
     monkeypatch.setattr(hf, "name_branches", lambda module: ('if self.config._attn_implementation == "sdpa":',))
     model = build("llama")
@@ -122,7 +122,7 @@ def test_nothing_registers_at_import_and_plain_torch_models_load_no_transformers
 
     code = ("import sys, torch, attnprobe\n"
             "m = torch.nn.TransformerEncoderLayer(8, 2)\n"
-            "from attnprobe.hooks.hf import HuggingFaceAdapter\n"
+            "from attnprobe.hooks.hf.adapter import HuggingFaceAdapter\n"
             "assert HuggingFaceAdapter().find(m, set()) == []\n"
             "print('transformers' in sys.modules)\n")  # registering needs transformers: none happened
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -148,6 +148,6 @@ def test_training_mode_records_dropout_and_pre_dropout_weights():
 
 def test_module_subclass_of_nn_module_not_hf_is_left_to_others():
     layer = nn.MultiheadAttention(8, 2, batch_first=True)
-    from attnprobe.hooks.hf import HuggingFaceAdapter
+    from attnprobe.hooks.hf.adapter import HuggingFaceAdapter
 
     assert HuggingFaceAdapter().find(layer, set()) == []

@@ -184,7 +184,7 @@ def test_modules_that_always_return_weights_need_no_forcing(recwarn):
 
 
 def test_a_cache_that_cannot_say_its_length():
-    from attnprobe.hooks.hf_compat import cached_length as _cached_length
+    from attnprobe.hooks.hf.compat import cached_length as _cached_length
 
     class Hybrid:  # like a Mamba + attention cache: layer 0 holds no attention
         layers = [object(), object()]
@@ -254,7 +254,7 @@ def test_xlnet_two_stream_attention_is_a_clear_error(recwarn, assert_no_hooks):
 
 
 def test_weights_in_another_layout_are_refused_not_misread(monkeypatch, recwarn):
-    from attnprobe.hooks import hf_fallback
+    from attnprobe.hooks.hf import fallback as hf_fallback
 
     monkeypatch.setattr(hf_fallback, "_TIME_FIRST", frozenset())  # as if attnprobe did not know XLNet's layout
     model = _xlnet()
@@ -305,7 +305,7 @@ def test_pre_softmax_scores_returned_as_attentions_become_the_weights_the_module
 def test_returned_attentions_that_are_not_probabilities_are_refused(recwarn, monkeypatch):
     """Logits returned as output_attentions by a module attnprobe does not know are refused by name, not
     recorded as weights (ProphetNet's and SqueezeBERT's were, before they were known)."""
-    from attnprobe.hooks import hf_fallback
+    from attnprobe.hooks.hf import fallback as hf_fallback
 
     monkeypatch.setattr(hf_fallback, "_PRE_SOFTMAX", frozenset())
     model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(

@@ -109,7 +109,7 @@ def test_registration_is_global_and_idempotent():
     import transformers.masking_utils as mu
     import transformers.modeling_utils as mo
 
-    from attnprobe.hooks.hf import register
+    from attnprobe.hooks.hf.adapter import register
 
     register()
     first = dict(mo.AttentionInterface._global_mapping)
@@ -140,7 +140,7 @@ def test_unsupported_backend_is_a_clear_error(assert_no_hooks):
 def test_models_that_branch_on_the_implementation_name_are_refused():
     import importlib
 
-    from attnprobe.hooks.hf_source import name_branches
+    from attnprobe.hooks.hf.source import name_branches
 
     importlib.import_module("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
     flagged = name_branches("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")

@@ -785,7 +785,7 @@ def old_style_attention(model) -> list[str]:
 
     Which families those are depends on the installed transformers (gptj, codegen and layoutlmv3 moved onto
     the interface in 5.24), so the sweep reads it from the installed source instead of a list; deliberately
-    not through attnprobe's own detection (hooks/hf.py reads code names, not source text)."""
+    not through attnprobe's own detection (hooks/hf/adapter.py reads code names, not source text)."""
     found = set()
     for module in model.modules():
         cls = type(module)
@@ -871,7 +871,7 @@ def test_family(name):
 def test_head_counts_ignore_kv_heads_that_do_not_group_the_query_heads():
     """A kv-head attribute larger than the query heads (JetMoE built with num_attention_heads given) is not
     grouped-query attention: the hint falls back to the query heads instead of dividing by zero."""
-    from attnprobe.hooks.hf_context import head_counts
+    from attnprobe.hooks.hf.context import head_counts
 
     module = torch.nn.Module()
     module.num_heads, module.num_key_value_heads = 4, 16

@@ -1,7 +1,7 @@
 """The math of one attention call, written once: logits, the model's mask, softmax (with sinks).
 
 Every recompute in attnprobe goes through here: the adapters' full recompute of scores and weights
-(``hooks/hf_math.py``, ``hooks/masks.py``) and the blockwise statistics engine (``probe/engine/stats.py``), so
+(``hooks/hf/recompute.py``, ``hooks/masks.py``) and the blockwise statistics engine (``probe/engine/stats.py``), so
 a statistic and a full weight matrix are the same numbers, computed the same way.
 
 ``AttentionCall`` describes a call as the attention function received it (q, k, v, mask, bias,

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..probe.engine.attention_math import attention_logits, softmax_with_sinks
-from ..probe.selection import index_heads
+from ...probe.engine.attention_math import attention_logits, softmax_with_sinks
+from ...probe.selection import index_heads
 
 
 def as_4d(mask: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ as ``AutoModel`` or ``PreTrainedModel``, are imported where they are used).
 
 Items, by where they are used:
 
-Attention dispatch (hooks/hf.py)
+Attention dispatch (hooks/hf/adapter.py)
   1. Interface modules call ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, <the file's
      own eager function>)`` (5.1-5.24); 5.0 wrote the same dispatch as ``if config._attn_implementation !=
      "eager": attention_interface = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (hf.py lets that one
@@ -33,14 +33,14 @@ Attention dispatch (hooks/hf.py)
   7. GPT-2's ``_upcast_and_reordered_attn`` / ``reorder_and_upcast_attn`` eager path (5.0-5.24).
   8. Keyword arguments of attention calls: ``scaling``, ``dropout``, ``is_causal``, ``position_bias`` (T5),
      ``softcap`` (Gemma2), ``s_aux`` (GPT-OSS sinks), ``sliding_window`` (5.0-5.24).
-Surroundings of a call (hooks/hf_context.py)
+Surroundings of a call (hooks/hf/context.py)
   9. The generation cache reaches the model stacks as an instance of ``cache_utils.Cache``: keyword
      ``past_key_values`` up to 5.23, ``cache`` from 5.24 (``past_key_values`` still accepted by the top-level
      model with a FutureWarning until its removal). attnprobe finds it by type among all arguments.
  10. ``Cache.get_seq_length(layer)``, ``Cache.layers`` and ``Cache.reorder_cache`` (beam search) (5.0-5.24).
  11. A stack's forward takes ``attention_mask`` (2-D, 1 = token) and one of the input names in
      ``hf_context.INPUT_NAMES`` (5.0-5.24).
-Old-style models (hooks/hf_fallback.py)
+Old-style models (hooks/hf/fallback.py)
  12. ``PreTrainedModel._can_set_attn_implementation()`` is False for models without the interface (5.0-5.24);
      their ``output_attentions=True`` returns the weights.
 """
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 
-from ..probe.errors import warn_user
+from ...probe.errors import warn_user
 
 _WARNED: set = set()
 
@@ -142,7 +142,7 @@ def mask_registry() -> dict:
 def _mapping(interface: type, name: str) -> dict:
     mapping = getattr(interface, "_global_mapping", None)
     if not isinstance(mapping, dict):
-        from ..probe.errors import UnsupportedModelError
+        from ...probe.errors import UnsupportedModelError
 
         raise UnsupportedModelError(
             f"transformers {version()}: {name} keeps no `_global_mapping` dict, which attnprobe reads to wrap a "

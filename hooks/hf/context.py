@@ -17,10 +17,10 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from ..probe.threads import current, elsewhere
-from ..probe.walk import walk_of
-from . import hf_compat
-from .deliver import deliver, listen, number
+from ...probe.threads import current, elsewhere
+from ...probe.walk import walk_of
+from . import compat as hf_compat
+from ..deliver import deliver, listen, number
 
 INPUT_NAMES = ("input_ids", "inputs_embeds", "input_features", "pixel_values", "input_values", "decoder_input_ids")
 CROSS_NAMES = ("key_value_states", "encoder_hidden_states", "cross_attention_states")

@@ -27,17 +27,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..probe.engine.attention_math import AttentionCall
-from ..probe.errors import UnsupportedModelError, warn_user
-from ..probe.selection import index_heads
-from ..probe.threads import elsewhere
-from ..probe.walk import walk_of
-from . import hf_compat
-from .base import Adapter, Lazy, Site
-from .deliver import deliver, held, listen, number, value_of
-from .hf_context import KindProbe, Surroundings, head_counts, parents_of, static_kind
-from .hf_math import MaskMemo, Recompute, kv_of_heads
-from .hf_source import name_branches, record_dtype, softmax_dtype
+from ...probe.engine.attention_math import AttentionCall
+from ...probe.errors import UnsupportedModelError, warn_user
+from ...probe.selection import index_heads
+from ...probe.threads import elsewhere
+from ...probe.walk import walk_of
+from . import compat as hf_compat
+from ..base import Adapter, Lazy, Site
+from ..deliver import deliver, held, listen, number, value_of
+from .context import KindProbe, Surroundings, head_counts, parents_of, static_kind
+from .recompute import MaskMemo, Recompute, kv_of_heads
+from .source import name_branches, record_dtype, softmax_dtype
 
 #: base backend -> the private name that wraps it. No "sdpa" and no "flash" inside the names:
 #: transformers treats names containing those substrings specially. Custom attention functions a
@@ -735,7 +735,7 @@ class HuggingFaceAdapter(Adapter):
     def find_named(self, model: nn.Module, named: list, claimed: set[int]) -> list[Site]:
         if "transformers" not in sys.modules:  # no transformers model can exist yet
             return []
-        from .hf_fallback import find_old_style
+        from .fallback import find_old_style
 
         PreTrainedModel = hf_compat.pretrained_model_class()
 
@@ -775,7 +775,7 @@ class HuggingFaceAdapter(Adapter):
             for site in old_style:
                 site.selected = False  # not captured (the session's end-of-capture warnings count them out)
         elif old_style:
-            from .hf_fallback import attach_fallback
+            from .fallback import attach_fallback
 
             attach_fallback(session, model, old_style, surroundings, stack)
 

@@ -7,7 +7,7 @@ from numbers import Integral
 
 import torch
 
-from ..probe.errors import AttnprobeError
+from ...probe.errors import AttnprobeError
 
 
 def _as_lists(ids, what: str = "token ids"):

@@ -15,12 +15,12 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from ..probe.errors import UnsupportedModelError, warn_user
-from ..probe.threads import current, elsewhere
-from . import hf_compat
-from .functional import code_reaches_sdpa
-from .hf_context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
-from .hf_source import name_branches, record_dtype, softmax_dtype
+from ...probe.errors import UnsupportedModelError, warn_user
+from ...probe.threads import current, elsewhere
+from . import compat as hf_compat
+from ..functional import code_reaches_sdpa
+from .context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
+from .source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
 #: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
