@@ -18,7 +18,7 @@ direct calls the code reading of ``code_reaches_sdpa`` found, or for tracing), e
 module named in ``modules=`` that calls sdpa has its first call site as its own layer.
 
 **Hand-written attention** (opt-in: ``capture(model, modules=[...])`` or ``modules="auto"``) is traced:
-see ``hooks/trace.py``. Named modules are layers found before the run (in module order with the others);
+see ``hooks/trace/recorder.py``. Named modules are layers found before the run (in module order with the others);
 with ``"auto"`` every module is traced and each softmax attention found becomes a layer at run time.
 Single-head modules kept in an ``nn.ModuleList``/``nn.ModuleDict`` and called in one forward of the
 module named (or, with ``"auto"``, of the module holding the list) are the heads of one layer, in call order.
@@ -48,8 +48,8 @@ from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
-from .trace import Tracer, format_location
-from .trace_read import EXPECTED, Finding, analyze
+from .trace.recorder import Tracer, format_location
+from .trace.read import EXPECTED, Finding, analyze
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

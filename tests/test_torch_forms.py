@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnprobe
-from attnprobe.hooks.trace_ops import read_call
+from attnprobe.hooks.trace.ops import read_call
 from torch_helpers import leftovers, reference_weights
 
 B, T, H, DH = 2, 5, 2, 4

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..probe.checks import lint as lint_rules
-from .masks import MASKED_AT, is_masking_value
-from .trace import PRODUCT_OPS, Node, format_location, reaches_product
-from .trace_ops import einsum_operands
+from ...probe.checks import lint as lint_rules
+from ..masks import MASKED_AT, is_masking_value
+from .recorder import PRODUCT_OPS, Node, format_location, reaches_product
+from .ops import einsum_operands
 
 _MAX_STEPS = 32
 

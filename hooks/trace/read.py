@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..probe.checks import lint as lint_rules
-from .masks import compress_heads, forbids_future
-from .trace import Node, Scope, format_location
-from .trace_chain import ScoresChain, permuted, read_scores_chain, source, unfolded_heads, unrepeated_heads
-from .trace_lints import head_merge_lint, unused_masks
-from .trace_ops import einsum_operands
+from ...probe.checks import lint as lint_rules
+from ..masks import compress_heads, forbids_future
+from .recorder import Node, Scope, format_location
+from .chain import ScoresChain, permuted, read_scores_chain, source, unfolded_heads, unrepeated_heads
+from .mistakes import head_merge_lint, unused_masks
+from .ops import einsum_operands
 
 #: Fields a traced record normally identifies; a Finding missing one says why (``Finding.missing``).
 EXPECTED = ("q", "k", "v", "output", "allowed")

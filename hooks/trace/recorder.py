@@ -1,15 +1,15 @@
 """Tensor provenance inside one module call: what the hand-written attention tracer records while a model runs.
 
 While a traced module runs, every torch function call it makes (seen through the capture's
-``TorchFunctionMode``) becomes a ``Node``: the call read by its signature (``hooks/trace_ops.py``: the op's
+``TorchFunctionMode``) becomes a ``Node``: the call read by its signature (``hooks/trace/ops.py``: the op's
 canonical name and arguments, whatever the calling form), its output, and the nodes that produced its tensor
 inputs *at that moment* (so in-place ops keep their history), and the user's line that made it. Calls of child
 modules become one node each in the parent's scope; inside a child, a new scope records the child's own ops.
 Torch's built-in layers (Linear, Dropout, Softmax, ...) and modules other adapters read are opaque: one node,
 nothing recorded inside.
 
-When the module returns, each softmax in its scope is read into a ``Finding`` (``hooks/trace_read.py``), going
-backwards to the product that made the scores (``hooks/trace_chain.py``) and forwards to the product with V.
+When the module returns, each softmax in its scope is read into a ``Finding`` (``hooks/trace/read.py``), going
+backwards to the product that made the scores (``hooks/trace/chain.py``) and forwards to the product with V.
 
 The modules, in reading order:
 
@@ -29,11 +29,11 @@ import sys
 import torch
 from torch import nn
 
-from .masks import is_masking_value
-from .trace_ops import INPLACE_OPS, Call, read_call
+from ..masks import is_masking_value
+from .ops import INPLACE_OPS, Call, read_call
 
 _T = torch.Tensor
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the attnprobe package
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the attnprobe package: hooks/trace/../..
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep,) + tuple(
     os.path.join(_ROOT, d) + os.sep for d in ("hooks", "probe", "reports")
 )

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..probe.checks import lint as lint_rules
-from .trace import Node, Scope, format_location
-from .trace_chain import chain_step
+from ...probe.checks import lint as lint_rules
+from .recorder import Node, Scope, format_location
+from .chain import chain_step
 
 #: Calls that keep the values of the attention output and only lay them out anew, on the way to the head merge.
 _LAYOUT_OPS = frozenset({"permute", "pass", "reshape"})
