@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .diff import compare, diff_html
 from .html import to_html
-from .monitor import monitor_html, monitor_plot
+from .monitor_views import monitor_html, monitor_plot
 from .png import head_grid, heatmap, save_grid, save_heatmap, save_summary, summary_plot
 
 __all__ = [

@@ -26,7 +26,7 @@ CORE_MODULES = {
     "attnprobe.probe.analyses.monitor": False,
     "attnprobe.probe.analyses.head_classes": False,
     "attnprobe.hooks.heads": True,
-    "attnprobe.reports.monitor": True,
+    "attnprobe.reports.monitor_views": True,
     "attnprobe.hooks.own": False,
     "attnprobe.hooks.base": False,
 }
