@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 from types import ModuleType
+
+from .errors import warn_user
 
 #: old dotted path -> new dotted path
 MOVED = {
@@ -27,7 +28,7 @@ MOVED = {
 def alias(old: str) -> ModuleType:
     """Warn that ``old`` moved, and make ``old`` name the module at its new path (called by the stand-in)."""
     new = MOVED[old]
-    warnings.warn(f"{old} moved to {new}; the old path works until attnprobe 0.3", DeprecationWarning, stacklevel=4)
+    warn_user(f"{old} moved to {new}; the old path works until attnprobe 0.3", DeprecationWarning)
     module = importlib.import_module(new)
     sys.modules[old] = module  # the import system hands back what sys.modules holds when the stand-in finishes
     return module
