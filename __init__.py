@@ -56,14 +56,20 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .hooks.api import attention_modules, capture, monitor, run, scan
+    from .hooks.hf.token_strings import token_strings
     from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
-    from .probe.errors import AttnprobeError, AttnprobeWarning, CaptureBudgetError, SelectionError, UnsupportedModelError
-    from .probe.outputs.generation import stitch
-    from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
-    from .probe.record import TENSOR_FIELDS, AttentionRecord
     from .probe.checks.violations import CheckResult, InvariantError, Violation
-    from .hooks.hf.token_strings import token_strings
+    from .probe.errors import (
+        AttnprobeError,
+        AttnprobeWarning,
+        CaptureBudgetError,
+        SelectionError,
+        UnsupportedModelError,
+    )
+    from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
+    from .probe.outputs.generation import stitch
+    from .probe.record import TENSOR_FIELDS, AttentionRecord
 
 
 def _inline_html(obj) -> str:

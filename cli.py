@@ -45,8 +45,14 @@ class Progress:
 
             # a terminal that reports no size (0 x 0) would make tqdm hide the bar; fall back to 80 x 24
             size = shutil.get_terminal_size((80, 24))
-            self.bar = tqdm(total=stages, file=sys.stderr, leave=False, ncols=size.columns or 80, nrows=size.lines or 24,
-                            bar_format="{desc} [{n_fmt}/{total_fmt}] {elapsed}")
+            self.bar = tqdm(
+                total=stages,
+                file=sys.stderr,
+                leave=False,
+                ncols=size.columns or 80,
+                nrows=size.lines or 24,
+                bar_format="{desc} [{n_fmt}/{total_fmt}] {elapsed}",
+            )
 
     def stage(self, text: str) -> None:
         if self.bar is not None:
@@ -61,8 +67,16 @@ class Progress:
 
 #: OS errors that are about the place the user chose (full disk, no permission, name too long, a failing
 #: device): exit 2.
-USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
-                  errno.ENAMETOOLONG, errno.EIO}
+USER_OS_ERRORS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENAMETOOLONG,
+    errno.EIO,
+}
 
 
 def handle_errors(fn):
@@ -81,9 +95,12 @@ def handle_errors(fn):
             if isinstance(exc, ModelFailed):
                 raise
             cause = exc.__cause__
-            click.echo(f"attnprobe: internal error: the forward failed under capture with {type(cause).__name__}: "
-                       f"{cause} and runs without attnprobe: a bug in attnprobe, please report it with the "
-                       "traceback of --debug", err=True)
+            click.echo(
+                f"attnprobe: internal error: the forward failed under capture with {type(cause).__name__}: "
+                f"{cause} and runs without attnprobe: a bug in attnprobe, please report it with the "
+                "traceback of --debug",
+                err=True,
+            )
             sys.exit(3)
         except click.ClickException:
             raise
@@ -92,8 +109,16 @@ def handle_errors(fn):
                 raise
             from .probe.errors import AttnprobeError
 
-            known = (AttnprobeError, FileExistsError, FileNotFoundError, PermissionError, IsADirectoryError,
-                     NotADirectoryError, ValueError, TypeError)
+            known = (
+                AttnprobeError,
+                FileExistsError,
+                FileNotFoundError,
+                PermissionError,
+                IsADirectoryError,
+                NotADirectoryError,
+                ValueError,
+                TypeError,
+            )
             if isinstance(exc, known):
                 raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
             if isinstance(exc, OSError) and exc.errno in USER_OS_ERRORS:  # the place, not attnprobe
@@ -109,22 +134,29 @@ def handle_errors(fn):
 
 
 modules_option = click.option(
-    "--modules", "modules",
+    "--modules",
+    "modules",
     help="Hand-written attention to read: module names from named_modules(), e.g. blocks.0.attn,blocks.1.attn, "
-         "or 'auto' to trace every module (slower); as capture(model, modules=...). `attnprobe info` lists candidates.")
+    "or 'auto' to trace every module (slower); as capture(model, modules=...). `attnprobe info` lists candidates.",
+)
 
 
 TRUST_REMOTE_CODE = click.option(
-    "--trust-remote-code", is_flag=True,
+    "--trust-remote-code",
+    is_flag=True,
     help="Run the Python code a model folder ships (auto_map in config.json). Off by default: such a folder is "
-         "refused instead; read its code before passing this.")
+    "refused instead; read its code before passing this.",
+)
 
 
 STATS_OPTION = click.option(
-    "--stats/--full", "stats", default=None,
+    "--stats/--full",
+    "stats",
+    default=None,
     help="--stats: statistics mode (per-row statistics computed blockwise; memory grows as the input length, not "
-         "its square). --full: always a full capture. Default: full, switching to --stats by itself (said on "
-         "stderr) when a full capture would pass --max-bytes or the memory available.")
+    "its square). --full: always a full capture. Default: full, switching to --stats by itself (said on "
+    "stderr) when a full capture would pass --max-bytes or the memory available.",
+)
 
 
 def parse_window(text: str, length: int, key_length: int) -> tuple[int, int, int, int]:
@@ -134,10 +166,14 @@ def parse_window(text: str, length: int, key_length: int) -> tuple[int, int, int
         q0, q1 = (int(x) for x in rows.split(":"))
         k0, k1 = (int(x) for x in keys.split(":"))
     except ValueError:
-        raise UsageProblem(f"--window {text!r}: write query rows and keys as Q0:Q1,K0:K1, e.g. --window 0:64,0:64") from None
+        raise UsageProblem(
+            f"--window {text!r}: write query rows and keys as Q0:Q1,K0:K1, e.g. --window 0:64,0:64"
+        ) from None
     if not (0 <= q0 < q1 <= length and 0 <= k0 < k1 <= key_length):
-        raise UsageProblem(f"--window {text!r} is outside the input ({length} queries x {key_length} keys): "
-                           "choose 0 <= Q0 < Q1 <= queries and 0 <= K0 < K1 <= keys")
+        raise UsageProblem(
+            f"--window {text!r} is outside the input ({length} queries x {key_length} keys): "
+            "choose 0 <= Q0 < Q1 <= queries and 0 <= K0 < K1 <= keys"
+        )
     return q0, q1, k0, k1
 
 
@@ -149,8 +185,9 @@ def default_cells(work, heads) -> int:
     from .probe.commandline import loading
 
     chosen = loading.parse_int_list(heads, "--heads")
-    total = sum(m.num_heads if chosen is None else len(chosen) for m in attnprobe.attention_modules(work.model)
-                if m.num_heads)
+    total = sum(
+        m.num_heads if chosen is None else len(chosen) for m in attnprobe.attention_modules(work.model) if m.num_heads
+    )
     return 512 if total <= 2 else 256 if total <= 8 else 128
 
 
@@ -161,8 +198,13 @@ def model_and_input_options(fn):
         click.option("--text", "texts", multiple=True, help="Input text; repeat for a padded batch."),
         click.option("--file", "text_file", type=click.Path(dir_okay=False), help="Input texts, one per line."),
         click.option("--decoder-text", "decoder_texts", multiple=True, help="Decoder input (encoder-decoder models)."),
-        click.option("--ids", "ids", multiple=True, help="Token ids '101 2023 102' (models without a tokenizer); repeatable."),
-        click.option("--layers", help="Attention layers, e.g. 0-3,7; negative ones count from the end: --layers=-2--1 (default: all)."),
+        click.option(
+            "--ids", "ids", multiple=True, help="Token ids '101 2023 102' (models without a tokenizer); repeatable."
+        ),
+        click.option(
+            "--layers",
+            help="Attention layers, e.g. 0-3,7; negative ones count from the end: --layers=-2--1 (default: all).",
+        ),
         click.option("--heads", help="Heads, e.g. 0,5 (default: all)."),
         modules_option,
         click.option("--device", help="Device to run on, e.g. cpu or cuda:0 (default: the model's)."),
@@ -185,7 +227,9 @@ def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress
     net, tokenizer, source = loading.load_model(model, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     progress.stage("preparing input")
     return loading.build_workload(
-        net, tokenizer, source,
+        net,
+        tokenizer,
+        source,
         texts=loading.read_texts(texts, text_file),
         decoder_texts=list(decoder_texts),
         ids=loading.parse_ids(ids),
@@ -264,9 +308,11 @@ def switch_to_stats(work, options, max_bytes_text) -> str | None:
     limit, what = capture_limit(options, max_bytes_text)
     if limit is None or need <= limit:
         return None
-    return (f"attnprobe: a full capture of this input needs at least {format_bytes(need)}, more than {what} "
-            f"({format_bytes(limit)}): used the statistics mode (--stats: per-row statistics computed blockwise, "
-            "no query x key matrix; --full refuses instead)")
+    return (
+        f"attnprobe: a full capture of this input needs at least {format_bytes(need)}, more than {what} "
+        f"({format_bytes(limit)}): used the statistics mode (--stats: per-row statistics computed blockwise, "
+        "no query x key matrix; --full refuses instead)"
+    )
 
 
 def statistics_overview(work, heads, windows, cells):
@@ -294,8 +340,12 @@ def cli_selection_message(exc: Exception, model) -> str:
     """A SelectionError in command-line words; a module name that is not in the model lists the candidates."""
     from .probe.commandline.candidates import softmax_modules
 
-    text = (str(exc).replace("attnprobe.attention_modules(model) lists them", "`attnprobe info` lists them")
-            .replace("modules=:", "--modules:").replace("model.named_modules()", "named_modules()"))
+    text = (
+        str(exc)
+        .replace("attnprobe.attention_modules(model) lists them", "`attnprobe info` lists them")
+        .replace("modules=:", "--modules:")
+        .replace("model.named_modules()", "named_modules()")
+    )
     if text.startswith("--modules:") and "is not a module" in text:
         found = [c.name or "<root>" for c in softmax_modules(model)]
         if found:
@@ -308,15 +358,22 @@ def no_attention_advice(model, source: str) -> str:
     from .probe.commandline.candidates import softmax_modules
 
     found = softmax_modules(model)
-    head = (f"no attention found in {source} ({type(model).__name__}) that attnprobe reads by itself "
-            "(its own modules, Hugging Face attention, torch.nn.MultiheadAttention, visible sdpa calls)")
+    head = (
+        f"no attention found in {source} ({type(model).__name__}) that attnprobe reads by itself "
+        "(its own modules, Hugging Face attention, torch.nn.MultiheadAttention, visible sdpa calls)"
+    )
     if not found:
-        return head + "; no module's code calls softmax either: name the modules that compute attention with " \
-                      "--modules NAME[,NAME...], or trace every module with --modules auto"
+        return (
+            head + "; no module's code calls softmax either: name the modules that compute attention with "
+            "--modules NAME[,NAME...], or trace every module with --modules auto"
+        )
     names = ",".join(c.name or "<root>" for c in found[:8])
-    return (head + f"; hand-written softmax attention is read when named: --modules {names}"
-            + (f" (and {len(found) - 8} more: `attnprobe info` lists them)" if len(found) > 8 else "")
-            + " or --modules auto")
+    return (
+        head
+        + f"; hand-written softmax attention is read when named: --modules {names}"
+        + (f" (and {len(found) - 8} more: `attnprobe info` lists them)" if len(found) > 8 else "")
+        + " or --modules auto"
+    )
 
 
 def planned_attention_bytes(work, options) -> int:
@@ -349,8 +406,9 @@ def planned_attention_bytes(work, options) -> int:
             continue
         h = m.num_heads if heads is None else sum(0 <= x < m.num_heads for x in heads)
         module = work.model.get_submodule(m.name)
-        head_dim = (getattr(module, "head_dim", None) or getattr(module, "d_head", None)
-                    or getattr(config, "head_dim", None))
+        head_dim = (
+            getattr(module, "head_dim", None) or getattr(module, "d_head", None) or getattr(config, "head_dim", None)
+        )
         if not isinstance(head_dim, int) and isinstance(getattr(config, "hidden_size", None), int):
             head_dim = config.hidden_size // m.num_heads
         vectors = per_head * head_dim if isinstance(head_dim, int) else 0  # k, v counted as if not grouped
@@ -385,11 +443,13 @@ def check_input_size(work, options, max_bytes_text) -> None:
     if need > limit:
         rows, length = work.inputs["input_ids"].shape
         over = "capture budget exceeded: " if max_bytes_text is not None else "too large an input: "
-        raise UsageProblem(f"{over}the input ({rows:,} row(s) of up to {length:,} tokens) needs at least {format_bytes(need)} "
-                           f"to capture the selected attention layers, more than {what} "
-                           f"({format_bytes(limit)}): give fewer inputs (--text/--file lines) or shorter ones, select "
-                           "fewer layers (--layers) or heads (--heads)"
-                           + (", or raise --max-bytes" if max_bytes_text is not None else ""))
+        raise UsageProblem(
+            f"{over}the input ({rows:,} row(s) of up to {length:,} tokens) needs at least {format_bytes(need)} "
+            f"to capture the selected attention layers, more than {what} "
+            f"({format_bytes(limit)}): give fewer inputs (--text/--file lines) or shorter ones, select "
+            "fewer layers (--layers) or heads (--heads)"
+            + (", or raise --max-bytes" if max_bytes_text is not None else "")
+        )
 
 
 class ModelFailed(UsageProblem):
@@ -405,10 +465,12 @@ def blame_the_forward(work, exc: Exception) -> None:
     try:
         with torch.no_grad():
             work.model(**work.inputs)
-    except Exception as plain:  # noqa: BLE001 - any failure of the plain forward is the model's
+    except Exception as plain:
         first = str(plain).strip().splitlines()[0] if str(plain).strip() else ""
-        raise ModelFailed(f"the model fails on this input also without attnprobe: {type(plain).__name__}"
-                          f"{': ' + first if first else ''} (--debug shows the traceback)") from exc
+        raise ModelFailed(
+            f"the model fails on this input also without attnprobe: {type(plain).__name__}"
+            f"{': ' + first if first else ''} (--debug shows the traceback)"
+        ) from exc
     raise CaptureFailed() from exc
 
 
@@ -529,32 +591,42 @@ def info(model, modules, fmt, trust_remote_code, quiet, debug):
         progress.stage("finding attention")
         names = loading.parse_modules(modules)
         try:
-            found = attnprobe.attention_modules(net, adapters=None if names is None else default_adapters(modules=names))
+            found = attnprobe.attention_modules(
+                net, adapters=None if names is None else default_adapters(modules=names)
+            )
         except attnprobe.SelectionError as exc:
             raise UsageProblem(cli_selection_message(exc, net)) from None
     finally:
         progress.close()
     read = [m.name for m in found]
-    candidates = [c for c in softmax_modules(net)
-                  if not any(c.name == n or c.name.startswith(n + ".") or not n for n in read)]
+    candidates = [
+        c for c in softmax_modules(net) if not any(c.name == n or c.name.startswith(n + ".") or not n for n in read)
+    ]
     config = getattr(net, "config", None)
     backend = getattr(config, "_attn_implementation", None)
     if fmt == "json":
-        click.echo(json.dumps({
-            "model": source,
-            "class": type(net).__name__,
-            "backend": backend,
-            "attention_modules": [m.__dict__ for m in found],
-            "candidates": [c.__dict__ for c in candidates],
-            "traced_at_run_time": names == "auto",
-        }, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "model": source,
+                    "class": type(net).__name__,
+                    "backend": backend,
+                    "attention_modules": [m.__dict__ for m in found],
+                    "candidates": [c.__dict__ for c in candidates],
+                    "traced_at_run_time": names == "auto",
+                },
+                indent=2,
+            )
+        )
         return
     click.echo(f"model:    {source}")
     click.echo(f"class:    {type(net).__name__}" + (f" (attention implementation: {backend})" if backend else ""))
     click.echo(f"layers:   {len(found)} attention module(s)")
     if names == "auto":
-        click.echo("--modules auto: every module is traced while the model runs; hand-written attention is "
-                   "numbered then (check, report and export show it)")
+        click.echo(
+            "--modules auto: every module is traced while the model runs; hand-written attention is "
+            "numbered then (check, report and export show it)"
+        )
     if found:
         rows = [("layer", "name", "class", "heads q/kv", "strategy")]
         for m in found:
@@ -562,16 +634,22 @@ def info(model, modules, fmt, trust_remote_code, quiet, debug):
             rows.append((str(m.layer), m.name or "<root>", m.module_class, heads, m.strategy))
         echo_table(rows)
     if candidates and (not found or names is None):
-        click.echo(("no attention module found that attnprobe reads by itself; " if not found else "also ")
-                   + "these modules compute a softmax in their code (hand-written attention?):")
-        echo_table([("name", "class", "softmax at")] + [(c.name or "<root>", c.module_class, c.where) for c in candidates],
-                   indent="  ")
+        click.echo(
+            ("no attention module found that attnprobe reads by itself; " if not found else "also ")
+            + "these modules compute a softmax in their code (hand-written attention?):"
+        )
+        echo_table(
+            [("name", "class", "softmax at")] + [(c.name or "<root>", c.module_class, c.where) for c in candidates],
+            indent="  ",
+        )
         listed = ",".join(c.name or "<root>" for c in candidates)
         click.echo(f"read them with --modules {listed} (or --modules auto), in check, report, export and info")
     elif not found and names != "auto":
-        click.echo("no attention module found, and no module's code calls softmax; direct scaled_dot_product_attention "
-                   "calls are found only while the model runs (check, report, export); for attention reached "
-                   "indirectly use --modules auto")
+        click.echo(
+            "no attention module found, and no module's code calls softmax; direct scaled_dot_product_attention "
+            "calls are found only while the model runs (check, report, export); for attention reached "
+            "indirectly use --modules auto"
+        )
 
 
 def echo_table(rows: list[tuple[str, ...]], indent: str = "") -> None:
@@ -583,17 +661,47 @@ def echo_table(rows: list[tuple[str, ...]], indent: str = "") -> None:
 @main.command()
 @model_and_input_options
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output file: .parquet or .csv.")
-@click.option("--what", type=click.Choice(["frame", "summary"]), default="frame", show_default=True,
-              help="The tidy frame (one row per layer, head, batch, query, key) or the per-head summary.")
-@click.option("--drop-padding", is_flag=True, help="Leave out the rows of padded queries (frame only; the "
-              "query_padding column marks them otherwise).")
+@click.option(
+    "--what",
+    type=click.Choice(["frame", "summary"]),
+    default="frame",
+    show_default=True,
+    help="The tidy frame (one row per layer, head, batch, query, key) or the per-head summary.",
+)
+@click.option(
+    "--drop-padding",
+    is_flag=True,
+    help="Leave out the rows of padded queries (frame only; the query_padding column marks them otherwise).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--raw-csv", is_flag=True,
-              help="Write text cells as they are. By default a CSV text cell starting with =, +, -, @, tab or CR "
-                   "gets a leading ' so that a spreadsheet shows it instead of evaluating it.")
+@click.option(
+    "--raw-csv",
+    is_flag=True,
+    help="Write text cells as they are. By default a CSV text cell starting with =, +, -, @, tab or CR "
+    "gets a leading ' so that a spreadsheet shows it instead of evaluating it.",
+)
 @handle_errors
-def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, trust_remote_code,
-           quiet, debug, out, what, drop_padding, overwrite, raw_csv):
+def export(
+    model,
+    texts,
+    text_file,
+    decoder_texts,
+    ids,
+    layers,
+    heads,
+    modules,
+    device,
+    dtype,
+    max_bytes,
+    trust_remote_code,
+    quiet,
+    debug,
+    out,
+    what,
+    drop_padding,
+    overwrite,
+    raw_csv,
+):
     """Capture MODEL on the input and write the tidy frame or the per-head summary.
 
     \b
@@ -608,8 +716,10 @@ def export(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
         raise UsageProblem("--drop-padding applies to --what frame; the summary leaves padded rows out already")
     out_path = checked_name(out)
     if out.endswith(("/", os.sep)):  # Path() drops the slash: "x.csv/" would become the file x.csv
-        raise UsageProblem(f"--out {out!r} ends with a slash (a folder); export writes one file: "
-                           "name it .parquet or .csv, e.g. --out attention.parquet")
+        raise UsageProblem(
+            f"--out {out!r} ends with a slash (a folder); export writes one file: "
+            "name it .parquet or .csv, e.g. --out attention.parquet"
+        )
     if out_path.suffix.lower() not in (".parquet", ".pq", ".csv"):
         raise UsageProblem(f"--out {out!r}: name the file .parquet or .csv")
     if raw_csv and out_path.suffix.lower() != ".csv":
@@ -656,8 +766,9 @@ def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path
         targets = {"html": path}
     elif suffix == ".png":
         if fmt != "png":
-            raise UsageProblem(f"--out {out!r} is a PNG file but --format {fmt} asks for HTML: leave --format out, "
-                               "or give a folder")
+            raise UsageProblem(
+                f"--out {out!r} is a PNG file but --format {fmt} asks for HTML: leave --format out, or give a folder"
+            )
         targets = {"grid": path}
     elif suffix:
         raise UsageProblem(f"--out {out!r}: give a .html file, a .png file or a folder")
@@ -716,24 +827,67 @@ def check_output(target: Path, overwrite: bool) -> None:
 @main.command()
 @model_and_input_options
 @click.option("--out", help="An .html file, a .png file, or a folder (default: attnprobe-report.html).")
-@click.option("--format", "fmt", type=click.Choice(["html", "png", "all"]),
-              help="What to write (default: what --out names: NAME.png a PNG grid, NAME.html or a folder the HTML "
-                   "report; all = HTML and PNGs into a folder).")
-@click.option("--batch", type=int, help="The one batch row to show (default: every row in the HTML, up to 8, with a "
-              "selector; row 0 in the PNG grid).")
-@click.option("--precision", type=click.Choice(["exact", "bfloat16"]), default="exact", show_default=True,
-              help="Values in the HTML: exact float32, or bfloat16 for a smaller file.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["html", "png", "all"]),
+    help="What to write (default: what --out names: NAME.png a PNG grid, NAME.html or a folder the HTML "
+    "report; all = HTML and PNGs into a folder).",
+)
+@click.option(
+    "--batch",
+    type=int,
+    help="The one batch row to show (default: every row in the HTML, up to 8, with a selector; row 0 in the PNG grid).",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["exact", "bfloat16"]),
+    default="exact",
+    show_default=True,
+    help="Values in the HTML: exact float32, or bfloat16 for a smaller file.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace existing output files.")
 @STATS_OPTION
-@click.option("--window", "windows", multiple=True, metavar="Q0:Q1,K0:K1",
-              help="Statistics mode: also store the exact weights of query rows Q0:Q1 x keys K0:K1 (repeatable; "
-                   "default: the first and the last 128 x 128). Implies --stats.")
-@click.option("--cells", type=click.IntRange(1, 512), default=None,
-              help="Statistics mode: pool each head's weights to at most this many cells a side (max and mean; "
-                   "default 512 for up to 2 heads, 256 up to 8, 128 beyond). Implies --stats.")
+@click.option(
+    "--window",
+    "windows",
+    multiple=True,
+    metavar="Q0:Q1,K0:K1",
+    help="Statistics mode: also store the exact weights of query rows Q0:Q1 x keys K0:K1 (repeatable; "
+    "default: the first and the last 128 x 128). Implies --stats.",
+)
+@click.option(
+    "--cells",
+    type=click.IntRange(1, 512),
+    default=None,
+    help="Statistics mode: pool each head's weights to at most this many cells a side (max and mean; "
+    "default 512 for up to 2 heads, 256 up to 8, 128 beyond). Implies --stats.",
+)
 @handle_errors
-def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, trust_remote_code,
-           quiet, debug, out, fmt, batch, precision, overwrite, stats, windows, cells):
+def report(
+    model,
+    texts,
+    text_file,
+    decoder_texts,
+    ids,
+    layers,
+    heads,
+    modules,
+    device,
+    dtype,
+    max_bytes,
+    trust_remote_code,
+    quiet,
+    debug,
+    out,
+    fmt,
+    batch,
+    precision,
+    overwrite,
+    stats,
+    windows,
+    cells,
+):
     """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
 
     \b
@@ -756,8 +910,10 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
 
     fmt = report_format(out, fmt)
     if precision != "exact" and fmt == "png":
-        raise UsageProblem("--precision sets how values are stored in the HTML report; --format png writes no HTML "
-                           "(use --format all, or leave --precision out)")
+        raise UsageProblem(
+            "--precision sets how values are stored in the HTML report; --format png writes no HTML "
+            "(use --format all, or leave --precision out)"
+        )
     targets = report_targets(out, fmt, overwrite)
     progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:
@@ -772,7 +928,9 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
         overview = statistics_overview(work, heads, windows, cells)
         cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats, overview=overview)
         if len(cap) == 0:
-            raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
+            raise UsageProblem(
+                "the model ran but no attention call was captured; see `attnprobe info` for what was found"
+            )
         tokens, key_tokens = token_labels(work)
         progress.stage("checking")
         declared_causal, declared_mask = declarations(work, cap)
@@ -787,13 +945,25 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
                 raise UsageProblem(f"cannot create the folder {target.parent}: {exc.strerror}") from None
         written = []
         if "html" in targets:
-            written.append(reports.to_html(cap, targets["html"], tokens=tokens, key_tokens=key_tokens, batch=batch,
-                                           checks=checks,
-                                           precision=precision, overwrite=overwrite,
-                                           title=f"attnprobe report: {work.source}"))
+            written.append(
+                reports.to_html(
+                    cap,
+                    targets["html"],
+                    tokens=tokens,
+                    key_tokens=key_tokens,
+                    batch=batch,
+                    checks=checks,
+                    precision=precision,
+                    overwrite=overwrite,
+                    title=f"attnprobe report: {work.source}",
+                )
+            )
         if "grid" in targets:
-            written.append(reports.save_grid(cap, targets["grid"], batch=batch or 0, overwrite=overwrite, tokens=tokens,
-                                             key_tokens=key_tokens))
+            written.append(
+                reports.save_grid(
+                    cap, targets["grid"], batch=batch or 0, overwrite=overwrite, tokens=tokens, key_tokens=key_tokens
+                )
+            )
         if "summary" in targets:
             written.append(reports.save_summary(cap, targets["summary"], overwrite=overwrite))
     finally:
@@ -804,16 +974,37 @@ def report(model, texts, text_file, decoder_texts, ids, layers, heads, modules, 
 
 @main.command()
 @model_and_input_options
-@click.option("--causal/--no-causal", default=None,
-              help="Declare the self-attention causal (or bidirectional) and check the model against it "
-                   "(default: each layer's own mask is the reference; an encoder-decoder's decoder is "
-                   "declared causal). In an encoder-decoder this concerns the decoder's self-attention only.")
+@click.option(
+    "--causal/--no-causal",
+    default=None,
+    help="Declare the self-attention causal (or bidirectional) and check the model against it "
+    "(default: each layer's own mask is the reference; an encoder-decoder's decoder is "
+    "declared causal). In an encoder-decoder this concerns the decoder's self-attention only.",
+)
 @click.option("--checks", "check_names", help="Only these checks, e.g. causal,padding (default: all).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @STATS_OPTION
 @handle_errors
-def check(model, texts, text_file, decoder_texts, ids, layers, heads, modules, device, dtype, max_bytes, trust_remote_code,
-          quiet, debug, causal, check_names, fmt, stats):
+def check(
+    model,
+    texts,
+    text_file,
+    decoder_texts,
+    ids,
+    layers,
+    heads,
+    modules,
+    device,
+    dtype,
+    max_bytes,
+    trust_remote_code,
+    quiet,
+    debug,
+    causal,
+    check_names,
+    fmt,
+    stats,
+):
     """Capture MODEL on the input and check attention invariants (for CI).
 
     Exit code 0 when clean, 1 when an invariant is violated or nothing could be verified (for example
@@ -852,17 +1043,22 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, modules, d
         progress.close()
     notes = [str(w.message) for w in caught]
     if fmt == "json":
-        click.echo(json.dumps({
-            "model": work.source,
-            "ok": result.ok,
-            "verified": result.verified,
-            "records": result.records,
-            "checks": list(result.checks),
-            "violations": [_violation_json(v) for v in result.violations],
-            "skipped": list(result.skipped),
-            "declarations": list(result.declarations),
-            "warnings": notes,
-        }, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "model": work.source,
+                    "ok": result.ok,
+                    "verified": result.verified,
+                    "records": result.records,
+                    "checks": list(result.checks),
+                    "violations": [_violation_json(v) for v in result.violations],
+                    "skipped": list(result.skipped),
+                    "declarations": list(result.declarations),
+                    "warnings": notes,
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo(f"model: {work.source}")
         click.echo(result.table())
@@ -870,9 +1066,16 @@ def check(model, texts, text_file, decoder_texts, ids, layers, heads, modules, d
             click.echo(f"warning: {note}", err=True)
     if not result.verified:
         lint_only = names is not None and all(n == "lint" or n.startswith("lint_") for n in names)
-        why = (" (the lint checks apply only to traced hand-written attention and direct scaled_dot_product_attention calls)" if lint_only else "")
-        click.echo(f"error: no check could run on the {result.records} captured record(s){why}; a check that "
-                   "verified nothing does not pass", err=True)
+        why = (
+            " (the lint checks apply only to traced hand-written attention and direct scaled_dot_product_attention calls)"
+            if lint_only
+            else ""
+        )
+        click.echo(
+            f"error: no check could run on the {result.records} captured record(s){why}; a check that "
+            "verified nothing does not pass",
+            err=True,
+        )
         sys.exit(1)
     sys.exit(0 if result.ok else 1)
 
@@ -904,9 +1107,7 @@ def declarations(work, cap, causal=None):
     masks, causal_by_layer = {}, {}
     for record in cap:
         stack = record.meta.get("stack")
-        if record.kind == "cross":
-            mask = encoder
-        elif stack == "encoder":
+        if record.kind == "cross" or stack == "encoder":
             mask = encoder
         elif stack == "decoder":
             mask = decoder
@@ -927,17 +1128,29 @@ def token_labels(work):
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("--data", "data", required=True, type=click.Path(exists=True),
-              help="Inputs: .txt (one per line), .jsonl, .csv, .parquet, or a datasets save_to_disk folder.")
+@click.option(
+    "--data",
+    "data",
+    required=True,
+    type=click.Path(exists=True),
+    help="Inputs: .txt (one per line), .jsonl, .csv, .parquet, or a datasets save_to_disk folder.",
+)
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the Parquet dataset.")
 @click.option("--field", help="The text field of .jsonl (default: text), .csv, .parquet or a datasets folder.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Inputs per forward (padded).")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="Inputs per forward (padded)."
+)
 @click.option("--max-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
 @click.option("--layers", help="Attention layers, e.g. 0-3,7 (default: all).")
 @click.option("--heads", help="Heads, e.g. 0,5 (default: all).")
 @click.option("--limit", type=click.IntRange(min=1), help="Scan only the first N inputs.")
-@click.option("--chunk-size", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Inputs per Parquet file (an interrupted scan loses at most one chunk).")
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Inputs per Parquet file (an interrupted scan loses at most one chunk).",
+)
 @click.option("--resume", is_flag=True, help="Skip the chunks already written in OUT.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
@@ -963,12 +1176,25 @@ def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, 
     net, tokenizer, source = loading.load_model(model)
     if tokenizer is None:
         raise UsageProblem(f"{source} has no tokenizer: a scan reads texts (give a model folder with its tokenizer)")
-    result = attnprobe.scan(net, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
-                            max_length=max_length, layers=loading.parse_int_list(layers, "layers"),
-                            heads=loading.parse_int_list(heads, "heads"), limit=limit, resume=resume,
-                            chunk_size=chunk_size, progress=not quiet)
+    result = attnprobe.scan(
+        net,
+        data,
+        out,
+        tokenizer=tokenizer,
+        field=field,
+        batch_size=batch_size,
+        max_length=max_length,
+        layers=loading.parse_int_list(layers, "layers"),
+        heads=loading.parse_int_list(heads, "heads"),
+        limit=limit,
+        resume=resume,
+        chunk_size=chunk_size,
+        progress=not quiet,
+    )
     skipped = f", {result.chunks_skipped} chunk(s) already there" if result.chunks_skipped else ""
-    click.echo(f"scanned {result.inputs} input(s) into {result.out}/ ({result.chunks_written} chunk(s) written{skipped})")
+    click.echo(
+        f"scanned {result.inputs} input(s) into {result.out}/ ({result.chunks_written} chunk(s) written{skipped})"
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,13 +18,15 @@ from packaging.version import Version
 
 project = tomllib.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "pyproject.toml").read_text())["project"]
 declared = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "transformers")
-listing = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "transformers"], capture_output=True,
-                         text=True, check=True).stdout
+listing = subprocess.run(
+    [sys.executable, "-m", "pip", "index", "versions", "transformers"], capture_output=True, text=True, check=True
+).stdout
 match = re.search(r"Available versions:\s*(.+)", listing)
 if not match:
     sys.exit(f"pip index printed no versions of transformers:\n{listing}")
-admitted = sorted(v for v in map(Version, match.group(1).split(", ")) if not v.is_prerelease
-                  and declared.specifier.contains(v))
+admitted = sorted(
+    v for v in map(Version, match.group(1).split(", ")) if not v.is_prerelease and declared.specifier.contains(v)
+)
 if not admitted:
     sys.exit(f"no release of transformers is admitted by {declared}")
 latest_patch = {}

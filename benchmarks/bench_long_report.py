@@ -25,9 +25,15 @@ def model(tokens: int):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
-                                      max_position_embeddings=tokens)
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=tokens,
+    )
     net = transformers.LlamaModel._from_config(config, attn_implementation="sdpa").eval()
     ids = torch.randint(0, 1000, (1, tokens))
     return net, ids
@@ -82,20 +88,36 @@ def main() -> None:
         print(json.dumps(child(args.child, args.tokens, args.cells, out)))
         return
     print(f"tiny Llama, 4 layers x 8 heads, {args.tokens} tokens, overview cells {args.cells}; output in {out}")
-    print(f"(a full capture's weights alone: {4 * 8 * args.tokens ** 2 * 4 / 2**30:.1f} GiB)")
+    print(f"(a full capture's weights alone: {4 * 8 * args.tokens**2 * 4 / 2**30:.1f} GiB)")
     results = {}
     for case in ("plain", "report"):
-        proc = subprocess.run([sys.executable, __file__, "--child", case, "--tokens", str(args.tokens),
-                               "--cells", str(args.cells), "--out", out], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                case,
+                "--tokens",
+                str(args.tokens),
+                "--cells",
+                str(args.cells),
+                "--out",
+                out,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode:
             sys.exit(f"{case} failed:\n{proc.stderr}")
         results[case] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(json.dumps(results[case]))
     r, p = results["report"], results["plain"]
     total = r["capture_s"] + r["check_s"] + r["html_s"] + r["png_s"]
-    print(f"HTML {r['html_mb']:.1f} MB; capture {r['capture_s']:.1f} s ({r['capture_s'] / p['forward_s']:.1f}x the plain "
-          f"forward's {p['forward_s']:.1f} s), check {r['check_s']:.1f} s, HTML {r['html_s']:.1f} s, PNG {r['png_s']:.1f} s, "
-          f"total {total:.1f} s; peak RSS {r['peak_rss_mib']:.0f} MiB (plain forward {p['peak_rss_mib']:.0f} MiB)")
+    print(
+        f"HTML {r['html_mb']:.1f} MB; capture {r['capture_s']:.1f} s ({r['capture_s'] / p['forward_s']:.1f}x the plain "
+        f"forward's {p['forward_s']:.1f} s), check {r['check_s']:.1f} s, HTML {r['html_s']:.1f} s, PNG {r['png_s']:.1f} s, "
+        f"total {total:.1f} s; peak RSS {r['peak_rss_mib']:.0f} MiB (plain forward {p['peak_rss_mib']:.0f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -94,16 +94,21 @@ def steps_figures(args):
     print(f"training step, GPT-2 shape 6 x 12 x 384, batch 8 x 256 ({args.rounds} rounds, shuffled; medians):")
     for name, times in kinds.items():
         ratio = statistics.median(t / p for t, p in zip(times, kinds["plain"]))
-        print(f"  {name:<10} {statistics.median(times) * 1e3:8.0f} ms   / plain of the round: median {ratio:.3f}x "
-              f"(rounds {', '.join(f'{t / p:.3f}' for t, p in zip(times, kinds['plain']))})")
+        print(
+            f"  {name:<10} {statistics.median(times) * 1e3:8.0f} ms   / plain of the round: median {ratio:.3f}x "
+            f"(rounds {', '.join(f'{t / p:.3f}' for t, p in zip(times, kinds['plain']))})"
+        )
     for every, target in ((10, 1.02), (100, 1.005)):
         for sampled in ("rows=64", "rows=None"):
-            ratios = [((every - 1) * b + s) / (every * p)
-                      for p, b, s in zip(kinds["plain"], kinds["between"], kinds[sampled])]
+            ratios = [
+                ((every - 1) * b + s) / (every * p) for p, b, s in zip(kinds["plain"], kinds["between"], kinds[sampled])
+            ]
             paired = statistics.median(s / p for s, p in zip(kinds[sampled], kinds["plain"]))
-            print(f"  every={every:<4} {sampled:<9}: ((N-1) between + sampled) / (N plain): median "
-                  f"{statistics.median(ratios):.4f}x (target <= {target}); with between = plain (the hook figure "
-                  f"below), 1 + (sampled / plain of the round - 1) / N: {1 + (paired - 1) / every:.4f}x")
+            print(
+                f"  every={every:<4} {sampled:<9}: ((N-1) between + sampled) / (N plain): median "
+                f"{statistics.median(ratios):.4f}x (target <= {target}); with between = plain (the hook figure "
+                f"below), 1 + (sampled / plain of the round - 1) / N: {1 + (paired - 1) / every:.4f}x"
+            )
     if args.blocks:
         ratios = []
         for _ in range(args.blocks):
@@ -117,8 +122,10 @@ def steps_figures(args):
                     with attnprobe.monitor(model, every=10):
                         times[name] = block(step, 10)
             ratios.append(times["monitor"] / times["plain"])
-        print(f"  every=10 measured over blocks of 10 steps: median {statistics.median(ratios):.3f}x "
-              f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+        print(
+            f"  every=10 measured over blocks of 10 steps: median {statistics.median(ratios):.3f}x "
+            f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
 
 
 def hook_figures(args):
@@ -142,8 +149,10 @@ def hook_figures(args):
             mon.close()
             assert not mon.rows
     p, h = statistics.median(plain), statistics.median(hooked)
-    print(f"hook: a forward call between sampled calls costs {(h - p) * 1e6:+.1f} us ({p * 1e6:.1f} us -> "
-          f"{h * 1e6:.1f} us per call of a tiny attention module, medians of 5 x {calls:,} calls)")
+    print(
+        f"hook: a forward call between sampled calls costs {(h - p) * 1e6:+.1f} us ({p * 1e6:.1f} us -> "
+        f"{h * 1e6:.1f} us per call of a tiny attention module, medians of 5 x {calls:,} calls)"
+    )
 
 
 def rss_mb() -> float:
@@ -171,8 +180,10 @@ def memory_figures(args):
     rows = len(mon.history)
     history_mb = mon.history.memory_usage(deep=True).sum() / 2**20
     first, last = marks[args.long // 10], marks[args.long]
-    print(f"memory: every=1 for {args.long} steps: RSS {first:.0f} MB after {args.long // 10} steps, {last:.0f} MB after "
-          f"{args.long} ({last - first:+.0f} MB; the history holds {rows} rows, {history_mb:.1f} MB as a frame)")
+    print(
+        f"memory: every=1 for {args.long} steps: RSS {first:.0f} MB after {args.long // 10} steps, {last:.0f} MB after "
+        f"{args.long} ({last - first:+.0f} MB; the history holds {rows} rows, {history_mb:.1f} MB as a frame)"
+    )
     left = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     try:
         with attnprobe.monitor(model, every=1):
@@ -190,8 +201,12 @@ def main():
     parser.add_argument("--blocks", type=int, default=0, help="also measure every=10 over K rounds of 10-step blocks")
     parser.add_argument("--long", type=int, default=10000)
     parser.add_argument("--only", choices=["steps", "memory"])
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (on a shared machine 1 is steadier: no thread waits for a descheduled peer)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (on a shared machine 1 is steadier: no thread waits for a descheduled peer)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -82,8 +82,10 @@ def build_library(folder: str):
     source, library = os.path.join(folder, "row_pass.c"), os.path.join(folder, "row_pass.so")
     with open(source, "w") as f:
         f.write(C_SOURCE)
-    subprocess.run(["gcc", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", source, "-o",
-                    library, "-lm"], check=True)
+    subprocess.run(
+        ["gcc", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", source, "-o", library, "-lm"],
+        check=True,
+    )
     lib = ctypes.CDLL(library)
     p, n = ctypes.c_void_p, ctypes.c_long
     lib.row_pass.argtypes = [p, p, n, n, p, p, p, p, p]
@@ -114,13 +116,22 @@ def native_attention(lib):
         with torch.no_grad():
             B, h, n, d = query.shape
             K = key.shape[2]
-            scaling = (kwargs.get("scaling") or d ** -0.5) * log2e
+            scaling = (kwargs.get("scaling") or d**-0.5) * log2e
             s = torch.matmul(query * scaling, key.transpose(-1, -2), out=buffer("s", (B, h, n, K)))
             e = buffer("e", (B, h, n, K))
             m, l, dot, low = (torch.empty(B, h, n) for _ in range(4))
             arg, first, last = (torch.empty(B, h, n, dtype=torch.long) for _ in range(3))
-            lib.row_pass(s.data_ptr(), e.data_ptr(), B * h * n, K, m.data_ptr(), arg.data_ptr(), l.data_ptr(),
-                         dot.data_ptr(), low.data_ptr())
+            lib.row_pass(
+                s.data_ptr(),
+                e.data_ptr(),
+                B * h * n,
+                K,
+                m.data_ptr(),
+                arg.data_ptr(),
+                l.data_ptr(),
+                dot.data_ptr(),
+                low.data_ptr(),
+            )
             inv = 1.0 / l
             threshold = l * WEIGHT_THRESHOLD
             lib.hits(e.data_ptr(), B * h * n, K, threshold.data_ptr(), first.data_ptr(), last.data_ptr())
@@ -130,12 +141,25 @@ def native_attention(lib):
             rows = torch.arange(n)
             diagonal = e[:, :, rows, rows] * inv
             previous = torch.cat([torch.full((B, h, 1), math.nan), e[:, :, rows[1:], rows[1:] - 1]], -1) * inv
-            attention.kept.append({
-                "entropy": torch.log(l) - dot * ln2 * inv, "max_weight": inv, "min_weight": low * inv,
-                "argmax_key": arg, "first_key_mass": e[..., 0] * inv, "diagonal_mass": diagonal,
-                "previous_mass": previous, "row_sum_error": (l * inv - 1).abs(), "max_score": m * ln2,
-                "first_key": first, "last_key": last, "output_error": error, "output_scale": scale,
-                "finite": torch.isfinite(dot) & torch.isfinite(l), "key_weight": key_weight})
+            attention.kept.append(
+                {
+                    "entropy": torch.log(l) - dot * ln2 * inv,
+                    "max_weight": inv,
+                    "min_weight": low * inv,
+                    "argmax_key": arg,
+                    "first_key_mass": e[..., 0] * inv,
+                    "diagonal_mass": diagonal,
+                    "previous_mass": previous,
+                    "row_sum_error": (l * inv - 1).abs(),
+                    "max_score": m * ln2,
+                    "first_key": first,
+                    "last_key": last,
+                    "output_error": error,
+                    "output_scale": scale,
+                    "finite": torch.isfinite(dot) & torch.isfinite(l),
+                    "key_weight": key_weight,
+                }
+            )
         return out
 
     attention.kept = []
@@ -158,10 +182,10 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the C pass's OpenMP threads, before it loads
     import torch
     import transformers
-
-    import attnprobe
     from bench_long import minilm_batch  # this folder is on the path when run as a script
     from floors import run, with_attention
+
+    import attnprobe
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="attnprobe_native_") as folder:
@@ -207,11 +231,16 @@ def main() -> None:
     print(f"MiniLM 8x128, {args.threads} thread(s), {args.rounds} shuffled rounds; time / plain sdpa forward, median:")
     for name, values in ratios.items():
         print(f"  {name:<16} {statistics.median(values):.3f}")
-    print("native floor's statistics against the capture's, max abs difference: "
-          + ", ".join(f"{name} {diff:.1e}" for name, diff in worst.items()))
+    print(
+        "native floor's statistics against the capture's, max abs difference: "
+        + ", ".join(f"{name} {diff:.1e}" for name, diff in worst.items())
+    )
     target = statistics.median(ratios["native floor"])
-    print("issue 16's target (<= 1.10x) is " + ("below" if target > 1.10 else "above")
-          + " what this native kernel reaches with no bookkeeping")
+    print(
+        "issue 16's target (<= 1.10x) is "
+        + ("below" if target > 1.10 else "above")
+        + " what this native kernel reaches with no bookkeeping"
+    )
 
 
 if __name__ == "__main__":

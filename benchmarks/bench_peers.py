@@ -72,7 +72,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -102,8 +101,16 @@ FLOOR_NAMES = {"floor weights": "bench_floor_weights", "floor six": "bench_floor
 def config():
     from transformers import GPT2Config
 
-    return GPT2Config(n_layer=6, n_head=12, n_embd=384, n_positions=1024, vocab_size=VOCAB, use_cache=False,
-                      bos_token_id=1, eos_token_id=1)
+    return GPT2Config(
+        n_layer=6,
+        n_head=12,
+        n_embd=384,
+        n_positions=1024,
+        vocab_size=VOCAB,
+        use_cache=False,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
 
 
 def models():
@@ -123,15 +130,17 @@ def transformer_bridge(eager):
 
     Booting needs a tokenizer and a folder to name: a throwaway word-level tokenizer and the config, saved to a
     temporary folder (nothing is downloaded)."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformer_lens.model_bridge import TransformerBridge
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     words = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     folder = tempfile.mkdtemp(prefix="bench_peers_")
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1", bos_token="t1",
-                            pad_token="t0").save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="t0", eos_token="t1", bos_token="t1", pad_token="t0"
+    ).save_pretrained(folder)
     eager.config.save_pretrained(folder)
     model = copy.deepcopy(eager)
     return TransformerBridge.boot_transformers(folder, hf_model=model, tokenizer=AutoTokenizer.from_pretrained(folder))
@@ -172,9 +181,13 @@ def build(keys):
 
             runs[key] = nnsight_run
         elif key.startswith("attnprobe"):
-            options = {"attnprobe weights": {"keep": ("weights",)}, "attnprobe six": {},
-                       "attnprobe idle": {"layers": []}, "attnprobe eager weights": {"keep": ("weights",)},
-                       "attnprobe eager six": {}}[key]
+            options = {
+                "attnprobe weights": {"keep": ("weights",)},
+                "attnprobe six": {},
+                "attnprobe idle": {"layers": []},
+                "attnprobe eager weights": {"keep": ("weights",)},
+                "attnprobe eager six": {},
+            }[key]
             model = copy.deepcopy(eager) if "eager" in key else sdpa
 
             def attnprobe_run(ids, options=options, probe=attnprobe, model=model):
@@ -202,12 +215,14 @@ def build(keys):
                 kept = run(model, fn, input_ids=ids)
                 return [t[4] for t in kept] if six else kept
 
-            floor_run.bitwise = lambda ids, floor=floor: torch.equal(sdpa(input_ids=ids).logits,
-                                                                     floor(input_ids=ids).logits)
+            floor_run.bitwise = lambda ids, floor=floor: torch.equal(
+                sdpa(input_ids=ids).logits, floor(input_ids=ids).logits
+            )
             runs[key] = floor_run
         elif key == "torchlens":
-            import torchlens
             import warnings
+
+            import torchlens
 
             traced_model = copy.deepcopy(eager)
 
@@ -250,8 +265,9 @@ def max_differences(runs, shapes) -> dict:
                 if len(weights) != len(reference):
                     out[key, shape] = float("nan")
                     continue
-                out[key, shape] = max(float((w.detach().float() - r.float()).abs().max())
-                                      for w, r in zip(weights, reference))
+                out[key, shape] = max(
+                    float((w.detach().float() - r.float()).abs().max()) for w, r in zip(weights, reference)
+                )
     return out
 
 
@@ -319,8 +335,16 @@ def memory(keys, shapes, grads) -> dict:
     for key in keys:
         for shape in shapes:
             for grad in grads:
-                cmd = [sys.executable, os.path.abspath(sys.argv[0]), "--memory-row", key, "--shapes", shape,
-                       "--grad", "on" if grad else "off"]
+                cmd = [
+                    sys.executable,
+                    os.path.abspath(sys.argv[0]),
+                    "--memory-row",
+                    key,
+                    "--shapes",
+                    shape,
+                    "--grad",
+                    "on" if grad else "off",
+                ]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
                 if proc.returncode or not line.startswith("{"):
@@ -367,12 +391,16 @@ def profile(shapes, grads) -> None:
                     for key in ("attnprobe weights", "attnprobe six"):
                         got, wall, recorder = ops(runs[key], ids)
                         layers = config().n_layer
-                        print(f"\n{key}, {shape} {'grad' if grad else 'no_grad'}: {wall * 1e3:.0f} ms (plain "
-                              f"{plain_wall * 1e3:.0f} ms, one call each); in attnprobe's recorder "
-                              f"{recorder / layers * 1e3:.2f} ms per layer (Python, recompute and copies); "
-                              "ops beyond the plain forward (profiled call):")
-                        extra = [(k, n - plain.get(k, (0, 0.0))[0], t - plain.get(k, (0, 0.0))[1])
-                                 for k, (n, t) in got.items()]
+                        print(
+                            f"\n{key}, {shape} {'grad' if grad else 'no_grad'}: {wall * 1e3:.0f} ms (plain "
+                            f"{plain_wall * 1e3:.0f} ms, one call each); in attnprobe's recorder "
+                            f"{recorder / layers * 1e3:.2f} ms per layer (Python, recompute and copies); "
+                            "ops beyond the plain forward (profiled call):"
+                        )
+                        extra = [
+                            (k, n - plain.get(k, (0, 0.0))[0], t - plain.get(k, (0, 0.0))[1])
+                            for k, (n, t) in got.items()
+                        ]
                         for k, n, t in sorted(extra, key=lambda e: -e[2])[:12]:
                             if n or t > 0.5:
                                 print(f"  {k:<48} {n:+5d} calls {t:+9.1f} ms self")
@@ -410,8 +438,9 @@ def live_tensors(keys, shapes, grads, top: int = 10) -> None:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}
+            inputs = {
+                t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            }
             out = func(*args, **kwargs)
             for t in tree_leaves(out):
                 if not isinstance(t, torch.Tensor):
@@ -441,11 +470,14 @@ def live_tensors(keys, shapes, grads, top: int = 10) -> None:
                 for size, op, shape_, where in seen.at_peak.values():
                     groups[op, shape_, where] += size
                     counts[op, shape_, where] += 1
-                print(f"\n{ROWS[key][0]}, {shape} {'grad' if grad else 'no_grad'}: {seen.peak / 2**20:.0f} MiB of "
-                      "tensors alive at the peak (those of 1 MiB or more), the largest groups:")
+                print(
+                    f"\n{ROWS[key][0]}, {shape} {'grad' if grad else 'no_grad'}: {seen.peak / 2**20:.0f} MiB of "
+                    "tensors alive at the peak (those of 1 MiB or more), the largest groups:"
+                )
                 for (op, shape_, where), size in groups.most_common(top):
-                    print(f"  {size / 2**20:7.1f} MiB  {counts[op, shape_, where]:3d} x {op:<22} "
-                          f"{str(shape_):<20} {where}")
+                    print(
+                        f"  {size / 2**20:7.1f} MiB  {counts[op, shape_, where]:3d} x {op:<22} {shape_!s:<20} {where}"
+                    )
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -459,9 +491,12 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="row keys to leave out, e.g. torchlens")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-row memory processes")
     parser.add_argument("--profile", action="store_true", help="where one capture's time goes (no table)")
-    parser.add_argument("--tensors", nargs="+", metavar="ROW",
-                        help='the tensors alive at the peak of one call of these rows, e.g. "attnprobe six" '
-                             '"tl six" (no table)')
+    parser.add_argument(
+        "--tensors",
+        nargs="+",
+        metavar="ROW",
+        help='the tensors alive at the peak of one call of these rows, e.g. "attnprobe six" "tl six" (no table)',
+    )
     parser.add_argument("--memory-row", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -510,37 +545,55 @@ def main() -> None:
         for key in keys:
             medians[key, shape, grad] = statistics.median(t for t, _ in times[key].values())
             ratios[key, shape, grad] = statistics.median(t / times["plain"][r][0] for r, (t, _) in times[key].items())
-            cpu_ratios[key, shape, grad] = statistics.median(c / times["plain"][r][1]
-                                                             for r, (_, c) in times[key].items())
+            cpu_ratios[key, shape, grad] = statistics.median(
+                c / times["plain"][r][1] for r, (_, c) in times[key].items()
+            )
     mem = {} if args.no_memory or not os.path.exists("/proc/self/clear_refs") else memory(keys, args.shapes, grads)
 
     def head(c):
         return f"{c[0]} {'grad' if c[1] else 'no_grad'}"
 
-    print(f"\nGPT-2-shaped 6 x 12 x 384, random init, {torch.get_num_threads()} threads, {args.rounds} shuffled rounds "
-          f"(+{args.warmup} warm-up; torchlens in {min(args.slow_rounds, args.rounds)}); time / plain sdpa forward of the same round, median:")
+    print(
+        f"\nGPT-2-shaped 6 x 12 x 384, random init, {torch.get_num_threads()} threads, {args.rounds} shuffled rounds "
+        f"(+{args.warmup} warm-up; torchlens in {min(args.slow_rounds, args.rounds)}); time / plain sdpa forward of the same round, median:"
+    )
     width = max(len(ROWS[k][0]) for k in keys)
     print(f"  {'captured':<{width}} " + " ".join(f"{head(c):>19}" for c in columns))
     for key in keys:
         print(f"  {ROWS[key][0]:<{width}} " + " ".join(f"{ratios[key, s, g]:>19.2f}" for s, g in columns))
-    print("  plain forward, median ms:" + " " * (width - 24)
-          + " ".join(f"{medians['plain', s, g] * 1e3:>19.1f}" for s, g in columns))
-    print("\nthe same with CPU time (this process, all threads) instead of wall time: less moved by other processes "
-          "on a shared machine, more by threads spinning while they wait")
+    print(
+        "  plain forward, median ms:"
+        + " " * (width - 24)
+        + " ".join(f"{medians['plain', s, g] * 1e3:>19.1f}" for s, g in columns)
+    )
+    print(
+        "\nthe same with CPU time (this process, all threads) instead of wall time: less moved by other processes "
+        "on a shared machine, more by threads spinning while they wait"
+    )
     for key in keys:
         print(f"  {ROWS[key][0]:<{width}} " + " ".join(f"{cpu_ratios[key, s, g]:>19.2f}" for s, g in columns))
     if mem:
-        print("\npeak resident memory one call adds (MB; a fresh process per row, shape and grad mode), and (in "
-              "brackets) what the tool still holds after the call once its result is dropped:")
+        print(
+            "\npeak resident memory one call adds (MB; a fresh process per row, shape and grad mode), and (in "
+            "brackets) what the tool still holds after the call once its result is dropped:"
+        )
         for key in keys:
-            print(f"  {ROWS[key][0]:<{width}} " + " ".join(
-                f"{mem[key, s, g][0]:>10.1f} {f'({mem[key, s, g][1]:.0f})':>8}" if (key, s, g) in mem else f"{'-':>19}"
-                for s, g in columns))
+            print(
+                f"  {ROWS[key][0]:<{width}} "
+                + " ".join(
+                    f"{mem[key, s, g][0]:>10.1f} {f'({mem[key, s, g][1]:.0f})':>8}"
+                    if (key, s, g) in mem
+                    else f"{'-':>19}"
+                    for s, g in columns
+                )
+            )
     print("\nmax |weights - HF eager output_attentions| (no_grad):")
     for key in keys:
         if ROWS[key][2]:
-            print(f"  {ROWS[key][0]:<{width}} " + " ".join(f"{diffs.get((key, s), float('nan')):>12.1e}"
-                                                           for s in args.shapes))
+            print(
+                f"  {ROWS[key][0]:<{width}} "
+                + " ".join(f"{diffs.get((key, s), float('nan')):>12.1e}" for s in args.shapes)
+            )
     check(keys, ratios, mem, columns, diffs)
 
 
@@ -554,16 +607,19 @@ def check(keys, ratios, mem, columns, diffs) -> None:
 
     # the issue's targets judge the sdpa rows; the eager-model rows (attnprobe on the kernel the peers run) are judged
     # the same way and marked apart
-    judged = (("", "attnprobe weights", "attnprobe six"),
-              ("eager model, ", "attnprobe eager weights", "attnprobe eager six"))
+    judged = (
+        ("", "attnprobe weights", "attnprobe six"),
+        ("eager model, ", "attnprobe eager weights", "attnprobe eager six"),
+    )
 
     def beside_floor(ok: bool, floor_row: str | None, target: float, shape, grad) -> str:
         """A missed sdpa target, with the floor of keeping sdpa's kernel beside it (see the floor rows)."""
         if ok or floor_row not in keys:
             return ""
         floor = ratios[floor_row, shape, grad]
-        return (f"   [floor under the guarantee {floor:.2f}: "
-                + ("the target is below it]" if floor > target else "the target is above it: reachable]"))
+        return f"   [floor under the guarantee {floor:.2f}: " + (
+            "the target is below it]" if floor > target else "the target is above it: reachable]"
+        )
 
     for shape, grad in columns:
         where = f"{shape} {'grad' if grad else 'no_grad'}"
@@ -571,17 +627,24 @@ def check(keys, ratios, mem, columns, diffs) -> None:
             if weights_row in keys and weight_peers:
                 fastest = min(weight_peers, key=lambda k: ratios[k, shape, grad])
                 mine, theirs = ratios[weights_row, shape, grad], ratios[fastest, shape, grad]
-                line(mine <= theirs, f"{where}: {mark}weights {mine:.2f} <= fastest weight-giving peer ({fastest}) "
-                                     f"{theirs:.2f}"
-                     + beside_floor(mine <= theirs, None if mark else "floor weights", theirs, shape, grad))
+                line(
+                    mine <= theirs,
+                    f"{where}: {mark}weights {mine:.2f} <= fastest weight-giving peer ({fastest}) "
+                    f"{theirs:.2f}"
+                    + beside_floor(mine <= theirs, None if mark else "floor weights", theirs, shape, grad),
+                )
             if six_row in keys and "tl six" in keys:
                 mine, theirs = ratios[six_row, shape, grad], ratios["tl six", shape, grad]
-                line(mine <= theirs, f"{where}: {mark}six {mine:.2f} <= TransformerLens six {theirs:.2f}"
-                     + beside_floor(mine <= theirs, None if mark else "floor six", theirs, shape, grad))
+                line(
+                    mine <= theirs,
+                    f"{where}: {mark}six {mine:.2f} <= TransformerLens six {theirs:.2f}"
+                    + beside_floor(mine <= theirs, None if mark else "floor six", theirs, shape, grad),
+                )
                 if (six_row, shape, grad) in mem and ("tl six", shape, grad) in mem:
                     mine, theirs = mem[six_row, shape, grad][0], mem["tl six", shape, grad][0]
-                    line(mine <= theirs,
-                         f"{where}: {mark}six peak {mine:.0f} MB <= TransformerLens six {theirs:.0f} MB")
+                    line(
+                        mine <= theirs, f"{where}: {mark}six peak {mine:.0f} MB <= TransformerLens six {theirs:.0f} MB"
+                    )
         if "attnprobe idle" in keys:
             idle = ratios["attnprobe idle", shape, grad]
             line(idle <= 1.01, f"{where}: idle {idle:.3f} <= 1.01")

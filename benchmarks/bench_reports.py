@@ -26,7 +26,9 @@ from attnprobe.reports import to_html
 class Stack(nn.Module):
     def __init__(self, layers: int, d_model: int = 192, heads: int = 12):
         super().__init__()
-        self.layers = nn.ModuleList([attnprobe.MultiHeadAttention(d_model, num_heads=heads, causal=True) for _ in range(layers)])
+        self.layers = nn.ModuleList(
+            [attnprobe.MultiHeadAttention(d_model, num_heads=heads, causal=True) for _ in range(layers)]
+        )
 
     def forward(self, x):
         for layer in self.layers:
@@ -55,8 +57,15 @@ def open_in_browser(path: Path) -> dict[str, float]:
     """Seconds until the grid is drawn, and until the first head's detail view is drawn."""
     from playwright.sync_api import sync_playwright
 
-    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"]
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=args)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -88,8 +97,10 @@ def main() -> None:
             heads = layers * 12
             values = heads * tokens * tokens * 2
             raw = values * 4
-            print(f"\n== {layers} layer(s) x 12 heads x {tokens} tokens: {heads} heads, {values:,} values "
-                  f"(weights + scores), {raw / 2**20:.1f} MiB as float32; capture took {capture_s:.2f} s")
+            print(
+                f"\n== {layers} layer(s) x 12 heads x {tokens} tokens: {heads} heads, {values:,} values "
+                f"(weights + scores), {raw / 2**20:.1f} MiB as float32; capture took {capture_s:.2f} s"
+            )
             baseline = None
             for label, options in (
                 ("exact (default)", {}),
@@ -100,9 +111,11 @@ def main() -> None:
                 seconds, _ = best_of(args.repeat, lambda: to_html(cap, path, overwrite=True, **options))
                 size = path.stat().st_size
                 baseline = baseline or (seconds, size)
-                print(f"  {label:28s} {seconds:6.2f} s  {size / 2**20:7.2f} MiB  ({size / values:.2f} bytes/value, "
-                      f"{size / raw:.0%} of raw float32; time x{seconds / baseline[0]:.2f}, size x{size / baseline[1]:.2f} "
-                      "vs default)")
+                print(
+                    f"  {label:28s} {seconds:6.2f} s  {size / 2**20:7.2f} MiB  ({size / values:.2f} bytes/value, "
+                    f"{size / raw:.0%} of raw float32; time x{seconds / baseline[0]:.2f}, size x{size / baseline[1]:.2f} "
+                    "vs default)"
+                )
                 if args.browser and label.startswith("exact (default)"):
                     figures = open_in_browser(path)
                     print("    chromium: " + ", ".join(f"{k} {v:.2f} s" for k, v in figures.items()))

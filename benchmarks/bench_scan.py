@@ -23,8 +23,40 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = ("attention lets every token look at every other token and decide what matters the cat sat on the mat "
-         "because it was tired and the model learned to copy what came before").split()
+WORDS = [
+    "attention",
+    "lets",
+    "every",
+    "token",
+    "look",
+    "at",
+    "every",
+    "other",
+    "token",
+    "and",
+    "decide",
+    "what",
+    "matters",
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "the",
+    "mat",
+    "because",
+    "it",
+    "was",
+    "tired",
+    "and",
+    "the",
+    "model",
+    "learned",
+    "to",
+    "copy",
+    "what",
+    "came",
+    "before",
+]
 
 
 def lines_file(folder: Path, n: int) -> Path:
@@ -41,16 +73,37 @@ def scan_figures(args, folder: Path) -> None:
     for n in (args.small, args.lines):
         data = lines_file(folder, n)
         # each run in a fresh interpreter, so ru_maxrss of the children is this run's own peak
-        probe = [sys.executable, "-c", "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True);"
-                 "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"]
+        probe = [
+            sys.executable,
+            "-c",
+            "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True);"
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)",
+        ]
         for processes in (1, 2):
             out = folder / f"scan-{n}-{processes}"
             if processes == 1:
                 cmd = [sys.executable, "-m", "attnprobe", *common, "--data", str(data), "--out", str(out)]
             else:
-                cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                       "-m", "attnprobe", *common, "--data", str(data), "--out", str(out)]
+                cmd = [
+                    str(Path(sys.executable).with_name("accelerate")),
+                    "launch",
+                    "--multi_gpu",
+                    "--num_processes",
+                    "2",
+                    "--num_machines",
+                    "1",
+                    "--mixed_precision",
+                    "no",
+                    "--dynamo_backend",
+                    "no",
+                    "-m",
+                    "attnprobe",
+                    *common,
+                    "--data",
+                    str(data),
+                    "--out",
+                    str(out),
+                ]
             threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
             t0 = time.perf_counter()
             done = subprocess.run(probe + cmd, env={**env, **threads}, capture_output=True, text=True)
@@ -66,7 +119,9 @@ def scan_figures(args, folder: Path) -> None:
         print(f"{n:>6} {p:>9} {rate:>9.1f} {peak:>30.0f}")
     by = {(n, p): peak for n, p, _, peak in rows}
     for p in (1, 2):
-        print(f"peak RSS, {args.lines} / {args.small} lines, {p} process(es): {by[(args.lines, p)] / by[(args.small, p)]:.2f}x")
+        print(
+            f"peak RSS, {args.lines} / {args.small} lines, {p} process(es): {by[(args.lines, p)] / by[(args.small, p)]:.2f}x"
+        )
 
 
 def dispatch_figures(args, folder: Path) -> None:
@@ -75,14 +130,28 @@ def dispatch_figures(args, folder: Path) -> None:
 
     import attnprobe
 
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=1000)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    )
     LlamaForCausalLM(config).save_pretrained(folder / "llama")
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-                  "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                  "lm_head": "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(folder / "llama", device_map=device_map,
-                                                 offload_folder=folder / "offload").eval()
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "cpu",
+        "model.layers.2": "disk",
+        "model.layers.3": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    model = AutoModelForCausalLM.from_pretrained(
+        folder / "llama", device_map=device_map, offload_folder=folder / "offload"
+    ).eval()
     ids = torch.randint(0, 1000, (4, 256))
 
     def plain():
@@ -105,8 +174,10 @@ def dispatch_figures(args, folder: Path) -> None:
                 variants[name]()
                 times[name].append(time.perf_counter() - t0)
     ratio = statistics.median(c / p for c, p in zip(times["capture"], times["plain"]))
-    print(f"dispatch: tiny Llama (hidden 256, 4 layers, 2 on disk), batch 4 x 256, {args.rounds} rounds: plain "
-          f"{statistics.median(times['plain']) * 1e3:.0f} ms, full capture / plain = {ratio:.2f}x")
+    print(
+        f"dispatch: tiny Llama (hidden 256, 4 layers, 2 on disk), batch 4 x 256, {args.rounds} rounds: plain "
+        f"{statistics.median(times['plain']) * 1e3:.0f} ms, full capture / plain = {ratio:.2f}x"
+    )
 
 
 def main() -> None:

@@ -114,6 +114,7 @@ def captured(model, call, **options):
             warnings.simplefilter("ignore", attnprobe.AttnprobeWarning)
             with attnprobe.capture(model, **options):
                 call()
+
     return fn
 
 

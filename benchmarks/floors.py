@@ -51,13 +51,13 @@ def weights_floor(*, six: bool = False):
     def additive(causal: bool, attention_mask, q_len: int, k_len: int, like: torch.Tensor):
         if attention_mask is not None:  # bool, True = attend
             return torch.zeros(attention_mask.shape, dtype=like.dtype, device=like.device).masked_fill_(
-                ~attention_mask, float("-inf"))
+                ~attention_mask, float("-inf")
+            )
         if not causal or q_len == 1:
             return None
         key = (q_len, k_len, like.device, like.dtype)
         if key not in causal_masks:
-            causal_masks[key] = torch.full((q_len, k_len), float("-inf"), dtype=like.dtype,
-                                           device=like.device).triu_(1)
+            causal_masks[key] = torch.full((q_len, k_len), float("-inf"), dtype=like.dtype, device=like.device).triu_(1)
         return causal_masks[key]
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
@@ -71,8 +71,7 @@ def weights_floor(*, six: bool = False):
             mask = additive(causal, attention_mask, scores.shape[-2], scores.shape[-1], scores)
             if six:  # the scores are kept: the masked logits are the weights' own tensor
                 weights = scores.clone() if mask is None else torch.add(scores, mask)
-                attention.kept.append((query.detach(), key.detach(), value.detach(), scores, weights,
-                                       out[0].detach()))
+                attention.kept.append((query.detach(), key.detach(), value.detach(), scores, weights, out[0].detach()))
             else:
                 weights = scores if mask is None else scores.add_(mask)
                 attention.kept.append(weights)

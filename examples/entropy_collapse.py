@@ -85,7 +85,7 @@ def diverged_at(losses, window=20):
         if not math.isfinite(loss):
             return i
         best = min(best, loss)
-        if i >= window and all(l > best + 1.0 for l in losses[i:i + window]):
+        if i >= window and all(l > best + 1.0 for l in losses[i : i + window]):
             return i
     return None
 
@@ -117,9 +117,12 @@ def main():
             axes[2].plot(steps, rows["score"], style, label=f"lr {lr:g}, layer {layer}")
         diverged = diverged_at(losses)
         first = alerts.groupby("alert")["step"].min().to_dict() if len(alerts) else {}
-        print(f"lr {lr:g}: final loss {losses[-1]:.3f}, "
-              + (f"diverged at step {diverged}" if diverged is not None else "no divergence")
-              + "; first alerts: " + (", ".join(f"{k} at step {v}" for k, v in sorted(first.items())) or "none"))
+        print(
+            f"lr {lr:g}: final loss {losses[-1]:.3f}, "
+            + (f"diverged at step {diverged}" if diverged is not None else "no divergence")
+            + "; first alerts: "
+            + (", ".join(f"{k} at step {v}" for k, v in sorted(first.items())) or "none")
+        )
     axes[0].set_ylabel("loss")
     axes[1].set_ylabel("lowest head entropy (nats)")
     axes[2].set_ylabel("max attention logit")

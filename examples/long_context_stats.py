@@ -19,8 +19,15 @@ parser.add_argument("--tokens", type=int, default=4096)
 args = parser.parse_args()
 
 torch.manual_seed(0)
-config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=100, max_position_embeddings=args.tokens)
+config = LlamaConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+    max_position_embeddings=args.tokens,
+)
 model = LlamaForCausalLM(config).eval()
 ids = torch.randint(0, 100, (1, args.tokens))
 

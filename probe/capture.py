@@ -13,12 +13,12 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from .errors import NotCapturedError, SelectionError, UnsupportedModelError, warn_user
-from .interface import Adapter, Lazy, Site
 from . import threads
+from .errors import NotCapturedError, SelectionError, UnsupportedModelError, warn_user
 from .intent import Intent, module_intent
+from .interface import Adapter, Lazy, Site
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
-from .selection import Selection, Store, int_list, index_heads, kv_heads_for, sampled_rows
+from .selection import Selection, Store, index_heads, int_list, kv_heads_for, sampled_rows
 from .walk import ModuleWalk
 
 
@@ -41,8 +41,10 @@ class Capture(Sequence):
         self._records: list[AttentionRecord] = list(records)
         stray = next(((i, r) for i, r in enumerate(self._records) if not isinstance(r, AttentionRecord)), None)
         if stray is not None:
-            raise TypeError(f"Capture() takes AttentionRecords (e.g. records of another capture), got "
-                            f"{type(stray[1]).__name__} at position {stray[0]}")
+            raise TypeError(
+                f"Capture() takes AttentionRecords (e.g. records of another capture), got "
+                f"{type(stray[1]).__name__} at position {stray[0]}"
+            )
         self._info = MappingProxyType(dict(info or {}))
 
     def __reduce__(self):
@@ -53,7 +55,7 @@ class Capture(Sequence):
     @overload
     def __getitem__(self, index: int) -> AttentionRecord: ...
     @overload
-    def __getitem__(self, index: slice) -> "Capture": ...
+    def __getitem__(self, index: slice) -> Capture: ...
     def __getitem__(self, index):
         if isinstance(index, slice):
             return Capture(self._records[index], self._info)
@@ -90,7 +92,7 @@ class Capture(Sequence):
         return sum(r.nbytes for r in self._records)
 
     # -- selection -------------------------------------------------------------------------
-    def select(self, *, layers=None, heads=None, kind: str | None = None, calls=None, steps=None) -> "Capture":
+    def select(self, *, layers=None, heads=None, kind: str | None = None, calls=None, steps=None) -> Capture:
         """A new Capture with the matching records.
 
         ``layers`` are the model's layer numbers, negative ones counted from the end of the model's attention
@@ -138,7 +140,11 @@ class Capture(Sequence):
                 return r
         raise NotCapturedError(
             f"no record for layer {layer}, call {call}; captured layers: {list(self.layers)}"
-            + (f", calls of that layer: {[r.call for r in self._records if r.layer == layer]}" if any(r.layer == layer for r in self._records) else "")
+            + (
+                f", calls of that layer: {[r.call for r in self._records if r.layer == layer]}"
+                if any(r.layer == layer for r in self._records)
+                else ""
+            )
         )
 
     # -- frames (pandas is imported only here) ----------------------------------------------
@@ -164,8 +170,16 @@ class Capture(Sequence):
         frame = self.to_frame(tokens, key_tokens, drop_padding=drop_padding)
         return write_frame(frame, path, format="parquet", overwrite=overwrite)
 
-    def to_csv(self, path=None, *, tokens=None, key_tokens=None, overwrite: bool = False, formula_safe: bool = True,
-               drop_padding: bool = False):
+    def to_csv(
+        self,
+        path=None,
+        *,
+        tokens=None,
+        key_tokens=None,
+        overwrite: bool = False,
+        formula_safe: bool = True,
+        drop_padding: bool = False,
+    ):
         """Write ``to_frame()`` as CSV; returns the text when ``path`` is None. Text a spreadsheet would
         evaluate (``=``, ``+``, ``-``, ``@``, tab, CR first) gets a leading ``'`` unless ``formula_safe=False``."""
         from .outputs.frames import write_frame
@@ -181,8 +195,9 @@ class Capture(Sequence):
 
         return to_bertviz(self, batch, tokens=tokens, key_tokens=key_tokens, call=call)
 
-    def to_circuitsvis(self, layer: int, batch: int = 0, *, tokens=None, call: int = 0,
-                       head_names: bool = False) -> dict[str, Any]:
+    def to_circuitsvis(
+        self, layer: int, batch: int = 0, *, tokens=None, call: int = 0, head_names: bool = False
+    ) -> dict[str, Any]:
         """Keyword arguments for ``circuitsvis.attention.attention_patterns`` for one layer (negative counts from
         the end). See ``attnprobe.probe.outputs.interop.to_circuitsvis``."""
         from .outputs.interop import to_circuitsvis
@@ -264,8 +279,15 @@ class CaptureSession:
     ``store``: a directory the records are written to as they are made (``disk.RecordWriter``).
     """
 
-    def __init__(self, model: nn.Module, selection: Selection, adapters: Sequence[Adapter], *, store=None,
-                 overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        selection: Selection,
+        adapters: Sequence[Adapter],
+        *,
+        store=None,
+        overwrite: bool = False,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
                 f"capture() needs a torch.nn.Module, got {type(model).__name__}; pass the model itself, "
@@ -316,7 +338,9 @@ class CaptureSession:
             sites = adapter.find_named(model, named, claimed)
             claimed.update(id(s.module) for s in sites)
             self._found.append((adapter, sites))
-        self.sites = sorted((s for _, sites in self._found for s in sites), key=lambda s: order.get(id(s.module), 1 << 30))
+        self.sites = sorted(
+            (s for _, sites in self._found for s in sites), key=lambda s: order.get(id(s.module), 1 << 30)
+        )
         for layer, site in enumerate(self.sites):
             site.layer = layer
         return self.sites
@@ -348,7 +372,8 @@ class CaptureSession:
         if scripted:
             warn_user(
                 f"{', '.join(map(repr, scripted[:3]))} in {self.model_class} run TorchScript (torch.jit.script/trace): attention "
-                "inside them cannot be seen and is not recorded; capture the Python modules before scripting")
+                "inside them cannot be seen and is not recorded; capture the Python modules before scripting"
+            )
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
                 f"no attention found in {self.model_class}. attnprobe reads its own MultiHeadAttention, Hugging Face "
@@ -422,7 +447,8 @@ class CaptureSession:
                     f"{self.model_class} is compiled with torch.compile ({', '.join(self._compiled[:3])}) and {what}: "
                     "compiled code may run without attnprobe's hooks and function mode (its outputs are not "
                     "changed). Capture and call the module before compilation (`compiled._orig_mod`, or the "
-                    "module before `.compile()`)")
+                    "module before `.compile()`)"
+                )
                 return
         if exc_type is None and not self.selection.idle and not self.sites:
             warn_user(
@@ -431,11 +457,18 @@ class CaptureSession:
                 "torch.nn.MultiheadAttention and F.scaled_dot_product_attention calls it can see in the model's code; "
                 "a call reached indirectly (a function kept in a dict or an attribute) needs capture(model, "
                 "modules='auto'), and hand-written softmax attention is read when you ask for it: "
-                "capture(model, modules=[...]) or modules='auto'")
-        elif exc_type is None and not self.selection.idle and len(self.capture) == 0 and any(s.selected for s in self.sites):
+                "capture(model, modules=[...]) or modules='auto'"
+            )
+        elif (
+            exc_type is None
+            and not self.selection.idle
+            and len(self.capture) == 0
+            and any(s.selected for s in self.sites)
+        ):
             warn_user(
                 f"the capture of {self.model_class} saw no attention call: the model was not called inside "
-                "the `with` block, or the selected layers never ran")
+                "the `with` block, or the selected layers never ran"
+            )
 
     def _info(self) -> dict[str, Any]:
         sel = self.selection
@@ -511,7 +544,9 @@ class CaptureSession:
         identified = values.pop("identified", None)
         if identified is None:
             identified = frozenset(
-                f for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding)) if t is not None
+                f
+                for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding))
+                if t is not None
             )
 
         stats_call = values.pop("stats", None)
@@ -556,8 +591,9 @@ class CaptureSession:
                     stored[f] = self.store.put(t, index, axis)
 
         if "stats" in self.selection.keep:
-            stored["stats"] = self._stats(site, call, stats_call, tensors, stored, kind, values, query_padding,
-                                          adapter_allowed, sinks)
+            stored["stats"] = self._stats(
+                site, call, stats_call, tensors, stored, kind, values, query_padding, adapter_allowed, sinks
+            )
 
         intent = self.intent_of(site)
         if intent is not None and intent.causal:  # what the module's own code declares (probe/intent.py)
@@ -580,7 +616,6 @@ class CaptureSession:
         self.capture._append(record)
         return record
 
-
     @property
     def stats_only(self) -> bool:
         """A statistics capture that keeps no (query, key) tensor (``keep=("stats", ...)`` without scores/weights)."""
@@ -602,11 +637,18 @@ class CaptureSession:
                 diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
                 kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
                 rows = sampled_rows(q_len, self.selection.stats_rows)
-                stats = attention_stats(stats_call, diag_offset=diag, query_padding=query_padding,
-                                        overview=self.selection.overview, rows=rows, workspace=self._workspace,
-                                        **kwargs)
+                stats = attention_stats(
+                    stats_call,
+                    diag_offset=diag,
+                    query_padding=query_padding,
+                    overview=self.selection.overview,
+                    rows=rows,
+                    workspace=self._workspace,
+                    **kwargs,
+                )
                 values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
             else:
+
                 def selected(name, index):
                     t = stored.get(name) if name != "v" else None  # a stored v is per kv head
                     if t is None:
@@ -629,19 +671,30 @@ class CaptureSession:
                 v = selected("v", tuple(hd // group for hd in site.heads)) if tensors.get("v") is not None else None
                 output = selected("output", site.heads)
                 rows = sampled_rows(q_len, self.selection.stats_rows)
-                stats = stats_from_weights(weights, scores=selected("scores", site.heads), allowed=al, v=v,
-                                           output=None if v is None else output, diag_offset=diag,
-                                           query_padding=query_padding, rows=rows,
-                                           sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0])
+                stats = stats_from_weights(
+                    weights,
+                    scores=selected("scores", site.heads),
+                    allowed=al,
+                    v=v,
+                    output=None if v is None else output,
+                    diag_offset=diag,
+                    query_padding=query_padding,
+                    rows=rows,
+                    sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0],
+                )
                 if self.selection.overview is not None:
                     stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})
                 values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
         if rows is not None:  # statistics of a sample of query rows: the record says which, and of how many
             values["meta"] = {**values["meta"], "stats_rows": rows.tolist(), "stats_query_len": q_len}
         if self.selection.overview is not None and self.selection.overview.windows:
-            values["meta"] = {**values["meta"], "stats_windows": [
-                [min(q0, q_len), min(q1, q_len), min(k0, k_len), min(k1, k_len)]
-                for q0, q1, k0, k1 in self.selection.overview.windows]}
+            values["meta"] = {
+                **values["meta"],
+                "stats_windows": [
+                    [min(q0, q_len), min(q1, q_len), min(k0, k_len), min(k1, k_len)]
+                    for q0, q1, k0, k1 in self.selection.overview.windows
+                ],
+            }
         nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
         self.store.reserve(nbytes, where)
         return {name: t.to(self.selection.device) for name, t in stats.items()}
@@ -660,8 +713,11 @@ def compiled_modules(model: nn.Module, named: list | None = None) -> list[str]:
     its ``named_modules()``, if walked already."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported here: no compile, no dynamo
     wrapper = getattr(eval_frame, "OptimizedModule", None)
-    return [name or "<root>" for name, m in (model.named_modules() if named is None else named)
-            if (wrapper is not None and isinstance(m, wrapper)) or getattr(m, "_compiled_call_impl", None) is not None]
+    return [
+        name or "<root>"
+        for name, m in (model.named_modules() if named is None else named)
+        if (wrapper is not None and isinstance(m, wrapper)) or getattr(m, "_compiled_call_impl", None) is not None
+    ]
 
 
 def scripted_modules(model: nn.Module, named: list | None = None) -> list[str]:

@@ -8,7 +8,8 @@ Without a renderer ``repr_html`` returns None and notebooks show the text repr.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _renderer: Callable[[Any], str] | None = None
 

@@ -34,7 +34,6 @@ class AttnprobeWarning(UserWarning):
     """A capture or check result that may not mean what it seems (missing fields, dropout, ...)."""
 
 
-
 def _library_paths() -> tuple[str, ...]:
     """Folders and files whose frames are not the user's: attnprobe's package, torch, transformers, contextlib."""
     import os

@@ -45,8 +45,11 @@ def check_file_name(path) -> Path:
         size = len(os.fsencode(part))
         if size > 255:
             shown = part[:40] + "..." + Path(part).suffix
-            raise OutputError(errno.ENAMETOOLONG, f"cannot write {shown}: the name is {size} bytes long; "
-                                                  "most file systems allow 255: give a shorter name")
+            raise OutputError(
+                errno.ENAMETOOLONG,
+                f"cannot write {shown}: the name is {size} bytes long; "
+                "most file systems allow 255: give a shorter name",
+            )
     return p
 
 
@@ -60,8 +63,10 @@ def target_path(path, *, overwrite: bool) -> Path:
         if exists and not link and p.is_dir():
             raise IsADirectoryError(f"{p} is a folder; give a file name")
         if exists and not link and not p.is_file():
-            raise OutputError(errno.EEXIST, f"{p} exists and is not a regular file (a device, pipe or socket); "
-                                            "give the name of a file to write")
+            raise OutputError(
+                errno.EEXIST,
+                f"{p} exists and is not a regular file (a device, pipe or socket); give the name of a file to write",
+            )
         if exists and not overwrite:
             what = " (a symbolic link)" if link else ""
             raise FileExistsError(f"{p} already exists{what}; pass overwrite=True (--overwrite) to replace it")
@@ -95,7 +100,9 @@ def _move_into_place(temp: Path, target: Path, overwrite: bool) -> None:
     try:  # a hard link fails if the target appeared since the check: no-clobber without a race
         os.link(temp, target, follow_symlinks=False)
     except FileExistsError:
-        raise FileExistsError(f"{target} appeared while writing; pass overwrite=True (--overwrite) to replace it") from None
+        raise FileExistsError(
+            f"{target} appeared while writing; pass overwrite=True (--overwrite) to replace it"
+        ) from None
     except OSError:  # a file system without hard links (FAT, some network shares): check, then rename
         if os.path.lexists(target):
             raise FileExistsError(f"{target} already exists; pass overwrite=True (--overwrite) to replace it") from None
@@ -117,8 +124,16 @@ class atomic_open:
     including one that lands just after ``os.open`` returned.
     """
 
-    def __init__(self, path, mode: str = "wb", *, overwrite: bool = False, encoding: str | None = None,
-                 errors: str | None = None, newline: str | None = None) -> None:
+    def __init__(
+        self,
+        path,
+        mode: str = "wb",
+        *,
+        overwrite: bool = False,
+        encoding: str | None = None,
+        errors: str | None = None,
+        newline: str | None = None,
+    ) -> None:
         if mode not in ("w", "wb"):
             raise ValueError(f"atomic_open writes only: mode 'w' or 'wb', not {mode!r}")
         self.path, self.mode, self.overwrite = path, mode, overwrite

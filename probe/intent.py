@@ -82,17 +82,23 @@ def _triangular(t: torch.Tensor) -> str | None:
     n = t.shape[-1]
     m = t.reshape(n, n)
     rows = range(n) if n <= 64 else sorted({0, 1, 2, n // 3, n // 2, (2 * n) // 3, n - 2, n - 1})
-    kinds = {"lower-triangular ones": True, "upper-triangular True (True = masked)": True,
-             "additive (-inf above the diagonal)": True}
+    kinds = {
+        "lower-triangular ones": True,
+        "upper-triangular True (True = masked)": True,
+        "additive (-inf above the diagonal)": True,
+    }
     with torch.no_grad():
         for i in rows:
             row = m[i].detach().to("cpu")
             past = torch.arange(n) <= i
             nonzero = row != 0
             kinds["lower-triangular ones"] &= bool(torch.equal(nonzero, past))
-            kinds["upper-triangular True (True = masked)"] &= row.dtype == torch.bool and bool(torch.equal(nonzero, ~past))
-            kinds["additive (-inf above the diagonal)"] &= row.is_floating_point() and bool(
-                torch.equal(nonzero, ~past)) and bool((row[~past] <= -1e4).all())
+            kinds["upper-triangular True (True = masked)"] &= row.dtype == torch.bool and bool(
+                torch.equal(nonzero, ~past)
+            )
+            kinds["additive (-inf above the diagonal)"] &= (
+                row.is_floating_point() and bool(torch.equal(nonzero, ~past)) and bool((row[~past] <= -1e4).all())
+            )
     found = next((k for k, ok in kinds.items() if ok), None)
     return None if found is None else f"{found}, {n}x{n}"
 

@@ -9,9 +9,10 @@ adapters of ``hooks.default_adapters()``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -88,8 +89,16 @@ class Session(Protocol):
     def add_site(self, site: Site) -> None:
         """Register a site found while the model runs; it gets the next layer number."""
 
-    def emit(self, site: Site, *, kind: str, num_heads: int | None = None, num_kv_heads: int | None = None,
-             preselected: Iterable[str] = (), **values: Any) -> AttentionRecord | None:
+    def emit(
+        self,
+        site: Site,
+        *,
+        kind: str,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        preselected: Iterable[str] = (),
+        **values: Any,
+    ) -> AttentionRecord | None:
         """Build, budget and store one record for ``site`` (None for unselected sites)."""
 
 

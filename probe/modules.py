@@ -68,7 +68,9 @@ def sdpa_mask_to_allowed(attn_mask: torch.Tensor, dtype: torch.dtype) -> tuple[t
 def _check_attn_mask(attn_mask, shape: tuple[int, int, int, int], batched: bool) -> None:
     """``attn_mask`` must be a bool or float tensor that broadcasts to ``shape`` = (batch, head, query, key)."""
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a tensor (bool: True = attend, or float: added), got {type(attn_mask).__name__}")
+        raise TypeError(
+            f"attn_mask must be a tensor (bool: True = attend, or float: added), got {type(attn_mask).__name__}"
+        )
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise TypeError(
             f"attn_mask must be bool (True = attend) or floating point (added to the scores), got {attn_mask.dtype}; "
@@ -183,7 +185,9 @@ class MultiHeadAttention(nn.Module):
                     f"context must be batched like x ({'3' if batched else '2'}-D), got shape {tuple(context.shape)}"
                 )
             if context.shape[-1] != self.d_context:
-                raise ValueError(f"context has width {context.shape[-1]}, this module expects d_context={self.d_context}")
+                raise ValueError(
+                    f"context has width {context.shape[-1]}, this module expects d_context={self.d_context}"
+                )
             if batched and context.shape[0] != x.shape[0]:
                 raise ValueError(f"x has batch {x.shape[0]} but context has batch {context.shape[0]}")
         elif self.d_context != self.d_model:

@@ -16,9 +16,10 @@ the ``kv_head`` axis those in ``record.kv_heads``. A quantity the adapter could 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -184,8 +185,11 @@ class AttentionRecord:
         if positions is None:
             return None
         batch, heads, rows = self.stats["entropy"].shape
-        real = torch.ones(batch, rows, dtype=torch.bool) if self.query_padding is None else \
-            ~self.query_padding.detach().cpu().bool()[:, positions]
+        real = (
+            torch.ones(batch, rows, dtype=torch.bool)
+            if self.query_padding is None
+            else ~self.query_padding.detach().cpu().bool()[:, positions]
+        )
         return real[:, None, :].expand(batch, heads, rows)
 
     @property

@@ -40,8 +40,10 @@ MAX_SELECTED = 1 << 16
 def too_many(what: str, count: int | None, shown) -> SelectionError:
     """The error for a selection that names more than ``MAX_SELECTED`` numbers."""
     size = f"{count:,}" if count is not None else f"more than {MAX_SELECTED:,}"
-    return SelectionError(f"{what} {shown} names {size} numbers; no model has that many attention layers or heads "
-                          f"(at most {MAX_SELECTED:,} are accepted): name the ones the model has")
+    return SelectionError(
+        f"{what} {shown} names {size} numbers; no model has that many attention layers or heads "
+        f"(at most {MAX_SELECTED:,} are accepted): name the ones the model has"
+    )
 
 
 def int_list(value, what: str) -> tuple[int, ...]:
@@ -97,7 +99,7 @@ def _storage_device(device) -> torch.device:
     if dev.type != "cpu":
         try:
             torch.empty(0, device=dev)
-        except Exception as exc:  # noqa: BLE001 - torch raises AssertionError, RuntimeError, NotImplementedError
+        except Exception as exc:
             raise SelectionError(
                 f"device={device!r} cannot hold tensors on this machine ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); store records on the CPU (device=None or 'cpu')"
@@ -109,18 +111,31 @@ def parse_bytes(text: str | int) -> int:
     """``"512MB"``, ``"2GiB"``, ``"1e6"`` or an int to a number of bytes (for the CLI)."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if not m or m.group(2) not in units:
         raise SelectionError(f"cannot read {text!r} as a size; write e.g. 500MB, 2GiB or 1000000")
     value = float(m.group(1)) * units[m.group(2)]
     if not math.isfinite(value) or value > MAX_BYTES:
-        raise SelectionError(f"size {text!r} is beyond any memory (at most 2**60 bytes, 1 EiB); "
-                             "write e.g. 500MB or 2GiB, or leave the budget out for none")
+        raise SelectionError(
+            f"size {text!r} is beyond any memory (at most 2**60 bytes, 1 EiB); "
+            "write e.g. 500MB or 2GiB, or leave the budget out for none"
+        )
     if value < 1:
-        raise SelectionError(f"max_bytes must be a positive size: {text!r} is less than one byte; write e.g. 500MB, "
-                             "2GiB or 1000000")
+        raise SelectionError(
+            f"max_bytes must be a positive size: {text!r} is less than one byte; write e.g. 500MB, 2GiB or 1000000"
+        )
     return int(value)
 
 
@@ -144,8 +159,9 @@ def overview_of(overview, keep) -> object | None:
     if isinstance(overview, int) and not isinstance(overview, bool):
         overview = Overview(cells=overview)
     if not isinstance(overview, Overview):
-        raise SelectionError(f"overview= takes a number of cells (such as 512) or a probe.pooling.Overview, "
-                             f"got {overview!r}")
+        raise SelectionError(
+            f"overview= takes a number of cells (such as 512) or a probe.pooling.Overview, got {overview!r}"
+        )
     if "stats" not in keep:
         raise SelectionError('overview= is computed by the statistics engine: add "stats" to keep=')
     return overview
@@ -157,13 +173,16 @@ def stats_rows_of(stats_rows, keep, overview) -> int | None:
     if stats_rows is None:
         return None
     if isinstance(stats_rows, bool) or not hasattr(stats_rows, "__index__") or operator.index(stats_rows) < 1:
-        raise SelectionError(f"stats_rows must be a positive whole number of query rows (such as 64), or None for "
-                             f"every row, got {stats_rows!r}")
+        raise SelectionError(
+            f"stats_rows must be a positive whole number of query rows (such as 64), or None for "
+            f"every row, got {stats_rows!r}"
+        )
     if "stats" not in keep:
         raise SelectionError('stats_rows= samples the rows of the statistics engine: add "stats" to keep=')
     if overview is not None:
-        raise SelectionError("stats_rows= cannot be combined with overview=: an overview pools every query row; "
-                             "leave one of them out")
+        raise SelectionError(
+            "stats_rows= cannot be combined with overview=: an overview pools every query row; leave one of them out"
+        )
     return operator.index(stats_rows)
 
 
@@ -204,8 +223,19 @@ class Selection:
     included); None = every row."""
 
     @classmethod
-    def build(cls, *, layers=None, heads=None, keep=None, device=None, dtype=None, max_bytes=None,
-              block_bytes=None, overview=None, stats_rows=None) -> "Selection":
+    def build(
+        cls,
+        *,
+        layers=None,
+        heads=None,
+        keep=None,
+        device=None,
+        dtype=None,
+        max_bytes=None,
+        block_bytes=None,
+        overview=None,
+        stats_rows=None,
+    ) -> Selection:
         layer_tuple = None if layers is None else int_list(layers, "layers")
         head_tuple, by_layer = None, None
         if isinstance(heads, Mapping):
@@ -240,8 +270,9 @@ class Selection:
         if isinstance(max_bytes, str):
             max_bytes = parse_bytes(max_bytes)  # "500MB", "2GiB"
         elif isinstance(max_bytes, float) and not math.isfinite(max_bytes):
-            raise SelectionError(f"max_bytes={max_bytes!r} is not a number of bytes; give e.g. 5e8 or '500MB', "
-                                 "or None for no budget")
+            raise SelectionError(
+                f"max_bytes={max_bytes!r} is not a number of bytes; give e.g. 5e8 or '500MB', or None for no budget"
+            )
         elif isinstance(max_bytes, float) and max_bytes.is_integer():
             max_bytes = int(max_bytes)  # 1e9
         if max_bytes is not None:
@@ -253,16 +284,28 @@ class Selection:
             max_bytes = operator.index(max_bytes)
         if isinstance(block_bytes, str):
             block_bytes = parse_bytes(block_bytes)
-        if block_bytes is not None and (isinstance(block_bytes, bool) or not hasattr(block_bytes, "__index__")
-                                        or operator.index(block_bytes) <= 0):
-            raise SelectionError(f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
-                                 f"as '32MB', got {block_bytes!r}")
+        if block_bytes is not None and (
+            isinstance(block_bytes, bool) or not hasattr(block_bytes, "__index__") or operator.index(block_bytes) <= 0
+        ):
+            raise SelectionError(
+                f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
+                f"as '32MB', got {block_bytes!r}"
+            )
         overview = overview_of(overview, keep_set)
-        return cls(layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes,
-                   None if block_bytes is None else operator.index(block_bytes), overview,
-                   stats_rows_of(stats_rows, keep_set, overview))
+        return cls(
+            layer_tuple,
+            head_tuple,
+            by_layer,
+            keep_set,
+            dev,
+            dtype,
+            max_bytes,
+            None if block_bytes is None else operator.index(block_bytes),
+            overview,
+            stats_rows_of(stats_rows, keep_set, overview),
+        )
 
-    def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> "Selection":
+    def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> Selection:
         """Check layer numbers against the model (negative numbers count from the end).
 
         With ``may_grow`` (attention may also be found while the model runs), numbers past the layers
@@ -305,8 +348,18 @@ class Selection:
                     f"heads={{...}} names layer(s) {unselected} that layers={list(self.layers)} does not select; "
                     "add them to layers=, or leave layers out (the keys of heads={...} then choose the layers)"
                 )
-        return Selection(resolved, self.heads, by_layer, self.keep, self.device, self.dtype, self.max_bytes,
-                         self.block_bytes, self.overview, self.stats_rows)
+        return Selection(
+            resolved,
+            self.heads,
+            by_layer,
+            self.keep,
+            self.device,
+            self.dtype,
+            self.max_bytes,
+            self.block_bytes,
+            self.overview,
+            self.stats_rows,
+        )
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers

@@ -14,8 +14,8 @@ import torch
 
 from ..probe.errors import AttnprobeError
 from ..probe.files import target_path
-from ..probe.record import AttentionRecord
 from ..probe.outputs.tokens import record_token_rows
+from ..probe.record import AttentionRecord
 
 #: Colour of cells the query may not attend (light neutral grey: no sequential colour map uses it).
 DISALLOWED_COLOR = "#d4d4d4"
@@ -60,7 +60,9 @@ def require_record(obj, function: str) -> AttentionRecord:
             f"{function}() draws one AttentionRecord, got a Capture of {len(obj)} record(s): pick one, e.g. "
             f"{function}(cap.record({layer}), ...) or cap[0], or draw every record with save_grid(cap, path)"
         )
-    raise TypeError(f"{function}() draws one AttentionRecord (e.g. cap[0] or cap.record(layer)), got {type(obj).__name__}")
+    raise TypeError(
+        f"{function}() draws one AttentionRecord (e.g. cap[0] or cap.record(layer)), got {type(obj).__name__}"
+    )
 
 
 def require_records(obj, function: str) -> list[AttentionRecord]:
@@ -72,7 +74,9 @@ def require_records(obj, function: str) -> list[AttentionRecord]:
         )
     from ..probe.capture import Capture
 
-    if isinstance(obj, Capture) or (isinstance(obj, (list, tuple)) and all(isinstance(r, AttentionRecord) for r in obj)):
+    if isinstance(obj, Capture) or (
+        isinstance(obj, (list, tuple)) and all(isinstance(r, AttentionRecord) for r in obj)
+    ):
         return list(obj)
     raise TypeError(
         f"{function}() takes an attnprobe.Capture (from `with attnprobe.capture(model) as cap`), got {type(obj).__name__}"
@@ -112,9 +116,7 @@ def resolve_head(record: AttentionRecord, head: int | None) -> int:
 def head_view(record: AttentionRecord, head: int, batch: int = 0) -> HeadView:
     """Arrays of model head ``head`` in batch row ``batch`` of ``record``."""
     if not isinstance(record, AttentionRecord):
-        raise TypeError(
-            f"expected an AttentionRecord (e.g. cap[0] or cap.record(layer)), got {type(record).__name__}"
-        )
+        raise TypeError(f"expected an AttentionRecord (e.g. cap[0] or cap.record(layer)), got {type(record).__name__}")
     check_batch(record, batch)
     i = record.head_index(head)
     if record.weights is None and record.scores is None:
@@ -139,10 +141,12 @@ def head_view(record: AttentionRecord, head: int, batch: int = 0) -> HeadView:
 #: Characters that draw nothing yet count as printable: fillers, variation selectors, the combining
 #: grapheme joiner, Mongolian selectors, the Braille blank (format characters such as the bidirectional
 #: overrides U+202E and the zero-width space U+200B are already not printable).
-INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0\u2800"
-                      + "".join(map(chr, range(0x180B, 0x1810)))
-                      + "".join(map(chr, range(0xFE00, 0xFE10)))
-                      + "".join(map(chr, range(0xE0100, 0xE01F0))))
+INVISIBLE = frozenset(
+    "\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0\u2800"
+    + "".join(map(chr, range(0x180B, 0x1810)))
+    + "".join(map(chr, range(0xFE00, 0xFE10)))
+    + "".join(map(chr, range(0xE0100, 0xE01F0)))
+)
 
 
 def _escaped(ch: str) -> str:
@@ -174,8 +178,8 @@ class Labels:
 def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> Labels:
     """Query and key labels of ``record`` for batch row ``batch`` (see ``attnprobe.probe.outputs.tokens``)."""
     q_rows, k_rows = record_token_rows(record, tokens, key_tokens)
-    query = None if q_rows is None else q_rows[batch][record.query_offset: record.query_offset + record.query_len]
-    key = None if k_rows is None else k_rows[batch][record.key_start: record.key_start + record.key_len]
+    query = None if q_rows is None else q_rows[batch][record.query_offset : record.query_offset + record.query_len]
+    key = None if k_rows is None else k_rows[batch][record.key_start : record.key_start + record.key_len]
     return Labels(query, key)
 
 

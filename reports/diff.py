@@ -47,7 +47,16 @@ def match_records(before: list[AttentionRecord], after: list[AttentionRecord]) -
         )
     for a, b in zip(before, after):
         same = (a.layer, a.call, a.name, a.kind, a.heads, a.batch_size, a.query_len, a.key_len, a.query_offset) == (
-            b.layer, b.call, b.name, b.kind, b.heads, b.batch_size, b.query_len, b.key_len, b.query_offset)
+            b.layer,
+            b.call,
+            b.name,
+            b.kind,
+            b.heads,
+            b.batch_size,
+            b.query_len,
+            b.key_len,
+            b.query_offset,
+        )
         if not same:
             raise AttnprobeError(
                 f"the captures differ: {_describe(a)} vs {_describe(b)}; compare two captures of the same model and "
@@ -238,8 +247,15 @@ def diff_html(
     frame = _compare_records(rows_a, rows_b, atol)  # the stitched records once, not a second copy
     if atol is None:
         atol = _default_atol(rows_a + rows_b)
-    data = build_data([rows_a, rows_b], batch=batch, tokens=tokens, key_tokens=key_tokens, precision=precision,
-                      masked_scores=masked_scores, max_values=MAX_VALUES if max_values is None else max_values)
+    data = build_data(
+        [rows_a, rows_b],
+        batch=batch,
+        tokens=tokens,
+        key_tokens=key_tokens,
+        precision=precision,
+        masked_scores=masked_scores,
+        max_values=MAX_VALUES if max_values is None else max_values,
+    )
     rid = {(m["layer"], m["call"]): m["id"] for m in data.meta["records"]}
     rows = []
     changes = {}
@@ -253,6 +269,7 @@ def diff_html(
             "mean_tvd": page_number(row["mean_tvd"]),
             "changed": row["changed"],
         }
+
     def size(row) -> float:  # largest change first; scores stand in for missing weights; NaN last
         x = row["max_abs_weight_diff"]
         x = row["max_abs_score_diff"] if math.isnan(x) else x
@@ -266,7 +283,10 @@ def diff_html(
         title=title or f"attnprobe comparison: {model}, {labels[0]} vs {labels[1]}",
         mode="diff",
         labels=labels,
-        sides=[{"label": labels[0], "info": describe_info(before.info)}, {"label": labels[1], "info": describe_info(after.info)}],
+        sides=[
+            {"label": labels[0], "info": describe_info(before.info)},
+            {"label": labels[1], "info": describe_info(after.info)},
+        ],
         changed_count=int(frame["changed"].sum()),
         head_count=len(frame),
         atol=atol,

@@ -53,7 +53,9 @@ class Blobs:
             self._jobs[self._waited].result()
             self._waited += 1
         ident = f"b{len(self._jobs)}"
-        self._jobs.append(self._pool.submit(lambda: base64.b64encode(zlib.compress(make_bytes(), LEVEL)).decode("ascii")))
+        self._jobs.append(
+            self._pool.submit(lambda: base64.b64encode(zlib.compress(make_bytes(), LEVEL)).decode("ascii"))
+        )
         return ident
 
     def results(self) -> list[tuple[str, str]]:
@@ -90,7 +92,9 @@ def thumbnail(values: np.ndarray, allowed: np.ndarray, leaks: np.ndarray | None 
     pooled = torch.nn.functional.adaptive_max_pool2d(v[None, None], size)[0, 0]
     out = torch.where(torch.isneginf(pooled), torch.nan, pooled)
     if leaks is not None and leaks.any():
-        bad = torch.nn.functional.adaptive_max_pool2d(torch.from_numpy(leaks.astype(np.float32))[None, None], size)[0, 0]
+        bad = torch.nn.functional.adaptive_max_pool2d(torch.from_numpy(leaks.astype(np.float32))[None, None], size)[
+            0, 0
+        ]
         out = torch.where(bad > 0, -1.0, out)
     return out.to(torch.float16).numpy()
 
@@ -100,5 +104,5 @@ def decode_floats(text: str, n: int, precision: str) -> np.ndarray:
     raw = np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype=np.uint8)
     planes = 4 if precision == "exact" else 2
     out = np.zeros((4, n), dtype=np.uint8)
-    out[4 - planes:] = raw.reshape(planes, n)
+    out[4 - planes :] = raw.reshape(planes, n)
     return np.ascontiguousarray(out.T).view("<f4").reshape(-1)

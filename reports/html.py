@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from ..probe.capture import Capture
+from ..probe.checks.violations import CheckResult, Violation, cause_groups
 from ..probe.errors import AttnprobeError
 from ..probe.files import atomic_open
-from ..probe.record import AttentionRecord
-from ..probe.checks.violations import CheckResult, Violation, cause_groups
-from . import encoding
 from ..probe.outputs.tokens import token_rows
+from ..probe.record import AttentionRecord
 from ..probe.version import __version__
+from . import encoding
 from ._common import check_batch, display_token, head_view, output_path, record_labels
 
 #: Refuse reports that would hold more matrix values than this (about 4 bytes each, exact precision).
@@ -157,8 +157,17 @@ def build_data(
     return ReportData(meta, blob_list, tok.lists)
 
 
-def _row_meta(sources, batch: int, tokens, key_tokens, tok: "_Tokens", blobs: encoding.Blobs, precision: str,
-              masked_scores: bool, diff: bool) -> dict[str, Any]:
+def _row_meta(
+    sources,
+    batch: int,
+    tokens,
+    key_tokens,
+    tok: _Tokens,
+    blobs: encoding.Blobs,
+    precision: str,
+    masked_scores: bool,
+    diff: bool,
+) -> dict[str, Any]:
     """One batch row of the page: its records (as the page reads them) and its thumbnails."""
     thumbs = _Thumbnails(diff)
     records_meta = []
@@ -173,14 +182,21 @@ def _row_meta(sources, batch: int, tokens, key_tokens, tok: "_Tokens", blobs: en
             meta["thumbs"].append(thumbs.add([vs[i] for vs in views]))
             meta["thumbShape"] = thumbs.shape
         records_meta.append(meta)
-    return {"batch": batch, "records": records_meta, "thumbBlob": blobs.add(thumbs.encoded().tobytes),
-            "thumbMax": thumbs.max}
+    return {
+        "batch": batch,
+        "records": records_meta,
+        "thumbBlob": blobs.add(thumbs.encoded().tobytes),
+        "thumbMax": thumbs.max,
+    }
 
 
 def values_per_row(sources: list[list[AttentionRecord]]) -> int:
     """Weights and scores one batch row puts on the page."""
-    return sum(r.query_len * r.key_len * len(r.heads) * ((r.weights is not None) + (r.scores is not None))
-               for rows in sources for r in rows)
+    return sum(
+        r.query_len * r.key_len * len(r.heads) * ((r.weights is not None) + (r.scores is not None))
+        for rows in sources
+        for r in rows
+    )
 
 
 def _refuse_past_budget(sources: list[list[AttentionRecord]], batches: list[int], max_values: int | None) -> None:
@@ -238,8 +254,9 @@ def _record_meta(rid: int, r: AttentionRecord, labels, tok: _Tokens) -> dict[str
     }
 
 
-def _source_meta(rec: AttentionRecord, views: list, blobs: encoding.Blobs, precision: str,
-                 masked_scores: bool) -> dict[str, Any]:
+def _source_meta(
+    rec: AttentionRecord, views: list, blobs: encoding.Blobs, precision: str, masked_scores: bool
+) -> dict[str, Any]:
     """One capture's side of a record: how it ran, and per head its mask, weights and scores (as blob
     numbers) and colour statistics. Scores at masked positions are NaN unless ``masked_scores``."""
     src: dict[str, Any] = {
@@ -347,8 +364,9 @@ class CheckRow:
     other_batch: bool  # the violation is in another batch row than the one shown
 
 
-def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int,
-                shown: list[int] | None = None) -> dict[str, Any]:
+def check_panel(
+    checks: CheckResult | None, records_meta: list[dict], batch: int, shown: list[int] | None = None
+) -> dict[str, Any]:
     """Rows of the checks table, and which (record id, head) are flagged (with the cells to mark in batch row
     ``batch``). ``shown``: every batch row the page shows (default: ``batch`` alone); a finding in one of them
     links to its head in that row (``#head-<record>-<head>-b<row>``), one in another row says so."""
@@ -356,7 +374,9 @@ def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int
     if checks is None:
         return {"given": False, "rows": [], "flags": {}}
     if not isinstance(checks, CheckResult):
-        raise TypeError(f"checks must be an attnprobe.CheckResult (from attnprobe.check(capture)), got {type(checks).__name__}")
+        raise TypeError(
+            f"checks must be an attnprobe.CheckResult (from attnprobe.check(capture)), got {type(checks).__name__}"
+        )
     by_call = {(m["layer"], m["call"]): m for m in records_meta}
     by_layer: dict[int, dict] = {}
     for m in records_meta:
@@ -368,7 +388,9 @@ def check_panel(checks: CheckResult | None, records_meta: list[dict], batch: int
         m = None if v.layer is None else (by_call.get((v.layer, v.call)) or by_layer.get(v.layer))
         target = None
         if m is not None:
-            heads = [v.head] if v.head is not None and v.head in m["heads"] else ([] if v.head is not None else m["heads"])
+            heads = (
+                [v.head] if v.head is not None and v.head in m["heads"] else ([] if v.head is not None else m["heads"])
+            )
             for h in heads:
                 key = f"{m['id']}-{h}"
                 flag = flags.setdefault(key, {"errors": 0, "other": 0, "marks": []})
@@ -397,7 +419,7 @@ def _environment():
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _static(name: str) -> str:
     return resources.files("attnprobe.reports").joinpath("static", name).read_text(encoding="utf-8")
 
@@ -464,12 +486,7 @@ def render(template: str, *, script_name: str = "report.js", page_scripts: tuple
             raise AssertionError(f"the page script {name} must not contain '</script' or '<!--'")
     digests = [base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") for text in scripts]
     hashes = " ".join(f"'sha256-{digest}'" for digest in digests)
-    csp = (
-        "default-src 'none'; "
-        f"script-src {hashes}; "
-        "style-src 'unsafe-inline'; "
-        "base-uri 'none'; form-action 'none'"
-    )
+    csp = f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
     env = _environment()
     return env.get_template(template).generate(
         csp=csp,
@@ -490,9 +507,9 @@ def checks_document(result: CheckResult) -> str:
     context = template.new_context({"checks": check_panel(result, [], 0), "fmt": fmt, "sort_value": sort_value})
     body = "".join(template.blocks["checks"](context))
     return (
-        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">"
-        f"<style>{_static('report.css')}</style></head><body data-mode=\"report\"><main>{body}</main></body></html>"
+        f'<style>{_static("report.css")}</style></head><body data-mode="report"><main>{body}</main></body></html>'
     )
 
 
@@ -550,12 +567,16 @@ def weights_note(records: list[AttentionRecord], info) -> dict[str, Any] | None:
     selection = info.get("selection") if isinstance(info, Mapping) else None
     keep = selection.get("keep") if isinstance(selection, Mapping) else None
     if keep is not None and "weights" not in keep:
-        why = (f"weights were not asked for (keep={list(keep)!r}); capture with keep=[..., 'weights'] "
-               "(or keep=None) to see them")
+        why = (
+            f"weights were not asked for (keep={list(keep)!r}); capture with keep=[..., 'weights'] "
+            "(or keep=None) to see them"
+        )
     else:
         backends = ", ".join(sorted({str(r.backend) for r in missing}))
-        why = (f"the attention code (backend: {backends}) computes none that could be observed; switch the model "
-               "to eager attention or capture through an adapter that recomputes them")
+        why = (
+            f"the attention code (backend: {backends}) computes none that could be observed; switch the model "
+            "to eager attention or capture through an adapter that recomputes them"
+        )
     return {
         "count": len(missing),
         "all": len(missing) == len(records),
@@ -601,7 +622,7 @@ def input_facts(records: list[AttentionRecord], batch, data: ReportData, tokens,
             if r.kind == "cross" or r.query_padding is None:
                 continue
             labels = record_labels(r, b, tokens, key_tokens)
-            if labels.query == row[r.query_offset: r.query_offset + r.query_len]:
+            if labels.query == row[r.query_offset : r.query_offset + r.query_len]:
                 marks = r.query_padding[min(b, r.query_padding.shape[0] - 1)]
                 padded.update(int(p) + r.query_offset for p in marks.nonzero().flatten().tolist())
         return padded
@@ -610,8 +631,15 @@ def input_facts(records: list[AttentionRecord], batch, data: ReportData, tokens,
     for b in shown:
         q_row = None if q_rows is None else q_rows[b]
         k_row = None if k_rows is None else k_rows[b]
-        rows.append({"batch": b, "query_tokens": q_row, "key_tokens": k_row,
-                     "query_padded": padded_of(q_row, b), "key_padded": padded_of(k_row, b)})
+        rows.append(
+            {
+                "batch": b,
+                "query_tokens": q_row,
+                "key_tokens": k_row,
+                "query_padded": padded_of(q_row, b),
+                "key_padded": padded_of(k_row, b),
+            }
+        )
     plural = lambda n: "s" if n > 1 else ""  # noqa: E731
     return {
         "batch_size": size,
@@ -647,9 +675,19 @@ def monitor_section(monitor, *, alerts=None, stats=None, report: bool = True) ->
     return context
 
 
-def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bool | None = True,
-                 title: str | None = None, precision: str = "exact", overwrite: bool = False, monitor=None,
-                 monitor_alerts=None, monitor_stats=None):
+def to_html_long(
+    capture,
+    path=None,
+    *,
+    batch: int = 0,
+    checks: CheckResult | bool | None = True,
+    title: str | None = None,
+    precision: str = "exact",
+    overwrite: bool = False,
+    monitor=None,
+    monitor_alerts=None,
+    monitor_stats=None,
+):
     """The HTML report of a statistics-only capture (see the module doc); ``to_html`` calls it for one.
     ``monitor=``, ``monitor_alerts=``, ``monitor_stats=``: a Monitor section, as ``to_html`` takes them."""
     from .long import build_long_data, stats_only
@@ -668,7 +706,8 @@ def to_html_long(capture, path=None, *, batch: int = 0, checks: CheckResult | bo
             f"layer {sampled[0].layer} has the statistics of {len(sampled[0].meta['stats_rows'])} sampled query rows "
             f"of {sampled[0].query_len} (capture(stats_rows=)): the long-input report draws every row along the "
             "sequence. Capture without stats_rows= for the report; a monitor's history has its own page, "
-            "attnprobe.reports.monitor_html(mon)")
+            "attnprobe.reports.monitor_html(mon)"
+        )
     if checks is True:
         from ..probe.checks import check
 
@@ -752,20 +791,38 @@ def to_html(
     if stats_only(capture):  # a long input: statistics, pooled overviews and windows, no (query x key) matrix
         if isinstance(batch, (list, tuple)):
             if len(batch) != 1:
-                raise AttnprobeError(f"a statistics report (long input) shows one batch row; got batch={batch!r}: "
-                                     "pass one row, e.g. batch=0 (--batch 0)")
+                raise AttnprobeError(
+                    f"a statistics report (long input) shows one batch row; got batch={batch!r}: "
+                    "pass one row, e.g. batch=0 (--batch 0)"
+                )
             batch = batch[0]
-        return to_html_long(capture, path, batch=batch or 0, checks=checks, title=title, precision=precision,
-                            overwrite=overwrite, monitor=monitor, monitor_alerts=monitor_alerts,
-                            monitor_stats=monitor_stats)
+        return to_html_long(
+            capture,
+            path,
+            batch=batch or 0,
+            checks=checks,
+            title=title,
+            precision=precision,
+            overwrite=overwrite,
+            monitor=monitor,
+            monitor_alerts=monitor_alerts,
+            monitor_stats=monitor_stats,
+        )
     started = time.perf_counter()
     if path is not None:
         output_path(path, overwrite=overwrite)  # fail before the work
     monitor_part = monitor_section(monitor, alerts=monitor_alerts, stats=monitor_stats)
     records, undrawn, stitched = shown_records(capture)
     rows, _ = report_rows(records, batch, max_values)
-    data = build_data([records], batch=rows, tokens=tokens, key_tokens=key_tokens, precision=precision,
-                      masked_scores=masked_scores, max_values=max_values)
+    data = build_data(
+        [records],
+        batch=rows,
+        tokens=tokens,
+        key_tokens=key_tokens,
+        precision=precision,
+        masked_scores=masked_scores,
+        max_values=max_values,
+    )
     row_metas = [data.meta, *data.meta["moreRows"]]
     # records without weights (a scores-only capture) have no summary row; the report says why elsewhere
     summary = Capture([r for r in records if r.weights is not None], capture.info).summary()
@@ -776,9 +833,13 @@ def to_html(
     checks = None if checks is False else checks
     panel = check_panel(checks, data.meta["records"], rows[0], rows)
     for b, row_meta in zip(rows, row_metas):  # the cells to mark differ by row
-        row_meta["flags"] = check_panel(checks, row_meta["records"], b, rows)["flags"] if b != rows[0] else panel["flags"]
+        row_meta["flags"] = (
+            check_panel(checks, row_meta["records"], b, rows)["flags"] if b != rows[0] else panel["flags"]
+        )
     data.meta["summary"] = {
-        f"{row.layer}-{row.head}": {c: page_number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")}
+        f"{row.layer}-{row.head}": {
+            c: page_number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")
+        }
         for row in summary.itertuples()
     }
     model = capture.info.get("model_class", "model")
@@ -795,7 +856,9 @@ def to_html(
         precision=precision,
         masked_scores=masked_scores,
         summary=summary,
-        summary_targets={(m["layer"], h): f"#head-{m['id']}-{h}" for m in reversed(data.meta["records"]) for h in m["heads"]},
+        summary_targets={
+            (m["layer"], h): f"#head-{m['id']}-{h}" for m in reversed(data.meta["records"]) for h in m["heads"]
+        },
         checks=panel,
         monitor=monitor_part,
         page_scripts=("monitor.js",) if monitor_part else (),

@@ -17,9 +17,9 @@ import html
 from typing import Any
 
 from ..probe.capture import Capture
+from ..probe.checks.violations import CheckResult
 from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
-from ..probe.checks.violations import CheckResult
 from .html import MAX_BATCH_ROWS, checks_document, shown_records, to_html
 
 #: The most bytes a notebook view holds; settable. The page travels base64-encoded in a data: URL (4/3 of its size),
@@ -61,8 +61,10 @@ def _view_bytes(document: str) -> int:
 def _frame(document: str, height: int, title: str) -> str:
     # a data: URL, not srcdoc: the report's links (#head-1-2) then resolve within the frame's own document
     url = "data:text/html;charset=utf-8;base64," + base64.b64encode(document.encode("utf-8")).decode("ascii")
-    return (f'<iframe title="{html.escape(title)}" sandbox="allow-scripts" src="{url}" '
-            f'style="{_FRAME_STYLE};height:{height}px"></iframe>')
+    return (
+        f'<iframe title="{html.escape(title)}" sandbox="allow-scripts" src="{url}" '
+        f'style="{_FRAME_STYLE};height:{height}px"></iframe>'
+    )
 
 
 def _note(text: str) -> str:
@@ -71,8 +73,11 @@ def _note(text: str) -> str:
 
 def capture_view(capture: Capture, *, what: str = "capture") -> str:
     """The report of ``capture`` in a frame, under ``MAX_BYTES`` (see the module docstring)."""
-    full = "attnprobe.reports.to_html(cap, \"report.html\")" if what == "capture" else \
-        "attnprobe.reports.to_html(attnprobe.Capture([record]), \"report.html\")"
+    full = (
+        'attnprobe.reports.to_html(cap, "report.html")'
+        if what == "capture"
+        else 'attnprobe.reports.to_html(attnprobe.Capture([record]), "report.html")'
+    )
     try:
         records, _, _ = shown_records(capture)
     except AttnprobeError as exc:
@@ -98,10 +103,12 @@ def capture_view(capture: Capture, *, what: str = "capture") -> str:
         chosen = chosen[: len(chosen) // 2]
     mb = f"{MAX_BYTES / 1e6:g} MB"
     if document is None or _view_bytes(document) > MAX_BYTES:
-        return _note(html.escape(
-            f"{capture!r}: even one record of it makes a report over {mb} (attnprobe.reports.inline.MAX_BYTES), "
-            f"too large to show here; write the report to a file: {full}"
-        ))
+        return _note(
+            html.escape(
+                f"{capture!r}: even one record of it makes a report over {mb} (attnprobe.reports.inline.MAX_BYTES), "
+                f"too large to show here; write the report to a file: {full}"
+            )
+        )
     parts = []
     if batch == 0 and size > 1:
         parts.append(f"batch row 0 of {size}")
@@ -112,9 +119,11 @@ def capture_view(capture: Capture, *, what: str = "capture") -> str:
         parts.append("values rounded to bfloat16")
     note = ""
     if parts:
-        note = _note(html.escape(
-            f"attnprobe: {' and '.join(parts)} to keep this view under {mb}; the whole report, exact: {full}"
-        ))
+        note = _note(
+            html.escape(
+                f"attnprobe: {' and '.join(parts)} to keep this view under {mb}; the whole report, exact: {full}"
+            )
+        )
     return note + _frame(document, FRAME_HEIGHT, f"attnprobe {what}")
 
 
@@ -123,7 +132,10 @@ def checks_view(result: CheckResult) -> str:
     document = checks_document(result)
     if _view_bytes(document) > MAX_BYTES and len(result.violations) > 100:
         shown = CheckResult(result.violations[:100], result.checks, result.records, result.skipped, result.coverage)
-        return _note(html.escape(f"{len(result.violations)} violations: the first 100 below; "
-                                 "CheckResult.to_frame() has them all")) + checks_view(shown)
+        return _note(
+            html.escape(
+                f"{len(result.violations)} violations: the first 100 below; CheckResult.to_frame() has them all"
+            )
+        ) + checks_view(shown)
     rows = min(len(result.violations), 12)
     return _frame(document, 150 + 34 * rows + (40 if result.skipped else 0), "attnprobe checks")

@@ -19,14 +19,20 @@ import functools
 from typing import Any
 
 from ..probe.capture import Capture
-from ..probe.record import AttentionRecord
 from ..probe.engine.stats import OVERVIEW_STATS
+from ..probe.record import AttentionRecord
 from . import encoding
 from ._common import check_batch
 
 #: Per-row statistics drawn along the sequence, in the page's order.
-ROW_PLOTS: tuple[str, ...] = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass",
-                              "masked_mass")
+ROW_PLOTS: tuple[str, ...] = (
+    "entropy",
+    "max_weight",
+    "first_key_mass",
+    "diagonal_mass",
+    "previous_mass",
+    "masked_mass",
+)
 
 
 def stats_only(capture) -> bool:
@@ -47,17 +53,27 @@ def _floats(t, precision: str) -> bytes:
     return encoding.shuffled_floats(t.float().numpy(), precision)
 
 
-def build_long_data(records: list[AttentionRecord], batch: int, precision: str, blobs: encoding.Blobs,
-                    tokens=None) -> list[dict[str, Any]]:
+def build_long_data(
+    records: list[AttentionRecord], batch: int, precision: str, blobs: encoding.Blobs, tokens=None
+) -> list[dict[str, Any]]:
     """Per record: its facts and, per head, the blob ids of its overviews, row statistics and windows."""
     out = []
     for rid, r in enumerate(records):
         check_batch(r, batch)
         st = r.stats
         q_len, k_len = int(st["entropy"].shape[2]), int(st["key_weight"].shape[2])
-        meta: dict[str, Any] = {"id": rid, "layer": r.layer, "call": r.call, "name": r.name, "kind": r.kind,
-                                "heads": list(r.heads), "queries": q_len, "keys": k_len,
-                                "source": (r.meta or {}).get("stats_source"), "heads_data": []}
+        meta: dict[str, Any] = {
+            "id": rid,
+            "layer": r.layer,
+            "call": r.call,
+            "name": r.name,
+            "kind": r.kind,
+            "heads": list(r.heads),
+            "queries": q_len,
+            "keys": k_len,
+            "source": (r.meta or {}).get("stats_source"),
+            "heads_data": [],
+        }
         ov = st.get("overview_mean")
         meta["cells"] = None if ov is None else [int(ov.shape[2]), int(ov.shape[3])]
         meta["cellSize"] = None if ov is None else [-(-q_len // int(ov.shape[2])), -(-k_len // int(ov.shape[3]))]
@@ -68,10 +84,14 @@ def build_long_data(records: list[AttentionRecord], batch: int, precision: str, 
             if ov is not None:
                 for name in OVERVIEW_STATS:
                     hd[name] = blobs.add(functools.partial(_floats, st[name][batch, i], precision))
-            hd["rows"] = {name: blobs.add(functools.partial(_floats, st[name][batch, i], "exact"))
-                          for name in meta["plots"]}
-            hd["windows"] = [blobs.add(functools.partial(_floats, st[f"window_{w}"][batch, i], precision))
-                             for w in range(len(meta["windows"])) if f"window_{w}" in st]
+            hd["rows"] = {
+                name: blobs.add(functools.partial(_floats, st[name][batch, i], "exact")) for name in meta["plots"]
+            }
+            hd["windows"] = [
+                blobs.add(functools.partial(_floats, st[f"window_{w}"][batch, i], precision))
+                for w in range(len(meta["windows"]))
+                if f"window_{w}" in st
+            ]
             meta["heads_data"].append(hd)
         out.append(meta)
     return out

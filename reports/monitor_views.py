@@ -26,7 +26,9 @@ def monitor_plot(history, stat: str = "entropy_min", *, by: str = "layer", ax=No
     import pandas as pd
 
     if not isinstance(history, pd.DataFrame):
-        raise TypeError(f"monitor_plot draws a monitor's history (mon.history, a DataFrame), not {type(history).__name__}")
+        raise TypeError(
+            f"monitor_plot draws a monitor's history (mon.history, a DataFrame), not {type(history).__name__}"
+        )
     if stat not in AGGREGATE or stat not in history.columns:
         known = ", ".join(c for c in AGGREGATE if c in history.columns)
         raise ValueError(f"no statistic {stat!r} in this history; it holds {known}")
@@ -53,8 +55,9 @@ def monitor_plot(history, stat: str = "entropy_min", *, by: str = "layer", ax=No
     return ax
 
 
-def monitor_html(monitor, path=None, *, alerts=None, stats=PAGE_STATS, title: str | None = None,
-                 overwrite: bool = False):
+def monitor_html(
+    monitor, path=None, *, alerts=None, stats=PAGE_STATS, title: str | None = None, overwrite: bool = False
+):
     """One self-contained HTML page of a training run watched by ``attnprobe.monitor``: per statistic a plot
     against the step, one line per layer (the heads aggregated: the lowest ``entropy_min``, the highest
     ``max_score_max``, the mean ``entropy``) or, chosen on the page, one line per head of a layer; and the alerts

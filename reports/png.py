@@ -57,8 +57,9 @@ def tick_positions(n: int, max_ticks: int) -> np.ndarray:
     return np.arange(0, n, step)
 
 
-def _set_ticks(ax, axis: str, labels: list[str] | None, n: int, offset: int, max_ticks: int, fontsize,
-               limit: int = 24) -> None:
+def _set_ticks(
+    ax, axis: str, labels: list[str] | None, n: int, offset: int, max_ticks: int, fontsize, limit: int = 24
+) -> None:
     pos = tick_positions(n, max_ticks)
     text = [display_token(labels[i], limit) if labels is not None else str(i + offset) for i in pos]
     if axis == "x":
@@ -78,9 +79,18 @@ def _legend(ax, view, value: str) -> bool:
     if view.query_padding.any():
         handles.append(Patch(facecolor="white", edgecolor="0.5", hatch="///", label="padded query"))
     if handles:  # one row just above the Axes, under the title
-        ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncols=len(handles),
-                  fontsize="x-small", frameon=False, borderaxespad=0.1, borderpad=0.1, handlelength=1.2,
-                  columnspacing=1.0)
+        ax.legend(
+            handles=handles,
+            loc="lower left",
+            bbox_to_anchor=(0.0, 1.0),
+            ncols=len(handles),
+            fontsize="x-small",
+            frameon=False,
+            borderaxespad=0.1,
+            borderpad=0.1,
+            handlelength=1.2,
+            columnspacing=1.0,
+        )
     return bool(handles)
 
 
@@ -104,8 +114,9 @@ def draw_head(ax, view, value: str = "weights", *, cmap="viridis", vmin=None, vm
     if interpolation is None:  # nearest keeps cells crisp; past ~300 cells resample so thin lines survive
         interpolation = "nearest" if max(tq, tk) <= 300 else "antialiased"
     aspect = "equal" if tq == tk else "auto"
-    image = ax.imshow(shown, cmap=colormap, vmin=vmin, vmax=vmax, interpolation=interpolation, aspect=aspect,
-                      origin="upper")
+    image = ax.imshow(
+        shown, cmap=colormap, vmin=vmin, vmax=vmax, interpolation=interpolation, aspect=aspect, origin="upper"
+    )
     if value == "weights":
         leaks = view.leaks
         if leaks.any():
@@ -113,8 +124,11 @@ def draw_head(ax, view, value: str = "weights", *, cmap="viridis", vmin=None, vm
             overlay[leaks] = mpl.colors.to_rgba(LEAK_COLOR)
             ax.imshow(overlay, interpolation="nearest", aspect=aspect, origin="upper")
     for row in np.flatnonzero(view.query_padding):
-        ax.add_patch(mpl.patches.Rectangle((-0.5, row - 0.5), tk, 1, facecolor="white", alpha=0.55,
-                                           hatch="///", edgecolor="0.5", linewidth=0))
+        ax.add_patch(
+            mpl.patches.Rectangle(
+                (-0.5, row - 0.5), tk, 1, facecolor="white", alpha=0.55, hatch="///", edgecolor="0.5", linewidth=0
+            )
+        )
     return image
 
 
@@ -183,8 +197,14 @@ def heatmap(
         text = title if isinstance(title, str) else head_title(record, head, batch)
         ax.set_title(text, loc="left", fontsize="small", pad=18 if legend else 6)
     if colorbar:
-        ax.figure.colorbar(image, ax=ax, label="weight" if value == "weights" else "score (pre-softmax)",
-                           fraction=0.046, pad=0.03, extend=extend)
+        ax.figure.colorbar(
+            image,
+            ax=ax,
+            label="weight" if value == "weights" else "score (pre-softmax)",
+            fraction=0.046,
+            pad=0.03,
+            extend=extend,
+        )
     return ax
 
 
@@ -241,15 +261,17 @@ def head_grid(
         cell_inches = max(0.35, min(max(1.3, wanted), 3.0, 18.0 / max(ncols, nrows)))
     if fig is None:
         extra = 0.9 if tokens is not None or key_tokens is not None else 0.0  # the token labels' margins
-        fig = Figure(figsize=(ncols * cell_inches + 1.6 + extra, nrows * cell_inches + 1.0 + extra),
-                     layout="constrained")
+        fig = Figure(
+            figsize=(ncols * cell_inches + 1.6 + extra, nrows * cell_inches + 1.0 + extra), layout="constrained"
+        )
     views = [[head_view(r, h, batch) for h in r.heads] for r in records]
     vmin = vmax = None
     extend = "neither"
     if normalize == "shared":
         values = [
             (v.weights if value == "weights" else v.scores)[v.allowed]
-            for row in views for v in row
+            for row in views
+            for v in row
             if (v.weights if value == "weights" else v.scores) is not None
         ]
         finite = np.concatenate([x[np.isfinite(x)] for x in values]) if values else np.zeros(0)
@@ -287,15 +309,21 @@ def head_grid(
                 _set_ticks(ax, "x", labels[i].key, tk, r.key_start, fit, GRID_TOKEN_POINTS, limit=10)
     if title:
         size = records[0].batch_size
-        fig.suptitle(title if isinstance(title, str) else
-                     f"attention {value} of batch row {batch}" + (f" (of {size})" if size and size > 1 else "")
-                     + " · rows: layer (L), columns: head (H)", fontsize="small", x=0.01, ha="left")
+        fig.suptitle(
+            title
+            if isinstance(title, str)
+            else f"attention {value} of batch row {batch}"
+            + (f" (of {size})" if size and size > 1 else "")
+            + " · rows: layer (L), columns: head (H)",
+            fontsize="small",
+            x=0.01,
+            ha="left",
+        )
     if normalize == "shared" and image is not None:
-        fig.colorbar(image, ax=axes, label="weight" if value == "weights" else "score (pre-softmax)", shrink=0.8,
-                     extend=extend)
+        fig.colorbar(
+            image, ax=axes, label="weight" if value == "weights" else "score (pre-softmax)", shrink=0.8, extend=extend
+        )
     return fig
-
-
 
 
 def cell_label(v: float) -> str:
@@ -326,8 +354,10 @@ def _cell_labels_class():
     class CellLabels(Artist):
         def __init__(self, cells, *, always: bool, fontsize: float):
             super().__init__()
-            self.texts = [Text(x, y, label, ha="center", va="center", fontsize=fontsize, color=color)
-                          for x, y, label, color in cells]
+            self.texts = [
+                Text(x, y, label, ha="center", va="center", fontsize=fontsize, color=color)
+                for x, y, label, color in cells
+            ]
             self.always, self.shown = always, None
 
         def draw(self, renderer):
@@ -373,8 +403,9 @@ def _summary_frame(data):
     return summary()
 
 
-def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", annotate: bool | None = None,
-                 colorbar: bool = True):
+def summary_plot(
+    data, column: str = "entropy", *, ax=None, cmap="viridis", annotate: bool | None = None, colorbar: bool = True
+):
     """One statistic of ``Capture.summary()`` as a layer x head map; returns the Axes.
 
     ``data`` is a Capture or its summary frame; ``column`` one of the summary's numeric columns
@@ -412,8 +443,11 @@ def summary_plot(data, column: str = "entropy", *, ax=None, cmap="viridis", anno
         # numbers only where every one fits its cell at CELL_FONT_POINTS, decided when the figure is drawn
         # (at its final layout and DPI); otherwise the colour bar alone tells the values
         middle = (finite.min() + finite.max()) / 2 if finite.size else 0
-        cells = [(j, i, cell_label(v), "white" if v < middle else "black")
-                 for (i, j), v in np.ndenumerate(values) if np.isfinite(v)]
+        cells = [
+            (j, i, cell_label(v), "white" if v < middle else "black")
+            for (i, j), v in np.ndenumerate(values)
+            if np.isfinite(v)
+        ]
         ax.add_artist(cell_labels(cells, always=annotate is True))
     if colorbar:
         bar = ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
@@ -434,9 +468,7 @@ def image_path(path, *, overwrite: bool):
     p = output_path(path, overwrite=overwrite)
     fmt = FORMATS.get(p.suffix.lower())
     if fmt is None:
-        raise AttnprobeError(
-            f"cannot tell the image format of {p}: name the file {', '.join(FORMATS)}"
-        )
+        raise AttnprobeError(f"cannot tell the image format of {p}: name the file {', '.join(FORMATS)}")
     return p, fmt
 
 
@@ -450,8 +482,16 @@ def save_figure(fig, path, *, overwrite: bool, dpi: float):
     return p
 
 
-def save_heatmap(record: AttentionRecord, path, head: int | None = None, *, figsize=(6.4, 5.6), dpi: float = 100,
-                 overwrite: bool = False, **options):
+def save_heatmap(
+    record: AttentionRecord,
+    path,
+    head: int | None = None,
+    *,
+    figsize=(6.4, 5.6),
+    dpi: float = 100,
+    overwrite: bool = False,
+    **options,
+):
     """Write ``heatmap(record, head, **options)`` to ``path`` (PNG, SVG or PDF by the suffix).
 
     The image is ``figsize`` x ``dpi`` pixels. An existing file is replaced only with ``overwrite=True``.
@@ -483,8 +523,16 @@ def save_grid(capture, path, *, figsize=None, dpi: float = 100, overwrite: bool 
     return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
 
 
-def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsize=None, dpi: float = 100,
-                 overwrite: bool = False, **options):
+def save_summary(
+    data,
+    path,
+    columns: Sequence[str] = SUMMARY_COLUMNS,
+    *,
+    figsize=None,
+    dpi: float = 100,
+    overwrite: bool = False,
+    **options,
+):
     """Write one ``summary_plot`` panel per summary column to ``path``; returns the path."""
     from matplotlib.figure import Figure
 
@@ -499,7 +547,7 @@ def save_summary(data, path, columns: Sequence[str] = SUMMARY_COLUMNS, *, figsiz
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, column in zip(axes, columns):
         summary_plot(frame, column, ax=ax, **options)
-    for ax in axes[len(columns):]:
+    for ax in axes[len(columns) :]:
         ax.set_axis_off()
     return save_figure(fig, path, overwrite=overwrite, dpi=dpi)
 
@@ -525,11 +573,13 @@ def save_long_grid(capture, path, *, batch: int = 0, dpi: float = 100, overwrite
         for i, head in enumerate(r.heads):
             if "overview_mean" in r.stats:
                 q_len, k_len = int(r.stats["entropy"].shape[2]), int(r.stats["key_weight"].shape[2])
-                panels.append((f"L{r.layer} H{head} mean (pooled)", r.stats["overview_mean"][batch, i],
-                               (0, q_len, 0, k_len)))
+                panels.append(
+                    (f"L{r.layer} H{head} mean (pooled)", r.stats["overview_mean"][batch, i], (0, q_len, 0, k_len))
+                )
             for w, (q0, q1, k0, k1) in enumerate(windows_of(r)):
-                panels.append((f"L{r.layer} H{head} q{q0}:{q1} k{k0}:{k1}", r.stats[f"window_{w}"][batch, i],
-                               (q0, q1, k0, k1)))
+                panels.append(
+                    (f"L{r.layer} H{head} q{q0}:{q1} k{k0}:{k1}", r.stats[f"window_{w}"][batch, i], (q0, q1, k0, k1))
+                )
     if not panels:
         raise AttnprobeError("nothing to draw: the capture has no overview or window (capture with overview=)")
     cols = min(8, len(panels))
@@ -541,8 +591,9 @@ def save_long_grid(capture, path, *, batch: int = 0, dpi: float = 100, overwrite
         positive = a[a > 0]
         norm = LogNorm(vmin=max(float(positive.min()), 1e-8), vmax=float(positive.max())) if positive.size else None
         extent = (window[2] - 0.5, window[3] - 0.5, window[1] - 0.5, window[0] - 0.5)  # token positions
-        ax.imshow(np.where(a > 0, a, np.nan), cmap="viridis", norm=norm, interpolation="nearest", aspect="auto",
-                  extent=extent)
+        ax.imshow(
+            np.where(a > 0, a, np.nan), cmap="viridis", norm=norm, interpolation="nearest", aspect="auto", extent=extent
+        )
         ax.set_title(label, fontsize=7)
         ax.tick_params(labelsize=6)
     return save_figure(fig, path, overwrite=overwrite, dpi=dpi)

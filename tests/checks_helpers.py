@@ -142,8 +142,18 @@ RIGHT_PADDED = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
 
 # --------------------------------------------------------------------------- records built directly
 def reference_record(
-    q, k, v, *, allowed, scaling=None, sinks=None, bias=None, softcap=None, wrong_kv_mapping=False,
-    uniform_empty_rows=False, **fields,
+    q,
+    k,
+    v,
+    *,
+    allowed,
+    scaling=None,
+    sinks=None,
+    bias=None,
+    softcap=None,
+    wrong_kv_mapping=False,
+    uniform_empty_rows=False,
+    **fields,
 ) -> AttentionRecord:
     """A self-attention record computed by hand the way an eager backend does.
 
@@ -175,11 +185,28 @@ def reference_record(
     mapping = torch.arange(H) % KV if wrong_kv_mapping else right
     output = weights @ v[:, mapping]
     return AttentionRecord(
-        name=fields.pop("name", "attn"), layer=fields.pop("layer", 0), call=0, kind=fields.pop("kind", "self"),
-        num_heads=H, num_kv_heads=KV, heads=tuple(range(H)), kv_heads=tuple(range(KV)),
-        q=q, k=k, v=v, scores=scores, weights=weights, output=output, allowed=allowed,
-        scaling=scaling, sinks=sinks, softcap=softcap, backend=fields.pop("backend", "eager"), dtype=q.dtype,
-        weights_source="recomputed", **fields,
+        name=fields.pop("name", "attn"),
+        layer=fields.pop("layer", 0),
+        call=0,
+        kind=fields.pop("kind", "self"),
+        num_heads=H,
+        num_kv_heads=KV,
+        heads=tuple(range(H)),
+        kv_heads=tuple(range(KV)),
+        q=q,
+        k=k,
+        v=v,
+        scores=scores,
+        weights=weights,
+        output=output,
+        allowed=allowed,
+        scaling=scaling,
+        sinks=sinks,
+        softcap=softcap,
+        backend=fields.pop("backend", "eager"),
+        dtype=q.dtype,
+        weights_source="recomputed",
+        **fields,
     )
 
 

@@ -11,16 +11,21 @@ import attnprobe
 class TinyDecoder(nn.Module):
     """Token ids in, two causal attnprobe attention layers; forward(input_ids, attention_mask=None)."""
 
-    def __init__(self, vocab: int = 50, d: int = 16, heads: int = 4, layers: int = 2, bug: str | None = None,
-                 causal: bool = True):
+    def __init__(
+        self, vocab: int = 50, d: int = 16, heads: int = 4, layers: int = 2, bug: str | None = None, causal: bool = True
+    ):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         if bug is None:
-            self.layers = nn.ModuleList([attnprobe.MultiHeadAttention(d, num_heads=heads, causal=causal) for _ in range(layers)])
+            self.layers = nn.ModuleList(
+                [attnprobe.MultiHeadAttention(d, num_heads=heads, causal=causal) for _ in range(layers)]
+            )
         else:
             from checks_helpers import BuggyAttention
 
-            self.layers = nn.ModuleList([BuggyAttention(d, num_heads=heads, causal=True, bug=bug) for _ in range(layers)])
+            self.layers = nn.ModuleList(
+                [BuggyAttention(d, num_heads=heads, causal=True, bug=bug) for _ in range(layers)]
+            )
 
     def forward(self, input_ids, attention_mask=None):
         x = self.emb(input_ids)
@@ -37,6 +42,7 @@ def tiny():
 def interrupted_in_a_finalizer():
     """The tiny decoder, made after a Ctrl-C landed in a finalizer: a generator closed while it runs its ``finally``
     (Python cannot raise it there; it prints "Exception ignored in ..." and goes on)."""
+
     def closing():
         try:
             yield

@@ -11,8 +11,15 @@ def hooks_on(model: nn.Module) -> list[str]:
     """Names of modules that still carry a hook of any kind, plus global module hooks."""
     left = []
     for name, m in model.named_modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+        for attr in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+        ):
             if getattr(m, attr, None):
                 left.append(f"{name or '<root>'}.{attr}")
     from torch.nn.modules import module as module_mod

@@ -21,32 +21,132 @@ def _configs():
     t = transformers
     return {
         "gpt2": (t.GPT2Config(n_embd=16, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=32), t.GPT2LMHeadModel),
-        "bert": (t.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
-                              vocab_size=VOCAB, max_position_embeddings=32), t.BertModel),
-        "llama": (t.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, vocab_size=VOCAB), t.LlamaForCausalLM),
-        "mistral": (t.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, sliding_window=3),
-                    t.MistralForCausalLM),
-        "gemma2": (t.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, sliding_window=3,
-                                  attn_logit_softcapping=0.5, query_pre_attn_scalar=8), t.Gemma2ForCausalLM),
-        "gpt_oss": (t.GptOssConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, num_local_experts=2,
-                                   num_experts_per_tok=1, sliding_window=3), t.GptOssForCausalLM),
-        "t5": (t.T5Config(d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
-                          vocab_size=VOCAB, relative_attention_num_buckets=8, decoder_start_token_id=0),
-               t.T5ForConditionalGeneration),
-        "bart": (t.BartConfig(d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                              decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=VOCAB,
-                              max_position_embeddings=32), t.BartForConditionalGeneration),
-        "whisper": (t.WhisperConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                                    decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
-                                    num_mel_bins=8, max_source_positions=6, max_target_positions=16,
-                                    vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                    decoder_start_token_id=1), t.WhisperForConditionalGeneration),
-        "vit": (t.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
-                            num_attention_heads=2, intermediate_size=32), t.ViTModel),
+        "bert": (
+            t.BertConfig(
+                hidden_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=32,
+                vocab_size=VOCAB,
+                max_position_embeddings=32,
+            ),
+            t.BertModel,
+        ),
+        "llama": (
+            t.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                vocab_size=VOCAB,
+            ),
+            t.LlamaForCausalLM,
+        ),
+        "mistral": (
+            t.MistralConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                vocab_size=VOCAB,
+                sliding_window=3,
+            ),
+            t.MistralForCausalLM,
+        ),
+        "gemma2": (
+            t.Gemma2Config(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                vocab_size=VOCAB,
+                sliding_window=3,
+                attn_logit_softcapping=0.5,
+                query_pre_attn_scalar=8,
+            ),
+            t.Gemma2ForCausalLM,
+        ),
+        "gpt_oss": (
+            t.GptOssConfig(
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                vocab_size=VOCAB,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                sliding_window=3,
+            ),
+            t.GptOssForCausalLM,
+        ),
+        "t5": (
+            t.T5Config(
+                d_model=16,
+                d_kv=4,
+                d_ff=32,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                vocab_size=VOCAB,
+                relative_attention_num_buckets=8,
+                decoder_start_token_id=0,
+            ),
+            t.T5ForConditionalGeneration,
+        ),
+        "bart": (
+            t.BartConfig(
+                d_model=16,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=32,
+                decoder_ffn_dim=32,
+                vocab_size=VOCAB,
+                max_position_embeddings=32,
+            ),
+            t.BartForConditionalGeneration,
+        ),
+        "whisper": (
+            t.WhisperConfig(
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=32,
+                decoder_ffn_dim=32,
+                num_mel_bins=8,
+                max_source_positions=6,
+                max_target_positions=16,
+                vocab_size=VOCAB,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                decoder_start_token_id=1,
+            ),
+            t.WhisperForConditionalGeneration,
+        ),
+        "vit": (
+            t.ViTConfig(
+                image_size=8,
+                patch_size=4,
+                num_channels=3,
+                hidden_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=32,
+            ),
+            t.ViTModel,
+        ),
     }
 
 
@@ -87,12 +187,19 @@ def inputs(name: str, padding: str = "right", length: int = 7, seed: int = 1) ->
     if name == "vit":
         return {"pixel_values": torch.randn(2, 3, 8, 8, generator=g)}
     if name == "whisper":
-        return {"input_features": torch.randn(2, 8, 12, generator=g), "decoder_input_ids": ids[:, :5],
-                "decoder_attention_mask": mask[:, :5] if padding == "right" else padded_mask(2, 5, padding)}
+        return {
+            "input_features": torch.randn(2, 8, 12, generator=g),
+            "decoder_input_ids": ids[:, :5],
+            "decoder_attention_mask": mask[:, :5] if padding == "right" else padded_mask(2, 5, padding),
+        }
     if name in ("t5", "bart"):
         dec = torch.randint(3, VOCAB, (2, 5), generator=g)
-        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec,
-                "decoder_attention_mask": padded_mask(2, 5, padding)}
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "decoder_input_ids": dec,
+            "decoder_attention_mask": padded_mask(2, 5, padding),
+        }
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -102,8 +209,11 @@ def eager_attentions(model, batch: dict) -> dict[tuple[str | None, str], list[to
     with torch.no_grad():
         out = reference(**batch, output_attentions=True)
     if hasattr(out, "encoder_attentions"):
-        return {("encoder", "self"): list(out.encoder_attentions), ("decoder", "self"): list(out.decoder_attentions),
-                ("decoder", "cross"): list(out.cross_attentions)}
+        return {
+            ("encoder", "self"): list(out.encoder_attentions),
+            ("decoder", "self"): list(out.decoder_attentions),
+            ("decoder", "cross"): list(out.cross_attentions),
+        }
     return {(None, "self"): list(out.attentions)}
 
 

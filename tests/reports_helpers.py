@@ -22,8 +22,13 @@ from attnprobe import CrossAttention, MultiHeadAttention
 
 CHROMIUM = os.environ.get("ATTNPROBE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 
 
@@ -32,7 +37,9 @@ class Stack(nn.Module):
 
     def __init__(self, layers: int = 3, d_model: int = 12, heads: int = 3, causal: bool = True):
         super().__init__()
-        self.layers = nn.ModuleList([MultiHeadAttention(d_model, num_heads=heads, causal=causal) for _ in range(layers)])
+        self.layers = nn.ModuleList(
+            [MultiHeadAttention(d_model, num_heads=heads, causal=causal) for _ in range(layers)]
+        )
 
     def forward(self, x, attention_mask=None):
         for layer in self.layers:
@@ -89,13 +96,22 @@ def generation_capture(assert_no_hooks, *, length=8, prefill=4):
     cuts = [(0, prefill)] + [(t, t + 1) for t in range(prefill, length)]
     for step, (a, b) in enumerate(cuts):
         for rec in cap:
-            steps.append(replace(
-                rec, step=step, call=step, query_offset=a,
-                q=rec.q[:, :, a:b], k=rec.k[:, :, :b], v=rec.v[:, :, :b],
-                scores=rec.scores[:, :, a:b, :b], weights=rec.weights[:, :, a:b, :b],
-                output=rec.output[:, :, a:b], allowed=rec.allowed[:, :, a:b, :b],
-                query_padding=None if rec.query_padding is None else rec.query_padding[:, a:b],
-            ))
+            steps.append(
+                replace(
+                    rec,
+                    step=step,
+                    call=step,
+                    query_offset=a,
+                    q=rec.q[:, :, a:b],
+                    k=rec.k[:, :, :b],
+                    v=rec.v[:, :, :b],
+                    scores=rec.scores[:, :, a:b, :b],
+                    weights=rec.weights[:, :, a:b, :b],
+                    output=rec.output[:, :, a:b],
+                    allowed=rec.allowed[:, :, a:b, :b],
+                    query_padding=None if rec.query_padding is None else rec.query_padding[:, a:b],
+                )
+            )
     return attnprobe.Capture(steps, cap.info), cap
 
 
@@ -147,7 +163,11 @@ def browser():
         playwright = sync_playwright().start()
         try:
             context = playwright.chromium.launch_persistent_context(
-                profile.name, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS, offline=True,
+                profile.name,
+                executable_path=CHROMIUM,
+                headless=True,
+                args=CHROMIUM_ARGS,
+                offline=True,
                 viewport={"width": 1280, "height": 900},
             )
         except BaseException:

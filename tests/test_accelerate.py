@@ -23,24 +23,46 @@ FIELDS = ("q", "k", "v", "weights", "output")
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 #: layers 0-1 stay in memory, layers 2-3 are offloaded to disk (weights on meta until accelerate loads them)
-DEVICE_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-              "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
-              "lm_head": "cpu"}
+DEVICE_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "cpu",
+    "model.layers.2": "disk",
+    "model.layers.3": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}
 
 
 def state(model: nn.Module) -> dict[str, tuple]:
     """Every module's hooks and its instance ``forward`` (accelerate replaces it): what a capture must restore."""
-    attrs = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-             "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
-    return {name: tuple(tuple(getattr(m, a, {}) or {}) for a in attrs) + (m.__dict__.get("forward"),
-                                                                         m.__dict__.get("_hf_hook"))
-            for name, m in model.named_modules()}
+    attrs = (
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_pre_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+    )
+    return {
+        name: tuple(tuple(getattr(m, a, {}) or {}) for a in attrs)
+        + (m.__dict__.get("forward"), m.__dict__.get("_hf_hook"))
+        for name, m in model.named_modules()
+    }
 
 
 def assert_same_records(cap, reference):
@@ -66,8 +88,9 @@ def test_device_map_with_layers_on_disk(saved_llama, tmp_path, grad):
     from transformers import AutoModelForCausalLM
 
     model, folder = saved_llama
-    dispatched = AutoModelForCausalLM.from_pretrained(folder, device_map=DEVICE_MAP,
-                                                      offload_folder=tmp_path / "offload").eval()
+    dispatched = AutoModelForCausalLM.from_pretrained(
+        folder, device_map=DEVICE_MAP, offload_folder=tmp_path / "offload"
+    ).eval()
     assert dispatched.model.layers[3].self_attn.q_proj.weight.device.type == "meta"  # really offloaded
     ids = torch.randint(0, 100, (2, 9))
     with torch.set_grad_enabled(grad):
@@ -88,8 +111,9 @@ def test_statistics_of_a_dispatched_model_equal_those_in_memory(saved_llama, tmp
     from transformers import AutoModelForCausalLM
 
     model, folder = saved_llama
-    dispatched = AutoModelForCausalLM.from_pretrained(folder, device_map=DEVICE_MAP,
-                                                      offload_folder=tmp_path / "offload").eval()
+    dispatched = AutoModelForCausalLM.from_pretrained(
+        folder, device_map=DEVICE_MAP, offload_folder=tmp_path / "offload"
+    ).eval()
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
         with attnprobe.capture(model, keep=("stats",)) as reference:
@@ -102,8 +126,9 @@ def test_statistics_of_a_dispatched_model_equal_those_in_memory(saved_llama, tmp
     for rec, ref in zip(cap, reference):
         assert rec.weights is None and set(rec.stats) == set(ref.stats)
         for name, value in ref.stats.items():
-            torch.testing.assert_close(rec.stats[name], value, rtol=0, atol=0, equal_nan=True,
-                                       msg=f"{rec.name} {name}")  # bitwise; NaN where a key does not exist
+            torch.testing.assert_close(
+                rec.stats[name], value, rtol=0, atol=0, equal_nan=True, msg=f"{rec.name} {name}"
+            )  # bitwise; NaN where a key does not exist
     assert attnprobe.check(cap, causal=True).ok
 
 
@@ -131,8 +156,9 @@ def test_capture_opened_on_an_already_dispatched_model_exits_cleanly_when_forwar
     from transformers import AutoModelForCausalLM
 
     _, folder = saved_llama
-    dispatched = AutoModelForCausalLM.from_pretrained(folder, device_map=DEVICE_MAP,
-                                                      offload_folder=tmp_path / "offload").eval()
+    dispatched = AutoModelForCausalLM.from_pretrained(
+        folder, device_map=DEVICE_MAP, offload_folder=tmp_path / "offload"
+    ).eval()
     before = state(dispatched)
     with pytest.raises(IndexError), torch.no_grad(), attnprobe.capture(dispatched):
         dispatched(torch.tensor([[5, 500]]))  # 500 is outside the vocabulary: the embedding raises
@@ -164,8 +190,9 @@ def handwritten():
 
 
 @pytest.mark.parametrize("offload", ["cpu", "disk"])
-@pytest.mark.parametrize("make,options", [(own_modules, {}), (handwritten, {"modules": "auto"})],
-                         ids=["own-modules", "handwritten"])
+@pytest.mark.parametrize(
+    "make,options", [(own_modules, {}), (handwritten, {"modules": "auto"})], ids=["own-modules", "handwritten"]
+)
 def test_offloaded_torch_modules(make, options, offload, tmp_path):
     model = make().eval()
     x = torch.randn(2, 7, 32)

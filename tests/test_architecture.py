@@ -103,8 +103,12 @@ def _dynamic_import(call: ast.Call) -> bool:
     """``importlib.import_module("a.b")``, ``import_module(".b", __name__)`` or ``__import__("a.b")``."""
     func = call.func
     called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-    return (called in ("import_module", "__import__") and bool(call.args) and isinstance(call.args[0], ast.Constant)
-            and isinstance(call.args[0].value, str))
+    return (
+        called in ("import_module", "__import__")
+        and bool(call.args)
+        and isinstance(call.args[0], ast.Constant)
+        and isinstance(call.args[0].value, str)
+    )
 
 
 def _private(part: str) -> bool:
@@ -191,8 +195,9 @@ def test_adapters_use_the_session_only_through_its_interface():
             continue
         for node in ast.walk(ast.parse(source)):
             value = getattr(node, "value", None)
-            if isinstance(node, ast.Attribute) and (getattr(value, "id", None) == "session"
-                                                    or getattr(value, "attr", None) == "session"):
+            if isinstance(node, ast.Attribute) and (
+                getattr(value, "id", None) == "session" or getattr(value, "attr", None) == "session"
+            ):
                 used.setdefault(node.attr, []).append(f"{name} line {node.lineno}")
     assert {"emit", "wants"} <= set(used)  # the walk sees the adapters' calls
     assert {k: v for k, v in used.items() if k not in interface} == {}, "add it to probe.interface.Session, or don't"
@@ -239,7 +244,7 @@ def test_checker_finds_probe_importing_hooks_at_any_depth():
         probe__frames="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from attnprobe.reports.html import x\n",
         probe__plugin="def fixture():\n    import attnprobe\n",
         probe__loading="import importlib\nadapters = importlib.import_module('..hooks.own', __package__)\n"
-                       "html = __import__('attnprobe.reports.html')\n",
+        "html = __import__('attnprobe.reports.html')\n",
         hooks__own="",
         reports__html="x = 1\n",
     )

@@ -298,7 +298,9 @@ def test_unbatched_input_records_batch_of_one():
     attn = MultiHeadAttention(8, num_heads=2, causal=True)
     with attnprobe.capture(attn) as cap:
         attn(torch.randn(5, 8), attention_mask=torch.tensor([0, 1, 1, 1, 1]))
-    assert cap[0].weights.shape == (1, 2, 5, 5) and cap[0].query_padding.tolist() == [[True, False, False, False, False]]
+    assert cap[0].weights.shape == (1, 2, 5, 5) and cap[0].query_padding.tolist() == [
+        [True, False, False, False, False]
+    ]
 
 
 def test_empty_capture_warns(model):

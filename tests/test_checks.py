@@ -62,8 +62,14 @@ def test_correct_modules_pass_every_check(dtype, mask):
 def test_head_and_layer_selections_check_what_was_kept():
     model = TinyTransformer()
     x, ctx = inputs()
-    cap = capture_one(model, x, ctx, LEFT_PADDED, CTX_MASK,
-                      options={"layers": [1, 3], "heads": [1, 3], "keep": ["weights", "v", "output"]})
+    cap = capture_one(
+        model,
+        x,
+        ctx,
+        LEFT_PADDED,
+        CTX_MASK,
+        options={"layers": [1, 3], "heads": [1, 3], "keep": ["weights", "v", "output"]},
+    )
     result = attnprobe.check(cap)
     assert result.violations == () and result.coverage["output_match"] == 2
     assert result.skipped == ("softmax_match: no scores captured (2 record(s), layers 1, 3)",)

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 from torch import nn
+from torch_helpers import Head
+from wild_models import CausalSelfAttention
 
 import attnprobe
 from attnprobe.cli import main
-from attnprobe.probe.intent import mask_buffers, module_intent
 from attnprobe.probe.checks.lint import attribute_causes
+from attnprobe.probe.intent import mask_buffers, module_intent
 from attnprobe.reports import to_html
-from torch_helpers import Head
-from wild_models import CausalSelfAttention
 
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
 
@@ -68,8 +68,11 @@ def captured(module, x=X):
     return cap
 
 
-BUFFER_LINE = next(i for i, line in enumerate(inspect.getsourcelines(ForgetsMask)[0], inspect.getsourcelines(ForgetsMask)[1])
-                   if "register_buffer" in line)
+BUFFER_LINE = next(
+    i
+    for i, line in enumerate(inspect.getsourcelines(ForgetsMask)[0], inspect.getsourcelines(ForgetsMask)[1])
+    if "register_buffer" in line
+)
 WHERE = f"test_checks_causes.py:{BUFFER_LINE}"
 
 
@@ -86,15 +89,18 @@ def test_softmax_axis_lint_comes_first_with_the_failures_it_explains():
     lines = text.splitlines()
     assert lines[1].startswith("  lint_softmax_axis: 1 warning in layer(s) 0") and "the cause of" in lines[1]
     assert "caused by lint_softmax_axis" in lines[2]
-    table = lines[lines.index(next(x for x in lines if x.startswith("check "))) + 1:]
+    table = lines[lines.index(next(x for x in lines if x.startswith("check "))) + 1 :]
     assert table[0].startswith("lint_softmax_axis  warning") and "use dim=-1" in table[0]
-    assert all(row.startswith("  ") for row in table[1: 1 + len(explained)])  # indented under it
+    assert all(row.startswith("  ") for row in table[1 : 1 + len(explained)])  # indented under it
     with pytest.raises(attnprobe.InvariantError) as info:  # the pytest failure text: the same order
         attnprobe.assert_invariants(captured(head))
     message = str(info.value)
     assert message.index("lint_softmax_axis  warning") < message.index("row_sum  ")
     frame = result.to_frame()
-    assert frame.caused_by.iloc[0] is pd_na() and (frame.caused_by.iloc[1:1 + len(explained)] == "lint_softmax_axis").all()
+    assert (
+        frame.caused_by.iloc[0] is pd_na()
+        and (frame.caused_by.iloc[1 : 1 + len(explained)] == "lint_softmax_axis").all()
+    )
 
 
 def pd_na():
@@ -112,8 +118,12 @@ def test_attribute_causes_matches_the_record_and_head():
     unrelated = V("output_match", "error", "a", 0, head=1)
     ordered = attribute_causes([other_layer, same, other_head, unrelated, lint])
     assert [(v.check, v.layer, v.head, v.caused_by) for v in ordered] == [
-        ("lint_softmax_axis", 0, 1, None), ("row_sum", 0, 1, "lint_softmax_axis"),
-        ("row_sum", 1, 1, None), ("row_sum", 0, 2, None), ("output_match", 0, 1, None)]
+        ("lint_softmax_axis", 0, 1, None),
+        ("row_sum", 0, 1, "lint_softmax_axis"),
+        ("row_sum", 1, 1, None),
+        ("row_sum", 0, 2, None),
+        ("output_match", 0, 1, None),
+    ]
     lonely = V("lint_same_kv", "warning", "a", 3)
     assert attribute_causes([lonely]) == [lonely]  # a lint that explains nothing stays where it was
 
@@ -139,7 +149,7 @@ def test_cli_json_and_text_put_the_cause_first(tmp_path, monkeypatch):
     assert violations[1]["caused_by"] == "lint_softmax_axis"
     lines = CliRunner().invoke(main, args).output.splitlines()
     cause = next(i for i, line in enumerate(lines) if line.startswith("lint_softmax_axis  warning"))
-    assert re.match(r"  row_sum +error", lines[cause + 1]), lines[cause:cause + 2]
+    assert re.match(r"  row_sum +error", lines[cause + 1]), lines[cause : cause + 2]
 
 
 # ----------------------------------------------------------------------------------------- declared intent
@@ -185,17 +195,20 @@ def test_library_modules_declare_nothing_here():
     assert "declared_causal" not in cap[0].meta and attnprobe.check(cap).declarations == ()
 
 
-@pytest.mark.parametrize("tensor, kind", [
-    (torch.tril(torch.ones(6, 6)), "lower-triangular ones, 6x6"),
-    (torch.tril(torch.ones(6, 6, dtype=torch.bool)), "lower-triangular ones, 6x6"),
-    (torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1), "upper-triangular True (True = masked), 6x6"),
-    (torch.triu(torch.full((6, 6), float("-inf")), diagonal=1), "additive (-inf above the diagonal), 6x6"),
-    (torch.tril(torch.ones(1, 1, 300, 300)), "lower-triangular ones, 300x300"),
-    (torch.ones(6, 6), None),
-    (torch.randn(6, 6), None),
-    (torch.tril(torch.ones(6, 6), diagonal=-1), None),  # shifted by one: not a causal mask
-    (torch.tril(torch.ones(2, 6, 6)), None),  # a leading axis that is not 1
-])
+@pytest.mark.parametrize(
+    "tensor, kind",
+    [
+        (torch.tril(torch.ones(6, 6)), "lower-triangular ones, 6x6"),
+        (torch.tril(torch.ones(6, 6, dtype=torch.bool)), "lower-triangular ones, 6x6"),
+        (torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1), "upper-triangular True (True = masked), 6x6"),
+        (torch.triu(torch.full((6, 6), float("-inf")), diagonal=1), "additive (-inf above the diagonal), 6x6"),
+        (torch.tril(torch.ones(1, 1, 300, 300)), "lower-triangular ones, 300x300"),
+        (torch.ones(6, 6), None),
+        (torch.randn(6, 6), None),
+        (torch.tril(torch.ones(6, 6), diagonal=-1), None),  # shifted by one: not a causal mask
+        (torch.tril(torch.ones(2, 6, 6)), None),  # a leading axis that is not 1
+    ],
+)
 def test_mask_buffer_detection(tensor, kind):
     found = mask_buffers(_user_module(tensor))
     assert (found[0].description if found else None) == kind

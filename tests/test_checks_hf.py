@@ -57,12 +57,16 @@ def ignores_mask(module, query, key, value, attention_mask, **kwargs):
 
 def wrong_gqa(module, query, key, value, attention_mask, **kwargs):
     """Grouped-query heads tiled (h % kv_heads) instead of grouped (h // group)."""
-    return _sdpa_with(module, query, key, value, attention_mask, kv_index=torch.arange(query.shape[1]) % key.shape[1],
-                      **kwargs)
+    return _sdpa_with(
+        module, query, key, value, attention_mask, kv_index=torch.arange(query.shape[1]) % key.shape[1], **kwargs
+    )
 
 
-BACKENDS = {"attnprobe_test_correct": correct_backend, "attnprobe_test_ignores_mask": ignores_mask,
-            "attnprobe_test_wrong_gqa": wrong_gqa}
+BACKENDS = {
+    "attnprobe_test_correct": correct_backend,
+    "attnprobe_test_ignores_mask": ignores_mask,
+    "attnprobe_test_wrong_gqa": wrong_gqa,
+}
 
 
 @pytest.fixture
@@ -81,8 +85,14 @@ def tiny_llama(implementation: str = "sdpa"):
     from transformers import LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
     model = AutoModel.from_config(config).eval()
     model.set_attn_implementation(implementation)
     return model
@@ -130,29 +140,75 @@ def test_backend_with_a_wrong_gqa_mapping_is_caught_by_output_match(custom_backe
 
 # --------------------------------------------------------------------------- no false positives
 def family_configs():
-    from transformers import (BartConfig, BertConfig, Gemma2Config, GPT2Config, GptOssConfig, LlamaConfig,
-                              MistralConfig, T5Config, ViTConfig, WhisperConfig)
+    from transformers import (
+        BartConfig,
+        BertConfig,
+        Gemma2Config,
+        GPT2Config,
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        T5Config,
+        ViTConfig,
+        WhisperConfig,
+    )
 
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     tokens = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-    seq2seq = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 4,
-               "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "decoder_start_token_id": 1}
+    seq2seq = {
+        "d_model": 32,
+        "encoder_layers": 1,
+        "decoder_layers": 1,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64,
+        "decoder_start_token_id": 1,
+    }
     return {
         # family: (config, kind of inputs, declared causal)
         "gpt2": (GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=32, **tokens), "text", True),
         "bert": (BertConfig(**small, max_position_embeddings=32, **tokens), "text", False),
         "llama": (LlamaConfig(**small, num_key_value_heads=2, **tokens), "text", True),
         "mistral": (MistralConfig(**small, num_key_value_heads=2, sliding_window=3, **tokens), "text", True),
-        "gemma2": (Gemma2Config(**small, num_key_value_heads=2, head_dim=8, sliding_window=3,
-                                attn_logit_softcapping=5.0, query_pre_attn_scalar=8, **tokens), "text", True),
-        "gpt_oss": (GptOssConfig(**{**small, "intermediate_size": 32}, num_key_value_heads=2, head_dim=8,
-                                 num_local_experts=2, num_experts_per_tok=1, sliding_window=3, **tokens), "text", True),
-        "t5": (T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, **tokens,
-                        decoder_start_token_id=1), "seq2seq", None),
+        "gemma2": (
+            Gemma2Config(
+                **small,
+                num_key_value_heads=2,
+                head_dim=8,
+                sliding_window=3,
+                attn_logit_softcapping=5.0,
+                query_pre_attn_scalar=8,
+                **tokens,
+            ),
+            "text",
+            True,
+        ),
+        "gpt_oss": (
+            GptOssConfig(
+                **{**small, "intermediate_size": 32},
+                num_key_value_heads=2,
+                head_dim=8,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                sliding_window=3,
+                **tokens,
+            ),
+            "text",
+            True,
+        ),
+        "t5": (
+            T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, **tokens, decoder_start_token_id=1),
+            "seq2seq",
+            None,
+        ),
         "bart": (BartConfig(**seq2seq, max_position_embeddings=32, **tokens), "seq2seq", None),
         "vit": (ViTConfig(**small, image_size=16, patch_size=4), "image", False),
-        "whisper": (WhisperConfig(**seq2seq, num_mel_bins=8, max_source_positions=8, max_target_positions=16,
-                                  **tokens), "audio", None),
+        "whisper": (
+            WhisperConfig(**seq2seq, num_mel_bins=8, max_source_positions=8, max_target_positions=16, **tokens),
+            "audio",
+            None,
+        ),
     }
 
 

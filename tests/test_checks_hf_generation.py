@@ -11,7 +11,7 @@ import torch
 import attnprobe
 
 pytest.importorskip("transformers")
-from hf_helpers import build, hook_counts  # noqa: E402
+from hf_helpers import build, hook_counts
 
 PROMPT = 6
 NEW = 4
@@ -32,8 +32,9 @@ def generate(model, ids, mask=None):
     before = hook_counts(model)
     kwargs = {} if mask is None else {"attention_mask": mask}
     with torch.no_grad(), attnprobe.capture(model) as cap:
-        out = model.generate(input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                             pad_token_id=0, **kwargs)
+        out = model.generate(
+            input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, **kwargs
+        )
     assert hook_counts(model) == before
     assert out.shape[1] == PROMPT + NEW and len(cap) == 2 * NEW  # 2 layers, prefill + 3 decode steps
     base = torch.ones_like(ids) if mask is None else mask
@@ -41,8 +42,9 @@ def generate(model, ids, mask=None):
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])
-@pytest.mark.parametrize("family, attn", [("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager"),
-                                          ("gpt_oss", "eager")])
+@pytest.mark.parametrize(
+    "family, attn", [("mistral", "sdpa"), ("mistral", "eager"), ("gemma2", "eager"), ("gpt_oss", "eager")]
+)
 def test_sliding_window_generation_with_declarations_has_no_false_positive(family, attn, padding):
     """sliding_window=3: decode steps of sliding layers keep the 2 latest keys plus the new one (Gemma2 and
     GPT-OSS alternate them with full-cache layers; GPT-OSS adds sinks)."""
@@ -94,6 +96,7 @@ def test_generation_without_the_padding_mask_is_caught_at_the_decode_steps(famil
     else:
         assert keys_by_query == {(6,): (4, 5), (7,): (4, 5), (8,): (4, 5)}, result.table()
 
+
 def test_prompt_mask_declared_for_a_generation_says_what_to_declare():
     model = build("gpt2", "sdpa")
     ids, mask = prompt("left")
@@ -114,8 +117,9 @@ def test_encoder_mask_declared_for_an_encoder_decoder_generation_is_not_read_as_
     model = build(family, "eager")
     ids, mask = prompt("left")
     with torch.no_grad(), attnprobe.capture(model) as cap:
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0
+        )
     decoder_self = [r for r in cap if r.meta.get("stack") == "decoder" and r.kind == "self"]
     assert decoder_self and max(r.key_len for r in decoder_self) <= PROMPT  # all within the prompt's length
     result = attnprobe.check(cap, attention_mask=mask)
@@ -157,6 +161,7 @@ def test_frames_and_labels_of_sliding_window_steps_use_key_positions():
     assert record_labels(last, 1, words, None).key == ["w1.6", "w1.7", "w1.8"]
     summary = steps.summary().set_index(["layer", "head"])
     expected = torch.stack([r.weights[..., -1] for r in steps.select(layers=[0])]).mean(dim=(0, 1, 3))  # own slot
-    assert torch.allclose(torch.tensor(summary.loc[0].diagonal_mass.to_numpy(), dtype=torch.float32), expected,
-                          atol=1e-6)
+    assert torch.allclose(
+        torch.tensor(summary.loc[0].diagonal_mass.to_numpy(), dtype=torch.float32), expected, atol=1e-6
+    )
     assert [r.key_start for r in steps.select(layers=[0])] == [4, 5, 6] and cap[0].key_start == 0

@@ -30,21 +30,48 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-import attnprobe
 from checks_helpers import LEFT_PADDED, RIGHT_PADDED, TinyTransformer, capture_one
 from test_checks import CTX_MASK, EXPECTED, errors_by_check
 from test_checks import declarations as tiny_declarations
 
+import attnprobe
+
 transformers = pytest.importorskip("transformers")
 from test_checks_hf import custom_backends  # noqa: E402, F401 - the fixture registering the broken backends
-from test_hf_sweep import _one_thread  # noqa: E402, F401 - autouse: tiny models run faster on one thread
-from test_hf_sweep import FAMILIES, build, declarations, make_inputs, padding_mask, tensors_of  # noqa: E402
+from test_hf_sweep import (  # noqa: E402
+    FAMILIES,
+    _one_thread,  # noqa: F401 - autouse: tiny models run faster on one thread
+    build,
+    declarations,
+    make_inputs,
+    padding_mask,
+    tensors_of,
+)
 
 GAIN = 6.0
-SUBSET = ("bert", "electra", "llama", "mistral", "cohere2", "gemma2", "gpt-oss", "granite", "bart", "t5",
-          "whisper", "vit", "deit", "swin", "wav2vec2", "llava", "conditional-detr", "bloom", "gpt-neo", "mobilebert",
-          "switch-transformers")
+SUBSET = (
+    "bert",
+    "electra",
+    "llama",
+    "mistral",
+    "cohere2",
+    "gemma2",
+    "gpt-oss",
+    "granite",
+    "bart",
+    "t5",
+    "whisper",
+    "vit",
+    "deit",
+    "swin",
+    "wav2vec2",
+    "llava",
+    "conditional-detr",
+    "bloom",
+    "gpt-neo",
+    "mobilebert",
+    "switch-transformers",
+)
 MODES = ("bf16", "fp16", "autocast")
 
 
@@ -55,7 +82,7 @@ def large_scale(model, gain: float = GAIN, seed: int = 7):
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
-                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * gain / m.in_features ** 0.5)
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * gain / m.in_features**0.5)
             elif isinstance(m, torch.nn.Embedding):
                 m.weight.copy_(torch.randn(m.weight.shape, generator=g))
     return model
@@ -137,10 +164,25 @@ def _large_score_record(dtype: torch.dtype, scale: float) -> attnprobe.Attention
     logits = q @ k.transpose(-1, -2) * scale
     weights = logits.softmax(-1)
     return attnprobe.AttentionRecord(
-        name="attn", layer=0, call=0, kind="self", causal=False, heads=(0, 1), num_heads=2, kv_heads=(0, 1),
-        num_kv_heads=2, dtype=dtype, scaling=scale, q=q.to(dtype), k=k.to(dtype), v=v.to(dtype),
-        scores=logits.to(dtype), weights=weights.to(dtype), output=(weights @ v).to(dtype),
-        allowed=torch.ones(2, 1, 9, 9, dtype=torch.bool), weights_source="recomputed",
+        name="attn",
+        layer=0,
+        call=0,
+        kind="self",
+        causal=False,
+        heads=(0, 1),
+        num_heads=2,
+        kv_heads=(0, 1),
+        num_kv_heads=2,
+        dtype=dtype,
+        scaling=scale,
+        q=q.to(dtype),
+        k=k.to(dtype),
+        v=v.to(dtype),
+        scores=logits.to(dtype),
+        weights=weights.to(dtype),
+        output=(weights @ v).to(dtype),
+        allowed=torch.ones(2, 1, 9, 9, dtype=torch.bool),
+        weights_source="recomputed",
     )
 
 
@@ -166,9 +208,20 @@ def test_large_scores_rounded_to_low_precision_are_no_softmax_mismatch(dtype, ba
 def _record(scores: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> attnprobe.AttentionRecord:
     B, H, Tq, Tk = scores.shape
     return attnprobe.AttentionRecord(
-        name="attn", layer=0, call=0, kind="self", causal=False, heads=tuple(range(H)), num_heads=H,
-        kv_heads=tuple(range(H)), num_kv_heads=H, dtype=dtype, scores=scores, weights=weights,
-        allowed=torch.ones(B, 1, Tq, Tk, dtype=torch.bool), weights_source="recomputed",
+        name="attn",
+        layer=0,
+        call=0,
+        kind="self",
+        causal=False,
+        heads=tuple(range(H)),
+        num_heads=H,
+        kv_heads=tuple(range(H)),
+        num_kv_heads=H,
+        dtype=dtype,
+        scores=scores,
+        weights=weights,
+        allowed=torch.ones(B, 1, Tq, Tk, dtype=torch.bool),
+        weights_source="recomputed",
     )
 
 

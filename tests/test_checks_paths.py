@@ -19,7 +19,11 @@ PAD = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])  # left padding in batch row 0
 def record(*, tq=T, tk=T, offset=0, window=None, padding=None, causal=True, **fields):
     """A correct self-attention record of ``tq`` queries at key index ``offset`` of ``tk`` keys."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(B, H, tq, D, generator=g), torch.randn(B, H, tk, D, generator=g), torch.randn(B, H, tk, D, generator=g)
+    q, k, v = (
+        torch.randn(B, H, tq, D, generator=g),
+        torch.randn(B, H, tk, D, generator=g),
+        torch.randn(B, H, tk, D, generator=g),
+    )
     allowed = causal_allowed(B, tq, tk, offset=offset, window=window, padding=padding)
     return reference_record(q, k, v, allowed=allowed, causal=causal, sliding_window=window, **fields)
 

@@ -23,6 +23,7 @@ def _adapters_loaded_before_pytester():
     with attnprobe.capture(attn):
         attn(torch.randn(1, 2, 8))
 
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -88,55 +89,64 @@ def test_readme_failure_output_is_what_pytest_prints(pytester):
     shown = readme_failure_output()
     out = result.outlines
     start = out.index(shown[0])
-    assert without_numbers(out[start:start + len(shown)]) == without_numbers(shown)
+    assert without_numbers(out[start : start + len(shown)]) == without_numbers(shown)
 
 
 def test_failure_names_check_layer_head_and_positions(pytester):
     pytester.makepyfile(test_leaky=FAILING)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([
-        ">       assert_attention(cap, causal=True)",
-        "E       attnprobe.InvariantError: 8 error(s), 0 other finding(s) in 1 record(s); *",
-        "E         causal: 8 errors in layer(s) 0",
-        "E       check * severity * where * queries * keys * count * worst * message",
-        "E       causal * error * layer 0 head 0 batch 0 * 0,1,2,3 * 1,2,3,4 * 4 * weight on 4 key(s) after the "
-        "query's position (max *; declared causal=True)*",
-        "*- attnprobe captures -*",
-        "<Capture of LeakyDecoder: 1 record(s), layers [[]0], * bytes>",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            ">       assert_attention(cap, causal=True)",
+            "E       attnprobe.InvariantError: 8 error(s), 0 other finding(s) in 1 record(s); *",
+            "E         causal: 8 errors in layer(s) 0",
+            "E       check * severity * where * queries * keys * count * worst * message",
+            "E       causal * error * layer 0 head 0 batch 0 * 0,1,2,3 * 1,2,3,4 * 4 * weight on 4 key(s) after the "
+            "query's position (max *; declared causal=True)*",
+            "*- attnprobe captures -*",
+            "<Capture of LeakyDecoder: 1 record(s), layers [[]0], * bytes>",
+        ]
+    )
     # the traceback stops at the test's own line: attnprobe's frames are hidden
     assert "probe/checks.py" not in result.stdout.str() and "pytest_plugin.py" not in result.stdout.str()
 
 
 def test_assert_attention_without_captures_fails_clearly(pytester):
-    pytester.makepyfile(test_usage="""
+    pytester.makepyfile(
+        test_usage="""
 def test_without_the_capture_fixture(assert_attention):
     assert_attention()
 
 
 def test_nothing_captured(attnprobe_capture, assert_attention):
     assert_attention()
-""")
+"""
+    )
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=2)
-    result.stdout.fnmatch_lines([
-        "*UsageError: assert_attention() without a capture checks the captures of the attnprobe_capture fixture*",
-        "E       attnprobe.InvariantError: 0 error(s), 0 other finding(s) in 0 record(s); * NOTHING WAS VERIFIED",
-        "*AttnprobeWarning: nothing to check*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*UsageError: assert_attention() without a capture checks the captures of the attnprobe_capture fixture*",
+            "E       attnprobe.InvariantError: 0 error(s), 0 other finding(s) in 0 record(s); * NOTHING WAS VERIFIED",
+            "*AttnprobeWarning: nothing to check*",
+        ]
+    )
 
 
 def test_assert_attention_takes_the_capture_by_keyword(pytester):
-    pytester.makepyfile(test_keyword=FAILING.replace("assert_attention(cap, causal=True)",
-                                                     "assert_attention(cap=cap, causal=True)"))
+    pytester.makepyfile(
+        test_keyword=FAILING.replace("assert_attention(cap, causal=True)", "assert_attention(cap=cap, causal=True)")
+    )
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["E       attnprobe.InvariantError: 8 error(s), 0 other finding(s) in 1 record(s); *"])
 
 
 def test_every_capture_of_the_test_is_checked(pytester):
-    pytester.makepyfile(test_all=FAILING + '''
+    pytester.makepyfile(
+        test_all=FAILING
+        + """
 
 def test_two_modules(attnprobe_capture, assert_attention):
     torch.manual_seed(0)
@@ -149,7 +159,8 @@ def test_two_modules(attnprobe_capture, assert_attention):
         leaky(x)
     assert len(attnprobe_capture.records()) == 2
     assert_attention(causal=True)
-''')
+"""
+    )
     result = pytester.runpytest("-p", "no:cacheprovider", "-k", "two_modules")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["E       attnprobe.InvariantError: 8 error(s), 0 other finding(s) in 2 record(s); *"])

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from checks_helpers import BuggyAttention, causal_allowed, capture_one, reference_record
+from checks_helpers import BuggyAttention, capture_one, causal_allowed, reference_record
 
 import attnprobe
 from attnprobe import AttentionRecord, CheckResult, InvariantError, MultiHeadAttention, Violation
@@ -22,14 +22,18 @@ PAD = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # left padding in 
 
 
 def qkv(heads=H, kv=KV, tokens=T, dtype=torch.float32):
-    return (torch.randn(B, heads, tokens, D, dtype=dtype), torch.randn(B, kv, tokens, D, dtype=dtype),
-            torch.randn(B, kv, tokens, D, dtype=dtype))
+    return (
+        torch.randn(B, heads, tokens, D, dtype=dtype),
+        torch.randn(B, kv, tokens, D, dtype=dtype),
+        torch.randn(B, kv, tokens, D, dtype=dtype),
+    )
 
 
 def causal_record(**kw) -> AttentionRecord:
     q, k, v = qkv()
-    return reference_record(q, k, v, allowed=causal_allowed(B, T, T, padding=PAD), causal=True,
-                            query_padding=PAD == 0, **kw)
+    return reference_record(
+        q, k, v, allowed=causal_allowed(B, T, T, padding=PAD), causal=True, query_padding=PAD == 0, **kw
+    )
 
 
 def error_checks(result) -> set[str]:
@@ -95,8 +99,7 @@ def test_position_bias_and_softcap_live_in_the_scores():
 def test_eager_uniform_rows_without_query_padding_are_left_out():
     """Eager's finfo.min mask gives padded rows with no allowed key uniform weights over forbidden keys."""
     q, k, v = qkv()
-    rec = reference_record(q, k, v, allowed=causal_allowed(B, T, T, padding=PAD), causal=True,
-                           uniform_empty_rows=True)
+    rec = reference_record(q, k, v, allowed=causal_allowed(B, T, T, padding=PAD), causal=True, uniform_empty_rows=True)
     assert torch.allclose(rec.weights[0, :, 0], torch.full((H, T), 1 / T))
     result = attnprobe.check(rec)
     assert result.ok
@@ -109,13 +112,15 @@ def test_eager_uniform_rows_without_query_padding_are_left_out():
 
 def test_kv_cache_decode_step_uses_the_query_offset():
     q, k, v = qkv()
-    step = reference_record(q[:, :, 5:], k, v, allowed=causal_allowed(B, 1, T, offset=5, padding=PAD), causal=True,
-                            query_offset=5, step=3)
+    step = reference_record(
+        q[:, :, 5:], k, v, allowed=causal_allowed(B, 1, T, offset=5, padding=PAD), causal=True, query_offset=5, step=3
+    )
     result = attnprobe.check(step, causal=True, attention_mask=PAD)
     assert result.violations == () and result.coverage["causal"] == result.coverage["padding"] == 1
     # a two-query step (speculative decoding) whose mask lets query 4 see key 5
-    leaky = reference_record(q[:, :, 4:], k, v, allowed=causal_allowed(B, 2, T, offset=5, padding=PAD),
-                             causal=True, query_offset=4, step=2)
+    leaky = reference_record(
+        q[:, :, 4:], k, v, allowed=causal_allowed(B, 2, T, offset=5, padding=PAD), causal=True, query_offset=4, step=2
+    )
     causal = [v for v in attnprobe.check(leaky).errors if v.check == "causal"]
     assert causal and all(v.queries == (4,) and v.keys == (5,) and v.step == 2 for v in causal)
     assert "step 2" in causal[0].where()
@@ -142,22 +147,37 @@ def test_right_padding_without_query_padding_is_not_a_shifted_mask():
 
 def test_declared_mask_longer_than_a_cache_step_is_sliced():
     q, k, v = qkv()
-    prefix = reference_record(q[:, :, :4], k[:, :, :4], v[:, :, :4],
-                              allowed=causal_allowed(B, 4, 4, padding=PAD[:, :4]), causal=True)
+    prefix = reference_record(
+        q[:, :, :4], k[:, :, :4], v[:, :, :4], allowed=causal_allowed(B, 4, 4, padding=PAD[:, :4]), causal=True
+    )
     assert attnprobe.check(prefix, causal=True, attention_mask=PAD).coverage["padding"] == 1
 
 
 def test_sliding_window_is_checked_with_causality():
     q, k, v = qkv()
-    good = reference_record(q, k, v, allowed=causal_allowed(B, T, T, window=3, padding=PAD), causal=True,
-                            sliding_window=3, query_padding=PAD == 0)
+    good = reference_record(
+        q,
+        k,
+        v,
+        allowed=causal_allowed(B, T, T, window=3, padding=PAD),
+        causal=True,
+        sliding_window=3,
+        query_padding=PAD == 0,
+    )
     assert attnprobe.check(good, causal=True, attention_mask=PAD).violations == ()
     leak = replace(good, weights=causal_record().weights, output=None, scores=None)
     windows = [v for v in attnprobe.check(leak, causal=True).errors if "sliding window of 3" in v.message]
     assert windows and {v.keys for v in windows if v.batch == 1} == {(0, 1, 2)}
     # a decode step against a sliding-window cache that dropped old keys: the queries are the last keys
-    compressed = reference_record(q[:, :, 5:], k[:, :, 3:], v[:, :, 3:], allowed=torch.ones(B, 1, 1, 3, dtype=torch.bool),
-                                  causal=True, query_offset=5, sliding_window=3)
+    compressed = reference_record(
+        q[:, :, 5:],
+        k[:, :, 3:],
+        v[:, :, 3:],
+        allowed=torch.ones(B, 1, 1, 3, dtype=torch.bool),
+        causal=True,
+        query_offset=5,
+        sliding_window=3,
+    )
     assert attnprobe.check(compressed, causal=True).ok
 
 
@@ -165,15 +185,38 @@ def test_cpu_sdpa_zero_rows_and_stitched_generation_records_pass():
     attn = MultiHeadAttention(8, num_heads=2, causal=True)
     cap = capture_one(attn, torch.randn(2, 6, 8), attention_mask=PAD)
     full = cap[0]
-    steps = [replace(full, step=0, query_offset=0, q=full.q[:, :, :3], k=full.k[:, :, :3], v=full.v[:, :, :3],
-                     scores=full.scores[:, :, :3, :3], weights=full.weights[:, :, :3, :3],
-                     output=full.output[:, :, :3], allowed=full.allowed[:, :, :3, :3],
-                     query_padding=full.query_padding[:, :3])]
+    steps = [
+        replace(
+            full,
+            step=0,
+            query_offset=0,
+            q=full.q[:, :, :3],
+            k=full.k[:, :, :3],
+            v=full.v[:, :, :3],
+            scores=full.scores[:, :, :3, :3],
+            weights=full.weights[:, :, :3, :3],
+            output=full.output[:, :, :3],
+            allowed=full.allowed[:, :, :3, :3],
+            query_padding=full.query_padding[:, :3],
+        )
+    ]
     for t in range(3, 6):
-        steps.append(replace(full, step=t - 2, call=t - 2, query_offset=t, q=full.q[:, :, t:t + 1],
-                             k=full.k[:, :, :t + 1], v=full.v[:, :, :t + 1], scores=full.scores[:, :, t:t + 1, :t + 1],
-                             weights=full.weights[:, :, t:t + 1, :t + 1], output=full.output[:, :, t:t + 1],
-                             allowed=full.allowed[:, :, t:t + 1, :t + 1], query_padding=full.query_padding[:, t:t + 1]))
+        steps.append(
+            replace(
+                full,
+                step=t - 2,
+                call=t - 2,
+                query_offset=t,
+                q=full.q[:, :, t : t + 1],
+                k=full.k[:, :, : t + 1],
+                v=full.v[:, :, : t + 1],
+                scores=full.scores[:, :, t : t + 1, : t + 1],
+                weights=full.weights[:, :, t : t + 1, : t + 1],
+                output=full.output[:, :, t : t + 1],
+                allowed=full.allowed[:, :, t : t + 1, : t + 1],
+                query_padding=full.query_padding[:, t : t + 1],
+            )
+        )
     assert attnprobe.check(attnprobe.Capture(steps), causal=True, attention_mask=PAD).violations == ()
     stitched = attnprobe.stitch(attnprobe.Capture(steps))
     assert stitched[0].scores.isnan().any()  # keys not computed yet at a step
@@ -193,9 +236,25 @@ def test_bf16_eager_with_weights_recomputed_in_fp32_is_not_a_false_positive():
     scores = (q.float() @ k_h.float().transpose(-2, -1)) * D**-0.5
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     rec = AttentionRecord(
-        name="attn", layer=0, call=0, kind="self", num_heads=H, num_kv_heads=KV, heads=tuple(range(H)),
-        kv_heads=(0, 1), q=q, k=k, v=v, scores=scores.bfloat16(), weights=weights.bfloat16(), output=eager_output,
-        allowed=allowed, query_padding=PAD == 0, causal=True, dtype=torch.bfloat16, backend="eager",
+        name="attn",
+        layer=0,
+        call=0,
+        kind="self",
+        num_heads=H,
+        num_kv_heads=KV,
+        heads=tuple(range(H)),
+        kv_heads=(0, 1),
+        q=q,
+        k=k,
+        v=v,
+        scores=scores.bfloat16(),
+        weights=weights.bfloat16(),
+        output=eager_output,
+        allowed=allowed,
+        query_padding=PAD == 0,
+        causal=True,
+        dtype=torch.bfloat16,
+        backend="eager",
         weights_source="recomputed",
     )
     result = attnprobe.check(rec, causal=True, attention_mask=PAD)
@@ -269,11 +328,17 @@ def test_empty_capture_warns_and_verifies_nothing():
         ({"attention_mask": torch.ones(3, 6)}, ValueError, r"attention_mask has batch 3 but the records have batch 2"),
         ({"attention_mask": torch.ones(2, 4)}, ValueError, r"shape \(2, 4\) fits none of the 1 record.*\(2, 6\)"),
         ({"attention_mask": torch.randint(3, 50, (2, 6))}, ValueError, r"got values .*not input_ids"),
-        ({"attention_mask": torch.zeros(2, 6).masked_fill(PAD == 0, float("-inf"))}, ValueError,
-         "got values -inf, 0.*additive mask"),
+        (
+            {"attention_mask": torch.zeros(2, 6).masked_fill(PAD == 0, float("-inf"))},
+            ValueError,
+            "got values -inf, 0.*additive mask",
+        ),
         ({"attention_mask": "1 1 0"}, TypeError, r"attention_mask must be the input padding mask.*got a str"),
-        ({"attention_mask": {"input_ids": torch.ones(2, 6), "attention_mask": torch.ones(2, 6)}}, TypeError,
-         r"tokenizer's output: pass inputs\['attention_mask'\]"),
+        (
+            {"attention_mask": {"input_ids": torch.ones(2, 6), "attention_mask": torch.ones(2, 6)}},
+            TypeError,
+            r"tokenizer's output: pass inputs\['attention_mask'\]",
+        ),
         ({"attention_mask": torch.ones(2, 6, dtype=torch.complex64)}, TypeError, "got dtype torch.complex64"),
         ({"attention_mask": {"dec": torch.ones(2, 6)}}, TypeError, "integer layer numbers"),
         ({"attention_mask": {0: torch.full((2, 6), 2)}}, ValueError, r"attention_mask\[0\] must hold 1"),
@@ -301,7 +366,9 @@ def test_well_formed_masks_of_every_kind_are_accepted():
 
 
 def test_declarations_for_layers_no_record_has_warn():
-    with pytest.warns(attnprobe.AttnprobeWarning, match=r"attention_mask was declared for layer\(s\) \[3\].*layers \[0\]"):
+    with pytest.warns(
+        attnprobe.AttnprobeWarning, match=r"attention_mask was declared for layer\(s\) \[3\].*layers \[0\]"
+    ):
         attnprobe.check(causal_record(), attention_mask={0: PAD, 3: PAD})
     with pytest.warns(attnprobe.AttnprobeWarning, match=r"causal was declared for layer\(s\) \[1, 2\]"):
         attnprobe.check(causal_record(), causal={1: True, 2: True})
@@ -313,16 +380,30 @@ def test_declarations_for_layers_no_record_has_warn():
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda r: {"weights": r.weights[:, :, :5]}, r"the query sizes disagree \(6 in q, scores, output, allowed, "
-         r"query_padding; 5 in weights\)"),
-        (lambda r: {"scores": r.scores[..., :4]}, r"the key sizes disagree \(6 in k, v, weights, allowed; 4 in scores\)"),
-        (lambda r: {"weights": r.weights[:, :2], "output": r.output[:, :2]},
-         r"the heads sizes disagree \(4 in heads, q, scores; 2 in weights, output\)"),
-        (lambda r: {"v": r.v[:1]}, r"the batch sizes disagree \(2 in q, k, scores, weights, output, allowed, "
-         r"query_padding; 1 in v\)"),
+        (
+            lambda r: {"weights": r.weights[:, :, :5]},
+            r"the query sizes disagree \(6 in q, scores, output, allowed, "
+            r"query_padding; 5 in weights\)",
+        ),
+        (
+            lambda r: {"scores": r.scores[..., :4]},
+            r"the key sizes disagree \(6 in k, v, weights, allowed; 4 in scores\)",
+        ),
+        (
+            lambda r: {"weights": r.weights[:, :2], "output": r.output[:, :2]},
+            r"the heads sizes disagree \(4 in heads, q, scores; 2 in weights, output\)",
+        ),
+        (
+            lambda r: {"v": r.v[:1]},
+            r"the batch sizes disagree \(2 in q, k, scores, weights, output, allowed, "
+            r"query_padding; 1 in v\)",
+        ),
         (lambda r: {"weights": r.weights[0]}, r"weights has shape \(4, 6, 6\), expected \(batch, heads, query, key\)"),
         (lambda r: {"k": r.k[..., :4]}, r"the d_qk sizes disagree \(8 in q; 4 in k\)"),
-        (lambda r: {"sinks": torch.zeros(3)}, r"the heads sizes disagree \(4 in heads, q, scores, weights, output; 3 in sinks\)"),
+        (
+            lambda r: {"sinks": torch.zeros(3)},
+            r"the heads sizes disagree \(4 in heads, q, scores, weights, output; 3 in sinks\)",
+        ),
         (lambda r: {"query_padding": [[False] * 6] * 2}, r"query_padding is a list, not a tensor"),
     ],
 )
@@ -365,7 +446,7 @@ def test_tolerance_follows_the_coarsest_dtype():
     assert tolerance(torch.float32).atol < tolerance(torch.float16).atol < tolerance(torch.bfloat16).atol
     assert tolerance(torch.float32, torch.bfloat16) == tolerance(torch.bfloat16)
     assert tolerance(torch.float32, atol=0.5).forbidden == 0.5 and tolerance(torch.float32).forbidden == 1e-6
-    assert tolerance(torch.bfloat16).row_sum == pytest.approx(4e-3 + 2 ** -7)  # atol + 2 * unit roundoff
+    assert tolerance(torch.bfloat16).row_sum == pytest.approx(4e-3 + 2**-7)  # atol + 2 * unit roundoff
 
 
 # --------------------------------------------------------------------------- result object
@@ -399,8 +480,10 @@ def test_table_names_the_module_of_each_layer():
     w[1, :, 0, 1] = 0.5  # query 0 puts weight on key 1
     records = [replace(leaky, weights=w, output=None, scores=None, layer=i, name=f"blocks.{i}.attn") for i in range(8)]
     table = attnprobe.check(records, checks=["causal"]).table()
-    assert ("  causal: 32 errors in layer(s) 0 (blocks.0.attn), 1 (blocks.1.attn), 2 (blocks.2.attn), "
-            "3 (blocks.3.attn), 4 (blocks.4.attn), 5 (blocks.5.attn), ... (8 layers)") in table.splitlines()
+    assert (
+        "  causal: 32 errors in layer(s) 0 (blocks.0.attn), 1 (blocks.1.attn), 2 (blocks.2.attn), "
+        "3 (blocks.3.attn), 4 (blocks.4.attn), 5 (blocks.5.attn), ... (8 layers)"
+    ) in table.splitlines()
 
 
 def test_many_broken_batch_rows_are_summed_per_head():
@@ -444,7 +527,9 @@ def test_checking_in_row_chunks_gives_the_same_result(bug, monkeypatch):
 
     torch.manual_seed(0)
     attn = BuggyAttention(8, num_heads=2, causal=True, bug=bug)
-    cap = capture_one(attn, torch.randn(3, 9, 8), attention_mask=torch.tensor([[0, 0] + [1] * 7, [1] * 9, [1] * 7 + [0] * 2]))
+    cap = capture_one(
+        attn, torch.randn(3, 9, 8), attention_mask=torch.tensor([[0, 0] + [1] * 7, [1] * 9, [1] * 7 + [0] * 2])
+    )
     whole = [attnprobe.check(cap), attnprobe.check(cap, causal=False)]
     monkeypatch.setattr(checks, "CHUNK_ELEMENTS", 3 * 2 * 9 * 2)  # two query rows per chunk
     chunked = [attnprobe.check(cap), attnprobe.check(cap, causal=False)]

@@ -17,6 +17,7 @@ def registered():
             register(name, **kwargs)(fn)
             added.append(name)
             return fn
+
         return decorate
 
     yield add
@@ -32,7 +33,7 @@ def _capture():
 
 
 def test_builtin_checks_are_the_registry_in_order_with_docs_and_severity():
-    assert CHECKS == tuple(REGISTRY)[: len(CHECKS)]
+    assert tuple(REGISTRY)[: len(CHECKS)] == CHECKS
     assert CHECKS[0] == "finite" and CHECKS[-1] == "empty_rows"
     assert {n: REGISTRY[n].doc for n in CHECKS} == CHECK_DESCRIPTIONS
     assert REGISTRY["empty_rows"].severity == "info" and REGISTRY["causal"].severity == "error"

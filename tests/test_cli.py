@@ -99,7 +99,9 @@ def test_report_png_and_folder(cli, tmp_path):
     result = cli("report", TINY, *IDS, "--format", "all", "--out", "out", "--layers", "0", "--batch", "1")
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["heads.png", "report.html", "summary.png"]
-    assert result.output.splitlines() == [f"wrote {Path('out') / n}" for n in ("report.html", "heads.png", "summary.png")]
+    assert result.output.splitlines() == [
+        f"wrote {Path('out') / n}" for n in ("report.html", "heads.png", "summary.png")
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -187,7 +189,10 @@ def test_check_and_report_declare_the_input_padding(cli, tmp_path):
     "args, message",
     [
         (["info", "./no/such/model"], "model path 'no/such/model' does not exist"),
-        (["info", "google-bert/bert-base-uncased"], "does not exist (attnprobe reads local folders only and never downloads"),
+        (
+            ["info", "google-bert/bert-base-uncased"],
+            "does not exist (attnprobe reads local folders only and never downloads",
+        ),
         (["info", "cli_factories:nope"], "has no attribute 'nope'"),
         (["info", "no_such_module:factory"], "cannot import 'no_such_module'"),
         (["info", "cli_factories:broken"], "raised RuntimeError: the checkpoint is missing"),
@@ -307,10 +312,13 @@ def test_unavailable_device_is_exit_two(cli):
     assert line.startswith("attnprobe: error: cannot use device 'cuda:0'")
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--max-bytes", "1KB"], "select fewer layers (--layers) or heads (--heads), or raise --max-bytes"),
-    (["--layers", "7"], "`attnprobe info` lists them"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--max-bytes", "1KB"], "select fewer layers (--layers) or heads (--heads), or raise --max-bytes"),
+        (["--layers", "7"], "`attnprobe info` lists them"),
+    ],
+)
 def test_selection_errors_give_advice_in_command_line_terms(cli, args, says):
     # the library's advice names Python arguments (keep=('weights',), dtype=torch.float16, attention_modules(model))
     for command in ("report", "check"):
@@ -340,11 +348,19 @@ def test_installed_console_script(tmp_path):
     exe = shutil.which("attnprobe", path=os.path.dirname(sys.executable)) or shutil.which("attnprobe")
     assert exe, "the attnprobe console script is not installed"
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    done = subprocess.run([exe, "check", TINY, "--ids", "1 2 3", "--format", "json"], capture_output=True,
-                          text=True, cwd=tmp_path, env=env, timeout=300)
+    done = subprocess.run(
+        [exe, "check", TINY, "--ids", "1 2 3", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ok"] is True
-    done = subprocess.run([exe, "info", "./missing"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    done = subprocess.run(
+        [exe, "info", "./missing"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
     assert done.returncode == 2 and done.stderr.strip() == "attnprobe: error: model path 'missing' does not exist"
     version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300)
     assert version.stdout.startswith("attnprobe, version")
@@ -363,10 +379,22 @@ def hf_dirs(tmp_path_factory):
     torch.manual_seed(0)
     small = dict(vocab_size=tokenizer.vocab_size)
     models = {
-        "bert": BertModel(BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, **small)),
-        "bart": BartModel(BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
-                                     pad_token_id=tokenizer.pad_token_id, **small)),
+        "bert": BertModel(
+            BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, **small)
+        ),
+        "bart": BartModel(
+            BartConfig(
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=32,
+                decoder_ffn_dim=32,
+                pad_token_id=tokenizer.pad_token_id,
+                **small,
+            )
+        ),
     }
     for name, model in models.items():
         model.save_pretrained(root / name)
@@ -382,8 +410,16 @@ def vit_dir(tmp_path_factory):
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("models") / "vit"
-    ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                       image_size=16, patch_size=8)).save_pretrained(path)
+    ViTModel(
+        ViTConfig(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            image_size=16,
+            patch_size=8,
+        )
+    ).save_pretrained(path)
     return path
 
 
@@ -431,8 +467,14 @@ def test_hf_encoder_decoder_declares_masks_per_layer(cli, hf_dirs):
     from attnprobe.probe.commandline import loading
 
     net, tokenizer, source = loading.load_model(str(hf_dirs / "bart"))
-    work = loading.build_workload(net, tokenizer, source, texts=["hello world", "a much longer input text"],
-                                  decoder_texts=["bonjour", "a longer decoder input"], ids=[])
+    work = loading.build_workload(
+        net,
+        tokenizer,
+        source,
+        texts=["hello world", "a much longer input text"],
+        decoder_texts=["bonjour", "a longer decoder input"],
+        ids=[],
+    )
     _, cap = __import__("attnprobe").run(work.model, work.inputs)
     stacks = {r.layer: (r.meta.get("stack"), r.kind) for r in cap}
     assert stacks == {0: ("encoder", "self"), 1: ("decoder", "self"), 2: ("decoder", "cross")}
@@ -442,8 +484,16 @@ def test_hf_encoder_decoder_declares_masks_per_layer(cli, hf_dirs):
     assert masks[1] is work.inputs["decoder_attention_mask"]
     assert not work.inputs["attention_mask"].all() and not work.inputs["decoder_attention_mask"].all()  # padded
     assert declarations(work, cap, causal=False)[0] == {1: False}  # the decoder only: the encoder is bidirectional
-    args = ("--text", "hello world", "--text", "a much longer input text",
-            "--decoder-text", "bonjour", "--decoder-text", "a longer decoder input")
+    args = (
+        "--text",
+        "hello world",
+        "--text",
+        "a much longer input text",
+        "--decoder-text",
+        "bonjour",
+        "--decoder-text",
+        "a longer decoder input",
+    )
     assert cli("check", hf_dirs / "bart", *args, "--causal").exit_code == 0  # not held against the encoder
     declared_bidirectional = cli("check", hf_dirs / "bart", *args, "--no-causal", "--checks", "causal")
     assert declared_bidirectional.exit_code == 1 and "layer 1 " in declared_bidirectional.output

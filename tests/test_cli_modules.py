@@ -6,9 +6,9 @@ import json
 
 import pandas as pd
 import pytest
+from test_cli import cli, one_line_error  # noqa: F401  (the fixture)
 
 from attnprobe.probe.commandline.candidates import softmax_modules
-from test_cli import cli, one_line_error  # noqa: F401  (the fixture)
 
 NANO = "cli_factories:nanogpt"
 
@@ -52,8 +52,18 @@ def test_check_reads_hand_written_attention_with_modules(cli, modules):
 
 def test_check_with_modules_finds_the_planted_bug(cli):
     # mask_eq_1 masks the past instead of the future: the declared causality fails
-    result = cli("check", "cli_factories:nanogpt_masks_the_past", "--ids", "1 2 3 4", "-q", "--modules", "h.0,h.1",
-                 "--causal", "--format", "json")
+    result = cli(
+        "check",
+        "cli_factories:nanogpt_masks_the_past",
+        "--ids",
+        "1 2 3 4",
+        "-q",
+        "--modules",
+        "h.0,h.1",
+        "--causal",
+        "--format",
+        "json",
+    )
     assert result.exit_code == 1, result.output
     assert {v["check"] for v in json.loads(result.output)["violations"]} >= {"causal"}
 
@@ -84,7 +94,6 @@ def test_padding_a_model_without_attention_mask_is_refused(cli):
 
 def test_softmax_modules_follows_a_helper_function_and_skips_library_code():
     import torch
-
     from wild_models import MultiHeadedAttention
 
     model = torch.nn.Sequential(MultiHeadedAttention(), torch.nn.MultiheadAttention(8, 2), torch.nn.Softmax(-1))

@@ -29,13 +29,29 @@ def _hf(name: str):
     transformers = pytest.importorskip("transformers")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if name == "gpt2":
-        config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
-                                         use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = transformers.GPT2Config(
+            n_embd=16,
+            n_layer=2,
+            n_head=4,
+            vocab_size=100,
+            n_positions=32,
+            use_cache=False,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = transformers.GPT2LMHeadModel._from_config(config)
     else:
-        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100,
-                                          use_cache=False)
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=100,
+            use_cache=False,
+        )
         model = transformers.LlamaForCausalLM._from_config(config)
     ids = torch.randint(3, 100, (2, 7))
     mask = torch.ones(2, 7, dtype=torch.long)
@@ -50,8 +66,9 @@ def make(case: str):
         return _hf(case)
     x = torch.randn(2, 5, 16)
     if case == "own":
-        model = nn.Sequential(attnprobe.MultiHeadAttention(16, num_heads=4, causal=True),
-                              attnprobe.MultiHeadAttention(16, num_heads=4))
+        model = nn.Sequential(
+            attnprobe.MultiHeadAttention(16, num_heads=4, causal=True), attnprobe.MultiHeadAttention(16, num_heads=4)
+        )
         return model, (x,), {}
     layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), (x,), {}
@@ -80,10 +97,12 @@ def compiled_or_skip(model, args, kwargs, backend: str, grad: bool):
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     try:
         plain = step(compiled, args, kwargs, grad)
-    except Exception as exc:  # noqa: BLE001 - the precondition, not the subject of the test
+    except Exception as exc:
         if not isinstance(model, attnprobe.MultiHeadAttention) and "transformers" in type(model).__module__:
-            pytest.skip(f"torch {torch.__version__} cannot compile {type(model).__name__} of this transformers "
-                        f"release, without any capture ({type(exc).__name__})")
+            pytest.skip(
+                f"torch {torch.__version__} cannot compile {type(model).__name__} of this transformers "
+                f"release, without any capture ({type(exc).__name__})"
+            )
         raise
     return compiled, plain
 
@@ -150,8 +169,10 @@ def test_twenty_alternating_steps_compile_once(case):
     """Captured and plain training steps alternate: the first capture compiles the graph once, every later capture
     and plain step finds its graph in Dynamo's cache, and each output is bitwise that of the graph compiled before."""
     if OLD_TORCH and case in ("own", "mha"):
-        pytest.xfail("torch 2.6 guards on the ids of keyword forward hooks: each capture compiles once more, and the "
-                     "ninth reaches Dynamo's cache_size_limit")
+        pytest.xfail(
+            "torch 2.6 guards on the ids of keyword forward hooks: each capture compiles once more, and the "
+            "ninth reaches Dynamo's cache_size_limit"
+        )
     model, args, kwargs = make(case)
     model.train()
     compiled, plain = compiled_or_skip(model, args, kwargs, counting, True)

@@ -77,8 +77,11 @@ def fake_session(**selection) -> tuple[CaptureSession, _Fake]:
 
 def sink_values(B=2, H=4, Hkv=2, T=5):
     return dict(
-        q=torch.randn(B, H, T, 8), k=torch.randn(B, Hkv, T, 8), weights=torch.rand(B, H, T, T),
-        allowed=torch.ones(B, 1, T, T, dtype=torch.bool), sinks=torch.randn(H, dtype=torch.float64),
+        q=torch.randn(B, H, T, 8),
+        k=torch.randn(B, Hkv, T, 8),
+        weights=torch.rand(B, H, T, T),
+        allowed=torch.ones(B, 1, T, T, dtype=torch.bool),
+        sinks=torch.randn(H, dtype=torch.float64),
     )
 
 
@@ -121,7 +124,9 @@ def test_lazy_view_is_copied_so_the_record_shares_no_memory():
     base = torch.randn(1, 4, 5, 5)
     session, adapter = fake_session(keep=["weights"])
     with session as cap:
-        adapter.session.emit(adapter.site, kind="self", weights=Lazy((1, 4, 5, 5), torch.float32, lambda: base.view(1, 4, 5, 5)))
+        adapter.session.emit(
+            adapter.site, kind="self", weights=Lazy((1, 4, 5, 5), torch.float32, lambda: base.view(1, 4, 5, 5))
+        )
     assert cap[0].weights.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     torch.testing.assert_close(cap[0].weights, base)
 
@@ -269,11 +274,18 @@ class _BigFloats(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
+        inputs = {
+            a.untyped_storage().data_ptr()
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if (isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel() >= self.numel
-                    and t.untyped_storage().data_ptr() not in inputs):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dtype.is_floating_point
+                and t.numel() >= self.numel
+                and t.untyped_storage().data_ptr() not in inputs
+            ):
                 self.count += 1
         return out
 
@@ -342,10 +354,15 @@ def test_hf_weights_only_capture_adds_the_mask_to_the_logits_in_place():
     with torch.no_grad():
         with _BigFloats(B * 2 * T * T) as plain:
             model(ids)
-        with _BigFloats(B * 2 * T * T) as seen, attnprobe.capture(model, layers=[0], heads=[0, 1], keep="weights") as cap:
+        with (
+            _BigFloats(B * 2 * T * T) as seen,
+            attnprobe.capture(model, layers=[0], heads=[0, 1], keep="weights") as cap,
+        ):
             model(ids)
-        with _BigFloats(B * 2 * T * T) as seen_both, attnprobe.capture(model, layers=[0], heads=[0, 1],
-                                                                       keep=["scores", "weights"]) as both:
+        with (
+            _BigFloats(B * 2 * T * T) as seen_both,
+            attnprobe.capture(model, layers=[0], heads=[0, 1], keep=["scores", "weights"]) as both,
+        ):
             model(ids)
     # the logits, the softmax written into them (issue 22: once two, the softmax a tensor of its own)
     assert seen.count - plain.count == 1

@@ -75,11 +75,17 @@ def test_two_captures_of_one_model_may_nest(model, assert_no_hooks):
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"layers": [-4]}, r"layer -4 is out of range: the model has 3 attention layer\(s\), numbered 0 to 2, or -1 to -3"),
+        (
+            {"layers": [-4]},
+            r"layer -4 is out of range: the model has 3 attention layer\(s\), numbered 0 to 2, or -1 to -3",
+        ),
         ({"layers": [-1, -9]}, "layer -9 is out of range"),
         ({"heads": {5: [0]}}, "layer 5 is out of range"),
         ({"heads": {-4: [0]}}, "layer -4 is out of range"),
-        ({"layers": [0], "heads": {1: [0]}}, r"heads=\{\.\.\.\} names layer\(s\) \[1\] that layers=\[0\] does not select"),
+        (
+            {"layers": [0], "heads": {1: [0]}},
+            r"heads=\{\.\.\.\} names layer\(s\) \[1\] that layers=\[0\] does not select",
+        ),
         ({"heads": {2: [0], -1: [1]}}, "names layer 2 twice with different heads"),
         ({"heads": {"0": [1]}}, r"keys of heads=\{layer: heads\} must be layer numbers"),
         ({"heads": {(0, 1): [1]}}, r"keys of heads=\{layer: heads\} must be layer numbers"),

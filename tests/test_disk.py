@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import subprocess
@@ -14,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import attnprobe
-from attnprobe.probe.outputs import disk
 from hf_helpers import build, inputs
 from reports_helpers import Stack, cross_capture, generation_capture, stack_capture, words
 from torch_helpers import Head
+
+import attnprobe
+from attnprobe.probe.outputs import disk
 
 
 def assert_same_record(a, b):
@@ -93,8 +92,9 @@ def test_cross_attention_and_generation_steps_round_trip(assert_no_hooks, tmp_pa
 
 def test_selected_heads_and_dtypes_round_trip(assert_no_hooks, tmp_path):
     model = Stack().eval()
-    _, cap = attnprobe.run(model, torch.randn(2, 7, 12), heads={0: [2, 0], 2: None}, dtype=torch.bfloat16,
-                           keep=["weights", "q"])
+    _, cap = attnprobe.run(
+        model, torch.randn(2, 7, 12), heads={0: [2, 0], 2: None}, dtype=torch.bfloat16, keep=["weights", "q"]
+    )
     loaded = attnprobe.load(cap.save(tmp_path / "c"))
     assert loaded[0].heads == (2, 0) and loaded[0].weights.dtype == torch.bfloat16 and loaded[0].k is None
     assert_same_capture(cap, loaded, tokens=words(7))

@@ -28,10 +28,10 @@ def ci_block(text: str, name: str) -> str | None:
     lines = text.splitlines()
     if f"<!-- ci:{name} -->" not in lines:
         return None
-    rest = lines[lines.index(f"<!-- ci:{name} -->") + 1:]
+    rest = lines[lines.index(f"<!-- ci:{name} -->") + 1 :]
     start = next(i for i, line in enumerate(rest) if line.startswith("```"))
-    end = next(i for i, line in enumerate(rest[start + 1:], start + 1) if line.startswith("```"))
-    return "\n".join(rest[start + 1:end])
+    end = next(i for i, line in enumerate(rest[start + 1 :], start + 1) if line.startswith("```"))
+    return "\n".join(rest[start + 1 : end])
 
 
 def test_readme_is_a_first_screen_with_the_blocks_ci_runs():
@@ -77,7 +77,10 @@ def test_site_builds_strict(tmp_path):
         pytest.skip('mkdocs is not installed: pip install -e ".[docs]" (CI builds the site in .ci/run)')
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()

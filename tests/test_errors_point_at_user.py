@@ -26,25 +26,55 @@ def cap():
 
 # ------------------------------------------------------------------------------------------ wrong arguments
 WRONG = {
-    "save_heatmap(capture)": (lambda cap, tmp: reports.save_heatmap(cap, tmp / "x.png", head=0),
-                              TypeError, "save_heatmap() draws one AttentionRecord, got a Capture"),
+    "save_heatmap(capture)": (
+        lambda cap, tmp: reports.save_heatmap(cap, tmp / "x.png", head=0),
+        TypeError,
+        "save_heatmap() draws one AttentionRecord, got a Capture",
+    ),
     "heatmap(capture)": (lambda cap, tmp: reports.heatmap(cap, head=0), TypeError, "cap.record(0)"),
-    "heatmap(tensor)": (lambda cap, tmp: reports.heatmap(torch.zeros(2), head=0), TypeError,
-                        "draws one AttentionRecord (e.g. cap[0] or cap.record(layer)), got Tensor"),
-    "heatmap(absent head)": (lambda cap, tmp: reports.heatmap(cap[0], head=5), KeyError,
-                             "head 5 of '<root>' was not captured (layer 0; stored heads: [0, 1])"),
-    "save_grid(record)": (lambda cap, tmp: reports.save_grid(cap[0], tmp / "g.png"), TypeError,
-                          "save_grid() takes a Capture, got one AttentionRecord"),
+    "heatmap(tensor)": (
+        lambda cap, tmp: reports.heatmap(torch.zeros(2), head=0),
+        TypeError,
+        "draws one AttentionRecord (e.g. cap[0] or cap.record(layer)), got Tensor",
+    ),
+    "heatmap(absent head)": (
+        lambda cap, tmp: reports.heatmap(cap[0], head=5),
+        KeyError,
+        "head 5 of '<root>' was not captured (layer 0; stored heads: [0, 1])",
+    ),
+    "save_grid(record)": (
+        lambda cap, tmp: reports.save_grid(cap[0], tmp / "g.png"),
+        TypeError,
+        "save_grid() takes a Capture, got one AttentionRecord",
+    ),
     "head_grid(string)": (lambda cap, tmp: reports.head_grid("cap"), TypeError, "takes an attnprobe.Capture"),
-    "save_summary(record)": (lambda cap, tmp: reports.save_summary(cap[0], tmp / "s.png"), TypeError,
-                             "pass the Capture it came from"),
+    "save_summary(record)": (
+        lambda cap, tmp: reports.save_summary(cap[0], tmp / "s.png"),
+        TypeError,
+        "pass the Capture it came from",
+    ),
     "to_html(record)": (lambda cap, tmp: reports.to_html(cap[0]), TypeError, "expected an attnprobe.Capture"),
-    "check(tensor)": (lambda cap, tmp: attnprobe.check(torch.zeros(3)), TypeError, "takes a Capture, an AttentionRecord"),
-    "record(absent layer)": (lambda cap, tmp: cap.record(3), KeyError, "no record for layer 3, call 0; captured layers: [0]"),
+    "check(tensor)": (
+        lambda cap, tmp: attnprobe.check(torch.zeros(3)),
+        TypeError,
+        "takes a Capture, an AttentionRecord",
+    ),
+    "record(absent layer)": (
+        lambda cap, tmp: cap.record(3),
+        KeyError,
+        "no record for layer 3, call 0; captured layers: [0]",
+    ),
     "select(absent head)": (lambda cap, tmp: cap.select(heads=[9]), KeyError, "stored heads: [0, 1]"),
-    "Capture([int])": (lambda cap, tmp: attnprobe.Capture([cap[0], 1]), TypeError,
-                       "Capture() takes AttentionRecords (e.g. records of another capture), got int at position 1"),
-    "to_frame(tokens=int)": (lambda cap, tmp: cap.to_frame(tokens=3), TypeError, "tokens must be a list of token strings"),
+    "Capture([int])": (
+        lambda cap, tmp: attnprobe.Capture([cap[0], 1]),
+        TypeError,
+        "Capture() takes AttentionRecords (e.g. records of another capture), got int at position 1",
+    ),
+    "to_frame(tokens=int)": (
+        lambda cap, tmp: cap.to_frame(tokens=3),
+        TypeError,
+        "tokens must be a list of token strings",
+    ),
     "to_csv(int path)": (lambda cap, tmp: cap.to_csv(3), TypeError, "path must be a file path"),
     "capture(string)": (lambda cap, tmp: attnprobe.capture("gpt2"), AttnprobeError, "needs a torch.nn.Module, got str"),
 }
@@ -84,7 +114,7 @@ class SameKV(nn.Module):
 
     def forward(self, x):
         q, k = self.q(x), self.k(x)
-        return torch.softmax(q @ k.transpose(-2, -1) / 8 ** 0.5, dim=-1) @ k  # keys as values: lint_same_kv
+        return torch.softmax(q @ k.transpose(-2, -1) / 8**0.5, dim=-1) @ k  # keys as values: lint_same_kv
 
 
 def _captured(model, *args, **options):
@@ -144,16 +174,32 @@ def warn_summary_left_out(cap):
 
 def warn_hf_old_style(cap):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPTNeoConfig(hidden_size=16, num_layers=1, num_heads=4, vocab_size=50,
-                                       attention_types=[[["global"], 1]], max_position_embeddings=16)
+    config = transformers.GPTNeoConfig(
+        hidden_size=16,
+        num_layers=1,
+        num_heads=4,
+        vocab_size=50,
+        attention_types=[[["global"], 1]],
+        max_position_embeddings=16,
+    )
     model = transformers.GPTNeoModel(config).eval()
     with torch.no_grad():
         _captured(model, torch.tensor([[1, 2, 3]]))
 
 
-WARNS = [warn_empty_capture, warn_scripted, warn_mha_subclass, warn_lint, warn_check_empty,
-         warn_assert_invariants_empty, warn_dropout, warn_declared_layer_absent, warn_frame_left_out,
-         warn_summary_left_out, warn_hf_old_style]
+WARNS = [
+    warn_empty_capture,
+    warn_scripted,
+    warn_mha_subclass,
+    warn_lint,
+    warn_check_empty,
+    warn_assert_invariants_empty,
+    warn_dropout,
+    warn_declared_layer_absent,
+    warn_frame_left_out,
+    warn_summary_left_out,
+    warn_hf_old_style,
+]
 
 
 @pytest.mark.parametrize("scenario", WARNS, ids=lambda f: f.__name__)
@@ -167,7 +213,8 @@ def test_every_attnprobe_warning_points_at_the_users_line(scenario, cap):
     ours = [w for w in caught if issubclass(w.category, AttnprobeWarning)]
     assert ours, f"{scenario.__name__} did not warn"
     assert [(Path(w.filename).name, w.lineno > 0) for w in ours] == [(Path(__file__).name, True)] * len(ours), [
-        (w.filename, w.lineno, str(w.message)[:80]) for w in ours]
+        (w.filename, w.lineno, str(w.message)[:80]) for w in ours
+    ]
 
 
 def test_every_attnprobe_warning_goes_through_warn_user():
@@ -179,7 +226,12 @@ def test_every_attnprobe_warning_goes_through_warn_user():
         if relative.as_posix() == "probe/errors.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "warn"
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "warnings"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "warn"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "warnings"
+            ):
                 found.append(f"{relative}:{node.lineno}")
     assert found == []

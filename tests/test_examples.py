@@ -16,22 +16,32 @@ CASES = [
     ("padding_bug.py", [], ["error(s)", "padding", "with attention_mask passed on: ok"], []),
     ("invariant_test.py", [], ["2 passed"], []),
     ("generate_report.py", ["--out", "llama.html"], ["stitched: 2 records of (1, 4, 9, 9)", "wrote"], ["llama.html"]),
-    ("generate_report.py", ["--model", "gpt2", "--out", "gpt2.html"], ["stitched: 2 records of (1, 4, 9, 9)"],
-     ["gpt2.html"]),
-    ("long_context_stats.py", ["--tokens", "2048"],
-     ["entropy of layer 0: shape (1, 4, 2048)", "checks on the statistics: ok"], []),
+    (
+        "generate_report.py",
+        ["--model", "gpt2", "--out", "gpt2.html"],
+        ["stitched: 2 records of (1, 4, 9, 9)"],
+        ["gpt2.html"],
+    ),
+    (
+        "long_context_stats.py",
+        ["--tokens", "2048"],
+        ["entropy of layer 0: shape (1, 4, 2048)", "checks on the statistics: ok"],
+        [],
+    ),
     ("scan_dataset.py", ["--out", "scan"], ["wrote 360 rows", "lowest-entropy heads"], ["scan/*.parquet"]),
 ]
 
 
 def run_example(script: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
-@pytest.mark.parametrize(("script", "args", "says", "writes"), CASES,
-                         ids=[c[0] + ("-" + c[1][1] if c[1] else "") for c in CASES])
+@pytest.mark.parametrize(
+    ("script", "args", "says", "writes"), CASES, ids=[c[0] + ("-" + c[1][1] if c[1] else "") for c in CASES]
+)
 def test_example_runs(script, args, says, writes, tmp_path):
     done = run_example(script, args, tmp_path)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -50,7 +60,9 @@ def test_every_example_is_run_by_these_tests():
     assert {p.name for p in EXAMPLES.glob("*.py")} <= run
 
 
-@pytest.mark.skipif(not (EXAMPLES / "entropy_collapse.py").exists(), reason="examples/entropy_collapse.py not written yet")
+@pytest.mark.skipif(
+    not (EXAMPLES / "entropy_collapse.py").exists(), reason="examples/entropy_collapse.py not written yet"
+)
 def test_entropy_collapse_example_runs(tmp_path):
     done = run_example("entropy_collapse.py", ["--steps", "20"], tmp_path)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

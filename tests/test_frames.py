@@ -81,8 +81,18 @@ def known_record() -> AttentionRecord:
     w[1, 0, 1:] = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.5, 0.5]])
     w[1, 1, 1:] = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     return AttentionRecord(
-        name="attn", layer=0, call=0, kind="self", num_heads=2, num_kv_heads=2, heads=(0, 1), kv_heads=(0, 1),
-        weights=w, allowed=allowed, query_padding=padding, causal=True,
+        name="attn",
+        layer=0,
+        call=0,
+        kind="self",
+        num_heads=2,
+        num_kv_heads=2,
+        heads=(0, 1),
+        kv_heads=(0, 1),
+        weights=w,
+        allowed=allowed,
+        query_padding=padding,
+        causal=True,
     )
 
 
@@ -155,8 +165,18 @@ def sink_record(with_scores: bool = True) -> AttentionRecord:
     logits = torch.cat([scores.masked_fill(~allowed, float("-inf")), sinks.view(1, 2, 1, 1).expand(2, 2, 4, 1)], -1)
     weights = torch.softmax(logits, -1)[..., :-1]
     return AttentionRecord(
-        name="attn", layer=0, call=0, kind="self", num_heads=2, num_kv_heads=2, heads=(0, 1), kv_heads=(0, 1),
-        scores=scores if with_scores else None, weights=weights, allowed=allowed.clone(), sinks=sinks,
+        name="attn",
+        layer=0,
+        call=0,
+        kind="self",
+        num_heads=2,
+        num_kv_heads=2,
+        heads=(0, 1),
+        kv_heads=(0, 1),
+        scores=scores if with_scores else None,
+        weights=weights,
+        allowed=allowed.clone(),
+        sinks=sinks,
     )
 
 
@@ -177,7 +197,9 @@ def test_frames_name_the_records_they_leave_out():
     model = torch.nn.Sequential(MultiHeadAttention(8, num_heads=2), MultiHeadAttention(8, num_heads=2))
     with attnprobe.capture(model, keep=["q"]) as only_q:
         model(torch.randn(1, 3, 8))
-    with pytest.warns(attnprobe.AttnprobeWarning, match=r"to_frame\(\) left out 2 record.*layer 0 call 0 \('0'\), layer 1"):
+    with pytest.warns(
+        attnprobe.AttnprobeWarning, match=r"to_frame\(\) left out 2 record.*layer 0 call 0 \('0'\), layer 1"
+    ):
         df = only_q.to_frame()
     assert len(df) == 0
     with pytest.warns(attnprobe.AttnprobeWarning, match=r"summary\(\) left out 2 record.*keep= including 'weights'"):

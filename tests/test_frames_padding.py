@@ -84,8 +84,9 @@ def test_cli_export_has_query_padding_and_drop_padding(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["export", "cli_factories:tiny", *ids, "--out", "g.csv", "-q", "--drop-padding"])
     assert result.exit_code == 0, result.output
     assert len(pd.read_csv(tmp_path / "g.csv")) == len(frame) - len(pad)
-    result = CliRunner().invoke(main, ["export", "cli_factories:tiny", *ids, "--out", "h.csv", "--drop-padding",
-                                       "--what", "summary"])
+    result = CliRunner().invoke(
+        main, ["export", "cli_factories:tiny", *ids, "--out", "h.csv", "--drop-padding", "--what", "summary"]
+    )
     assert result.exit_code == 2 and "--drop-padding applies to --what frame" in result.stderr
 
 

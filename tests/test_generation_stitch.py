@@ -17,13 +17,22 @@ def as_steps(rec, prefill: int):
     cuts = [(0, prefill)] + [(t, t + 1) for t in range(prefill, T)]
     steps = []
     for step, (a, b) in enumerate(cuts):
-        steps.append(replace(
-            rec, step=step, call=step, query_offset=a,
-            q=rec.q[:, :, a:b], k=rec.k[:, :, :b], v=rec.v[:, :, :b],
-            scores=rec.scores[:, :, a:b, :b], weights=rec.weights[:, :, a:b, :b],
-            output=rec.output[:, :, a:b], allowed=rec.allowed[:, :, a:b, :b],
-            query_padding=rec.query_padding[:, a:b],
-        ))
+        steps.append(
+            replace(
+                rec,
+                step=step,
+                call=step,
+                query_offset=a,
+                q=rec.q[:, :, a:b],
+                k=rec.k[:, :, :b],
+                v=rec.v[:, :, :b],
+                scores=rec.scores[:, :, a:b, :b],
+                weights=rec.weights[:, :, a:b, :b],
+                output=rec.output[:, :, a:b],
+                allowed=rec.allowed[:, :, a:b, :b],
+                query_padding=rec.query_padding[:, a:b],
+            )
+        )
     return steps
 
 
@@ -52,8 +61,13 @@ def test_stitch_refuses_gaps_and_compressed_keys():
     steps = as_steps(cap[0], prefill=3)
     with pytest.raises(AttnprobeError, match="expected step 1, found step 2"):
         attnprobe.stitch(attnprobe.Capture([steps[0], steps[2]]))
-    window = replace(steps[2], k=steps[2].k[:, :, 1:], weights=steps[2].weights[..., 1:], scores=None,
-                     allowed=steps[2].allowed[..., 1:])
+    window = replace(
+        steps[2],
+        k=steps[2].k[:, :, 1:],
+        weights=steps[2].weights[..., 1:],
+        scores=None,
+        allowed=steps[2].allowed[..., 1:],
+    )
     with pytest.raises(AttnprobeError, match="sliding-window"):
         attnprobe.stitch(attnprobe.Capture([steps[0], steps[1], window]))
     with pytest.raises(AttnprobeError, match="no generation steps"):

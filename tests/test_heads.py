@@ -25,7 +25,9 @@ class Planted(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(attnprobe.MultiHeadAttention(D, num_heads=4, d_head=P, causal=True) for _ in range(2))
+        self.layers = nn.ModuleList(
+            attnprobe.MultiHeadAttention(D, num_heads=4, d_head=P, causal=True) for _ in range(2)
+        )
         with torch.no_grad():
             for layer in self.layers:
                 for p in layer.parameters():
@@ -52,15 +54,29 @@ class Planted(nn.Module):
 
     def forward(self, ids):
         T = ids.shape[1]
-        x = torch.cat([torch.eye(P)[:T].expand(ids.shape[0], T, P), nn.functional.one_hot(ids, V).float(),
-                       torch.zeros(ids.shape[0], T, V)], dim=-1)
+        x = torch.cat(
+            [
+                torch.eye(P)[:T].expand(ids.shape[0], T, P),
+                nn.functional.one_hot(ids, V).float(),
+                torch.zeros(ids.shape[0], T, V),
+            ],
+            dim=-1,
+        )
         for layer in self.layers:
             x = x + layer(x)
         return x
 
 
-EXPECTED = {(0, 0): "previous", (0, 1): "first", (0, 2): "self", (0, 3): "broad", (1, 0): "induction",
-            (1, 1): "", (1, 2): "", (1, 3): ""}
+EXPECTED = {
+    (0, 0): "previous",
+    (0, 1): "first",
+    (0, 2): "self",
+    (0, 3): "broad",
+    (1, 0): "induction",
+    (1, 1): "",
+    (1, 2): "",
+    (1, 3): "",
+}
 
 
 def planted_capture(model, batch=6, length=40):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import attnprobe
 from hf_helpers import (
     ENCODER_DECODER,
     MODELS,
@@ -16,6 +14,8 @@ from hf_helpers import (
     inputs,
     max_error_on_real_rows,
 )
+
+import attnprobe
 
 PADDINGS = ("left", "right")
 
@@ -112,7 +112,7 @@ def test_records_hold_what_the_call_received(models):
     assert r.q.shape == (2, 4, 7, 8) and r.k.shape == (2, 2, 7, 8) and r.v.shape == (2, 2, 7, 8)
     assert r.scores.shape == r.weights.shape == (2, 4, 7, 7) and r.output.shape == (2, 4, 7, 8)
     assert r.kind == "self" and r.causal is True and r.backend == "sdpa" and r.weights_source == "recomputed"
-    assert r.scaling == pytest.approx(8 ** -0.5) and r.dropout == 0.0 and r.dtype == torch.float32
+    assert r.scaling == pytest.approx(8**-0.5) and r.dropout == 0.0 and r.dtype == torch.float32
     assert r.step is None and r.query_offset == 0
     assert r.meta["layer_idx"] == 0 and r.meta["base"] == "sdpa" and r.meta["module_class"] == "LlamaAttention"
     assert r.query_padding.tolist() == (batch["attention_mask"] == 0).tolist()
@@ -162,7 +162,7 @@ def test_whisper_prescaled_queries_are_said(models):
     with torch.no_grad(), attnprobe.capture(model, layers=[0]) as cap:
         model(**inputs("whisper", "right"))
     r = cap[0]
-    assert r.scaling == 1.0 and r.meta["module_scaling"] == pytest.approx(8 ** -0.5)
+    assert r.scaling == 1.0 and r.meta["module_scaling"] == pytest.approx(8**-0.5)
     assert r.meta["stack"] == "encoder" and r.meta["layer_idx"] is None
 
 
@@ -283,9 +283,11 @@ def test_a_model_compiled_before_the_capture_is_still_recorded(name):
         with torch.no_grad():
             try:
                 expected = _main_output(compiled(**batch))  # compiled and run before the capture, as a user's would be
-            except Exception as exc:  # noqa: BLE001 - the precondition: torch 2.6 cannot compile transformers 5.16
-                pytest.skip(f"torch {torch.__version__} cannot compile this transformers release's {name}, without "
-                            f"any capture ({type(exc).__name__})")
+            except Exception as exc:
+                pytest.skip(
+                    f"torch {torch.__version__} cannot compile this transformers release's {name}, without "
+                    f"any capture ({type(exc).__name__})"
+                )
             with attnprobe.capture(compiled) as cap:
                 out = _main_output(compiled(**batch))
         assert torch.equal(out, expected)

@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
+from hf_helpers import CACHE_ARG, build, inputs, transformers
 from transformers import DynamicCache
 
 import attnprobe
 from attnprobe.hooks.hf import compat as hf_compat
-from hf_helpers import CACHE_ARG, build, inputs, transformers
 
 NEW = 3
 
@@ -24,8 +24,11 @@ def _generate(model, batch):
 @pytest.mark.parametrize("where", ["keyword", "other keyword", "positional"])
 def test_the_cache_is_found_by_its_type_whatever_its_keyword(where):
     cache = DynamicCache()
-    args, kwargs = {"keyword": ((), {CACHE_ARG: cache}), "other keyword": ((), {"kv_memory": cache}),
-                    "positional": ((torch.ones(1), None, cache), {})}[where]
+    args, kwargs = {
+        "keyword": ((), {CACHE_ARG: cache}),
+        "other keyword": ((), {"kv_memory": cache}),
+        "positional": ((torch.ones(1), None, cache), {}),
+    }[where]
     assert hf_compat.find_cache(args, {"use_cache": True, **kwargs}, hf_compat.cache_class()) is cache
     assert hf_compat.find_cache((torch.ones(1),), {"past": None}, hf_compat.cache_class()) is None
 
@@ -60,6 +63,7 @@ def test_a_cache_attnprobe_does_not_recognise_is_said_with_the_release(monkeypat
     """Simulates a release that moves the cache's base class: attnprobe no longer recognises the argument.
     It warns once, naming the transformers release and the argument's type, instead of writing records that
     look complete; the query positions then come from the lengths, so the checks stay right."""
+
     class MovedCache:  # what attnprobe would look for if transformers moved its Cache class
         pass
 
@@ -86,5 +90,7 @@ def test_registries_that_are_gone_are_refused_by_release(monkeypatch):
     from transformers.modeling_utils import AttentionInterface
 
     monkeypatch.setattr(AttentionInterface, "_global_mapping", None)
-    with pytest.raises(attnprobe.UnsupportedModelError, match=rf"transformers {transformers.__version__}: .*_global_mapping"):
+    with pytest.raises(
+        attnprobe.UnsupportedModelError, match=rf"transformers {transformers.__version__}: .*_global_mapping"
+    ):
         hf_compat.attention_registry()

@@ -8,13 +8,13 @@ import warnings
 import pytest
 import torch
 import transformers
+from hf_helpers import build, inputs, twin
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, flash_attention_mask, sdpa_mask
 
 import attnprobe
 from attnprobe import UnsupportedModelError
-from hf_helpers import build, inputs, twin
 
 _names = itertools.count()
 
@@ -38,10 +38,17 @@ def _counting(tag: str, calls: list):
 
 
 def _clip():
-    text = transformers.CLIPTextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=2, vocab_size=50, max_position_embeddings=16)
-    vision = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, image_size=8, patch_size=4)
+    text = transformers.CLIPTextConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=50,
+        max_position_embeddings=16,
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+    )
     config = transformers.CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=8)
     torch.manual_seed(0)
     return transformers.CLIPModel(config).eval()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import ENCODER_DECODER, build, group_records, inputs, max_error_on_real_rows, twin
 
 import attnprobe
-from hf_helpers import ENCODER_DECODER, build, group_records, inputs, max_error_on_real_rows, twin
 
 
 def _main_output(out):
@@ -18,8 +18,11 @@ def _eager_reference(model, batch) -> dict:
     with torch.no_grad():
         out = reference(**batch, output_attentions=True)
     if hasattr(out, "encoder_attentions"):
-        return {("encoder", "self"): out.encoder_attentions, ("decoder", "self"): out.decoder_attentions,
-                ("decoder", "cross"): out.cross_attentions}
+        return {
+            ("encoder", "self"): out.encoder_attentions,
+            ("decoder", "self"): out.decoder_attentions,
+            ("decoder", "cross"): out.cross_attentions,
+        }
     return {(None, "self"): out.attentions}
 
 
@@ -100,11 +103,15 @@ def test_old_style_float64_models_say_when_their_softmax_ran_in_float32(family, 
     if family == "bloom":
         model = transformers.BloomModel(transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=100))
     elif family == "mpt":
-        model = transformers.MptModel(transformers.MptConfig(d_model=16, n_layers=1, n_heads=2, vocab_size=100,
-                                                             max_seq_len=32))
+        model = transformers.MptModel(
+            transformers.MptConfig(d_model=16, n_layers=1, n_heads=2, vocab_size=100, max_seq_len=32)
+        )
     else:
-        model = transformers.GPTNeoModel(transformers.GPTNeoConfig(
-            hidden_size=16, num_layers=1, num_heads=2, vocab_size=100, attention_types=[[["global"], 1]]))
+        model = transformers.GPTNeoModel(
+            transformers.GPTNeoConfig(
+                hidden_size=16, num_layers=1, num_heads=2, vocab_size=100, attention_types=[[["global"], 1]]
+            )
+        )
     model = model.double().eval()
     with torch.no_grad():
         plain = model(**inputs("llama", "right")).last_hidden_state

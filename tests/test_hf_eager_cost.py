@@ -11,13 +11,14 @@ import itertools
 
 import pytest
 import torch
+from hf_helpers import build, inputs
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import attnprobe
-from attnprobe.hooks.hf import adapter as hf, recompute as hf_math
-from hf_helpers import build, inputs
+from attnprobe.hooks.hf import adapter as hf
+from attnprobe.hooks.hf import recompute as hf_math
 
 _names = itertools.count()
 
@@ -104,12 +105,14 @@ def test_the_scores_of_a_mask_that_only_masks_are_the_logits():
     # the mask's non-masking part: none for 0 / finfo.min, the bias itself where a mask carries one (Swin)
     low = torch.finfo(torch.float32).min
     masking = torch.tensor([[0.0, low], [0.0, 0.0]]).view(1, 1, 2, 2)
-    info = hf_math.MaskInfo(masking, hf_math.allowed_from(masking, batch=1, q_len=2, k_len=2, implicit_causal=False,
-                                                          device="cpu"))
+    info = hf_math.MaskInfo(
+        masking, hf_math.allowed_from(masking, batch=1, q_len=2, k_len=2, implicit_causal=False, device="cpu")
+    )
     assert info.float_bias((0,), torch.float32, 2) is None
     biased = masking + torch.tensor([[0.5, 0.0], [0.0, -0.25]])
-    info = hf_math.MaskInfo(biased, hf_math.allowed_from(biased, batch=1, q_len=2, k_len=2, implicit_causal=False,
-                                                         device="cpu"))
+    info = hf_math.MaskInfo(
+        biased, hf_math.allowed_from(biased, batch=1, q_len=2, k_len=2, implicit_causal=False, device="cpu")
+    )
     assert torch.equal(info.float_bias((0,), torch.float32, 2), torch.tensor([[[[0.5, 0.0], [0.0, -0.25]]]]))
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hf_helpers import build, inputs, plain_and_captured
 from torch import nn
 
 import attnprobe
-from attnprobe import AttnprobeWarning, SelectionError, UnsupportedModelError
-from hf_helpers import build, inputs, plain_and_captured
+from attnprobe import SelectionError, UnsupportedModelError
 
 SOURCE = '''
 import torch
@@ -107,9 +107,15 @@ def test_heads_out_of_range_fail_before_the_forward():
 
 
 def test_old_style_local_attention_is_not_passed_off_as_query_key(recwarn):
-    config = transformers.LongformerConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                           intermediate_size=32, vocab_size=50, attention_window=4,
-                                           max_position_embeddings=40)
+    config = transformers.LongformerConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        attention_window=4,
+        max_position_embeddings=40,
+    )
     model = transformers.LongformerModel(config).eval()
     with pytest.raises(UnsupportedModelError, match=r"LongformerSelfAttention.*local window"):
         with attnprobe.capture(model):
@@ -120,11 +126,13 @@ def test_nothing_registers_at_import_and_plain_torch_models_load_no_transformers
     import subprocess
     import sys
 
-    code = ("import sys, torch, attnprobe\n"
-            "m = torch.nn.TransformerEncoderLayer(8, 2)\n"
-            "from attnprobe.hooks.hf.adapter import HuggingFaceAdapter\n"
-            "assert HuggingFaceAdapter().find(m, set()) == []\n"
-            "print('transformers' in sys.modules)\n")  # registering needs transformers: none happened
+    code = (
+        "import sys, torch, attnprobe\n"
+        "m = torch.nn.TransformerEncoderLayer(8, 2)\n"
+        "from attnprobe.hooks.hf.adapter import HuggingFaceAdapter\n"
+        "assert HuggingFaceAdapter().find(m, set()) == []\n"
+        "print('transformers' in sys.modules)\n"
+    )  # registering needs transformers: none happened
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -8,16 +8,22 @@ import warnings
 import pytest
 import torch
 import transformers
+from hf_helpers import hook_counts, inputs
 
 import attnprobe
 from attnprobe import AttnprobeWarning, UnsupportedModelError
-from hf_helpers import hook_counts, inputs
 
 
 def _gpt_neo():
-    config = transformers.GPTNeoConfig(hidden_size=16, num_layers=2, num_heads=4, vocab_size=100,
-                                       attention_types=[[["global", "local"], 1]], window_size=3,
-                                       max_position_embeddings=32)
+    config = transformers.GPTNeoConfig(
+        hidden_size=16,
+        num_layers=2,
+        num_heads=4,
+        vocab_size=100,
+        attention_types=[[["global", "local"], 1]],
+        window_size=3,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     return transformers.GPTNeoForCausalLM(config).eval()
 
@@ -110,9 +116,16 @@ def test_other_old_style_families(family, recwarn):
     if family == "bloom":
         model = transformers.BloomModel(transformers.BloomConfig(hidden_size=16, n_layer=2, n_head=4, vocab_size=100))
     else:
-        model = transformers.DebertaV2Model(transformers.DebertaV2Config(
-            hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32, vocab_size=100,
-            max_position_embeddings=32))
+        model = transformers.DebertaV2Model(
+            transformers.DebertaV2Config(
+                hidden_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=32,
+                vocab_size=100,
+                max_position_embeddings=32,
+            )
+        )
     model.eval()
     batch = inputs("llama", "right")
     with torch.no_grad():
@@ -129,8 +142,9 @@ def test_other_old_style_families(family, recwarn):
 @pytest.mark.parametrize("base", [True, False])
 def test_funnel_keeps_its_head_count_in_the_config_and_is_recorded(base, side, assert_no_hooks):
     # FunnelRelMultiheadAttention has no num_heads attribute; it was not found at all ("no attention found")
-    config = transformers.FunnelConfig(vocab_size=100, block_sizes=[1, 1], d_model=16, n_head=2, d_head=8,
-                                       d_inner=32, num_decoder_layers=1)
+    config = transformers.FunnelConfig(
+        vocab_size=100, block_sizes=[1, 1], d_model=16, n_head=2, d_head=8, d_inner=32, num_decoder_layers=1
+    )
     torch.manual_seed(0)
     model = (transformers.FunnelBaseModel if base else transformers.FunnelModel)(config).eval()
     batch = inputs("llama", side)
@@ -153,9 +167,18 @@ def test_funnel_keeps_its_head_count_in_the_config_and_is_recorded(base, side, a
 
 
 def test_encoder_decoder_fallback_tells_cross_attention(recwarn):
-    config = transformers.FSMTConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
-                                     src_vocab_size=50, tgt_vocab_size=50, langs=["en", "de"])
+    config = transformers.FSMTConfig(
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        src_vocab_size=50,
+        tgt_vocab_size=50,
+        langs=["en", "de"],
+    )
     model = transformers.FSMTModel(config).eval()
     ids = torch.randint(3, 50, (2, 6))
     with torch.no_grad():
@@ -167,12 +190,16 @@ def test_encoder_decoder_fallback_tells_cross_attention(recwarn):
     # what the model ran (transformers 5.16 and 5.17 decode only the last of the decoder_input_ids)
     t = plain.shape[1]
     assert [(r.kind, tuple(r.weights.shape)) for r in cap] == [
-        ("self", (2, 2, 6, 6)), ("self", (2, 2, t, t)), ("cross", (2, 2, t, 6))]
+        ("self", (2, 2, 6, 6)),
+        ("self", (2, 2, t, t)),
+        ("cross", (2, 2, t, 6)),
+    ]
 
 
 def test_modules_that_always_return_weights_need_no_forcing(recwarn):
-    config = transformers.XGLMConfig(d_model=16, num_layers=2, attention_heads=4, ffn_dim=32, vocab_size=100,
-                                     max_position_embeddings=32)
+    config = transformers.XGLMConfig(
+        d_model=16, num_layers=2, attention_heads=4, ffn_dim=32, vocab_size=100, max_position_embeddings=32
+    )
     model = transformers.XGLMModel(config).eval()
     batch = inputs("llama", "left")
     with torch.no_grad():
@@ -265,8 +292,11 @@ def test_weights_in_another_layout_are_refused_not_misread(monkeypatch, recwarn)
 
 def test_weights_nested_in_the_first_item_are_found(recwarn, assert_no_hooks):
     """I-BERT's attention returns ((context, weights), scaling factor)."""
-    model = transformers.IBertModel(transformers.IBertConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50)).eval()
+    model = transformers.IBertModel(
+        transformers.IBertConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50
+        )
+    ).eval()
     ids = torch.randint(1, 50, (2, 6))
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
     with torch.no_grad():
@@ -283,9 +313,16 @@ def test_weights_nested_in_the_first_item_are_found(recwarn, assert_no_hooks):
 def test_pre_softmax_scores_returned_as_attentions_become_the_weights_the_module_used(recwarn, assert_no_hooks):
     """SqueezeBERT's output_attentions are its masked scores, in a dict: the record holds the softmax the
     module applies next, equal to what its own nn.Softmax returned."""
-    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, embedding_size=16,
-        vocab_size=50)).eval()
+    model = transformers.SqueezeBertModel(
+        transformers.SqueezeBertConfig(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            embedding_size=16,
+            vocab_size=50,
+        )
+    ).eval()
     ids, mask = torch.randint(1, 50, (2, 6)), torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
     probs = []
     softmax = model.encoder.layers[0].attention.softmax  # the module's own nn.Softmax(dim=-1)
@@ -308,12 +345,20 @@ def test_returned_attentions_that_are_not_probabilities_are_refused(recwarn, mon
     from attnprobe.hooks.hf import fallback as hf_fallback
 
     monkeypatch.setattr(hf_fallback, "_PRE_SOFTMAX", frozenset())
-    model = transformers.SqueezeBertModel(transformers.SqueezeBertConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, embedding_size=16,
-        vocab_size=50)).eval()
+    model = transformers.SqueezeBertModel(
+        transformers.SqueezeBertConfig(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            embedding_size=16,
+            vocab_size=50,
+        )
+    ).eval()
     with pytest.raises(UnsupportedModelError, match=r"SqueezeBertSelfAttention.*not post-softmax weights"):
         with torch.no_grad(), attnprobe.capture(model):
             model(torch.randint(1, 50, (1, 6)))
+
 
 def test_nan_rows_of_an_old_style_model_are_recorded_as_it_returns_them(recwarn):
     """Bloom in float64 returns NaN weights for left-padded (fully masked) query rows: they are its own
@@ -330,13 +375,23 @@ def test_nan_rows_of_an_old_style_model_are_recorded_as_it_returns_them(recwarn)
     assert len(cap) == 1 and torch.equal(cap[0].weights.isnan(), reference.isnan())
     assert torch.equal(cap[0].weights.nan_to_num(), reference.nan_to_num())
 
+
 def test_unreadable_old_style_modules_inside_an_interface_model_are_left_out_with_a_warning(assert_no_hooks):
     """MiniMax mixes lightning (linear) attention, which has no softmax weights, with interface attention:
     the interface layers are captured, the lightning layer is named in a warning, the output is unchanged."""
     config = transformers.MiniMaxConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=100, num_local_experts=2, num_experts_per_tok=1, block_size=4,
-        layer_types=["linear_attention", "full_attention"])
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        block_size=4,
+        layer_types=["linear_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     model = transformers.MiniMaxModel(config).eval()
     ids, mask = torch.randint(1, 100, (2, 6)), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
@@ -357,10 +412,18 @@ def test_unreadable_old_style_modules_inside_an_interface_model_are_left_out_wit
 def test_old_style_text_layers_of_an_interface_model_are_recorded(recwarn):
     """GIT's vision tower uses the attention interface, its text layers (GitSelfAttention) do not: both are
     recorded, the text layers with the model's own output_attentions weights."""
-    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16,
-                  patch_size=4)
-    config = transformers.GitConfig(vision_config=vision, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+    vision = dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=4
+    )
+    config = transformers.GitConfig(
+        vision_config=vision,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.GitModel(config).eval()
     ids, mask = torch.randint(3, 100, (2, 7)), torch.tensor([[1] * 5 + [0, 0], [1] * 7])
@@ -382,8 +445,15 @@ def test_a_head_calling_sdpa_itself_is_read_by_the_functional_adapter_not_the_fa
     """AIMv2's attention-pooling head calls F.scaled_dot_product_attention in its own forward and takes no
     output_attentions: the fallback used to claim it, warn 'old-style', and record nothing. Its sdpa call
     is read whole instead, with the weights its learned query gives over the patches."""
-    config = transformers.Aimv2VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                            intermediate_size=64, image_size=16, patch_size=4, use_head=True)
+    config = transformers.Aimv2VisionConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=4,
+        use_head=True,
+    )
     torch.manual_seed(0)
     model = transformers.Aimv2VisionModel(config).eval()
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
@@ -400,13 +470,14 @@ def test_a_head_calling_sdpa_itself_is_read_by_the_functional_adapter_not_the_fa
         hidden = model(pixel_values=pixels).last_hidden_state
         k = model.head.k_proj(hidden).reshape(2, 16, 4, 8).transpose(1, 2)
         q = model.head.cls_token.reshape(1, 4, 1, 8)
-        expected = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
+        expected = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1)
     torch.testing.assert_close(head[0].weights, expected, atol=1e-6, rtol=0)
 
 
 def _mobilevit():
-    config = transformers.MobileViTConfig(image_size=32, hidden_sizes=[16, 16, 16],
-                                          neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32], num_attention_heads=4)
+    config = transformers.MobileViTConfig(
+        image_size=32, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32], num_attention_heads=4
+    )
     torch.manual_seed(0)
     return transformers.MobileViTModel(config).eval()
 
@@ -416,8 +487,10 @@ def test_old_style_modules_named_in_modules_are_traced_not_read_through_output_a
     and says to name it in modules=; named, the fallback leaves it to the tracer, which observes its softmax."""
     model = _mobilevit()
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    with pytest.warns(AttnprobeWarning, match="no attention interface"), \
-            pytest.raises(UnsupportedModelError, match=r"MobileViTSelfAttention.*modules=\[\.\.\.\]"):
+    with (
+        pytest.warns(AttnprobeWarning, match="no attention interface"),
+        pytest.raises(UnsupportedModelError, match=r"MobileViTSelfAttention.*modules=\[\.\.\.\]"),
+    ):
         with torch.no_grad(), attnprobe.capture(model):
             model(pixel_values=pixels)
     names = [m.name for m in attnprobe.attention_modules(model)]
@@ -438,7 +511,7 @@ def test_old_style_modules_named_in_modules_are_traced_not_read_through_output_a
     with torch.no_grad():
         x = seen[-1]
         split = lambda t: t.view(*t.shape[:2], 4, -1).transpose(1, 2)  # noqa: E731
-        scores = split(first.query(x)) @ split(first.key(x)).transpose(-1, -2) / first.attention_head_size ** 0.5
+        scores = split(first.query(x)) @ split(first.key(x)).transpose(-1, -2) / first.attention_head_size**0.5
     torch.testing.assert_close(cap[0].weights, torch.softmax(scores, dim=-1), atol=1e-6, rtol=0)
     assert_no_hooks(model)
 
@@ -446,13 +519,17 @@ def test_old_style_modules_named_in_modules_are_traced_not_read_through_output_a
 def test_a_wrapper_around_torch_multihead_attention_is_not_claimed_as_old_style(recwarn):
     """SigLIP2's pooling head keeps a head count and holds an nn.MultiheadAttention: the torch adapter reads that;
     the fallback used to claim the head too, warn 'old-style' and leave it out for returning no weights."""
-    config = transformers.Siglip2VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                              intermediate_size=64, num_patches=16, patch_size=4)
+    config = transformers.Siglip2VisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, num_patches=16, patch_size=4
+    )
     torch.manual_seed(0)
     model = transformers.Siglip2VisionModel(config).eval()
     g = torch.Generator().manual_seed(1)
-    batch = {"pixel_values": torch.randn(2, 16, 48, generator=g), "spatial_shapes": torch.tensor([[4, 4], [4, 4]]),
-             "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long)}
+    batch = {
+        "pixel_values": torch.randn(2, 16, 48, generator=g),
+        "spatial_shapes": torch.tensor([[4, 4], [4, 4]]),
+        "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long),
+    }
     with torch.no_grad():
         plain = model(**batch).pooler_output
         with attnprobe.capture(model) as cap:
@@ -467,14 +544,25 @@ def test_a_traced_old_style_module_records_the_softmax_its_output_attentions_lea
     """LiLT computes two softmax attentions per layer and returns one: the layout stream's (first) and the text's,
     over the same summed scores but each over its own values (the layout's shrunk by channel_shrink_ratio). The
     fallback records the returned one; a trace of the named modules records both calls."""
-    config = transformers.LiltConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                     vocab_size=100, max_position_embeddings=64, channel_shrink_ratio=2, pad_token_id=1)
+    config = transformers.LiltConfig(
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=64,
+        channel_shrink_ratio=2,
+        pad_token_id=1,
+    )
     torch.manual_seed(0)
     model = transformers.LiltModel(config).eval()
     g = torch.Generator().manual_seed(1)
     corner = torch.randint(0, 500, (2, 7, 2), generator=g)
-    batch = {"input_ids": torch.randint(3, 100, (2, 7), generator=g), "attention_mask": torch.ones(2, 7, dtype=torch.long),
-             "bbox": torch.cat([corner, corner + 10], dim=-1)}
+    batch = {
+        "input_ids": torch.randint(3, 100, (2, 7), generator=g),
+        "attention_mask": torch.ones(2, 7, dtype=torch.long),
+        "bbox": torch.cat([corner, corner + 10], dim=-1),
+    }
     names = [m.name for m in attnprobe.attention_modules(model)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", AttnprobeWarning)
@@ -500,7 +588,8 @@ def test_a_capture_keeping_no_weights_does_not_ask_for_attentions(gpt_neo, asser
     asked = []
     # what the inner model is asked for (GPTNeoForCausalLM passes output_attentions on to it)
     probe = gpt_neo.transformer.register_forward_pre_hook(
-        lambda m, a, kw: asked.append(bool(kw.get("output_attentions"))), with_kwargs=True)
+        lambda m, a, kw: asked.append(bool(kw.get("output_attentions"))), with_kwargs=True
+    )
     try:
         with torch.no_grad():
             plain = gpt_neo(**batch)

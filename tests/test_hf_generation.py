@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import CACHE_ARG, build, inputs, real_rows
 from transformers import DynamicCache
 
 import attnprobe
 from attnprobe import AttnprobeError
-from hf_helpers import CACHE_ARG, build, inputs, real_rows
 
 NEW = 4
 
 
 def _greedy(model, batch, **kwargs):
     with torch.no_grad(), attnprobe.capture(model) as cap:
-        seq = model.generate(**batch, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                             **kwargs)
+        seq = model.generate(**batch, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, **kwargs)
     return seq, cap
 
 
@@ -33,8 +32,7 @@ def _assert_stitched_equal(stitched, reference):
         assert r.weights.shape == ref.weights.shape and r.kind == ref.kind
         rows = real_rows(ref).expand_as(ref.weights)
         assert float((r.weights - ref.weights).abs()[rows].max()) <= 1e-5, r.name
-        assert torch.equal(r.allowed.expand_as(ref.allowed_for_heads())[rows],
-                           ref.allowed_for_heads()[rows]), r.name
+        assert torch.equal(r.allowed.expand_as(ref.allowed_for_heads())[rows], ref.allowed_for_heads()[rows]), r.name
         assert torch.allclose(r.output.where(real_rows(ref), 0), ref.output.where(real_rows(ref), 0), atol=1e-5)
 
 
@@ -44,15 +42,20 @@ def test_decoder_only_steps_stitch_to_one_forward(assert_no_hooks):
     seq, cap = _greedy(model, batch)
     assert len(cap) == 2 * NEW  # 2 layers x (prefill + 3 decoding steps): the last token is never fed back
     assert [(r.step, r.query_offset, r.query_len, r.key_len) for r in cap.select(layers=[0])] == [
-        (0, 0, 5, 5), (1, 5, 1, 6), (2, 6, 1, 7), (3, 7, 1, 8)]
+        (0, 0, 5, 5),
+        (1, 5, 1, 6),
+        (2, 6, 1, 7),
+        (3, 7, 1, 8),
+    ]
     assert [r.call for r in cap.select(layers=[1])] == [0, 1, 2, 3]
     # decoding rows are real tokens; the prefill keeps the left padding
     assert cap[2].query_padding.tolist() == [[False], [False]] and cap[0].query_padding[0, :2].all()
     full = attnprobe.stitch(cap)
     mask = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)[:, :-1]
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # generate's positions under left padding
-    _assert_stitched_equal(full, _one_forward(model, input_ids=seq[:, :-1], attention_mask=mask,
-                                              position_ids=position_ids))
+    _assert_stitched_equal(
+        full, _one_forward(model, input_ids=seq[:, :-1], attention_mask=mask, position_ids=position_ids)
+    )
     assert_no_hooks(model)
 
 
@@ -67,10 +70,14 @@ def test_encoder_decoder_steps_stitch_to_one_forward(assert_no_hooks):
     assert [r.step for r in cross[::2]] == [0, 1, 2, 3] and all(r.key_len == 7 for r in cross)
     full = attnprobe.stitch(cap)
     assert {r.kind for r in full} == {"self", "cross"} and len(full) == 4
-    _assert_stitched_equal(full, {
-        name: r for name, r in _one_forward(model, **batch, decoder_input_ids=seq[:, :-1]).items()
-        if r.meta["stack"] == "decoder"
-    })
+    _assert_stitched_equal(
+        full,
+        {
+            name: r
+            for name, r in _one_forward(model, **batch, decoder_input_ids=seq[:, :-1]).items()
+            if r.meta["stack"] == "decoder"
+        },
+    )
     assert_no_hooks(model)
 
 
@@ -96,8 +103,11 @@ def test_a_report_of_a_sliding_window_generation_says_how_to_make_it_stitchable(
 
     model = build("mistral")  # window 3, prompt 5
     _, cap = _greedy(model, inputs("mistral", "right", length=5))
-    for make in (lambda: attnprobe.stitch(cap), lambda: reports.to_html(cap),
-                 lambda: reports.save_grid(cap, tmp_path / "grid.png")):
+    for make in (
+        lambda: attnprobe.stitch(cap),
+        lambda: reports.to_html(cap),
+        lambda: reports.save_grid(cap, tmp_path / "grid.png"),
+    ):
         with pytest.raises(AttnprobeError, match=r"sliding-window.*transformers\.DynamicCache\(\) as its cache"):
             make()
     assert not (tmp_path / "grid.png").exists()
@@ -107,8 +117,11 @@ def test_plain_forwards_have_no_step():
     model = build("gpt2")
     with torch.no_grad(), attnprobe.capture(model) as cap:
         out = model(**inputs("gpt2", "right"), use_cache=True)
-        model(input_ids=torch.tensor([[5], [6]]), **{CACHE_ARG: getattr(out, CACHE_ARG)},
-              attention_mask=torch.ones(2, 8, dtype=torch.long))
+        model(
+            input_ids=torch.tensor([[5], [6]]),
+            **{CACHE_ARG: getattr(out, CACHE_ARG)},
+            attention_mask=torch.ones(2, 8, dtype=torch.long),
+        )
     first, second = cap.select(calls=[0]), cap.select(calls=[1])
     assert all(r.step is None and r.query_offset == 0 for r in first)
     # a cache handed in by the caller counts as a decoding step at its position
@@ -179,8 +192,12 @@ def test_greedy_run_after_a_beam_search_in_one_capture_still_stitches():
     assert not any(r.meta.get("reordered_rows") for r in greedy)  # no reorder carried over from the beam run
     full = attnprobe.stitch(attnprobe.Capture(greedy, cap.info))
     mask = torch.cat([batch["attention_mask"], torch.ones(2, NEW, dtype=torch.long)], dim=1)[:, :-1]
-    _assert_stitched_equal(full, _one_forward(model, input_ids=seq[:, :-1], attention_mask=mask,
-                                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0)))
+    _assert_stitched_equal(
+        full,
+        _one_forward(
+            model, input_ids=seq[:, :-1], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+        ),
+    )
 
 
 def test_a_static_cache_generation_is_refused_by_name():
@@ -189,8 +206,14 @@ def test_a_static_cache_generation_is_refused_by_name():
     batch = inputs("llama", "left", length=5)
     seq, cap = _greedy(model, batch, cache_implementation="static")
     with torch.no_grad():
-        plain = model.generate(**batch, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                               cache_implementation="static")
+        plain = model.generate(
+            **batch,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static",
+        )
     assert torch.equal(plain, seq)
     assert all(r.key_len > r.query_offset + r.query_len for r in cap if r.step < NEW - 1)
     with pytest.raises(AttnprobeError, match=r"static cache .*transformers\.DynamicCache\(\) as its cache"):

@@ -3,10 +3,9 @@ mask memo used to read (RuntimeError inside the model's forward)."""
 
 import pytest
 import torch
+from hf_helpers import MODELS, build, inputs
 
 import attnprobe
-
-from hf_helpers import MODELS, build, inputs
 
 
 def _logits(out):

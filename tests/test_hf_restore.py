@@ -5,17 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hf_helpers import build, inputs
 
 import attnprobe
 from attnprobe import UnsupportedModelError
-from hf_helpers import build, inputs
 
 
 def _clip():
-    text = transformers.CLIPTextConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=2, vocab_size=50, max_position_embeddings=16)
-    vision = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, image_size=8, patch_size=4)
+    text = transformers.CLIPTextConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=50,
+        max_position_embeddings=16,
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+    )
     config = transformers.CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=8)
     torch.manual_seed(0)
     return transformers.CLIPModel(config).eval()
@@ -68,8 +75,15 @@ def test_restored_after_the_forward_raises(assert_no_hooks):
 
 
 def test_a_second_model_on_the_same_config_is_unaffected(assert_no_hooks):
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+    )
     torch.manual_seed(0)
     first = transformers.AutoModelForCausalLM.from_config(config).eval()
     second = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -150,8 +164,9 @@ def test_models_that_branch_on_the_implementation_name_are_refused():
 
 
 def test_gpt2_reordered_upcast_path_is_kept():
-    config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
-                                     reorder_and_upcast_attn=True)
+    config = transformers.GPT2Config(
+        n_embd=16, n_layer=2, n_head=4, vocab_size=100, n_positions=32, reorder_and_upcast_attn=True
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval()
     batch = inputs("gpt2", "left")

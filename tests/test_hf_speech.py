@@ -10,9 +10,17 @@ import attnprobe
 
 def _wav2vec2():
     config = transformers.Wav2Vec2Config(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
-        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
-        feat_extract_norm="layer", do_stable_layer_norm=True,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        conv_dim=(8, 8),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+        feat_extract_norm="layer",
+        do_stable_layer_norm=True,
     )
     torch.manual_seed(0)
     return transformers.Wav2Vec2Model(config).eval()
@@ -42,8 +50,11 @@ def test_a_sample_mask_is_not_read_as_query_padding(assert_no_hooks):
 
 
 def test_a_matching_mask_still_marks_query_padding():
-    model = transformers.BertModel(transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50)).eval()
+    model = transformers.BertModel(
+        transformers.BertConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50
+        )
+    ).eval()
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     with torch.no_grad(), attnprobe.capture(model) as cap:
         model(input_ids=torch.randint(1, 50, (2, 5)), attention_mask=mask)

@@ -17,30 +17,84 @@ import warnings
 
 import pytest
 import torch
-
-import attnprobe
 from hf_helpers import hook_counts, max_error_on_real_rows, transformers, twin
 
+import attnprobe
+
 VOCAB = 99
-TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
-            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TEXT = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 DECODER = dict(TEXT, num_key_value_heads=2, head_dim=8)
-SEQ2SEQ = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-               encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
-               bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
-T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=VOCAB,
-          relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
-              patch_size=4, num_channels=3)
-AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
-             conv_dim=(16, 16), conv_stride=(4, 4), conv_kernel=(8, 4), num_feat_extract_layers=2,
-             num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
+SEQ2SEQ = dict(
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=1,
+)
+T5 = dict(
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_decoder_layers=2,
+    num_heads=4,
+    vocab_size=VOCAB,
+    relative_attention_num_buckets=8,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    eos_token_id=1,
+)
+VISION = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    image_size=16,
+    patch_size=4,
+    num_channels=3,
+)
+AUDIO = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    vocab_size=VOCAB,
+    conv_dim=(16, 16),
+    conv_stride=(4, 4),
+    conv_kernel=(8, 4),
+    num_feat_extract_layers=2,
+    num_conv_pos_embeddings=4,
+    num_conv_pos_embedding_groups=2,
+)
 
 SEED5 = torch.Generator().manual_seed(5)
-DETR = dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=4,
-            backbone_config=dict(model_type="resnet", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-                                 out_features=["stage1", "stage2"]),
-            **{k: v for k, v in SEQ2SEQ.items() if k.endswith(("layers", "heads", "ffn_dim")) or k == "d_model"})
+DETR = dict(
+    use_timm_backbone=False,
+    use_pretrained_backbone=False,
+    num_queries=4,
+    backbone_config=dict(
+        model_type="resnet", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], out_features=["stage1", "stage2"]
+    ),
+    **{k: v for k, v in SEQ2SEQ.items() if k.endswith(("layers", "heads", "ffn_dim")) or k == "d_model"},
+)
 
 
 def _qwen_vl_inputs() -> dict:
@@ -48,12 +102,16 @@ def _qwen_vl_inputs() -> dict:
     merged 2x2 into the 4 image tokens at positions 2..5 (``mm_token_type_ids`` marks them for M-RoPE)."""
     mm = torch.zeros(2, 12, dtype=torch.long)
     mm[:, 2:6] = 1
-    return {"pixel_values": torch.randn(32, 96, generator=torch.Generator().manual_seed(4)),
-            "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]), "mm_token_type_ids": mm}
+    return {
+        "pixel_values": torch.randn(32, 96, generator=torch.Generator().manual_seed(4)),
+        "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]),
+        "mm_token_type_ids": mm,
+    }
 
 
-QWEN_VL_TEXT = dict(DECODER, vocab_size=120, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
-                                                                "rope_theta": 10000.0})
+QWEN_VL_TEXT = dict(
+    DECODER, vocab_size=120, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+)
 QWEN_VL_VISION = dict(depth=2, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
 QWEN_VL_TOKENS = dict(image_token_id=110, vision_start_token_id=111, vision_end_token_id=112)
 
@@ -68,8 +126,13 @@ FAMILIES = {
     "data2vec-text": ("Data2VecTextConfig", dict(TEXT, pad_token_id=1), "encoder"),
     "electra": ("ElectraConfig", dict(TEXT, embedding_size=16), "encoder"),
     "albert": ("AlbertConfig", dict(TEXT, embedding_size=16), "encoder"),
-    "distilbert": ("DistilBertConfig", dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=VOCAB,
-                                            max_position_embeddings=64, pad_token_id=0), "encoder"),
+    "distilbert": (
+        "DistilBertConfig",
+        dict(
+            dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0
+        ),
+        "encoder",
+    ),
     "mpnet": ("MPNetConfig", dict(TEXT, pad_token_id=1), "encoder"),
     "ernie": ("ErnieConfig", TEXT, "encoder"),
     "megatron-bert": ("MegatronBertConfig", TEXT, "encoder"),
@@ -77,11 +140,17 @@ FAMILIES = {
     "deberta": ("DebertaConfig", TEXT, "encoder"),
     "deberta-v2": ("DebertaV2Config", TEXT, "encoder"),
     "squeezebert": ("SqueezeBertConfig", dict(TEXT, embedding_size=32), "encoder"),
-    "mobilebert": ("MobileBertConfig", dict(TEXT, embedding_size=16, intra_bottleneck_size=32, true_hidden_size=32,
-                                            num_feedforward_networks=1), "encoder"),
+    "mobilebert": (
+        "MobileBertConfig",
+        dict(TEXT, embedding_size=16, intra_bottleneck_size=32, true_hidden_size=32, num_feedforward_networks=1),
+        "encoder",
+    ),
     "convbert": ("ConvBertConfig", dict(TEXT, embedding_size=32, head_ratio=2), "encoder"),
-    "canine": ("CanineConfig", dict(TEXT, downsampling_rate=2, num_hash_buckets=64, num_hash_functions=2,
-                                    local_transformer_stride=4), "encoder"),
+    "canine": (
+        "CanineConfig",
+        dict(TEXT, downsampling_rate=2, num_hash_buckets=64, num_hash_functions=2, local_transformer_stride=4),
+        "encoder",
+    ),
     "rembert": ("RemBertConfig", dict(TEXT, input_embedding_size=16, output_embedding_size=16), "encoder"),
     "xmod": ("XmodConfig", dict(TEXT, pad_token_id=1, languages=["en_XX"], default_language="en_XX"), "encoder"),
     "ibert": ("IBertConfig", dict(TEXT, pad_token_id=1), "encoder"),
@@ -91,10 +160,16 @@ FAMILIES = {
     "layoutlm": ("LayoutLMConfig", TEXT, "encoder"),
     "markuplm": ("MarkupLMConfig", dict(TEXT, pad_token_id=1), "encoder"),
     "roc-bert": ("RoCBertConfig", dict(TEXT, pronunciation_vocab_size=16, shape_vocab_size=16), "encoder"),
-    "xlm": ("XLMConfig", dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=64,
-                              pad_index=0), "encoder"),
-    "flaubert": ("FlaubertConfig", dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4,
-                                        max_position_embeddings=64, pad_index=0), "encoder"),
+    "xlm": (
+        "XLMConfig",
+        dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=64, pad_index=0),
+        "encoder",
+    ),
+    "flaubert": (
+        "FlaubertConfig",
+        dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=64, pad_index=0),
+        "encoder",
+    ),
     "xlnet": ("XLNetConfig", dict(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, d_inner=64), "encoder"),
     "modernbert": ("ModernBertConfig", dict(TEXT, global_attn_every_n_layers=2, local_attention=4), "encoder"),
     "roformer": ("RoFormerConfig", dict(TEXT, embedding_size=32), "encoder"),
@@ -107,9 +182,21 @@ FAMILIES = {
     "tapas": ("TapasConfig", TEXT, "encoder"),
     "gte": ("GteConfig", TEXT, "encoder"),
     "jina-embeddings-v3": ("JinaEmbeddingsV3Config", dict(TEXT, pad_token_id=1), "encoder"),
-    "layoutlmv3": ("LayoutLMv3Config", dict(TEXT, pad_token_id=1, visual_embed=False, coordinate_size=6, shape_size=4,
-                                            rel_pos_bins=8, max_rel_pos=16, rel_2d_pos_bins=8, max_rel_2d_pos=16),
-                   "layout"),
+    "layoutlmv3": (
+        "LayoutLMv3Config",
+        dict(
+            TEXT,
+            pad_token_id=1,
+            visual_embed=False,
+            coordinate_size=6,
+            shape_size=4,
+            rel_pos_bins=8,
+            max_rel_pos=16,
+            rel_2d_pos_bins=8,
+            max_rel_2d_pos=16,
+        ),
+        "layout",
+    ),
     "lilt": ("LiltConfig", dict(TEXT, hidden_size=48, pad_token_id=1, channel_shrink_ratio=2), "layout"),
     "clap-text": ("ClapTextConfig", dict(TEXT, pad_token_id=1), "encoder", {"model": "ClapTextModel"}),
     "flava-text": ("FlavaTextConfig", TEXT, "encoder", {"model": "FlavaTextModel"}),
@@ -124,8 +211,12 @@ FAMILIES = {
     "opt": ("OPTConfig", dict(TEXT, ffn_dim=64, word_embed_proj_dim=32), "causal"),
     "bloom": ("BloomConfig", TEXT, "causal"),
     "falcon": ("FalconConfig", dict(TEXT, new_decoder_architecture=True, num_kv_heads=2), "causal"),
-    "falcon-eager": ("FalconConfig", dict(TEXT, new_decoder_architecture=True, num_kv_heads=2), "causal",
-                     {"attn": "eager"}),
+    "falcon-eager": (
+        "FalconConfig",
+        dict(TEXT, new_decoder_architecture=True, num_kv_heads=2),
+        "causal",
+        {"attn": "eager"},
+    ),
     "codegen": ("CodeGenConfig", dict(TEXT, rotary_dim=4, n_ctx=64), "causal"),
     "mpt": ("MptConfig", dict(TEXT, expansion_ratio=2), "causal"),
     "xglm": ("XGLMConfig", dict(TEXT, ffn_dim=64), "causal"),
@@ -135,16 +226,27 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(DECODER, sliding_window=3), "causal"),
     "mixtral": ("MixtralConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1), "causal"),
     "qwen2": ("Qwen2Config", DECODER, "causal"),
-    "qwen2-moe": ("Qwen2MoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=32), "causal"),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        dict(
+            DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        ),
+        "causal",
+    ),
     "qwen3": ("Qwen3Config", DECODER, "causal"),
-    "qwen3-moe": ("Qwen3MoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
-                  "causal"),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32),
+        "causal",
+    ),
     "phi": ("PhiConfig", TEXT, "causal"),
     "phi3": ("Phi3Config", DECODER, "causal"),
     "gemma": ("GemmaConfig", DECODER, "causal"),
-    "gemma2": ("Gemma2Config", dict(DECODER, sliding_window=3, attn_logit_softcapping=0.5, query_pre_attn_scalar=8),
-               "causal"),
+    "gemma2": (
+        "Gemma2Config",
+        dict(DECODER, sliding_window=3, attn_logit_softcapping=0.5, query_pre_attn_scalar=8),
+        "causal",
+    ),
     "gemma3-text": ("Gemma3TextConfig", dict(DECODER, sliding_window=3, query_pre_attn_scalar=8), "causal"),
     "starcoder2": ("Starcoder2Config", DECODER, "causal"),
     "cohere": ("CohereConfig", DECODER, "causal"),
@@ -160,167 +262,499 @@ FAMILIES = {
     "glm4": ("Glm4Config", DECODER, "causal"),
     "helium": ("HeliumConfig", DECODER, "causal"),
     "nemotron": ("NemotronConfig", DECODER, "causal"),
-    "gpt-oss": ("GptOssConfig", dict(DECODER, intermediate_size=32, num_local_experts=2, num_experts_per_tok=1,
-                                     sliding_window=3), "causal"),
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(DECODER, intermediate_size=32, num_local_experts=2, num_experts_per_tok=1, sliding_window=3),
+        "causal",
+    ),
     "smollm3": ("SmolLM3Config", DECODER, "causal"),
     "ctrl": ("CTRLConfig", dict(TEXT, dff=64), "causal"),
-    "dbrx": ("DbrxConfig", dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
-                                attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0), ffn_config=dict(ffn_hidden_size=32, moe_num_experts=2,
-                                                                                moe_top_k=1)), "causal"),
-    "jetmoe": ("JetMoeConfig", dict(TEXT, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=2,
-                                    kv_channels=8), "causal"),
+    "dbrx": (
+        "DbrxConfig",
+        dict(
+            d_model=32,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=64,
+            vocab_size=VOCAB,
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=2, moe_top_k=1),
+        ),
+        "causal",
+    ),
+    "jetmoe": (
+        "JetMoeConfig",
+        dict(TEXT, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=2, kv_channels=8),
+        "causal",
+    ),
     "bitnet": ("BitNetConfig", DECODER, "causal"),
     "exaone4": ("Exaone4Config", dict(DECODER, sliding_window=3), "causal"),
     "arcee": ("ArceeConfig", DECODER, "causal"),
     "ministral": ("MinistralConfig", dict(DECODER, sliding_window=3), "causal"),
-    "deepseek-v3": ("DeepseekV3Config", dict(TEXT, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-                                             qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2,
-                                             num_experts_per_tok=1, moe_intermediate_size=16, first_k_dense_replace=1,
-                                             n_group=1, topk_group=1), "causal"),
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        dict(
+            TEXT,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "causal",
+    ),
     "hunyuan-dense": ("HunYuanDenseV1Config", DECODER, "causal"),
     "seed-oss": ("SeedOssConfig", DECODER, "causal"),
-    "jamba": ("JambaConfig", dict(DECODER, attn_layer_period=2, attn_layer_offset=1, num_experts=2,
-                                  num_experts_per_tok=1, expert_layer_period=2, mamba_d_state=8, mamba_d_conv=2,
-                                  mamba_dt_rank=4, mamba_expand=2, use_mamba_kernels=False), "causal"),
+    "jamba": (
+        "JambaConfig",
+        dict(
+            DECODER,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=2,
+            num_experts_per_tok=1,
+            expert_layer_period=2,
+            mamba_d_state=8,
+            mamba_d_conv=2,
+            mamba_dt_rank=4,
+            mamba_expand=2,
+            use_mamba_kernels=False,
+        ),
+        "causal",
+    ),
     "olmo3": ("Olmo3Config", dict(DECODER, sliding_window=3), "causal"),
     "apertus": ("ApertusConfig", DECODER, "causal"),
     "ernie4-5": ("Ernie4_5Config", DECODER, "causal"),
-    "ernie4-5-moe": ("Ernie4_5_MoeConfig", dict(DECODER, moe_num_experts=2, moe_k=1, moe_intermediate_size=16),
-                     "causal"),
+    "ernie4-5-moe": (
+        "Ernie4_5_MoeConfig",
+        dict(DECODER, moe_num_experts=2, moe_k=1, moe_intermediate_size=16),
+        "causal",
+    ),
     "hunyuan-moe": ("HunYuanMoEV1Config", dict(DECODER, num_experts=2, moe_topk=1, moe_intermediate_size=16), "causal"),
-    "deepseek-v2": ("DeepseekV2Config", dict(TEXT, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
-                                             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2,
-                                             num_experts_per_tok=1, moe_intermediate_size=16, first_k_dense_replace=1,
-                                             n_group=1, topk_group=1), "causal"),
-    "minicpm3": ("MiniCPM3Config", dict(TEXT, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-                                        qk_nope_head_dim=4, v_head_dim=8), "causal"),
-    "dots1": ("Dots1Config", dict(DECODER, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-                                  first_k_dense_replace=1, n_group=1, topk_group=1, n_shared_experts=1,
-                                  routed_scaling_factor=1.0), "causal"),
-    "glm4-moe": ("Glm4MoeConfig", dict(DECODER, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-                                       first_k_dense_replace=1, n_group=1, topk_group=1), "causal"),
+    "deepseek-v2": (
+        "DeepseekV2Config",
+        dict(
+            TEXT,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "causal",
+    ),
+    "minicpm3": (
+        "MiniCPM3Config",
+        dict(
+            TEXT,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+        ),
+        "causal",
+    ),
+    "dots1": (
+        "Dots1Config",
+        dict(
+            DECODER,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            routed_scaling_factor=1.0,
+        ),
+        "causal",
+    ),
+    "glm4-moe": (
+        "Glm4MoeConfig",
+        dict(
+            DECODER,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "causal",
+    ),
     "phimoe": ("PhimoeConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1), "causal"),
-    "granitemoeshared": ("GraniteMoeSharedConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1,
-                                                        shared_intermediate_size=32), "causal"),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        dict(DECODER, num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=32),
+        "causal",
+    ),
     "flex-olmo": ("FlexOlmoConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1), "causal"),
     "internlm3": ("InternLM3Config", DECODER, "causal"),
     "cwm": ("CwmConfig", dict(DECODER, sliding_window=3), "causal"),
     "doge": ("DogeConfig", dict(DECODER, keep_window_size=4), "causal"),
     "vaultgemma": ("VaultGemmaConfig", dict(DECODER, sliding_window=3, query_pre_attn_scalar=8), "causal"),
-    "gemma3n-text": ("Gemma3nTextConfig", dict(DECODER, sliding_window=3, vocab_size_per_layer_input=VOCAB,
-                                               hidden_size_per_layer_input=8, laurel_rank=4, num_kv_shared_layers=0,
-                                               activation_sparsity_pattern=[0.0, 0.0], altup_num_inputs=2,
-                                               layer_types=["sliding_attention", "full_attention"]), "causal"),
-    "modernbert-decoder": ("ModernBertDecoderConfig", dict(TEXT, global_attn_every_n_layers=2, local_attention=4),
-                           "causal"),
+    "gemma3n-text": (
+        "Gemma3nTextConfig",
+        dict(
+            DECODER,
+            sliding_window=3,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            laurel_rank=4,
+            num_kv_shared_layers=0,
+            activation_sparsity_pattern=[0.0, 0.0],
+            altup_num_inputs=2,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "causal",
+    ),
+    "modernbert-decoder": (
+        "ModernBertDecoderConfig",
+        dict(TEXT, global_attn_every_n_layers=2, local_attention=4),
+        "causal",
+    ),
     "gpt-neox-japanese": ("GPTNeoXJapaneseConfig", TEXT, "causal"),
     # differential attention: two interface calls per layer on the same q and k (two value halves)
     "diffllama": ("DiffLlamaConfig", DECODER, "causal"),
     # hybrids: the attention layers among Mamba / convolution / linear-attention layers
-    "zamba2": ("Zamba2Config", dict(DECODER, layer_types=["mamba", "hybrid"], hybrid_layer_ids=[1], mamba_d_state=8,
-                                    mamba_d_conv=2, mamba_expand=2, mamba_headdim=8, n_mamba_heads=8,
-                                    attention_head_dim=16, adapter_rank=4, use_mem_eff_path=False), "causal"),
-    "falcon-h1": ("FalconH1Config", dict(DECODER, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
-                                         mamba_d_conv=2, mamba_n_groups=1), "causal"),
-    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1,
-                                                        layer_types=["mamba", "attention"], mamba_d_state=8,
-                                                        mamba_d_conv=2, mamba_n_heads=4, mamba_d_head=16,
-                                                        mamba_n_groups=1, shared_intermediate_size=32), "causal"),
-    "bamba": ("BambaConfig", dict(DECODER, attn_layer_indices=[1], mamba_d_state=8, mamba_d_conv=2, mamba_n_heads=4,
-                                  mamba_d_head=16, mamba_n_groups=1), "causal"),
-    "nemotron-h": ("NemotronHConfig", dict(DECODER, hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16,
-                                           ssm_state_size=8, n_groups=1, conv_kernel=2, expand=2), "causal"),
-    "recurrent-gemma": ("RecurrentGemmaConfig", dict(DECODER, block_types=["recurrent", "attention"], lru_width=32,
-                                                     attention_window_size=4, conv1d_width=2), "causal"),
+    "zamba2": (
+        "Zamba2Config",
+        dict(
+            DECODER,
+            layer_types=["mamba", "hybrid"],
+            hybrid_layer_ids=[1],
+            mamba_d_state=8,
+            mamba_d_conv=2,
+            mamba_expand=2,
+            mamba_headdim=8,
+            n_mamba_heads=8,
+            attention_head_dim=16,
+            adapter_rank=4,
+            use_mem_eff_path=False,
+        ),
+        "causal",
+    ),
+    "falcon-h1": (
+        "FalconH1Config",
+        dict(
+            DECODER, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_d_conv=2, mamba_n_groups=1
+        ),
+        "causal",
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            DECODER,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            layer_types=["mamba", "attention"],
+            mamba_d_state=8,
+            mamba_d_conv=2,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            shared_intermediate_size=32,
+        ),
+        "causal",
+    ),
+    "bamba": (
+        "BambaConfig",
+        dict(
+            DECODER,
+            attn_layer_indices=[1],
+            mamba_d_state=8,
+            mamba_d_conv=2,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+        ),
+        "causal",
+    ),
+    "nemotron-h": (
+        "NemotronHConfig",
+        dict(
+            DECODER,
+            hybrid_override_pattern="M*",
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=1,
+            conv_kernel=2,
+            expand=2,
+        ),
+        "causal",
+    ),
+    "recurrent-gemma": (
+        "RecurrentGemmaConfig",
+        dict(DECODER, block_types=["recurrent", "attention"], lru_width=32, attention_window_size=4, conv1d_width=2),
+        "causal",
+    ),
     "lfm2": ("Lfm2Config", dict(DECODER, layer_types=["conv", "full_attention"]), "causal"),
-    "lfm2-moe": ("Lfm2MoeConfig", dict(DECODER, layer_types=["conv", "full_attention"], num_experts=2,
-                                       num_experts_per_tok=1, moe_intermediate_size=16, num_dense_layers=1), "causal"),
-    "qwen3-next": ("Qwen3NextConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-                                           shared_expert_intermediate_size=16,
-                                           layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
-                                           linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
-                   "causal"),
-    "minimax": ("MiniMaxConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1,
-                                      layer_types=["linear_attention", "full_attention"]), "causal"),
+    "lfm2-moe": (
+        "Lfm2MoeConfig",
+        dict(
+            DECODER,
+            layer_types=["conv", "full_attention"],
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            num_dense_layers=1,
+        ),
+        "causal",
+    ),
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        dict(
+            DECODER,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=2,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        ),
+        "causal",
+    ),
+    "minimax": (
+        "MiniMaxConfig",
+        dict(DECODER, num_local_experts=2, num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"]),
+        "causal",
+    ),
     # text tokens only: its VQ image tokenizer is built but not run
-    "chameleon": ("ChameleonConfig", dict(DECODER, vocab_size=120, vocabulary_map={"<image>": 110}, image_token_id=110,
-                                          vq_config=dict(embed_dim=8, num_embeddings=16, base_channels=32,
-                                                         channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=[],
-                                                         resolution=16, latent_channels=8)), "causal"),
+    "chameleon": (
+        "ChameleonConfig",
+        dict(
+            DECODER,
+            vocab_size=120,
+            vocabulary_map={"<image>": 110},
+            image_token_id=110,
+            vq_config=dict(
+                embed_dim=8,
+                num_embeddings=16,
+                base_channels=32,
+                channel_multiplier=[1, 2],
+                num_res_blocks=1,
+                attn_resolutions=[],
+                resolution=16,
+                latent_channels=8,
+            ),
+        ),
+        "causal",
+    ),
     "emu3-text": ("Emu3TextConfig", DECODER, "causal", {"model": "Emu3TextModel"}),
-    "musicgen": ("MusicgenDecoderConfig", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-                                               vocab_size=VOCAB, num_codebooks=2, max_position_embeddings=64,
-                                               pad_token_id=0, bos_token_id=1), "codebooks", {"model": "MusicgenModel"}),
-    "qwen3-5-text": ("Qwen3_5TextConfig", dict(DECODER, layer_types=["linear_attention", "full_attention"],
-                                               linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-                                               linear_value_head_dim=8), "causal"),
-    "exaone-moe": ("ExaoneMoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-                                           sliding_window=3), "causal"),
-    "glm4-moe-lite": ("Glm4MoeLiteConfig", dict(TEXT, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
-                                                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2,
-                                                num_experts_per_tok=1, moe_intermediate_size=16,
-                                                first_k_dense_replace=1, n_group=1, topk_group=1), "causal"),
-    "afmoe": ("AfmoeConfig", dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-                                  num_dense_layers=1, sliding_window=3), "causal"),
-    "llama4-text": ("Llama4TextConfig", dict(DECODER, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=64,
-                                             no_rope_layers=[0, 1], attention_chunk_size=4), "causal"),
+    "musicgen": (
+        "MusicgenDecoderConfig",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_dim=64,
+            vocab_size=VOCAB,
+            num_codebooks=2,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            bos_token_id=1,
+        ),
+        "codebooks",
+        {"model": "MusicgenModel"},
+    ),
+    "qwen3-5-text": (
+        "Qwen3_5TextConfig",
+        dict(
+            DECODER,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=2,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        ),
+        "causal",
+    ),
+    "exaone-moe": (
+        "ExaoneMoeConfig",
+        dict(DECODER, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, sliding_window=3),
+        "causal",
+    ),
+    "glm4-moe-lite": (
+        "Glm4MoeLiteConfig",
+        dict(
+            TEXT,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        "causal",
+    ),
+    "afmoe": (
+        "AfmoeConfig",
+        dict(
+            DECODER,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            num_dense_layers=1,
+            sliding_window=3,
+        ),
+        "causal",
+    ),
+    "llama4-text": (
+        "Llama4TextConfig",
+        dict(
+            DECODER,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=64,
+            no_rope_layers=[0, 1],
+            attention_chunk_size=4,
+        ),
+        "causal",
+    ),
     # ---- encoder-decoders (right padding on both sides)
     "t5": ("T5Config", T5, "seq2seq"),
     "mt5": ("MT5Config", T5, "seq2seq"),
     "umt5": ("UMT5Config", T5, "seq2seq"),
     "longt5": ("LongT5Config", T5, "seq2seq"),
-    "switch-transformers": ("SwitchTransformersConfig", dict(T5, num_experts=2, encoder_sparse_step=2,
-                                                             decoder_sparse_step=2), "seq2seq"),
+    "switch-transformers": (
+        "SwitchTransformersConfig",
+        dict(T5, num_experts=2, encoder_sparse_step=2, decoder_sparse_step=2),
+        "seq2seq",
+    ),
     "bart": ("BartConfig", SEQ2SEQ, "seq2seq"),
     "mbart": ("MBartConfig", SEQ2SEQ, "seq2seq"),
     "pegasus": ("PegasusConfig", SEQ2SEQ, "seq2seq"),
     "marian": ("MarianConfig", dict(SEQ2SEQ, decoder_start_token_id=0), "seq2seq"),
     "m2m100": ("M2M100Config", SEQ2SEQ, "seq2seq"),
-    "nllb-moe": ("NllbMoeConfig", dict(SEQ2SEQ, num_experts=2, encoder_sparse_step=2, decoder_sparse_step=2),
-                 "seq2seq"),
+    "nllb-moe": (
+        "NllbMoeConfig",
+        dict(SEQ2SEQ, num_experts=2, encoder_sparse_step=2, decoder_sparse_step=2),
+        "seq2seq",
+    ),
     "blenderbot": ("BlenderbotConfig", SEQ2SEQ, "seq2seq"),
     "blenderbot-small": ("BlenderbotSmallConfig", SEQ2SEQ, "seq2seq"),
     "plbart": ("PLBartConfig", SEQ2SEQ, "seq2seq"),
-    "prophetnet": ("ProphetNetConfig", dict(hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                            num_encoder_layers=2, num_decoder_layers=2,
-                                            num_encoder_attention_heads=4, num_decoder_attention_heads=4,
-                                            vocab_size=VOCAB, ngram=2, num_buckets=8, relative_max_distance=16,
-                                            pad_token_id=0, decoder_start_token_id=1), "seq2seq"),
+    "prophetnet": (
+        "ProphetNetConfig",
+        dict(
+            hidden_size=32,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            num_encoder_layers=2,
+            num_decoder_layers=2,
+            num_encoder_attention_heads=4,
+            num_decoder_attention_heads=4,
+            vocab_size=VOCAB,
+            ngram=2,
+            num_buckets=8,
+            relative_max_distance=16,
+            pad_token_id=0,
+            decoder_start_token_id=1,
+        ),
+        "seq2seq",
+    ),
     # FSMT builds no causal mask when use_cache is on (its default): check() flags the decoder's future
     # weights, which is what the model computes; a full forward without the cache is causal
-    "fsmt": ("FSMTConfig", dict(SEQ2SEQ, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, langs=["en", "de"]),
-             "seq2seq", {"inputs": {"use_cache": False}}),
+    "fsmt": (
+        "FSMTConfig",
+        dict(SEQ2SEQ, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, langs=["en", "de"]),
+        "seq2seq",
+        {"inputs": {"use_cache": False}},
+    ),
     "mvp": ("MvpConfig", SEQ2SEQ, "seq2seq"),
-    "t5gemma": ("T5GemmaConfig", dict(encoder=dict(DECODER, sliding_window=3, query_pre_attn_scalar=8),
-                                      decoder=dict(DECODER, sliding_window=3, query_pre_attn_scalar=8), vocab_size=VOCAB),
-                "seq2seq"),
+    "t5gemma": (
+        "T5GemmaConfig",
+        dict(
+            encoder=dict(DECODER, sliding_window=3, query_pre_attn_scalar=8),
+            decoder=dict(DECODER, sliding_window=3, query_pre_attn_scalar=8),
+            vocab_size=VOCAB,
+        ),
+        "seq2seq",
+    ),
     # composites: a BERT encoder and a BERT decoder with cross-attention; ViT and GPT-2
-    "encoder-decoder": ("EncoderDecoderConfig", dict(encoder=dict(TEXT, model_type="bert"),
-                                                     decoder=dict(TEXT, model_type="bert", is_decoder=True,
-                                                                  add_cross_attention=True),
-                                                     decoder_start_token_id=1, pad_token_id=0), "seq2seq",
-                        {"model": "EncoderDecoderModel"}),
-    "vision-encoder-decoder": ("VisionEncoderDecoderConfig", dict(encoder=dict(VISION, model_type="vit"),
-                                                                  decoder=dict(TEXT, model_type="gpt2", n_positions=64,
-                                                                               is_decoder=True, add_cross_attention=True),
-                                                                  decoder_start_token_id=1, pad_token_id=0),
-                               "image2text", {"model": "VisionEncoderDecoderModel"}),
-    "led": ("LEDConfig", dict(SEQ2SEQ, attention_window=4, max_encoder_position_embeddings=64,
-                              max_decoder_position_embeddings=64), "seq2seq"),
+    "encoder-decoder": (
+        "EncoderDecoderConfig",
+        dict(
+            encoder=dict(TEXT, model_type="bert"),
+            decoder=dict(TEXT, model_type="bert", is_decoder=True, add_cross_attention=True),
+            decoder_start_token_id=1,
+            pad_token_id=0,
+        ),
+        "seq2seq",
+        {"model": "EncoderDecoderModel"},
+    ),
+    "vision-encoder-decoder": (
+        "VisionEncoderDecoderConfig",
+        dict(
+            encoder=dict(VISION, model_type="vit"),
+            decoder=dict(TEXT, model_type="gpt2", n_positions=64, is_decoder=True, add_cross_attention=True),
+            decoder_start_token_id=1,
+            pad_token_id=0,
+        ),
+        "image2text",
+        {"model": "VisionEncoderDecoderModel"},
+    ),
+    "led": (
+        "LEDConfig",
+        dict(SEQ2SEQ, attention_window=4, max_encoder_position_embeddings=64, max_decoder_position_embeddings=64),
+        "seq2seq",
+    ),
     "bigbird-pegasus": ("BigBirdPegasusConfig", dict(SEQ2SEQ, attention_type="original_full"), "seq2seq"),
-    "whisper": ("WhisperConfig", dict(SEQ2SEQ, num_mel_bins=8, max_source_positions=6, max_target_positions=16),
-                "whisper"),
-    "speech-to-text": ("Speech2TextConfig", dict(SEQ2SEQ, input_feat_per_channel=8, num_conv_layers=1,
-                                                 conv_kernel_sizes=(5,), conv_channels=16,
-                                                 max_source_positions=32, max_target_positions=16),
-                       "speech2text"),
+    "whisper": (
+        "WhisperConfig",
+        dict(SEQ2SEQ, num_mel_bins=8, max_source_positions=6, max_target_positions=16),
+        "whisper",
+    ),
+    "speech-to-text": (
+        "Speech2TextConfig",
+        dict(
+            SEQ2SEQ,
+            input_feat_per_channel=8,
+            num_conv_layers=1,
+            conv_kernel_sizes=(5,),
+            conv_channels=16,
+            max_source_positions=32,
+            max_target_positions=16,
+        ),
+        "speech2text",
+    ),
     # ---- vision (no mask)
     "vit": ("ViTConfig", VISION, "image"),
     "deit": ("DeiTConfig", VISION, "image"),
     "beit": ("BeitConfig", dict(VISION, use_relative_position_bias=True), "image"),
     "data2vec-vision": ("Data2VecVisionConfig", dict(VISION, use_relative_position_bias=True), "image"),
-    "data2vec-vision-eager": ("Data2VecVisionConfig", dict(VISION, use_relative_position_bias=True), "image",
-                              {"attn": "eager"}),
+    "data2vec-vision-eager": (
+        "Data2VecVisionConfig",
+        dict(VISION, use_relative_position_bias=True),
+        "image",
+        {"attn": "eager"},
+    ),
     "dinov2": ("Dinov2Config", dict(VISION, mlp_ratio=2), "image"),
     "yolos": ("YolosConfig", dict(VISION, image_size=[16, 16], num_detection_tokens=2), "image"),
     "dinov2-with-registers": ("Dinov2WithRegistersConfig", dict(VISION, mlp_ratio=2, num_register_tokens=2), "image"),
@@ -329,143 +763,392 @@ FAMILIES = {
     "ijepa": ("IJepaConfig", VISION, "image"),
     "mlcd": ("MLCDVisionConfig", dict(VISION, num_key_value_groups=1), "image"),
     "aimv2-vision": ("Aimv2VisionConfig", dict(VISION, use_head=True), "image"),  # its pooling head calls sdpa itself
-    "pixtral-vision": ("PixtralVisionConfig", dict(VISION, head_dim=8), "image",
-                       {"inputs": {"image_sizes": torch.tensor([[16, 16], [16, 16]])}}),
-    "hiera": ("HieraConfig", dict(image_size=[16, 16], patch_size=[3, 3], patch_stride=[2, 2], patch_padding=[1, 1],
-                                  embed_dim=8, num_heads=[1, 2], depths=[1, 1], query_stride=[2, 2],
-                                  masked_unit_size=[4, 4], mlp_ratio=2.0, num_query_pool=1), "image"),
+    "pixtral-vision": (
+        "PixtralVisionConfig",
+        dict(VISION, head_dim=8),
+        "image",
+        {"inputs": {"image_sizes": torch.tensor([[16, 16], [16, 16]])}},
+    ),
+    "hiera": (
+        "HieraConfig",
+        dict(
+            image_size=[16, 16],
+            patch_size=[3, 3],
+            patch_stride=[2, 2],
+            patch_padding=[1, 1],
+            embed_dim=8,
+            num_heads=[1, 2],
+            depths=[1, 1],
+            query_stride=[2, 2],
+            masked_unit_size=[4, 4],
+            mlp_ratio=2.0,
+            num_query_pool=1,
+        ),
+        "image",
+    ),
     # ---- video: (batch, frames, channels, height, width)
     "videomae": ("VideoMAEConfig", dict(VISION, num_frames=2, tubelet_size=1), "video"),
     "vivit": ("VivitConfig", dict(VISION, num_frames=2, tubelet_size=[1, 4, 4]), "video"),
     "timesformer": ("TimesformerConfig", dict(VISION, num_frames=2), "video"),
-    "siglip2-vision": ("Siglip2VisionConfig", dict(VISION, num_patches=16), "image",  # patches flattened, 16 x 48
-                       {"inputs": {"pixel_values": torch.randn(2, 16, 48, generator=SEED5),
-                                   "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long),
-                                   "spatial_shapes": torch.tensor([[4, 4], [4, 4]])}}),
+    "siglip2-vision": (
+        "Siglip2VisionConfig",
+        dict(VISION, num_patches=16),
+        "image",  # patches flattened, 16 x 48
+        {
+            "inputs": {
+                "pixel_values": torch.randn(2, 16, 48, generator=SEED5),
+                "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long),
+                "spatial_shapes": torch.tensor([[4, 4], [4, 4]]),
+            }
+        },
+    ),
     "flava-image": ("FlavaImageConfig", VISION, "image", {"model": "FlavaImageModel"}),
     "vitdet": ("VitDetConfig", dict(VISION, pretrain_image_size=16, window_size=2, window_block_indices=[0]), "image"),
-    "donut-swin": ("DonutSwinConfig", dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
-                                          window_size=4), "image"),
-    "swin2sr": ("Swin2SRConfig", dict(image_size=16, patch_size=1, embed_dim=16, depths=[1], num_heads=[2], window_size=4,
-                                      upscale=1), "image"),
-    "mobilevit": ("MobileViTConfig", dict(image_size=16, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
-                                          num_attention_heads=4), "image"),
-    "swin": ("SwinConfig", dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
-                                window_size=4), "image"),
-    "swinv2": ("Swinv2Config", dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
-                                    window_size=4), "image"),
+    "donut-swin": (
+        "DonutSwinConfig",
+        dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4),
+        "image",
+    ),
+    "swin2sr": (
+        "Swin2SRConfig",
+        dict(image_size=16, patch_size=1, embed_dim=16, depths=[1], num_heads=[2], window_size=4, upscale=1),
+        "image",
+    ),
+    "mobilevit": (
+        "MobileViTConfig",
+        dict(
+            image_size=16,
+            hidden_sizes=[16, 16, 16],
+            neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
+            num_attention_heads=4,
+        ),
+        "image",
+    ),
+    "swin": (
+        "SwinConfig",
+        dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4),
+        "image",
+    ),
+    "swinv2": (
+        "Swinv2Config",
+        dict(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4),
+        "image",
+    ),
     "clip-vision": ("CLIPVisionConfig", VISION, "image"),
     "siglip-vision": ("SiglipVisionConfig", VISION, "image"),
     "clip-text": ("CLIPTextConfig", dict(TEXT, eos_token_id=2), "causal"),
     "siglip-text": ("SiglipTextConfig", TEXT, "encoder", {"model": "SiglipTextModel"}),
-    "clip": ("CLIPConfig", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
-             "text-image"),
+    "clip": (
+        "CLIPConfig",
+        dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
+        "text-image",
+    ),
     "siglip": ("SiglipConfig", dict(text_config=TEXT, vision_config=VISION), "text-image"),
-    "llava": ("LlavaConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
-                                  vision_config=dict(VISION, model_type="clip_vision_model"), image_token_index=110,
-                                  vision_feature_layer=-1), "vlm"),
-    "vipllava": ("VipLlavaConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
-                                        vision_config=dict(VISION, model_type="clip_vision_model"),
-                                        image_token_index=110, vision_feature_layers=[-2, -1]), "vlm"),
-    "paligemma": ("PaliGemmaConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="gemma"),
-                                          vision_config=dict(VISION, model_type="siglip_vision_model"),
-                                          image_token_index=110, projection_dim=32), "vlm"),
+    "llava": (
+        "LlavaConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+            vision_config=dict(VISION, model_type="clip_vision_model"),
+            image_token_index=110,
+            vision_feature_layer=-1,
+        ),
+        "vlm",
+    ),
+    "vipllava": (
+        "VipLlavaConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+            vision_config=dict(VISION, model_type="clip_vision_model"),
+            image_token_index=110,
+            vision_feature_layers=[-2, -1],
+        ),
+        "vlm",
+    ),
+    "paligemma": (
+        "PaliGemmaConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="gemma"),
+            vision_config=dict(VISION, model_type="siglip_vision_model"),
+            image_token_index=110,
+            projection_dim=32,
+        ),
+        "vlm",
+    ),
     # image tokens: the 16 patches merged 2 x 2 (or pooled to mm_tokens_per_image)
-    "gemma3": ("Gemma3Config", dict(text_config=dict(DECODER, vocab_size=120, model_type="gemma3_text", sliding_window=3,
-                                                     query_pre_attn_scalar=8),
-                                    vision_config=dict(VISION, model_type="siglip_vision_model"), image_token_index=110,
-                                    mm_tokens_per_image=4, boi_token_index=111, eoi_token_index=112), "vlm",
-               {"image_tokens": 4}),
-    "aya-vision": ("AyaVisionConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="cohere"),
-                                           vision_config=dict(VISION, model_type="siglip_vision_model"),
-                                           image_token_index=110, downsample_factor=2), "vlm", {"image_tokens": 4}),
-    "mistral3": ("Mistral3Config", dict(text_config=dict(DECODER, vocab_size=120, model_type="mistral"),
-                                        vision_config=dict(VISION, model_type="pixtral", head_dim=8),
-                                        image_token_index=110, spatial_merge_size=2, vision_feature_layer=-1), "vlm",
-                 {"image_tokens": 4, "inputs": {"image_sizes": torch.tensor([[16, 16], [16, 16]])}}),
-    "internvl": ("InternVLConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="qwen2"),
-                                        vision_config=dict(VISION, model_type="internvl_vision", image_size=[16, 16],
-                                                           patch_size=[4, 4]),
-                                        image_token_id=110, downsample_ratio=0.5, vision_feature_layer=-1), "vlm",
-                 {"image_tokens": 4}),
+    "gemma3": (
+        "Gemma3Config",
+        dict(
+            text_config=dict(
+                DECODER, vocab_size=120, model_type="gemma3_text", sliding_window=3, query_pre_attn_scalar=8
+            ),
+            vision_config=dict(VISION, model_type="siglip_vision_model"),
+            image_token_index=110,
+            mm_tokens_per_image=4,
+            boi_token_index=111,
+            eoi_token_index=112,
+        ),
+        "vlm",
+        {"image_tokens": 4},
+    ),
+    "aya-vision": (
+        "AyaVisionConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="cohere"),
+            vision_config=dict(VISION, model_type="siglip_vision_model"),
+            image_token_index=110,
+            downsample_factor=2,
+        ),
+        "vlm",
+        {"image_tokens": 4},
+    ),
+    "mistral3": (
+        "Mistral3Config",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="mistral"),
+            vision_config=dict(VISION, model_type="pixtral", head_dim=8),
+            image_token_index=110,
+            spatial_merge_size=2,
+            vision_feature_layer=-1,
+        ),
+        "vlm",
+        {"image_tokens": 4, "inputs": {"image_sizes": torch.tensor([[16, 16], [16, 16]])}},
+    ),
+    "internvl": (
+        "InternVLConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="qwen2"),
+            vision_config=dict(VISION, model_type="internvl_vision", image_size=[16, 16], patch_size=[4, 4]),
+            image_token_id=110,
+            downsample_ratio=0.5,
+            vision_feature_layer=-1,
+        ),
+        "vlm",
+        {"image_tokens": 4},
+    ),
     # 16 tokens for the base image, 16 + 4 (a newline per row) for its one 16x16 tile
-    "llava-next": ("LlavaNextConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
-                                           vision_config=dict(VISION, model_type="clip_vision_model"),
-                                           image_token_index=110, image_grid_pinpoints=[[16, 16]],
-                                           vision_feature_layer=-1), "vlm",
-                   {"image_tokens": 36, "inputs": {"pixel_values": torch.randn(2, 2, 3, 16, 16, generator=SEED5),
-                                                   "image_sizes": torch.tensor([[16, 16], [16, 16]])}}),
-    "idefics3": ("Idefics3Config", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
-                                        vision_config=dict(VISION, model_type="idefics3_vision"), image_token_id=110,
-                                        scale_factor=2), "vlm",
-                 {"image_tokens": 4, "inputs": {"pixel_values": torch.randn(2, 1, 3, 16, 16, generator=SEED5)}}),
-    "smolvlm": ("SmolVLMConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="llama"),
-                                      vision_config=dict(VISION, model_type="smolvlm_vision"), image_token_id=110,
-                                      scale_factor=2), "vlm",
-                {"image_tokens": 4, "inputs": {"pixel_values": torch.randn(2, 1, 3, 16, 16, generator=SEED5)}}),
+    "llava-next": (
+        "LlavaNextConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+            vision_config=dict(VISION, model_type="clip_vision_model"),
+            image_token_index=110,
+            image_grid_pinpoints=[[16, 16]],
+            vision_feature_layer=-1,
+        ),
+        "vlm",
+        {
+            "image_tokens": 36,
+            "inputs": {
+                "pixel_values": torch.randn(2, 2, 3, 16, 16, generator=SEED5),
+                "image_sizes": torch.tensor([[16, 16], [16, 16]]),
+            },
+        },
+    ),
+    "idefics3": (
+        "Idefics3Config",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+            vision_config=dict(VISION, model_type="idefics3_vision"),
+            image_token_id=110,
+            scale_factor=2,
+        ),
+        "vlm",
+        {"image_tokens": 4, "inputs": {"pixel_values": torch.randn(2, 1, 3, 16, 16, generator=SEED5)}},
+    ),
+    "smolvlm": (
+        "SmolVLMConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="llama"),
+            vision_config=dict(VISION, model_type="smolvlm_vision"),
+            image_token_id=110,
+            scale_factor=2,
+        ),
+        "vlm",
+        {"image_tokens": 4, "inputs": {"pixel_values": torch.randn(2, 1, 3, 16, 16, generator=SEED5)}},
+    ),
     # a Q-Former (self- and cross-attention over the image) between the vision tower and OPT
-    "blip-2": ("Blip2Config", dict(text_config=dict(DECODER, vocab_size=120, model_type="opt", ffn_dim=64,
-                                                    word_embed_proj_dim=32),
-                                   vision_config=VISION, qformer_config=dict(TEXT, cross_attention_frequency=1,
-                                                                             encoder_hidden_size=32),
-                                   num_query_tokens=4, image_token_index=110), "vlm", {"image_tokens": 4}),
-    "instructblip": ("InstructBlipConfig", dict(text_config=dict(DECODER, vocab_size=120, model_type="opt", ffn_dim=64,
-                                                                 word_embed_proj_dim=32),
-                                                vision_config=VISION, qformer_config=dict(TEXT, cross_attention_frequency=1,
-                                                                                          encoder_hidden_size=32),
-                                                num_query_tokens=4, image_token_index=110), "vlm",
-                     {"image_tokens": 4, "inputs": {"qformer_input_ids": torch.randint(3, VOCAB, (2, 5), generator=SEED5),
-                                                    "qformer_attention_mask": torch.ones(2, 5, dtype=torch.long)}}),
+    "blip-2": (
+        "Blip2Config",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="opt", ffn_dim=64, word_embed_proj_dim=32),
+            vision_config=VISION,
+            qformer_config=dict(TEXT, cross_attention_frequency=1, encoder_hidden_size=32),
+            num_query_tokens=4,
+            image_token_index=110,
+        ),
+        "vlm",
+        {"image_tokens": 4},
+    ),
+    "instructblip": (
+        "InstructBlipConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, model_type="opt", ffn_dim=64, word_embed_proj_dim=32),
+            vision_config=VISION,
+            qformer_config=dict(TEXT, cross_attention_frequency=1, encoder_hidden_size=32),
+            num_query_tokens=4,
+            image_token_index=110,
+        ),
+        "vlm",
+        {
+            "image_tokens": 4,
+            "inputs": {
+                "qformer_input_ids": torch.randint(3, VOCAB, (2, 5), generator=SEED5),
+                "qformer_attention_mask": torch.ones(2, 5, dtype=torch.long),
+            },
+        },
+    ),
     # one image token; language layer 1 is a cross-attention layer over the tile's patches
-    "mllama": ("MllamaConfig", dict(text_config=dict(DECODER, vocab_size=120, cross_attention_layers=[1],
-                                                     model_type="mllama_text_model"),
-                                    vision_config=dict(hidden_size=32, num_hidden_layers=2, num_global_layers=1,
-                                                       attention_heads=4, intermediate_size=64, image_size=16,
-                                                       patch_size=4, max_num_tiles=1, supported_aspect_ratios=[[1, 1]],
-                                                       intermediate_layers_indices=[0], vision_output_dim=64),
-                                    image_token_index=110), "vlm",
-               {"image_tokens": 1, "inputs": {"pixel_values": torch.randn(2, 1, 1, 3, 16, 16, generator=SEED5),
-                                              "aspect_ratio_ids": torch.tensor([[1], [1]]),
-                                              "aspect_ratio_mask": torch.ones(2, 1, 1, dtype=torch.long)}}),
+    "mllama": (
+        "MllamaConfig",
+        dict(
+            text_config=dict(DECODER, vocab_size=120, cross_attention_layers=[1], model_type="mllama_text_model"),
+            vision_config=dict(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_global_layers=1,
+                attention_heads=4,
+                intermediate_size=64,
+                image_size=16,
+                patch_size=4,
+                max_num_tiles=1,
+                supported_aspect_ratios=[[1, 1]],
+                intermediate_layers_indices=[0],
+                vision_output_dim=64,
+            ),
+            image_token_index=110,
+        ),
+        "vlm",
+        {
+            "image_tokens": 1,
+            "inputs": {
+                "pixel_values": torch.randn(2, 1, 1, 3, 16, 16, generator=SEED5),
+                "aspect_ratio_ids": torch.tensor([[1], [1]]),
+                "aspect_ratio_mask": torch.ones(2, 1, 1, dtype=torch.long),
+            },
+        },
+    ),
     # vision attention per image (and per window in Qwen2.5-VL): one call each
-    "qwen2-vl": ("Qwen2VLConfig", dict(text_config=QWEN_VL_TEXT, vision_config=dict(QWEN_VL_VISION, embed_dim=32, mlp_ratio=2),
-                                       **QWEN_VL_TOKENS), "vlm", {"image_tokens": 4, "inputs": _qwen_vl_inputs()}),
-    "qwen2-5-vl": ("Qwen2_5_VLConfig", dict(text_config=QWEN_VL_TEXT,
-                                            vision_config=dict(QWEN_VL_VISION, out_hidden_size=32, intermediate_size=64,
-                                                               window_size=8, fullatt_block_indexes=[1]),
-                                            **QWEN_VL_TOKENS), "vlm", {"image_tokens": 4, "inputs": _qwen_vl_inputs()}),
-    "owlvit": ("OwlViTConfig", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
-               "text-image"),
-    "owlv2": ("Owlv2Config", dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
-              "text-image"),
-    "chinese-clip": ("ChineseCLIPConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16),
-                     "text-image"),
-    "altclip": ("AltCLIPConfig", dict(text_config=dict(TEXT, pad_token_id=1), vision_config=VISION,
-                                      projection_dim=16), "text-image"),
+    "qwen2-vl": (
+        "Qwen2VLConfig",
+        dict(text_config=QWEN_VL_TEXT, vision_config=dict(QWEN_VL_VISION, embed_dim=32, mlp_ratio=2), **QWEN_VL_TOKENS),
+        "vlm",
+        {"image_tokens": 4, "inputs": _qwen_vl_inputs()},
+    ),
+    "qwen2-5-vl": (
+        "Qwen2_5_VLConfig",
+        dict(
+            text_config=QWEN_VL_TEXT,
+            vision_config=dict(
+                QWEN_VL_VISION, out_hidden_size=32, intermediate_size=64, window_size=8, fullatt_block_indexes=[1]
+            ),
+            **QWEN_VL_TOKENS,
+        ),
+        "vlm",
+        {"image_tokens": 4, "inputs": _qwen_vl_inputs()},
+    ),
+    "owlvit": (
+        "OwlViTConfig",
+        dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
+        "text-image",
+    ),
+    "owlv2": (
+        "Owlv2Config",
+        dict(text_config=dict(TEXT, eos_token_id=2), vision_config=VISION, projection_dim=16),
+        "text-image",
+    ),
+    "chinese-clip": (
+        "ChineseCLIPConfig",
+        dict(text_config=TEXT, vision_config=VISION, projection_dim=16),
+        "text-image",
+    ),
+    "altclip": (
+        "AltCLIPConfig",
+        dict(text_config=dict(TEXT, pad_token_id=1), vision_config=VISION, projection_dim=16),
+        "text-image",
+    ),
     "blip": ("BlipConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16), "text-image"),
     # random masking: a fixed noise makes it deterministic
-    "vit-mae": ("ViTMAEConfig", dict(VISION, mask_ratio=0.5), "image",
-                {"inputs": {"noise": torch.rand(2, 16, generator=torch.Generator().manual_seed(2))}}),
-    "dpt": ("DPTConfig", dict(VISION, neck_hidden_sizes=[8, 8], fusion_hidden_size=8, backbone_out_indices=[0, 1]),
-            "image"),
-    "pvt": ("PvtConfig", dict(image_size=16, num_encoder_blocks=2, depths=[1, 1], sequence_reduction_ratios=[2, 1],
-                              hidden_sizes=[16, 32], patch_sizes=[4, 2], strides=[4, 2], num_attention_heads=[2, 4],
-                              mlp_ratios=[2, 2]), "image"),
-    "segformer": ("SegformerConfig", dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-                                          patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[2, 4],
-                                          mlp_ratios=[2, 2], image_size=16), "image"),
-    "pvt-v2": ("PvtV2Config", dict(image_size=16, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
-                                   hidden_sizes=[16, 32], patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[2, 4],
-                                   mlp_ratios=[2, 2]), "image"),
-    "glpn": ("GLPNConfig", dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-                                patch_sizes=[3, 3], strides=[2, 2], num_attention_heads=[2, 4], mlp_ratios=[2, 2],
-                                decoder_hidden_size=16, image_size=16), "image"),
+    "vit-mae": (
+        "ViTMAEConfig",
+        dict(VISION, mask_ratio=0.5),
+        "image",
+        {"inputs": {"noise": torch.rand(2, 16, generator=torch.Generator().manual_seed(2))}},
+    ),
+    "dpt": (
+        "DPTConfig",
+        dict(VISION, neck_hidden_sizes=[8, 8], fusion_hidden_size=8, backbone_out_indices=[0, 1]),
+        "image",
+    ),
+    "pvt": (
+        "PvtConfig",
+        dict(
+            image_size=16,
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            sequence_reduction_ratios=[2, 1],
+            hidden_sizes=[16, 32],
+            patch_sizes=[4, 2],
+            strides=[4, 2],
+            num_attention_heads=[2, 4],
+            mlp_ratios=[2, 2],
+        ),
+        "image",
+    ),
+    "segformer": (
+        "SegformerConfig",
+        dict(
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            sr_ratios=[2, 1],
+            hidden_sizes=[16, 32],
+            patch_sizes=[3, 3],
+            strides=[2, 2],
+            num_attention_heads=[2, 4],
+            mlp_ratios=[2, 2],
+            image_size=16,
+        ),
+        "image",
+    ),
+    "pvt-v2": (
+        "PvtV2Config",
+        dict(
+            image_size=16,
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            sr_ratios=[2, 1],
+            hidden_sizes=[16, 32],
+            patch_sizes=[3, 3],
+            strides=[2, 2],
+            num_attention_heads=[2, 4],
+            mlp_ratios=[2, 2],
+        ),
+        "image",
+    ),
+    "glpn": (
+        "GLPNConfig",
+        dict(
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            sr_ratios=[2, 1],
+            hidden_sizes=[16, 32],
+            patch_sizes=[3, 3],
+            strides=[2, 2],
+            num_attention_heads=[2, 4],
+            mlp_ratios=[2, 2],
+            decoder_hidden_size=16,
+            image_size=16,
+        ),
+        "image",
+    ),
     # ---- detection: an encoder over ResNet features, a decoder over object queries (self and cross)
     "detr": ("DetrConfig", DETR, "detection"),
     "conditional-detr": ("ConditionalDetrConfig", DETR, "detection"),
     "table-transformer": ("TableTransformerConfig", DETR, "detection"),
-    "audio-spectrogram-transformer": ("ASTConfig", dict(VISION, patch_size=4, frequency_stride=4, time_stride=4,
-                                                        max_length=16, num_mel_bins=16), "spectrogram"),
+    "audio-spectrogram-transformer": (
+        "ASTConfig",
+        dict(VISION, patch_size=4, frequency_stride=4, time_stride=4, max_length=16, num_mel_bins=16),
+        "spectrogram",
+    ),
     # ---- audio (raw samples, no mask)
     "wav2vec2": ("Wav2Vec2Config", AUDIO, "audio"),
     "hubert": ("HubertConfig", AUDIO, "audio"),
@@ -473,10 +1156,16 @@ FAMILIES = {
     "sew": ("SEWConfig", dict(AUDIO, squeeze_factor=1), "audio"),
     "unispeech": ("UniSpeechConfig", AUDIO, "audio"),
     "unispeech-sat": ("UniSpeechSatConfig", AUDIO, "audio"),
-    "wav2vec2-conformer": ("Wav2Vec2ConformerConfig", dict(AUDIO, conv_depthwise_kernel_size=3,
-                                                           position_embeddings_type="relative"), "audio"),
-    "wav2vec2-conformer-rotary": ("Wav2Vec2ConformerConfig", dict(AUDIO, conv_depthwise_kernel_size=3,
-                                                                  position_embeddings_type="rotary"), "audio"),
+    "wav2vec2-conformer": (
+        "Wav2Vec2ConformerConfig",
+        dict(AUDIO, conv_depthwise_kernel_size=3, position_embeddings_type="relative"),
+        "audio",
+    ),
+    "wav2vec2-conformer-rotary": (
+        "Wav2Vec2ConformerConfig",
+        dict(AUDIO, conv_depthwise_kernel_size=3, position_embeddings_type="rotary"),
+        "audio",
+    ),
     "sew-d": ("SEWDConfig", dict(AUDIO, squeeze_factor=1, position_buckets=8, max_relative_positions=16), "audio"),
     "wavlm": ("WavLMConfig", dict(AUDIO, num_buckets=8, max_bucket_distance=16), "audio"),
 }
@@ -499,9 +1188,11 @@ def build(name: str):
             model = getattr(transformers, extras["model"])._from_config(config, **attn)
         else:
             model = transformers.AutoModel.from_config(config, **attn)
-    except Exception as e:  # noqa: BLE001 - construction only; the capture below is never excused
-        pytest.skip(f"{name}: cannot build from a tiny config in transformers {transformers.__version__}: "
-                    f"{type(e).__name__}: {str(e)[:200]}")
+    except Exception as e:
+        pytest.skip(
+            f"{name}: cannot build from a tiny config in transformers {transformers.__version__}: "
+            f"{type(e).__name__}: {str(e)[:200]}"
+        )
     return model.eval()
 
 
@@ -524,33 +1215,47 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
         return {"input_ids": ids(7), "attention_mask": mask}, {"encoder": mask}
     if kind == "seq2seq":
         enc, dec = padding_mask(7, "right"), padding_mask(5, "right")
-        return ({"input_ids": ids(7), "attention_mask": enc, "decoder_input_ids": ids(5),
-                 "decoder_attention_mask": dec}, {"encoder": enc, "decoder": dec})
+        return (
+            {"input_ids": ids(7), "attention_mask": enc, "decoder_input_ids": ids(5), "decoder_attention_mask": dec},
+            {"encoder": enc, "decoder": dec},
+        )
     if kind == "image2text":  # a vision encoder, a text decoder with cross-attention
         dec = padding_mask(5, "right")
-        return ({"pixel_values": torch.randn(2, 3, 16, 16, generator=g), "decoder_input_ids": ids(5),
-                 "decoder_attention_mask": dec}, {"decoder": dec})
+        return (
+            {
+                "pixel_values": torch.randn(2, 3, 16, 16, generator=g),
+                "decoder_input_ids": ids(5),
+                "decoder_attention_mask": dec,
+            },
+            {"decoder": dec},
+        )
     if kind == "whisper":
         dec = padding_mask(5, "right")
         features = torch.randn(2, config.num_mel_bins, 2 * config.max_source_positions, generator=g)
-        return {"input_features": features, "decoder_input_ids": ids(5), "decoder_attention_mask": dec}, {"decoder": dec}
+        return {"input_features": features, "decoder_input_ids": ids(5), "decoder_attention_mask": dec}, {
+            "decoder": dec
+        }
     if kind == "speech2text":
         dec = padding_mask(5, "right")
         features = torch.randn(2, 16, config.input_feat_per_channel, generator=g)
-        return {"input_features": features, "decoder_input_ids": ids(5), "decoder_attention_mask": dec}, {"decoder": dec}
+        return {"input_features": features, "decoder_input_ids": ids(5), "decoder_attention_mask": dec}, {
+            "decoder": dec
+        }
     if kind == "image":
         size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
         return {"pixel_values": torch.randn(2, config.num_channels, size, size, generator=g)}, {}
     if kind == "text-image":
         mask = padding_mask(7, "right")
         size = config.vision_config.image_size
-        return ({"input_ids": ids(7), "attention_mask": mask,
-                 "pixel_values": torch.randn(2, 3, size, size, generator=g)}, {"encoder": mask})
+        return (
+            {"input_ids": ids(7), "attention_mask": mask, "pixel_values": torch.randn(2, 3, size, size, generator=g)},
+            {"encoder": mask},
+        )
     if kind == "vlm":  # image tokens (16 by default: one per patch) after two left-padded positions, 6 text tokens
         mask = padding_mask(image_tokens + 8, "left")
         input_ids = ids(image_tokens + 8)
         token = next(getattr(config, a) for a in ("image_token_index", "image_token_id") if hasattr(config, a))
-        input_ids[:, 2:2 + image_tokens] = token
+        input_ids[:, 2 : 2 + image_tokens] = token
         batch = {"input_ids": input_ids, "attention_mask": mask}
         size = getattr(config.vision_config, "image_size", None)  # none: patches come flattened (Qwen2-VL)
         if size is not None:
@@ -559,10 +1264,14 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
         return batch, {"decoder": mask}
     if kind == "codebooks":  # MusicGen's decoder: one row of ids per codebook, (batch * codebooks, length)
         mask = padding_mask(7, "left")
-        return {"input_ids": ids(7).repeat_interleave(config.num_codebooks, dim=0), "attention_mask": mask}, {"encoder": mask}
+        return {"input_ids": ids(7).repeat_interleave(config.num_codebooks, dim=0), "attention_mask": mask}, {
+            "encoder": mask
+        }
     if kind == "detection":  # a 32x32 image for a two-stage ResNet (1/4 and 1/8 resolution), no padding
-        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g),
-                "pixel_mask": torch.ones(2, 32, 32, dtype=torch.long)}, {}
+        return {
+            "pixel_values": torch.randn(2, 3, 32, 32, generator=g),
+            "pixel_mask": torch.ones(2, 32, 32, dtype=torch.long),
+        }, {}
     if kind == "video":  # (batch, frames, channels, height, width)
         frames, size = config.num_frames, config.image_size
         return {"pixel_values": torch.randn(2, frames, config.num_channels, size, size, generator=g)}, {}
@@ -631,11 +1340,16 @@ def eager_reference(model, batch, kind: str) -> tuple[dict, int]:
         language = getattr(out, "language_model_outputs", out)
         groups = {(None, "self", "language_model"): language.attentions}
     elif kind == "text-image":
-        groups = {(None, "self", "text_model"): out.text_model_output.attentions,
-                  (None, "self", "vision_model"): out.vision_model_output.attentions}
+        groups = {
+            (None, "self", "text_model"): out.text_model_output.attentions,
+            (None, "self", "vision_model"): out.vision_model_output.attentions,
+        }
     elif getattr(out, "encoder_attentions", None) is not None or getattr(out, "decoder_attentions", None) is not None:
-        groups = {("encoder", "self", None): out.encoder_attentions, ("decoder", "self", None): out.decoder_attentions,
-                  ("decoder", "cross", None): out.cross_attentions}
+        groups = {
+            ("encoder", "self", None): out.encoder_attentions,
+            ("decoder", "self", None): out.decoder_attentions,
+            ("decoder", "cross", None): out.cross_attentions,
+        }
     else:
         groups = {(None, "self", None): getattr(out, "attentions", None)}
     # nested per stage in some models (PVTv2: one tuple per stage)
@@ -679,8 +1393,10 @@ def declarations(cap, name: str, masks: dict) -> tuple[dict, dict]:
 
 #: ProphetNet's own output_attentions hold the logits before the softmax for these groups (its ngram
 #: decoder self-attention returns probabilities); the reference is their softmax, as the model computes it
-PRE_SOFTMAX_REFERENCE = {"prophetnet": {("encoder", "self", None), ("decoder", "cross", None)},
-                         "squeezebert": {(None, "self", None)}}
+PRE_SOFTMAX_REFERENCE = {
+    "prophetnet": {("encoder", "self", None), ("decoder", "cross", None)},
+    "squeezebert": {(None, "self", None)},
+}
 
 
 def run_plain(model, batch, name):
@@ -688,10 +1404,11 @@ def run_plain(model, batch, name):
     try:
         with torch.no_grad():
             plain, again = tensors_of(model(**batch)), tensors_of(model(**batch))
-    except Exception as e:  # noqa: BLE001 - no capture is involved yet
+    except Exception as e:
         pytest.skip(f"{name}: the tiny model does not run without a capture: {type(e).__name__}: {str(e)[:200]}")
-    assert len(plain) == len(again) and all(torch.equal(a, b) for a, b in zip(plain, again)), \
+    assert len(plain) == len(again) and all(torch.equal(a, b) for a, b in zip(plain, again)), (
         f"{name} is not deterministic without a capture: the comparison with a capture would mean nothing"
+    )
     return plain
 
 
@@ -712,13 +1429,23 @@ def sweep(name: str) -> dict:
             with torch.no_grad(), attnprobe.capture(model) as cap:
                 captured = tensors_of(model(**batch))
         except attnprobe.UnsupportedModelError as e:
-            result.update(outcome="refused", error=str(e), restored=implementations(model) == before,
-                          hooks_left=hook_counts(model) != hooks)
+            result.update(
+                outcome="refused",
+                error=str(e),
+                restored=implementations(model) == before,
+                hooks_left=hook_counts(model) != hooks,
+            )
             return result
-    fallback = [str(w.message) for w in caught if issubclass(w.category, attnprobe.AttnprobeWarning)
-                and "no attention interface" in str(w.message)]
-    left_out = [str(w.message) for w in caught if issubclass(w.category, attnprobe.AttnprobeWarning)
-                and "it is not recorded" in str(w.message)]
+    fallback = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, attnprobe.AttnprobeWarning) and "no attention interface" in str(w.message)
+    ]
+    left_out = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, attnprobe.AttnprobeWarning) and "it is not recorded" in str(w.message)
+    ]
     hf = [r for r in cap if "base" in r.meta]  # records of the Hugging Face adapter (SigLIP's pooling head is torch's)
     result.update(
         outcome="fallback" if fallback else "full",
@@ -768,7 +1495,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dispatches(cls: type) -> bool:
     """Whether the class's own code goes through the attention interface (or only ever calls sdpa itself, which
     the functional adapter reads: AIMv2's pooling head), read from its source text."""
@@ -777,7 +1504,8 @@ def _dispatches(cls: type) -> bool:
     except (OSError, TypeError):
         return False
     return "ALL_ATTENTION_FUNCTIONS" in source or (
-        "scaled_dot_product_attention" in source and "softmax" not in source.lower())
+        "scaled_dot_product_attention" in source and "softmax" not in source.lower()
+    )
 
 
 def old_style_attention(model) -> list[str]:
@@ -827,8 +1555,23 @@ REFUSED = {
 #: Families whose output_attentions leave out some attention calls (nothing to compare those with).
 _LANGUAGE_ONLY = "its outputs hold the language model's attentions, not the vision tower's"
 PARTIAL_REFERENCE = {
-    **dict.fromkeys(("llava", "vipllava", "paligemma", "gemma3", "aya-vision", "mistral3", "internvl", "qwen2-vl",
-                     "qwen2-5-vl", "llava-next", "idefics3", "smolvlm"), _LANGUAGE_ONLY),
+    **dict.fromkeys(
+        (
+            "llava",
+            "vipllava",
+            "paligemma",
+            "gemma3",
+            "aya-vision",
+            "mistral3",
+            "internvl",
+            "qwen2-vl",
+            "qwen2-5-vl",
+            "llava-next",
+            "idefics3",
+            "smolvlm",
+        ),
+        _LANGUAGE_ONLY,
+    ),
     **dict.fromkeys(("blip-2", "instructblip"), "the vision tower's and the Q-Former's attentions are not compared"),
     "mllama": "its language attentions hold one entry per layer, self- or cross-attention alike (not compared)",
     "diffllama": "two attention calls per layer (same q and k, two halves of v); its outputs hold the first",
@@ -839,8 +1582,10 @@ LEFT_OUT = {"minimax": "its lightning (linear) attention returns its key-value s
 #: Old-style families computing more softmax attention than their output_attentions return: the fallback, which
 #: reads output_attentions, records what they return and misses the rest (name the modules in modules=[...] to
 #: trace them instead).
-UNEXPOSED = {"lilt": "its layout stream's attention, a second softmax per layer (same summed scores, its own layout "
-                    "values), is not in its output_attentions"}
+UNEXPOSED = {
+    "lilt": "its layout stream's attention, a second softmax per layer (same summed scores, its own layout "
+    "values), is not in its output_attentions"
+}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -859,7 +1604,9 @@ def test_family(name):
     elif name in UNEXPOSED:
         assert 0 < result["records"] == result["reference"] < result["eager_calls"], (UNEXPOSED[name], result)
     else:  # every attention call recorded: the eager twin's output_attentions and its softmax calls both count them
-        assert not result["left_out"] and result["records"] == max(result["eager_calls"], result["reference"]) > 0, result
+        assert not result["left_out"] and result["records"] == max(result["eager_calls"], result["reference"]) > 0, (
+            result
+        )
     if name in PARTIAL_REFERENCE or name in LEFT_OUT:
         assert result["uncompared"], PARTIAL_REFERENCE.get(name) or LEFT_OUT[name]
     else:

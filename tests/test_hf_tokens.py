@@ -18,8 +18,9 @@ def byte_level():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["the cat sat on the mat", "the dog ate the cat"] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
 
@@ -69,7 +70,8 @@ def test_numpy_arrays_and_numpy_integers_are_ids_too(byte_level):
     assert attnprobe.token_strings(byte_level, [list(r) for r in batch["input_ids"]]) == rows  # numpy ints
     assert attnprobe.token_strings(byte_level, list(pt["input_ids"])) == rows  # a list of tensor rows
     assert attnprobe.token_strings(byte_level, batch, style="text") == attnprobe.token_strings(
-        byte_level, pt, style="text")
+        byte_level, pt, style="text"
+    )
     with pytest.raises(AttnprobeError, match="integer array"):
         attnprobe.token_strings(byte_level, np.zeros((2, 3)))
     with pytest.raises(AttnprobeError, match="integer tensor"):

@@ -13,12 +13,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from reports_helpers import stack_capture
 
 import attnprobe
 from attnprobe.probe import display
 from attnprobe.reports import inline, to_html
-
-from reports_helpers import stack_capture
 
 
 def frames(view: str) -> list[str]:
@@ -84,8 +83,10 @@ def test_probe_reaches_the_renderer_only_through_the_registered_hook():
     probe = Path(attnprobe.__file__).parent / "probe"
     for source in probe.glob("*.py"):
         assert not re.search(r"^\s*(from|import)\s+[.\w]*reports", source.read_text(), flags=re.M), source.name
-    code = "import sys, attnprobe\nassert 'attnprobe.reports' not in sys.modules and 'jinja2' not in sys.modules\n" \
-           "import torch\nattn = attnprobe.MultiHeadAttention(8, num_heads=2)\n" \
-           "out, cap = attnprobe.run(attn, torch.randn(1, 3, 8))\nassert cap._repr_html_().startswith('<iframe')\n"
+    code = (
+        "import sys, attnprobe\nassert 'attnprobe.reports' not in sys.modules and 'jinja2' not in sys.modules\n"
+        "import torch\nattn = attnprobe.MultiHeadAttention(8, num_heads=2)\n"
+        "out, cap = attnprobe.run(attn, torch.randn(1, 3, 8))\nassert cap._repr_html_().startswith('<iframe')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

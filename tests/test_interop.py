@@ -13,10 +13,10 @@ import re
 
 import pytest
 import torch
-
-import attnprobe
 from hf_helpers import build, inputs
 from reports_helpers import Stack, cross_capture, generation_capture, stack_capture, words
+
+import attnprobe
 
 
 def bertviz_params(html: str) -> dict:
@@ -24,7 +24,9 @@ def bertviz_params(html: str) -> dict:
 
 
 def circuitsvis_props(html: str) -> dict:
-    return json.loads(re.search(r"render\(\s*\"[^\"]+\",\s*[\w.]+,\s*(\{.*\})\s*\)\s*</script>", html, flags=re.S).group(1))
+    return json.loads(
+        re.search(r"render\(\s*\"[^\"]+\",\s*[\w.]+,\s*(\{.*\})\s*\)\s*</script>", html, flags=re.S).group(1)
+    )
 
 
 def as_float32(nested) -> torch.Tensor:
@@ -54,7 +56,9 @@ def test_bertviz_draws_them(assert_no_hooks):
         params = bertviz_params(html)
         (data,) = params["attention"]
         assert data["left_text"] == words(7) == data["right_text"]
-        assert torch.equal(as_float32(data["attn"]), torch.stack([cap.record(layer).weights[1].float() for layer in cap.layers]))
+        assert torch.equal(
+            as_float32(data["attn"]), torch.stack([cap.record(layer).weights[1].float() for layer in cap.layers])
+        )
 
 
 def test_bertviz_encoder_decoder_and_generation(assert_no_hooks):
@@ -62,7 +66,13 @@ def test_bertviz_encoder_decoder_and_generation(assert_no_hooks):
     batch = inputs("bart", padding="right")
     _, cap = attnprobe.run(model, batch)
     view = cap.to_bertviz(batch=0, tokens=words(5, "d"), key_tokens=words(7, "e"))
-    assert sorted(view) == ["cross_attention", "decoder_attention", "decoder_tokens", "encoder_attention", "encoder_tokens"]
+    assert sorted(view) == [
+        "cross_attention",
+        "decoder_attention",
+        "decoder_tokens",
+        "encoder_attention",
+        "encoder_tokens",
+    ]
     assert view["encoder_tokens"] == words(7, "e") and view["decoder_tokens"] == words(5, "d")
     enc = [r for r in cap if r.meta.get("stack") == "encoder"]
     cross = [r for r in cap if r.kind == "cross"]
@@ -77,7 +87,9 @@ def test_bertviz_encoder_decoder_and_generation(assert_no_hooks):
     else:
         params = bertviz_params(bertviz.head_view(**view, html_action="return").data)
         assert [d["name"] for d in params["attention"]] == ["Encoder", "Decoder", "Cross"]
-        assert torch.equal(as_float32(params["attention"][2]["attn"]), torch.stack([r.weights[0].float() for r in cross]))
+        assert torch.equal(
+            as_float32(params["attention"][2]["attn"]), torch.stack([r.weights[0].float() for r in cross])
+        )
 
     steps, full = generation_capture(assert_no_hooks)  # KV-cached steps are stitched to the full matrix
     view = steps.to_bertviz(tokens=words(8))
@@ -99,7 +111,9 @@ def test_circuitsvis_arguments_and_html(assert_no_hooks):
     named = cap.to_circuitsvis(1, tokens=words(7), head_names=True)
     assert named["attention_head_names"] == ["L1H3", "L1H1"]
     props = circuitsvis_props(cv.attention_heads(**named).local_src)
-    assert props["attentionHeadNames"] == ["L1H3", "L1H1"] and torch.equal(as_float32(props["attention"]), view["attention"])
+    assert props["attentionHeadNames"] == ["L1H3", "L1H1"] and torch.equal(
+        as_float32(props["attention"]), view["attention"]
+    )
 
 
 def test_bad_requests_say_what_to_do(assert_no_hooks):

@@ -11,25 +11,30 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from reports_helpers import browser, open_report, wait_until  # noqa: F401  (the shared browser fixtures)
 
 import attnprobe
 from attnprobe.cli import main
-from attnprobe.probe.errors import SelectionError
 from attnprobe.probe.engine.pooling import pool_weights
 from attnprobe.probe.engine.stats import Overview
+from attnprobe.probe.errors import SelectionError
 from attnprobe.reports import encoding
 from attnprobe.reports.long import ROW_PLOTS
-
-from reports_helpers import wait_until, browser, open_report  # noqa: F401  (the shared browser fixtures)
 
 transformers = pytest.importorskip("transformers")
 
 
 def tiny_llama(tokens: int, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=100,
-                                      max_position_embeddings=tokens)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=100,
+        max_position_embeddings=tokens,
+    )
     return transformers.LlamaModel._from_config(config, attn_implementation="sdpa").eval()
 
 
@@ -40,7 +45,7 @@ def naive_pool(w: np.ndarray, rq: int, rk: int) -> tuple[np.ndarray, np.ndarray]
     mx, mean = np.zeros((B, h, nq, nk)), np.zeros((B, h, nq, nk))
     for i in range(nq):
         for j in range(nk):
-            cell = w[:, :, i * rq:(i + 1) * rq, j * rk:(j + 1) * rk]
+            cell = w[:, :, i * rq : (i + 1) * rq, j * rk : (j + 1) * rk]
             mx[:, :, i, j] = cell.max(axis=(-1, -2))
             mean[:, :, i, j] = cell.mean(axis=(-1, -2))
     return mx, mean
@@ -57,8 +62,10 @@ def test_pooled_overview_and_windows_equal_a_full_captures_weights(block_bytes, 
     windows = ((0, 40, 0, 40), (140, 151, 3, 151), (17, 18, 0, 151))
     for cells in (16, 32):
         overview = Overview(cells=cells, windows=windows)
-        with torch.no_grad(), attnprobe.capture(llama, keep=("stats",), overview=overview,
-                                                block_bytes=block_bytes) as cap:
+        with (
+            torch.no_grad(),
+            attnprobe.capture(llama, keep=("stats",), overview=overview, block_bytes=block_bytes) as cap,
+        ):
             llama(input_ids=ids, attention_mask=mask)
         with torch.no_grad(), attnprobe.capture(llama, keep=("weights",)) as full:
             llama(input_ids=ids, attention_mask=mask)
@@ -73,8 +80,9 @@ def test_pooled_overview_and_windows_equal_a_full_captures_weights(block_bytes, 
             np.testing.assert_allclose(rec.stats["overview_mean"].numpy(), mean, rtol=1e-5, atol=1e-8)
             assert rec.meta["stats_windows"] == [list(x) for x in windows]
             for i, (q0, q1, k0, k1) in enumerate(windows):
-                np.testing.assert_allclose(rec.stats[f"window_{i}"].numpy(), w[:, :, q0:q1, k0:k1],
-                                           rtol=1e-5, atol=1e-7)
+                np.testing.assert_allclose(
+                    rec.stats[f"window_{i}"].numpy(), w[:, :, q0:q1, k0:k1], rtol=1e-5, atol=1e-7
+                )
             # a padded row (batch 1, query 0) attends nothing but itself under HF's mask: its window row says so
             assert float(rec.stats["window_2"][0].sum(-1).max()) == pytest.approx(1.0, abs=1e-5)
 
@@ -104,10 +112,13 @@ def test_own_modules_get_overviews_from_their_weights():
     assert attnprobe.check(cap, causal=True).ok  # the checks read only the per-row statistics
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"keep": ("weights",), "overview": 64}, 'add "stats" to keep='),
-    ({"keep": ("stats",), "overview": "big"}, "overview= takes a number of cells"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"keep": ("weights",), "overview": 64}, 'add "stats" to keep='),
+        ({"keep": ("stats",), "overview": "big"}, "overview= takes a number of cells"),
+    ],
+)
 def test_bad_overview_requests_are_refused(options, message):
     with pytest.raises(SelectionError, match=re.escape(message)):
         attnprobe.capture(torch.nn.Identity(), **options)
@@ -183,12 +194,15 @@ def test_report_window_is_computed_exactly_for_png_and_html(cli, tmp_path):
     np.testing.assert_allclose(shown, full[1].weights[0, 2, 10:20, 0:30].numpy(), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--window", "0:99,0:4"], "--window '0:99,0:4' is outside the input (64 queries x 64 keys)"),
-    (["--window", "0-9"], "write query rows and keys as Q0:Q1,K0:K1"),
-    (["--window", "0:9,0:9", "--full"], "--window and --cells belong to the statistics mode"),
-    (["--cells", "600"], "600 is not in the range 1<=x<=512"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--window", "0:99,0:4"], "--window '0:99,0:4' is outside the input (64 queries x 64 keys)"),
+        (["--window", "0-9"], "write query rows and keys as Q0:Q1,K0:K1"),
+        (["--window", "0:9,0:9", "--full"], "--window and --cells belong to the statistics mode"),
+        (["--cells", "600"], "600 is not in the range 1<=x<=512"),
+    ],
+)
 def test_bad_window_or_cells_is_one_line(cli, args, message):
     result = cli("report", TINY, *LONG_IDS, *args, "-q")
     assert result.exit_code == 2

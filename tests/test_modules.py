@@ -102,8 +102,13 @@ def test_hook_points_observable_with_plain_forward_hooks():
     for h in handles:
         h.remove()
     assert seen == {
-        "q": (3, 2, 5, 4), "k": (3, 2, 5, 4), "v": (3, 2, 5, 4), "scores": (3, 2, 5, 5),
-        "allowed": (3, 1, 5, 5), "weights": (3, 2, 5, 5), "output": (3, 5, 8),
+        "q": (3, 2, 5, 4),
+        "k": (3, 2, 5, 4),
+        "v": (3, 2, 5, 4),
+        "scores": (3, 2, 5, 5),
+        "allowed": (3, 1, 5, 5),
+        "weights": (3, 2, 5, 5),
+        "output": (3, 5, 8),
     }
 
 
@@ -166,7 +171,11 @@ def test_attn_mask_follows_sdpa_semantics(shape):
 @pytest.mark.parametrize(
     "mask, error, match",
     [
-        (torch.ones(4, 5), ValueError, r"attn_mask of shape \(4, 5\) does not broadcast to \(batch, head, query, key\)"),
+        (
+            torch.ones(4, 5),
+            ValueError,
+            r"attn_mask of shape \(4, 5\) does not broadcast to \(batch, head, query, key\)",
+        ),
         (torch.ones(3, 1, 5, 5), ValueError, r"does not broadcast.*\(2, 2, 5, 5\)"),
         (torch.ones(1, 2, 2, 5, 5), ValueError, r"shape \(1, 2, 2, 5, 5\) does not broadcast"),
         (torch.ones(5, 5, dtype=torch.long), TypeError, "bool .* or floating point.*use attention_mask= instead"),

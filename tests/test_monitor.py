@@ -19,8 +19,9 @@ class Tiny(nn.Module):
     def __init__(self, dropout=0.1):
         super().__init__()
         self.embed = nn.Embedding(50, 16)
-        self.layers = nn.ModuleList(attnprobe.MultiHeadAttention(16, num_heads=4, causal=True, dropout=dropout)
-                                    for _ in range(2))
+        self.layers = nn.ModuleList(
+            attnprobe.MultiHeadAttention(16, num_heads=4, causal=True, dropout=dropout) for _ in range(2)
+        )
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(16, 50)
 
@@ -178,14 +179,23 @@ def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32))
     data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(16)]
     callback = attnprobe.integrations.AttnprobeCallback(every=2)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=2,
-                             logging_steps=2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        logging_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "attention/layer_00/entropy" in entry]
     assert len(logged) == 3, trainer.state.log_history
-    assert all({"attention/layer_01/entropy_min_head", "attention/layer_01/max_score_max", "loss"} <= set(e)
-               for e in logged)
+    assert all(
+        {"attention/layer_01/entropy_min_head", "attention/layer_01/max_score_max", "loss"} <= set(e) for e in logged
+    )
     history = callback.history
     assert sorted(history["step"].unique()) == [0, 2, 4]  # every 2nd forward call, numbered by global step
     assert len(history) == 3 * 2 * 4
@@ -221,7 +231,7 @@ def test_history_keeps_about_eight_bytes_a_value_not_a_dict_per_row():
     from attnprobe.probe.analyses.monitor import COLUMNS, History
 
     history = History()
-    template = {c: 0 for c in COLUMNS} | {"module": "layers.0"}
+    template = dict.fromkeys(COLUMNS, 0) | {"module": "layers.0"}
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for i in range(20_000):

@@ -9,18 +9,19 @@ import warnings
 
 import pytest
 import torch
+from reports_helpers import browser, open_report, wait_until  # noqa: F401  (the shared browser fixtures)
 from torch import nn
 
 import attnprobe
 from attnprobe.probe.errors import AttnprobeWarning
 
-from reports_helpers import wait_until, browser, open_report  # noqa: F401  (the shared browser fixtures)
-
 
 class Layers(nn.Module):
     def __init__(self, layers=3, heads=2, d=8):
         super().__init__()
-        self.layers = nn.ModuleList(attnprobe.MultiHeadAttention(d, num_heads=heads, causal=True) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            attnprobe.MultiHeadAttention(d, num_heads=heads, causal=True) for _ in range(layers)
+        )
 
     def forward(self, x):
         for layer in self.layers:
@@ -189,7 +190,9 @@ def test_report_with_a_monitor_in_chromium_draws_the_grid_and_the_monitor(tmp_pa
     path = attnprobe.reports.to_html(cap, tmp_path / "report.html", monitor=mon.history, monitor_alerts=mon.alerts)
     opened = open_report(path)  # waits for window.attnprobe.ready: the report's script
     page = opened.page
-    wait_until(page, "() => window.attnprobeMonitor !== undefined && window.attnprobeMonitor.plots.entropy !== undefined")
+    wait_until(
+        page, "() => window.attnprobeMonitor !== undefined && window.attnprobeMonitor.plots.entropy !== undefined"
+    )
     page.evaluate("window.attnprobeMonitor.ready")
     wait_until(page, "() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")  # 2 layers x 2 heads
     opened.assert_clean()  # report.js: no error; no request, no console error
@@ -223,7 +226,10 @@ def test_statistics_report_takes_a_monitor_too(tmp_path, open_report, assert_no_
     path = tmp_path / "long.html"
     path.write_text(page)
     opened = open_report(path)  # the long report's own script is ready
-    wait_until(opened.page, "() => window.attnprobeMonitor !== undefined && window.attnprobeMonitor.plots.entropy_min !== undefined")
+    wait_until(
+        opened.page,
+        "() => window.attnprobeMonitor !== undefined && window.attnprobeMonitor.plots.entropy_min !== undefined",
+    )
     assert opened.page.locator("#monitor #plot-entropy_min svg g.series").count() == 3
     assert opened.page.locator("#monitor .monitor-plot").count() == 1
     opened.assert_clean()

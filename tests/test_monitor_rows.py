@@ -11,11 +11,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import attnprobe
-from attnprobe.probe.engine import stats as engine
-from attnprobe.probe.errors import AttnprobeError, SelectionError
 from attnprobe.probe.analyses.monitor import MEANS, MonitorError
-from attnprobe.probe.selection import sampled_rows
+from attnprobe.probe.engine import stats as engine
 from attnprobe.probe.engine.stats import ROW_STATS
+from attnprobe.probe.errors import AttnprobeError, SelectionError
+from attnprobe.probe.selection import sampled_rows
 
 
 class Own(nn.Module):
@@ -72,8 +72,11 @@ def test_sampled_rows_get_exactly_the_statistics_of_those_rows(kind, assert_no_h
         for name in ROW_STATS:
             got, want = a.stats[name], b.stats[name][:, :, positions]
             assert got.shape == want.shape, name
-            same = torch.allclose(got.double(), want.double(), atol=1e-6, equal_nan=True) \
-                if got.dtype.is_floating_point else torch.equal(got, want)
+            same = (
+                torch.allclose(got.double(), want.double(), atol=1e-6, equal_nan=True)
+                if got.dtype.is_floating_point
+                else torch.equal(got, want)
+            )
             assert same, name
 
 
@@ -149,15 +152,18 @@ def test_a_sampled_step_at_1024_tokens_hands_64_query_rows_to_the_engine(kind, m
     assert seen == [1024, 1024]
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"stats_rows": 0}, "positive whole number"),
-    ({"stats_rows": -3}, "positive whole number"),
-    ({"stats_rows": True}, "positive whole number"),
-    ({"stats_rows": 2.5}, "positive whole number"),
-    ({"stats_rows": "64"}, "positive whole number"),
-    ({"stats_rows": 8, "keep": ("weights",)}, 'add "stats" to keep='),
-    ({"stats_rows": 8, "keep": ("stats",), "overview": 16}, "cannot be combined with overview="),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"stats_rows": 0}, "positive whole number"),
+        ({"stats_rows": -3}, "positive whole number"),
+        ({"stats_rows": True}, "positive whole number"),
+        ({"stats_rows": 2.5}, "positive whole number"),
+        ({"stats_rows": "64"}, "positive whole number"),
+        ({"stats_rows": 8, "keep": ("weights",)}, 'add "stats" to keep='),
+        ({"stats_rows": 8, "keep": ("stats",), "overview": 16}, "cannot be combined with overview="),
+    ],
+)
 def test_bad_stats_rows_are_refused_before_the_run(options, message):
     options.setdefault("keep", ("stats",))
     with pytest.raises(SelectionError, match=message):

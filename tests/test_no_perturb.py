@@ -13,12 +13,13 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_helpers import build
+from hf_helpers import inputs as hf_inputs
 from torch import nn
+from torch_helpers import FusedSplit, HeadList
 
 import attnprobe
 from attnprobe import CaptureBudgetError
-from hf_helpers import build, inputs as hf_inputs
-from torch_helpers import FusedSplit, HeadList
 
 D, H = 16, 4
 
@@ -148,7 +149,11 @@ def _configs(model):
             if id(c) in seen:
                 continue
             seen[id(c)] = c
-            todo.extend(getattr(c, k) for k in (getattr(c, "sub_configs", None) or {}) if hasattr(getattr(c, k, None), "_attn_implementation"))
+            todo.extend(
+                getattr(c, k)
+                for k in (getattr(c, "sub_configs", None) or {})
+                if hasattr(getattr(c, k, None), "_attn_implementation")
+            )
     return list(seen.values())
 
 
@@ -170,11 +175,22 @@ def global_state(model=None) -> dict:
         "autocast": torch.is_autocast_enabled("cpu"),
         "autocast_dtype": torch.get_autocast_dtype("cpu"),
         "anomaly": torch.is_anomaly_enabled(),
-        "sdp_backends": (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-                         torch.backends.cuda.math_sdp_enabled()),
-        "global_hooks": tuple(len(getattr(module_mod, a)) for a in (
-            "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-            "_global_backward_pre_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")),
+        "sdp_backends": (
+            torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(),
+            torch.backends.cuda.math_sdp_enabled(),
+        ),
+        "global_hooks": tuple(
+            len(getattr(module_mod, a))
+            for a in (
+                "_global_forward_hooks",
+                "_global_forward_pre_hooks",
+                "_global_backward_hooks",
+                "_global_backward_pre_hooks",
+                "_global_forward_hooks_always_called",
+                "_global_forward_hooks_with_kwargs",
+            )
+        ),
     }
     import sys
 
@@ -188,10 +204,23 @@ def global_state(model=None) -> dict:
         state["training"] = tuple(m.training for m in model.modules())
         state["requires_grad"] = tuple(p.requires_grad for p in model.parameters())
         state["hooks"] = tuple(
-            (name, tuple(tuple(getattr(m, a)) for a in (
-                "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")))
-            for name, m in model.named_modules())
+            (
+                name,
+                tuple(
+                    tuple(getattr(m, a))
+                    for a in (
+                        "_forward_hooks",
+                        "_forward_pre_hooks",
+                        "_backward_hooks",
+                        "_backward_pre_hooks",
+                        "_forward_hooks_with_kwargs",
+                        "_forward_pre_hooks_with_kwargs",
+                        "_forward_hooks_always_called",
+                    )
+                ),
+            )
+            for name, m in model.named_modules()
+        )
         state["implementations"] = tuple(c._attn_implementation for c in _configs(model))
     return state
 
@@ -234,13 +263,17 @@ def test_train_forward_backward_is_bitwise_unchanged(case):
     for k, v in kept.items():
         assert torch.equal(kwargs[k], v), f"input {k!r} was changed"
     assert all(torch.equal(a, b) for a, b in zip(args, kept_args)), "an input tensor was changed"
-    assert versions == [t._version for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)], "in-place op on an input"
+    assert versions == [t._version for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)], (
+        "in-place op on an input"
+    )
     model.zero_grad(set_to_none=True)
     for name, p in params.items():  # the backward above did not step: parameters and buffers as they were
         assert torch.equal(model.state_dict()[name], p), name
 
 
-@pytest.mark.parametrize("case", ["own", "mha-bf-weights", "encoder-tf", "sdpa", "hand-auto", "hf-llama-sdpa", "hf-bert-eager"])
+@pytest.mark.parametrize(
+    "case", ["own", "mha-bf-weights", "encoder-tf", "sdpa", "hand-auto", "hf-llama-sdpa", "hf-bert-eager"]
+)
 def test_backward_inside_the_capture(case):
     model, args, kwargs, options = make(case)
     loss_off, grads_off, _ = run_train(model, args, kwargs)
@@ -257,8 +290,9 @@ def test_backward_inside_the_capture(case):
     assert_same_tensors({k: p.grad for k, p in model.named_parameters() if p.grad is not None}, grads_off, "gradients")
 
 
-@pytest.mark.parametrize("case", ["own", "mha-tf-noweights", "encoder-bf", "sdpa", "hand-named", "hand-auto",
-                                  "hf-gpt2-eager", "hf-t5-sdpa"])
+@pytest.mark.parametrize(
+    "case", ["own", "mha-tf-noweights", "encoder-bf", "sdpa", "hand-named", "hand-auto", "hf-gpt2-eager", "hf-t5-sdpa"]
+)
 def test_records_do_not_keep_the_model_activations_alive(case):
     """After exit the records are copies: every module's output (and with it the graph) is freed with the
     model's output, and the Capture does not keep the model alive."""
@@ -268,7 +302,7 @@ def test_records_do_not_keep_the_model_activations_alive(case):
     held = []  # strong references while the forward runs: no output's memory is reused by a record meanwhile
 
     def keep_ref(_m, _a, out):
-        for t in (out if isinstance(out, tuple) else (out,)):
+        for t in out if isinstance(out, tuple) else (out,):
             if isinstance(t, torch.Tensor):
                 activations.append(weakref.ref(t))
                 held.append(t)
@@ -299,8 +333,16 @@ def test_records_do_not_keep_the_model_activations_alive(case):
 
 # ------------------------------------------------------------------------------------------ 3: state on exceptions
 #: a module inside (or right after) the attention of each case, where a failure is injected mid-forward
-INSIDE = {"own": "a", "mha-bf-weights": "mha", "mha-tf-noweights": "mha", "encoder-bf": "enc.layers.0.self_attn",
-          "encoder-tf": "enc.layers.0.self_attn", "sdpa": "o", "hand-named": "heads.1", "hand-auto": "c_proj"}
+INSIDE = {
+    "own": "a",
+    "mha-bf-weights": "mha",
+    "mha-tf-noweights": "mha",
+    "encoder-bf": "enc.layers.0.self_attn",
+    "encoder-tf": "enc.layers.0.self_attn",
+    "sdpa": "o",
+    "hand-named": "heads.1",
+    "hand-auto": "c_proj",
+}
 
 
 def _inside(case: str, model) -> nn.Module:
@@ -360,8 +402,9 @@ def test_state_restored_when_the_budget_runs_out_mid_forward(case):
     assert global_state(model) == before
 
 
-@pytest.mark.parametrize("case", ["own", "encoder-bf", "mha-bf-weights", "sdpa", "hand-auto", "hf-llama-sdpa",
-                                  "hf-t5-eager"])
+@pytest.mark.parametrize(
+    "case", ["own", "encoder-bf", "mha-bf-weights", "sdpa", "hand-auto", "hf-llama-sdpa", "hf-t5-eager"]
+)
 def test_nested_captures_and_generators_leave_state_as_found(case):
     """Nested captures, and captures closed out of order (generators suspended inside their `with`)."""
     model, args, kwargs, options = make(case)
@@ -419,7 +462,7 @@ def test_captures_in_two_threads_leave_state_as_found(case):
                 results[i] = (_plain_eval(model, args, kwargs), cap)
             if i == 0:
                 first_closed.set()
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
             first_closed.set()
 
@@ -473,8 +516,11 @@ def test_autocast_bf16_outputs_and_gradients_unchanged(case):
     # embedding backward accumulates in parallel): compare the gradients that are reproducible at all
     noisy = {k for k in grads_off if not torch.equal(grads_off[k], grads_again[k])}
     assert noisy <= {"shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}, noisy
-    assert_same_tensors({k: v for k, v in grads_on.items() if k not in noisy},
-                        {k: v for k, v in grads_off.items() if k not in noisy}, "gradients under autocast")
+    assert_same_tensors(
+        {k: v for k, v in grads_on.items() if k not in noisy},
+        {k: v for k, v in grads_off.items() if k not in noisy},
+        "gradients under autocast",
+    )
     _check_records(cap)
 
 
@@ -548,10 +594,16 @@ def test_compiled_models_keep_their_outputs_and_say_when_nothing_was_recorded(ca
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("make_module", [
-    lambda: nn.MultiheadAttention(D, H, batch_first=True),
-    lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(D, H, 32, batch_first=True), 1, enable_nested_tensor=False),
-], ids=["mha", "encoder"])
+@pytest.mark.parametrize(
+    "make_module",
+    [
+        lambda: nn.MultiheadAttention(D, H, batch_first=True),
+        lambda: nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(D, H, 32, batch_first=True), 1, enable_nested_tensor=False
+        ),
+    ],
+    ids=["mha", "encoder"],
+)
 def test_torchscript_modules_are_refused_by_name(make_module):
     scripted = torch.jit.script(make_module().eval())
     before = global_state(scripted)
@@ -569,6 +621,7 @@ def test_torchscript_modules_are_refused_by_name(make_module):
 def _scale_first(factor):
     def pre(_m, args):
         return (args[0] * factor, *args[1:])
+
     return pre
 
 
@@ -733,7 +786,11 @@ def test_mha_nested_tensor_call_interrupted_restores_torch_function_and_fast_pat
     def fail(*_):
         raise error("injected")
 
-    with torch.no_grad(), pytest.raises(error, match="injected"), pytest.warns(attnprobe.AttnprobeWarning, match="nested"):
+    with (
+        torch.no_grad(),
+        pytest.raises(error, match="injected"),
+        pytest.warns(attnprobe.AttnprobeWarning, match="nested"),
+    ):
         with attnprobe.capture(mha):
             handle = mha.register_forward_pre_hook(fail)
             try:

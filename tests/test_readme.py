@@ -45,4 +45,3 @@ def test_python_block_runs(page, line, code, tmp_path_factory, monkeypatch):
     monkeypatch.chdir(folder)
     namespace = NAMESPACES.setdefault(page, {"__name__": "__readme__"})
     exec(compile(code, f"{page}:{line}", "exec"), namespace)
-

@@ -6,13 +6,13 @@ import re
 
 import numpy as np
 import pytest
+from reports_helpers import cross_capture, stack_capture, words
+from test_reports_html import report_meta
 
 from attnprobe import AttnprobeError, CheckResult, Violation
 from attnprobe.reports import to_html
 from attnprobe.reports.encoding import decode_floats
 from attnprobe.reports.html import MAX_BATCH_ROWS, layer_ranges
-from reports_helpers import cross_capture, stack_capture, words
-from test_reports_html import report_meta
 
 
 def test_every_batch_row_is_on_the_page(assert_no_hooks):
@@ -27,12 +27,14 @@ def test_every_batch_row_is_on_the_page(assert_no_hooks):
         weights = decode_floats(blobs[src["weights"][1]], 25, "exact").reshape(5, 5)
         np.testing.assert_array_equal(weights, cap[1].weights[b, 1].float().numpy())
     assert len({r["thumbBlob"] for r in rows}) == 3
-    assert meta["records"][0]["sources"][0]["padding"] == [0, 1] and rows[1]["records"][0]["sources"][0]["padding"] == []
+    assert (
+        meta["records"][0]["sources"][0]["padding"] == [0, 1] and rows[1]["records"][0]["sources"][0]["padding"] == []
+    )
     options = re.findall(r'<option value="(\d)">(\d): ([^<]*)</option>', document)
     assert [(v, b) for v, b, _ in options] == [("0", "0"), ("1", "1"), ("2", "2")]
     assert options[1][2].startswith("b0 b1")
     assert "3 rows; all shown: choose one with the <i>batch row</i> selector" in document
-    assert 'summary>Tokens of batch row 2 (5)</summary>' in document
+    assert "summary>Tokens of batch row 2 (5)</summary>" in document
     # one row asked for: one row, no selector
     single = to_html(cap, tokens=tokens, batch=2)
     meta, _ = report_meta(single)
@@ -49,7 +51,9 @@ def test_rows_past_the_bound_or_the_budget_are_left_to_batch(assert_no_hooks):
     document = to_html(cap)
     meta, _ = report_meta(document)
     assert 1 + len(meta["moreRows"]) == MAX_BATCH_ROWS
-    assert f"{MAX_BATCH_ROWS + 3} rows; rows 0, 1, 2, 3, 4, 5, 6, 7 shown (at most {MAX_BATCH_ROWS} per report" in document
+    assert (
+        f"{MAX_BATCH_ROWS + 3} rows; rows 0, 1, 2, 3, 4, 5, 6, 7 shown (at most {MAX_BATCH_ROWS} per report" in document
+    )
     per_row = 2 * 16  # weights and scores of one 4 x 4 head
     meta, _ = report_meta(to_html(cap, max_values=3 * per_row))
     assert 1 + len(meta["moreRows"]) == 3  # as many rows as fit max_values
@@ -60,9 +64,24 @@ def test_rows_past_the_bound_or_the_budget_are_left_to_batch(assert_no_hooks):
 def test_findings_link_to_their_row_and_are_marked_there(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=2)
     checks = CheckResult(
-        violations=(Violation("causal", "error", "layers.1", 1, head=1, batch=1, queries=(2,), keys=(4,), count=1,
-                              worst=0.5, message="weight on a future key"),),
-        checks=("causal",), records=2)
+        violations=(
+            Violation(
+                "causal",
+                "error",
+                "layers.1",
+                1,
+                head=1,
+                batch=1,
+                queries=(2,),
+                keys=(4,),
+                count=1,
+                worst=0.5,
+                message="weight on a future key",
+            ),
+        ),
+        checks=("causal",),
+        records=2,
+    )
     document = to_html(cap, checks=checks)
     meta, _ = report_meta(document)
     assert meta["flags"]["1-1"]["marks"] == []  # not in row 0

@@ -6,23 +6,22 @@ import json
 
 import numpy as np
 import torch
-
-import attnprobe
-from attnprobe import CheckResult, Violation
-from attnprobe.reports import diff_html, to_html
-
-from reports_helpers import (wait_until,   # noqa: F401  (browser fixtures)
-    Stack,
+from reports_helpers import (  # noqa: F401  (browser and open_report: fixtures)
     browser,
+    open_report,
+    Stack,
     canvas_colours,
     cross_capture,
     generation_capture,
     hover_cell,
-    open_report,
     stack_capture,
+    wait_until,
     words,
 )
 
+import attnprobe
+from attnprobe import CheckResult, Violation
+from attnprobe.reports import diff_html, to_html
 
 # wait_for_function predicates are written as functions ("() => ..."): for a bare expression Playwright calls
 # eval() on every poll, which the report's Content-Security-Policy forbids, so a predicate not yet true at the
@@ -83,8 +82,11 @@ def test_detail_title_names_the_batch_row_it_shows(tmp_path, open_report, assert
     report = open_report(to_html(cap, tmp_path / "row1.html", tokens=words(5), batch=1))
     page = report.page
     page.click('a.thumb[data-rid="1"][data-head="0"]')
-    wait_until(page, "() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
-                           ".textContent.includes('loading')")
+    wait_until(
+        page,
+        "() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+        ".textContent.includes('loading')",
+    )
     title = page.text_content("#detail-title")
     assert "layer 1" in title and "head 0" in title and "batch row 1" in title, title
     assert "--batch" in page.text_content("#overview")  # how to pick another row, also from the command line
@@ -108,7 +110,7 @@ HOSTILE = [
 
 def test_hostile_tokens_show_as_text_and_never_run(tmp_path, open_report, assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=len(HOSTILE), batch=1, padded=False)
-    title = "<img src=x onerror=\"window.__pwned = 5\"> report"
+    title = '<img src=x onerror="window.__pwned = 5"> report'
     path = to_html(cap, tmp_path / "hostile.html", tokens=HOSTILE, title=title)
     report = open_report(path, "#head-0-1")
     page = report.page
@@ -165,7 +167,9 @@ def test_generation_capture_shows_the_stitched_matrix(tmp_path, open_report, ass
     report = open_report(path, "#head-1-1")
     page = report.page
     wait_until(page, "() => window.attnprobe.state().rid === 1")
-    assert "stitched" in page.text_content("#grid-body") and "5 generation steps stitched" in page.text_content("#detail-title")
+    assert "stitched" in page.text_content("#grid-body") and "5 generation steps stitched" in page.text_content(
+        "#detail-title"
+    )
     assert page.locator("a.thumb").count() == 4  # two layers x two heads, not one per step
     rec = full.record(1)
     for q, k in ((6, 2), (7, 7), (3, 0)):  # rows from decode steps and from the prefill
@@ -177,10 +181,31 @@ def test_checks_panel_highlights_and_links_violating_heads(tmp_path, open_report
     cap = stack_capture(assert_no_hooks, layers=2, heads=3, length=6, batch=1, padded=False)
     checks = CheckResult(
         violations=(
-            Violation("causal", "error", "layers.1", 1, head=2, batch=0, queries=(3,), keys=(5,), count=1, worst=0.25,
-                      message="weight 0.25 on a future key <script>"),
-            Violation("row_sum", "warning", "layers.0", 0, head=0, batch=0, queries=(1, 2), count=2, worst=1e-3,
-                      message="rows do not sum to one"),
+            Violation(
+                "causal",
+                "error",
+                "layers.1",
+                1,
+                head=2,
+                batch=0,
+                queries=(3,),
+                keys=(5,),
+                count=1,
+                worst=0.25,
+                message="weight 0.25 on a future key <script>",
+            ),
+            Violation(
+                "row_sum",
+                "warning",
+                "layers.0",
+                0,
+                head=0,
+                batch=0,
+                queries=(1, 2),
+                count=2,
+                worst=1e-3,
+                message="rows do not sum to one",
+            ),
         ),
         checks=("causal", "row_sum"),
         records=2,
@@ -236,7 +261,9 @@ def test_long_input_renders_scrolls_and_zooms_without_freezing(tmp_path, open_re
     for _ in range(2):
         page.click("#zoom-in")
     assert page.evaluate("window.attnprobe.state().cell") > 30
-    page.evaluate("() => { const s = document.querySelector('.scroller'); s.scrollTop = s.scrollHeight; s.scrollLeft = s.scrollWidth; }")
+    page.evaluate(
+        "() => { const s = document.querySelector('.scroller'); s.scrollTop = s.scrollHeight; s.scrollLeft = s.scrollWidth; }"
+    )
     page.wait_for_timeout(100)
     rec = cap[0]
     for q, k in ((1020, 1000), (1023, 1023), (512, 3)):
@@ -327,7 +354,9 @@ def test_infinite_change_and_scores_only_capture_render(tmp_path, open_report, a
     report = open_report(diff_html(before, after, tmp_path / "diff.html"))
     page = report.page
     caption = page.locator('a.thumb[data-rid="0"][data-head="1"]')
-    assert caption.text_content().strip().endswith("inf") and "max |\u0394 weight| inf" in caption.get_attribute("title")
+    assert caption.text_content().strip().endswith("inf") and "max |\u0394 weight| inf" in caption.get_attribute(
+        "title"
+    )
     assert "inf" in page.locator("table.summary tbody tr").first.text_content()  # ranked first, shown as inf
     report.assert_clean()
 
@@ -348,8 +377,10 @@ def test_notebook_views_open_offline_and_a_head_opens_on_click(assert_no_hooks, 
     cap = stack_capture(assert_no_hooks)
     result = attnprobe.check(cap, causal=True)
     notebook = tmp_path / "notebook.html"  # a page holding the three outputs, as a notebook does
-    notebook.write_text("<!doctype html><html><body><h1>cell outputs</h1>"
-                        f"{cap._repr_html_()}{cap[0]._repr_html_()}{result._repr_html_()}</body></html>")
+    notebook.write_text(
+        "<!doctype html><html><body><h1>cell outputs</h1>"
+        f"{cap._repr_html_()}{cap[0]._repr_html_()}{result._repr_html_()}</body></html>"
+    )
     page = browser.new_page()
     requests, errors = [], []
     page.on("request", lambda r: requests.append(r.url))
@@ -526,21 +557,30 @@ def test_batch_row_selector_switches_grid_and_detail(tmp_path, open_report, asse
     page = report.page
     wait_until(page, "() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
     page.click('a.thumb[data-rid="1"][data-head="0"]')
-    wait_until(page, "() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
-                           ".textContent.includes('loading') && document.querySelector('#detail-title')"
-                           ".textContent.includes('batch row 0')")
+    wait_until(
+        page,
+        "() => window.attnprobe.state().rid === 1 && !document.querySelector('#detail-title')"
+        ".textContent.includes('loading') && document.querySelector('#detail-title')"
+        ".textContent.includes('batch row 0')",
+    )
     assert as_float32(hover_cell(page, 3, 1)["rows"][0]["weight"]) == cap[1].weights[0, 0, 3, 1].item()
-    thumb = page.evaluate("document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL()")
+    thumb = page.evaluate('document.querySelector(\'a.thumb[data-rid="1"][data-head="0"] canvas\').toDataURL()')
     page.select_option("#batch-row", "1")
-    wait_until(page, "() => window.attnprobe.state().batch === 1 && location.hash === '#head-1-0-b1' && "
-                           "!document.querySelector('#detail-title').textContent.includes('loading') && "
-                           "document.querySelector('#detail-title').textContent.includes('batch row 1')")
+    wait_until(
+        page,
+        "() => window.attnprobe.state().batch === 1 && location.hash === '#head-1-0-b1' && "
+        "!document.querySelector('#detail-title').textContent.includes('loading') && "
+        "document.querySelector('#detail-title').textContent.includes('batch row 1')",
+    )
     readout = hover_cell(page, 3, 1)
     assert as_float32(readout["rows"][0]["weight"]) == cap[1].weights[1, 0, 3, 1].item()
     assert readout["q"] == '"b3"'
     # the thumbnails are redrawn for row 1 (the old canvases may still say drawn for a moment: wait for the change)
-    wait_until(page, "() => document.querySelector('a.thumb[data-rid=\"1\"][data-head=\"0\"] canvas').toDataURL() !== "
-                     + json.dumps(thumb))
+    wait_until(
+        page,
+        '() => document.querySelector(\'a.thumb[data-rid="1"][data-head="0"] canvas\').toDataURL() !== '
+        + json.dumps(thumb),
+    )
     wait_until(page, "() => document.querySelectorAll('a.thumb canvas[data-drawn]').length === 4")
     # a link into another row (the checks table's) switches the row too
     page.evaluate("location.hash = '#head-0-1-b0'")
@@ -556,8 +596,11 @@ def test_token_view_follows_the_batch_row(tmp_path, open_report, assert_no_hooks
     wait_until(page, "() => window.attnprobe.tokenView().ready")
     assert page.locator("#tv-body .tv-tok.q .text").all_text_contents() == words(5, "a")
     page.evaluate("window.attnprobe.useBatchRow(1)")
-    wait_until(page, "() => window.attnprobe.tokenView().ready && "
-                           "document.querySelector('#tv-body .tv-tok.q .text').textContent === 'b0'")
+    wait_until(
+        page,
+        "() => window.attnprobe.tokenView().ready && "
+        "document.querySelector('#tv-body .tv-tok.q .text').textContent === 'b0'",
+    )
     assert "batch row 1" in page.text_content("#tv-title")
     hover_token(page, "q", 4)
     for h in (0, 1):

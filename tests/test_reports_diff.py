@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
+from reports_helpers import Stack, stack_capture, words
 
 from attnprobe import AttnprobeError
 from attnprobe.reports import compare, diff_html
 from attnprobe.reports.diff import COMPARE_SCHEMA
-
-from reports_helpers import Stack, stack_capture, words
 
 
 def pair(assert_no_hooks, change=None, **options):
@@ -141,8 +140,9 @@ def test_compare_works_one_matrix_at_a_time(assert_no_hooks, monkeypatch):
 def test_nan_and_mismatched_quantities(assert_no_hooks):
     from dataclasses import replace
 
-    import attnprobe
     from test_reports_html import report_meta
+
+    import attnprobe
 
     before, _ = pair(assert_no_hooks, padded=False)
     rec = before[1]

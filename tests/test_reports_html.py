@@ -12,14 +12,13 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 import torch
+from reports_helpers import cross_capture, generation_capture, stack_capture, words
 
 import attnprobe
 from attnprobe import AttnprobeError, CheckResult, Violation
 from attnprobe.reports import to_html
 from attnprobe.reports._common import display_token
 from attnprobe.reports.encoding import decode_floats
-
-from reports_helpers import cross_capture, generation_capture, stack_capture, words
 
 
 class Elements(HTMLParser):
@@ -56,6 +55,7 @@ def parse(document: str) -> Elements:
 
 def strict_loads(text: str):
     """JSON as the browser's JSON.parse reads it (no NaN/Infinity tokens), with the page's reviver."""
+
     def refuse(token):
         raise ValueError(f"not strict JSON: {token}")
 
@@ -109,8 +109,9 @@ def test_document_is_self_contained(assert_no_hooks):
 def test_hostile_text_cannot_leave_its_element(assert_no_hooks):
     hostile = ["</script><script>alert(1)</script>", "<!--", '"><img src=x onerror=alert(2)>', "\u2028", "&lt;"]
     cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=len(hostile), batch=1, padded=False)
-    checks = CheckResult((Violation("causal", "error", "layers.0", 0, head=0, message="<img src=y onerror=alert(3)>"),),
-                         ("causal",), 1)
+    checks = CheckResult(
+        (Violation("causal", "error", "layers.0", 0, head=0, message="<img src=y onerror=alert(3)>"),), ("causal",), 1
+    )
     document = to_html(cap, tokens=hostile, title="<script>alert(4)</script>", checks=checks)
     p = parse(document)
     assert [t for t, _ in p.tags].count("img") == 0
@@ -189,10 +190,30 @@ def test_checks_panel_lists_violations_and_flags_heads(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=2)
     checks = CheckResult(
         (
-            Violation("causal", "error", "layers.1", 1, head=1, batch=0, queries=(2,), keys=(4,), count=1, worst=0.5,
-                      message="weight on a future key"),
-            Violation("padding", "error", "layers.0", 0, head=None, batch=1, queries=(0,), count=1,
-                      message="record-level finding in another batch row"),
+            Violation(
+                "causal",
+                "error",
+                "layers.1",
+                1,
+                head=1,
+                batch=0,
+                queries=(2,),
+                keys=(4,),
+                count=1,
+                worst=0.5,
+                message="weight on a future key",
+            ),
+            Violation(
+                "padding",
+                "error",
+                "layers.0",
+                0,
+                head=None,
+                batch=1,
+                queries=(0,),
+                count=1,
+                message="record-level finding in another batch row",
+            ),
         ),
         ("causal", "padding"),
         2,
@@ -201,7 +222,8 @@ def test_checks_panel_lists_violations_and_flags_heads(assert_no_hooks):
     document = to_html(cap, checks=checks, batch=0)
     meta, _ = report_meta(document)
     assert meta["flags"]["1-1"]["errors"] == 1 and meta["flags"]["1-1"]["marks"] == [
-        {"check": "causal", "queries": [2], "keys": [4]}]
+        {"check": "causal", "queries": [2], "keys": [4]}
+    ]
     assert set(meta["flags"]) == {"1-1", "0-0", "0-1"}  # a head-less violation flags every head of its record
     assert meta["flags"]["0-0"]["marks"] == []  # batch row 1 is not shown: nothing to mark
     assert 'href="#head-1-1"' in document and "(batch row 1, not shown here)" in document
@@ -213,8 +235,20 @@ def test_checks_panel_lists_violations_and_flags_heads(assert_no_hooks):
 
 def test_checks_panel_counts_more_positions_only_when_the_list_was_cut(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=6, batch=1, padded=False)
-    cells = Violation("padding", "error", "layers.0", 0, head=0, batch=0, queries=(0, 1), keys=(4, 5), count=4,
-                      query_count=2, key_count=2, message="weight on 4 padded key(s)")
+    cells = Violation(
+        "padding",
+        "error",
+        "layers.0",
+        0,
+        head=0,
+        batch=0,
+        queries=(0, 1),
+        keys=(4, 5),
+        count=4,
+        query_count=2,
+        key_count=2,
+        message="weight on 4 padded key(s)",
+    )
     cut = replace(cells, check="mask", queries=(0, 1), keys=(2,), query_count=5, key_count=3, count=9)
     document = to_html(cap, checks=CheckResult((cells, cut), ("padding", "mask"), 1))
     rows = {}
@@ -249,9 +283,13 @@ def test_embedded_json_is_strict_and_keeps_nan_and_infinities(assert_no_hooks):
     from attnprobe.reports.html import script_json, sort_value
 
     text = script_json({"a": float("inf"), "b": [float("-inf"), float("nan"), 1.5], "c": np.float32("nan"), "t": "NaN"})
-    assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text.replace('"Infinity"', "").replace('"-Infinity"', "")
+    assert "NaN" not in text.replace('"NaN"', "") and "Infinity" not in text.replace('"Infinity"', "").replace(
+        '"-Infinity"', ""
+    )
     back = strict_loads(text)
-    assert back["a"] == float("inf") and back["b"][0] == float("-inf") and np.isnan(back["b"][1]) and back["b"][2] == 1.5
+    assert (
+        back["a"] == float("inf") and back["b"][0] == float("-inf") and np.isnan(back["b"][1]) and back["b"][2] == 1.5
+    )
     assert np.isnan(back["c"]) and back["t"] == "NaN"  # a token that reads NaN stays a string
     assert (sort_value(float("inf")), sort_value(float("-inf")), sort_value(0.5)) == ("Infinity", "-Infinity", "0.5")
     # a head whose weights hold NaN: its summary says so instead of failing or going blank
@@ -267,8 +305,10 @@ def test_a_scores_only_capture_says_why_and_draws_scores(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=2, heads=2, length=5, batch=1, keep=["scores"])
     document = to_html(cap)
     text = re.sub(r"\s+", " ", document)
-    assert ("Weights (post-softmax) not captured in 2 record(s) (layers 0, 1): weights were not asked for "
-            "(keep=[&#39;scores&#39;])") in text
+    assert (
+        "Weights (post-softmax) not captured in 2 record(s) (layers 0, 1): weights were not asked for "
+        "(keep=[&#39;scores&#39;])"
+    ) in text
     assert "The grid and the head views show the pre-softmax scores instead" in text
     assert "thumbnails: pre-softmax scores (no weights captured)" in text
     meta, blobs = report_meta(document)
@@ -358,6 +398,7 @@ def test_blob_queue_is_bounded_so_matrices_are_not_all_held_at_once():
             with lock:
                 queued["now"] -= 1
             return bytes([i]) * 100
+
         return make
 
     blobs = Blobs(workers=2, pending=3)

@@ -12,12 +12,11 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
+from reports_helpers import cross_capture, generation_capture, stack_capture, words
 
 from attnprobe import AttnprobeError
 from attnprobe.reports import head_grid, heatmap, save_grid, save_heatmap, save_summary, summary_plot
 from attnprobe.reports._common import DISALLOWED_COLOR, LEAK_COLOR
-
-from reports_helpers import cross_capture, generation_capture, stack_capture, words
 
 
 def pixel(ax, q: int, k: int) -> tuple[int, int, int]:
@@ -233,9 +232,9 @@ def test_file_writers_do_not_touch_pyplot(tmp_path):
 import sys, torch, attnprobe
 attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
 _, cap = attnprobe.run(attn, torch.randn(1, 5, 8))
-attnprobe.reports.save_heatmap(cap[0], {str(tmp_path / 'a.png')!r}, head=0)
-attnprobe.reports.save_grid(cap, {str(tmp_path / 'b.png')!r})
-attnprobe.reports.save_summary(cap, {str(tmp_path / 'c.png')!r})
+attnprobe.reports.save_heatmap(cap[0], {str(tmp_path / "a.png")!r}, head=0)
+attnprobe.reports.save_grid(cap, {str(tmp_path / "b.png")!r})
+attnprobe.reports.save_summary(cap, {str(tmp_path / "c.png")!r})
 assert "matplotlib.pyplot" not in sys.modules, "pyplot was imported"
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -10,17 +10,20 @@ from click.testing import CliRunner
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
+from reports_helpers import cross_capture, stack_capture, words
 
 from attnprobe.cli import main
 from attnprobe.probe.outputs.frames import SUMMARY_SCHEMA
 from attnprobe.reports import head_grid, heatmap, save_summary, summary_plot
 from attnprobe.reports.png import CELL_FONT_POINTS, GRID_TOKEN_POINTS
-from reports_helpers import cross_capture, stack_capture, words
 
 
 def summary_frame(layers: int, heads: int, value: float) -> pd.DataFrame:
-    rows = [{"layer": layer, "name": f"l{layer}", "head": h, "rows": 4, **{c: value for c in list(SUMMARY_SCHEMA)[4:]}}
-            for layer in range(layers) for h in range(heads)]
+    rows = [
+        {"layer": layer, "name": f"l{layer}", "head": h, "rows": 4, **dict.fromkeys(list(SUMMARY_SCHEMA)[4:], value)}
+        for layer in range(layers)
+        for h in range(heads)
+    ]
     return pd.DataFrame(rows).astype(SUMMARY_SCHEMA)
 
 

@@ -70,9 +70,27 @@ main()
 def test_sigint_while_writing_keeps_the_old_report_and_exits_130(tmp_path):
     (tmp_path / "report.html").write_text(OLD)
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", PARKED_WRITE, str(ready), "report", TINY, *IDS, "--out",
-                             "report.html", "--overwrite", "-q"], cwd=tmp_path, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            PARKED_WRITE,
+            str(ready),
+            "report",
+            TINY,
+            *IDS,
+            "--out",
+            "report.html",
+            "--overwrite",
+            "-q",
+        ],
+        cwd=tmp_path,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    )
     deadline = time.monotonic() + 240
     while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -83,7 +101,8 @@ def test_sigint_while_writing_keeps_the_old_report_and_exits_130(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in err and err.strip().splitlines() == [
-        "attnprobe: interrupted; files being written were left as they were"]
+        "attnprobe: interrupted; files being written were left as they were"
+    ]
     assert (tmp_path / "report.html").read_text() == OLD
     assert leftovers(tmp_path) == []
 
@@ -91,9 +110,25 @@ def test_sigint_while_writing_keeps_the_old_report_and_exits_130(tmp_path):
 def test_sigint_inside_a_finalizer_still_stops_the_command_with_130(tmp_path):
     """Python cannot raise a Ctrl-C that lands in a finalizer: it prints "Exception ignored in ..." with a traceback
     and goes on. The CLI delivers it again, so the command stops like for any other Ctrl-C."""
-    done = subprocess.run([sys.executable, "-m", "attnprobe.cli", "report", "cli_factories:interrupted_in_a_finalizer",
-                           *IDS, "--out", "report.html", "-q"], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          preexec_fn=default_sigint, timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "attnprobe.cli",
+            "report",
+            "cli_factories:interrupted_in_a_finalizer",
+            *IDS,
+            "--out",
+            "report.html",
+            "-q",
+        ],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        preexec_fn=default_sigint,
+        timeout=240,
+    )
     assert done.returncode == 130, (done.returncode, done.stderr)
     assert done.stderr.strip().splitlines() == ["attnprobe: interrupted; files being written were left as they were"]
     assert not (tmp_path / "report.html").exists() and leftovers(tmp_path) == []
@@ -138,9 +173,27 @@ def test_sigint_at_random_moments_leaves_old_or_new_never_partial(tmp_path):
     for delay in (0.0, 0.5, 1.5):
         started = tmp_path / "started"
         started.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, "-c", STARTED, str(started), "report", TINY, *IDS, "--out",
-                                 "report.html", "--overwrite", "-q"], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                STARTED,
+                str(started),
+                "report",
+                TINY,
+                *IDS,
+                "--out",
+                "report.html",
+                "--overwrite",
+                "-q",
+            ],
+            cwd=tmp_path,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=default_sigint,
+        )
         deadline = time.monotonic() + 240
         while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -167,12 +220,19 @@ def test_full_disk_keeps_the_old_file_exit_2(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
 
-    done = subprocess.run([sys.executable, "-m", "attnprobe.cli", "report", TINY, *IDS, "--out", "report.html",
-                           "--overwrite", "-q"], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          preexec_fn=small_files, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-m", "attnprobe.cli", "report", TINY, *IDS, "--out", "report.html", "--overwrite", "-q"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        preexec_fn=small_files,
+        timeout=240,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        "attnprobe: error: cannot write report.html: the file size limit is reached; nothing was written there"]
+        "attnprobe: error: cannot write report.html: the file size limit is reached; nothing was written there"
+    ]
     assert (tmp_path / "report.html").read_text() == OLD and leftovers(tmp_path) == []
 
 
@@ -228,7 +288,10 @@ def test_an_os_error_about_the_place_is_the_users_exit_2(cli, tmp_path, monkeypa
     line = one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv"))
     assert line == "attnprobe: error: cannot use frame.csv: No space left on device"
     monkeypatch.setattr(frames, "write_frame", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
-    assert one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv")) == "attnprobe: error: the system refused: I/O error"
+    assert (
+        one_line_error(cli("export", TINY, *IDS, "--out", "frame.csv"))
+        == "attnprobe: error: the system refused: I/O error"
+    )
 
 
 def test_ctrl_c_outside_a_command_also_exits_130(monkeypatch):

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from attnprobe.cli import main
 from attnprobe.probe.commandline import loading
 
-CONFIGURATION = '''
+CONFIGURATION = """
 from pathlib import Path
 from transformers import PretrainedConfig
 Path(MARKER).write_text("configuration code ran")
@@ -26,8 +26,8 @@ class EvilConfig(PretrainedConfig):
     def __init__(self, hidden_size=8, num_attention_heads=2, vocab_size=30, **kw):
         self.hidden_size, self.num_attention_heads, self.vocab_size = hidden_size, num_attention_heads, vocab_size
         super().__init__(**kw)
-'''
-MODELING = '''
+"""
+MODELING = """
 from pathlib import Path
 import torch
 from transformers import PreTrainedModel
@@ -44,7 +44,7 @@ class EvilModel(PreTrainedModel):
         self.post_init()
     def forward(self, input_ids, attention_mask=None):
         return self.attn(self.emb(input_ids))
-'''
+"""
 
 
 @pytest.fixture
@@ -54,18 +54,26 @@ def custom_folder(tmp_path):
     marker = f"MARKER = {str(folder / 'RAN')!r}\n"  # transformers runs a copy of the file elsewhere
     (folder / "configuration_evil.py").write_text(marker + CONFIGURATION)
     (folder / "modeling_evil.py").write_text(marker + MODELING)
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "evilnet", "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 30,
-        "auto_map": {"AutoConfig": "configuration_evil.EvilConfig", "AutoModel": "modeling_evil.EvilModel"},
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "evilnet",
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "vocab_size": 30,
+                "auto_map": {"AutoConfig": "configuration_evil.EvilConfig", "AutoModel": "modeling_evil.EvilModel"},
+            }
+        )
+    )
     return folder
 
 
 def run_cli(args, cwd, stdin="y\ny\ny\n", extra_env=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     exe = Path(sys.executable).with_name("attnprobe")
-    return subprocess.run([str(exe), *map(str, args)], cwd=cwd, env=env, input=stdin, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [str(exe), *map(str, args)], cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_folder_code_is_refused_without_asking(custom_folder, monkeypatch, tmp_path):
@@ -85,8 +93,11 @@ def test_folder_code_is_refused_without_asking(custom_folder, monkeypatch, tmp_p
 
 
 def test_folder_code_runs_with_trust_remote_code(custom_folder, tmp_path):
-    done = run_cli(["info", custom_folder, "--trust-remote-code"], tmp_path,
-                   extra_env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
+    done = run_cli(
+        ["info", custom_folder, "--trust-remote-code"],
+        tmp_path,
+        extra_env={"HF_MODULES_CACHE": str(tmp_path / "modules")},
+    )
     assert done.returncode == 0, done.stderr
     assert "class:    EvilModel" in done.stdout and "1 attention module(s)" in done.stdout
     assert (custom_folder / "RAN").exists()
@@ -96,8 +107,9 @@ def test_known_model_type_with_auto_map_loads_the_installed_code(tmp_path, monke
     from transformers import BertConfig, BertModel
 
     folder = tmp_path / "bert"
-    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-                         vocab_size=30)).save_pretrained(folder)
+    BertModel(
+        BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, vocab_size=30)
+    ).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"] = {"AutoModel": "modeling_evil.EvilModel"}
     (folder / "config.json").write_text(json.dumps(config))
@@ -113,8 +125,14 @@ def test_info_builds_no_weights(tmp_path, monkeypatch):
     from transformers import LlamaConfig
 
     folder = tmp_path / "huge"
-    LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=64, num_attention_heads=128,
-                num_key_value_heads=8, vocab_size=128256).save_pretrained(folder)
+    LlamaConfig(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=64,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ).save_pretrained(folder)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["info", str(folder), "--format", "json"], catch_exceptions=False)
@@ -127,7 +145,7 @@ def test_info_builds_no_weights(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ factories
-FACTORY = '''
+FACTORY = """
 import torch, attnprobe
 class Tiny(torch.nn.Module):
     def __init__(self):
@@ -138,7 +156,7 @@ class Tiny(torch.nn.Module):
 def make():
     torch.manual_seed(0)
     return Tiny()
-'''
+"""
 
 
 def test_a_pandas_py_in_the_folder_does_not_replace_pandas(tmp_path):
@@ -149,11 +167,17 @@ def test_a_pandas_py_in_the_folder_does_not_replace_pandas(tmp_path):
     assert (tmp_path / "frame.csv").read_text().startswith("layer,name,")
 
 
-@pytest.mark.parametrize("body, expected", [
-    ("def make(:\n    pass\n", "SyntaxError at {name}.py:1"),
-    ("raise RuntimeError('no GPU here')\n", "importing '{name}' for factory '{name}:make' raised RuntimeError: no GPU here"),
-    ("import not_a_module_anywhere\n", "cannot import '{name}'"),
-])
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("def make(:\n    pass\n", "SyntaxError at {name}.py:1"),
+        (
+            "raise RuntimeError('no GPU here')\n",
+            "importing '{name}' for factory '{name}:make' raised RuntimeError: no GPU here",
+        ),
+        ("import not_a_module_anywhere\n", "cannot import '{name}'"),
+    ],
+)
 def test_factory_module_failing_on_import_is_exit_2(tmp_path, monkeypatch, body, expected):
     name = f"broken_factory_{abs(hash(body)) % 10**8}"  # a name of its own: imports are cached per process
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))

@@ -13,8 +13,19 @@ import attnprobe
 from attnprobe import MultiHeadAttention
 from attnprobe.probe.outputs.frames import formula_safe_text, write_frame
 
-HOSTILE = ["a\rb", "line\nfeed", 'say "hi"', "x,y", '=HYPERLINK("http://e.vil","x")', "+1", "-2", "@SUM(A1)",
-           "\tTab", "\rCR", "plain"]
+HOSTILE = [
+    "a\rb",
+    "line\nfeed",
+    'say "hi"',
+    "x,y",
+    '=HYPERLINK("http://e.vil","x")',
+    "+1",
+    "-2",
+    "@SUM(A1)",
+    "\tTab",
+    "\rCR",
+    "plain",
+]
 
 
 @pytest.fixture
@@ -57,8 +68,9 @@ def test_formula_cells_are_neutralised_by_default(cap):
 
 
 def test_frame_writer_neutralises_module_names_and_duplicates():
-    frame = pd.DataFrame({"name": pd.Categorical(["=cmd", "'=cmd", "ok"]), "text": ["@x", "-", None],
-                          "value": [-1.5, 2.0, 3.0]})
+    frame = pd.DataFrame(
+        {"name": pd.Categorical(["=cmd", "'=cmd", "ok"]), "text": ["@x", "-", None], "value": [-1.5, 2.0, 3.0]}
+    )
     text = write_frame(frame, None)
     assert rows_of(text)[1:] == [["'=cmd", "'@x", "-1.5"], ["'=cmd", "'-", "2.0"], ["ok", "", "3.0"]]
     assert formula_safe_text(-3) == -3 and formula_safe_text("a=b") == "a=b"

@@ -31,28 +31,34 @@ def one_line(args, tmp_path, monkeypatch, code=2) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("option, value, expected", [
-    ("--layers", "0-2000000000", "--layers '0-2000000000' names 2,000,000,001 numbers"),
-    ("--heads", "0-5000000000", "--heads '0-5000000000' names 5,000,000,001 numbers"),
-    ("--heads", "0-40000,50000-90000", "names 80,002 numbers"),
-    ("--layers", "-5000000000--1", "names 5,000,000,000 numbers"),
-    ("--max-bytes", "1e400", "size '1e400' is beyond any memory"),
-    ("--max-bytes", "0.5", "max_bytes must be a positive size: '0.5' is less than one byte"),
-])
+@pytest.mark.parametrize(
+    "option, value, expected",
+    [
+        ("--layers", "0-2000000000", "--layers '0-2000000000' names 2,000,000,001 numbers"),
+        ("--heads", "0-5000000000", "--heads '0-5000000000' names 5,000,000,001 numbers"),
+        ("--heads", "0-40000,50000-90000", "names 80,002 numbers"),
+        ("--layers", "-5000000000--1", "names 5,000,000,000 numbers"),
+        ("--max-bytes", "1e400", "size '1e400' is beyond any memory"),
+        ("--max-bytes", "0.5", "max_bytes must be a positive size: '0.5' is less than one byte"),
+    ],
+)
 def test_cli_ranges_and_budgets(tmp_path, monkeypatch, option, value, expected):
     line = one_line(["check", TINY, "--ids", "1 2 3", f"{option}={value}"], tmp_path, monkeypatch)
     assert expected in line and line.startswith("attnprobe: error: ")
 
 
-@pytest.mark.parametrize("options, expected", [
-    ({"layers": range(2_000_000_000)}, "names 2,000,000,000 numbers"),
-    ({"heads": range(5_000_000_000)}, "names 5,000,000,000 numbers"),
-    ({"heads": {0: range(5_000_000_000)}}, "names 5,000,000,000 numbers"),
-    ({"layers": (i for i in range(10**12))}, "names more than 65,536 numbers"),
-    ({"max_bytes": 1e400}, "max_bytes=inf is not a number of bytes"),
-    ({"max_bytes": float("nan")}, "max_bytes=nan is not a number of bytes"),
-    ({"max_bytes": "1e400"}, "beyond any memory"),
-])
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({"layers": range(2_000_000_000)}, "names 2,000,000,000 numbers"),
+        ({"heads": range(5_000_000_000)}, "names 5,000,000,000 numbers"),
+        ({"heads": {0: range(5_000_000_000)}}, "names 5,000,000,000 numbers"),
+        ({"layers": (i for i in range(10**12))}, "names more than 65,536 numbers"),
+        ({"max_bytes": 1e400}, "max_bytes=inf is not a number of bytes"),
+        ({"max_bytes": float("nan")}, "max_bytes=nan is not a number of bytes"),
+        ({"max_bytes": "1e400"}, "beyond any memory"),
+    ],
+)
 def test_python_ranges_and_budgets(options, expected):
     attn = attnprobe.MultiHeadAttention(8, num_heads=2)
     tracemalloc.start()
@@ -74,7 +80,10 @@ def test_a_large_file_is_refused_before_the_forward_with_the_figure(tmp_path, mo
 
     monkeypatch.setattr(attnprobe, "run", never)
     line = one_line(["check", "--file", "many.txt", "--max-bytes", "50MB", "--full"], tmp_path, monkeypatch)
-    assert line.startswith("attnprobe: error: capture budget exceeded: the input (3,000 row(s) of up to ") and "needs at least " in line
+    assert (
+        line.startswith("attnprobe: error: capture budget exceeded: the input (3,000 row(s) of up to ")
+        and "needs at least " in line
+    )
     assert "more than --max-bytes 50MB (47.7 MiB)" in line and "give fewer inputs" in line
 
 
@@ -92,8 +101,9 @@ def test_without_a_budget_the_machine_memory_is_the_limit(tmp_path, monkeypatch)
 def test_the_planned_figure_is_a_lower_bound(spec, keep):
     net, tokenizer, source = loading.load_model(spec)
     texts = ["a short one", "and a somewhat longer second input"] if tokenizer else []
-    work = loading.build_workload(net, tokenizer, source, texts=texts, decoder_texts=[],
-                                  ids=[] if tokenizer else [[1, 2, 3, 4], [5, 6]])
+    work = loading.build_workload(
+        net, tokenizer, source, texts=texts, decoder_texts=[], ids=[] if tokenizer else [[1, 2, 3, 4], [5, 6]]
+    )
     options = {"layers": [0, -1], "heads": [0, 1], "keep": keep}
     planned = planned_attention_bytes(work, options)
     with torch.no_grad():

@@ -17,8 +17,14 @@ def tiny_bert():
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    config = BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-                        vocab_size=50, max_position_embeddings=32)
+    config = BertConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
     model = BertModel(config, add_pooling_layer=False).eval()
     ids = torch.randint(1, 50, (2, 7))
     mask = torch.ones(2, 7, dtype=torch.long)
@@ -62,7 +68,7 @@ def in_thread(fn, name):
     def target():
         try:
             box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:
             box["error"] = exc
 
     t = threading.Thread(target=target, name=name)
@@ -86,8 +92,11 @@ def test_second_capture_in_another_thread_is_refused_and_its_forward_is_untouche
     t, box = in_thread(holder, "holder-thread")
     assert inside.wait(60)
     try:
-        with pytest.raises(SelectionError, match=r"already being captured in thread 'holder-thread' \(id \d+\); "
-                                                 r"this is thread 'MainThread'"):
+        with pytest.raises(
+            SelectionError,
+            match=r"already being captured in thread 'holder-thread' \(id \d+\); "
+            r"this is thread 'MainThread'",
+        ):
             with attnprobe.capture(model):
                 pass
         # a plain forward here while the other thread's capture is open: untouched, not recorded there
@@ -125,7 +134,7 @@ def test_many_threads_at_once_never_fail_a_forward_nor_mix_records(which, assert
                 with lock:
                     refused.append(1)
                 out, cap = output_of(model(**inputs)).detach(), None  # plain forward while another captures
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 with lock:
                     errors.append(repr(exc))
                 return

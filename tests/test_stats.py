@@ -14,8 +14,8 @@ from test_checks import CTX_MASK, run_model
 
 import attnprobe
 from attnprobe.probe.engine.attention_math import AttentionCall, attention_logits, softmax_with_sinks
-from attnprobe.probe.errors import SelectionError
 from attnprobe.probe.engine.stats import KEY_STATS, ROW_STATS, attention_stats, record_stats, stats_from_weights
+from attnprobe.probe.errors import SelectionError
 
 ALL_STATS = ROW_STATS + KEY_STATS
 
@@ -26,7 +26,10 @@ def assert_stats_equal(got, want, atol=1e-5, where=""):
         assert a.shape == b.shape, (where, name, a.shape, b.shape)
         if a.dtype.is_floating_point:
             assert torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-5, equal_nan=True), (
-                where, name, (a.float() - b.float()).abs().nan_to_num(99).max())
+                where,
+                name,
+                (a.float() - b.float()).abs().nan_to_num(99).max(),
+            )
         else:
             assert torch.equal(a, b), (where, name)
 
@@ -34,8 +37,9 @@ def assert_stats_equal(got, want, atol=1e-5, where=""):
 # --------------------------------------------------------------------------- the engine itself
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-@pytest.mark.parametrize("block_bytes", [1 << 20, 30000, 2000, 300], ids=["all-rows", "row-blocks", "few-rows",
-                                                                           "key-blocks"])
+@pytest.mark.parametrize(
+    "block_bytes", [1 << 20, 30000, 2000, 300], ids=["all-rows", "row-blocks", "few-rows", "key-blocks"]
+)
 def test_engine_equals_the_statistics_of_the_full_weights(additive, sinks, block_bytes):
     """Blocks of rows, and keys in blocks with a running max: the same numbers as the full softmax (padded and
     empty rows, softcapping, sinks, both mask semantics)."""
@@ -54,8 +58,16 @@ def test_engine_equals_the_statistics_of_the_full_weights(additive, sinks, block
     output = w @ v + 1e-3 * torch.randn(B, h, T, D)
     call = AttentionCall(q, k, scaling=0.3, v=v, mask=mask, additive=additive, sinks=sink, softcap=5.0, output=output)
     got = attention_stats(call, diag_offset=0, query_padding=pad, block_bytes=block_bytes)
-    want = stats_from_weights(w, scores=s, allowed=allowed.expand(B, 1, T, T), v=v, output=output, sinks=sink,
-                              diag_offset=0, query_padding=pad)
+    want = stats_from_weights(
+        w,
+        scores=s,
+        allowed=allowed.expand(B, 1, T, T),
+        v=v,
+        output=output,
+        sinks=sink,
+        diag_offset=0,
+        query_padding=pad,
+    )
     assert_stats_equal(got, want)
     assert got["allowed_keys"][0, 0, :5].eq(0).all() and got["finite"].all()
     assert (got["output_error"] > 5e-4).all()  # the 1e-3 noise added to the output is seen
@@ -68,8 +80,9 @@ def test_engine_with_an_implicit_causal_mask_reads_only_the_keys_rows_reach(bloc
     B, h, T, D = 1, 2, 41, 4
     q, k, v = torch.randn(B, h, T, D), torch.randn(B, h, T, D), torch.randn(B, h, T, D)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    got = attention_stats(AttentionCall(q, k, scaling=0.5, v=v, causal=True, output=out), diag_offset=0,
-                          block_bytes=block_bytes)
+    got = attention_stats(
+        AttentionCall(q, k, scaling=0.5, v=v, causal=True, output=out), diag_offset=0, block_bytes=block_bytes
+    )
     s = attention_logits(q, k, scaling=0.5)
     allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
     w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1)
@@ -88,8 +101,15 @@ def test_sampled_rows_get_the_statistics_of_those_rows(case, block_bytes):
     pad = torch.zeros(B, Tk, dtype=torch.bool)
     pad[1, :4] = True
     mask = ~pad[:, None, None, :].expand(B, 1, Tq, Tk) if case == "padding-mask" else None
-    call = AttentionCall(q, k, scaling=0.4, v=v, mask=mask, causal=case.startswith("causal"),
-                         causal_offset=3 if case == "causal-offset" else 0)
+    call = AttentionCall(
+        q,
+        k,
+        scaling=0.4,
+        v=v,
+        mask=mask,
+        causal=case.startswith("causal"),
+        causal_offset=3 if case == "causal-offset" else 0,
+    )
     full_call = replace(call, output=torch.randn(B, h, Tq, D))
     diag = None if case == "cross" else Tk - Tq
     rows = torch.tensor([0, 3, 4, 11, 28])
@@ -98,8 +118,11 @@ def test_sampled_rows_get_the_statistics_of_those_rows(case, block_bytes):
     for name in ROW_STATS:
         a, b = got[name], full[name][:, :, rows]
         assert a.shape == (B, h, len(rows)), name
-        assert torch.allclose(a.double(), b.double(), atol=1e-6, equal_nan=True) if a.dtype.is_floating_point \
-            else torch.equal(a, b), name
+        assert (
+            torch.allclose(a.double(), b.double(), atol=1e-6, equal_nan=True)
+            if a.dtype.is_floating_point
+            else torch.equal(a, b)
+        ), name
     assert got["key_weight"].shape == (B, h, Tk) and torch.allclose(got["key_weight"].sum(-1), torch.full((B, h), 5.0))
     with pytest.raises(ValueError, match="ascending"):
         attention_stats(call, rows=torch.tensor([3, 1]))
@@ -119,7 +142,7 @@ def test_long_rows_find_argmax_and_first_and_last_keys_by_chunks(mask):
     if mask == "causal":
         allowed, call = causal.expand(B, 1, T, T), AttentionCall(q, k, scaling=1.0, causal=True)
     else:
-        allowed = (causal[None, None] & ~pad[:, None, None, :])
+        allowed = causal[None, None] & ~pad[:, None, None, :]
         call = AttentionCall(q, k, scaling=1.0, mask=allowed)
     s = attention_logits(q, k, scaling=1.0)
     w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
@@ -150,8 +173,11 @@ def test_statistics_of_full_weights_for_sampled_rows(allowed_rows):
     got = stats_from_weights(w, allowed=allowed, diag_offset=0, rows=rows, block_bytes=2000)
     for name in ROW_STATS:
         a, b = got[name], full[name][:, :, rows]
-        assert torch.allclose(a.double(), b.double(), atol=1e-7, equal_nan=True) if a.dtype.is_floating_point \
-            else torch.equal(a, b), name
+        assert (
+            torch.allclose(a.double(), b.double(), atol=1e-7, equal_nan=True)
+            if a.dtype.is_floating_point
+            else torch.equal(a, b)
+        ), name
     assert torch.equal(got["key_allowed"], full["key_allowed"])
 
 
@@ -161,8 +187,9 @@ def test_engine_causal_counts_and_positions():
     assert s["first_key"][0, 0].tolist() == [0, 0, 0, 0] and s["last_key"][0, 0].tolist() == [0, 1, 2, 3]
     assert s["allowed_keys"][0, 0].tolist() == [1, 2, 3, 4] and s["diagonal_allowed"].all()
     assert torch.allclose(s["entropy"][0, 0], torch.log(torch.arange(1.0, 5.0)))
-    assert torch.allclose(s["key_weight"][0, 0], torch.tensor([1 + 1 / 2 + 1 / 3 + 1 / 4, 1 / 2 + 1 / 3 + 1 / 4,
-                                                              1 / 3 + 1 / 4, 1 / 4]))
+    assert torch.allclose(
+        s["key_weight"][0, 0], torch.tensor([1 + 1 / 2 + 1 / 3 + 1 / 4, 1 / 2 + 1 / 3 + 1 / 4, 1 / 3 + 1 / 4, 1 / 4])
+    )
     assert torch.isnan(s["previous_mass"][0, 0, 0]) and torch.isnan(s["output_error"]).all()
 
 
@@ -219,8 +246,10 @@ def test_output_scale_bounds_the_weighted_absolute_values():
     exact = (w @ v.abs()).amax(-1)
     assert (st["output_scale"] >= exact - 1e-6).all()
     assert torch.allclose(st["output_scale"], (w @ v.abs().amax(-1, keepdim=True))[..., 0], atol=1e-6)
-    one = attention_stats(AttentionCall(q * 0, k, scaling=0.5, v=v, output=w @ v, mask=torch.eye(9, dtype=torch.bool)
-                                        [None, None]), diag_offset=0)
+    one = attention_stats(
+        AttentionCall(q * 0, k, scaling=0.5, v=v, output=w @ v, mask=torch.eye(9, dtype=torch.bool)[None, None]),
+        diag_offset=0,
+    )
     assert torch.allclose(one["output_scale"], v.abs().amax(-1), atol=1e-6)
 
 
@@ -283,8 +312,19 @@ def _hf(name, attn):
         pytest.skip(f"{name} has no {attn}")
 
 
-@pytest.mark.parametrize("name,attn", [("llama", "sdpa"), ("llama", "eager"), ("mistral", "sdpa"), ("gemma2", "eager"),
-                                       ("gpt_oss", "eager"), ("t5", "sdpa"), ("bert", "sdpa"), ("gpt2", "eager")])
+@pytest.mark.parametrize(
+    "name,attn",
+    [
+        ("llama", "sdpa"),
+        ("llama", "eager"),
+        ("mistral", "sdpa"),
+        ("gemma2", "eager"),
+        ("gpt_oss", "eager"),
+        ("t5", "sdpa"),
+        ("bert", "sdpa"),
+        ("gpt2", "eager"),
+    ],
+)
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_hugging_face_statistics_equal_the_full_capture(name, attn, padding, assert_no_hooks):
     """Blockwise from q, k and the call's own mask, position bias (T5), softcapping (Gemma 2), sinks (GPT-OSS),
@@ -416,8 +456,15 @@ def test_to_frame_and_summary_from_statistics():
     assert not frame.duplicated(["layer", "call", "head", "batch", "query_pos"]).any()
     a, b = stats_cap.summary(), full_cap.summary()
     assert a[["layer", "head", "rows"]].equals(b[["layer", "head", "rows"]])
-    for col in ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass",
-                "row_sum_error"):
+    for col in (
+        "entropy",
+        "max_weight",
+        "first_key_mass",
+        "diagonal_mass",
+        "previous_mass",
+        "masked_mass",
+        "row_sum_error",
+    ):
         assert ((a[col] - b[col]).abs() <= 1e-5).all(), (col, a[col].tolist(), b[col].tolist())
 
 
@@ -452,8 +499,11 @@ def test_statistics_never_allocate_a_full_query_by_key_tensor(keep):
     plain = _largest_allocation(lambda: model(x))  # torch >= 2.7's CPU sdpa: a bool (query x key); 2.6: float weights
     # the engine itself, whatever torch's sdpa allocates: below a quarter of one head's (query x key) matrix
     q, k, v = (torch.randn(1, 4, T, 4) for _ in range(3))
-    engine = _largest_allocation(lambda: attention_stats(AttentionCall(q, k, scaling=0.5, v=v, causal=True),
-                                                         diag_offset=0, block_bytes=256 << 10))
+    engine = _largest_allocation(
+        lambda: attention_stats(
+            AttentionCall(q, k, scaling=0.5, v=v, causal=True), diag_offset=0, block_bytes=256 << 10
+        )
+    )
     assert engine < one_head // 4, engine
     assert _largest_allocation(lambda: run(keep=keep, block_bytes=256 << 10)) <= max(plain, one_head // 4)
     assert _largest_allocation(lambda: run(keep=("weights",))) >= one_head
@@ -497,9 +547,10 @@ def test_statistics_on_cuda_equal_cpu():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    cpu = attention_stats(AttentionCall(q, k, scaling=8 ** -0.5, v=v, causal=True, output=out), diag_offset=0)
-    gpu = attention_stats(AttentionCall(q.cuda(), k.cuda(), scaling=8 ** -0.5, v=v.cuda(), causal=True,
-                                        output=out.cuda()), diag_offset=0)
+    cpu = attention_stats(AttentionCall(q, k, scaling=8**-0.5, v=v, causal=True, output=out), diag_offset=0)
+    gpu = attention_stats(
+        AttentionCall(q.cuda(), k.cuda(), scaling=8**-0.5, v=v.cuda(), causal=True, output=out.cuda()), diag_offset=0
+    )
     assert_stats_equal({n: t.cpu() for n, t in gpu.items()}, cpu, atol=1e-4)
 
 

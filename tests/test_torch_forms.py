@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_helpers import leftovers, reference_weights
 
 import attnprobe
 from attnprobe.hooks.trace.ops import read_call
-from torch_helpers import leftovers, reference_weights
 
 B, T, H, DH = 2, 5, 2, 4
 D = H * DH
@@ -287,9 +287,28 @@ class ModuleSoftmax(Form):
         return nn.Softmax(dim=dim)(s)
 
 
-FORMS = {f.name: f for f in (Form(), Method(), Keyword(), Function(), Unbound(), InPlace(), InPlaceKeyword(), Out(),
-                             Products(), Einsum(), EinsumList(), Additive(), AddInPlace(), Where(), WhereMethod(),
-                             SetItem(), ModuleSoftmax())}
+FORMS = {
+    f.name: f
+    for f in (
+        Form(),
+        Method(),
+        Keyword(),
+        Function(),
+        Unbound(),
+        InPlace(),
+        InPlaceKeyword(),
+        Out(),
+        Products(),
+        Einsum(),
+        EinsumList(),
+        Additive(),
+        AddInPlace(),
+        Where(),
+        WhereMethod(),
+        SetItem(),
+        ModuleSoftmax(),
+    )
+}
 
 
 # ------------------------------------------------------------------------------------------------ the module
@@ -414,8 +433,12 @@ BUGS = {
 
 #: Each bug in every form, at two ranks each, so that every rank meets a bug: a query vector has only the key axis
 #: (no softmax_axis bug) and one head nothing to merge (head_merge at 4-D and folded only).
-BUG_RANKS = {"unused_mask": ("1d", "4d"), "same_kv": ("1d", "3d"), "softmax_axis": ("2d", "4d"),
-             "head_merge": ("4d", "folded")}
+BUG_RANKS = {
+    "unused_mask": ("1d", "4d"),
+    "same_kv": ("1d", "3d"),
+    "softmax_axis": ("2d", "4d"),
+    "head_merge": ("4d", "folded"),
+}
 
 
 def _bug_cases():
@@ -447,7 +470,7 @@ def test_one_query_vector_as_every_tutorial_starts():
     class Tutorial(nn.Module):
         def forward(self, query, keys, values):
             d_k = keys.shape[-1]
-            return torch.softmax(query @ keys.T / d_k ** 0.5, dim=0) @ values
+            return torch.softmax(query @ keys.T / d_k**0.5, dim=0) @ values
 
     model = Tutorial()
     with attnprobe.capture(model, modules=[model]) as cap:
@@ -569,9 +592,12 @@ class EllipsisValues(nn.Module):
 
 def test_a_record_missing_only_values_says_where_the_weights_went():
     model = EllipsisValues().eval()
-    with pytest.warns(attnprobe.AttnprobeWarning, match=r"the record has no v, output: the weights of softmax at "
-                      r"test_torch_forms.py:\d+ do not reach a product with values .*used by einsum\(\.\.\.\) at "
-                      r"test_torch_forms.py:\d+"):
+    with pytest.warns(
+        attnprobe.AttnprobeWarning,
+        match=r"the record has no v, output: the weights of softmax at "
+        r"test_torch_forms.py:\d+ do not reach a product with values .*used by einsum\(\.\.\.\) at "
+        r"test_torch_forms.py:\d+",
+    ):
         with attnprobe.capture(model, modules=[model]) as cap:
             model(X)
     assert cap[0].identified == ALL - {"v", "output"}
@@ -589,24 +615,45 @@ _T = torch.Tensor
         (_T.masked_fill, (S,), {"mask": M, "value": -1.0}, "masked_fill", {"input": S, "mask": M, "value": -1.0}),
         (torch.masked_fill, (S, M, -1.0), {}, "masked_fill", {"input": S, "mask": M, "value": -1.0}),
         (_T.where, (S, M, 0.0), {}, "where", {"condition": M, "input": S, "other": 0.0}),
-        (torch.where, (), {"condition": M, "input": S, "other": 0.0}, "where", {"condition": M, "input": S, "other": 0.0}),
+        (
+            torch.where,
+            (),
+            {"condition": M, "input": S, "other": 0.0},
+            "where",
+            {"condition": M, "input": S, "other": 0.0},
+        ),
         (torch.mm, (), {"input": S[0], "mat2": S[1]}, "matmul", {"input": S[0], "other": S[1]}),
         (torch.mv, (S[0], S[0, 0]), {}, "matmul", {"input": S[0], "other": S[0, 0]}),
         (_T.__rmatmul__, (S, S[0]), {}, "matmul", {"input": S[0], "other": S}),
         (_T.__rsub__, (S, 1), {}, "sub", {"input": 1, "other": S, "alpha": 1}),
         (torch.dropout, (S, 0.1), {"train": False}, "dropout", {"input": S, "p": 0.1, "training": False}),
-        (F.softmax, (S,), {"dim": -1, "_stacklevel": 3, "dtype": None}, "softmax",
-         {"input": S, "dim": -1, "_stacklevel": 3, "dtype": None}),
+        (
+            F.softmax,
+            (S,),
+            {"dim": -1, "_stacklevel": 3, "dtype": None},
+            "softmax",
+            {"input": S, "dim": -1, "_stacklevel": 3, "dtype": None},
+        ),
         (_T.swapaxes, (S,), {"axis0": 1, "axis1": 2}, "permute", {"input": S, "dims": (0, 2, 1)}),
         (_T.permute, (S, 2, 0, 1), {}, "permute", {"input": S, "dims": (2, 0, 1)}),
         (torch.permute, (S,), {"dims": [2, 0, 1]}, "permute", {"input": S, "dims": (2, 0, 1)}),
         (torch.movedim, (S, 0, -1), {}, "permute", {"input": S, "dims": (1, 2, 0)}),
         (torch.einsum, ("bqd->bdq", S), {}, "permute", {"input": S, "dims": (0, 2, 1)}),
         (torch.einsum, ("bij,bjk->bik", [S, S]), {}, "einsum", {"equation": "bij,bjk->bik", "operands": (S, S)}),
-        (torch.repeat_interleave, (), {"input": S, "repeats": 2, "dim": 1}, "repeat_interleave",
-         {"input": S, "repeats": 2, "dim": 1}),
-        (torch.baddbmm, (S, S, S), {"alpha": 0.5}, "baddbmm",
-         {"input": S, "batch1": S, "batch2": S, "alpha": 0.5, "beta": 1}),
+        (
+            torch.repeat_interleave,
+            (),
+            {"input": S, "repeats": 2, "dim": 1},
+            "repeat_interleave",
+            {"input": S, "repeats": 2, "dim": 1},
+        ),
+        (
+            torch.baddbmm,
+            (S, S, S),
+            {"alpha": 0.5},
+            "baddbmm",
+            {"input": S, "batch1": S, "batch2": S, "alpha": 0.5, "beta": 1},
+        ),
     ],
 )
 def test_every_calling_form_is_read_by_the_ops_own_signature(func, args, kwargs, op, params):

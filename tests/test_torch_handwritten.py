@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_helpers import ChunkedQKV, FusedSplit, Head, HeadList, RawCrossAttention, leftovers, reference_weights
 
 import attnprobe
-from torch_helpers import ChunkedQKV, FusedSplit, Head, HeadList, RawCrossAttention, leftovers, reference_weights
 
 ALL = {"q", "k", "v", "scores", "weights", "output", "allowed"}
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(2))
@@ -68,7 +68,9 @@ def test_fused_projection_split_with_view_and_transpose():
     cap = run(model, X, padding, modules=[model])
     (rec,) = cap
     q, k, v = model.c_attn(X).split(16, dim=2)
-    assert torch.equal(rec.q, q.view(2, 6, 4, 4).transpose(1, 2)) and torch.equal(rec.v, v.view(2, 6, 4, 4).transpose(1, 2))
+    assert torch.equal(rec.q, q.view(2, 6, 4, 4).transpose(1, 2)) and torch.equal(
+        rec.v, v.view(2, 6, 4, 4).transpose(1, 2)
+    )
     assert rec.identified == ALL and rec.num_heads == 4 and rec.kind == "self" and rec.causal is True
     # causal (masked_fill) and padding (an added -1e9 mask) combined; -1e9 is not a score
     assert torch.equal(rec.allowed[0, 0], CAUSAL & padding[0].bool()) and torch.equal(rec.allowed[1, 0], CAUSAL)
@@ -185,8 +187,11 @@ def test_partial_record_when_the_scores_cannot_be_followed():
             return F.softmax(scores, dim=-1) @ x
 
     model = Odd()
-    with pytest.warns(attnprobe.AttnprobeWarning, match=r"the record has no q, k, v, output, allowed: the scores come "
-                      r"from neg\(\.\.\.\) at test_torch_handwritten.py:\d+, a call attnprobe does not follow"):
+    with pytest.warns(
+        attnprobe.AttnprobeWarning,
+        match=r"the record has no q, k, v, output, allowed: the scores come "
+        r"from neg\(\.\.\.\) at test_torch_handwritten.py:\d+, a call attnprobe does not follow",
+    ):
         (rec,) = run(model, X, modules=[model])
     assert rec.identified == {"scores", "weights"} and rec.q is None and rec.allowed is None and rec.scaling is None
     assert set(rec.meta["missing"]) == {"q", "k", "v", "output", "allowed"}

@@ -6,10 +6,10 @@ import warnings
 
 import pytest
 import torch
+from torch_helpers import ChunkedQKV, EinsumHeads, FusedSplit, Head, HeadList, leftovers
 
 import attnprobe
 from attnprobe.probe.checks.lint import LINT_CHECKS, head_merge_problem, lints, reshape_groups
-from torch_helpers import ChunkedQKV, EinsumHeads, FusedSplit, Head, HeadList, leftovers
 
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
 
@@ -49,7 +49,15 @@ def test_lint_fires_on_the_broken_variant(check, broken):
 
 @pytest.mark.parametrize(
     "correct",
-    [Head, HeadList, FusedSplit, ChunkedQKV, EinsumHeads, lambda: EinsumHeads(merge="project"), lambda: EinsumHeads(merge="bqhd")],
+    [
+        Head,
+        HeadList,
+        FusedSplit,
+        ChunkedQKV,
+        EinsumHeads,
+        lambda: EinsumHeads(merge="project"),
+        lambda: EinsumHeads(merge="bqhd"),
+    ],
 )
 def test_lints_stay_quiet_on_correct_code(correct):
     cap, warned = capture_lints(correct().eval(), X)

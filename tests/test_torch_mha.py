@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch_helpers import leftovers, reference_weights
 
 import attnprobe
 from attnprobe.hooks.torch_mha import fastpath_disabled
-from torch_helpers import leftovers, reference_weights
 
 KPM = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])  # torch convention: True = padding
 
@@ -84,7 +84,9 @@ def test_projection_variants_reproduce_the_output(options):
     )
     # padded context keys get no weight; the appended bias/zero keys stay allowed
     assert not rec.allowed[1, 0, :, 5:7].any() and rec.allowed[:, 0, :, 7:].all()
-    torch.testing.assert_close(rec.weights, reference_weights(rec.q, rec.k, rec.scaling, rec.allowed), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        rec.weights, reference_weights(rec.q, rec.k, rec.scaling, rec.allowed), rtol=0, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
@@ -214,7 +216,9 @@ def test_a_broken_kernel_is_caught_by_output_match(monkeypatch):
     real = F.scaled_dot_product_attention
 
     def doubled_scale(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
-        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=2 / q.shape[-1] ** 0.5)
+        return real(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=2 / q.shape[-1] ** 0.5
+        )
 
     mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
     x = torch.randn(2, 5, 16)
@@ -322,7 +326,12 @@ def test_forward_that_raises_leaves_no_dispatch_mode():
 
     mha = nn.MultiheadAttention(16, 4, batch_first=True)
     with pytest.raises(AssertionError), attnprobe.capture(mha):
-        mha(torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 16), key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+        mha(
+            torch.randn(2, 5, 16),
+            torch.randn(2, 5, 16),
+            torch.randn(2, 5, 16),
+            key_padding_mask=torch.zeros(2, 3, dtype=torch.bool),
+        )
     assert _get_current_dispatch_mode_stack() == [] and leftovers(mha) == []
 
 
@@ -346,7 +355,12 @@ def test_exception_in_forward_leaves_nothing_behind():
     mha = nn.MultiheadAttention(16, 4, batch_first=True)
     with pytest.raises(AssertionError):  # torch's own shape check
         with attnprobe.capture(mha) as cap:
-            mha(torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 16), key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+            mha(
+                torch.randn(2, 5, 16),
+                torch.randn(2, 5, 16),
+                torch.randn(2, 5, 16),
+                key_padding_mask=torch.zeros(2, 3, dtype=torch.bool),
+            )
     assert len(cap) == 0 and leftovers(mha) == []
 
 
@@ -385,7 +399,9 @@ def test_transformer_encoder_with_padding(batch_first):
         assert rec.query_padding.tolist() == SRC_PAD.tolist()
         assert not rec.allowed[1, 0, :, 4:].any() and rec.allowed[0].all()
         assert torch.all(rec.weights[1, :, :, 4:] == 0)
-        torch.testing.assert_close(rec.weights, reference_weights(rec.q, rec.k, rec.scaling, rec.allowed), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            rec.weights, reference_weights(rec.q, rec.k, rec.scaling, rec.allowed), rtol=0, atol=1e-6
+        )
         assert rec.meta["output_error"] < 1e-5
     assert leftovers(enc) == []
 
@@ -409,8 +425,10 @@ def test_transformer_decoder_with_causal_mask_and_padding(batch_first):
             got = dec(tgt, mem, **call)
     assert torch.equal(got, plain)
     assert [(r.name, r.kind) for r in cap] == [
-        ("layers.0.self_attn", "self"), ("layers.0.multihead_attn", "cross"),
-        ("layers.1.self_attn", "self"), ("layers.1.multihead_attn", "cross"),
+        ("layers.0.self_attn", "self"),
+        ("layers.0.multihead_attn", "cross"),
+        ("layers.1.self_attn", "self"),
+        ("layers.1.multihead_attn", "cross"),
     ]
     tril = torch.ones(5, 5, dtype=torch.bool).tril()
     for rec in cap.select(kind="self"):
@@ -422,7 +440,9 @@ def test_transformer_decoder_with_causal_mask_and_padding(batch_first):
         assert rec.causal is False and rec.query_padding is None and rec.weights.shape == (2, 4, 5, 7)
         assert not rec.allowed[1, 0, :, 4:].any()
     for rec in cap:
-        torch.testing.assert_close(rec.weights, reference_weights(rec.q, rec.k, rec.scaling, rec.allowed), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            rec.weights, reference_weights(rec.q, rec.k, rec.scaling, rec.allowed), rtol=0, atol=1e-6
+        )
         assert rec.meta["output_error"] < 1e-5
     assert leftovers(dec) == []
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch_helpers import HeadList, Mixed, SdpaBlock, leftovers
 
 import attnprobe
 from attnprobe.hooks.torch_mha import fastpath_disabled
-from torch_helpers import HeadList, Mixed, SdpaBlock, leftovers
 
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(4))
 
@@ -23,7 +23,10 @@ def test_all_kinds_in_one_capture():
     assert torch.equal(plain, got)
     # modules found before the run are numbered in module order, layers found while it runs come after
     assert [(r.name, r.layer, r.backend) for r in cap] == [
-        ("own", 0, "attnprobe"), ("mha", 1, "torch_mha"), ("sdpa", 3, "sdpa"), ("hand", 2, "hand-written"),
+        ("own", 0, "attnprobe"),
+        ("mha", 1, "torch_mha"),
+        ("sdpa", 3, "sdpa"),
+        ("hand", 2, "hand-written"),
     ]
     assert cap.info["attention_modules"] == ("own", "mha", "hand", "sdpa")
     assert cap.layers == (0, 1, 2, 3)
@@ -40,7 +43,10 @@ def test_same_selection_and_budget_rules_for_every_kind():
     with attnprobe.capture(model, modules=[model.hand], heads=[2], keep=["weights"]) as cap:
         model(X)
     assert [(r.layer, r.heads, tuple(r.weights.shape)) for r in cap] == [
-        (0, (2,), (2, 1, 6, 6)), (1, (2,), (2, 1, 6, 6)), (3, (2,), (2, 1, 6, 6)), (2, (2,), (2, 1, 6, 6))
+        (0, (2,), (2, 1, 6, 6)),
+        (1, (2,), (2, 1, 6, 6)),
+        (3, (2,), (2, 1, 6, 6)),
+        (2, (2,), (2, 1, 6, 6)),
     ]
     assert all(r.q is None and r.k is None for r in cap)
     with attnprobe.capture(model, modules=[model.hand], layers=[-1, 3]) as picked:
@@ -48,7 +54,9 @@ def test_same_selection_and_budget_rules_for_every_kind():
     assert [r.layer for r in picked] == [3, 2]  # -1 is the last layer found before the run
     first_two = cap[0].nbytes + cap[1].nbytes
     with pytest.raises(attnprobe.CaptureBudgetError, match=r"layer 3 \('sdpa'"):
-        with attnprobe.capture(model, modules=[model.hand], heads=[2], keep=["weights"], max_bytes=first_two + 10) as cut:
+        with attnprobe.capture(
+            model, modules=[model.hand], heads=[2], keep=["weights"], max_bytes=first_two + 10
+        ) as cut:
             model(X)
     assert [r.layer for r in cut] == [0, 1] and cut.nbytes <= first_two + 10
     assert leftovers(model) == []

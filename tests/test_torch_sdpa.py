@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_helpers import SdpaBlock, leftovers, reference_weights
 
 import attnprobe
 from attnprobe.hooks.base import Adapter, Site
 from attnprobe.hooks.functional import FunctionalAdapter
 from attnprobe.probe.capture import CaptureSession
 from attnprobe.probe.selection import Selection
-from torch_helpers import SdpaBlock, leftovers, reference_weights
 
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
 PAD = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])[:, None, None, :]  # sdpa's bool: True = attend
@@ -99,7 +99,12 @@ def test_sites_numbered_by_first_call_and_calls_counted():
         m(X)
         m(X)
     assert [(r.name, r.layer, r.call) for r in cap] == [
-        ("b", 0, 0), ("a", 1, 0), ("a", 1, 1), ("b", 0, 1), ("a", 1, 2), ("a", 1, 3)
+        ("b", 0, 0),
+        ("a", 1, 0),
+        ("a", 1, 1),
+        ("b", 0, 1),
+        ("a", 1, 2),
+        ("a", 1, 3),
     ]
     assert cap.info["attention_modules"] == ("b", "a")
     assert cap[0].meta["sdpa_at"].startswith("torch_helpers.py:")
@@ -144,7 +149,9 @@ def test_selection_heads_and_budget_apply_to_found_layers():
 
 def test_layer_past_the_end_is_an_error_at_exit():
     m = SdpaBlock()
-    with pytest.raises(attnprobe.SelectionError, match="layer 3 is out of range.*0 found before the run, 1 while it ran"):
+    with pytest.raises(
+        attnprobe.SelectionError, match="layer 3 is out of range.*0 found before the run, 1 while it ran"
+    ):
         with attnprobe.capture(m, layers=[3]):
             m(X)
     assert leftovers(m) == []

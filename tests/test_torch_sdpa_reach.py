@@ -8,12 +8,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import torch_helpers
 from torch import nn
+from torch_helpers import FusedSplit, leftovers
 
 import attnprobe
-import torch_helpers
 from attnprobe.hooks.functional import code_reaches_sdpa
-from torch_helpers import FusedSplit, leftovers
 
 X = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
 
@@ -92,7 +92,7 @@ class ViaPartial(nn.Module):
 
 class ViaGetattr(nn.Module):
     def forward(self, x):
-        return merge(getattr(F, "scaled_dot_product_attention")(*qkv(x)))
+        return merge(F.scaled_dot_product_attention(*qkv(x)))
 
 
 class NoSdpa(nn.Module):
@@ -104,7 +104,9 @@ class NoSdpa(nn.Module):
         return self.act(self.table["relu"](x))
 
 
-@pytest.mark.parametrize("cls", [ViaModuleAttribute, ViaHelperClass, ViaDecorator, ViaClassAttribute, ViaDict, ViaPartial, ViaGetattr])
+@pytest.mark.parametrize(
+    "cls", [ViaModuleAttribute, ViaHelperClass, ViaDecorator, ViaClassAttribute, ViaDict, ViaPartial, ViaGetattr]
+)
 def test_code_reading_follows_helpers_decorators_attributes_tables_partials_and_getattr(cls):
     assert code_reaches_sdpa(cls)
     m = nn.Sequential(attnprobe.MultiHeadAttention(16, 4), cls())  # the own module alone needs no function mode
@@ -174,7 +176,9 @@ def test_layers_of_named_modules_are_checked_when_they_are_known():
     with attnprobe.capture(m, modules=[m], layers=[1]) as cap:  # layer 1 exists only once the module ran
         m(x, ctx)
     assert [(r.layer, r.kind) for r in cap] == [(1, "cross")]
-    with pytest.raises(attnprobe.SelectionError, match="layer 2 is out of range.*1 found before the run, 1 while it ran"):
+    with pytest.raises(
+        attnprobe.SelectionError, match="layer 2 is out of range.*1 found before the run, 1 while it ran"
+    ):
         with attnprobe.capture(m, modules=[m], layers=[2]):
             m(x, ctx)
     assert leftovers(m) == []

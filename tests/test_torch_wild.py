@@ -4,19 +4,29 @@ recomputed here from the module's own weights, independently of attnprobe and of
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-
-import attnprobe
 from torch_helpers import leftovers
 from wild_models import (
-    AlibiAttention, BloomStyleAlibi, CachedCausalSelfAttention, CausalSelfAttention, DecoderBlock, EinsumAttention, FoldedHeadsAttention,
-    GroupedQueryAttention, LlamaReferenceAttention, MultiHeadedAttention, RelativeBiasAttention, T5StyleAttention,
+    AlibiAttention,
+    BloomStyleAlibi,
+    CachedCausalSelfAttention,
+    CausalSelfAttention,
+    DecoderBlock,
+    EinsumAttention,
+    FoldedHeadsAttention,
+    GroupedQueryAttention,
+    LlamaReferenceAttention,
+    MultiHeadedAttention,
+    RelativeBiasAttention,
+    T5StyleAttention,
     VitAttention,
-    alibi_slopes, llama_mask, subsequent_mask,
+    alibi_slopes,
+    llama_mask,
+    subsequent_mask,
 )
+
+import attnprobe
 
 B, T, S, D, H, HD = 2, 6, 5, 16, 4, 4
 ALL = frozenset({"q", "k", "v", "scores", "weights", "output", "allowed"})
@@ -59,10 +69,21 @@ def expect(rec, q, k, v, scale, allowed, *, bias=None, causal, kind="self", atol
     if bias is not None:
         scores = scores + bias
     weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    for name, want in (("q", q), ("k", k), ("v", v), ("scores", scores), ("weights", weights),
-                       ("output", weights @ v_full)):
-        torch.testing.assert_close(getattr(rec, name), want.expand_as(getattr(rec, name)), rtol=0, atol=atol,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    for name, want in (
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("scores", scores),
+        ("weights", weights),
+        ("output", weights @ v_full),
+    ):
+        torch.testing.assert_close(
+            getattr(rec, name),
+            want.expand_as(getattr(rec, name)),
+            rtol=0,
+            atol=atol,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
         assert getattr(rec, name).shape == want.shape, name
     assert torch.equal(rec.allowed_for_heads(), allowed.expand(B, q.shape[1], *allowed.shape[-2:]))
 
@@ -83,7 +104,7 @@ def test_nanogpt_causal_self_attention(mode, masking):
     model = build(CausalSelfAttention, masking=masking)
     (rec,) = run(model, X, **MODES[mode](model))
     q, k, v = (heads_of(t) for t in model.c_attn(X).split(D, dim=2))
-    expect(rec, q, k, v, HD ** -0.5, TRIL, causal=True)
+    expect(rec, q, k, v, HD**-0.5, TRIL, causal=True)
     assert errors(run(model, X, **MODES[mode](model)), causal=True) == []
 
 
@@ -103,7 +124,7 @@ def test_nanogpt_with_a_kv_cache_is_self_attention_at_an_offset(mode):
     (rec,) = cap
     q, k, v = (heads_of(t) for t in model.c_attn(X).split(D, dim=2))
     # the two new queries at positions 4 and 5 against all six keys: the last two rows of the causal mask
-    expect(rec, q[:, :, 4:], k, v, HD ** -0.5, TRIL[4:], causal=True)
+    expect(rec, q[:, :, 4:], k, v, HD**-0.5, TRIL[4:], causal=True)
     assert rec.meta["kind_from"] == "sources" and rec.query_offset == 4
     assert errors(cap, causal=True, attention_mask=torch.ones(B, T)) == []
 
@@ -122,7 +143,7 @@ def test_nanogpt_flash_branch(mode):
     (rec,) = run(model, X, **({} if mode == "default" else MODES[mode](model)))
     assert rec.backend == "sdpa"
     q, k, v = (heads_of(t) for t in model.c_attn(X).split(D, dim=2))
-    expect(rec, q, k, v, HD ** -0.5, TRIL, causal=True)
+    expect(rec, q, k, v, HD**-0.5, TRIL, causal=True)
     slow = build(CausalSelfAttention)  # the same weights, the softmax branch: the same attention
     (twin,) = run(slow, X, modules=[slow])
     torch.testing.assert_close(rec.weights, twin.weights, rtol=0, atol=1e-6)
@@ -137,7 +158,7 @@ def test_timm_vit_attention(mode, qk_norm):
     cap = run(model, X, **MODES[mode](model))
     q, k, v = (heads_of(t) for t in model.qkv(X).split(D, dim=-1))
     q, k = model.q_norm(q), model.k_norm(k)  # qk-norm is part of q and k: the record's q is what meets k
-    expect(cap[0], q, k, v, HD ** -0.5, torch.ones(T, T, dtype=torch.bool), causal=False)
+    expect(cap[0], q, k, v, HD**-0.5, torch.ones(T, T, dtype=torch.bool), causal=False)
     assert cap[0].meta["kind_from"] == "sources"
     assert errors(cap, causal=False) == [] and lints(cap) == []
 
@@ -154,7 +175,7 @@ def test_timm_vit_fused_attn(mode):
     model = build(VitAttention, fused_attn=True)
     (rec,) = run(model, X, **({} if mode == "default" else MODES[mode](model)))
     q, k, v = (heads_of(t) for t in model.qkv(X).split(D, dim=-1))
-    expect(rec, q, k, v, HD ** -0.5, torch.ones(T, T, dtype=torch.bool), causal=False)
+    expect(rec, q, k, v, HD**-0.5, torch.ones(T, T, dtype=torch.bool), causal=False)
 
 
 # ------------------------------------------------------------------------------------------------ 3 Annotated Transformer
@@ -167,7 +188,7 @@ def test_annotated_transformer_attention_function(mode, masking):
     cap = run(model, X, X, X, mask, **MODES[mode](model))
     q, k, v = (heads_of(lin(X)) for lin in model.linears[:3])
     allowed = mask[:, None].expand(B, 1, T, T)
-    expect(cap[0], q, k, v, HD ** -0.5, allowed, causal=masking == "subsequent")
+    expect(cap[0], q, k, v, HD**-0.5, allowed, causal=masking == "subsequent")
     torch.testing.assert_close(cap[0].weights, model.attn, rtol=0, atol=0)  # the module keeps its own p_attn
     assert errors(cap, causal=masking == "subsequent", attention_mask=PADDING) == []
 
@@ -184,7 +205,7 @@ def test_einsum_attention(mode):
     model = build(EinsumAttention)
     cap = run(model, X, **MODES[mode](model))
     q, k, v = (heads_of(f(X)) for f in (model.to_q, model.to_k, model.to_v))
-    expect(cap[0], q, k, v, HD ** -0.5, torch.ones(T, T, dtype=torch.bool), causal=False)
+    expect(cap[0], q, k, v, HD**-0.5, torch.ones(T, T, dtype=torch.bool), causal=False)
     assert errors(cap, causal=False) == [] and lints(cap) == []
 
 
@@ -197,13 +218,14 @@ def test_einsum_softmax_over_queries_is_caught():
 
 # ------------------------------------------------------------------------------------------------ 5 MQA / GQA
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("repeat, kv_heads", [("interleave", 2), ("expand", 2), ("expand", 1), ("expand_one", 1),
-                                             ("grouped", 2)])
+@pytest.mark.parametrize(
+    "repeat, kv_heads", [("interleave", 2), ("expand", 2), ("expand", 1), ("expand_one", 1), ("grouped", 2)]
+)
 def test_grouped_query_attention_keeps_the_kv_heads(mode, repeat, kv_heads):
     model = build(GroupedQueryAttention, kv_heads=kv_heads, repeat=repeat)
     cap = run(model, X, **MODES[mode](model))
     q, k, v = heads_of(model.wq(X)), heads_of(model.wk(X), kv_heads), heads_of(model.wv(X), kv_heads)
-    expect(cap[0], q, k, v, HD ** -0.5, TRIL, causal=True)
+    expect(cap[0], q, k, v, HD**-0.5, TRIL, causal=True)
     assert errors(cap, causal=True) == []
 
 
@@ -215,7 +237,7 @@ def test_alibi_bias_is_part_of_the_scores_and_the_inf_mask_is_the_mask(mode):
     q, k, v = (heads_of(t) for t in model.qkv(X).split(D, dim=-1))
     pos = torch.arange(T, dtype=torch.float)
     bias = alibi_slopes(H)[:, None, None] * (pos[None, :] - pos[:, None])
-    expect(cap[0], q, k, v, HD ** -0.5, TRIL, bias=bias, causal=True)
+    expect(cap[0], q, k, v, HD**-0.5, TRIL, bias=bias, causal=True)
     assert errors(cap, causal=True) == []
 
 
@@ -233,7 +255,7 @@ def test_relative_position_bias_table(mode):
     q, k, v = (heads_of(t) for t in model.qkv(X).split(D, dim=-1))
     i = torch.arange(T)
     bias = model.relative_position_bias_table[(i[:, None] - i[None, :]) + 7].permute(2, 0, 1)  # (H, T, T)
-    expect(cap[0], q, k, v, HD ** -0.5, torch.ones(T, T, dtype=torch.bool), bias=bias.detach(), causal=False)
+    expect(cap[0], q, k, v, HD**-0.5, torch.ones(T, T, dtype=torch.bool), bias=bias.detach(), causal=False)
     assert errors(cap, causal=False) == []
 
 
@@ -246,12 +268,19 @@ def test_decoder_block_self_and_cross_attention(mode):
     assert [(r.layer, r.call, r.kind) for r in cap] == [(0, 0, "self"), (1, 0, "cross")]
     sa, ca = model.self_attn, model.cross_attn
     h = model.ln1(X)
-    expect(cap[0], heads_of(sa.q_proj(h)), heads_of(sa.k_proj(h)), heads_of(sa.v_proj(h)), HD ** -0.5, TRIL,
-           causal=True)
+    expect(cap[0], heads_of(sa.q_proj(h)), heads_of(sa.k_proj(h)), heads_of(sa.v_proj(h)), HD**-0.5, TRIL, causal=True)
     x1 = model.ln2(X + sa(h, h, TRIL))
     allowed = MEMORY_MASK.bool()[:, None, None, :].expand(B, 1, T, S)
-    expect(cap[1], heads_of(ca.q_proj(x1)), heads_of(ca.k_proj(MEMORY)), heads_of(ca.v_proj(MEMORY)), HD ** -0.5,
-           allowed, causal=False, kind="cross")
+    expect(
+        cap[1],
+        heads_of(ca.q_proj(x1)),
+        heads_of(ca.k_proj(MEMORY)),
+        heads_of(ca.v_proj(MEMORY)),
+        HD**-0.5,
+        allowed,
+        causal=False,
+        kind="cross",
+    )
     assert errors(cap, causal={0: True}, attention_mask={1: MEMORY_MASK}) == []
 
 
@@ -270,7 +299,7 @@ def test_folded_heads_baddbmm_and_bmm(mode, scratch):
     model = build(FoldedHeadsAttention, scratch=scratch)
     cap = run(model, X, **MODES[mode](model))
     q, k, v = (heads_of(t) for t in model.c_attn(X).split(D, dim=-1))
-    expect(cap[0], q, k, v, HD ** -0.5, TRIL, causal=True)
+    expect(cap[0], q, k, v, HD**-0.5, TRIL, causal=True)
     assert errors(cap, causal=True) == []
 
 
@@ -287,7 +316,7 @@ def test_bloom_style_alibi_as_baddbmm_input_with_keyword_batches(mode):
     fused = model.query_key_value(X).view(B, T, H, 3, HD)
     q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))
     bias = (alibi_slopes(H)[:, None] * torch.arange(T)[None, :])[:, None, :]  # (H, 1, T)
-    expect(cap[0], q, k, v, HD ** -0.5, TRIL, bias=bias, causal=True)
+    expect(cap[0], q, k, v, HD**-0.5, TRIL, bias=bias, causal=True)
     assert errors(cap, causal=True) == []
 
 
@@ -309,7 +338,7 @@ def test_llama_reference_rotary_repeat_kv_and_additive_mask(mode):
     pos = torch.arange(T)
     q = rotary(heads_of(model.wq(X)), pos)
     k = rotary(heads_of(model.wk(X), 2), pos)
-    expect(cap[0], q, k, heads_of(model.wv(X), 2), HD ** -0.5, TRIL, causal=True, atol=1e-5)
+    expect(cap[0], q, k, heads_of(model.wv(X), 2), HD**-0.5, TRIL, causal=True, atol=1e-5)
     assert cap[0].meta["kind_from"] == "sources"  # followed through the complex rotary embedding
     assert errors(cap, causal=True) == []
 
@@ -343,7 +372,7 @@ def test_llama_reference_kv_cache_written_in_place(mode):
     q = rotary(heads_of(model.wq(X)), pos)[:, :, 4:5]
     k = rotary(heads_of(model.wk(X), 2), pos)[:, :, :5]
     allowed = torch.ones(1, 5, dtype=torch.bool)
-    expect(cap[0], q, k, heads_of(model.wv(X), 2)[:, :, :5], HD ** -0.5, allowed, causal=True, atol=1e-5)
+    expect(cap[0], q, k, heads_of(model.wv(X), 2)[:, :, :5], HD**-0.5, allowed, causal=True, atol=1e-5)
     assert cap[0].meta["kind_from"] == "sources" and cap[0].query_offset == 4
     assert errors(cap, causal=True, attention_mask=torch.ones(B, 5)) == []
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_helpers import build, inputs
 from torch import nn
 
 import attnprobe
 from attnprobe.probe.walk import ModuleWalk
-from hf_helpers import build, inputs
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "t5"])

@@ -169,8 +169,14 @@ class RawCrossAttention(nn.Module):
 class SdpaBlock(nn.Module):
     """Calls scaled_dot_product_attention under another name (``attend``); optional GQA, causal, scale."""
 
-    def __init__(self, d_model: int = D_MODEL, n_heads: int = N_HEADS, kv_heads: int | None = None,
-                 causal: bool = False, scale: float | None = None):
+    def __init__(
+        self,
+        d_model: int = D_MODEL,
+        n_heads: int = N_HEADS,
+        kv_heads: int | None = None,
+        causal: bool = False,
+        scale: float | None = None,
+    ):
         super().__init__()
         self.h, self.kvh, self.d = n_heads, kv_heads or n_heads, d_model // n_heads
         self.causal, self.scale = causal, scale

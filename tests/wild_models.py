@@ -37,8 +37,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         if self.flash:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
-                                               is_causal=True)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+            )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
             keep = self.bias[:, :, :T, :T] == (1 if self.bug == "mask_eq_1" else 0)
@@ -60,7 +61,7 @@ class VitAttention(nn.Module):
     def __init__(self, dim=D, num_heads=H, qk_norm=False, fused_attn=False, bug=None):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.fused_attn, self.bug = fused_attn, bug
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
         self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
@@ -149,7 +150,14 @@ class GroupedQueryAttention(nn.Module):
 
     def __init__(self, dim=D, heads=H, kv_heads=2, repeat="interleave", causal=True, bug=None):
         super().__init__()
-        self.h, self.kv, self.hd, self.repeat, self.causal, self.bug = heads, kv_heads, dim // heads, repeat, causal, bug
+        self.h, self.kv, self.hd, self.repeat, self.causal, self.bug = (
+            heads,
+            kv_heads,
+            dim // heads,
+            repeat,
+            causal,
+            bug,
+        )
         self.wq = nn.Linear(dim, heads * self.hd, bias=False)
         self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)
         self.wv = nn.Linear(dim, kv_heads * self.hd, bias=False)
@@ -202,7 +210,7 @@ class AlibiAttention(nn.Module):
         distance = pos[None, :] - pos[:, None]  # j - i, <= 0 for the past
         alibi = self.slopes[:, None, None] * distance[None]  # (H, T, T)
         causal = torch.full((T, T), float("-inf"), device=x.device).triu(1)
-        scores = q @ k.transpose(-2, -1) * self.hd ** -0.5
+        scores = q @ k.transpose(-2, -1) * self.hd**-0.5
         scores = scores + alibi if self.bug == "causal_mask_forgotten" else scores + alibi + causal
         w = F.softmax(scores, dim=-1)
         return (w @ v).transpose(1, 2).reshape(B, T, C)
@@ -222,7 +230,7 @@ class RelativeBiasAttention(nn.Module):
     def forward(self, x):
         B, N, C = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.h, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = (q * self.hd ** -0.5) @ k.transpose(-2, -1)
+        attn = (q * self.hd**-0.5) @ k.transpose(-2, -1)
         index = self.relative_position_index[:N, :N].reshape(-1)
         bias = self.relative_position_bias_table[index].view(N, N, -1).permute(2, 0, 1).contiguous()  # (H, N, N)
         attn = attn + bias.unsqueeze(0)
@@ -245,7 +253,7 @@ class Projected(nn.Module):
 
     def forward(self, x, memory, mask=None):
         q, k, v = self.split(self.q_proj(x)), self.split(self.k_proj(memory)), self.split(self.v_proj(memory))
-        scores = q @ k.transpose(-1, -2) / self.hd ** 0.5
+        scores = q @ k.transpose(-1, -2) / self.hd**0.5
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.softmax(scores, dim=-1) @ v
@@ -291,7 +299,7 @@ class FoldedHeadsAttention(nn.Module):
         empty = torch.empty(B * self.h, T, T, dtype=x.dtype)
         if self.scratch is not None:
             empty.fill_(self.scratch)
-        scores = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0, alpha=self.hd ** -0.5)
+        scores = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0, alpha=self.hd**-0.5)
         scores = scores.view(B, self.h, T, T)
         causal = self.bias[:T, :T] if self.bug != "mask_sliced_wrong" else self.bias[-T:, :T]
         scores = torch.where(causal, scores, torch.finfo(scores.dtype).min)
@@ -317,7 +325,7 @@ class BloomStyleAlibi(nn.Module):
         k = k.permute(0, 2, 3, 1).reshape(B * self.h, self.hd, T)
         v = v.transpose(1, 2).reshape(B * self.h, T, self.hd)
         alibi = (self.slopes[:, None] * torch.arange(T)[None, :]).repeat(B, 1)[:, None, :]  # (B*H, 1, T)
-        scores = alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=self.hd ** -0.5)
+        scores = alibi.baddbmm(batch1=q, batch2=k, beta=1.0, alpha=self.hd**-0.5)
         scores = scores.view(B, self.h, T, T)
         future = torch.ones(T, T, dtype=torch.bool).triu(1)
         scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
@@ -337,7 +345,9 @@ def apply_rotary_emb(xq, xk, freqs_cis):
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     freqs = freqs_cis[None, :, None, :]
-    return torch.view_as_real(xq_ * freqs).flatten(3).type_as(xq), torch.view_as_real(xk_ * freqs).flatten(3).type_as(xk)
+    return torch.view_as_real(xq_ * freqs).flatten(3).type_as(xq), torch.view_as_real(xk_ * freqs).flatten(3).type_as(
+        xk
+    )
 
 
 class LlamaReferenceAttention(nn.Module):
@@ -363,11 +373,11 @@ class LlamaReferenceAttention(nn.Module):
         xk = self.wk(x).view(bsz, seqlen, self.n_kv, self.hd)
         xv = self.wv(x).view(bsz, seqlen, self.n_kv, self.hd)
         first = start_pos or 0
-        xq, xk = apply_rotary_emb(xq, xk, self.freqs_cis[first:first + seqlen])
+        xq, xk = apply_rotary_emb(xq, xk, self.freqs_cis[first : first + seqlen])
         if start_pos is not None:
-            self.cache_k[:bsz, start_pos:start_pos + seqlen] = xk
-            self.cache_v[:bsz, start_pos:start_pos + seqlen] = xv
-            xk, xv = self.cache_k[:bsz, :start_pos + seqlen], self.cache_v[:bsz, :start_pos + seqlen]
+            self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
+            self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+            xk, xv = self.cache_k[:bsz, : start_pos + seqlen], self.cache_v[:bsz, : start_pos + seqlen]
         n_rep, tk = self.n_heads // self.n_kv, xk.shape[1]
         keys = xk[:, :, :, None, :].expand(bsz, tk, self.n_kv, n_rep, self.hd).reshape(bsz, tk, self.n_heads, self.hd)
         values = xv[:, :, :, None, :].expand(bsz, tk, self.n_kv, n_rep, self.hd).reshape(bsz, tk, self.n_heads, self.hd)

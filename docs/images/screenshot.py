@@ -17,8 +17,9 @@ SENTENCE = "The cat sat on the mat because it was tired."
 
 with tempfile.TemporaryDirectory() as folder:
     report = Path(folder) / "report.html"
-    subprocess.run([sys.executable, "-m", "attnprobe.cli", "report", "--text", SENTENCE, "--out", str(report), "-q"],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "attnprobe.cli", "report", "--text", SENTENCE, "--out", str(report), "-q"], check=True
+    )
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=os.environ.get("ATTNPROBE_CHROMIUM", "/usr/bin/chromium"))
         page = browser.new_page(viewport={"width": 1280, "height": 1150}, device_scale_factor=1)

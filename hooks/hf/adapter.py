@@ -20,9 +20,9 @@ import inspect
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -32,9 +32,9 @@ from ...probe.errors import UnsupportedModelError, warn_user
 from ...probe.selection import index_heads
 from ...probe.threads import elsewhere
 from ...probe.walk import walk_of
-from . import compat as hf_compat
 from ..base import Adapter, Lazy, Site
 from ..deliver import deliver, held, listen, number, value_of
+from . import compat as hf_compat
 from .context import KindProbe, Surroundings, head_counts, parents_of, static_kind
 from .recompute import MaskMemo, Recompute, kv_of_heads
 from .source import name_branches, record_dtype, softmax_dtype
@@ -57,7 +57,7 @@ _WARNED: set = set()
 #: tokens, two thirds of what the eager forward itself costs), so a module is judged once per process, not once per
 #: capture. Its plain attributes (numbers, flags, strings: the scaling, ``is_causal``, ``training``, GPT-2's scaling
 #: switches) are part of the key, so a function whose math follows one of them is judged again when it changes.
-_VERDICTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_VERDICTS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 # --------------------------------------------------------------------------------------- classes
@@ -177,8 +177,15 @@ def _call_payload(fn, q, k, v, mask, args: tuple, kwargs: dict, result) -> tuple
     out = result[0] if isinstance(result, tuple) and result else None
     weights = result[1] if isinstance(result, tuple) and len(result) > 1 else None
     given = sum(1 << i for i, name in enumerate(_NUMBER_ARGS + _TENSOR_ARGS) if kwargs.get(name) is not None)
-    tensors = [q, k, v, mask, out if isinstance(out, torch.Tensor) else None,
-               weights if isinstance(weights, torch.Tensor) else None, *(kwargs.get(n) for n in _TENSOR_ARGS)]
+    tensors = [
+        q,
+        k,
+        v,
+        mask,
+        out if isinstance(out, torch.Tensor) else None,
+        weights if isinstance(weights, torch.Tensor) else None,
+        *(kwargs.get(n) for n in _TENSOR_ARGS),
+    ]
     return tensors, [*(number(kwargs.get(n)) for n in _NUMBER_ARGS), float(given)]
 
 
@@ -281,9 +288,15 @@ def _check_mask(mask, base: str, *, batch: int, heads: int, q_len: int, k_len: i
     """Refuse, by name, a mask from a user's own mask function that is not a (query, key) mask."""
     if mask is None:
         return
-    readable = (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] in (1, batch)
-                and mask.shape[1] in (1, heads) and mask.shape[2] in (1, q_len) and mask.shape[3] >= k_len
-                and (mask.dtype == torch.bool or mask.dtype.is_floating_point))
+    readable = (
+        isinstance(mask, torch.Tensor)
+        and mask.dim() == 4
+        and mask.shape[0] in (1, batch)
+        and mask.shape[1] in (1, heads)
+        and mask.shape[2] in (1, q_len)
+        and mask.shape[3] >= k_len
+        and (mask.dtype == torch.bool or mask.dtype.is_floating_point)
+    )
     if not readable:
         fn = hf_compat.mask_registry().get(base)
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else None
@@ -388,7 +401,7 @@ class _Call:
     kwargs: dict  # the keyword arguments the record reads, those that were given
 
     @classmethod
-    def read(cls, tensors: list, numbers: list) -> "_Call":
+    def read(cls, tensors: list, numbers: list) -> _Call:
         q, k, v, mask, out, weights, *extra = tensors
         given = int(numbers[-1])
         names = _NUMBER_ARGS + _TENSOR_ARGS
@@ -441,8 +454,9 @@ class _Where:
 class _Recorder:
     """Turns the calls of one selected module into records for one capture session."""
 
-    def __init__(self, session, site: Site, base: str, surroundings: Surroundings, masks: MaskMemo,
-                 stack: ExitStack) -> None:
+    def __init__(
+        self, session, site: Site, base: str, surroundings: Surroundings, masks: MaskMemo, stack: ExitStack
+    ) -> None:
         module = site.module
         self.masks = masks
         self.session, self.site, self.base = session, site, base
@@ -527,7 +541,7 @@ class _Recorder:
             meta=self._meta(call, semantics, where, dtype),
         )
 
-    def _semantics(self, call: "_Call") -> "_Semantics":
+    def _semantics(self, call: _Call) -> _Semantics:
         """What the backend was asked to compute: scaling, causality, dropout, bias, softcap, sinks, window."""
         module, base, kwargs = self.module, self.base, call.kwargs
         scaling = kwargs.get("scaling")
@@ -548,7 +562,7 @@ class _Recorder:
             sliding_window=int(sliding) if sliding is not None and float(sliding).is_integer() else None,
         )
 
-    def _mask_info(self, call: "_Call", semantics: "_Semantics"):
+    def _mask_info(self, call: _Call, semantics: _Semantics):
         """The mask as the softmax saw it (shared by the layers that received the same mask); None for a statistics
         capture, which reads the mask block by block, never whole."""
         mask, q_len = call.mask, call.q_len
@@ -557,14 +571,15 @@ class _Recorder:
         if self.session.stats_only:
             return None
         implicit_causal = self._implicit_causal(call, semantics)
-        return self.masks.get(mask, batch=call.batch, q_len=q_len, k_len=call.k_len, implicit_causal=implicit_causal,
-                              device=call.q.device)
+        return self.masks.get(
+            mask, batch=call.batch, q_len=q_len, k_len=call.k_len, implicit_causal=implicit_causal, device=call.q.device
+        )
 
-    def _implicit_causal(self, call: "_Call", semantics: "_Semantics") -> bool:
+    def _implicit_causal(self, call: _Call, semantics: _Semantics) -> bool:
         """sdpa's is_causal with no mask (aligned to the upper left)."""
         return self.style != "eager" and bool(semantics.is_causal) and call.mask is None and call.q_len > 1
 
-    def _position(self, call: "_Call") -> "_Where":
+    def _position(self, call: _Call) -> _Where:
         """Where the call sits: self or cross, generation step, position of the first query, padded query rows."""
         state = self.state
         kind = self.kind or self.kind_probe.kind
@@ -575,15 +590,19 @@ class _Recorder:
             offset = max(call.k_len - call.q_len, 0) if kind == "self" else 0
         return _Where(kind, step, offset, query_padding)
 
-    def _observed(self, call: "_Call", semantics: "_Semantics"):
+    def _observed(self, call: _Call, semantics: _Semantics):
         """The weights the function returned, when they are the softmax's (not sdpa's None, not after dropout)."""
         observed = call.weights
-        if (self.base != "sdpa" and semantics.dropout == 0.0 and observed is not None
-                and tuple(observed.shape) == (call.batch, call.heads, call.q_len, call.k_len)):
+        if (
+            self.base != "sdpa"
+            and semantics.dropout == 0.0
+            and observed is not None
+            and tuple(observed.shape) == (call.batch, call.heads, call.q_len, call.k_len)
+        ):
             return observed
         return None
 
-    def _tensors(self, call: "_Call", semantics: "_Semantics", mask_info, observed) -> tuple[dict, set, str]:
+    def _tensors(self, call: _Call, semantics: _Semantics, mask_info, observed) -> tuple[dict, set, str]:
         """The record's scores / weights / output (recomputed lazily where not observed), what was identified,
         and where the weights come from."""
         site, wants, q = self.site, self.session.wants, call.q
@@ -596,11 +615,20 @@ class _Recorder:
             mask = call.mask
             keep_q = self._q_shared(call)
             rec = Recompute(
-                q, call.k, mask_info, heads=site.heads, kv_heads=self._kv_of_heads, scaling=semantics.scaling,
-                additive=self.style == "eager" or semantics.position_bias is not None
+                q,
+                call.k,
+                mask_info,
+                heads=site.heads,
+                kv_heads=self._kv_of_heads,
+                scaling=semantics.scaling,
+                additive=self.style == "eager"
+                or semantics.position_bias is not None
                 or (mask is not None and mask.dtype.is_floating_point),
-                position_bias=semantics.position_bias, softcap=semantics.softcap, sinks=semantics.sinks,
-                scores_wanted=wants(site, "scores"), keep_q=keep_q,
+                position_bias=semantics.position_bias,
+                softcap=semantics.softcap,
+                sinks=semantics.sinks,
+                scores_wanted=wants(site, "scores"),
+                keep_q=keep_q,
             )
             if keep_q:
                 values["q"] = Lazy((call.batch, len(site.heads), call.q_len, q.shape[-1]), q.dtype, rec.kept_q)
@@ -611,18 +639,30 @@ class _Recorder:
                 values["weights"] = Lazy(rec.shape, q.dtype, rec.weights)
                 weights_source = "recomputed"
         out = call.out
-        output = (out.transpose(1, 2) if out is not None and out.dim() == 4
-                  and tuple(out.shape[:3]) == (call.batch, call.q_len, call.heads) else None)
+        output = (
+            out.transpose(1, 2)
+            if out is not None and out.dim() == 4 and tuple(out.shape[:3]) == (call.batch, call.q_len, call.heads)
+            else None
+        )
         if self.recomputable and wants(site, "stats"):
             if self._kv_of_heads is None:
                 self._kv_of_heads = kv_of_heads(site.heads, call.heads, call.kv_heads)
             mask = call.mask
             values["stats"] = AttentionCall.for_heads(
-                q, call.k, call.v, heads=site.heads, kv_heads=self._kv_of_heads,
-                mask=None if mask is None else mask[..., :call.k_len], causal=self._implicit_causal(call, semantics),
-                bias=semantics.position_bias, softcap=semantics.softcap, sinks=semantics.sinks, output=output,
+                q,
+                call.k,
+                call.v,
+                heads=site.heads,
+                kv_heads=self._kv_of_heads,
+                mask=None if mask is None else mask[..., : call.k_len],
+                causal=self._implicit_causal(call, semantics),
+                bias=semantics.position_bias,
+                softcap=semantics.softcap,
+                sinks=semantics.sinks,
+                output=output,
                 scaling=semantics.scaling,
-                additive=self.style == "eager" or semantics.position_bias is not None
+                additive=self.style == "eager"
+                or semantics.position_bias is not None
                 or (mask is not None and mask.dtype.is_floating_point),
             )
         if observed is not None:
@@ -637,31 +677,43 @@ class _Recorder:
             identified.add("output")
         return values, identified, weights_source
 
-    def _observed_weights(self, observed: torch.Tensor, call: "_Call"):
+    def _observed_weights(self, observed: torch.Tensor, call: _Call):
         """The weights the function returned, as the record takes them: the function's own tensor (a ``Lazy`` that
         hands it over) where nothing but the model's caller can still reach it, else the tensor, which the record
         copies. Kept as it is when every head is selected, it is a whole tensor of its own (not a view, not an
         inference tensor) and autograd does not hold it (no grad): what ``output_attentions`` returns, the same
         tensor. A copy at 1 x 1,024 tokens cost a tenth of an eager layer. Delivered by a compiled graph, it is one
         of the graph's buffers: ``held`` copies it then."""
-        if (observed.requires_grad or observed.is_inference() or observed._is_view() or not observed.is_contiguous()
-                or self.site.heads != tuple(range(call.heads))
-                or observed.untyped_storage().nbytes() != observed.numel() * observed.element_size()):
+        if (
+            observed.requires_grad
+            or observed.is_inference()
+            or observed._is_view()
+            or not observed.is_contiguous()
+            or self.site.heads != tuple(range(call.heads))
+            or observed.untyped_storage().nbytes() != observed.numel() * observed.element_size()
+        ):
             return observed
         return Lazy(tuple(observed.shape), observed.dtype, lambda: held(observed))
 
-    def _q_shared(self, call: "_Call") -> bool:
+    def _q_shared(self, call: _Call) -> bool:
         """Whether the record keeps q as the very copy the recompute's product reads (``Recompute.inputs``): q kept,
         stored as it is (same device and dtype, the compute dtype), no statistics. Written once, not twice."""
         site, sel, q = self.site, self.session.selection, call.q
-        return (self.session.wants(site, "q") and not self.session.wants(site, "stats")
-                and q.dtype == torch.promote_types(q.dtype, torch.float32) and sel.device == q.device
-                and sel.dtype in (None, q.dtype))
+        return (
+            self.session.wants(site, "q")
+            and not self.session.wants(site, "stats")
+            and q.dtype == torch.promote_types(q.dtype, torch.float32)
+            and sel.device == q.device
+            and sel.dtype in (None, q.dtype)
+        )
 
-    def _meta(self, call: "_Call", semantics: "_Semantics", where: "_Where", dtype: torch.dtype) -> dict:
+    def _meta(self, call: _Call, semantics: _Semantics, where: _Where, dtype: torch.dtype) -> dict:
         meta, state, module = self.meta, self.state, self.module
         if where.kind == "self" and where.step is not None and call.k_len < where.offset + call.q_len:
-            meta = {**meta, "first_key_pos": where.offset + call.q_len - call.k_len}  # a sliding-window cache dropped keys
+            meta = {
+                **meta,
+                "first_key_pos": where.offset + call.q_len - call.k_len,
+            }  # a sliding-window cache dropped keys
         if state is not None:
             meta = state.generation_meta(meta)
         if semantics.scaling != getattr(module, "scaling", semantics.scaling):
@@ -686,9 +738,14 @@ class _Recorder:
         if observed is None:
             return True  # dropout active: nothing to compare with; the formula is the standard one
         mask = rec.mask
-        key = (self._fn, frozenset(n for n, val in kwargs.items() if val is not None),
-               None if mask is None else mask.dtype, observed.dtype, self.site.heads,
-               tuple((n, val) for n, val in vars(self.module).items() if type(val) in (bool, int, float, str)))
+        key = (
+            self._fn,
+            frozenset(n for n, val in kwargs.items() if val is not None),
+            None if mask is None else mask.dtype,
+            observed.dtype,
+            self.site.heads,
+            tuple((n, val) for n, val in vars(self.module).items() if type(val) in (bool, int, float, str)),
+        )
         verdicts = _VERDICTS.setdefault(self.module, {})
         verdict = verdicts.get(key)
         if verdict is None:
@@ -771,7 +828,8 @@ class HuggingFaceAdapter(Adapter):
                 f"{type(model).__name__}: {len(old_style)} attention module(s) without the attention interface "
                 f"({', '.join(sorted({type(s.module).__name__ for s in old_style}))}) give attnprobe only their "
                 f"weights (through output_attentions), which keep={sorted(session.selection.keep)} leaves out: they "
-                "are not recorded. Add 'weights' to keep= to record them")
+                "are not recorded. Add 'weights' to keep= to record them"
+            )
             for site in old_style:
                 site.selected = False  # not captured (the session's end-of-capture warnings count them out)
         elif old_style:

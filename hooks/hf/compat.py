@@ -54,7 +54,7 @@ from ...probe.errors import warn_user
 _WARNED: set = set()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def version() -> str:
     """The installed transformers release, e.g. ``"5.24.0"``."""
     import transformers
@@ -62,7 +62,7 @@ def version() -> str:
     return str(getattr(transformers, "__version__", "unknown"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def version_tuple() -> tuple[int, ...]:
     parts = []
     for piece in version().split(".")[:3]:
@@ -78,7 +78,8 @@ def warn_unrecognised(key, what: str) -> None:
     _WARNED.add(key)
     warn_user(
         f"transformers {version()}: {what}. This release may have changed something attnprobe relies on "
-        "(see attnprobe/hooks/hf_compat.py); please report it with your transformers version")
+        "(see attnprobe/hooks/hf_compat.py); please report it with your transformers version"
+    )
 
 
 # ------------------------------------------------------------------------------- generation cache (9, 10)

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import inspect
 from contextlib import ExitStack
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import nn
 
 from ...probe.threads import current, elsewhere
 from ...probe.walk import walk_of
-from . import compat as hf_compat
 from ..deliver import deliver, listen, number
+from . import compat as hf_compat
 
 INPUT_NAMES = ("input_ids", "inputs_embeds", "input_features", "pixel_values", "input_values", "decoder_input_ids")
 CROSS_NAMES = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
@@ -30,16 +30,14 @@ HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
-@lru_cache(maxsize=None)
+@cache
 def forward_params(cls: type) -> dict[str, int]:
     """Parameter name -> positional index (after ``self``) of ``cls.forward``; {} when unknown."""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return {}
-    return {
-        p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1) for i, p in enumerate(params)
-    }
+    return {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1) for i, p in enumerate(params)}
 
 
 def argument(params: dict[str, int], name: str, args: tuple, kwargs: dict):
@@ -85,7 +83,7 @@ def head_counts(module: nn.Module) -> tuple[int | None, int | None]:
 
 
 def static_kind(module: nn.Module) -> str | None:
-    """"self" or "cross" when the module always does the same; None when each call must tell."""
+    """ "self" or "cross" when the module always does the same; None when each call must tell."""
     flag = getattr(module, "is_cross_attention", None)
     if isinstance(flag, bool):
         return "cross" if flag else "self"
@@ -175,10 +173,16 @@ class StackState:
             if cache is None:
                 unknown = next((v for v in (*kwargs.values(), *args) if hf_compat.looks_like_cache(v)), None)
             compiling = torch.compiler.is_compiling()  # a compiled graph hands over tensors only
-            deliver(token, "before",
-                    [mask if isinstance(mask, torch.Tensor) else None,
-                     None if compiling else cache, None if compiling else unknown],
-                    [number(_built_mask(mask)), number(cache is not None), number(unknown is not None)])
+            deliver(
+                token,
+                "before",
+                [
+                    mask if isinstance(mask, torch.Tensor) else None,
+                    None if compiling else cache,
+                    None if compiling else unknown,
+                ],
+                [number(_built_mask(mask)), number(cache is not None), number(unknown is not None)],
+            )
 
         def after(module, args, output):
             deliver(token, "after", [], [])
@@ -226,7 +230,7 @@ class StackState:
                     ("cache", kind),
                     f"{self._name}.forward received a {kind}, which attnprobe does not recognise "
                     "as a generation cache (no transformers.cache_utils.Cache): generation steps are not recorded "
-                    "(records have step=None) and query positions are read from the key and query lengths"
+                    "(records have step=None) and query positions are read from the key and query lengths",
                 )
                 self.position = None  # the queries are the last positions of the keys
 
@@ -293,10 +297,10 @@ class StackState:
         if p is None or p.shape[0] != batch:
             return None
         if self.position is None:  # a cache that cannot say its length: the queries are the last positions
-            return p[:, p.shape[1] - q_len:] if p.shape[1] >= q_len else None
+            return p[:, p.shape[1] - q_len :] if p.shape[1] >= q_len else None
         if p.shape[1] != self.position + q_len:
             return None
-        return p[:, self.position:]
+        return p[:, self.position :]
 
 
 class Surroundings:
@@ -321,7 +325,7 @@ class Surroundings:
         return None
 
     def part_of(self, module: nn.Module) -> str | None:
-        """"encoder" or "decoder" inside an encoder-decoder model, else None."""
+        """ "encoder" or "decoder" inside an encoder-decoder model, else None."""
         if id(module) in self._encoder_ids:
             return "encoder"
         if id(module) in self._decoder_ids:
@@ -343,7 +347,7 @@ def _encoder_decoder_ids(model: nn.Module, named: list | None = None) -> tuple[s
             continue
         try:
             enc = m.get_encoder()
-        except Exception:  # noqa: BLE001 - a best-effort label, never a reason to fail a capture
+        except Exception:
             continue
         if not isinstance(enc, nn.Module) or enc is m:
             continue

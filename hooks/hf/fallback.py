@@ -17,17 +17,25 @@ from torch import nn
 
 from ...probe.errors import UnsupportedModelError, warn_user
 from ...probe.threads import current, elsewhere
-from . import compat as hf_compat
 from ..functional import code_reaches_sdpa
+from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
 from .source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
 #: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
-_OWN_LAYOUT = frozenset({
-    "LongformerSelfAttention", "LEDEncoderSelfAttention", "BigBirdBlockSparseAttention", "LSHSelfAttention",
-    "LocalSelfAttention", "NeighborhoodAttention", "LongT5LocalAttention", "LongT5TransientGlobalAttention",
-})
+_OWN_LAYOUT = frozenset(
+    {
+        "LongformerSelfAttention",
+        "LEDEncoderSelfAttention",
+        "BigBirdBlockSparseAttention",
+        "LSHSelfAttention",
+        "LocalSelfAttention",
+        "NeighborhoodAttention",
+        "LongT5LocalAttention",
+        "LongT5TransientGlobalAttention",
+    }
+)
 #: Old-style modules that return their weights time-first, ``(query, key, batch, head)`` (XLNet's
 #: "ijbn"); the fallback permutes them to ``(batch, head, query, key)``. Their keys after a memory
 #: (XLNet's ``mems``) come after the remembered ones, so the first query sits at ``key - query``.
@@ -47,8 +55,9 @@ def _is_pretrained(module: nn.Module) -> bool:
     return isinstance(module, hf_compat.pretrained_model_class())
 
 
-def find_old_style(model: nn.Module, taken: set[int], parents: dict,
-                   named: list | None = None) -> list[tuple[str, nn.Module]]:
+def find_old_style(
+    model: nn.Module, taken: set[int], parents: dict, named: list | None = None
+) -> list[tuple[str, nn.Module]]:
     """Innermost ``*Attention*`` modules with a head count inside transformers models, outside ``taken``
     (the modules the attention interface or another adapter reads).
 
@@ -123,7 +132,7 @@ class _ForceAttentions:
     def _set(self, name: str, value, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         i = self.params.get(name, -1)
         if name not in kwargs and 0 <= i < len(args):
-            args = args[:i] + (value,) + args[i + 1:]
+            args = args[:i] + (value,) + args[i + 1 :]
         else:
             kwargs[name] = value
         return args, kwargs
@@ -239,8 +248,11 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
     for site in sites:
         # models that take output_attentions are asked for weights; modules of the others (xglm)
         # return their weights anyway, or fail with a clear error on their first call
-        owners = [m for m in ancestors(site.module, parents) if _is_pretrained(m)
-                  and "output_attentions" in forward_params(type(m))]
+        owners = [
+            m
+            for m in ancestors(site.module, parents)
+            if _is_pretrained(m) and "output_attentions" in forward_params(type(m))
+        ]
         if "Sdpa" in type(site.module).__name__:
             raise UnsupportedModelError(
                 f"attention module {site.name!r} ({type(site.module).__name__}, layer {site.layer}) is the sdpa "
@@ -270,7 +282,8 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
         f"falls back to output_attentions for {len(sites)} module(s) and records post-softmax weights only "
         f"(weights_source='output_attentions'). {', '.join(_MISSING)} are None because the model computes them "
         "inside its own forward, where no hook point exists; the model may also take its eager path to return "
-        "weights. The output you asked for is unchanged.")
+        "weights. The output you asked for is unchanged."
+    )
 
 
 def _refuse_if_path_changes(site, owners) -> None:
@@ -291,8 +304,11 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
     state = surroundings.stack_of(module)
     kind = static_kind(module)
     probe = KindProbe(module, stack) if kind is None else None
-    meta = {"module_class": type(module).__name__, "layer_idx": getattr(module, "layer_idx", None),
-            "base": "output_attentions"}
+    meta = {
+        "module_class": type(module).__name__,
+        "layer_idx": getattr(module, "layer_idx", None),
+        "base": "output_attentions",
+    }
     part = surroundings.part_of(module)
     if part is not None:
         meta["stack"] = part

@@ -76,8 +76,9 @@ class MaskInfo:
             if self.mask is None and bool(allowed.all()):
                 self._add[key] = None
             else:
-                self._add[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device
-                                             ).masked_fill_(~allowed, fill)
+                self._add[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                    ~allowed, fill
+                )
         return self._add[key]
 
     def float_mask(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor:
@@ -123,15 +124,21 @@ class MaskMemo:
         if isinstance(mask, torch.Tensor) and mask.is_inference():
             # inference tensors (torch.inference_mode) keep no version counter, so an in-place change
             # between two calls could not be seen: read such a mask afresh every call
-            return MaskInfo(mask, allowed_from(mask, batch=batch, q_len=q_len, k_len=k_len,
-                                               implicit_causal=implicit_causal, device=device))
+            return MaskInfo(
+                mask,
+                allowed_from(
+                    mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal, device=device
+                ),
+            )
         # the version counter catches a mask tensor changed in place between two calls
         key = (batch, q_len, k_len, implicit_causal, getattr(mask, "_version", None))
         for k, info in self._entries:
             if k == key and info.mask is mask:
                 return info
-        info = MaskInfo(mask, allowed_from(mask, batch=batch, q_len=q_len, k_len=k_len,
-                                           implicit_causal=implicit_causal, device=device))
+        info = MaskInfo(
+            mask,
+            allowed_from(mask, batch=batch, q_len=q_len, k_len=k_len, implicit_causal=implicit_causal, device=device),
+        )
         self._entries = [(key, info)] + self._entries[: self.size - 1]
         return info
 
@@ -148,8 +155,23 @@ class Recompute:
     (a record keeps them without another copy); ``weights`` never changes what ``scores`` returned.
     """
 
-    def __init__(self, q, k, mask_info: MaskInfo, *, heads, kv_heads, scaling, additive, position_bias=None,
-                 softcap=None, sinks=None, out_dtype=None, scores_wanted=True, keep_q=False):
+    def __init__(
+        self,
+        q,
+        k,
+        mask_info: MaskInfo,
+        *,
+        heads,
+        kv_heads,
+        scaling,
+        additive,
+        position_bias=None,
+        softcap=None,
+        sinks=None,
+        out_dtype=None,
+        scores_wanted=True,
+        keep_q=False,
+    ):
         self.q, self.k, self.info, self.mask = q, k, mask_info, mask_info.mask
         self.heads, self.kv_heads = heads, kv_heads
         self.scaling, self.additive = scaling, additive
@@ -236,10 +258,12 @@ class Recompute:
                 # (query, key) tensor made here. Otherwise the masked logits are the one new tensor, and the
                 # softmax is written into it. (Each op gives the same numbers in place as out of place.)
                 own = not self.scores_wanted or (
-                    self._scores is not None and self._scores is not logits
+                    self._scores is not None
+                    and self._scores is not logits
                     # (logits + add in place keeps the logits' dtype: under autocast the product is bfloat16 and
                     # the sum must stay float32, as it is out of place)
-                    and (add is None or torch.result_type(logits, add) == logits.dtype))
+                    and (add is None or torch.result_type(logits, add) == logits.dtype)
+                )
                 if own:
                     self._logits = None
                     z = logits if add is None else logits.add_(add)

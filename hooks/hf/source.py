@@ -8,8 +8,8 @@ from __future__ import annotations
 import inspect
 import re
 import sys
-from functools import lru_cache
-from typing import Callable
+from collections.abc import Callable
+from functools import cache
 
 import torch
 
@@ -17,7 +17,7 @@ _SOFTMAX_DTYPE = re.compile(r"softmax\([^\n]*dtype=torch\.(float32|float16|bfloa
 _SOFTMAX_FLOAT = re.compile(r"softmax\([^\n,]*\.float\(\)")
 
 
-@lru_cache(maxsize=None)
+@cache
 def softmax_dtype(fn: Callable) -> torch.dtype | None:
     """The dtype an attention function's own softmax runs in: ``softmax(..., dtype=torch.float32)``
     or ``softmax(x.float(), ...)``; None when its source does not say."""
@@ -47,7 +47,7 @@ _HANDLED = 'using_eager = self.config._attn_implementation == "eager"'  # GPT-2'
 _DISPATCH = '_attn_implementation != "eager":'
 
 
-@lru_cache(maxsize=None)
+@cache
 def name_branches(module_name: str) -> tuple[str, ...]:
     """Lines of a modeling file that compare the implementation *name* with "sdpa" or "eager".
 

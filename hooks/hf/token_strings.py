@@ -14,14 +14,18 @@ def _as_lists(ids, what: str = "token ids"):
     """A tensor or numpy array of ids as nested lists of ints; anything else unchanged."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() not in (1, 2) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise AttnprobeError(f"{what} must be an integer tensor (batch, position) or (position,), got "
-                                 f"{ids.dtype} of shape {tuple(ids.shape)}")
+            raise AttnprobeError(
+                f"{what} must be an integer tensor (batch, position) or (position,), got "
+                f"{ids.dtype} of shape {tuple(ids.shape)}"
+            )
         return ids.tolist()
     dtype = getattr(ids, "dtype", None)
     if getattr(dtype, "kind", None) is not None and hasattr(ids, "ndim") and hasattr(ids, "tolist"):  # numpy
         if ids.ndim not in (0, 1, 2) or dtype.kind not in "iu":
-            raise AttnprobeError(f"{what} must be an integer array (batch, position) or (position,), got "
-                                 f"{dtype} of shape {tuple(ids.shape)}")
+            raise AttnprobeError(
+                f"{what} must be an integer array (batch, position) or (position,), got "
+                f"{dtype} of shape {tuple(ids.shape)}"
+            )
         return ids.tolist()
     return ids
 

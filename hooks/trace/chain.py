@@ -21,8 +21,8 @@ from torch import nn
 
 from ...probe.checks import lint as lint_rules
 from ..masks import MASKED_AT, is_masking_value
-from .recorder import PRODUCT_OPS, Node, format_location, reaches_product
 from .ops import einsum_operands
+from .recorder import PRODUCT_OPS, Node, format_location, reaches_product
 
 _MAX_STEPS = 32
 
@@ -121,7 +121,11 @@ def _additive_chain_step(node: Node) -> ChainStep | None:
 def _masked_fill_step(node: Node) -> ChainStep | None:
     p = node.params
     scores, mask = p.get("input"), p.get("mask")
-    if not isinstance(scores, torch.Tensor) or not isinstance(mask, torch.Tensor) or not is_masking_value(p.get("value")):
+    if (
+        not isinstance(scores, torch.Tensor)
+        or not isinstance(mask, torch.Tensor)
+        or not is_masking_value(p.get("value"))
+    ):
         return None
     inp = node.before if node.before is not None else scores  # masked_fill_ overwrote the scores
     return ChainStep("mask", node, inp, node.parent_of(scores), allowed=~mask.detach().bool())
@@ -147,7 +151,11 @@ def _where_step(node: Node) -> ChainStep | None:
         return None
     cond = cond.detach().bool()
     for chain, fill, allowed in ((a, b, cond), (b, a, ~cond)):
-        if isinstance(chain, torch.Tensor) and chain.is_floating_point() and reaches_product(chain, node.parent_of(chain)):
+        if (
+            isinstance(chain, torch.Tensor)
+            and chain.is_floating_point()
+            and reaches_product(chain, node.parent_of(chain))
+        ):
             if is_masking_value(fill) or (isinstance(fill, torch.Tensor) and bool((fill <= MASKED_AT).all())):
                 inp = node.before if node.before is not None and chain is a else chain  # where(..., out=scores)
                 return ChainStep("mask", node, inp, node.parent_of(chain), allowed=allowed)
@@ -165,13 +173,22 @@ def chain_step(node: Node, out: torch.Tensor) -> ChainStep | None:
         if isinstance(src, torch.Tensor) and src.shape[-1:] == out.shape[-1:] and _query_rows(src) == _query_rows(out):
             return ChainStep("relayout", node, src, node.parent_of(src))
         return None
-    readers = {"mul": _scale_step, "div": _scale_step, "add": _additive_chain_step, "sub": _additive_chain_step,
-               "masked_fill": _masked_fill_step, "setitem": _setitem_step, "where": _where_step}
+    readers = {
+        "mul": _scale_step,
+        "div": _scale_step,
+        "add": _additive_chain_step,
+        "sub": _additive_chain_step,
+        "masked_fill": _masked_fill_step,
+        "setitem": _setitem_step,
+        "where": _where_step,
+    }
     reader = readers.get(op)
     return reader(node) if reader is not None else None
 
 
-def strip(t: torch.Tensor, parent: Node | None, transposes: bool = False) -> tuple[torch.Tensor, Node | None, float, int]:
+def strip(
+    t: torch.Tensor, parent: Node | None, transposes: bool = False
+) -> tuple[torch.Tensor, Node | None, float, int]:
     """Walk back through casts, scaling by a number and (optionally) swaps of the last two axes.
 
     Returns (tensor, its producer, product of the scale factors, number of last-two swaps).
@@ -277,8 +294,12 @@ def unrepeated_heads(t: torch.Tensor, parent: Node | None) -> tuple[torch.Tensor
         elif op == "expand" and src.dim() == nd and src.shape[axis] == 1:
             base, base_parent = src, parent.parent_of(src)  # one key/value head for all (multi-query)
             break
-        elif op == "reshape" and src.dim() == nd + 1 and src.shape[:axis] == t.shape[:axis] \
-                and src.shape[axis + 2:] == t.shape[axis + 1:]:
+        elif (
+            op == "reshape"
+            and src.dim() == nd + 1
+            and src.shape[:axis] == t.shape[:axis]
+            and src.shape[axis + 2 :] == t.shape[axis + 1 :]
+        ):
             expand = parent.parent_of(src)  # (…, KV, n, …) merged into (…, KV * n, …): n made by expand?
             if expand is None or expand.op != "expand" or not isinstance(expand.input, torch.Tensor):
                 return None
@@ -340,8 +361,12 @@ def _reshapes_nothing(node: Node) -> bool:
     """Whether a child-module call keeps its input's shape and has no matrix parameter (a norm, ``Identity``,
     dropout): it transforms q or k in place rather than projecting them from a source."""
     module = node.module
-    return (isinstance(module, nn.Module) and isinstance(node.out, torch.Tensor) and node.inputs[0].shape == node.out.shape
-            and all(p.dim() <= 1 for p in module.parameters()))
+    return (
+        isinstance(module, nn.Module)
+        and isinstance(node.out, torch.Tensor)
+        and node.inputs[0].shape == node.out.shape
+        and all(p.dim() <= 1 for p in module.parameters())
+    )
 
 
 def permuted(t: torch.Tensor, letters: str, order: str) -> torch.Tensor:
@@ -419,7 +444,7 @@ def _einsum_product(node: Node) -> Product | None:
     lead = [c for c in so if c in sa and c in sb]
     own = [c for c in so if c not in lead]
     contracted = [c for c in sa if c in sb and c not in so]
-    if len(contracted) != 1 or so[-len(own):] != "".join(own) or len(own) not in (1, 2):
+    if len(contracted) != 1 or so[-len(own) :] != "".join(own) or len(own) not in (1, 2):
         return None
     d, kl = contracted[0], own[-1]
     ql = own[0] if len(own) == 2 else ""  # "" for a query vector: "d,td->t", "bhd,bhtd->bht"
@@ -437,15 +462,25 @@ def _column_product(node: Node, out: torch.Tensor) -> tuple[Product, Node] | Non
     """Scores of query vectors made as a column, then squeezed: ``torch.bmm(keys, query.unsqueeze(2)).squeeze(2)``,
     ``(K @ q[..., None]).squeeze(-1)`` (Luong's dot attention): the product with its node, else None."""
     src = node.input
-    if node.op != "reshape" or not isinstance(src, torch.Tensor) or src.dim() < 2 or src.shape[-1] != 1 \
-            or src.shape[:-1] != out.shape:
+    if (
+        node.op != "reshape"
+        or not isinstance(src, torch.Tensor)
+        or src.dim() < 2
+        or src.shape[-1] != 1
+        or src.shape[:-1] != out.shape
+    ):
         return None
     product = node.parent_of(src)
     if product is None or product.op != "matmul":
         return None
     a, b = product.params.get("input"), product.params.get("other")
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2 \
-            or b.shape[-1] != 1:
+    if (
+        not isinstance(a, torch.Tensor)
+        or not isinstance(b, torch.Tensor)
+        or a.dim() < 2
+        or b.dim() < 2
+        or b.shape[-1] != 1
+    ):
         return None
     q, qp, fq, _ = strip(b, product.parent_of(b))
     k, kp, fk = _keys(a, product, transposed=False)
@@ -456,7 +491,9 @@ def scores_product(node: Node, out: torch.Tensor) -> Product | None:
     """Q and K of the product ``node`` that made the scores ``out``, None when its form is not read."""
     if node.op == "matmul":
         return _matmul_product(node, out)
-    if node.op == "baddbmm":  # baddbmm(input, batch1, batch2), also input.baddbmm(batch1=..., batch2=...) as Bloom calls it
+    if (
+        node.op == "baddbmm"
+    ):  # baddbmm(input, batch1, batch2), also input.baddbmm(batch1=..., batch2=...) as Bloom calls it
         return _baddbmm_product(node)
     if node.op == "einsum":
         return _einsum_product(node)
@@ -486,15 +523,19 @@ def read_scores_chain(softmax: Node, x: torch.Tensor) -> ScoresChain:
     chain = ScoresChain()
     for _ in range(_MAX_STEPS):
         if parent is None:
-            chain.lost = (f"the scores reach softmax at {format_location(softmax.where)} from outside the traced calls"
-                          if not steps else f"the scores entering {steps[-1].node.name} at "
-                          f"{format_location(steps[-1].node.where)} were made outside the traced calls")
+            chain.lost = (
+                f"the scores reach softmax at {format_location(softmax.where)} from outside the traced calls"
+                if not steps
+                else f"the scores entering {steps[-1].node.name} at "
+                f"{format_location(steps[-1].node.where)} were made outside the traced calls"
+            )
             break
         if parent.op in PRODUCT_OPS:
             product = scores_product(parent, t)
             if product is None:
-                chain.lost = f"{parent.name} at {format_location(parent.where)} is a product attnprobe cannot read " \
-                             "as q @ k^T"
+                chain.lost = (
+                    f"{parent.name} at {format_location(parent.where)} is a product attnprobe cannot read as q @ k^T"
+                )
             else:
                 chain.product, chain.product_node = product, parent
             break

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ...probe.checks import lint as lint_rules
-from .recorder import Node, Scope, format_location
 from .chain import chain_step
+from .recorder import Node, Scope, format_location
 
 #: Calls that keep the values of the attention output and only lay them out anew, on the way to the head merge.
 _LAYOUT_OPS = frozenset({"permute", "pass", "reshape"})
@@ -21,8 +21,10 @@ def head_merge_lint(out_node: Node, out: torch.Tensor, axes: list[list[tuple[str
     """
     node, t = out_node, out
     for _ in range(8):
-        nxt = next((c for c in node.consumers
-                    if c.input is t and isinstance(c.out, torch.Tensor) and c.op in _LAYOUT_OPS), None)
+        nxt = next(
+            (c for c in node.consumers if c.input is t and isinstance(c.out, torch.Tensor) and c.op in _LAYOUT_OPS),
+            None,
+        )
         if nxt is None:
             return None
         if nxt.op == "permute":
@@ -61,9 +63,12 @@ def unused_masks(scope: Scope, chain: set[int], returned: set[int]) -> list[tupl
         if step is None or step.kind != "mask" or step.parent is None or id(step.parent) not in chain:
             continue
         name = n.name
-        found.append((
-            lint_rules.LINT_UNUSED_MASK,
-            f"the result of {name}(...) at {format_location(n.where)} is never used, so its mask is not applied to the "
-            f"scores; assign it (scores = scores.{name}(...))" + (" or use masked_fill_" if n.op == "masked_fill" else ""),
-        ))
+        found.append(
+            (
+                lint_rules.LINT_UNUSED_MASK,
+                f"the result of {name}(...) at {format_location(n.where)} is never used, so its mask is not applied to the "
+                f"scores; assign it (scores = scores.{name}(...))"
+                + (" or use masked_fill_" if n.op == "masked_fill" else ""),
+            )
+        )
     return found

@@ -77,10 +77,19 @@ _SIGNATURES: dict = {}
 INPLACE_OPS: dict = {}
 
 
-def _op(op: str, positional: tuple[str, ...], *funcs, varargs=None, renamed=None, defaults=None,
-        reflected: bool = False, inplace: bool = False) -> None:
-    sig = Signature(op, positional, varargs, tuple((renamed or {}).items()), tuple((defaults or {}).items()),
-                    reflected, inplace)
+def _op(
+    op: str,
+    positional: tuple[str, ...],
+    *funcs,
+    varargs=None,
+    renamed=None,
+    defaults=None,
+    reflected: bool = False,
+    inplace: bool = False,
+) -> None:
+    sig = Signature(
+        op, positional, varargs, tuple((renamed or {}).items()), tuple((defaults or {}).items()), reflected, inplace
+    )
     for f in funcs:
         if f is not None:
             _SIGNATURES[f] = sig
@@ -110,16 +119,39 @@ def _build_table() -> None:
     # a release hands them over as they are
     _op("mul", binary, _T.mul_, g(_T, "multiply_", None), g(_T, "__imul__", None), inplace=True)
     div = ("input", "other", "rounding_mode")
-    _op("div", div, torch.div, _T.div, _T.__truediv__, g(torch, "divide", None), g(_T, "divide", None),
-        torch.true_divide, _T.true_divide, defaults={"rounding_mode": None})
+    _op(
+        "div",
+        div,
+        torch.div,
+        _T.div,
+        _T.__truediv__,
+        g(torch, "divide", None),
+        g(_T, "divide", None),
+        torch.true_divide,
+        _T.true_divide,
+        defaults={"rounding_mode": None},
+    )
     _op("div", div, _T.__rtruediv__, g(_T, "__rdiv__", None), reflected=True, defaults={"rounding_mode": None})
-    _op("div", div, _T.div_, g(_T, "divide_", None), g(_T, "true_divide_", None), g(_T, "__itruediv__", None),
-        g(_T, "__idiv__", None), defaults={"rounding_mode": None}, inplace=True)
+    _op(
+        "div",
+        div,
+        _T.div_,
+        g(_T, "divide_", None),
+        g(_T, "true_divide_", None),
+        g(_T, "__itruediv__", None),
+        g(_T, "__idiv__", None),
+        defaults={"rounding_mode": None},
+        inplace=True,
+    )
     additive = ("input", "other", "alpha")
     for name, funcs, reflected, inplace in (
         ("add", (torch.add, _T.add, _T.__add__), None, (_T.add_, g(_T, "__iadd__", None))),
-        ("sub", (torch.sub, _T.sub, _T.__sub__, g(torch, "subtract", None), g(_T, "subtract", None)), _T.__rsub__,
-         (_T.sub_, g(_T, "subtract_", None), g(_T, "__isub__", None))),
+        (
+            "sub",
+            (torch.sub, _T.sub, _T.__sub__, g(torch, "subtract", None), g(_T, "subtract", None)),
+            _T.__rsub__,
+            (_T.sub_, g(_T, "subtract_", None), g(_T, "__isub__", None)),
+        ),
     ):
         _op(name, additive, *funcs, defaults={"alpha": 1})
         _op(name, additive, *inplace, defaults={"alpha": 1}, inplace=True)
@@ -134,32 +166,99 @@ def _build_table() -> None:
     _op("setitem", ("input", "index", "value"), _T.__setitem__, inplace=True)
     _op("getitem", ("input", "index"), _T.__getitem__)
 
-    _op("transpose", ("input", "dim0", "dim1"), torch.transpose, _T.transpose, g(torch, "swapdims", None),
-        g(_T, "swapdims", None))
-    _op("transpose", ("input", "dim0", "dim1"), g(torch, "swapaxes", None), g(_T, "swapaxes", None),
-        renamed={"axis0": "dim0", "axis1": "dim1"})
+    _op(
+        "transpose",
+        ("input", "dim0", "dim1"),
+        torch.transpose,
+        _T.transpose,
+        g(torch, "swapdims", None),
+        g(_T, "swapdims", None),
+    )
+    _op(
+        "transpose",
+        ("input", "dim0", "dim1"),
+        g(torch, "swapaxes", None),
+        g(_T, "swapaxes", None),
+        renamed={"axis0": "dim0", "axis1": "dim1"},
+    )
     _op("permute", ("input", "dims"), torch.permute, _T.permute, varargs="dims")
-    _op("movedim", ("input", "source", "destination"), torch.movedim, _T.movedim, g(torch, "moveaxis", None),
-        g(_T, "moveaxis", None))
+    _op(
+        "movedim",
+        ("input", "source", "destination"),
+        torch.movedim,
+        _T.movedim,
+        g(torch, "moveaxis", None),
+        g(_T, "moveaxis", None),
+    )
 
     # ops read by their input alone (the shape they give comes from their output): the other arguments are kept
     # as they came in "args"
     shaping = ("input", "args")
-    _op("reshape", shaping, _T.view, _T.reshape, torch.reshape, _T.flatten, torch.flatten, _T.unflatten,
-        torch.unflatten, _T.view_as, _T.reshape_as, _T.squeeze, _T.unsqueeze, torch.squeeze, torch.unsqueeze,
-        varargs="args")
-    _op("pass", shaping, _T.contiguous, _T.float, _T.half, _T.double, _T.bfloat16, _T.to, _T.type_as, _T.clone,
-        torch.clone, _T.type, varargs="args")
-    _op("split", shaping, _T.chunk, torch.chunk, _T.split, torch.split, _T.unbind, torch.unbind, _T.tensor_split,
-        torch.tensor_split, varargs="args")
+    _op(
+        "reshape",
+        shaping,
+        _T.view,
+        _T.reshape,
+        torch.reshape,
+        _T.flatten,
+        torch.flatten,
+        _T.unflatten,
+        torch.unflatten,
+        _T.view_as,
+        _T.reshape_as,
+        _T.squeeze,
+        _T.unsqueeze,
+        torch.squeeze,
+        torch.unsqueeze,
+        varargs="args",
+    )
+    _op(
+        "pass",
+        shaping,
+        _T.contiguous,
+        _T.float,
+        _T.half,
+        _T.double,
+        _T.bfloat16,
+        _T.to,
+        _T.type_as,
+        _T.clone,
+        torch.clone,
+        _T.type,
+        varargs="args",
+    )
+    _op(
+        "split",
+        shaping,
+        _T.chunk,
+        torch.chunk,
+        _T.split,
+        torch.split,
+        _T.unbind,
+        torch.unbind,
+        _T.tensor_split,
+        torch.tensor_split,
+        varargs="args",
+    )
     _op("expand", shaping, _T.expand, _T.expand_as, varargs="args")
     _op("tile", shaping, _T.repeat, g(torch, "tile", None), g(_T, "tile", None), varargs="args")
     _op("dropout", ("input", "p", "training", "inplace"), F.dropout, defaults={"p": 0.5, "training": True})
     _op("dropout", ("input", "p", "training"), torch.dropout, renamed={"train": "training"})
-    _op("cat", ("tensors", "dim"), torch.cat, g(torch, "concat", None), g(torch, "concatenate", None),
-        defaults={"dim": 0})
-    _op("repeat_interleave", ("input", "repeats", "dim"), _T.repeat_interleave, torch.repeat_interleave,
-        defaults={"dim": None})
+    _op(
+        "cat",
+        ("tensors", "dim"),
+        torch.cat,
+        g(torch, "concat", None),
+        g(torch, "concatenate", None),
+        defaults={"dim": 0},
+    )
+    _op(
+        "repeat_interleave",
+        ("input", "repeats", "dim"),
+        _T.repeat_interleave,
+        torch.repeat_interleave,
+        defaults={"dim": None},
+    )
 
 
 _build_table()

@@ -29,10 +29,10 @@ from torch import nn
 
 from ...probe.checks import lint as lint_rules
 from ..masks import compress_heads, forbids_future
-from .recorder import Node, Scope, format_location
 from .chain import ScoresChain, permuted, read_scores_chain, source, unfolded_heads, unrepeated_heads
 from .mistakes import head_merge_lint, unused_masks
 from .ops import einsum_operands
+from .recorder import Node, Scope, format_location
 
 #: Fields a traced record normally identifies; a Finding missing one says why (``Finding.missing``).
 EXPECTED = ("q", "k", "v", "output", "allowed")
@@ -66,7 +66,9 @@ class Finding:
 
     @property
     def identified(self) -> frozenset[str]:
-        return frozenset(f for f in ("q", "k", "v", "scores", "weights", "output", "allowed") if getattr(self, f) is not None)
+        return frozenset(
+            f for f in ("q", "k", "v", "scores", "weights", "output", "allowed") if getattr(self, f) is not None
+        )
 
 
 # ------------------------------------------------------------------------------------------- layout
@@ -81,7 +83,7 @@ class ScoresLayout:
     grouped: bool = False  # (batch, kv_head, group, query, key): query head = kv_head * group
 
     @classmethod
-    def of(cls, x: torch.Tensor, chain: ScoresChain) -> "ScoresLayout":
+    def of(cls, x: torch.Tensor, chain: ScoresChain) -> ScoresLayout:
         product = chain.product
         vector = x.dim() == 1 or (product is not None and product.vector and x.dim() == chain.start.dim())
         layout = cls(x.unsqueeze(-2).shape if vector else x.shape, vector)
@@ -89,11 +91,18 @@ class ScoresLayout:
             return layout
         if layout.lead == 1:
             n = layout.shape[0]
-            layout.unfold = unfolded_heads(product.q, product.q_parent, n) or unfolded_heads(product.k, product.k_parent, n)
+            layout.unfold = unfolded_heads(product.q, product.q_parent, n) or unfolded_heads(
+                product.k, product.k_parent, n
+            )
         # grouped-query attention kept grouped: q (B, KV, G, T, D) against k (B, KV, 1, T, D) broadcast over the group
         q = product.q_rows
-        layout.grouped = (layout.lead == 3 and q.dim() == 5 and product.k.dim() == 5 and product.k.shape[2] == 1
-                          and q.shape[2] == layout.shape[2] > 1)
+        layout.grouped = (
+            layout.lead == 3
+            and q.dim() == 5
+            and product.k.dim() == 5
+            and product.k.shape[2] == 1
+            and q.shape[2] == layout.shape[2] > 1
+        )
         return layout
 
     @property
@@ -143,8 +152,10 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
         return None
     chain = read_scores_chain(softmax, x)
     if chain.product is not None and chain.product.vector and x.dim() != chain.start.dim():
-        chain.lost = (f"the scores of one query vector from {chain.product_node.name} at "
-                      f"{format_location(chain.product_node.where)} are reshaped on their way to softmax")
+        chain.lost = (
+            f"the scores of one query vector from {chain.product_node.name} at "
+            f"{format_location(chain.product_node.where)} are reshaped on their way to softmax"
+        )
         chain.product = chain.product_node = None
     layout = ScoresLayout.of(x, chain)
     finding = _read_scores(scope, softmax, x, w, chain, layout)
@@ -159,8 +170,9 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     return finding
 
 
-def _read_scores(scope: Scope, softmax: Node, x: torch.Tensor, w: torch.Tensor, chain: ScoresChain,
-                 layout: ScoresLayout) -> Finding:
+def _read_scores(
+    scope: Scope, softmax: Node, x: torch.Tensor, w: torch.Tensor, chain: ScoresChain, layout: ScoresLayout
+) -> Finding:
     """The finding's weights (as observed), scores (before the first mask) and ``allowed`` (the masks on the way)."""
     with torch.no_grad():
         scores, allowed = _scores_before_masks(x, chain), _allowed(x, chain)
@@ -177,12 +189,15 @@ def _read_scores(scope: Scope, softmax: Node, x: torch.Tensor, w: torch.Tensor, 
     finding.meta["softmax_at"] = format_location(softmax.where)
     shape = layout.shape
     if layout.lead > 2 and not layout.grouped:
-        finding.meta["folded"] = (f"scores of shape {tuple(shape)}: axis 1 read as the heads, the axes "
-                                  f"{tuple(shape[2:-2])} after it folded into the batch axis "
-                                  f"(batch = {shape[0]} x {math.prod(shape[2:-2])})")
+        finding.meta["folded"] = (
+            f"scores of shape {tuple(shape)}: axis 1 read as the heads, the axes "
+            f"{tuple(shape[2:-2])} after it folded into the batch axis "
+            f"(batch = {shape[0]} x {math.prod(shape[2:-2])})"
+        )
     if layout.vector:
-        finding.meta["query_vector"] = (f"scores of shape {tuple(x.shape)} without a query axis: one query vector, "
-                                        "recorded as one query row")
+        finding.meta["query_vector"] = (
+            f"scores of shape {tuple(x.shape)} without a query axis: one query vector, recorded as one query row"
+        )
     if allowed is not None:
         finding.allowed = compress_heads(layout.record(layout.rows(allowed)))
     return finding
@@ -242,12 +257,14 @@ def _lint_softmax_axis(finding: Finding, softmax: Node, x: torch.Tensor) -> None
     dim = _softmax_dim(softmax, nd)
     if dim != nd - 1:
         axis = "query axis" if dim == nd - 2 else f"axis {dim}"
-        finding.lints.append((
-            lint_rules.LINT_SOFTMAX_AXIS,
-            f"softmax at {format_location(softmax.where)} normalizes over dim={dim} (the {axis}) of scores shaped "
-            f"{tuple(x.shape)}, but the keys are on dim={nd - 1}: each query's weights must sum to 1 over the keys "
-            "(use dim=-1)",
-        ))
+        finding.lints.append(
+            (
+                lint_rules.LINT_SOFTMAX_AXIS,
+                f"softmax at {format_location(softmax.where)} normalizes over dim={dim} (the {axis}) of scores shaped "
+                f"{tuple(x.shape)}, but the keys are on dim={nd - 1}: each query's weights must sum to 1 over the keys "
+                "(use dim=-1)",
+            )
+        )
 
 
 def _read_queries_and_keys(finding: Finding, chain: ScoresChain, layout: ScoresLayout) -> None:
@@ -263,8 +280,10 @@ def _read_queries_and_keys(finding: Finding, chain: ScoresChain, layout: ScoresL
         k = k.expand(q.shape[0], *k.shape[1:])
     finding.q = q
     if k.shape[1] not in (q.shape[1], 1) and q.shape[1] % k.shape[1]:
-        finding.missing["k"] = (f"keys with {k.shape[1]} heads do not divide the {q.shape[1]} query heads "
-                                f"(k {tuple(k.shape)}, q {tuple(q.shape)})")
+        finding.missing["k"] = (
+            f"keys with {k.shape[1]} heads do not divide the {q.shape[1]} query heads "
+            f"(k {tuple(k.shape)}, q {tuple(q.shape)})"
+        )
         return
     finding.k = k
     finding.kv_heads = k.shape[1]
@@ -322,9 +341,9 @@ def _value_product(softmax: Node, weights: torch.Tensor, vector: bool) -> _Value
                     continue
                 if vec and c.op == "reshape" and c.out.shape == (*t.shape[:-1], 1, t.shape[-1]):
                     following.append((c, c.out, False))  # w.unsqueeze(1) for torch.bmm(w.unsqueeze(1), values)
-                elif c.op == "reshape" and c.out.shape[-2:] == t.shape[-2:]:  # (B, H, T, T) viewed (B*H, T, T) for bmm
-                    following.append((c, c.out, vec))
-                elif c.op == "pass":
+                elif (
+                    c.op == "reshape" and c.out.shape[-2:] == t.shape[-2:]
+                ) or c.op == "pass":  # (B, H, T, T) viewed (B*H, T, T) for bmm
                     following.append((c, c.out, vec))
                 elif c.op == "dropout":
                     dropout = float(c.params.get("p", 0.5)) if c.params.get("training", True) else dropout
@@ -342,8 +361,13 @@ def _as_value_product(c: Node, t: torch.Tensor, vector: bool, dropout: float) ->
     if c.op == "matmul" and c.input is t and isinstance(c.params.get("other"), torch.Tensor):
         v = c.params["other"]
         return _ValueProduct(c, v, c.out, None, dropout) if v.dim() >= 2 else None
-    if c.op == "matmul" and c.params.get("other") is t and t.dim() == 1 and isinstance(c.input, torch.Tensor) \
-            and c.input.dim() >= 2:  # V^T @ w, torch.mv(V.T, w): the same as w @ V for one query vector
+    if (
+        c.op == "matmul"
+        and c.params.get("other") is t
+        and t.dim() == 1
+        and isinstance(c.input, torch.Tensor)
+        and c.input.dim() >= 2
+    ):  # V^T @ w, torch.mv(V.T, w): the same as w @ V for one query vector
         return _ValueProduct(c, c.input.transpose(-2, -1), c.out, None, dropout)
     if c.op != "einsum":
         return None
@@ -364,8 +388,9 @@ def _as_value_product(c: Node, t: torch.Tensor, vector: bool, dropout: float) ->
     return _ValueProduct(c, v, permuted(c.out, so, order), (so, order), dropout)
 
 
-def _read_values(finding: Finding, scope: Scope, softmax: Node, w: torch.Tensor, chain: ScoresChain,
-                 layout: ScoresLayout) -> set[int]:
+def _read_values(
+    finding: Finding, scope: Scope, softmax: Node, w: torch.Tensor, chain: ScoresChain, layout: ScoresLayout
+) -> set[int]:
     """V, the output and the dropout applied to the weights; the lints on the way (same tensor as keys and values,
     heads merged wrongly). Returns the ids of the nodes read (the product with V)."""
     if chain.product is None:  # v and output are read once q and k are: the reason is the scores' (chain.lost)
@@ -384,15 +409,19 @@ def _read_values(finding: Finding, scope: Scope, softmax: Node, w: torch.Tensor,
     if out.dim() == len(layout.shape):
         finding.output = layout.record(out.detach())
     else:
-        finding.missing["output"] = (f"the output of {found.node.name} at {format_location(found.node.where)} has "
-                                     f"shape {tuple(found.out.shape)}, not laid out like the weights {tuple(w.shape)}")
+        finding.missing["output"] = (
+            f"the output of {found.node.name} at {format_location(found.node.where)} has "
+            f"shape {tuple(found.out.shape)}, not laid out like the weights {tuple(w.shape)}"
+        )
     # keys computed in the call and used again as values (weights @ K); keys taken as they came in (an encoder's
     # outputs in Luong or Bahdanau attention, attention pooling) are keys and values by design
     if finding.k is not None and chain.product.k_parent is not None and _same_tensor(finding.k, finding.v):
-        finding.lints.append((
-            lint_rules.LINT_SAME_KV,
-            "the same tensor is used as keys and as values (weights @ K): values need their own projection",
-        ))
+        finding.lints.append(
+            (
+                lint_rules.LINT_SAME_KV,
+                "the same tensor is used as keys and as values (weights @ K): values need their own projection",
+            )
+        )
     lint = _lint_head_merge(finding, found, layout)
     if lint is not None:
         finding.lints.append(lint)
@@ -460,8 +489,10 @@ def _unfollowed_weights(softmax: Node) -> str:
     if not uses:
         return f"the weights of softmax at {at} are not used by a traced call"
     described = ", ".join(f"{c.name}(...) at {format_location(c.where)}" for c in uses[:3])
-    return f"the weights of softmax at {at} do not reach a product with values through calls attnprobe reads " \
-           f"(used by {described})"
+    return (
+        f"the weights of softmax at {at} do not reach a product with values through calls attnprobe reads "
+        f"(used by {described})"
+    )
 
 
 def _explain_missing(finding: Finding, chain: ScoresChain, softmax: Node) -> None:

@@ -102,8 +102,20 @@ class Node:
     ``params``: the call's arguments by canonical name (``trace_ops.py``); ``inputs``: every tensor it was given
     (``out=`` excluded), with ``parents`` their producers in this scope (None: made outside it)."""
 
-    __slots__ = ("op", "func", "params", "inplace", "inputs", "parents", "out", "consumers", "where", "module",
-                 "index", "before")
+    __slots__ = (
+        "before",
+        "consumers",
+        "func",
+        "index",
+        "inplace",
+        "inputs",
+        "module",
+        "op",
+        "out",
+        "params",
+        "parents",
+        "where",
+    )
 
     def __init__(self, call: Call, func, inputs, parents, out, module=None, index=None):
         self.op, self.func, self.params, self.inplace = call.op, func, call.params, call.inplace
@@ -125,7 +137,7 @@ class Node:
             return type(self.module).__name__
         return getattr(self.func, "__name__", None) or self.op
 
-    def parent_of(self, t: torch.Tensor) -> "Node | None":
+    def parent_of(self, t: torch.Tensor) -> Node | None:
         for x, p in zip(self.inputs, self.parents):
             if x is t:
                 return p
@@ -138,7 +150,7 @@ class Node:
 class Scope:
     """What one module call did, while it runs."""
 
-    __slots__ = ("module", "traced", "nodes", "producer", "softmaxes", "findings")
+    __slots__ = ("findings", "module", "nodes", "producer", "softmaxes", "traced")
 
     def __init__(self, module: nn.Module, traced: bool) -> None:
         self.module, self.traced = module, traced
@@ -227,7 +239,9 @@ class Tracer:
         if call.out is not None:
             out = call.out
         if not isinstance(out, torch.Tensor) and not (
-            isinstance(out, (tuple, list)) and not isinstance(out, torch.Size) and any(isinstance(x, torch.Tensor) for x in out)
+            isinstance(out, (tuple, list))
+            and not isinstance(out, torch.Size)
+            and any(isinstance(x, torch.Tensor) for x in out)
         ):
             return
         inputs = _tensors_in(args) + _tensors_in(v for k, v in kwargs.items() if k != "out")

@@ -29,8 +29,13 @@ import torch
 from ..errors import AttnprobeError
 
 THRESHOLDS: Mapping[str, float] = {"previous": 0.5, "first": 0.5, "self": 0.5, "broad": 0.9, "induction": 0.4}
-SCORES: Mapping[str, str] = {"previous": "previous_mass", "first": "first_key_mass", "self": "diagonal_mass",
-                             "broad": "entropy_ratio", "induction": "induction"}
+SCORES: Mapping[str, str] = {
+    "previous": "previous_mass",
+    "first": "first_key_mass",
+    "self": "diagonal_mass",
+    "broad": "entropy_ratio",
+    "induction": "induction",
+}
 
 
 class ClassifyError(AttnprobeError, ValueError):
@@ -52,8 +57,9 @@ def head_means(cap) -> list[dict]:
         if not stats:
             raise ClassifyError(f"{rec.name} has no statistics: capture with keep=('stats',) (or scan a data set)")
         real = rec.stats_real_rows  # every query row the statistics describe, less padding
-        values = {name: stats[name].detach().double().cpu() for name in ("previous_mass", "first_key_mass",
-                                                                         "diagonal_mass")}
+        values = {
+            name: stats[name].detach().double().cpu() for name in ("previous_mass", "first_key_mass", "diagonal_mass")
+        }
         values["entropy_ratio"] = entropy_ratio(stats["entropy"].detach().cpu(), stats["allowed_keys"].cpu())
         for h, head in enumerate(rec.heads):
             row = {"layer": rec.layer, "head": int(head), "module": rec.name}
@@ -63,14 +69,24 @@ def head_means(cap) -> list[dict]:
     return rows
 
 
-def induction_scores(capture: Callable, model, *, vocab_size: int | None = None, length: int = 24, batch: int = 8,
-                     seed: int = 0, layers=None, heads=None) -> dict[tuple[int, int], float]:
+def induction_scores(
+    capture: Callable,
+    model,
+    *,
+    vocab_size: int | None = None,
+    length: int = 24,
+    batch: int = 8,
+    seed: int = 0,
+    layers=None,
+    heads=None,
+) -> dict[tuple[int, int], float]:
     """(layer, head) -> mean weight from each query of the second copy of a random token sequence to the
     key just after its token's first occurrence (the induction target), over ``batch`` sequences."""
     vocab = vocab_size or getattr(getattr(model, "config", None), "vocab_size", None)
     if not vocab:
-        raise ClassifyError("the induction probe draws random tokens: give vocab_size= (the model has no "
-                            "config.vocab_size)")
+        raise ClassifyError(
+            "the induction probe draws random tokens: give vocab_size= (the model has no config.vocab_size)"
+        )
     if length < 2 or 2 * length > 100_000:
         raise ClassifyError(f"length must be between 2 and 50000 tokens, not {length}")
     generator = torch.Generator().manual_seed(seed)
@@ -96,8 +112,16 @@ def induction_scores(capture: Callable, model, *, vocab_size: int | None = None,
     return scores
 
 
-def classify(source=None, *, capture: Callable | None = None, model=None, probe: str | None = None,
-             thresholds: Mapping[str, float] | None = None, vocab_size: int | None = None, seed: int = 0):
+def classify(
+    source=None,
+    *,
+    capture: Callable | None = None,
+    model=None,
+    probe: str | None = None,
+    thresholds: Mapping[str, float] | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+):
     """A DataFrame, one row per (layer, head): each label's score, and ``labels`` (those reaching their
     threshold, comma-separated). ``source``: a scan folder (``attnprobe.scan``) or a statistics capture.
     ``probe="induction"`` with ``model=`` adds the induction score (runs the model once on repeated
@@ -128,8 +152,9 @@ def classify(source=None, *, capture: Callable | None = None, model=None, probe:
     scored = [label for label in THRESHOLDS if SCORES[label] in frame.columns]
 
     def labels(row) -> str:
-        return ",".join(label for label in scored if not math.isnan(row[SCORES[label]])
-                        and row[SCORES[label]] >= limits[label])
+        return ",".join(
+            label for label in scored if not math.isnan(row[SCORES[label]]) and row[SCORES[label]] >= limits[label]
+        )
 
     frame = frame.sort_values(["layer", "head"]).reset_index(drop=True)
     frame["labels"] = frame.apply(labels, axis=1) if len(frame) else []

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from array import array
 import warnings
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,14 +35,29 @@ from torch import nn
 from ..errors import AttnprobeError, AttnprobeWarning, warn_user
 
 #: per-row statistics averaged over a call's real query rows
-MEANS = ("entropy", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass", "row_sum_error",
-         "max_score")
+MEANS = (
+    "entropy",
+    "max_weight",
+    "first_key_mass",
+    "diagonal_mass",
+    "previous_mass",
+    "masked_mass",
+    "row_sum_error",
+    "max_score",
+)
 #: row-level extremes: (column, statistic, how)
-EXTREMES = (("entropy_min", "entropy", "min"), ("max_weight_max", "max_weight", "max"),
-            ("max_score_max", "max_score", "max"))
+EXTREMES = (
+    ("entropy_min", "entropy", "min"),
+    ("max_weight_max", "max_weight", "max"),
+    ("max_score_max", "max_score", "max"),
+)
 #: alert name -> (history column, comparison, what it means)
 ALERTS = {
-    "entropy_below": ("entropy", "<", "the head's mean attention entropy (nats) fell below the threshold: entropy collapse"),
+    "entropy_below": (
+        "entropy",
+        "<",
+        "the head's mean attention entropy (nats) fell below the threshold: entropy collapse",
+    ),
     "max_score_above": ("max_score_max", ">", "the largest attention logit passed the threshold: logit growth"),
     "max_weight_above": ("max_weight_max", ">", "one key took more than this share of a row's weight"),
     "nonfinite": ("nonfinite_rows", ">", "a row had a NaN or infinite weight or logit"),
@@ -60,8 +75,9 @@ class History(Sequence):
     builds only the rows it names."""
 
     def __init__(self) -> None:
-        self._columns: dict[str, Any] = {c: [] if c == "module" else array("q" if c in _WHOLE else "d")
-                                         for c in COLUMNS}
+        self._columns: dict[str, Any] = {
+            c: [] if c == "module" else array("q" if c in _WHOLE else "d") for c in COLUMNS
+        }
         self._names: dict[str, str] = {}  # one string object per module name
 
     def append(self, row: Mapping[str, Any]) -> None:
@@ -89,8 +105,10 @@ class History(Sequence):
         import numpy as np
         import pandas as pd
 
-        data = {c: list(col) if c == "module" else np.array(col, dtype=np.int64 if c in _WHOLE else np.float64)
-                for c, col in self._columns.items()}
+        data = {
+            c: list(col) if c == "module" else np.array(col, dtype=np.int64 if c in _WHOLE else np.float64)
+            for c, col in self._columns.items()
+        }
         return pd.DataFrame(data, columns=list(COLUMNS))
 
 
@@ -120,22 +138,38 @@ def _alert_spec(alerts: Mapping[str, Any] | None) -> dict[str, float]:
 class Monitor:
     """See ``attnprobe.monitor``."""
 
-    def __init__(self, capture: Callable, model: nn.Module, *, every: int = 100, rows: int | None = 64, layers=None,
-                 heads=None,
-                 log_dir=None, alerts: Mapping[str, Any] | None = None, raise_on: Iterable[str] = (),
-                 block_bytes: int | None = None, writer=None, on_step: Callable | None = None):
+    def __init__(
+        self,
+        capture: Callable,
+        model: nn.Module,
+        *,
+        every: int = 100,
+        rows: int | None = 64,
+        layers=None,
+        heads=None,
+        log_dir=None,
+        alerts: Mapping[str, Any] | None = None,
+        raise_on: Iterable[str] = (),
+        block_bytes: int | None = None,
+        writer=None,
+        on_step: Callable | None = None,
+    ):
         if not isinstance(model, nn.Module):
             raise MonitorError(f"monitor watches a torch.nn.Module, not {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise MonitorError(f"every must be a positive whole number of forward calls, not {every!r}")
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            raise MonitorError(f"rows must be a positive whole number of query rows per head (such as 64), or None "
-                               f"for every row, not {rows!r}")
+            raise MonitorError(
+                f"rows must be a positive whole number of query rows per head (such as 64), or None "
+                f"for every row, not {rows!r}"
+            )
         self.alert_spec = _alert_spec(alerts)
         self.raise_on = set(raise_on)
         unknown = self.raise_on - set(ALERTS)
         if unknown:
-            raise MonitorError(f"raise_on names no alert {', '.join(sorted(unknown))}; the alerts are {', '.join(ALERTS)}")
+            raise MonitorError(
+                f"raise_on names no alert {', '.join(sorted(unknown))}; the alerts are {', '.join(ALERTS)}"
+            )
         self._capture, self.model, self.every, self.query_rows = capture, model, every, rows
         self._options = {"keep": ("stats",), "layers": layers, "heads": heads, "stats_rows": rows}
         if block_bytes is not None:
@@ -160,8 +194,9 @@ class Monitor:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise MonitorError("log_dir= writes TensorBoard files: that needs the tensorboard package "
-                                   "(pip install tensorboard)") from None
+                raise MonitorError(
+                    "log_dir= writes TensorBoard files: that needs the tensorboard package (pip install tensorboard)"
+                ) from None
             self._writer = SummaryWriter(log_dir=str(log_dir))
             self._own_writer = True
         self._handles = [
@@ -217,8 +252,10 @@ class Monitor:
         raising = [a for a in fired if a["alert"] in self.raise_on]
         if raising:
             a = raising[0]
-            raise AttentionAlert(f"attnprobe alert {a['alert']} at step {a['step']}: layer {a['layer']} head {a['head']} "
-                                 f"{a['column']} = {a['value']:.6g} (threshold {a['threshold']:.6g})")
+            raise AttentionAlert(
+                f"attnprobe alert {a['alert']} at step {a['step']}: layer {a['layer']} head {a['head']} "
+                f"{a['column']} = {a['value']:.6g} (threshold {a['threshold']:.6g})"
+            )
 
     def _alerts(self, rows: list[dict]) -> list[dict]:
         fired = []
@@ -229,15 +266,24 @@ class Monitor:
                 if value is None or (isinstance(value, float) and math.isnan(value)):
                     continue
                 if (value < threshold) if how == "<" else (value > threshold):
-                    alert = {"step": row["step"], "layer": row["layer"], "head": row["head"], "alert": name,
-                             "column": column, "value": float(value), "threshold": threshold}
+                    alert = {
+                        "step": row["step"],
+                        "layer": row["layer"],
+                        "head": row["head"],
+                        "alert": name,
+                        "column": column,
+                        "value": float(value),
+                        "threshold": threshold,
+                    }
                     fired.append(alert)
                     self._alert_rows.append(alert)
                     key = (row["layer"], row["head"], name)
                     if key not in self._fired and name not in self.raise_on:  # those raise instead
                         self._fired.add(key)
-                        warn_user(f"attnprobe alert {name} at step {row['step']}: layer {row['layer']} head "
-                                  f"{row['head']} {column} = {value:.6g} (threshold {threshold:.6g}; {meaning})")
+                        warn_user(
+                            f"attnprobe alert {name} at step {row['step']}: layer {row['layer']} head "
+                            f"{row['head']} {column} = {value:.6g} (threshold {threshold:.6g}; {meaning})"
+                        )
         return fired
 
     @property
@@ -255,7 +301,9 @@ class Monitor:
         """Every alert that fired (step, layer, head, alert, column, value, threshold), a pandas DataFrame."""
         import pandas as pd
 
-        return pd.DataFrame(self._alert_rows, columns=["step", "layer", "head", "alert", "column", "value", "threshold"])
+        return pd.DataFrame(
+            self._alert_rows, columns=["step", "layer", "head", "alert", "column", "value", "threshold"]
+        )
 
     def to_parquet(self, path, *, overwrite: bool = False):
         """Write ``history`` to a Parquet file and return its path. The file appears complete or not at all, and an
@@ -278,15 +326,17 @@ class Monitor:
             self._writer.close()
         self._writer = None
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Monitor(every={self.every}, rows={self.query_rows}, calls={self.calls}, sampled={len(set(self._rows._columns['call']))}, "
-                f"alerts={len(self._alert_rows)}, {'open' if self._handles else 'closed'})")
+        return (
+            f"Monitor(every={self.every}, rows={self.query_rows}, calls={self.calls}, sampled={len(set(self._rows._columns['call']))}, "
+            f"alerts={len(self._alert_rows)}, {'open' if self._handles else 'closed'})"
+        )
 
 
 def per_head_rows(cap, *, step: int, call: int) -> list[dict]:
@@ -303,8 +353,15 @@ def per_head_rows(cap, *, step: int, call: int) -> list[dict]:
         informative = stats["allowed_keys"].detach().cpu() > 1 if "allowed_keys" in stats else None
         for h, head in enumerate(rec.heads):
             mask = real[:, h]
-            row = {"step": step, "call": call, "layer": rec.layer, "head": int(head), "module": rec.name,
-                   "rows": int(mask.sum()), "nonfinite_rows": int((~finite[:, h] & mask).sum())}
+            row = {
+                "step": step,
+                "call": call,
+                "layer": rec.layer,
+                "head": int(head),
+                "module": rec.name,
+                "rows": int(mask.sum()),
+                "nonfinite_rows": int((~finite[:, h] & mask).sum()),
+            }
             for name in MEANS:
                 v = values.get(name)
                 if v is None:
@@ -319,6 +376,8 @@ def per_head_rows(cap, *, step: int, call: int) -> list[dict]:
                 keep = mask if informative is None or name != "entropy" else mask & informative[:, h]
                 picked = v[:, h][keep] if v is not None else torch.empty(0)
                 picked = picked[~picked.isnan() & (picked.isfinite() if name == "max_score" else True)]
-                row[column] = (float(picked.min()) if how == "min" else float(picked.max())) if picked.numel() else math.nan
+                row[column] = (
+                    (float(picked.min()) if how == "min" else float(picked.max())) if picked.numel() else math.nan
+                )
             rows.append(row)
     return rows

@@ -26,7 +26,6 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -39,12 +38,27 @@ MANIFEST = "_manifest.json"
 
 #: Per-row statistics averaged over an input's real query rows (NaN rows, e.g. ``previous_mass`` of the
 #: first query, left out of the mean).
-MEAN_STATS = ("entropy", "entropy_ratio", "max_weight", "first_key_mass", "diagonal_mass", "previous_mass",
-              "masked_mass", "row_sum_error", "max_score", "output_error")
+MEAN_STATS = (
+    "entropy",
+    "entropy_ratio",
+    "max_weight",
+    "first_key_mass",
+    "diagonal_mass",
+    "previous_mass",
+    "masked_mass",
+    "row_sum_error",
+    "max_score",
+    "output_error",
+)
 #: Row-level extremes kept beside the means: (column, statistic, "min" | "max").
-EXTREMES = (("entropy_min", "entropy", "min"), ("max_weight_max", "max_weight", "max"),
-            ("max_score_max", "max_score", "max"), ("masked_mass_max", "masked_mass", "max"),
-            ("row_sum_error_max", "row_sum_error", "max"), ("output_error_max", "output_error", "max"))
+EXTREMES = (
+    ("entropy_min", "entropy", "min"),
+    ("max_weight_max", "max_weight", "max"),
+    ("max_score_max", "max_score", "max"),
+    ("masked_mass_max", "masked_mass", "max"),
+    ("row_sum_error_max", "row_sum_error", "max"),
+    ("output_error_max", "output_error", "max"),
+)
 
 
 class ScanError(AttnprobeError, ValueError):
@@ -61,8 +75,10 @@ def read_inputs(path: str | os.PathLike, *, field: str | None = None, limit: int
     if limit is not None and limit < 1:
         raise ScanError(f"limit must be a positive number of inputs, not {limit}")
     if not path.exists():
-        raise ScanError(f"no data at {str(path)!r}: give a .txt, .jsonl, .csv or .parquet file, or a folder "
-                        "saved with datasets' save_to_disk")
+        raise ScanError(
+            f"no data at {str(path)!r}: give a .txt, .jsonl, .csv or .parquet file, or a folder "
+            "saved with datasets' save_to_disk"
+        )
     suffix = path.suffix.lower()
     if path.is_dir():
         texts = _read_datasets_folder(path, field or "text", limit)
@@ -96,11 +112,17 @@ def read_inputs(path: str | os.PathLike, *, field: str | None = None, limit: int
 
         if field is None:
             raise ScanError(f"{path.name}: say which column holds the text (--field / field=)")
-        frame = pd.read_csv(path, usecols=lambda c: c == field, dtype=str, keep_default_na=False,
-                            nrows=limit) if suffix == ".csv" else pd.read_parquet(path)
+        frame = (
+            pd.read_csv(path, usecols=lambda c: c == field, dtype=str, keep_default_na=False, nrows=limit)
+            if suffix == ".csv"
+            else pd.read_parquet(path)
+        )
         if field not in frame.columns:
-            raise ScanError(f"{path.name}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
-                            if suffix == ".parquet" else f"{path.name}: no column {field!r}")
+            raise ScanError(
+                f"{path.name}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
+                if suffix == ".parquet"
+                else f"{path.name}: no column {field!r}"
+            )
         texts = [str(t) for t in frame[field].tolist()[:limit]]
     else:
         raise ScanError(f"cannot read {path.name}: give a .txt, .jsonl, .csv or .parquet file, or a datasets folder")
@@ -113,11 +135,13 @@ def _read_datasets_folder(path: Path, field: str, limit: int | None) -> list[str
     try:
         import datasets
     except ImportError:
-        raise ScanError(f"{path} is a folder: reading a datasets folder needs the datasets package "
-                        "(pip install datasets); or give a .txt, .jsonl, .csv or .parquet file") from None
+        raise ScanError(
+            f"{path} is a folder: reading a datasets folder needs the datasets package "
+            "(pip install datasets); or give a .txt, .jsonl, .csv or .parquet file"
+        ) from None
     try:
         data = datasets.load_from_disk(str(path))
-    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; say it in one line
+    except Exception as e:
         raise ScanError(f"{path}: not a folder saved with datasets' save_to_disk ({e})") from None
     if isinstance(data, datasets.DatasetDict):
         raise ScanError(f"{path} holds the splits {', '.join(data)}: give one split's folder")
@@ -132,18 +156,36 @@ def _read_datasets_folder(path: Path, field: str, limit: int | None) -> list[str
 
 def aggregate(cap, indexes: Sequence[int], tokens: Sequence[int]) -> dict[str, list]:
     """Columns of one row per (input, record, head): statistics over each input's real query rows."""
-    columns: dict[str, list] = {name: [] for name in ("input", "tokens", "layer", "head", "module", "kind", "call",
-                                                      "rows", "nonfinite_rows", *MEAN_STATS,
-                                                      *(c for c, _, _ in EXTREMES))}
+    columns: dict[str, list] = {
+        name: []
+        for name in (
+            "input",
+            "tokens",
+            "layer",
+            "head",
+            "module",
+            "kind",
+            "call",
+            "rows",
+            "nonfinite_rows",
+            *MEAN_STATS,
+            *(c for c, _, _ in EXTREMES),
+        )
+    }
     for rec in cap:
         stats = getattr(rec, "stats", None)
         if not stats:
-            raise ScanError(f"{rec.name}: no statistics were computed for this layer "
-                            f"({rec.weights_source} weights); a scan needs q and k")
+            raise ScanError(
+                f"{rec.name}: no statistics were computed for this layer "
+                f"({rec.weights_source} weights); a scan needs q and k"
+            )
         batch, heads, queries = stats["entropy"].shape
         real = rec.stats_real_rows  # every query row the statistics describe, less padding
-        values = {name: stats[name].detach().double().cpu() for name in
-                  {*MEAN_STATS, *(s for _, s, _ in EXTREMES)} if name in stats}
+        values = {
+            name: stats[name].detach().double().cpu()
+            for name in {*MEAN_STATS, *(s for _, s, _ in EXTREMES)}
+            if name in stats
+        }
         if "allowed_keys" in stats:  # entropy / its largest possible value, log(allowed keys)
             values["entropy_ratio"] = entropy_ratio(values["entropy"], stats["allowed_keys"].cpu())
         finite = stats["finite"].cpu().bool()
@@ -210,8 +252,9 @@ def prepare_folder(out: Path, config: dict, *, resume: bool, main: bool) -> None
     if out.exists() and not out.is_dir():
         raise ScanError(f"{out} is a file: give a folder for the scan")
     if not main and not existing.exists():
-        raise ScanError(f"{existing} is missing after the main process prepared {out}: is it on a disk every process "
-                        "shares?")
+        raise ScanError(
+            f"{existing} is missing after the main process prepared {out}: is it on a disk every process shares?"
+        )
     if existing.exists():
         try:
             theirs = json.loads(existing.read_text())
@@ -219,11 +262,14 @@ def prepare_folder(out: Path, config: dict, *, resume: bool, main: bool) -> None
             raise ScanError(f"{existing} cannot be read: give another folder") from None
         different = sorted(k for k in set(theirs) | set(config) if theirs.get(k) != config.get(k))
         if different:
-            raise ScanError(f"{out} holds another scan (its {', '.join(different)} differ): give another folder "
-                            "or remove it")
+            raise ScanError(
+                f"{out} holds another scan (its {', '.join(different)} differ): give another folder or remove it"
+            )
         if main and not resume and any(out.glob("part-*.parquet")):
-            raise ScanError(f"{out} already holds this scan's files: pass --resume (resume=True) to skip the chunks "
-                            "written, or give another folder")
+            raise ScanError(
+                f"{out} already holds this scan's files: pass --resume (resume=True) to skip the chunks "
+                "written, or give another folder"
+            )
     elif out.is_dir() and any(out.iterdir()):
         raise ScanError(f"{out} holds other files: give an empty or new folder")
     if main:
@@ -244,8 +290,9 @@ def write_part(path: Path, columns: dict[str, list], metadata: dict) -> None:
     import pyarrow.parquet as pq
 
     table = pa.table(columns)
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}),
-                                           b"attnprobe": json.dumps(metadata, sort_keys=True).encode()})
+    table = table.replace_schema_metadata(
+        {**(table.schema.metadata or {}), b"attnprobe": json.dumps(metadata, sort_keys=True).encode()}
+    )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         pq.write_table(table, tmp)
@@ -293,10 +340,25 @@ def _process_state():
     return PartialState(cpu=not torch.cuda.is_available())
 
 
-def run_scan(capture: Callable, model, data, out, *, tokenizer=None, field: str | None = None, batch_size: int = 16,
-             max_length: int | None = None, layers=None, heads=None, limit: int | None = None, resume: bool = False,
-             chunk_size: int = 256, progress: bool = True, source: str | None = None,
-             block_bytes: int | None = None) -> ScanResult:
+def run_scan(
+    capture: Callable,
+    model,
+    data,
+    out,
+    *,
+    tokenizer=None,
+    field: str | None = None,
+    batch_size: int = 16,
+    max_length: int | None = None,
+    layers=None,
+    heads=None,
+    limit: int | None = None,
+    resume: bool = False,
+    chunk_size: int = 256,
+    progress: bool = True,
+    source: str | None = None,
+    block_bytes: int | None = None,
+) -> ScanResult:
     """See ``attnprobe.scan``."""
     if tokenizer is None:
         raise ScanError("a scan reads texts: give the model's tokenizer (tokenizer=)")
@@ -313,10 +375,15 @@ def run_scan(capture: Callable, model, data, out, *, tokenizer=None, field: str 
     out = Path(out)
     plan = Plan(len(texts), chunk_size)
     config = {
-        "format": FORMAT, "model": model_description(model, source),
+        "format": FORMAT,
+        "model": model_description(model, source),
         "data": str(data) if isinstance(data, (str, os.PathLike)) else f"{len(texts)} texts given in Python",
-        "field": field, "inputs": len(texts), "chunk_size": chunk_size, "max_length": max_length,
-        "layers": None if layers is None else list(layers), "heads": _jsonable(heads),
+        "field": field,
+        "inputs": len(texts),
+        "chunk_size": chunk_size,
+        "max_length": max_length,
+        "layers": None if layers is None else list(layers),
+        "heads": _jsonable(heads),
     }
     state = _process_state()
     main = state is None or state.is_main_process
@@ -340,8 +407,12 @@ def run_scan(capture: Callable, model, data, out, *, tokenizer=None, field: str 
         options["block_bytes"] = block_bytes
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=sum(len(plan.span(c)) for c in mine), unit="input", disable=not progress,
-               desc=f"scan{'' if state is None or state.num_processes == 1 else f' [{state.process_index}]'}")
+    bar = tqdm(
+        total=sum(len(plan.span(c)) for c in mine),
+        unit="input",
+        disable=not progress,
+        desc=f"scan{'' if state is None or state.num_processes == 1 else f' [{state.process_index}]'}",
+    )
     was_training = model.training
     model.eval()
     try:
@@ -350,19 +421,35 @@ def run_scan(capture: Callable, model, data, out, *, tokenizer=None, field: str 
             columns: dict[str, list] = {}
             for start in range(span.start, span.stop, batch_size):
                 index = list(range(start, min(span.stop, start + batch_size)))
-                batch = tokenizer([texts[i] for i in index], padding=True, truncation=max_length is not None,
-                                  max_length=max_length, return_tensors="pt")
+                batch = tokenizer(
+                    [texts[i] for i in index],
+                    padding=True,
+                    truncation=max_length is not None,
+                    max_length=max_length,
+                    return_tensors="pt",
+                )
                 batch = {k: v.to(device) for k, v in batch.items()}
-                counts = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else \
-                    [batch["input_ids"].shape[-1]] * len(index)
+                counts = (
+                    batch["attention_mask"].sum(-1).tolist()
+                    if "attention_mask" in batch
+                    else [batch["input_ids"].shape[-1]] * len(index)
+                )
                 with torch.no_grad(), capture(model, **options) as cap:
                     model(**batch)
                 for name, values in aggregate(cap, index, counts).items():
                     columns.setdefault(name, []).extend(values)
                 bar.update(len(index))
-            write_part(out / part_name(chunk), columns,
-                       {**config, "chunk": chunk, "first_input": span.start, "last_input": span.stop - 1,
-                        "process": 0 if state is None else state.process_index})
+            write_part(
+                out / part_name(chunk),
+                columns,
+                {
+                    **config,
+                    "chunk": chunk,
+                    "first_input": span.start,
+                    "last_input": span.stop - 1,
+                    "process": 0 if state is None else state.process_index,
+                },
+            )
     finally:
         bar.close()
         model.train(was_training)
@@ -371,8 +458,12 @@ def run_scan(capture: Callable, model, data, out, *, tokenizer=None, field: str 
     if main:
         parts = sorted(p.name for p in out.glob("part-*.parquet"))
         missing = [part_name(c) for c in range(plan.chunks) if part_name(c) not in parts]
-        _write_text(out / MANIFEST, json.dumps({**config, "parts": parts, "complete": not missing,
-                                                "missing": missing}, indent=2, sort_keys=True))
+        _write_text(
+            out / MANIFEST,
+            json.dumps(
+                {**config, "parts": parts, "complete": not missing, "missing": missing}, indent=2, sort_keys=True
+            ),
+        )
     return ScanResult(out=out, inputs=len(texts), chunks_written=len(mine), chunks_skipped=skipped)
 
 

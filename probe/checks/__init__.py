@@ -44,15 +44,15 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import SelectionError, warn_user
-from .lint import attribute_causes
 from ..record import AttentionRecord
-from .violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
 from . import builtin as _builtin  # noqa: F401  (registers the built-in checks)
 from .blocks import RecordFacts, RowBlock, record_shapes
 from .declarations import declared_layers_exist, mask_tensor, validate_declarations
 from .findings import MAX_GROUPS, CheckRun, records_of
+from .lint import attribute_causes
 from .registry import REGISTRY, CheckSpec, register
 from .tolerances import DEFAULT_TOLERANCES, FORBIDDEN_WEIGHT, Tolerance, tolerance
+from .violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
 
 #: Built-in checks, in the order they run and are reported (``REGISTRY`` holds them with severity and docs).
 CHECKS: tuple[str, ...] = tuple(REGISTRY)
@@ -106,10 +106,13 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     """
     validate_declarations(causal, attention_mask)
     for name, value in (("atol", atol), ("rtol", rtol)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value < 0):
-            raise ValueError(f"{name} must be a non-negative finite number (or None for the dtype's default, "
-                             f"see DEFAULT_TOLERANCES), got {value!r}")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+        ):
+            raise ValueError(
+                f"{name} must be a non-negative finite number (or None for the dtype's default, "
+                f"see DEFAULT_TOLERANCES), got {value!r}"
+            )
     records, keep = records_of(capture_or_record)
     declared_layers_exist(causal, attention_mask, records)
     run = CheckRun(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
@@ -126,7 +129,8 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
                     f"record {index} ({rec.name!r}, layer {rec.layer}) has the statistics of "
                     f"{len(rec.meta['stats_rows'])} sampled query rows of {rec.query_len} (capture(stats_rows=), "
                     "attnprobe.monitor(rows=)): the checks need every row. Capture without stats_rows= "
-                    "(keep=('stats',) checks every row in O(T) memory), or with rows=None in the monitor")
+                    "(keep=('stats',) checks every row in O(T) memory), or with rows=None in the monitor"
+                )
             if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
                 for c in run.selected:
                     run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
@@ -160,17 +164,22 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     )
     coverage = {c: len(indices) for c, indices in run.ran_on.items()}
     for name in run.lint_seen:
-        coverage[name] = sum(1 for r in records if any(getattr(v, "check", None) == name for v in r.meta.get("lint", ())))
-    violations = sorted(run.violations() + run.lint,
-                        key=lambda v: (v.layer if v.layer is not None else -1, v.call, _order(v.check)))
+        coverage[name] = sum(
+            1 for r in records if any(getattr(v, "check", None) == name for v in r.meta.get("lint", ()))
+        )
+    violations = sorted(
+        run.violations() + run.lint, key=lambda v: (v.layer if v.layer is not None else -1, v.call, _order(v.check))
+    )
     return CheckResult(
         violations=tuple(attribute_causes(violations)),  # a lint that explains failures first, they under it
         checks=run.selected + tuple(run.lint_seen),
         records=len(records),
         skipped=skipped,
         coverage=coverage,
-        declarations=tuple(f"{what} in layer(s) " + ", ".join(f"{layer} ({name})" for layer, name in sorted(where.items()))
-                           for what, where in run.declarations.items()),
+        declarations=tuple(
+            f"{what} in layer(s) " + ", ".join(f"{layer} ({name})" for layer, name in sorted(where.items()))
+            for what, where in run.declarations.items()
+        ),
     )
 
 
@@ -193,7 +202,8 @@ def _warn(run: CheckRun, records: list[AttentionRecord], weightless: dict[int, s
     if not records:
         warn_user(
             "nothing to check: the capture holds no attention records (the model was not called inside the "
-            "`with attnprobe.capture(...)` block, or the selected layers never ran)")
+            "`with attnprobe.capture(...)` block, or the selected layers never ran)"
+        )
     if weightless:
         backends = ", ".join(sorted({b for b in weightless.values()}))
         warn_user(
@@ -201,17 +211,20 @@ def _warn(run: CheckRun, records: list[AttentionRecord], weightless: dict[int, s
             f"(backend: {backends}), so range, row_sum, mask, softmax_match and output_match could not run "
             "there: that backend returns no weights. Capture through an adapter that recomputes them (the "
             "Hugging Face adapter does for sdpa) or switch the model to eager attention "
-            "(model.set_attn_implementation('eager'))")
+            "(model.set_attn_implementation('eager'))"
+        )
     if run.dropout_layers:
         ps = ", ".join(sorted({f"{p:g}" for p in run.dropout_layers.values()}))
         warn_user(
             f"dropout (p={ps}) was active in {_layers_only(run.dropout_layers)}: weights and outputs "
             "after dropout cannot sum to one or match, so those failures were not reported. Call model.eval() "
-            "(and pass dropout_p=0 to scaled_dot_product_attention outside training) before capturing to check them")
+            "(and pass dropout_p=0 to scaled_dot_product_attention outside training) before capturing to check them"
+        )
 
 
-def assert_invariants(capture_or_record, *, causal=None, attention_mask=None, checks=None, atol=None,
-                      rtol=None) -> CheckResult:
+def assert_invariants(
+    capture_or_record, *, causal=None, attention_mask=None, checks=None, atol=None, rtol=None
+) -> CheckResult:
     """``check`` and raise ``InvariantError`` (an AssertionError whose message is the violation table)
     when an invariant is broken, or when nothing at all could be verified. Returns the result.
 
@@ -229,6 +242,19 @@ def assert_invariants(capture_or_record, *, causal=None, attention_mask=None, ch
     return result.raise_if_failed()
 
 
-__all__ = ["CHECKS", "CHECK_DESCRIPTIONS", "DEFAULT_TOLERANCES", "FORBIDDEN_WEIGHT", "MAX_GROUPS", "REGISTRY", "CheckSpec",
-           "RecordFacts", "RowBlock", "Tolerance", "assert_invariants", "register",
-           "check", "tolerance"]
+__all__ = [
+    "CHECKS",
+    "CHECK_DESCRIPTIONS",
+    "DEFAULT_TOLERANCES",
+    "FORBIDDEN_WEIGHT",
+    "MAX_GROUPS",
+    "REGISTRY",
+    "CheckSpec",
+    "RecordFacts",
+    "RowBlock",
+    "Tolerance",
+    "assert_invariants",
+    "check",
+    "register",
+    "tolerance",
+]

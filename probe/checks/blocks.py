@@ -7,11 +7,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ..record import AttentionRecord
 from ..engine.stats import KEY_STATS, ROW_STATS
+from ..record import AttentionRecord
 from .declarations import declared_for, mask_tensor
 from .tolerances import tolerance
-
 
 #: Where a record's key padding came from (``RecordFacts.key_pad_source``).
 DECLARED_PADDING = "the declared attention_mask"
@@ -53,7 +52,8 @@ def record_shapes(rec: AttentionRecord, index: int) -> None:
     error deep inside a check)."""
     where = f"record {index} ({rec.name!r}, layer {rec.layer}, call {rec.call})"
     sizes: dict[str, dict[int, list[str]]] = {
-        "heads": {len(rec.heads): ["heads"]}, "kv_heads": {len(rec.kv_heads): ["kv_heads"]},
+        "heads": {len(rec.heads): ["heads"]},
+        "kv_heads": {len(rec.kv_heads): ["kv_heads"]},
     }
     problems = []
     for name, axes in _AXES.items():
@@ -77,8 +77,9 @@ def record_shapes(rec: AttentionRecord, index: int) -> None:
             said = "; ".join(f"{size} in {', '.join(names)}" for size, names in seen.items())
             problems.append(f"the {axis.replace('|1', '')} sizes disagree ({said})")
     if problems:
-        shapes = ", ".join(f"{f}={tuple(getattr(rec, f).shape)}" for f in _AXES
-                           if isinstance(getattr(rec, f), torch.Tensor))
+        shapes = ", ".join(
+            f"{f}={tuple(getattr(rec, f).shape)}" for f in _AXES if isinstance(getattr(rec, f), torch.Tensor)
+        )
         raise ValueError(
             f"{where} has inconsistent tensors: {'; '.join(problems)} [{shapes}]. Every field follows the "
             "notation of attnprobe.AttentionRecord (q (batch, head, query, d_head), weights (batch, head, query, "
@@ -102,8 +103,7 @@ class RecordFacts:
         # a statistics-only record: every check reads per-row statistics instead of (query, key) tensors
         self.stats = rec.stats if rec.weights is None and rec.stats is not None else None
         first_stat = None if self.stats is None else self.stats["entropy"]
-        self.device = next((t.device for t in stored + [rec.allowed, first_stat] if t is not None),
-                           torch.device("cpu"))
+        self.device = next((t.device for t in stored + [rec.allowed, first_stat] if t is not None), torch.device("cpu"))
         self.tol = tolerance(rec.dtype, *(t.dtype for t in stored if t is not None), atol=run.atol, rtol=run.rtol)
         self.allowed = None if rec.allowed is None else rec.allowed.to(self.device, torch.bool)
         self.qpos = torch.arange(self.Tq, device=self.device) + rec.query_offset  # reported query positions
@@ -172,37 +172,57 @@ class RecordFacts:
             B, L = mask.shape
             if B != self.B:
                 run.skip("padding", f"the declared attention_mask has batch {B}, the record batch {self.B}", self)
-            elif rec.kind == "self" and rec.meta.get("stack") == "decoder" and not isinstance(run.attention_mask,
-                                                                                            Mapping):
+            elif (
+                rec.kind == "self"
+                and rec.meta.get("stack") == "decoder"
+                and not isinstance(run.attention_mask, Mapping)
+            ):
                 # one mask for every layer of an encoder-decoder is the encoder input's; these keys are decoder tokens
-                run.skip("padding", "one attention_mask declared for every layer is the encoder input's, but the "
-                         "keys of a decoder self-attention are decoder tokens; declare attention_mask={layer: mask} "
-                         "with the decoder's mask for these layers", self)
+                run.skip(
+                    "padding",
+                    "one attention_mask declared for every layer is the encoder input's, but the "
+                    "keys of a decoder self-attention are decoder tokens; declare attention_mask={layer: mask} "
+                    "with the decoder's mask for these layers",
+                    self,
+                )
             elif rec.kind == "cross":
-                if L == self.Tk:
+                if self.Tk == L:
                     run.mask_fitted = True
                     return ~mask, DECLARED_PADDING, None
-                run.skip("padding", f"the declared attention_mask has {L} positions but this cross-attention "
-                         f"has {self.Tk} keys; pass attention_mask={{layer: mask}} per layer", self)
-            elif self.offset is not None and L >= self.key_start + self.Tk:
+                run.skip(
+                    "padding",
+                    f"the declared attention_mask has {L} positions but this cross-attention "
+                    f"has {self.Tk} keys; pass attention_mask={{layer: mask}} per layer",
+                    self,
+                )
+            elif self.offset is not None and self.key_start + self.Tk <= L:
                 # positions of the whole sequence: a KV-cache step reads the positions of its keys (a
                 # sliding-window cache keeps only the most recent ones); later positions are not used
                 run.mask_fitted = True
                 real = mask[:, self.key_start : self.key_start + self.Tk]
                 return ~real, DECLARED_PADDING, ~real[:, self.offset : self.offset + self.Tq]
-            elif self.offset is not None and L == self.Tk:
+            elif self.offset is not None and self.Tk == L:
                 run.mask_fitted = True  # one entry per cache slot
                 return ~mask, DECLARED_PADDING, ~mask[:, self.offset : self.offset + self.Tq]
             elif self.offset is not None and not rec.query_offset and rec.step is None:
-                run.skip("padding", f"the declared attention_mask has {L} positions but the record has {self.Tk} "
-                         "keys", self)
+                run.skip(
+                    "padding", f"the declared attention_mask has {L} positions but the record has {self.Tk} keys", self
+                )
             elif self.offset is not None:
-                run.skip("padding", f"the declared attention_mask has {L} positions, fewer than the keys of "
-                         "these records reach (KV-cache steps?); under generate, declare the mask of the whole "
-                         "sequence: the prompt's mask followed by ones for the generated tokens", self)
+                run.skip(
+                    "padding",
+                    f"the declared attention_mask has {L} positions, fewer than the keys of "
+                    "these records reach (KV-cache steps?); under generate, declare the mask of the whole "
+                    "sequence: the prompt's mask followed by ones for the generated tokens",
+                    self,
+                )
             else:
-                run.skip("padding", f"the declared attention_mask has {L} positions but the record has "
-                         f"{self.Tq} queries and {self.Tk} keys, which no cache layout explains", self)
+                run.skip(
+                    "padding",
+                    f"the declared attention_mask has {L} positions but the record has "
+                    f"{self.Tq} queries and {self.Tk} keys, which no cache layout explains",
+                    self,
+                )
             return None, "", None
         if rec.kind == "self" and self.offset == 0 and self.Tq == self.Tk and rec.query_padding is not None:
             return rec.query_padding.to(self.device, torch.bool), QUERY_PADDING, None
@@ -247,9 +267,15 @@ class RowBlock:
         self.w = None if rec.weights is None else rows(rec.weights).to(self.device, self.cdtype)
         #: per-row statistics of these rows (``ROW_STATS`` (B, H, rows), ``KEY_STATS`` whole) for a
         #: statistics-only record, else None
-        self.st = None if facts.stats is None else {
-            n: (s if n in KEY_STATS else s[:, :, a:b]).to(self.device) for n, s in facts.stats.items()
-            if n in KEY_STATS or n in ROW_STATS}
+        self.st = (
+            None
+            if facts.stats is None
+            else {
+                n: (s if n in KEY_STATS else s[:, :, a:b]).to(self.device)
+                for n, s in facts.stats.items()
+                if n in KEY_STATS or n in ROW_STATS
+            }
+        )
         self.scores, self.output = rows(rec.scores), rows(rec.output)
         self.allowed = rows(facts.allowed)
         self.query_pad = None if facts.query_pad is None else facts.query_pad[:, a:b]
@@ -329,4 +355,3 @@ class RowBlock:
             w = self.w
             self._finite_rows = self.checked if all_finite(w) else self.checked & torch.isfinite(w).all(-1)
         return self._finite_rows
-

@@ -31,9 +31,9 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-
-@register('finite', severity='error',
-          doc='no NaN/inf in weights and outputs (any row), nor in scores at allowed positions')
+@register(
+    "finite", severity="error", doc="no NaN/inf in weights and outputs (any row), nor in scores at allowed positions"
+)
 def check_finite(run: CheckRun, p: RowBlock) -> None:
     if p.w is None and p.output is None and p.scores is None and p.st is None:
         run.skip("finite", "no weights, output or scores captured", p)
@@ -44,9 +44,16 @@ def check_finite(run: CheckRun, p: RowBlock) -> None:
     def both(what: str, bad: torch.Tensor) -> None:
         rows = dont_care if bad.dim() == 3 else dont_care[..., None]
         run.emit(p, "finite", what + ":real", bad & ~rows, lambda n, _: f"{n} NaN/inf {what} in real query rows")
-        run.emit(p, "finite", what + ":dont_care", bad & rows, lambda n, _: (
-            f"{n} NaN/inf {what} in padded or fully masked query rows (a softmax over only -inf?): they reach "
-            "real rows of the next layer through 0 * NaN; zero such rows after the softmax"))
+        run.emit(
+            p,
+            "finite",
+            what + ":dont_care",
+            bad & rows,
+            lambda n, _: (
+                f"{n} NaN/inf {what} in padded or fully masked query rows (a softmax over only -inf?): they reach "
+                "real rows of the next layer through 0 * NaN; zero such rows after the softmax"
+            ),
+        )
 
     if p.st is not None:  # statistics: one flag per row (weights, scores at allowed keys, observed output)
         both("row(s) (weights, scores at allowed keys or output)", ~p.st["finite"])
@@ -79,22 +86,35 @@ def check_finite(run: CheckRun, p: RowBlock) -> None:
             bad = bad & ~overflow
         run.emit(p, "finite", "scores", bad, lambda n, _: f"{n} NaN/inf score(s) at allowed positions")
         if overflow is not None:
-            run.emit(p, "finite", "scores:overflow", overflow, lambda n, _: (
-                f"{n} score(s) stored as inf in rows whose weights are finite and agree (no finite-score key weighs "
-                "more than a +inf one or less than a -inf one): scores beyond the range of the model's dtype "
-                "(float16: 65504) that the attention itself kept finite; softmax_match cannot compare those "
-                "rows"), severity="info")
+            run.emit(
+                p,
+                "finite",
+                "scores:overflow",
+                overflow,
+                lambda n, _: (
+                    f"{n} score(s) stored as inf in rows whose weights are finite and agree (no finite-score key weighs "
+                    "more than a +inf one or less than a -inf one): scores beyond the range of the model's dtype "
+                    "(float16: 65504) that the attention itself kept finite; softmax_match cannot compare those "
+                    "rows"
+                ),
+                severity="info",
+            )
 
 
-@register('range', severity='error',
-          doc='weights within [0, 1]')
+@register("range", severity="error", doc="weights within [0, 1]")
 def check_range(run: CheckRun, p: RowBlock) -> None:
     if p.st is not None:
         run.ran("range", p)
         low, high = p.st["min_weight"], p.st["max_weight"]
         bad = ((low < -p.tol.atol) | (high > 1 + p.tol.atol)) & p.finite_rows()
-        run.emit(p, "range", "range", bad, lambda n, worst: (
-            f"{n} row(s) with weights outside [0, 1] (worst {_fmt(worst)})"), values=torch.maximum(-low, high - 1))
+        run.emit(
+            p,
+            "range",
+            "range",
+            bad,
+            lambda n, worst: f"{n} row(s) with weights outside [0, 1] (worst {_fmt(worst)})",
+            values=torch.maximum(-low, high - 1),
+        )
         return
     if not _has(run, p, "range", "weights"):
         return
@@ -104,8 +124,14 @@ def check_range(run: CheckRun, p: RowBlock) -> None:
     if float(low) >= -atol and float(high) <= 1 + atol:
         return
     bad = ((w < -atol) | (w > 1 + atol)) & p.finite_rows()[..., None]
-    run.emit(p, "range", "range", bad, lambda n, worst: f"{n} weight(s) outside [0, 1] (worst {_fmt(worst)})",
-             values=torch.where(w < 0, -w, w - 1))
+    run.emit(
+        p,
+        "range",
+        "range",
+        bad,
+        lambda n, worst: f"{n} weight(s) outside [0, 1] (worst {_fmt(worst)})",
+        values=torch.where(w < 0, -w, w - 1),
+    )
 
 
 def _sink_logits(p: RowBlock) -> torch.Tensor:
@@ -119,16 +145,25 @@ def _masked_scores(p: RowBlock) -> torch.Tensor:
     return torch.where(p.allowed, p.scores.to(p.cdtype), -math.inf)
 
 
-@register('row_sum', severity='error',
-          doc='weights of each real query row sum to 1 (1 - sink mass with attention sinks)')
+@register(
+    "row_sum", severity="error", doc="weights of each real query row sum to 1 (1 - sink mass with attention sinks)"
+)
 def check_row_sum(run: CheckRun, p: RowBlock) -> None:
     if p.st is not None:  # the engine measured each row against 1 - sink mass itself
         run.ran("row_sum", p)
         err, tol = p.st["row_sum_error"], p.tol.row_sum
         what = "1" if p.rec.sinks is None else "1 - sink mass"
-        run.emit(p, "row_sum", "row_sum", (err > tol) & p.finite_rows(), lambda n, worst: (
-            f"{n} row(s) do not sum to {what} (worst error {_fmt(worst)}, tolerance {tol:.2g}): a softmax over "
-            "the wrong axis, weights changed after the softmax, or dropout on the weights"), values=err)
+        run.emit(
+            p,
+            "row_sum",
+            "row_sum",
+            (err > tol) & p.finite_rows(),
+            lambda n, worst: (
+                f"{n} row(s) do not sum to {what} (worst error {_fmt(worst)}, tolerance {tol:.2g}): a softmax over "
+                "the wrong axis, weights changed after the softmax, or dropout on the weights"
+            ),
+            values=err,
+        )
         return
     if not _has(run, p, "row_sum", "weights"):
         return
@@ -144,13 +179,22 @@ def check_row_sum(run: CheckRun, p: RowBlock) -> None:
     tol = p.tol.row_sum
     if float(err.amax()) <= tol:  # fast path
         return
-    run.emit(p, "row_sum", "row_sum", (err > tol) & p.finite_rows(), lambda n, worst: (
-        f"{n} row(s) do not sum to {what} (worst error {_fmt(worst)}, tolerance {tol:.2g}): a softmax over "
-        "the wrong axis, weights changed after the softmax, or dropout on the weights"), values=err)
+    run.emit(
+        p,
+        "row_sum",
+        "row_sum",
+        (err > tol) & p.finite_rows(),
+        lambda n, worst: (
+            f"{n} row(s) do not sum to {what} (worst error {_fmt(worst)}, tolerance {tol:.2g}): a softmax over "
+            "the wrong axis, weights changed after the softmax, or dropout on the weights"
+        ),
+        values=err,
+    )
 
 
-@register('causal', severity='error',
-          doc="no weight on keys after the query's position (or outside the sliding window)")
+@register(
+    "causal", severity="error", doc="no weight on keys after the query's position (or outside the sliding window)"
+)
 def check_causal(run: CheckRun, p: RowBlock) -> None:
     rec = p.rec
     if rec.kind != "self":
@@ -185,28 +229,64 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
         return
     window = p.outside_window()
     if p.w is not None:
-        run.emit(p, "causal", "future", (p.w > thr) & future & rows, lambda n, worst: (
-            f"weight on {n} key(s) after the query's position (max {_fmt(worst)}; {source}): the causal mask is "
-            "missing or shifted"), values=p.w)
+        run.emit(
+            p,
+            "causal",
+            "future",
+            (p.w > thr) & future & rows,
+            lambda n, worst: (
+                f"weight on {n} key(s) after the query's position (max {_fmt(worst)}; {source}): the causal mask is "
+                "missing or shifted"
+            ),
+            values=p.w,
+        )
         if window is not None:
-            run.emit(p, "causal", "window", (p.w > thr) & window & rows, lambda n, worst: (
-                f"weight on {n} key(s) older than the sliding window of {rec.sliding_window} (max {_fmt(worst)})"),
-                values=p.w)
+            run.emit(
+                p,
+                "causal",
+                "window",
+                (p.w > thr) & window & rows,
+                lambda n, worst: (
+                    f"weight on {n} key(s) older than the sliding window of {rec.sliding_window} (max {_fmt(worst)})"
+                ),
+                values=p.w,
+            )
     else:
-        run.emit(p, "causal", "future", p.allowed & future & rows, lambda n, _: (
-            f"the mask lets queries attend {n} key(s) after their position ({source}; no weights captured)"))
+        run.emit(
+            p,
+            "causal",
+            "future",
+            p.allowed & future & rows,
+            lambda n, _: (
+                f"the mask lets queries attend {n} key(s) after their position ({source}; no weights captured)"
+            ),
+        )
         if window is not None:
-            run.emit(p, "causal", "window", p.allowed & window & rows, lambda n, _: (
-                f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"))
+            run.emit(
+                p,
+                "causal",
+                "window",
+                p.allowed & window & rows,
+                lambda n, _: (
+                    f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"
+                ),
+            )
     _causal_own(run, p)
 
 
 def _causal_own(run: CheckRun, p: RowBlock) -> None:
     if p.own is not None:  # a causal mask lets every real query attend its own position
         bad = ~p.own & ~p.own_excused & p.checked
-        run.emit(p, "causal", "own", bad, lambda n, _: (
-            f"{n} query row(s) may not attend their own position: the causal mask is shifted by one "
-            "(tril(diagonal=-1))"))
+        run.emit(
+            p,
+            "causal",
+            "own",
+            bad,
+            lambda n, _: (
+                f"{n} query row(s) may not attend their own position: the causal mask is shifted by one "
+                "(tril(diagonal=-1))"
+            ),
+        )
 
 
 def _causal_from_stats(run: CheckRun, p: RowBlock, source: str) -> None:
@@ -224,13 +304,25 @@ def _causal_from_stats(run: CheckRun, p: RowBlock, source: str) -> None:
         seen[1] += int((later * candidates).sum())
         seen[2] = seen[2] or bool(((last > diag) & candidates & (later > 0)).any())
         return
-    run.emit(p, "causal", "future", (last > diag) & p.checked, lambda n, _: (
-        f"{n} query row(s) put weight on keys after their position ({source}): the causal mask is missing or "
-        "shifted"))
+    run.emit(
+        p,
+        "causal",
+        "future",
+        (last > diag) & p.checked,
+        lambda n, _: (
+            f"{n} query row(s) put weight on keys after their position ({source}): the causal mask is missing or "
+            "shifted"
+        ),
+    )
     if rec.sliding_window:
         old = (first >= 0) & (first <= diag - rec.sliding_window) & p.checked
-        run.emit(p, "causal", "window", old, lambda n, _: (
-            f"{n} query row(s) put weight on keys older than the sliding window of {rec.sliding_window}"))
+        run.emit(
+            p,
+            "causal",
+            "window",
+            old,
+            lambda n, _: f"{n} query row(s) put weight on keys older than the sliding window of {rec.sliding_window}",
+        )
     _causal_own(run, p)
 
 
@@ -240,15 +332,27 @@ def _check_forbidden(run: CheckRun, p: RowBlock, check: str, forbidden: torch.Te
     if p.w is not None:
         if float(torch.where(forbidden, p.w, 0.0).amax()) <= p.tol.forbidden:  # fast path: nothing there
             return
-        run.emit(p, check, check, (p.w > p.tol.forbidden) & forbidden & rows,
-                 lambda n, worst: f"weight on {n} {what} (max {_fmt(worst)}{why})", values=p.w)
+        run.emit(
+            p,
+            check,
+            check,
+            (p.w > p.tol.forbidden) & forbidden & rows,
+            lambda n, worst: f"weight on {n} {what} (max {_fmt(worst)}{why})",
+            values=p.w,
+        )
     else:
-        run.emit(p, check, check, p.allowed & forbidden & rows,
-                 lambda n, _: f"the mask lets queries attend {n} {what} (no weights captured{why})")
+        run.emit(
+            p,
+            check,
+            check,
+            p.allowed & forbidden & rows,
+            lambda n, _: f"the mask lets queries attend {n} {what} (no weights captured{why})",
+        )
 
 
-@register('padding', severity='error',
-          doc="no weight on padded keys (declared attention_mask, else the record's own padding)")
+@register(
+    "padding", severity="error", doc="no weight on padded keys (declared attention_mask, else the record's own padding)"
+)
 def check_padding(run: CheckRun, p: RowBlock) -> None:
     if p.key_pad is None:
         if declared_for(run.attention_mask, p.rec) is None:
@@ -262,39 +366,60 @@ def check_padding(run: CheckRun, p: RowBlock) -> None:
         run.skip("padding", "no weights and no mask captured", p)
         return
     run.ran("padding", p)
-    _check_forbidden(run, p, "padding", p.key_pad[:, None, None, :], "padded key(s)",
-                     f"; padding from {p.key_pad_source}")
+    _check_forbidden(
+        run, p, "padding", p.key_pad[:, None, None, :], "padded key(s)", f"; padding from {p.key_pad_source}"
+    )
 
 
 def _padding_from_stats(run: CheckRun, p: RowBlock) -> None:
     """Rows whose first or last attended key is padding (left and right padding), and the padded keys that got
     weight from any counted row (``key_weight``: holes in the middle too)."""
     st, pad = p.st, p.key_pad  # pad (B, Tk)
+
     def padded(key):  # (B, H, rows) -> is that key padding
         at = pad.gather(1, key.clamp(min=0).flatten(1)).view_as(key)
         return at & (key >= 0)
+
     rows = (padded(st["first_key"]) | padded(st["last_key"])) & p.checked
     keys = (st["key_weight"] > p.tol.forbidden) & pad[:, None, :]
-    run.emit(p, "padding", "padding", rows, lambda n, _: (
-        f"{n} query row(s) put weight on padded keys (padding from {p.key_pad_source})"), keys=keys)
+    run.emit(
+        p,
+        "padding",
+        "padding",
+        rows,
+        lambda n, _: f"{n} query row(s) put weight on padded keys (padding from {p.key_pad_source})",
+        keys=keys,
+    )
 
 
-@register('mask', severity='error',
-          doc="no weight where the record's own mask disallows")
+@register("mask", severity="error", doc="no weight where the record's own mask disallows")
 def check_mask(run: CheckRun, p: RowBlock) -> None:
     if p.st is not None:
         run.ran("mask", p)
         bad = (p.st["masked_max"] > p.tol.forbidden) & p.checked
-        run.emit(p, "mask", "mask", bad, lambda n, worst: (
-            f"{n} query row(s) put weight on keys the record's own mask disallows (max {_fmt(worst)}): the mask "
-            "the module built did not reach the softmax"), values=p.st["masked_max"])
+        run.emit(
+            p,
+            "mask",
+            "mask",
+            bad,
+            lambda n, worst: (
+                f"{n} query row(s) put weight on keys the record's own mask disallows (max {_fmt(worst)}): the mask "
+                "the module built did not reach the softmax"
+            ),
+            values=p.st["masked_max"],
+        )
         return
     if not _has(run, p, "mask", "weights", "allowed"):
         return
     run.ran("mask", p)
-    _check_forbidden(run, p, "mask", ~p.allowed, "key(s) the record's own mask disallows",
-                     "; the mask the module built did not reach the softmax: not applied, applied inverted, "
-                     "or applied to a copy")
+    _check_forbidden(
+        run,
+        p,
+        "mask",
+        ~p.allowed,
+        "key(s) the record's own mask disallows",
+        "; the mask the module built did not reach the softmax: not applied, applied inverted, or applied to a copy",
+    )
 
 
 def _score_slack(p: RowBlock) -> torch.Tensor | float:
@@ -310,12 +435,15 @@ def _score_slack(p: RowBlock) -> torch.Tensor | float:
     return torch.expm1(2 * p.tol.eps * s.amax(-1, keepdim=True))
 
 
-@register('softmax_match', severity='error',
-          doc='weights equal the softmax of the masked scores')
+@register("softmax_match", severity="error", doc="weights equal the softmax of the masked scores")
 def check_softmax_match(run: CheckRun, p: RowBlock) -> None:
     if p.st is not None:
-        run.skip("softmax_match", "statistics only: the weights were computed from the scores, so they match by "
-                 "construction; keep weights and scores to compare a kernel's own weights", p)
+        run.skip(
+            "softmax_match",
+            "statistics only: the weights were computed from the scores, so they match by "
+            "construction; keep weights and scores to compare a kernel's own weights",
+            p,
+        )
         return
     if not _has(run, p, "softmax_match", "weights", "scores", "allowed"):
         return
@@ -329,13 +457,24 @@ def check_softmax_match(run: CheckRun, p: RowBlock) -> None:
     if float(diff.amax()) <= p.tol.atol:  # fast path (NaN in rows left out fails it and goes the long way)
         return
     tol = p.tol.atol + (p.tol.rtol + _score_slack(p)) * ref
-    run.emit(p, "softmax_match", "softmax_match", (diff > tol) & p.finite_rows()[..., None], lambda n, worst: (
-        f"{n} weight(s) differ from the softmax of the masked scores (worst {_fmt(worst)}): the weights were "
-        "not computed from these scores (scale, bias or mask applied elsewhere)"), values=diff)
+    run.emit(
+        p,
+        "softmax_match",
+        "softmax_match",
+        (diff > tol) & p.finite_rows()[..., None],
+        lambda n, worst: (
+            f"{n} weight(s) differ from the softmax of the masked scores (worst {_fmt(worst)}): the weights were "
+            "not computed from these scores (scale, bias or mask applied elsewhere)"
+        ),
+        values=diff,
+    )
 
 
-@register('output_match', severity='error',
-          doc='per-head output equals weights @ v (grouped-query heads mapped to their kv head)')
+@register(
+    "output_match",
+    severity="error",
+    doc="per-head output equals weights @ v (grouped-query heads mapped to their kv head)",
+)
 def check_output_match(run: CheckRun, p: RowBlock) -> None:
     rec = p.rec
     if p.st is not None:
@@ -346,10 +485,18 @@ def check_output_match(run: CheckRun, p: RowBlock) -> None:
         run.ran("output_match", p)
         slack = 0.0 if p.tol.eps < 1e-6 else torch.expm1(2 * p.tol.eps * p.st["max_score"].abs().nan_to_num(0.0))
         bad = (err > p.tol.atol + (p.tol.rtol + slack) * scale) & p.finite_rows() & torch.isfinite(err)
-        run.emit(p, "output_match", "output_match", bad, lambda n, w: (
-            f"{n} output row(s) differ from weights @ v (worst {_fmt(w)}): the kernel computed something else "
-            "than its weights say (mask dropped inside the kernel, wrong kv head for grouped-query heads, "
-            "another scale, dropout)"), values=err)
+        run.emit(
+            p,
+            "output_match",
+            "output_match",
+            bad,
+            lambda n, w: (
+                f"{n} output row(s) differ from weights @ v (worst {_fmt(w)}): the kernel computed something else "
+                "than its weights say (mask dropped inside the kernel, wrong kv head for grouped-query heads, "
+                "another scale, dropout)"
+            ),
+            values=err,
+        )
         return
     if not _has(run, p, "output_match", "weights", "v", "output"):
         return
@@ -372,19 +519,36 @@ def check_output_match(run: CheckRun, p: RowBlock) -> None:
     scale = p.w.abs() @ v.abs()  # what the rounding error of a weighted sum scales with
     tol = p.tol.atol + (p.tol.rtol + _score_slack(p)) * scale
     rows = (diff > tol).any(-1) & p.finite_rows() & torch.isfinite(p.output).all(-1)
-    run.emit(p, "output_match", "output_match", rows, lambda n, w: (
-        f"{n} output row(s) differ from weights @ v (worst {_fmt(w)}): the kernel computed something else "
-        "than its weights say (mask dropped inside the kernel, wrong kv head for grouped-query heads, "
-        "another scale, dropout)"), values=diff.amax(-1))
+    run.emit(
+        p,
+        "output_match",
+        "output_match",
+        rows,
+        lambda n, w: (
+            f"{n} output row(s) differ from weights @ v (worst {_fmt(w)}): the kernel computed something else "
+            "than its weights say (mask dropped inside the kernel, wrong kv head for grouped-query heads, "
+            "another scale, dropout)"
+        ),
+        values=diff.amax(-1),
+    )
 
 
-@register('empty_rows', severity='info',
-          doc='real query rows with no allowed key (information; left out of the other checks)')
+@register(
+    "empty_rows", severity="info", doc="real query rows with no allowed key (information; left out of the other checks)"
+)
 def check_empty_rows(run: CheckRun, p: RowBlock) -> None:
     if not p.empty_known:
         run.skip("empty_rows", "no mask recorded (allowed is None) and none declared", p)
         return
     run.ran("empty_rows", p)
-    run.emit(p, "empty_rows", "rows", p.empty & p.real, lambda n, _: (
-        f"{n} query row(s) not marked as padding have no allowed key; left out of the other checks "
-        "(expected only for padded queries)"), severity="info")
+    run.emit(
+        p,
+        "empty_rows",
+        "rows",
+        p.empty & p.real,
+        lambda n, _: (
+            f"{n} query row(s) not marked as padding have no allowed key; left out of the other checks "
+            "(expected only for padded queries)"
+        ),
+        severity="info",
+    )

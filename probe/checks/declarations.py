@@ -23,8 +23,11 @@ _MASK_FORM = "the input padding mask (batch, key) with 1 = real token and 0 = pa
 def mask_tensor(mask, what: str) -> torch.Tensor:
     """A declared padding mask as bool ``(batch, key)``, True = real token; a clear error for anything else."""
     if isinstance(mask, Mapping):
-        hint = (" (this looks like a tokenizer's output: pass inputs['attention_mask'])"
-                if "attention_mask" in mask or "input_ids" in mask else "")
+        hint = (
+            " (this looks like a tokenizer's output: pass inputs['attention_mask'])"
+            if "attention_mask" in mask or "input_ids" in mask
+            else ""
+        )
         raise TypeError(f"{what} must be {_MASK_FORM}, got a {type(mask).__name__}{hint}")
     if not isinstance(mask, torch.Tensor):
         try:
@@ -63,11 +66,14 @@ def validate_declarations(causal, attention_mask) -> None:
         if value is not None and not isinstance(value, bool):
             where = "" if layer is None else f" for layer {layer!r}"
             raise TypeError(f"causal{where} must be True, False or None (not declared), got {value!r}")
-    if isinstance(attention_mask, Mapping) and not ("attention_mask" in attention_mask or "input_ids" in attention_mask):
+    if isinstance(attention_mask, Mapping) and not (
+        "attention_mask" in attention_mask or "input_ids" in attention_mask
+    ):
         for layer, mask in attention_mask.items():
             if isinstance(layer, bool) or not isinstance(layer, int):
-                raise TypeError(f"attention_mask={{layer: mask}} needs integer layer numbers (record.layer), "
-                                f"got {layer!r}")
+                raise TypeError(
+                    f"attention_mask={{layer: mask}} needs integer layer numbers (record.layer), got {layer!r}"
+                )
             if mask is not None:
                 mask_tensor(mask, f"attention_mask[{layer}]")
     elif attention_mask is not None:
@@ -84,4 +90,5 @@ def declared_layers_exist(causal, attention_mask, records: list[AttentionRecord]
                 warn_user(
                     f"{what} was declared for layer(s) {unknown} but the records have layers {sorted(layers)}: "
                     "those declarations were not used (layers are record.layer, counted over every attention "
-                    "module of the model; a capture of some layers keeps the model's numbers)")
+                    "module of the model; a capture of some layers keeps the model's numbers)"
+                )

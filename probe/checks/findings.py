@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..record import AttentionRecord
-from .violations import MAX_POSITIONS, Violation
 from .blocks import RowBlock
 from .registry import REGISTRY
+from .violations import MAX_POSITIONS, Violation
 
 #: Above this many (head, batch) groups per check and record, violations are summed over the batch.
 MAX_GROUPS = 64
@@ -31,8 +30,16 @@ class _Group:
     keys: torch.Tensor | None = None
     """(key,) bool: offending keys (None for findings about rows)."""
 
-    def add(self, count: int, worst: float | None, rows: torch.Tensor, keys: torch.Tensor | None, *,
-            start: int = 0, queries: int | None = None) -> None:
+    def add(
+        self,
+        count: int,
+        worst: float | None,
+        rows: torch.Tensor,
+        keys: torch.Tensor | None,
+        *,
+        start: int = 0,
+        queries: int | None = None,
+    ) -> None:
         """Add offending ``rows`` (query rows ``start:start + len(rows)`` of a record of ``queries`` rows)
         and ``keys``; one allocation per group, then in-place unions (a long record has many chunks)."""
         self.count += count
@@ -118,12 +125,16 @@ class CheckRun:
         if check in _DROPOUT_SENSITIVE and rec.dropout > 0:
             self.dropout_layers[rec.layer] = rec.dropout
             if rec.meta.get("dropout_in_eval"):
-                why = (f"dropout p={rec.dropout:g} was applied although the module is in eval mode (the code passes "
-                       "dropout_p to scaled_dot_product_attention whatever module.training is), so weights and "
-                       "outputs after dropout cannot sum to one or match; pass dropout_p=0 when not training")
+                why = (
+                    f"dropout p={rec.dropout:g} was applied although the module is in eval mode (the code passes "
+                    "dropout_p to scaled_dot_product_attention whatever module.training is), so weights and "
+                    "outputs after dropout cannot sum to one or match; pass dropout_p=0 when not training"
+                )
             else:
-                why = (f"dropout p={rec.dropout:g} is active (train mode), so weights and outputs after dropout "
-                       "cannot sum to one or match; call model.eval() before capturing")
+                why = (
+                    f"dropout p={rec.dropout:g} is active (train mode), so weights and outputs after dropout "
+                    "cannot sum to one or match; call model.eval() before capturing"
+                )
             self.skip(check, why, p)
             return
         per_key = bad.dim() == 4
@@ -144,8 +155,12 @@ class CheckRun:
             counts = torch.where(counts > 0, counts, keys.sum(-1))
         for b, h in (counts > 0).nonzero().tolist():
             finding.groups.setdefault((b, h), _Group()).add(
-                int(counts[b, h]), None if worst is None or math.isinf(worst[b][h]) else worst[b][h], rows[b, h],
-                None if keys is None else keys[b, h], start=p.start, queries=len(p.all_qpos),
+                int(counts[b, h]),
+                None if worst is None or math.isinf(worst[b][h]) else worst[b][h],
+                rows[b, h],
+                None if keys is None else keys[b, h],
+                start=p.start,
+                queries=len(p.all_qpos),
             )
 
     def violations(self) -> list[Violation]:
@@ -161,20 +176,40 @@ class CheckRun:
                 head = rec.heads[h] if finding.axis > 1 else (rec.heads[0] if len(rec.heads) == 1 else None)
                 queries, query_count = _listed(g.rows, finding.qpos)
                 keys, key_count = _listed(g.keys, finding.kpos)
-                out.append(Violation(
-                    check=finding.check, severity=finding.severity, name=rec.name, layer=rec.layer, head=head,
-                    batch=b, call=rec.call, step=rec.step, queries=queries, keys=keys, count=g.count,
-                    worst=g.worst, message=finding.message(g.count, g.worst), query_count=query_count,
-                    key_count=key_count,
-                ))
+                out.append(
+                    Violation(
+                        check=finding.check,
+                        severity=finding.severity,
+                        name=rec.name,
+                        layer=rec.layer,
+                        head=head,
+                        batch=b,
+                        call=rec.call,
+                        step=rec.step,
+                        queries=queries,
+                        keys=keys,
+                        count=g.count,
+                        worst=g.worst,
+                        message=finding.message(g.count, g.worst),
+                        query_count=query_count,
+                        key_count=key_count,
+                    )
+                )
         for rec, later, attended in self.bidirectional.values():
             if later and not attended:
-                out.append(Violation(
-                    check="causal", severity="error", name=rec.name, layer=rec.layer, call=rec.call, step=rec.step,
-                    count=later,
-                    message="declared causal=False, but no query attends any later key: the model applied a "
-                            "causal mask (is_causal left on, or a decoder mask in an encoder)",
-                ))
+                out.append(
+                    Violation(
+                        check="causal",
+                        severity="error",
+                        name=rec.name,
+                        layer=rec.layer,
+                        call=rec.call,
+                        step=rec.step,
+                        count=later,
+                        message="declared causal=False, but no query attends any later key: the model applied a "
+                        "causal mask (is_causal left on, or a decoder mask in an encoder)",
+                    )
+                )
         return out
 
 
@@ -187,13 +222,13 @@ def select_checks(checks) -> tuple[tuple[str, ...], str | frozenset | None]:
         raise TypeError(f"checks must be a check name or a list of them, got {checks!r}; choose from {list(known)}")
     names = (checks,) if isinstance(checks, str) else tuple(checks)
     if not names:
-        raise ValueError(f"checks={checks!r} selects nothing; leave it None for every check, or choose from "
-                         f"{list(known)}")
+        raise ValueError(
+            f"checks={checks!r} selects nothing; leave it None for every check, or choose from {list(known)}"
+        )
     bad = [n for n in names if not isinstance(n, str) or (n not in known and n != "lint" and not n.startswith("lint_"))]
     if bad:
         raise ValueError(
-            f"unknown check name(s) {bad}; choose from {list(known)}, 'lint' (every lint_* finding) "
-            "or a lint_* name"
+            f"unknown check name(s) {bad}; choose from {list(known)}, 'lint' (every lint_* finding) or a lint_* name"
         )
     builtin = tuple(c for c in known if c in names)
     if "lint" in names:
@@ -220,4 +255,3 @@ def records_of(capture_or_record) -> tuple[list[AttentionRecord], tuple[str, ...
         f"check() takes a Capture, an AttentionRecord or a list of records, got {type(capture_or_record).__name__}; "
         "capture first: `with attnprobe.capture(model) as cap: model(...)`, then check(cap)"
     )
-

@@ -60,8 +60,13 @@ LINT_SOFTMAX_AXIS = "lint_softmax_axis"
 LINT_UNREAD_MASK_BUFFER = "lint_unread_mask_buffer"
 
 #: Every lint, in the order they are reported.
-LINT_CHECKS: tuple[str, ...] = (LINT_UNUSED_MASK, LINT_SAME_KV, LINT_HEAD_MERGE, LINT_SOFTMAX_AXIS,
-                                LINT_UNREAD_MASK_BUFFER)
+LINT_CHECKS: tuple[str, ...] = (
+    LINT_UNUSED_MASK,
+    LINT_SAME_KV,
+    LINT_HEAD_MERGE,
+    LINT_SOFTMAX_AXIS,
+    LINT_UNREAD_MASK_BUFFER,
+)
 
 #: The failures each lint explains: a finding of these checks in the record (layer and call) of the lint is
 #: reported under it, with ``caused_by`` naming it (see ``attribute_causes``). In the order causes are tried.
@@ -78,7 +83,9 @@ def lint_violation(check: str, *, name: str, layer: int, call: int, message: str
     """One lint finding as a warning-severity ``Violation``."""
     if check not in LINT_CHECKS:
         raise ValueError(f"unknown lint {check!r}; lints are {list(LINT_CHECKS)}")
-    return Violation(check=check, severity="warning", name=name, layer=layer, head=head, call=call, count=1, message=message)
+    return Violation(
+        check=check, severity="warning", name=name, layer=layer, head=head, call=call, count=1, message=message
+    )
 
 
 def attribute_causes(violations: Iterable[Violation]) -> list[Violation]:
@@ -97,8 +104,14 @@ def attribute_causes(violations: Iterable[Violation]) -> list[Violation]:
         if v.check in LINT_EXPLAINS:
             continue
         candidates = sorted(lints_of.get((v.layer, v.call), ()), key=lambda lint: priority.index(lint.check))
-        cause = next((lint for lint in candidates if v.check in LINT_EXPLAINS[lint.check]
-                      and (lint.head is None or v.head is None or lint.head == v.head)), None)
+        cause = next(
+            (
+                lint
+                for lint in candidates
+                if v.check in LINT_EXPLAINS[lint.check] and (lint.head is None or v.head is None or lint.head == v.head)
+            ),
+            None,
+        )
         if cause is None:
             rest.append(v)
         else:
@@ -108,8 +121,9 @@ def attribute_causes(violations: Iterable[Violation]) -> list[Violation]:
         if id(v) in explained:
             ordered += [v, *explained[id(v)]]
     unexplained = {id(v) for v in rest}
-    return ordered + [v for v in violations
-                      if id(v) in unexplained or (v.check in LINT_EXPLAINS and id(v) not in explained)]
+    return ordered + [
+        v for v in violations if id(v) in unexplained or (v.check in LINT_EXPLAINS and id(v) not in explained)
+    ]
 
 
 def lints(records: Iterable) -> tuple[Violation, ...]:

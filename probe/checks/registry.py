@@ -11,8 +11,8 @@ per-row statistics). Adding a check means adding one function here or in your ow
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .violations import SEVERITIES
 

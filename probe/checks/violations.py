@@ -19,8 +19,22 @@ SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 
 #: Columns of ``CheckResult.to_frame()``, in order.
 FRAME_COLUMNS: tuple[str, ...] = (
-    "check", "severity", "name", "layer", "head", "batch", "call", "step",
-    "queries", "keys", "query_count", "key_count", "count", "worst", "message", "caused_by",
+    "check",
+    "severity",
+    "name",
+    "layer",
+    "head",
+    "batch",
+    "call",
+    "step",
+    "queries",
+    "keys",
+    "query_count",
+    "key_count",
+    "count",
+    "worst",
+    "message",
+    "caused_by",
 )
 
 
@@ -108,7 +122,7 @@ def cause_groups(violations) -> tuple[list[tuple[Violation, list[Violation]]], l
 class InvariantError(AssertionError):
     """Raised by ``assert_invariants``/``CheckResult.raise_if_failed``; the message is the violation table."""
 
-    def __init__(self, result: "CheckResult") -> None:
+    def __init__(self, result: CheckResult) -> None:
         self.result = result
         super().__init__(result.table())
 
@@ -202,7 +216,7 @@ class CheckResult:
     def __iter__(self):
         return iter(self.violations)
 
-    def filter(self, *, checks=None, severity=None, layers=None, heads=None) -> "CheckResult":
+    def filter(self, *, checks=None, severity=None, layers=None, heads=None) -> CheckResult:
         """The same result restricted to some checks, severities, layers or heads.
 
         ``checks``: names (``"lint"`` stands for every ``lint_*`` check); ``severity``: ``"error"``,
@@ -220,7 +234,8 @@ class CheckResult:
             return check_set is None or name in check_set or ("lint" in check_set and name.startswith("lint_"))
 
         kept = tuple(
-            v for v in self.violations
+            v
+            for v in self.violations
             if wanted_check(v.check)
             and (sev_set is None or v.severity in sev_set)
             and (layer_set is None or v.layer in layer_set)
@@ -236,7 +251,7 @@ class CheckResult:
 
     def counts(self) -> dict[str, int]:
         """Check name -> number of violations (all severities), in the order of ``checks``."""
-        out = {c: 0 for c in self.checks}
+        out = dict.fromkeys(self.checks, 0)
         for v in self.violations:
             out[v.check] = out.get(v.check, 0) + 1
         return out
@@ -248,12 +263,24 @@ class CheckResult:
         cols = list(FRAME_COLUMNS)
         rows = [{c: getattr(v, c) for c in cols} for v in self.violations]
         frame = pd.DataFrame(rows, columns=cols)
-        return frame.astype({
-            "check": "string", "severity": "string", "name": "string", "message": "string",
-            "layer": "Int64", "head": "Int64", "batch": "Int64", "step": "Int64",
-            "call": "int64", "count": "int64", "query_count": "int64", "key_count": "int64",
-            "worst": "float64", "caused_by": "string",
-        })
+        return frame.astype(
+            {
+                "check": "string",
+                "severity": "string",
+                "name": "string",
+                "message": "string",
+                "layer": "Int64",
+                "head": "Int64",
+                "batch": "Int64",
+                "step": "Int64",
+                "call": "int64",
+                "count": "int64",
+                "query_count": "int64",
+                "key_count": "int64",
+                "worst": "float64",
+                "caused_by": "string",
+            }
+        )
 
     def headline(self) -> str:
         errors = len(self.errors)
@@ -275,13 +302,18 @@ class CheckResult:
         for v in [v for cause, explained in groups for v in (cause, *explained)] + rest:  # causes first
             by_check.setdefault(v.check, []).append(v)
         for check, found in by_check.items():
-            severities = ", ".join(_plural(sum(v.severity == s for v in found), s) for s in SEVERITIES
-                                   if any(v.severity == s for v in found))
+            severities = ", ".join(
+                _plural(sum(v.severity == s for v in found), s)
+                for s in SEVERITIES
+                if any(v.severity == s for v in found)
+            )
             causes = sorted({v.caused_by for v in found if v.caused_by})
             effects = [e for cause, explained in groups if cause.check == check for e in explained]
-            lines.append(f"  {check}: {severities} in layer(s) {_layers(found)}"
-                         + (f", the cause of {len(effects)} finding(s) listed under it" if effects else "")
-                         + (f", caused by {' / '.join(causes)}" if causes else ""))
+            lines.append(
+                f"  {check}: {severities} in layer(s) {_layers(found)}"
+                + (f", the cause of {len(effects)} finding(s) listed under it" if effects else "")
+                + (f", caused by {' / '.join(causes)}" if causes else "")
+            )
         for note in self.declarations:
             lines.append(f"  from the model's code: {note}")
         if self.violations:
@@ -292,16 +324,18 @@ class CheckResult:
             shown = shown[:max_rows]
             rows = [("check", "severity", "where", "queries", "keys", "count", "worst", "message")]
             for v, under in shown:
-                rows.append((
-                    ("  " if under else "") + v.check,
-                    v.severity,
-                    v.where(),
-                    _positions(v.queries, v.query_count),
-                    _positions(v.keys, v.key_count),
-                    str(v.count),
-                    "-" if v.worst is None else f"{v.worst:.3g}",
-                    v.message,
-                ))
+                rows.append(
+                    (
+                        ("  " if under else "") + v.check,
+                        v.severity,
+                        v.where(),
+                        _positions(v.queries, v.query_count),
+                        _positions(v.keys, v.key_count),
+                        str(v.count),
+                        "-" if v.worst is None else f"{v.worst:.3g}",
+                        v.message,
+                    )
+                )
             widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
             lines.extend("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows)
             if len(self.violations) > max_rows:
@@ -323,7 +357,7 @@ class CheckResult:
 
         return repr_html(self)
 
-    def raise_if_failed(self) -> "CheckResult":
+    def raise_if_failed(self) -> CheckResult:
         """Raise ``InvariantError`` when there is an error-severity violation or when nothing at all was
         verified (an empty capture, or checks that could not run on any record); return self otherwise."""
         __tracebackhide__ = True  # pytest: show the caller's line, not this one

@@ -55,18 +55,25 @@ def parse_int_list(text: str | None, what: str) -> list[int] | None:
         part = part.strip()
         m = re.fullmatch(r"(-?\d+)(?:\s*-\s*(-?\d+))?", part)
         if not m:
-            raise InputError(f"cannot read {what} {text!r}: write numbers and ranges like 0-3,7 "
-                             "(negative numbers count from the end: -3--1 is the last three)")
+            raise InputError(
+                f"cannot read {what} {text!r}: write numbers and ranges like 0-3,7 "
+                "(negative numbers count from the end: -3--1 is the last three)"
+            )
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if (lo < 0) != (hi < 0):
-            raise InputError(f"{what} range {part!r} mixes counting from the end (negative) and from the start; "
-                             f"write both ends one way, e.g. -3--1 or 3-5")
+            raise InputError(
+                f"{what} range {part!r} mixes counting from the end (negative) and from the start; "
+                f"write both ends one way, e.g. -3--1 or 3-5"
+            )
         if hi < lo:
             raise InputError(f"{what} range {part!r} runs backwards; write it as {hi}-{lo}")
         if len(out) + hi + 1 - lo > MAX_SELECTED:  # before a single number is listed
-            raise InputError(str(too_many(what, len(out) + hi + 1 - lo, repr(text))).replace(
-                "name the ones the model has", "`attnprobe info` lists the model's"))
+            raise InputError(
+                str(too_many(what, len(out) + hi + 1 - lo, repr(text))).replace(
+                    "name the ones the model has", "`attnprobe info` lists the model's"
+                )
+            )
         out.extend(range(lo, hi + 1))
     return out
 
@@ -79,16 +86,25 @@ def parse_modules(text: str | None) -> list[str] | str | None:
         return "auto"
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
-        raise InputError(f"--modules {text!r} names no module: give names from named_modules(), e.g. "
-                         "--modules blocks.0.attn,blocks.1.attn, or --modules auto")
+        raise InputError(
+            f"--modules {text!r} names no module: give names from named_modules(), e.g. "
+            "--modules blocks.0.attn,blocks.1.attn, or --modules auto"
+        )
     return ["" if n == "<root>" else n for n in names]
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float64": torch.float64,
+    }
     if name.lower() not in table:
         raise InputError(f"unknown dtype {name!r}; choose one of float32, float16, bfloat16, float64")
     return table[name.lower()]
@@ -117,8 +133,9 @@ def remote_code(path: Path) -> list[str]:
     return sorted({str(ref).rsplit(".", 1)[0] + ".py" for ref in refs if ref})
 
 
-def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
-                        weights: bool = True):
+def load_pretrained_dir(
+    path: Path, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False, weights: bool = True
+):
     """A model (and its tokenizer, when the folder has one) from a local Hugging Face directory.
 
     Code shipped in the folder (``auto_map`` in config.json) runs only with ``trust_remote_code=True``;
@@ -127,9 +144,15 @@ def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None, trust_r
     """
     if not path.exists():
         hub_like = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not str(path).startswith(".")
-        raise InputError(f"model path {str(path)!r} does not exist" + (
-            " (attnprobe reads local folders only and never downloads: fetch the model first, e.g. with "
-            "huggingface_hub.snapshot_download, and pass its folder)" if hub_like else ""))
+        raise InputError(
+            f"model path {str(path)!r} does not exist"
+            + (
+                " (attnprobe reads local folders only and never downloads: fetch the model first, e.g. with "
+                "huggingface_hub.snapshot_download, and pass its folder)"
+                if hub_like
+                else ""
+            )
+        )
     if not path.is_dir():
         raise InputError(f"{str(path)!r} is a file; give a model folder (with config.json) or package.module:factory")
     if not (path / "config.json").exists():
@@ -141,9 +164,11 @@ def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None, trust_r
     custom = remote_code(path)
 
     def refused(exc: Exception) -> InputError:
-        return InputError(f"{str(path)!r} ships its own model code ({', '.join(custom)}, named by auto_map in "
-                          "config.json) and attnprobe does not run it unless asked: read it, then pass "
-                          "--trust-remote-code (Python: trust_remote_code=True)")
+        return InputError(
+            f"{str(path)!r} ships its own model code ({', '.join(custom)}, named by auto_map in "
+            "config.json) and attnprobe does not run it unless asked: read it, then pass "
+            "--trust-remote-code (Python: trust_remote_code=True)"
+        )
 
     kwargs = {} if dtype is None else {"dtype": dtype}
     # corrupt or truncated weights fail deep inside safetensors / torch.load with their own exception
@@ -158,15 +183,21 @@ def load_pretrained_dir(path: Path, *, dtype: torch.dtype | None = None, trust_r
     except Exception as exc:
         if custom and not trust and "trust_remote_code" in str(exc):
             raise refused(exc) from exc
-        raise InputError(_first_line(f"could not load a model from {str(path)!r}: {type(exc).__name__}: {exc}")) from exc
+        raise InputError(
+            _first_line(f"could not load a model from {str(path)!r}: {type(exc).__name__}: {exc}")
+        ) from exc
     tokenizer = None
-    if weights and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")):
+    if weights and any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spiece.model")
+    ):
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust)
         except Exception as exc:
             if not trust and "trust_remote_code" in str(exc):
                 raise refused(exc) from exc
-            raise InputError(_first_line(f"could not load the tokenizer in {str(path)!r}: {type(exc).__name__}: {exc}")) from exc
+            raise InputError(
+                _first_line(f"could not load the tokenizer in {str(path)!r}: {type(exc).__name__}: {exc}")
+            ) from exc
     return model.eval(), tokenizer
 
 
@@ -196,13 +227,16 @@ def import_user_module(module_name: str, spec: str):
         module = importlib.import_module(module_name)
     except SyntaxError as exc:
         where = f"{Path(exc.filename).name}:{exc.lineno}" if exc.filename else module_name
-        raise InputError(f"cannot import {module_name!r} for factory {spec!r}: SyntaxError at {where}: {exc.msg}") from exc
+        raise InputError(
+            f"cannot import {module_name!r} for factory {spec!r}: SyntaxError at {where}: {exc.msg}"
+        ) from exc
     except ImportError as exc:
         raise InputError(f"cannot import {module_name!r} for factory {spec!r}: {exc}") from exc
     except Exception as exc:  # the module's own code raised while it was imported
         first = _first_line(str(exc)) if str(exc).strip() else ""
-        raise InputError(f"importing {module_name!r} for factory {spec!r} raised {type(exc).__name__}"
-                         f"{': ' + first if first else ''}") from exc
+        raise InputError(
+            f"importing {module_name!r} for factory {spec!r} raised {type(exc).__name__}{': ' + first if first else ''}"
+        ) from exc
     return module
 
 
@@ -216,10 +250,15 @@ def call_factory(spec: str):
     for part in attr.split("."):
         if not hasattr(factory, part):
             local = Path(os.getcwd(), *module_name.split("."))
-            shadowed = ((local.with_suffix(".py").is_file() or local.is_dir())
-                        and not str(getattr(module, "__file__", "") or "").startswith(os.getcwd()))
-            hint = (f"; the installed {module_name!r} ({module.__file__}) comes before the one in the current "
-                    "folder: rename yours" if shadowed else "")
+            shadowed = (local.with_suffix(".py").is_file() or local.is_dir()) and not str(
+                getattr(module, "__file__", "") or ""
+            ).startswith(os.getcwd())
+            hint = (
+                f"; the installed {module_name!r} ({module.__file__}) comes before the one in the current "
+                "folder: rename yours"
+                if shadowed
+                else ""
+            )
             raise InputError(f"{module_name!r} has no attribute {attr!r} (factory {spec!r}){hint}")
         factory = getattr(factory, part)
     if not callable(factory):
@@ -228,14 +267,17 @@ def call_factory(spec: str):
         made = factory()
     except Exception as exc:  # the user's code failed: say so in one line
         raise InputError(f"factory {spec!r} raised {type(exc).__name__}: {exc}") from exc
-    model, tokenizer = (made if isinstance(made, tuple) and len(made) == 2 else (made, None))
+    model, tokenizer = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
     if not isinstance(model, nn.Module):
-        raise InputError(f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module (or (model, tokenizer))")
+        raise InputError(
+            f"factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module (or (model, tokenizer))"
+        )
     return model.eval(), tokenizer
 
 
-def load_model(spec: str | None, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
-               weights: bool = True):
+def load_model(
+    spec: str | None, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False, weights: bool = True
+):
     """(model, tokenizer or None, source description) for a CLI MODEL argument.
 
     ``trust_remote_code``: run code shipped in a model folder (off by default). ``weights=False``: a
@@ -268,8 +310,9 @@ def read_texts(texts: tuple[str, ...], file: str | None) -> list[str]:
             raise InputError(f"cannot read input file {file!r}: {exc.strerror or exc}") from None
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
-            raise InputError(f"input file {file!r} has no text (it is empty or has only blank lines); "
-                             "write one input per line")
+            raise InputError(
+                f"input file {file!r} has no text (it is empty or has only blank lines); write one input per line"
+            )
         out += lines
     for t in out:
         if not t.strip():
@@ -361,8 +404,16 @@ def check_fits(model: nn.Module, inputs: dict[str, torch.Tensor], *, from_tokeni
             )
 
 
-def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_texts: list[str], ids: list[list[int]],
-                   device: str | None = None) -> Workload:
+def build_workload(
+    model,
+    tokenizer,
+    source: str,
+    *,
+    texts: list[str],
+    decoder_texts: list[str],
+    ids: list[list[int]],
+    device: str | None = None,
+) -> Workload:
     """Inputs for one forward: texts through the tokenizer, or raw ids; decoder inputs for encoder-decoders."""
     work = Workload(model=model, source=source, tokenizer=tokenizer, texts=list(texts))
     main_input = getattr(model, "main_input_name", "input_ids")
@@ -395,8 +446,11 @@ def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_t
             raise InputError("--decoder-text needs a tokenizer; this model has none")
         if len(decoder_texts) not in (1, len(work.inputs["input_ids"])):
             raise InputError(f"give one --decoder-text, or one per input ({len(work.inputs['input_ids'])})")
-        dec = tokenizer(decoder_texts * (len(work.inputs["input_ids"]) if len(decoder_texts) == 1 else 1),
-                        padding=True, return_tensors="pt")
+        dec = tokenizer(
+            decoder_texts * (len(work.inputs["input_ids"]) if len(decoder_texts) == 1 else 1),
+            padding=True,
+            return_tensors="pt",
+        )
         work.inputs["decoder_input_ids"] = dec["input_ids"]
         work.inputs["decoder_attention_mask"] = dec["attention_mask"]
         work.decoder_tokens = _token_strings(tokenizer, dec["input_ids"])
@@ -412,7 +466,8 @@ def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_t
                 if not bool(work.inputs[k].all()):
                     raise InputError(
                         f"{source}: {type(model).__name__}.forward takes no attention_mask, so the padding of inputs "
-                        "of different lengths cannot reach it: give inputs of one length (or one input)")
+                        "of different lengths cannot reach it: give inputs of one length (or one input)"
+                    )
                 work.inputs.pop(k)  # no padding: the model needs no mask
         if "input_ids" not in accepted and "input_ids" in work.inputs:
             raise InputError(
@@ -421,8 +476,10 @@ def build_workload(model, tokenizer, source: str, *, texts: list[str], decoder_t
     check_fits(model, work.inputs, from_tokenizer=bool(texts))
     if device is not None:
         if device.strip().lower().startswith("meta"):
-            raise InputError(f"cannot use device {device!r}: meta tensors hold no values to capture; "
-                             "choose a real device such as cpu or cuda:0")
+            raise InputError(
+                f"cannot use device {device!r}: meta tensors hold no values to capture; "
+                "choose a real device such as cpu or cuda:0"
+            )
         try:
             work.model = model.to(device)
             work.inputs = {k: v.to(device) for k, v in work.inputs.items()}

@@ -29,8 +29,15 @@ import torch
 from ..selection import index_heads
 
 
-def attention_logits(q: torch.Tensor, k: torch.Tensor, *, scaling: float, bias: torch.Tensor | None = None,
-                     softcap: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def attention_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``(batch, head, rows, d) x (batch, head, keys, d) -> (batch, head, rows, keys)``: ``q @ k^T * scaling``,
     plus ``bias`` (a position bias), softcapped (``tanh(s / cap) * cap``). A new tensor in ``q``'s dtype, or
     written into ``out`` (contiguous, of that shape: a buffer the caller reuses block after block).
@@ -133,6 +140,7 @@ class AttentionCall:
     @classmethod
     def for_heads(cls, q, k, v=None, *, heads, kv_heads, mask=None, bias=None, sinks=None, output=None, **kw):
         """From full-head tensors: pick the selected heads (and the kv head each reads), detached."""
+
         def pick(t, index, axis=1):
             return None if t is None else index_heads(t.detach(), tuple(index), axis)[0]
 
@@ -142,11 +150,18 @@ class AttentionCall:
             t = _as_4d(t.detach())
             return t if t.shape[1] == 1 else pick(t, heads)
 
-        return cls(q=pick(q, heads), k=pick(k, kv_heads), v=pick(v, kv_heads), mask=per_head(mask),
-                   bias=per_head(bias), sinks=pick(sinks, heads, 0) if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 else None,
-                   output=pick(output, heads), **kw)
+        return cls(
+            q=pick(q, heads),
+            k=pick(k, kv_heads),
+            v=pick(v, kv_heads),
+            mask=per_head(mask),
+            bias=per_head(bias),
+            sinks=pick(sinks, heads, 0) if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 else None,
+            output=pick(output, heads),
+            **kw,
+        )
 
-    def take_rows(self, rows: torch.Tensor) -> "AttentionCall":
+    def take_rows(self, rows: torch.Tensor) -> AttentionCall:
         """The same call for the query rows ``rows`` only (``(n,)`` long, ascending, unique): q, the mask, the bias
         and the output cut to those rows; ``positions`` remembers where they were."""
         rows = rows.to(self.q.device, torch.long)
@@ -160,9 +175,14 @@ class AttentionCall:
             return t if t.shape[-2] == 1 else t.index_select(-2, rows.to(t.device))
 
         positions = rows if self.positions is None else self.positions.index_select(0, rows)
-        return dataclasses.replace(self, q=self.q.index_select(2, rows), mask=cut(self.mask), bias=cut(self.bias),
-                                   output=None if self.output is None else self.output.index_select(2, rows),
-                                   positions=positions)
+        return dataclasses.replace(
+            self,
+            q=self.q.index_select(2, rows),
+            mask=cut(self.mask),
+            bias=cut(self.bias),
+            output=None if self.output is None else self.output.index_select(2, rows),
+            positions=positions,
+        )
 
     def row_positions(self, a: int, b: int) -> torch.Tensor:
         """``(b - a,)`` long: the positions of q rows ``a:b``."""
@@ -202,8 +222,9 @@ class AttentionCall:
             forbidden = later if forbidden is None else forbidden | later
         return None if forbidden is None else _as_4d(forbidden)
 
-    def logits(self, a: int, b: int, c: int, d: int, out: torch.Tensor | None = None, *,
-               times: float = 1.0) -> torch.Tensor:
+    def logits(
+        self, a: int, b: int, c: int, d: int, out: torch.Tensor | None = None, *, times: float = 1.0
+    ) -> torch.Tensor:
         """``(batch, head, b - a, d - c)`` in the compute dtype: scaled ``q @ k`` plus bias, softcapped, plus the
         part of a float mask that is not masking (a relative bias folded into the mask, as Swin does), i.e.
         the logits the softmax sees at the allowed keys. ``out``: a buffer to write them into (see

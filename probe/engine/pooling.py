@@ -31,16 +31,22 @@ class Overview:
     windows: tuple[tuple[int, int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.cells is not None and (isinstance(self.cells, bool) or not isinstance(self.cells, int)
-                                       or self.cells < 1):
+        if self.cells is not None and (
+            isinstance(self.cells, bool) or not isinstance(self.cells, int) or self.cells < 1
+        ):
             raise ValueError(f"Overview cells must be a positive int, got {self.cells!r}")
         windows = []
         for w in self.windows:
             w = tuple(w)
-            if len(w) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in w) \
-                    or w[0] >= w[1] or w[2] >= w[3]:
-                raise ValueError(f"an Overview window is (q0, q1, k0, k1) with 0 <= q0 < q1 and 0 <= k0 < k1, "
-                                 f"got {w!r}")
+            if (
+                len(w) != 4
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in w)
+                or w[0] >= w[1]
+                or w[2] >= w[3]
+            ):
+                raise ValueError(
+                    f"an Overview window is (q0, q1, k0, k1) with 0 <= q0 < q1 and 0 <= k0 < k1, got {w!r}"
+                )
             windows.append(w)
         object.__setattr__(self, "windows", tuple(windows))
 
@@ -97,8 +103,9 @@ class Pooler:
             self.max = torch.zeros(B, h, self.nq, self.nk, device=device, dtype=dtype)
             self.sum = torch.zeros(B, h, self.nq, self.nk, device=device, dtype=dtype)
         self.windows = [(min(q0, Tq), min(q1, Tq), min(k0, Tk), min(k1, Tk)) for q0, q1, k0, k1 in overview.windows]
-        self.window = [torch.zeros(B, h, q1 - q0, k1 - k0, device=device, dtype=dtype)
-                       for q0, q1, k0, k1 in self.windows]
+        self.window = [
+            torch.zeros(B, h, q1 - q0, k1 - k0, device=device, dtype=dtype) for q0, q1, k0, k1 in self.windows
+        ]
 
     def add(self, w: torch.Tensor, a: int, c: int, row_scale: torch.Tensor | None = None) -> None:
         """Fold in exact weights ``w`` ``(B, h, rows, keys)`` of query rows ``a:`` and keys ``c:`` (each entry once);
@@ -110,8 +117,10 @@ class Pooler:
         for (q0, q1, k0, k1), out in zip(self.windows, self.window):
             r0, r1, s0, s1 = max(a, q0), min(a + n, q1), max(c, k0), min(c + kn, k1)
             if r0 < r1 and s0 < s1:
-                part = w[:, :, r0 - a:r1 - a, s0 - c:s1 - c]
-                out[:, :, r0 - q0:r1 - q0, s0 - k0:s1 - k0] = part if scale is None else part * scale[:, :, r0 - a:r1 - a]
+                part = w[:, :, r0 - a : r1 - a, s0 - c : s1 - c]
+                out[:, :, r0 - q0 : r1 - q0, s0 - k0 : s1 - k0] = (
+                    part if scale is None else part * scale[:, :, r0 - a : r1 - a]
+                )
         if self.cells is None:
             return
         ck, kmax = _pool_axis(w, c, self.rk, -1, "max")
@@ -132,9 +141,10 @@ class Pooler:
         for (q0, q1, k0, k1), out in zip(self.windows, self.window):
             r0, r1 = max(a, q0), min(a + rows.shape[-1], q1)
             if r0 < r1:
-                sel = rows[:, :, r0 - a:r1 - a, None].expand(-1, -1, -1, k1 - k0)
-                out[:, :, r0 - q0:r1 - q0] = torch.where(sel, torch.as_tensor(weight, dtype=self.dtype),
-                                                         out[:, :, r0 - q0:r1 - q0])
+                sel = rows[:, :, r0 - a : r1 - a, None].expand(-1, -1, -1, k1 - k0)
+                out[:, :, r0 - q0 : r1 - q0] = torch.where(
+                    sel, torch.as_tensor(weight, dtype=self.dtype), out[:, :, r0 - q0 : r1 - q0]
+                )
         if self.cells is None:
             return
         cq, count = _pool_axis(rows.to(self.dtype), a, self.rq, -1, "sum")  # (B, h, cells): uniform rows per cell
@@ -173,5 +183,5 @@ def pool_weights(weights: torch.Tensor, overview, *, rows_per_block: int | None 
     step = rows_per_block or max(1, (1 << 24) // max(1, B * h * Tk))
     with torch.no_grad():
         for a in range(0, Tq, step):
-            pool.add(weights[:, :, a:a + step], a, 0)
+            pool.add(weights[:, :, a : a + step], a, 0)
     return pool.result()

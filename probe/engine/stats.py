@@ -36,19 +36,34 @@ verdicts). Everything is O(T).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 import torch
 
 from .attention_math import AttentionCall, sink_logsumexp
-from .pooling import Overview, Pooler  # noqa: F401  (Overview: part of this module's interface)
+from .pooling import Overview, Pooler
 
 #: Statistics with one value per (batch, head, query), in order.
 ROW_STATS: tuple[str, ...] = (
-    "entropy", "max_weight", "min_weight", "argmax_key", "first_key_mass", "diagonal_mass", "previous_mass",
-    "masked_mass", "masked_max", "row_sum_error", "max_score", "finite", "output_error", "output_scale",
-    "first_key", "last_key", "allowed_keys", "diagonal_allowed",
+    "entropy",
+    "max_weight",
+    "min_weight",
+    "argmax_key",
+    "first_key_mass",
+    "diagonal_mass",
+    "previous_mass",
+    "masked_mass",
+    "masked_max",
+    "row_sum_error",
+    "max_score",
+    "finite",
+    "output_error",
+    "output_scale",
+    "first_key",
+    "last_key",
+    "allowed_keys",
+    "diagonal_allowed",
 )
 #: Statistics with one value per (batch, head, key).
 KEY_STATS: tuple[str, ...] = ("key_weight", "key_allowed")
@@ -80,8 +95,20 @@ class _Rows:
     """Statistics of query rows ``a:b`` accumulated over key blocks (one accumulator, two sources: the
     engine's exact weights, or a full capture's weights)."""
 
-    def __init__(self, B: int, h: int, a: int, b: int, Tk: int, *, diag_offset: int | None, device, dtype,
-                 dv: int | None, positions: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        B: int,
+        h: int,
+        a: int,
+        b: int,
+        Tk: int,
+        *,
+        diag_offset: int | None,
+        device,
+        dtype,
+        dv: int | None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
         n = b - a
         self.a, self.b, self.Tk = a, b, Tk
         z = torch.zeros(B, h, n, device=device, dtype=dtype)
@@ -108,8 +135,16 @@ class _Rows:
     def _at(self, t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:
         _gather(t, key, c, d, out)
 
-    def add(self, w: torch.Tensor, c: int, *, scores: torch.Tensor | None, allowed: torch.Tensor | None,
-            v: torch.Tensor | None, exact_zero_outside: bool) -> None:
+    def add(
+        self,
+        w: torch.Tensor,
+        c: int,
+        *,
+        scores: torch.Tensor | None,
+        allowed: torch.Tensor | None,
+        v: torch.Tensor | None,
+        exact_zero_outside: bool,
+    ) -> None:
         """Fold in keys ``c:c + w.shape[-1]``: weights ``w`` ``(B, h, rows, keys)``, the logits ``scores`` (None:
         unknown), ``allowed`` (None: every key allowed). ``exact_zero_outside``: the weights are 0 at every
         forbidden key by construction (the engine's softmax), so the masked sums need no pass."""
@@ -156,24 +191,38 @@ class _Rows:
             self.out += w @ vb
             self.scale += (w.abs() @ vb.abs().amax(-1, keepdim=True)).squeeze(-1)
 
-    def finish(self, *, expected: torch.Tensor | float, output: torch.Tensor | None, scores_known: bool,
-               empty_uniform: bool = False) -> dict[str, torch.Tensor]:
+    def finish(
+        self,
+        *,
+        expected: torch.Tensor | float,
+        output: torch.Tensor | None,
+        scores_known: bool,
+        empty_uniform: bool = False,
+    ) -> dict[str, torch.Tensor]:
         empty = self.allowed_keys == 0
         finite = torch.isfinite(self.sum) & torch.isfinite(self.max) & torch.isfinite(self.min)
         if scores_known:
             # a NaN/inf logit at an allowed key (the "-inf at an allowed key" signal comes from the min)
             finite &= empty | (torch.isfinite(self.max_score) & torch.isfinite(self.min_score))
         out = {
-            "entropy": self.entropy, "max_weight": self.max, "min_weight": self.min, "argmax_key": self.argmax,
-            "first_key_mass": self.first_mass, "diagonal_mass": self.diag_mass, "previous_mass": self.prev_mass,
-            "masked_mass": self.masked_mass, "masked_max": self.masked_max,
+            "entropy": self.entropy,
+            "max_weight": self.max,
+            "min_weight": self.min,
+            "argmax_key": self.argmax,
+            "first_key_mass": self.first_mass,
+            "diagonal_mass": self.diag_mass,
+            "previous_mass": self.prev_mass,
+            "masked_mass": self.masked_mass,
+            "masked_max": self.masked_max,
             "row_sum_error": (self.sum - expected).abs(),
             "max_score": self.max_score if scores_known else torch.full_like(self.max, math.nan),
-            "first_key": torch.where(self.first >= self.Tk, -1, self.first), "last_key": self.last,
-            "allowed_keys": self.allowed_keys, "diagonal_allowed": self.diag_allowed,
+            "first_key": torch.where(self.first >= self.Tk, -1, self.first),
+            "last_key": self.last,
+            "allowed_keys": self.allowed_keys,
+            "diagonal_allowed": self.diag_allowed,
         }
         if output is not None and self.out is not None:
-            obs = output[:, :, self.a:self.b].to(self.out.dtype)
+            obs = output[:, :, self.a : self.b].to(self.out.dtype)
             out["output_error"] = (self.out - obs).abs().amax(-1)
             out["output_scale"] = self.scale
             finite &= torch.isfinite(obs).all(-1)
@@ -198,8 +247,9 @@ def _counted_rows(query_padding: torch.Tensor | None, B: int, Tq: int, device) -
     return (~query_padding.to(device, torch.bool)).float()
 
 
-def _collect(parts: list[dict], key_weight: torch.Tensor, key_allowed: torch.Tensor,
-             extra: dict | None = None) -> Mapping[str, torch.Tensor]:
+def _collect(
+    parts: list[dict], key_weight: torch.Tensor, key_allowed: torch.Tensor, extra: dict | None = None
+) -> Mapping[str, torch.Tensor]:
     if len(parts) == 1:  # one block of rows (every row of a short input): its tensors as they are
         stats = {name: parts[0][name] for name in ROW_STATS}
     else:
@@ -209,9 +259,16 @@ def _collect(parts: list[dict], key_weight: torch.Tensor, key_allowed: torch.Ten
     return MappingProxyType(stats)
 
 
-def attention_stats(call: AttentionCall, *, diag_offset: int | None = None, query_padding: torch.Tensor | None = None,
-                    block_bytes: int = DEFAULT_BLOCK_BYTES, overview: Overview | None = None,
-                    rows: torch.Tensor | None = None, workspace: dict | None = None) -> Mapping[str, torch.Tensor]:
+def attention_stats(
+    call: AttentionCall,
+    *,
+    diag_offset: int | None = None,
+    query_padding: torch.Tensor | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    overview: Overview | None = None,
+    rows: torch.Tensor | None = None,
+    workspace: dict | None = None,
+) -> Mapping[str, torch.Tensor]:
     """Every statistic of ``call`` (``ROW_STATS`` ``(batch, head, query)``, ``KEY_STATS`` ``(batch, head, key)``),
     exact, without a tensor larger than ``block_bytes`` (a few of them at once).
 
@@ -348,8 +405,9 @@ class _Engine:
                 m_new = torch.maximum(m, bm)
                 arg = torch.where(bm > m, barg + c, arg)
                 safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
-                l = l * torch.exp(torch.where(torch.isfinite(m), m - safe, -math.inf)) + \
-                    torch.exp(z - safe[..., None]).sum(-1)
+                l = l * torch.exp(torch.where(torch.isfinite(m), m - safe, -math.inf)) + torch.exp(
+                    z - safe[..., None]
+                ).sum(-1)
                 m = m_new
         shift = torch.where(torch.isfinite(m), m, 0.0)  # e = exp(z - shift); -inf rows stay 0
         empty = torch.isneginf(m)  # no allowed key (NaN rows are not empty: they are not finite)
@@ -357,12 +415,19 @@ class _Engine:
         diag = None if self.diag_offset is None else positions + self.diag_offset
         dv = None if self.v is None else self.v.shape[-1]
         z_ = torch.zeros(B, h, n, device=device, dtype=dtype)
-        acc = {"l": z_.clone(), "dot": z_.clone(), "min": torch.full_like(z_, math.inf), "first_e": z_.clone(),
-               "diag_e": torch.full_like(z_, math.nan), "prev_e": torch.full_like(z_, math.nan),
-               "allowed_keys": torch.zeros(B, h, n, dtype=torch.long, device=device),
-               "diag_allowed": torch.zeros(B, h, n, dtype=torch.bool, device=device),
-               "first": torch.full((B, h, n), self.Tk, dtype=torch.long, device=device),
-               "last": torch.full((B, h, n), -1, dtype=torch.long, device=device), "a": a}
+        acc = {
+            "l": z_.clone(),
+            "dot": z_.clone(),
+            "min": torch.full_like(z_, math.inf),
+            "first_e": z_.clone(),
+            "diag_e": torch.full_like(z_, math.nan),
+            "prev_e": torch.full_like(z_, math.nan),
+            "allowed_keys": torch.zeros(B, h, n, dtype=torch.long, device=device),
+            "diag_allowed": torch.zeros(B, h, n, dtype=torch.bool, device=device),
+            "first": torch.full((B, h, n), self.Tk, dtype=torch.long, device=device),
+            "last": torch.full((B, h, n), -1, dtype=torch.long, device=device),
+            "a": a,
+        }
         out = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
         scale = None if dv is None else torch.zeros_like(z_)
         pending = []  # key-block sums of e that need l: (c, d, e-block summed against counted rows)
@@ -382,7 +447,7 @@ class _Engine:
                 limit = positions + self.call.causal_offset + 1 if self.call.causal else torch.full_like(positions, d)
                 acc["allowed_keys"] += (limit.clamp(c, d) - c).view(1, 1, -1)
                 reach = min(d, self.call.key_limit(b)) if self.call.causal else d
-                self.key_allowed[..., c:max(c, reach)] = True
+                self.key_allowed[..., c : max(c, reach)] = True
                 if diag is not None:
                     acc["diag_allowed"] |= ((diag >= c) & (diag < d) & (diag < limit)).view(1, 1, -1)
             else:
@@ -463,10 +528,18 @@ class _Engine:
         # sum e * (logits - max), forbidden keys 0: the entropy without adding the max and taking it off again
         dot = s.mul_(e).sum(-1).mul_(_LN2)  # in place: s is only a scratch buffer from here on
         first, last = _hits(e, WEIGHT_THRESHOLD * total, scratch=s)  # s is not read again
-        acc = {"l": l, "dot": dot, "dot_shifted": True, "min": e.amin(-1), "a": a,
-               "first_e": torch.zeros_like(l), "diag_e": torch.full_like(l, math.nan),
-               "prev_e": torch.full_like(l, math.nan),
-               "first": torch.where(first >= 0, first + c, self.Tk), "last": torch.where(last >= 0, last + c, -1)}
+        acc = {
+            "l": l,
+            "dot": dot,
+            "dot_shifted": True,
+            "min": e.amin(-1),
+            "a": a,
+            "first_e": torch.zeros_like(l),
+            "diag_e": torch.full_like(l, math.nan),
+            "prev_e": torch.full_like(l, math.nan),
+            "first": torch.where(first >= 0, first + c, self.Tk),
+            "last": torch.where(last >= 0, last + c, -1),
+        }
         _gather(e, self.first_key.expand(B, h, n), c, d, acc["first_e"])
         if diag is not None:
             _gather(e, diag, c, d, acc["diag_e"])
@@ -475,7 +548,7 @@ class _Engine:
             limit = positions + call.causal_offset + 1 if call.causal else torch.full_like(positions, d)
             acc["allowed_keys"] = (limit.clamp(c, d) - c).view(1, 1, -1).expand(B, h, n).clone()
             reach = min(d, call.key_limit(b)) if call.causal else d
-            self.key_allowed[..., c:max(c, reach)] = True
+            self.key_allowed[..., c : max(c, reach)] = True
             acc["diag_allowed"] = torch.zeros(B, h, n, dtype=torch.bool, device=device)
             if diag is not None:
                 acc["diag_allowed"] |= ((diag >= c) & (diag < d) & (diag < limit)).view(1, 1, -1)
@@ -534,11 +607,14 @@ class _Engine:
             "first_key_mass": acc["first_e"] * inv,
             "diagonal_mass": acc["diag_e"] * inv,
             "previous_mass": acc["prev_e"] * inv,
-            "masked_mass": torch.zeros_like(m), "masked_max": torch.zeros_like(m),
+            "masked_mass": torch.zeros_like(m),
+            "masked_max": torch.zeros_like(m),
             "row_sum_error": (acc["l"] * inv - expected).abs(),
             "max_score": m,
-            "first_key": torch.where(acc["first"] >= Tk, -1, acc["first"]), "last_key": acc["last"],
-            "allowed_keys": acc["allowed_keys"], "diagonal_allowed": acc["diag_allowed"],
+            "first_key": torch.where(acc["first"] >= Tk, -1, acc["first"]),
+            "last_key": acc["last"],
+            "allowed_keys": acc["allowed_keys"],
+            "diagonal_allowed": acc["diag_allowed"],
         }
         finite = torch.isfinite(acc["dot"]) & torch.isfinite(total) & ~torch.isnan(m)
         finite = finite | (empty & (acc["dot"] == 0))
@@ -559,9 +635,18 @@ class _Engine:
 
     def _uniform_rows(self, stats: dict, empty: torch.Tensor, diag, a: int, b: int) -> dict:
         Tk, u = self.Tk, 1.0 / self.Tk
-        put = {"entropy": math.log(Tk), "max_weight": u, "min_weight": u, "argmax_key": 0, "first_key_mass": u,
-               "masked_mass": 1.0, "masked_max": u, "row_sum_error": 0.0,
-               "first_key": 0 if u > WEIGHT_THRESHOLD else -1, "last_key": Tk - 1 if u > WEIGHT_THRESHOLD else -1}
+        put = {
+            "entropy": math.log(Tk),
+            "max_weight": u,
+            "min_weight": u,
+            "argmax_key": 0,
+            "first_key_mass": u,
+            "masked_mass": 1.0,
+            "masked_max": u,
+            "row_sum_error": 0.0,
+            "first_key": 0 if u > WEIGHT_THRESHOLD else -1,
+            "last_key": Tk - 1 if u > WEIGHT_THRESHOLD else -1,
+        }
         out = {name: (torch.where(empty, put[name], t) if name in put else t) for name, t in stats.items()}
         if diag is not None:
             out["diagonal_mass"] = torch.where(empty & (diag < Tk), u, stats["diagonal_mass"])
@@ -575,8 +660,9 @@ class _Engine:
         return out
 
     def result(self) -> Mapping[str, torch.Tensor]:
-        return _collect(self.parts, self.key_weight, self.key_allowed,
-                        None if self.pool is None else self.pool.result())
+        return _collect(
+            self.parts, self.key_weight, self.key_allowed, None if self.pool is None else self.pool.result()
+        )
 
 
 #: Keys per chunk of ``_chunk_max``: index statistics look inside one chunk per row. A max over chunks of 256 costs
@@ -621,8 +707,9 @@ def _last_true(found: torch.Tensor) -> torch.Tensor:
     return found.shape[-1] - 1 - found.flip(-1).to(torch.uint8).argmax(-1)
 
 
-def _hits(e: torch.Tensor, threshold: torch.Tensor, *, scratch: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _hits(
+    e: torch.Tensor, threshold: torch.Tensor, *, scratch: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(first, last)`` ``(...)``: the first and last key whose value in ``e`` ``(..., K)`` is ``> threshold``
     (``(...)``), -1 when none is (NaN is never above). Long rows go by chunk maxima: one cheap pass over ``e``, then a
     look inside the first and the last chunk that holds a hit. Short rows by float arithmetic over the whole block
@@ -701,11 +788,19 @@ def _gather(t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:
     out.copy_(torch.where(inside, got.to(out.dtype), out))
 
 
-def stats_from_weights(weights: torch.Tensor, *, scores: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-                       v: torch.Tensor | None = None, output: torch.Tensor | None = None,
-                       sinks: torch.Tensor | None = None, diag_offset: int | None = None,
-                       query_padding: torch.Tensor | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                       rows: torch.Tensor | None = None) -> Mapping[str, torch.Tensor]:
+def stats_from_weights(
+    weights: torch.Tensor,
+    *,
+    scores: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    diag_offset: int | None = None,
+    query_padding: torch.Tensor | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    rows: torch.Tensor | None = None,
+) -> Mapping[str, torch.Tensor]:
     """The same statistics as ``attention_stats``, from full tensors: ``weights`` ``(batch, head, query, key)``,
     ``scores`` (the logits; None: ``max_score`` NaN, finiteness from the weights alone), ``allowed`` ``(batch,
     1 or head, query or 1, key)`` (None: every key allowed), ``v`` ``(batch, head, key, d)`` (each query head's kv
@@ -724,8 +819,11 @@ def stats_from_weights(weights: torch.Tensor, *, scores: torch.Tensor | None = N
     device = weights.device
     counted = _counted_rows(query_padding, B, Tq, device).to(dtype)
     key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
-    key_allowed = torch.ones(B, h, Tk, dtype=torch.bool, device=device) if allowed is None else \
-        allowed.any(-2).expand(B, h, Tk).clone()
+    key_allowed = (
+        torch.ones(B, h, Tk, dtype=torch.bool, device=device)
+        if allowed is None
+        else allowed.any(-2).expand(B, h, Tk).clone()
+    )
     dv = None if v is None or output is None else v.shape[-1]
     step = _rows_per_block(B, h, Tk, torch.finfo(dtype).bits // 8, block_bytes)
     parts = []
@@ -765,8 +863,12 @@ def record_stats(record) -> Mapping[str, torch.Tensor] | None:
         offset = record.query_offset if record.query_offset + q_len <= k_len else k_len - q_len
         diag = offset if offset >= 0 else None
     v = output = None
-    if record.v is not None and record.output is not None and record.num_kv_heads > 0 \
-            and record.num_heads % record.num_kv_heads == 0:
+    if (
+        record.v is not None
+        and record.output is not None
+        and record.num_kv_heads > 0
+        and record.num_heads % record.num_kv_heads == 0
+    ):
         group = record.num_heads // record.num_kv_heads
         try:
             index = [record.kv_heads.index(hd // group) for hd in record.heads]
@@ -774,5 +876,13 @@ def record_stats(record) -> Mapping[str, torch.Tensor] | None:
             index = None
         if index is not None:
             v, output = record.v[:, index], record.output
-    return stats_from_weights(record.weights, scores=record.scores, allowed=record.allowed, v=v, output=output,
-                              sinks=record.sinks, diag_offset=diag, query_padding=record.query_padding)
+    return stats_from_weights(
+        record.weights,
+        scores=record.scores,
+        allowed=record.allowed,
+        v=v,
+        output=output,
+        sinks=record.sinks,
+        diag_offset=diag,
+        query_padding=record.query_padding,
+    )

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from ..checks.violations import Violation
 from ..errors import AttnprobeError
 from ..files import write_atomic
 from ..record import AttentionRecord
-from ..checks.violations import Violation
 
 FORMAT = "attnprobe.capture"
 VERSION = 1
@@ -83,8 +83,11 @@ class _Encoder:
                 return {"__dict__": {k: self(v, f"{path}.{k}") for k, v in value.items()}}
             return {"__items__": [[self(k, f"{path}.key"), self(v, f"{path}.{k}")] for k, v in value.items()]}
         if is_dataclass(value) and _DATACLASSES.get(type(value).__name__) is type(value):
-            return {"__" + type(value).__name__ + "__": {f.name: self(getattr(value, f.name), f"{path}.{f.name}")
-                                                         for f in fields(value)}}
+            return {
+                "__" + type(value).__name__ + "__": {
+                    f.name: self(getattr(value, f.name), f"{path}.{f.name}") for f in fields(value)
+                }
+            }
         if isinstance(value, numbers.Integral):  # numpy integers
             return int(value)
         if isinstance(value, numbers.Real):  # numpy floats
@@ -101,8 +104,10 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) != 1:
-        raise CaptureFileError(f"{where}: unexpected entry {sorted(value)[:3]} in the index (written by another version?)")
-    (tag, body), = value.items()
+        raise CaptureFileError(
+            f"{where}: unexpected entry {sorted(value)[:3]} in the index (written by another version?)"
+        )
+    ((tag, body),) = value.items()
     if tag == "__tensor__":
         if body not in tensors:
             raise CaptureFileError(f"{where}: tensor {body!r} is missing from its safetensors file")
@@ -215,7 +220,9 @@ def _cpu_tensors(tensors: Mapping[str, torch.Tensor], where: str) -> dict[str, t
     for key, t in tensors.items():
         t = t.detach()
         if t.is_sparse or t.layout != torch.strided or t.is_complex():
-            raise CaptureFileError(f"cannot save {where} tensor {key!r} ({t.layout}, {t.dtype}): only dense real tensors")
+            raise CaptureFileError(
+                f"cannot save {where} tensor {key!r} ({t.layout}, {t.dtype}): only dense real tensors"
+            )
         t = t.to("cpu").contiguous()
         if t.numel() and t.untyped_storage().data_ptr() in seen:
             t = t.clone()  # shares memory with another field (safetensors refuses that): its own copy
@@ -322,7 +329,12 @@ def _read_record(entry: Mapping[str, Any], folder: Path) -> AttentionRecord:
     from safetensors import safe_open
 
     file = entry.get("file") if isinstance(entry, Mapping) else None
-    if not isinstance(file, str) or not file.startswith(f"{RECORDS}/") or ".." in file or not isinstance(entry.get("fields"), Mapping):
+    if (
+        not isinstance(file, str)
+        or not file.startswith(f"{RECORDS}/")
+        or ".." in file
+        or not isinstance(entry.get("fields"), Mapping)
+    ):
         raise CaptureFileError(f"{folder / INDEX}: a record entry is malformed ({str(entry)[:80]})")
     path = folder / file
     try:
@@ -330,14 +342,16 @@ def _read_record(entry: Mapping[str, Any], folder: Path) -> AttentionRecord:
             tensors = {key: f.get_tensor(key) for key in f.keys()}
     except FileNotFoundError:
         raise CaptureFileError(f"{path} is missing: the capture directory is incomplete") from None
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError
+    except Exception as exc:
         raise CaptureFileError(f"{path} is not a readable safetensors file ({exc})") from None
     where = f"{path}"
     values = {name: _decode(v, tensors, where) for name, v in entry["fields"].items()}
     known = {f.name for f in fields(AttentionRecord)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise CaptureFileError(f"{where}: record fields {unknown} are unknown to this attnprobe (written by a newer one?)")
+        raise CaptureFileError(
+            f"{where}: record fields {unknown} are unknown to this attnprobe (written by a newer one?)"
+        )
     try:
         return AttentionRecord(**values)
     except (TypeError, ValueError) as exc:
@@ -349,7 +363,9 @@ def read(path) -> tuple[list[AttentionRecord], dict[str, Any]]:
     a ``Capture``)."""
     folder = _target(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a directory; give the folder written by cap.save() or capture(store=)")
+        raise FileNotFoundError(
+            f"{folder} is not a directory; give the folder written by cap.save() or capture(store=)"
+        )
     try:
         with open(folder / INDEX, encoding="utf-8") as f:
             index = json.load(f)

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine.sinks import sink_mass
 from ..errors import AttnprobeError, warn_user
 from ..files import atomic_open
-from ..engine.sinks import sink_mass
 from .tokens import record_token_rows
 
 #: Column -> dtype of ``Capture.to_frame()``: the one schema, defined here only.
@@ -36,12 +36,30 @@ FRAME_SCHEMA: dict[str, str] = {
 #: Column -> dtype of ``Capture.to_frame()`` for a statistics capture (``keep=("stats",)`` without scores or
 #: weights): one row per (layer, call, head, batch, query_pos), a column per statistic (``probe.stats.ROW_STATS``).
 STATS_FRAME_SCHEMA: dict[str, str] = {
-    "layer": "int64", "name": "category", "call": "int64", "head": "int64", "batch": "int64", "query_pos": "int64",
-    "entropy": "float32", "max_weight": "float32", "min_weight": "float32", "argmax_key": "int64",
-    "first_key_mass": "float32", "diagonal_mass": "float32", "previous_mass": "float32", "masked_mass": "float32",
-    "masked_max": "float32", "row_sum_error": "float32", "max_score": "float32", "finite": "bool",
-    "output_error": "float32", "output_scale": "float32", "first_key": "int64", "last_key": "int64",
-    "allowed_keys": "int64", "diagonal_allowed": "bool",
+    "layer": "int64",
+    "name": "category",
+    "call": "int64",
+    "head": "int64",
+    "batch": "int64",
+    "query_pos": "int64",
+    "entropy": "float32",
+    "max_weight": "float32",
+    "min_weight": "float32",
+    "argmax_key": "int64",
+    "first_key_mass": "float32",
+    "diagonal_mass": "float32",
+    "previous_mass": "float32",
+    "masked_mass": "float32",
+    "masked_max": "float32",
+    "row_sum_error": "float32",
+    "max_score": "float32",
+    "finite": "bool",
+    "output_error": "float32",
+    "output_scale": "float32",
+    "first_key": "int64",
+    "last_key": "int64",
+    "allowed_keys": "int64",
+    "diagonal_allowed": "bool",
     "query_padding": "boolean",  # as in FRAME_SCHEMA: a padded query row, <NA> when the record does not say
 }
 
@@ -84,8 +102,7 @@ def _warn_left_out(records: list, what: str, needs: str, fix: str) -> None:
         return
     shown = ", ".join(f"layer {r.layer} call {r.call} ({r.name!r})" for r in records[:5])
     more = f" and {len(records) - 5} more" if len(records) > 5 else ""
-    warn_user(
-        f"{what} left out {len(records)} record(s) without {needs}: {shown}{more}; {fix}")
+    warn_user(f"{what} left out {len(records)} record(s) without {needs}: {shown}{more}; {fix}")
 
 
 def _values(t: torch.Tensor | None, n: int) -> np.ndarray:
@@ -109,8 +126,10 @@ def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
     records = list(cap)
     if records and all(r.weights is None and r.scores is None and r.stats is not None for r in records):
         if tokens is not None or key_tokens is not None:
-            raise AttnprobeError("to_frame(tokens=...) names (query, key) cells; a statistics capture has one row per "
-                                 "query: join tokens on query_pos yourself")
+            raise AttnprobeError(
+                "to_frame(tokens=...) names (query, key) cells; a statistics capture has one row per "
+                "query: join tokens on query_pos yourself"
+            )
         return stats_frame(records, drop_padding=drop_padding)
     with_tokens = tokens is not None or key_tokens is not None
     vocab = _Vocab()
@@ -146,7 +165,8 @@ def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
         parts["allowed_known"].append(np.full(n, allowed is not None))
         padding = r.query_padding
         parts["query_padding"].append(
-            np.zeros(n, dtype=bool) if padding is None
+            np.zeros(n, dtype=bool)
+            if padding is None
             else padding.cpu().bool()[:, None, :, None].expand(B, H, Tq, Tk).numpy().reshape(-1)
         )
         parts["padding_known"].append(np.full(n, padding is not None))
@@ -158,8 +178,12 @@ def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
                 else:
                     token_parts[col].append(vocab.codes(rows)[batch, pos])
 
-    _warn_left_out(left_out, "to_frame()", "scores or weights (one row per query and key needs one of them)",
-                   "capture with keep= including 'weights' or 'scores' to have them in the frame")
+    _warn_left_out(
+        left_out,
+        "to_frame()",
+        "scores or weights (one row per query and key needs one of them)",
+        "capture with keep= including 'weights' or 'scores' to have them in the frame",
+    )
 
     def cat(col, dtype):
         return np.concatenate(parts[col]) if parts[col] else np.zeros(0, dtype=dtype)
@@ -206,8 +230,11 @@ def stats_frame(records, *, drop_padding: bool = False):
     import pandas as pd
 
     names: dict[str, int] = {}
-    columns = [c for c in STATS_FRAME_SCHEMA
-               if c not in ("layer", "name", "call", "head", "batch", "query_pos", "query_padding")]
+    columns = [
+        c
+        for c in STATS_FRAME_SCHEMA
+        if c not in ("layer", "name", "call", "head", "batch", "query_pos", "query_padding")
+    ]
     parts: dict[str, list[np.ndarray]] = {c: [] for c in STATS_FRAME_SCHEMA}
     known: list[np.ndarray] = []
     for r in records:
@@ -225,8 +252,11 @@ def stats_frame(records, *, drop_padding: bool = False):
         for c in columns:
             parts[c].append(r.stats[c].detach().cpu().numpy().reshape(-1).astype(STATS_FRAME_SCHEMA[c]))
         padding = None if r.query_padding is None else r.query_padding.cpu()[:, r.stats_positions]
-        parts["query_padding"].append(np.zeros(n, dtype=bool) if padding is None else
-                                      padding.cpu().bool()[:, None, :].expand(B, H, Tq).numpy().reshape(-1))
+        parts["query_padding"].append(
+            np.zeros(n, dtype=bool)
+            if padding is None
+            else padding.cpu().bool()[:, None, :].expand(B, H, Tq).numpy().reshape(-1)
+        )
         known.append(np.full(n, padding is not None))
     data = {}
     for c, dtype in STATS_FRAME_SCHEMA.items():
@@ -250,8 +280,10 @@ def _summary_from_stats(r, acc: dict) -> None:
     if r.query_padding is not None:  # of the rows the statistics describe (all, or those stats_rows= sampled)
         real &= ~r.query_padding.cpu()[:, r.stats_positions][:, None, :]
     counts = real.sum(dim=(0, 2))
-    sums = {col: torch.where(real, st[col].float(), 0.0).sum(dim=(0, 2))
-            for col in ("entropy", "max_weight", "first_key_mass", "masked_mass")}
+    sums = {
+        col: torch.where(real, st[col].float(), 0.0).sum(dim=(0, 2))
+        for col in ("entropy", "max_weight", "first_key_mass", "masked_mass")
+    }
     if r.kind == "self":
         for col in ("diagonal_mass", "previous_mass"):
             ok = real & ~torch.isnan(st[col])
@@ -419,7 +451,9 @@ def write_frame(frame, path, *, format: str | None = None, overwrite: bool = Fal
             raise AttnprobeError("only CSV can be returned as text; give a path to write Parquet")
         return frame_csv(frame, formula_safe=formula_safe)
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a file path (str or os.PathLike), or None for CSV text, got {type(path).__name__}")
+        raise TypeError(
+            f"path must be a file path (str or os.PathLike), or None for CSV text, got {type(path).__name__}"
+        )
     path = Path(os.fspath(path))
     fmt = format or {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}.get(path.suffix.lower())
     if fmt not in ("parquet", "csv"):

@@ -15,7 +15,9 @@ from ..errors import AttnprobeError
 from ..record import AttentionRecord
 
 #: how to ask generate for a cache that keeps every key (the keyword changed in transformers 5.24)
-_DYNAMIC_CACHE = "a transformers.DynamicCache() as its cache (cache=... from transformers 5.24, past_key_values=... before)"
+_DYNAMIC_CACHE = (
+    "a transformers.DynamicCache() as its cache (cache=... from transformers 5.24, past_key_values=... before)"
+)
 
 
 def _pad_keys(t: torch.Tensor | None, length: int, fill) -> torch.Tensor | None:
@@ -39,10 +41,14 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
     first = steps[0]
     for i, r in enumerate(steps):
         if r.step != i:
-            selected = " (a selection of steps? stitch needs each run whole, from its prefill, step 0)" if i == 0 else ""
+            selected = (
+                " (a selection of steps? stitch needs each run whole, from its prefill, step 0)" if i == 0 else ""
+            )
             raise AttnprobeError(f"cannot stitch {first.name!r}: expected step {i}, found step {r.step}{selected}")
         if r.name != first.name or r.heads != first.heads:
-            raise AttnprobeError(f"cannot stitch records of different modules or head selections ({first.name!r}, {r.name!r})")
+            raise AttnprobeError(
+                f"cannot stitch records of different modules or head selections ({first.name!r}, {r.name!r})"
+            )
     total = steps[-1].query_offset + steps[-1].query_len
     expected = first.query_offset
     for r in steps:
@@ -50,7 +56,8 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
             rolled_back = (
                 f"; the cache went back {expected - r.query_offset} position(s): assisted or prompt-lookup decoding "
                 "drops the candidate tokens it rejects, whose rows the earlier step holds"
-                if r.query_offset < expected else ""
+                if r.query_offset < expected
+                else ""
             )
             raise AttnprobeError(
                 f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected "
@@ -66,7 +73,7 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
         if r.kind == "self" and r.key_len is not None and r.key_len > r.query_offset + r.query_len:
             raise AttnprobeError(
                 f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach only "
-                f"position {r.query_offset + r.query_len}; a static cache (cache_implementation=\"static\", "
+                f'position {r.query_offset + r.query_len}; a static cache (cache_implementation="static", '
                 "StaticCache) pads the keys to its full length, so the steps do not form one matrix; generate with "
                 f"{_DYNAMIC_CACHE} to stitch them"
             )
@@ -91,9 +98,7 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
     allowed = None
     if all(r.allowed is not None for r in steps):
         width = max(r.allowed.shape[1] for r in steps)
-        allowed = torch.cat(
-            [_pad_keys(r.allowed.expand(-1, width, -1, -1), key_total, False) for r in steps], dim=2
-        )
+        allowed = torch.cat([_pad_keys(r.allowed.expand(-1, width, -1, -1), key_total, False) for r in steps], dim=2)
     return replace(
         first,
         step=None,
@@ -138,8 +143,12 @@ def stitch(capture):
         raise AttnprobeError(
             "this capture has no generation steps to stitch: capture around model.generate(...) "
             "with a model whose attention attnprobe reads through the Hugging Face adapter"
-            + (" (generate(..., use_cache=False) has no steps: each of its calls is a whole forward over the "
-               "sequence so far, so the records of its last call already hold the full matrix)" if len(capture) else "")
+            + (
+                " (generate(..., use_cache=False) has no steps: each of its calls is a whole forward over the "
+                "sequence so far, so the records of its last call already hold the full matrix)"
+                if len(capture)
+                else ""
+            )
         )
     return type(capture)(_stitched(runs), capture.info)  # a Capture (capture.py imports this module: no import back)
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..errors import AttnprobeError
-from .generation import shown
 from ..record import AttentionRecord
+from .generation import shown
 from .tokens import record_token_rows
 
 
@@ -83,8 +83,9 @@ def to_bertviz(capture, batch: int = 0, *, tokens=None, key_tokens=None, call: i
     if stacks <= {None}:
         selfs = [r for r in records if r.kind == "self"]
         if not selfs:
-            raise AttnprobeError("bertviz draws self-attention (or an encoder-decoder): this capture has only "
-                                 "cross-attention records")
+            raise AttnprobeError(
+                "bertviz draws self-attention (or an encoder-decoder): this capture has only cross-attention records"
+            )
         _same_heads(selfs, "a model")
         q, k = _tokens(selfs[0], tokens, key_tokens, batch)
         if q != k:
@@ -100,8 +101,10 @@ def to_bertviz(capture, batch: int = 0, *, tokens=None, key_tokens=None, call: i
     }
     missing = [name for name, rs in groups.items() if not rs]
     if missing:
-        raise AttnprobeError(f"bertviz's encoder-decoder view needs {', '.join(missing)}: capture every layer "
-                             "of the encoder and the decoder (layers=None)")
+        raise AttnprobeError(
+            f"bertviz's encoder-decoder view needs {', '.join(missing)}: capture every layer "
+            "of the encoder and the decoder (layers=None)"
+        )
     for name, rs in groups.items():
         _same_heads(rs, name.replace("_", " "))
     encoder_tokens, _ = _tokens(groups["encoder_attention"][0], tokens, key_tokens, batch)
@@ -110,8 +113,9 @@ def to_bertviz(capture, batch: int = 0, *, tokens=None, key_tokens=None, call: i
     return {**out, "encoder_tokens": encoder_tokens, "decoder_tokens": decoder_tokens}
 
 
-def to_circuitsvis(capture, layer: int, batch: int = 0, *, tokens=None, call: int = 0,
-                   head_names: bool = False) -> dict[str, Any]:
+def to_circuitsvis(
+    capture, layer: int, batch: int = 0, *, tokens=None, call: int = 0, head_names: bool = False
+) -> dict[str, Any]:
     """The keyword arguments of ``circuitsvis.attention.attention_patterns`` for one self-attention layer.
 
     ``{"tokens": [...], "attention": (head, query, key) float32 tensor}`` (the record's stored heads in order);
@@ -135,12 +139,16 @@ def to_circuitsvis(capture, layer: int, batch: int = 0, *, tokens=None, call: in
         raise AttnprobeError(f"no record of layer {layer} (call {call}); captured layers: {list(capture.layers)}")
     record = records[0]
     if record.kind != "self":
-        raise AttnprobeError(f"layer {layer} is cross-attention: circuitsvis's attention_patterns labels queries and "
-                             "keys with one token list (self-attention only)")
+        raise AttnprobeError(
+            f"layer {layer} is cross-attention: circuitsvis's attention_patterns labels queries and "
+            "keys with one token list (self-attention only)"
+        )
     q, k = _tokens(record, tokens, None, batch)
     if q != k:
-        raise AttnprobeError(f"layer {layer} has {len(q)} queries and {len(k)} keys (a cached generation step?): "
-                             "circuitsvis's attention_patterns needs one token per query and key")
+        raise AttnprobeError(
+            f"layer {layer} has {len(q)} queries and {len(k)} keys (a cached generation step?): "
+            "circuitsvis's attention_patterns needs one token per query and key"
+        )
     view: dict[str, Any] = {"tokens": q, "attention": _weights(record, batch)[0]}
     if head_names:
         view["attention_head_names"] = [f"L{layer}H{h}" for h in record.heads]

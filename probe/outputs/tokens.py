@@ -22,7 +22,9 @@ def token_rows(tokens, batch_size: int, what: str) -> list[list[str]] | None:
     if isinstance(tokens, (str, bytes)):
         raise AttnprobeError(f"{what} must be a list of token strings (or one list per batch row), not one string")
     if not isinstance(tokens, Iterable):
-        raise TypeError(f"{what} must be a list of token strings (or one list per batch row), got {type(tokens).__name__}")
+        raise TypeError(
+            f"{what} must be a list of token strings (or one list per batch row), got {type(tokens).__name__}"
+        )
     rows = list(tokens)
     if not rows or all(isinstance(t, str) for t in rows):
         return [list(rows)] * batch_size
@@ -59,12 +61,18 @@ def record_token_rows(record: AttentionRecord, tokens, key_tokens):
             q_rows, q_name = context, "key_tokens"
     k_rows, k_name = (q_rows, q_name) if record.kind == "self" else (context, "key_tokens")
     where = f"layer {record.layer} ({record.name!r}, call {record.call})"
-    for rows, name, length, what in ((q_rows, q_name, record.query_offset + (record.query_len or 0), "query"),
-                                     (k_rows, k_name, record.key_start + (record.key_len or 0), "key")):
+    for rows, name, length, what in (
+        (q_rows, q_name, record.query_offset + (record.query_len or 0), "query"),
+        (k_rows, k_name, record.key_start + (record.key_len or 0), "key"),
+    ):
         short = [len(r) for r in rows or () if len(r) < length]
         if short:
             raise AttnprobeError(
                 f"{name} has {short[0]} entries but {where} has {length} {what} positions; give one token per position"
-                + (" (key_tokens name the context of cross-attention and of an encoder)" if name == "key_tokens" else "")
+                + (
+                    " (key_tokens name the context of cross-attention and of an encoder)"
+                    if name == "key_tokens"
+                    else ""
+                )
             )
     return q_rows, k_rows
