@@ -256,7 +256,7 @@ def capture_workload(work, options, max_bytes):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _, cap = attnprobe.run(work.model, work.inputs, **options)
+            _, cap = attnprobe.run(work.model, work.call_inputs, **options)
         if options["modules"] is None and not cap.info.get("attention_modules"):
             raise UsageProblem(messages.no_attention_advice(work.model, work.source))  # instead of the Python advice
         for w in caught:  # the rest as they came
@@ -286,7 +286,7 @@ def blame_the_forward(work, exc: Exception) -> None:
 
     try:
         with torch.no_grad():
-            work.model(**work.inputs)
+            work.forward()
     except Exception as plain:
         first = str(plain).strip().splitlines()[0] if str(plain).strip() else ""
         raise ModelFailed(

@@ -31,7 +31,8 @@ class InputError(AttnprobeError, ValueError):
 
 @dataclass
 class Workload:
-    """A model ready to run: the call's keyword arguments and the token strings per batch row."""
+    """A model ready to run: its inputs by their Hugging Face names (``input_ids``, ``attention_mask``, ...), how
+    its forward takes the token ids (``ids_keyword``), and the token strings per batch row."""
 
     model: nn.Module
     source: str
@@ -40,10 +41,28 @@ class Workload:
     tokens: list[list[str]] | None = None
     decoder_tokens: list[list[str]] | None = None
     texts: list[str] = field(default_factory=list)
+    #: the forward's parameter that takes the token ids: ``"input_ids"``, another name (nanoGPT's
+    #: ``forward(idx, targets=None)``: ``"idx"``), or None for a positional-only one (``forward(ids, /)``)
+    ids_keyword: str | None = "input_ids"
 
     @property
     def is_encoder_decoder(self) -> bool:
         return bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
+
+    @property
+    def call_inputs(self) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:
+        """What the model is called with (``attnprobe.run(model, work.call_inputs)``): the inputs as keyword
+        arguments, the token ids under the name the forward gives them, or the ids alone as its one argument."""
+        if self.ids_keyword == "input_ids" or "input_ids" not in self.inputs:
+            return self.inputs
+        if self.ids_keyword is None:
+            return (self.inputs["input_ids"],)
+        return {(self.ids_keyword if k == "input_ids" else k): v for k, v in self.inputs.items()}
+
+    def forward(self) -> Any:
+        """The model's output on the inputs, called as ``call_inputs`` says (no capture)."""
+        inputs = self.call_inputs
+        return self.model(*inputs) if isinstance(inputs, tuple) else self.model(**inputs)
 
 
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
@@ -473,11 +492,34 @@ def _encode_decoder(work: Workload, decoder_texts: list[str]) -> None:
     work.decoder_tokens = _token_strings(work.tokenizer, dec["input_ids"])
 
 
+def ids_keyword(forward) -> str | None:
+    """How ``forward`` takes token ids: ``"input_ids"`` when it names them so (or takes any keyword), else the
+    name of its first parameter (nanoGPT's ``forward(idx, targets=None)``: ``"idx"``), None for a positional-only
+    first parameter or ``*args``; an ``InputError`` when it takes no argument that could be the ids."""
+    params = inspect.signature(forward).parameters
+    if "input_ids" in params:
+        return "input_ids"
+    first = next(iter(params.values()), None)
+    if first is not None and first.kind is first.POSITIONAL_OR_KEYWORD:
+        return first.name
+    if first is not None and first.kind in (first.POSITIONAL_ONLY, first.VAR_POSITIONAL):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return "input_ids"
+    owner = getattr(getattr(forward, "__self__", None), "__class__", type(None)).__name__
+    raise InputError(
+        f"{owner}.forward takes no token ids (no input_ids and no positional argument); give a factory whose "
+        "model takes token ids, e.g. forward(input_ids, attention_mask=None) or nanoGPT's forward(idx, targets=None)"
+    )
+
+
 def fit_forward(work: Workload) -> None:
-    """Fit the inputs to the model's ``forward``: leave out what it does not take (token types; an attention mask
-    where nothing is padded, refused where something is, since the padding could not reach the model)."""
+    """Fit the inputs to the model's ``forward``: find how it takes the token ids (``Workload.ids_keyword``), and
+    leave out what it does not take (token types; an attention mask where nothing is padded, refused where
+    something is, since the padding could not reach the model)."""
     model, source = work.model, work.source
     accepted = inspect.signature(model.forward).parameters
+    work.ids_keyword = ids_keyword(model.forward)
     if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         return
     for k in [k for k in work.inputs if k not in accepted and k != "input_ids"]:
@@ -490,9 +532,11 @@ def fit_forward(work: Workload) -> None:
                     "of different lengths cannot reach it: give inputs of one length (or one input)"
                 )
             work.inputs.pop(k)  # no padding: the model needs no mask
-    if "input_ids" not in accepted and "input_ids" in work.inputs:
+    if work.ids_keyword is None and len(work.inputs) > 1:
         raise InputError(
-            f"{source}: {type(model).__name__}.forward takes no input_ids; give a factory whose model takes token ids"
+            f"{source}: {type(model).__name__}.forward takes the token ids as its one positional argument and "
+            f"cannot be given {', '.join(k for k in work.inputs if k != 'input_ids')} beside them by name; give a "
+            "factory whose model names its parameters"
         )
 
 
