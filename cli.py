@@ -13,12 +13,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 
 from . import __version__
+from .probe.commandline import targets
+from .probe.commandline.interrupts import Commands
 
 EXAMPLES_MODEL = """
 MODEL is a local Hugging Face model folder, or package.module:factory (a function returning a model,
@@ -159,38 +160,6 @@ STATS_OPTION = click.option(
 )
 
 
-def parse_window(text: str, length: int, key_length: int) -> tuple[int, int, int, int]:
-    """``--window Q0:Q1,K0:K1`` -> (q0, q1, k0, k1), checked against the input's length."""
-    try:
-        rows, keys = text.split(",")
-        q0, q1 = (int(x) for x in rows.split(":"))
-        k0, k1 = (int(x) for x in keys.split(":"))
-    except ValueError:
-        raise UsageProblem(
-            f"--window {text!r}: write query rows and keys as Q0:Q1,K0:K1, e.g. --window 0:64,0:64"
-        ) from None
-    if not (0 <= q0 < q1 <= length and 0 <= k0 < k1 <= key_length):
-        raise UsageProblem(
-            f"--window {text!r} is outside the input ({length} queries x {key_length} keys): "
-            "choose 0 <= Q0 < Q1 <= queries and 0 <= K0 < K1 <= keys"
-        )
-    return q0, q1, k0, k1
-
-
-def default_cells(work, heads) -> int:
-    """Overview cells per side for a statistics report: 512 for up to 2 heads, 256 up to 8, 128 beyond (a
-    32k-token report of 32 heads stays under 30 MB)."""
-    import attnprobe
-
-    from .probe.commandline import loading
-
-    chosen = loading.parse_int_list(heads, "--heads")
-    total = sum(
-        m.num_heads if chosen is None else len(chosen) for m in attnprobe.attention_modules(work.model) if m.num_heads
-    )
-    return 512 if total <= 2 else 256 if total <= 8 else 128
-
-
 def model_and_input_options(fn):
     """MODEL, the inputs, the selection, and --quiet/--debug, shared by every command that runs a model."""
     options = [
@@ -237,16 +206,16 @@ def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress
     )
 
 
-def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=None, *, stats=None, overview=None):
+def run_capture(
+    work, layers, heads, max_bytes, progress, keep=None, modules=None, *, stats=None, overview=None, found=None
+):
     """Capture the workload. ``stats``: True = statistics mode (``keep=("stats",)``, nothing grows as query x key),
     None = switch to it by itself (one line on stderr) when a full capture cannot fit --max-bytes (or the memory
-    available), False = never. ``overview``: the ``Overview`` a statistics report also keeps."""
-    import warnings
-
+    available), False = never. ``overview``: the ``Overview`` a statistics report also keeps. ``found``: the
+    attention modules found before the run, when the caller has asked already (``attnprobe.attention_modules``)."""
     import attnprobe
 
-    from .probe.commandline import loading
-    from .probe.errors import AttnprobeError, CaptureBudgetError, SelectionError, UnsupportedModelError
+    from .probe.commandline import loading, memory_plan
     from .probe.selection import parse_bytes
 
     options = {
@@ -256,200 +225,53 @@ def run_capture(work, layers, heads, max_bytes, progress, keep=None, modules=Non
         "keep": keep,
         "modules": loading.parse_modules(modules),
     }
+    found = attnprobe.attention_modules(work.model) if found is None else found
     note = None
     if stats is None:
-        note = switch_to_stats(work, options, max_bytes)
+        note = memory_plan.switch_to_stats(work, options, max_bytes, found)
         stats = note is not None
     if stats:
         options["keep"] = ("stats",)
         if overview is not None:
             options["overview"] = overview
-    check_input_size(work, options, max_bytes)
+    memory_plan.check_input_size(work, options, max_bytes, found)
     progress.stage("capturing attention")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _, cap = attnprobe.run(work.model, work.inputs, **options)
-        if options["modules"] is None and not cap.info.get("attention_modules"):
-            raise UsageProblem(no_attention_advice(work.model, work.source))  # instead of the Python advice
-        for w in caught:  # the rest as they came
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    except CaptureBudgetError as exc:  # the library's advice names Python arguments (keep=, dtype=) a CLI user lacks
-        what = str(exc).split(". Select", 1)[0]
-        raise UsageProblem(f"{what}; select fewer layers (--layers) or heads (--heads), or raise --max-bytes") from None
-    except SelectionError as exc:
-        raise UsageProblem(cli_selection_message(exc, work.model)) from None
-    except UnsupportedModelError as exc:
-        if not str(exc).startswith("no attention found"):
-            raise
-        raise UsageProblem(no_attention_advice(work.model, work.source)) from None
-    except (AttnprobeError, click.ClickException):
-        raise
-    except Exception as exc:
-        blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
+    cap = capture_workload(work, options, max_bytes)
     if note is not None:  # after the capture: an error stays one line
         click.echo(note, err=True)
     return cap
 
 
-def capture_limit(options, max_bytes_text) -> tuple[int | None, str]:
-    """(bytes, what) a capture must fit: --max-bytes, else the memory available (None: unknown)."""
-    if options.get("max_bytes") is not None:
-        return options["max_bytes"], f"--max-bytes {max_bytes_text}"
-    return available_memory(), "the memory available on this machine"
+def capture_workload(work, options, max_bytes):
+    """``attnprobe.run`` on the workload, its warnings passed on; the library's errors said in command-line words
+    (from the data they carry: ``probe.commandline.messages``), a failing forward blamed on the model or on
+    attnprobe (``blame_the_forward``)."""
+    import warnings
 
-
-def switch_to_stats(work, options, max_bytes_text) -> str | None:
-    """When a full capture of this input would pass the limit: the line that says the statistics mode is used
-    instead (``run_capture`` prints it on stderr once the capture worked); else None."""
-    from .probe.selection import format_bytes
-
-    need = planned_attention_bytes(work, options)
-    limit, what = capture_limit(options, max_bytes_text)
-    if limit is None or need <= limit:
-        return None
-    return (
-        f"attnprobe: a full capture of this input needs at least {format_bytes(need)}, more than {what} "
-        f"({format_bytes(limit)}): used the statistics mode (--stats: per-row statistics computed blockwise, "
-        "no query x key matrix; --full refuses instead)"
-    )
-
-
-def statistics_overview(work, heads, windows, cells):
-    """The ``Overview`` a statistics report keeps: --cells (or ``default_cells``) and the --window choices
-    (default: the first and the last 128 x 128 of the input)."""
-    from .probe.engine.stats import Overview
-
-    ids = work.inputs.get("input_ids")
-    if ids is None or ids.ndim != 2:
-        if windows:
-            raise UsageProblem("--window needs token ids (input_ids) to check the window against the input")
-        return Overview(cells=cells or default_cells(work, heads))
-    length = key_length = int(ids.shape[-1])
-    if "decoder_input_ids" in work.inputs:
-        length = int(work.inputs["decoder_input_ids"].shape[-1])
-    if windows:
-        chosen = tuple(parse_window(w, length, key_length) for w in windows)
-    else:
-        n, m = min(128, length), min(128, key_length)
-        chosen = tuple(dict.fromkeys([(0, n, 0, m), (length - n, length, key_length - m, key_length)]))
-    return Overview(cells=cells or default_cells(work, heads), windows=chosen)
-
-
-def cli_selection_message(exc: Exception, model) -> str:
-    """A SelectionError in command-line words; a module name that is not in the model lists the candidates."""
-    from .probe.commandline.candidates import softmax_modules
-
-    text = (
-        str(exc)
-        .replace("attnprobe.attention_modules(model) lists them", "`attnprobe info` lists them")
-        .replace("modules=:", "--modules:")
-        .replace("model.named_modules()", "named_modules()")
-    )
-    if text.startswith("--modules:") and "is not a module" in text:
-        found = [c.name or "<root>" for c in softmax_modules(model)]
-        if found:
-            text += f"; modules whose code calls softmax: {','.join(found[:8])}" + (" ..." if len(found) > 8 else "")
-    return text
-
-
-def no_attention_advice(model, source: str) -> str:
-    """One line for a model with no attention attnprobe reads by itself: the --modules to pass, with candidates."""
-    from .probe.commandline.candidates import softmax_modules
-
-    found = softmax_modules(model)
-    head = (
-        f"no attention found in {source} ({type(model).__name__}) that attnprobe reads by itself "
-        "(its own modules, Hugging Face attention, torch.nn.MultiheadAttention, visible sdpa calls)"
-    )
-    if not found:
-        return (
-            head + "; no module's code calls softmax either: name the modules that compute attention with "
-            "--modules NAME[,NAME...], or trace every module with --modules auto"
-        )
-    names = ",".join(c.name or "<root>" for c in found[:8])
-    return (
-        head
-        + f"; hand-written softmax attention is read when named: --modules {names}"
-        + (f" (and {len(found) - 8} more: `attnprobe info` lists them)" if len(found) > 8 else "")
-        + " or --modules auto"
-    )
-
-
-def planned_attention_bytes(work, options) -> int:
-    """A lower bound on what the capture will store: one call of every selected attention module found
-    before the run, its (batch, head, query, key) scores and weights and, where the head size is known,
-    q, k, v and the output (attention found only while the model runs comes on top)."""
     import attnprobe
 
-    modules = attnprobe.attention_modules(work.model)
-    ids = work.inputs.get("input_ids")
-    if ids is None or ids.ndim != 2 or not modules:
-        return 0
-    rows, length = ids.shape
-    if "decoder_input_ids" in work.inputs:  # cross-attention is decoder x encoder: the shorter side bounds it
-        length = min(length, work.inputs["decoder_input_ids"].shape[-1])
-    keep = options.get("keep")
-    if keep is not None and set(keep) == {"stats"}:  # O(T) per head: far below any (query x key) capture
-        return 0
-    square = 2 if keep is None else sum(name in keep for name in ("scores", "weights"))
-    per_head = 4 if keep is None else sum(name in keep for name in ("q", "k", "v", "output"))
-    config = getattr(work.model, "config", None)
-    itemsize = next((p.dtype.itemsize for p in work.model.parameters() if p.is_floating_point()), 4)
-    n = len(modules)
-    layers = options.get("layers")
-    chosen = None if layers is None else {layer + n if layer < 0 else layer for layer in layers}
-    heads = options.get("heads")
-    total = 0
-    for m in modules:
-        if (chosen is not None and m.layer not in chosen) or not m.num_heads:
-            continue
-        h = m.num_heads if heads is None else sum(0 <= x < m.num_heads for x in heads)
-        module = work.model.get_submodule(m.name)
-        head_dim = (
-            getattr(module, "head_dim", None) or getattr(module, "d_head", None) or getattr(config, "head_dim", None)
-        )
-        if not isinstance(head_dim, int) and isinstance(getattr(config, "hidden_size", None), int):
-            head_dim = config.hidden_size // m.num_heads
-        vectors = per_head * head_dim if isinstance(head_dim, int) else 0  # k, v counted as if not grouped
-        total += rows * h * length * (length * square + vectors) * itemsize
-    return total
+    from .probe.commandline import messages
+    from .probe.errors import AttnprobeError, CaptureBudgetError, NoAttentionError, SelectionError
 
-
-def available_memory() -> int | None:
-    """Bytes of memory available now (Linux: MemAvailable), else the machine's total, else None."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_input_size(work, options, max_bytes_text) -> None:
-    """Refuse, before the forward, an input whose capture cannot fit: over --max-bytes, or over this
-    machine's memory when no budget is given. The figure says how much and what to change."""
-    from .probe.selection import format_bytes
-
-    need = planned_attention_bytes(work, options)
-    limit, what = capture_limit(options, max_bytes_text)
-    if limit is None:
-        return
-    if need > limit:
-        rows, length = work.inputs["input_ids"].shape
-        over = "capture budget exceeded: " if max_bytes_text is not None else "too large an input: "
-        raise UsageProblem(
-            f"{over}the input ({rows:,} row(s) of up to {length:,} tokens) needs at least {format_bytes(need)} "
-            f"to capture the selected attention layers, more than {what} "
-            f"({format_bytes(limit)}): give fewer inputs (--text/--file lines) or shorter ones, select "
-            "fewer layers (--layers) or heads (--heads)"
-            + (", or raise --max-bytes" if max_bytes_text is not None else "")
-        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, cap = attnprobe.run(work.model, work.call_inputs, **options)
+        if options["modules"] is None and not cap.info.get("attention_modules"):
+            raise UsageProblem(messages.no_attention_advice(work.model, work.source))  # instead of the Python advice
+        for w in caught:  # the rest as they came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    except CaptureBudgetError as exc:  # the library's advice names Python arguments (keep=, dtype=) a CLI user lacks
+        raise UsageProblem(messages.budget_message(exc, max_bytes)) from None
+    except SelectionError as exc:
+        raise UsageProblem(messages.selection_message(exc, work.model)) from None
+    except NoAttentionError:
+        raise UsageProblem(messages.no_attention_advice(work.model, work.source)) from None
+    except (AttnprobeError, click.ClickException):
+        raise
+    except Exception as exc:
+        blame_the_forward(work, exc)  # raises ModelFailed (exit 2) or CaptureFailed (exit 3)
+    return cap
 
 
 class ModelFailed(UsageProblem):
@@ -464,7 +286,7 @@ def blame_the_forward(work, exc: Exception) -> None:
 
     try:
         with torch.no_grad():
-            work.model(**work.inputs)
+            work.forward()
     except Exception as plain:
         first = str(plain).strip().splitlines()[0] if str(plain).strip() else ""
         raise ModelFailed(
@@ -476,70 +298,6 @@ def blame_the_forward(work, exc: Exception) -> None:
 
 class CaptureFailed(Exception):
     """The forward failed under capture and runs without it: attnprobe's fault (exit 3); ``__cause__``."""
-
-
-def _interrupt_again(previous):
-    """An unraisable-exception hook for the length of a command. A Ctrl-C that lands while Python runs a finalizer (a
-    generator being closed, a weakref callback) cannot propagate: Python prints "Exception ignored in ..." with a
-    traceback, and the command would go on as if nothing had been pressed. Here it is delivered again to the main
-    thread, so the command stops with exit code 130 like any other Ctrl-C; every other exception goes to ``previous``.
-    Delivered from another thread a moment later: delivered at once, it would land in this hook, still inside the
-    finalizer (and one that lands in a finalizer again comes back here). ``hook.pending`` holds the deliveries, so
-    that the command's end can cancel one that has not happened yet."""
-    import _thread
-    import threading
-
-    def hook(unraisable):
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            later = threading.Timer(0.01, _thread.interrupt_main)
-            later.daemon = True
-            hook.pending.append(later)
-            later.start()
-            return
-        previous(unraisable)
-
-    hook.pending = []
-    return hook
-
-
-class Commands(click.Group):
-    """The command group: Ctrl-C anywhere in a command exits 130 (click would say "Aborted!" and exit 1,
-    the code of "violations found")."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:
-            click.echo("attnprobe: interrupted; files being written were left as they were", err=True)
-            raise click.exceptions.Exit(130) from None
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        previous = sys.unraisablehook
-        sys.unraisablehook = hook = _interrupt_again(previous)
-        try:
-            self._standalone(args, prog_name, complete_var, **extra)
-        finally:
-            sys.unraisablehook = previous
-            for later in hook.pending:  # the command has ended: nothing is left to interrupt
-                later.cancel()
-
-    def _standalone(self, args, prog_name, complete_var, **extra):
-        try:  # click's standalone mode says "Aborted!" and exits 1 for a Ctrl-C outside a command
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.Abort as exc:
-            if isinstance(exc.__cause__, KeyboardInterrupt):
-                click.echo("attnprobe: interrupted", err=True)
-                sys.exit(130)
-            click.echo("Aborted!", err=True)
-            sys.exit(1)
-        except click.ClickException as exc:
-            exc.show()
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            sys.exit(130)
-        sys.exit(code if isinstance(code, int) else 0)
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -578,32 +336,14 @@ def info(model, modules, fmt, trust_remote_code, quiet, debug):
       attnprobe info mypkg.models:tiny_gpt --format json
       attnprobe info mypkg.models:nanogpt --modules transformer.h.0.attn,transformer.h.1.attn
     """
-    import attnprobe
-
-    from .hooks import default_adapters
-    from .probe.commandline import loading
     from .probe.commandline.candidates import softmax_modules
 
-    progress = Progress(2, quiet)
-    try:
-        progress.stage("loading model")
-        net, _, source = loading.load_model(model, trust_remote_code=trust_remote_code, weights=False)
-        progress.stage("finding attention")
-        names = loading.parse_modules(modules)
-        try:
-            found = attnprobe.attention_modules(
-                net, adapters=None if names is None else default_adapters(modules=names)
-            )
-        except attnprobe.SelectionError as exc:
-            raise UsageProblem(cli_selection_message(exc, net)) from None
-    finally:
-        progress.close()
+    net, source, found, names = find_attention(model, modules, trust_remote_code, quiet)
     read = [m.name for m in found]
     candidates = [
         c for c in softmax_modules(net) if not any(c.name == n or c.name.startswith(n + ".") or not n for n in read)
     ]
-    config = getattr(net, "config", None)
-    backend = getattr(config, "_attn_implementation", None)
+    backend = getattr(getattr(net, "config", None), "_attn_implementation", None)
     if fmt == "json":
         click.echo(
             json.dumps(
@@ -633,6 +373,37 @@ def info(model, modules, fmt, trust_remote_code, quiet, debug):
             heads = "?" if m.num_heads is None else f"{m.num_heads}/{m.num_kv_heads}"  # traced: known once it runs
             rows.append((str(m.layer), m.name or "<root>", m.module_class, heads, m.strategy))
         echo_table(rows)
+    echo_candidates(candidates, found, names)
+
+
+def find_attention(model, modules, trust_remote_code: bool, quiet: bool):
+    """(model, its source, the attention modules found, the parsed --modules) for ``info``: a model folder is
+    built on the meta device from its config (no weights read)."""
+    import attnprobe
+
+    from .hooks import default_adapters
+    from .probe.commandline import loading, messages
+
+    progress = Progress(2, quiet)
+    try:
+        progress.stage("loading model")
+        net, _, source = loading.load_model(model, trust_remote_code=trust_remote_code, weights=False)
+        progress.stage("finding attention")
+        names = loading.parse_modules(modules)
+        try:
+            found = attnprobe.attention_modules(
+                net, adapters=None if names is None else default_adapters(modules=names)
+            )
+        except attnprobe.SelectionError as exc:
+            raise UsageProblem(messages.selection_message(exc, net)) from None
+    finally:
+        progress.close()
+    return net, source, found, names
+
+
+def echo_candidates(candidates, found, names) -> None:
+    """``info``'s lines on the modules whose code computes a softmax (hand-written attention to name with
+    --modules), or why none is listed."""
     if candidates and (not found or names is None):
         click.echo(
             ("no attention module found that attnprobe reads by itself; " if not found else "also ")
@@ -714,7 +485,7 @@ def export(
 
     if drop_padding and what != "frame":
         raise UsageProblem("--drop-padding applies to --what frame; the summary leaves padded rows out already")
-    out_path = checked_name(out)
+    out_path = targets.checked_name(out)
     if out.endswith(("/", os.sep)):  # Path() drops the slash: "x.csv/" would become the file x.csv
         raise UsageProblem(
             f"--out {out!r} ends with a slash (a folder); export writes one file: "
@@ -724,7 +495,7 @@ def export(
         raise UsageProblem(f"--out {out!r}: name the file .parquet or .csv")
     if raw_csv and out_path.suffix.lower() != ".csv":
         raise UsageProblem("--raw-csv applies to .csv output; Parquet always stores the text exactly")
-    check_output(out_path, overwrite)
+    targets.check_output(out_path, overwrite)
     progress = Progress(4, quiet)
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
@@ -741,87 +512,6 @@ def export(
     finally:
         progress.close()
     click.echo(f"wrote {written} ({len(frame):,} rows, {what})")
-
-
-def report_format(out: str | None, fmt: str | None) -> str:
-    """--format, or when it is not given the one --out names: .png -> png, anything else -> html."""
-    if fmt is not None:
-        return fmt
-    if out is not None and not out.endswith(("/", os.sep)) and Path(out).suffix.lower() == ".png":
-        return "png"
-    return "html"
-
-
-def report_targets(out: str | None, fmt: str, overwrite: bool) -> dict[str, Path]:
-    """Where ``report`` writes: {"html": file, "grid": file, "summary": file, "heads": folder}, checked up front."""
-    if out is None:
-        out = "attnprobe-report.html" if fmt == "html" else "attnprobe-report"
-    if not out.strip():
-        raise UsageProblem("--out is empty: give a .html file, a .png file or a folder")
-    path = checked_name(out)
-    suffix = "" if out.endswith(("/", os.sep)) else path.suffix.lower()  # "x.html/" asks for a folder
-    if suffix == ".html":
-        if fmt not in ("html",):
-            raise UsageProblem(f"--out {out!r} is an HTML file but --format {fmt} asks for PNGs: give a folder")
-        targets = {"html": path}
-    elif suffix == ".png":
-        if fmt != "png":
-            raise UsageProblem(
-                f"--out {out!r} is a PNG file but --format {fmt} asks for HTML: leave --format out, or give a folder"
-            )
-        targets = {"grid": path}
-    elif suffix:
-        raise UsageProblem(f"--out {out!r}: give a .html file, a .png file or a folder")
-    else:
-        if path.exists() and not path.is_dir():
-            raise UsageProblem(f"--out {out!r} exists and is not a folder")
-        targets = {}
-        if fmt in ("html", "all"):
-            targets["html"] = path / "report.html"
-        if fmt in ("png", "all"):
-            targets["grid"] = path / "heads.png"
-            targets["summary"] = path / "summary.png"
-    for target in targets.values():
-        check_output(target, overwrite)
-    return targets
-
-
-def checked_name(out: str) -> Path:
-    """--out as a Path, refused in one line when a name in it is longer than file systems allow."""
-    from .probe.files import OutputError, check_file_name
-
-    try:
-        return check_file_name(out)
-    except OutputError as exc:
-        raise UsageProblem(str(exc)) from None
-
-
-def check_output(target: Path, overwrite: bool) -> None:
-    """Refuse an existing path (a symlink too, unless --overwrite), a device, a name too long, or a folder we
-    cannot write, before any work."""
-    from .probe.files import OutputError, check_file_name, target_path
-
-    folder = target.parent
-    try:
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent  # the folders below will be created
-        if not folder.is_dir():
-            raise UsageProblem(f"cannot write {target}: {folder} is not a folder")
-        if folder == target.parent:
-            target_path(target, overwrite=overwrite)
-        else:  # nothing exists below `folder` yet: only the name can be wrong
-            check_file_name(target)
-    except FileExistsError as exc:
-        raise UsageProblem(str(exc).replace("overwrite=True (--overwrite)", "--overwrite")) from None
-    except (IsADirectoryError, FileNotFoundError, OutputError) as exc:
-        raise UsageProblem(str(exc)) from None
-    except OSError as exc:
-        raise UsageProblem(f"cannot write {target}: {exc.strerror or exc}") from None
-    try:  # os.access says yes to root everywhere: creating a file is the real test
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise UsageProblem(f"cannot write into {folder}: {exc.strerror or exc}") from None
 
 
 @main.command()
@@ -902,74 +592,100 @@ def report(
     A long input (or --stats) gives a statistics report: per head the weights pooled to at most --cells cells,
     per-row statistics along the sequence, and the exact weights of the --window choices.
     """
-    import warnings
-
-    import attnprobe
-
-    from . import reports
-
-    fmt = report_format(out, fmt)
+    fmt = targets.report_format(out, fmt)
     if precision != "exact" and fmt == "png":
         raise UsageProblem(
             "--precision sets how values are stored in the HTML report; --format png writes no HTML "
             "(use --format all, or leave --precision out)"
         )
-    targets = report_targets(out, fmt, overwrite)
+    if (windows or cells is not None) and stats is False:
+        raise UsageProblem("--window and --cells belong to the statistics mode; leave out --full")
+    planned = targets.report_targets(out, fmt, overwrite)
     progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         n_rows = len(next(iter(work.inputs.values())))
         if batch is not None and not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
-        if (windows or cells is not None) and stats is False:
-            raise UsageProblem("--window and --cells belong to the statistics mode; leave out --full")
-        if windows or cells is not None:
-            stats = True
-        overview = statistics_overview(work, heads, windows, cells)
-        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats, overview=overview)
-        if len(cap) == 0:
-            raise UsageProblem(
-                "the model ran but no attention call was captured; see `attnprobe info` for what was found"
-            )
-        tokens, key_tokens = token_labels(work)
+        cap = report_capture(work, layers, heads, max_bytes, progress, modules, stats, windows, cells)
         progress.stage("checking")
-        declared_causal, declared_mask = declarations(work, cap)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # `attnprobe check` reports these; the report shows its panel
-            checks = attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask)
+        checks = report_checks(work, cap)
         progress.stage("writing report")
-        for target in targets.values():
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise UsageProblem(f"cannot create the folder {target.parent}: {exc.strerror}") from None
-        written = []
-        if "html" in targets:
-            written.append(
-                reports.to_html(
-                    cap,
-                    targets["html"],
-                    tokens=tokens,
-                    key_tokens=key_tokens,
-                    batch=batch,
-                    checks=checks,
-                    precision=precision,
-                    overwrite=overwrite,
-                    title=f"attnprobe report: {work.source}",
-                )
-            )
-        if "grid" in targets:
-            written.append(
-                reports.save_grid(
-                    cap, targets["grid"], batch=batch or 0, overwrite=overwrite, tokens=tokens, key_tokens=key_tokens
-                )
-            )
-        if "summary" in targets:
-            written.append(reports.save_summary(cap, targets["summary"], overwrite=overwrite))
+        written = write_reports(cap, planned, work, checks, batch=batch, precision=precision, overwrite=overwrite)
     finally:
         progress.close()
     for path in written:
         click.echo(f"wrote {path}")
+
+
+def report_capture(work, layers, heads, max_bytes, progress, modules, stats, windows, cells):
+    """The capture a report draws: full, or statistics with the overview of --cells and --window (which imply
+    --stats); refused when no attention call was captured."""
+    import attnprobe
+
+    from .probe.commandline import memory_plan
+
+    if windows or cells is not None:
+        stats = True
+    found = attnprobe.attention_modules(work.model)
+    overview = memory_plan.statistics_overview(work, heads, windows, cells, found)
+    cap = run_capture(
+        work, layers, heads, max_bytes, progress, modules=modules, stats=stats, overview=overview, found=found
+    )
+    if len(cap) == 0:
+        raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
+    return cap
+
+
+def report_checks(work, cap):
+    """The report's checks panel: every check, with the padding (and an encoder-decoder's causality) declared;
+    their warnings are left to `attnprobe check`."""
+    import warnings
+
+    import attnprobe
+
+    declared_causal, declared_mask = declarations(work, cap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # `attnprobe check` reports these; the report shows its panel
+        return attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask)
+
+
+def write_reports(cap, planned: dict[str, Path], work, checks, *, batch, precision, overwrite) -> list[Path]:
+    """Write what ``targets.report_targets`` planned (the HTML report, the PNG grid, the summary plot); their
+    paths."""
+    from . import reports
+
+    for target in planned.values():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageProblem(f"cannot create the folder {target.parent}: {exc.strerror}") from None
+    tokens, key_tokens = token_labels(work)
+    written = []
+    if "html" in planned:
+        title = f"attnprobe report: {work.source}"
+        written.append(
+            reports.to_html(
+                cap,
+                planned["html"],
+                tokens=tokens,
+                key_tokens=key_tokens,
+                batch=batch,
+                checks=checks,
+                precision=precision,
+                overwrite=overwrite,
+                title=title,
+            )
+        )
+    if "grid" in planned:
+        written.append(
+            reports.save_grid(
+                cap, planned["grid"], batch=batch or 0, overwrite=overwrite, tokens=tokens, key_tokens=key_tokens
+            )
+        )
+    if "summary" in planned:
+        written.append(reports.save_summary(cap, planned["summary"], overwrite=overwrite))
+    return written
 
 
 @main.command()
@@ -1018,47 +734,17 @@ def check(
       attnprobe check ./my-gpt2 --causal --text "a" --text "longer input"
       attnprobe check mypkg.models:decoder --ids "1 2 3" --checks causal,padding --format json
     """
-    import warnings
-
-    import attnprobe
-
-    from .probe.checks import CHECKS
-
-    names = None
-    if check_names is not None:
-        names = [c.strip() for c in check_names.split(",") if c.strip()]
-        unknown = [c for c in names if c not in CHECKS and c != "lint" and not c.startswith("lint_")]
-        if unknown or not names:
-            raise UsageProblem(f"unknown check(s) {unknown or check_names!r}; choose from {', '.join(CHECKS)}, lint")
+    names = check_selection(check_names)
     progress = Progress(4, quiet)
     try:
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats)
         progress.stage("checking")
-        declared_causal, declared_mask = declarations(work, cap, causal)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask, checks=names)
+        result, notes = run_checks(work, cap, causal, names)
     finally:
         progress.close()
-    notes = [str(w.message) for w in caught]
     if fmt == "json":
-        click.echo(
-            json.dumps(
-                {
-                    "model": work.source,
-                    "ok": result.ok,
-                    "verified": result.verified,
-                    "records": result.records,
-                    "checks": list(result.checks),
-                    "violations": [_violation_json(v) for v in result.violations],
-                    "skipped": list(result.skipped),
-                    "declarations": list(result.declarations),
-                    "warnings": notes,
-                },
-                indent=2,
-            )
-        )
+        click.echo(json.dumps(check_json(work, result, notes), indent=2))
     else:
         click.echo(f"model: {work.source}")
         click.echo(result.table())
@@ -1067,7 +753,8 @@ def check(
     if not result.verified:
         lint_only = names is not None and all(n == "lint" or n.startswith("lint_") for n in names)
         why = (
-            " (the lint checks apply only to traced hand-written attention and direct scaled_dot_product_attention calls)"
+            " (the lint checks apply only to traced hand-written attention and direct "
+            "scaled_dot_product_attention calls)"
             if lint_only
             else ""
         )
@@ -1078,6 +765,47 @@ def check(
         )
         sys.exit(1)
     sys.exit(0 if result.ok else 1)
+
+
+def check_selection(check_names: str | None) -> list[str] | None:
+    """--checks as a list of names (None: every check), refusing a name that is not a check."""
+    from .probe.checks import CHECKS
+
+    if check_names is None:
+        return None
+    names = [c.strip() for c in check_names.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CHECKS and c != "lint" and not c.startswith("lint_")]
+    if unknown or not names:
+        raise UsageProblem(f"unknown check(s) {unknown or check_names!r}; choose from {', '.join(CHECKS)}, lint")
+    return names
+
+
+def run_checks(work, cap, causal, names):
+    """(``attnprobe.check`` of the capture with the input's padding and --causal declared, its warnings' text)."""
+    import warnings
+
+    import attnprobe
+
+    declared_causal, declared_mask = declarations(work, cap, causal)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask, checks=names)
+    return result, [str(w.message) for w in caught]
+
+
+def check_json(work, result, notes: list[str]) -> dict:
+    """``check --format json``: the result as data."""
+    return {
+        "model": work.source,
+        "ok": result.ok,
+        "verified": result.verified,
+        "records": result.records,
+        "checks": list(result.checks),
+        "violations": [_violation_json(v) for v in result.violations],
+        "skipped": list(result.skipped),
+        "declarations": list(result.declarations),
+        "warnings": notes,
+    }
 
 
 def _violation_json(v) -> dict:
@@ -1160,8 +888,8 @@ def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, 
 
     One row per input, layer and head: each statistic averaged over the input's real query rows, plus
     row-level extremes (entropy_min, max_score_max, ...). No (query x key) tensor is stored, so memory stays
-    flat in the number of inputs. Runs unchanged under `accelerate launch --num_processes N -m attnprobe scan` and `torchrun`
-    (each process scans its own chunks).
+    flat in the number of inputs. Runs unchanged under `accelerate launch --num_processes N -m attnprobe scan`
+    and `torchrun` (each process scans its own chunks).
 
     \b
     Examples:

@@ -4,14 +4,56 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Iterable
+from types import FrameType
 
 
 class AttnprobeError(Exception):
-    """Base class of every error attnprobe raises on purpose."""
+    """Base class of every error attnprobe raises on purpose.
+
+    The message is for people; what a program needs travels as attributes, None where the raising site does
+    not say (a caller falls back to the message as it is, and never reads it for them):
+
+    - ``problem``: what was wrong, the message without its advice;
+    - ``hint``: the advice that ends the message, in the words of the Python API (``keep=``, ``layers=[...]``);
+      a caller with words of its own, the command line, says ``problem`` and its own advice.
+    """
+
+    problem: str | None = None
+    hint: str | None = None
+
+    def __init__(self, *args: object, problem: str | None = None, hint: str | None = None) -> None:
+        super().__init__(*args)
+        self.problem = problem
+        self.hint = hint
 
 
 class SelectionError(AttnprobeError, ValueError):
-    """A layer, head or tensor selection that does not fit the model or the capture."""
+    """A layer, head or tensor selection that does not fit the model or the capture.
+
+    Beside ``problem`` and ``hint``: ``argument``, the argument of ``capture()`` the selection concerns
+    (``"layers"``, ``"heads"``, ``"modules"``, ``"keep"``, ...); ``value``, the item it could not use (a layer
+    number, a module name); ``choices``, what would have been accepted where the list is short (e.g. the module
+    names that look alike). Each is None where the raising site does not say.
+    """
+
+    argument: str | None = None
+    value: object = None
+    choices: tuple | None = None
+
+    def __init__(
+        self,
+        *args: object,
+        problem: str | None = None,
+        hint: str | None = None,
+        argument: str | None = None,
+        value: object = None,
+        choices: Iterable[object] | None = None,
+    ) -> None:
+        super().__init__(*args, problem=problem, hint=hint)
+        self.argument = argument
+        self.value = value
+        self.choices = None if choices is None else tuple(choices)
 
 
 class NotCapturedError(SelectionError, KeyError):
@@ -23,11 +65,53 @@ class NotCapturedError(SelectionError, KeyError):
 
 
 class CaptureBudgetError(AttnprobeError, MemoryError):
-    """Storing the next tensor would exceed ``max_bytes``; raised before the memory is spent."""
+    """Storing the next tensor would exceed ``max_bytes``; raised before the memory is spent.
+
+    The budget's figures, each None where the raising site does not say: ``what``, the tensor (or record) that
+    did not fit, in words; ``needed``, the bytes it needs; ``stored``, the bytes already stored; ``limit``,
+    ``max_bytes``.
+    """
+
+    what: str | None = None
+    needed: int | None = None
+    stored: int | None = None
+    limit: int | None = None
+
+    def __init__(
+        self,
+        *args: object,
+        problem: str | None = None,
+        hint: str | None = None,
+        what: str | None = None,
+        needed: int | None = None,
+        stored: int | None = None,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__(*args, problem=problem, hint=hint)
+        self.what = what
+        self.needed = needed
+        self.stored = stored
+        self.limit = limit
 
 
 class UnsupportedModelError(AttnprobeError, TypeError):
-    """The model (or one of its modules) has attention no adapter can read."""
+    """The model (or one of its modules) has attention no adapter can read.
+
+    ``model_class``: the name of the model's class, where the raising site says it.
+    """
+
+    model_class: str | None = None
+
+    def __init__(
+        self, *args: object, problem: str | None = None, hint: str | None = None, model_class: str | None = None
+    ) -> None:
+        super().__init__(*args, problem=problem, hint=hint)
+        self.model_class = model_class
+
+
+class NoAttentionError(UnsupportedModelError):
+    """No attention module was found in the model, and none can appear while it runs: nothing to capture.
+    ``hint`` names the arguments that would find some (``modules=``)."""
 
 
 class AttnprobeWarning(UserWarning):
@@ -52,7 +136,8 @@ def warn_user(message: str, category: type[Warning] = AttnprobeWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the user's line: the innermost frame outside
     attnprobe, torch and transformers (a test, a script, the user's model code), never attnprobe's own."""
     library = _library_paths()
-    frame, level = sys._getframe(0), 1  # level 1 is this frame
+    frame: FrameType | None = sys._getframe(0)
+    level = 1  # level 1 is this frame
     while frame is not None and frame.f_code.co_filename.startswith(library):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

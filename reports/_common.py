@@ -38,7 +38,7 @@ class HeadView:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.allowed.shape  # type: ignore[return-value]
+        return self.allowed.shape
 
     @property
     def leaks(self) -> np.ndarray:
@@ -79,12 +79,32 @@ def require_records(obj, function: str) -> list[AttentionRecord]:
     ):
         return list(obj)
     raise TypeError(
-        f"{function}() takes an attnprobe.Capture (from `with attnprobe.capture(model) as cap`), got {type(obj).__name__}"
+        f"{function}() takes an attnprobe.Capture (from `with attnprobe.capture(model) as cap`), "
+        f"got {type(obj).__name__}"
     )
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy()
+
+
+def matrix_shape(record: AttentionRecord) -> tuple[int, int]:
+    """(query, key) lengths of a record that holds a (query x key) matrix; an error names the record otherwise."""
+    q_len, k_len = record.query_len, record.key_len
+    if q_len is None or k_len is None:
+        raise AttnprobeError(
+            f"layer {record.layer} ({record.name!r}) holds no (query, key) matrix: capture with keep=['weights'] "
+            "or keep=['scores', 'weights'] to draw it"
+        )
+    return q_len, k_len
+
+
+def matrix_rows(record: AttentionRecord) -> int:
+    """Batch rows of a record that holds tensors; an error names the record otherwise."""
+    size = record.batch_size
+    if size is None:
+        raise AttnprobeError(f"layer {record.layer} ({record.name!r}) holds no tensor to draw or compare")
+    return size
 
 
 def check_batch(record: AttentionRecord, batch: int) -> None:
@@ -126,7 +146,7 @@ def head_view(record: AttentionRecord, head: int, batch: int = 0) -> HeadView:
         )
     weights = None if record.weights is None else _numpy(record.weights[batch, i])
     scores = None if record.scores is None else _numpy(record.scores[batch, i])
-    tq, tk = (weights if weights is not None else scores).shape
+    tq, tk = matrix_shape(record)
     allowed_t = record.allowed_for_heads()
     if allowed_t is None:
         allowed = np.ones((tq, tk), dtype=bool)
@@ -178,8 +198,10 @@ class Labels:
 def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> Labels:
     """Query and key labels of ``record`` for batch row ``batch`` (see ``attnprobe.probe.outputs.tokens``)."""
     q_rows, k_rows = record_token_rows(record, tokens, key_tokens)
-    query = None if q_rows is None else q_rows[batch][record.query_offset : record.query_offset + record.query_len]
-    key = None if k_rows is None else k_rows[batch][record.key_start : record.key_start + record.key_len]
+    q_len, k_len = record.query_len, record.key_len  # None: no tensor says (positions only)
+    q0, k0 = record.query_offset, record.key_start
+    query = None if q_rows is None or q_len is None else q_rows[batch][q0 : q0 + q_len]
+    key = None if k_rows is None or k_len is None else k_rows[batch][k0 : k0 + k_len]
     return Labels(query, key)
 
 

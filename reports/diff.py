@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 
 from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
-from ._common import output_path
+from ._common import matrix_rows, matrix_shape, output_path
+from .html import describe_info, page_data, page_number, render, script_json, write_or_return
+from .page import MAX_VALUES, describe_record, match_records, plan_diff, shown_records
 
 #: Column -> dtype of ``compare()``.
 COMPARE_SCHEMA: dict[str, str] = {
@@ -34,61 +37,32 @@ COMPARE_SCHEMA: dict[str, str] = {
 ATOL = {torch.float64: 1e-6, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
-def _describe(r: AttentionRecord) -> str:
-    return f"layer {r.layer} call {r.call} {r.name!r} ({r.kind}, heads {list(r.heads)}, {r.batch_size}x{r.query_len}x{r.key_len})"
-
-
-def match_records(before: list[AttentionRecord], after: list[AttentionRecord]) -> None:
-    """Raise unless ``before`` and ``after`` hold the same attention calls in the same shapes."""
-    if len(before) != len(after):
-        raise AttnprobeError(
-            f"the captures hold {len(before)} and {len(after)} drawable records; compare two captures of the same "
-            "model and input with the same layer and head selection"
-        )
-    for a, b in zip(before, after):
-        same = (a.layer, a.call, a.name, a.kind, a.heads, a.batch_size, a.query_len, a.key_len, a.query_offset) == (
-            b.layer,
-            b.call,
-            b.name,
-            b.kind,
-            b.heads,
-            b.batch_size,
-            b.query_len,
-            b.key_len,
-            b.query_offset,
-        )
-        if not same:
-            raise AttnprobeError(
-                f"the captures differ: {_describe(a)} vs {_describe(b)}; compare two captures of the same model and "
-                "input with the same layer and head selection"
-            )
-
-
-def _slice64(t: torch.Tensor | None, batch: int, head: int) -> torch.Tensor | None:
+def _slice64(t: torch.Tensor, batch: int, head: int) -> torch.Tensor:
     """One (query, key) matrix as float64 on the CPU: never a float64 copy of a whole record."""
-    return None if t is None else t[batch, head].detach().to("cpu", torch.float64)
+    return t[batch, head].detach().to("cpu", torch.float64)
 
 
 def _allowed(r: AttentionRecord, batch: int, head: int) -> torch.Tensor:
     allowed = r.allowed_for_heads()
     if allowed is None:
-        return torch.ones(r.query_len, r.key_len, dtype=torch.bool)
+        return torch.ones(matrix_shape(r), dtype=torch.bool)
     return allowed[min(batch, allowed.shape[0] - 1), head].cpu()
 
 
-def _head_stats(a: AttentionRecord, b: AttentionRecord, i: int) -> dict:
+def _head_stats(a: AttentionRecord, b: AttentionRecord, i: int) -> dict[str, float]:
     """The ``compare`` columns of head index ``i``, one batch row at a time (memory: a few (query, key) matrices)."""
-    weights = a.weights is not None and b.weights is not None
-    scores = a.scores is not None and b.scores is not None
+    wa, wb, sa, sb = a.weights, b.weights, a.scores, b.scores
+    weights = wa is not None and wb is not None
+    scores = sa is not None and sb is not None
     if not weights and not scores:
         raise AttnprobeError(
-            f"{_describe(a)}: the captures share neither weights nor scores to compare "
+            f"{describe_record(a)}: the captures share neither weights nor scores to compare "
             f"(before has {_has(a)}, after has {_has(b)}); capture the same quantities on both sides"
         )
     max_w = max_s = 0.0
     tvd_sum = tvd_max = agree = 0.0
     rows = mask_changed = 0
-    for batch in range(a.batch_size):
+    for batch in range(matrix_rows(a)):
         al, bl = _allowed(a, batch, i), _allowed(b, batch, i)
         mask_changed += int((al != bl).sum())
         # real rows: some key allowed on either side, not padding on either side (padded rows are "don't care")
@@ -100,8 +74,8 @@ def _head_stats(a: AttentionRecord, b: AttentionRecord, i: int) -> dict:
         rows += n
         if n == 0:
             continue
-        if weights:
-            x, y = _slice64(a.weights, batch, i)[real], _slice64(b.weights, batch, i)[real]  # (rows, key)
+        if wa is not None and wb is not None:
+            x, y = _slice64(wa, batch, i)[real], _slice64(wb, batch, i)[real]  # (rows, key)
             d = (y - x).abs()  # every key of a real row: a masked cell that gained weight counts
             max_w = max(max_w, float(d.nan_to_num(math.inf).max()))
             tvd = 0.5 * d.sum(-1)
@@ -109,9 +83,9 @@ def _head_stats(a: AttentionRecord, b: AttentionRecord, i: int) -> dict:
             tvd_max = max(tvd_max, float(tvd.nan_to_num(math.inf).max()))
             agree += float((x.argmax(-1) == y.argmax(-1)).sum())
             del x, y, d
-        if scores:
+        if sa is not None and sb is not None:
             both = (al & bl)[real]
-            x, y = _slice64(a.scores, batch, i)[real], _slice64(b.scores, batch, i)[real]
+            x, y = _slice64(sa, batch, i)[real], _slice64(sb, batch, i)[real]  # (rows, key)
             fx, fy = torch.isfinite(x), torch.isfinite(y)
             if (both & (fx != fy)).any():  # a score that became non-finite (or stopped being) is an infinite change
                 max_s = math.inf
@@ -162,24 +136,22 @@ def compare(before, after, *, atol: float | None = None):
         >>> list(frame["head"]), bool((frame["max_abs_weight_diff"] > 0).all())
         ([0, 1], True)
     """
-    from .html import shown_records
-
     rows_a, _, _ = shown_records(before)
     rows_b, _, _ = shown_records(after)
+    match_records(rows_a, rows_b)
     return _compare_records(rows_a, rows_b, atol)
 
 
 def _compare_records(rows_a: list[AttentionRecord], rows_b: list[AttentionRecord], atol: float | None):
-    """``compare`` of two lists of drawable records (generation steps already stitched)."""
+    """``compare`` of two matched lists of drawable records (generation steps already stitched)."""
     import pandas as pd
 
-    match_records(rows_a, rows_b)
     if atol is None:
         atol = _default_atol(rows_a + rows_b)
     out = []
     for a, b in zip(rows_a, rows_b):
         for i, head in enumerate(a.heads):
-            row = {"layer": a.layer, "call": a.call, "head": head, "name": a.name, "kind": a.kind}
+            row: dict[str, Any] = {"layer": a.layer, "call": a.call, "head": head, "name": a.name, "kind": a.kind}
             row.update(_head_stats(a, b, i))
             both_weights = a.weights is not None and b.weights is not None
             measure = row["max_abs_weight_diff"] if both_weights else row["max_abs_score_diff"]
@@ -223,40 +195,54 @@ def diff_html(
         >>> attnprobe.reports.diff_html(a, b, labels=("fp32", "fp16")).startswith("<!doctype html>")
         True
     """
-    from .html import (
-        MAX_VALUES,
-        build_data,
-        describe_info,
-        input_facts,
-        page_number,
-        render,
-        script_json,
-        shown_records,
-        weights_note,
-        write_or_return,
-    )
-
     started = time.perf_counter()
     if path is not None:
         output_path(path, overwrite=overwrite)
     if len(labels) != 2 or not all(isinstance(x, str) for x in labels):
         raise AttnprobeError(f"labels must be two strings (before, after), got {labels!r}")
-    rows_a, undrawn, stitched = shown_records(before)
-    rows_b, _, _ = shown_records(after)
-    match_records(rows_a, rows_b)
-    frame = _compare_records(rows_a, rows_b, atol)  # the stitched records once, not a second copy
-    if atol is None:
-        atol = _default_atol(rows_a + rows_b)
-    data = build_data(
-        [rows_a, rows_b],
-        batch=batch,
+    plan = plan_diff(
+        before,
+        after,
         tokens=tokens,
         key_tokens=key_tokens,
+        batch=batch,
         precision=precision,
         masked_scores=masked_scores,
         max_values=MAX_VALUES if max_values is None else max_values,
     )
-    rid = {(m["layer"], m["call"]): m["id"] for m in data.meta["records"]}
+    rows_a, rows_b = plan.sources
+    frame = _compare_records(rows_a, rows_b, atol)  # the stitched records once, not a second copy
+    data = page_data(plan)
+    rows, changes = _ranked_heads(frame, data.meta["records"])
+    data.meta.update(labels=list(labels), changes=changes, flags={})
+    model = before.info.get("model_class", "model")
+    chunks = render(
+        "report.html.j2",
+        title=title or f"attnprobe comparison: {model}, {labels[0]} vs {labels[1]}",
+        mode="diff",
+        labels=labels,
+        sides=[
+            {"label": labels[0], "info": describe_info(before.info)},
+            {"label": labels[1], "info": describe_info(after.info)},
+        ],
+        changed_count=int(frame["changed"].sum()),
+        head_count=len(frame),
+        atol=_default_atol(rows_a + rows_b) if atol is None else atol,
+        **data.context,
+        compare_columns=[c for c in COMPARE_SCHEMA if c != "kind"],
+        compare_rows=rows,
+        monitor=None,
+        meta_json=script_json(data.meta),
+        blobs=data.blobs,
+        elapsed=time.perf_counter() - started,
+    )
+    return write_or_return(chunks, path, overwrite)
+
+
+def _ranked_heads(frame, records_meta: list[dict]) -> tuple[list[dict], dict[str, dict]]:
+    """The comparison table's rows, most changed first, each linked to its head's detail view; and per head
+    (``"<record id>-<head>"``) the figures the page shows."""
+    rid = {(m["layer"], m["call"]): m["id"] for m in records_meta}
     rows = []
     changes = {}
     for row in frame.to_dict("records"):
@@ -276,32 +262,4 @@ def diff_html(
         return -1.0 if math.isnan(x) else x
 
     rows.sort(key=lambda row: (not row["changed"], -size(row)))
-    data.meta.update(labels=list(labels), changes=changes, flags={})
-    model = before.info.get("model_class", "model")
-    chunks = render(
-        "report.html.j2",
-        title=title or f"attnprobe comparison: {model}, {labels[0]} vs {labels[1]}",
-        mode="diff",
-        labels=labels,
-        sides=[
-            {"label": labels[0], "info": describe_info(before.info)},
-            {"label": labels[1], "info": describe_info(after.info)},
-        ],
-        changed_count=int(frame["changed"].sum()),
-        head_count=len(frame),
-        atol=atol,
-        records=list(zip(rows_a, data.meta["records"])),
-        undrawn=undrawn,
-        weightless=weights_note(rows_a + rows_b, before.info),
-        stitched=stitched,
-        input=input_facts(rows_a, batch, data, tokens, key_tokens),
-        precision=precision,
-        masked_scores=masked_scores,
-        compare_columns=[c for c in COMPARE_SCHEMA if c != "kind"],
-        compare_rows=rows,
-        monitor=None,
-        meta_json=script_json(data.meta),
-        blobs=data.blobs,
-        elapsed=time.perf_counter() - started,
-    )
-    return write_or_return(chunks, path, overwrite)
+    return rows, changes

@@ -30,38 +30,9 @@ from ..probe.outputs.tokens import token_rows
 from ..probe.record import AttentionRecord
 from ..probe.version import __version__
 from . import encoding
-from ._common import check_batch, display_token, head_view, output_path, record_labels
-
-#: Refuse reports that would hold more matrix values than this (about 4 bytes each, exact precision).
-MAX_VALUES = 80_000_000
-#: A report shows every batch row up to this many (with a selector); pass ``batch=`` for the others.
-MAX_BATCH_ROWS = 8
-
-
-# ----------------------------------------------------------------------------------- records shown
-def shown_records(capture) -> tuple[list[AttentionRecord], list[AttentionRecord], int]:
-    """(records drawn, records without weights or scores, number of generation runs stitched).
-
-    Records of a generation (with ``step``) are stitched into one matrix per module and run; steps
-    selected out of a run are drawn as they are.
-    """
-    if not isinstance(capture, Capture):
-        raise TypeError(
-            f"expected an attnprobe.Capture (from `with attnprobe.capture(model) as cap`), got {type(capture).__name__}"
-        )
-    records = list(capture)
-    stitched_runs = 0
-    if any(r.step is not None for r in records):
-        from ..probe.outputs.generation import shown
-
-        records, stitched_runs = shown(records)
-    drawable = [r for r in records if r.weights is not None or r.scores is not None]
-    if not drawable:
-        raise AttnprobeError(
-            "nothing to report: no record has weights or scores. Capture with keep=None (everything) or "
-            "keep=['scores', 'weights']" + (" (this capture is empty)" if not records else "")
-        )
-    return drawable, [r for r in records if r.weights is None and r.scores is None], stitched_runs
+from ._common import display_token, head_view, matrix_shape, output_path, record_labels
+from .long import build_long_data
+from .page import MAX_BATCH_ROWS, MAX_VALUES, PagePlan, plan_page
 
 
 def _dtype_name(t) -> str | None:
@@ -92,6 +63,16 @@ class ReportData:
     token_lists: list[list[str]] = field(default_factory=list)
 
 
+@dataclass
+class PageData:
+    """A planned page's data, built once (``page_data``): the page script's ``meta`` and ``blobs``, and what the
+    template writes on the server (``context``: overview, tables, checks panel)."""
+
+    meta: dict[str, Any]
+    blobs: list[tuple[str, str]]
+    context: dict[str, Any]
+
+
 class _Tokens:
     """Deduplicated token lists referenced by index from the records, as ``display_token`` draws them:
     the page shows tokens only in that escaped form."""
@@ -110,38 +91,20 @@ class _Tokens:
         return self._index[key]
 
 
-def check_precision(precision: str) -> None:
-    if precision not in encoding.PRECISIONS:
-        raise AttnprobeError(f"precision must be one of {encoding.PRECISIONS}, got {precision!r}")
+def build_data(plan: PagePlan) -> ReportData:
+    """Encode the records of one capture (a report's plan) or of two matched captures (a diff's), for each batch
+    row of the plan.
 
-
-def build_data(
-    sources: list[list[AttentionRecord]],
-    *,
-    batch: int | list[int],
-    tokens,
-    key_tokens,
-    precision: str,
-    masked_scores: bool,
-    max_values: int | None,
-) -> ReportData:
-    """Encode the records of one capture (``sources`` of length 1) or of two matched captures (diff), for
-    batch row ``batch`` or for each of a list of rows.
-
-    Steps: refuse a page past ``max_values``; per batch row, per record (a group of matched records), its
-    facts (``_record_meta``), per source its encoded heads and their colour statistics (``_source_meta``), per
-    head its thumbnail (``_Thumbnails``); then the page's meta: the first row's records, thumbnails and
-    ``batch`` at the top, the other rows' in ``moreRows`` (same keys). Blobs are encoded lazily, in the order
-    added.
+    Steps: per batch row, per record (a group of matched records), its facts (``_record_meta``), per source its
+    encoded heads and their colour statistics (``_source_meta``), per head its thumbnail (``_Thumbnails``); then
+    the page's meta: the first row's records, thumbnails and ``batch`` at the top, the other rows' in
+    ``moreRows`` (same keys). Blobs are encoded lazily, in the order added.
     """
-    rows = [batch] if isinstance(batch, int) else list(batch)
-    check_precision(precision)
-    _refuse_past_budget(sources, rows, max_values)
-    diff = len(sources) == 2
+    diff = plan.layout == "diff"
     tok = _Tokens()
     blobs = encoding.Blobs()
     try:
-        per_row = [_row_meta(sources, b, tokens, key_tokens, tok, blobs, precision, masked_scores, diff) for b in rows]
+        per_row = [_row_meta(plan, b, tok, blobs) for b in plan.rows]
         blob_list = blobs.results()
     except BaseException:
         blobs.close()
@@ -149,35 +112,25 @@ def build_data(
     meta = {
         **per_row[0],
         "tokens": tok.lists,
-        "precision": precision,
-        "maskedScores": masked_scores,
+        "precision": plan.precision,
+        "maskedScores": plan.masked_scores,
         "mode": "diff" if diff else "report",
         "moreRows": per_row[1:],
     }
     return ReportData(meta, blob_list, tok.lists)
 
 
-def _row_meta(
-    sources,
-    batch: int,
-    tokens,
-    key_tokens,
-    tok: _Tokens,
-    blobs: encoding.Blobs,
-    precision: str,
-    masked_scores: bool,
-    diff: bool,
-) -> dict[str, Any]:
+def _row_meta(plan: PagePlan, batch: int, tok: _Tokens, blobs: encoding.Blobs) -> dict[str, Any]:
     """One batch row of the page: its records (as the page reads them) and its thumbnails."""
-    thumbs = _Thumbnails(diff)
+    thumbs = _Thumbnails(plan.layout == "diff")
     records_meta = []
-    for rid, group in enumerate(zip(*sources)):
+    for rid, group in enumerate(zip(*plan.sources)):
         r = group[0]
-        meta = _record_meta(rid, r, record_labels(r, batch, tokens, key_tokens), tok)
+        meta = _record_meta(rid, r, record_labels(r, batch, plan.tokens, plan.key_tokens), tok)
         views = []  # per source, the head views of its record
         for rec in group:
             views.append([head_view(rec, h, batch) for h in r.heads])
-            meta["sources"].append(_source_meta(rec, views[-1], blobs, precision, masked_scores))
+            meta["sources"].append(_source_meta(rec, views[-1], blobs, plan.precision, plan.masked_scores))
         for i in range(len(r.heads)):
             meta["thumbs"].append(thumbs.add([vs[i] for vs in views]))
             meta["thumbShape"] = thumbs.shape
@@ -188,47 +141,6 @@ def _row_meta(
         "thumbBlob": blobs.add(thumbs.encoded().tobytes),
         "thumbMax": thumbs.max,
     }
-
-
-def values_per_row(sources: list[list[AttentionRecord]]) -> int:
-    """Weights and scores one batch row puts on the page."""
-    return sum(
-        r.query_len * r.key_len * len(r.heads) * ((r.weights is not None) + (r.scores is not None))
-        for rows in sources
-        for r in rows
-    )
-
-
-def _refuse_past_budget(sources: list[list[AttentionRecord]], batches: list[int], max_values: int | None) -> None:
-    """Check the batch rows exist in every record, and the page's weights and scores fit ``max_values``."""
-    for rows in sources:
-        for r in rows:
-            for b in batches:
-                check_batch(r, b)
-    values = values_per_row(sources) * len(batches)
-    if max_values is not None and values > max_values:
-        rows = f" ({len(batches)} batch rows)" if len(batches) > 1 else ""
-        raise AttnprobeError(
-            f"this report would hold {values:,} values{rows} (~{values * 4 / 2**20:,.0f} MiB before compression), more "
-            f"than max_values={max_values:,}. Report fewer layers or heads (cap.select(layers=..., heads=...))"
-            + (", one batch row (batch=)" if len(batches) > 1 else "")
-            + ", use precision='bfloat16', or raise max_values="
-        )
-
-
-def report_rows(records: list[AttentionRecord], batch, max_values: int | None) -> tuple[list[int], int]:
-    """(batch rows the page shows, rows the input has). ``batch``: an int (that row), a list of rows, or None:
-    every row up to ``MAX_BATCH_ROWS`` and as many as fit ``max_values`` (row 0 always)."""
-    size = max((r.batch_size or 1) for r in records)
-    if batch is None:
-        per_row = values_per_row([records]) or 1
-        fit = size if max_values is None else max(1, max_values // per_row)
-        return list(range(min(size, MAX_BATCH_ROWS, fit))), size
-    if isinstance(batch, (list, tuple)):
-        if not batch:
-            raise AttnprobeError("batch=[] names no batch row; give rows, one row, or None for every row")
-        return list(dict.fromkeys(batch)), size
-    return [batch], size
 
 
 def _record_meta(rid: int, r: AttentionRecord, labels, tok: _Tokens) -> dict[str, Any]:
@@ -379,8 +291,8 @@ def check_panel(
         )
     by_call = {(m["layer"], m["call"]): m for m in records_meta}
     by_layer: dict[int, dict] = {}
-    for m in records_meta:
-        by_layer.setdefault(m["layer"], m)
+    for meta in records_meta:
+        by_layer.setdefault(meta["layer"], meta)
     rows: list[CheckRow] = []
     flags: dict[str, dict[str, Any]] = {}
     groups, rest = cause_groups(checks.violations)  # each cause, then the failures it explains
@@ -599,36 +511,35 @@ def layer_ranges(layers) -> str:
     return ", ".join(out)
 
 
-def input_facts(records: list[AttentionRecord], batch, data: ReportData, tokens, key_tokens) -> dict[str, Any]:
+def _padded_positions(plan: PagePlan, row, b: int) -> set[int]:
+    """Positions of ``row`` (batch row ``b``'s tokens) that some self-attention record marks as padding."""
+    padded: set[int] = set()
+    if row is None:
+        return padded
+    for r in plan.records:
+        if r.kind == "cross" or r.query_padding is None:
+            continue
+        labels = record_labels(r, b, plan.tokens, plan.key_tokens)
+        if labels.query == row[r.query_offset : r.query_offset + matrix_shape(r)[0]]:
+            marks = r.query_padding[min(b, r.query_padding.shape[0] - 1)]
+            padded.update(int(p) + r.query_offset for p in marks.nonzero().flatten().tolist())
+    return padded
+
+
+def input_facts(plan: PagePlan, data: ReportData) -> dict[str, Any]:
     """What the overview says about the input: batch rows (those shown), sequence lengths and the layers that
     run over them, each shown row's tokens as given."""
-    size = records[0].batch_size or 1
-    shown = [batch] if isinstance(batch, int) else list(batch)
-    q_rows = None if tokens is None else token_rows(tokens, size, "tokens")
-    k_rows = None if key_tokens is None else token_rows(key_tokens, size, "key_tokens")
+    size = plan.records[0].batch_size or 1
+    q_rows = None if plan.tokens is None else token_rows(plan.tokens, size, "tokens")
+    k_rows = None if plan.key_tokens is None else token_rows(plan.key_tokens, size, "key_tokens")
     sequences: dict[int, list[int]] = {}
     keys: dict[int, list[int]] = {}
     for m in data.meta["records"]:
         sequences.setdefault(m["queryOffset"] + m["tq"], []).append(m["layer"])
         if m["kind"] == "cross":
             keys.setdefault(m["tk"], []).append(m["layer"])
-
-    def padded_of(row, b: int) -> set[int]:
-        """Positions of ``row`` (batch row ``b``'s tokens) that some self-attention record marks as padding."""
-        padded: set[int] = set()
-        if row is None:
-            return padded
-        for r in records:
-            if r.kind == "cross" or r.query_padding is None:
-                continue
-            labels = record_labels(r, b, tokens, key_tokens)
-            if labels.query == row[r.query_offset : r.query_offset + r.query_len]:
-                marks = r.query_padding[min(b, r.query_padding.shape[0] - 1)]
-                padded.update(int(p) + r.query_offset for p in marks.nonzero().flatten().tolist())
-        return padded
-
     rows = []
-    for b in shown:
+    for b in plan.rows:
         q_row = None if q_rows is None else q_rows[b]
         k_row = None if k_rows is None else k_rows[b]
         rows.append(
@@ -636,16 +547,16 @@ def input_facts(records: list[AttentionRecord], batch, data: ReportData, tokens,
                 "batch": b,
                 "query_tokens": q_row,
                 "key_tokens": k_row,
-                "query_padded": padded_of(q_row, b),
-                "key_padded": padded_of(k_row, b),
+                "query_padded": _padded_positions(plan, q_row, b),
+                "key_padded": _padded_positions(plan, k_row, b),
             }
         )
     plural = lambda n: "s" if n > 1 else ""  # noqa: E731
     return {
         "batch_size": size,
-        "batch": shown[0],
-        "shown": shown,
-        "all_shown": len(shown) == size,
+        "batch": plan.rows[0],
+        "shown": plan.rows,
+        "all_shown": len(plan.rows) == size,
         "max_rows": MAX_BATCH_ROWS,
         "sequences": [(n, f"layer{plural(len(set(ls)))} {layer_ranges(ls)}") for n, ls in sequences.items()],
         "key_sequences": [(n, f"layer{plural(len(set(ls)))} {layer_ranges(ls)}") for n, ls in keys.items()],
@@ -675,68 +586,100 @@ def monitor_section(monitor, *, alerts=None, stats=None, report: bool = True) ->
     return context
 
 
-def to_html_long(
-    capture,
-    path=None,
-    *,
-    batch: int = 0,
-    checks: CheckResult | bool | None = True,
-    title: str | None = None,
-    precision: str = "exact",
-    overwrite: bool = False,
-    monitor=None,
-    monitor_alerts=None,
-    monitor_stats=None,
-):
-    """The HTML report of a statistics-only capture (see the module doc); ``to_html`` calls it for one.
-    ``monitor=``, ``monitor_alerts=``, ``monitor_stats=``: a Monitor section, as ``to_html`` takes them."""
-    from .long import build_long_data, stats_only
-
-    started = time.perf_counter()
-    check_precision(precision)
-    if path is not None:
-        output_path(path, overwrite=overwrite)
-    monitor_part = monitor_section(monitor, alerts=monitor_alerts, stats=monitor_stats)
-    records = list(capture)
-    if not stats_only(capture):
-        raise AttnprobeError("to_html_long takes a statistics-only capture (keep=('stats',)); use to_html")
-    sampled = [r for r in records if "stats_rows" in r.meta]
-    if sampled:
-        raise AttnprobeError(
-            f"layer {sampled[0].layer} has the statistics of {len(sampled[0].meta['stats_rows'])} sampled query rows "
-            f"of {sampled[0].query_len} (capture(stats_rows=)): the long-input report draws every row along the "
-            "sequence. Capture without stats_rows= for the report; a monitor's history has its own page, "
-            "attnprobe.reports.monitor_html(mon)"
-        )
-    if checks is True:
+# ----------------------------------------------------------------------------------- the page
+def _checks_of(plan: PagePlan) -> CheckResult | None:
+    """The checks the page shows: ``attnprobe.check`` of the capture reported when the plan says True."""
+    if plan.checks is True:
         from ..probe.checks import check
 
-        checks = check(capture)
+        return check(plan.capture)
+    return None if plan.checks is False else plan.checks
+
+
+def page_data(plan: PagePlan) -> PageData:
+    """The data of a planned page, built once: for the report and the diff the encoded records of every batch row
+    (``build_data``) and the overview's facts; the report adds its summary table and checks panel (the flags of
+    every row), a diff's comparison table is ``reports.diff``'s; the long-input report has its records'
+    statistics (``reports.long.build_long_data``) and the checks table."""
+    checks = _checks_of(plan)
+    if plan.layout == "long":
+        return _long_data(plan, checks)
+    data = build_data(plan)
+    context = {
+        "records": list(zip(plan.records, data.meta["records"])),
+        "undrawn": plan.undrawn,
+        "weightless": weights_note([r for records in plan.sources for r in records], plan.capture.info),
+        "stitched": plan.stitched,
+        "input": input_facts(plan, data),
+        "precision": plan.precision,
+        "masked_scores": plan.masked_scores,
+    }
+    if plan.layout == "report":
+        context.update(_report_parts(plan, data, checks))
+    return PageData(data.meta, data.blobs, context)
+
+
+def _report_parts(plan: PagePlan, data: ReportData, checks: CheckResult | None) -> dict[str, Any]:
+    """What the report adds to a page's data: its overview of the model, its summary table and checks panel, and
+    their data on the page (summary values, flagged cells of each batch row)."""
+    # records without weights (a scores-only capture) have no summary row; the report says why elsewhere
+    summary = Capture([r for r in plan.records if r.weights is not None], plan.capture.info).summary()
+    rows = plan.rows
+    panel = check_panel(checks, data.meta["records"], rows[0], rows)
+    for b, row_meta in zip(rows, [data.meta, *data.meta["moreRows"]]):  # the cells to mark differ by row
+        row_meta["flags"] = (
+            check_panel(checks, row_meta["records"], b, rows)["flags"] if b != rows[0] else panel["flags"]
+        )
+    data.meta["summary"] = {
+        f"{row.layer}-{row.head}": {
+            c: page_number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")
+        }
+        for row in summary.itertuples()
+    }
+    targets = {(m["layer"], h): f"#head-{m['id']}-{h}" for m in reversed(data.meta["records"]) for h in m["heads"]}
+    info = describe_info(plan.capture.info)
+    return {"mode": "report", "info": info, "summary": summary, "summary_targets": targets, "checks": panel}
+
+
+def _long_data(plan: PagePlan, checks: CheckResult | None) -> PageData:
+    """The long-input report's data: per record its statistics' blobs, and the checks table."""
     blobs = encoding.Blobs()
     try:
-        data = build_long_data(records, batch, precision, blobs)
+        records = build_long_data(plan.records, plan.rows[0], plan.precision, blobs)
         ids = blobs.results()
     except BaseException:
         blobs.close()
         raise
-    model = capture.info.get("model_class", "model")
-    chunks = render(
-        "long.html.j2",
-        script_name="long.js",
+    meta = {"records": records, "precision": plan.precision}
+    context = {
+        "info": describe_info(plan.capture.info),
+        "records": records,
+        "batch": plan.rows[0],
+        "precision": plan.precision,
+        "checks_text": None if checks is None else checks.table(),
+        "checks_ok": None if checks is None else checks.ok,
+    }
+    return PageData(meta, ids, context)
+
+
+def render_plan(plan: PagePlan, *, title: str | None = None, monitor=None, started: float | None = None):
+    """The page of ``plan`` as text chunks (see ``render``): its data built once (``page_data``), rendered in one
+    pass. ``monitor``: the Monitor section (``monitor_section``); ``started``: when the work began (the page says
+    how long it took)."""
+    started = time.perf_counter() if started is None else started
+    data = page_data(plan)
+    model = plan.capture.info.get("model_class", "model")
+    return render(
+        "long.html.j2" if plan.layout == "long" else "report.html.j2",
+        script_name="long.js" if plan.layout == "long" else "report.js",
         title=title or f"attnprobe report: {model}",
-        info=describe_info(capture.info),
-        records=data,
-        batch=batch,
-        precision=precision,
-        checks_text=None if not checks else checks.table(),
-        checks_ok=None if not checks else checks.ok,
-        monitor=monitor_part,
-        page_scripts=("monitor.js",) if monitor_part else (),
-        meta_json=script_json({"records": data, "precision": precision}),
-        blobs=ids,
+        **data.context,
+        monitor=monitor,
+        page_scripts=("monitor.js",) if monitor else (),
+        meta_json=script_json(data.meta),
+        blobs=data.blobs,
         elapsed=time.perf_counter() - started,
     )
-    return write_or_return(chunks, path, overwrite)
 
 
 def to_html(
@@ -761,12 +704,13 @@ def to_html(
     ``tokens``: labels of the query sequence (and of the keys of self-attention), one list of strings
     or one list per batch row; ``key_tokens``: labels of the keys of cross-attention. ``batch``: the batch
     rows shown, with a selector above the grid: None (the default) every row up to ``MAX_BATCH_ROWS`` (8) that
-    fits ``max_values`` (the page says when rows were left out), an int one row, a list those rows. ``checks``: the checks panel (violating heads are highlighted and linked):
-    True (the default) runs ``attnprobe.check(capture)``; pass your own ``CheckResult`` (e.g. with
-    ``causal=`` or ``attention_mask=`` declared), or False for no panel. ``precision="exact"`` keeps
-    every float32 value bit for bit; ``"bfloat16"`` rounds values to about 3 significant digits for a file about half the size (the page
-    says so). Scores of cells the query may not attend are left out unless ``masked_scores=True``.
-    With ``path``, an existing file is replaced only with ``overwrite=True``; returns the path.
+    fits ``max_values`` (the page says when rows were left out), an int one row, a list those rows.
+    ``checks``: the checks panel (violating heads are highlighted and linked): True (the default) runs
+    ``attnprobe.check(capture)``; pass your own ``CheckResult`` (e.g. with ``causal=`` or ``attention_mask=``
+    declared), or False for no panel. ``precision="exact"`` keeps every float32 value bit for bit; ``"bfloat16"``
+    rounds values to about 3 significant digits for a file about half the size (the page says so). Scores of cells
+    the query may not attend are left out unless ``masked_scores=True``. With ``path``, an existing file is
+    replaced only with ``overwrite=True``; returns the path.
 
     ``monitor``: a training run watched by ``attnprobe.monitor`` (the monitor, an ``AttnprobeCallback``, or its
     history frame with ``monitor_alerts=mon.alerts`` beside it) adds a Monitor section with the plots and alerts
@@ -786,84 +730,19 @@ def to_html(
         >>> html.startswith("<!doctype html>")
         True
     """
-    from .long import stats_only
-
-    if stats_only(capture):  # a long input: statistics, pooled overviews and windows, no (query x key) matrix
-        if isinstance(batch, (list, tuple)):
-            if len(batch) != 1:
-                raise AttnprobeError(
-                    f"a statistics report (long input) shows one batch row; got batch={batch!r}: "
-                    "pass one row, e.g. batch=0 (--batch 0)"
-                )
-            batch = batch[0]
-        return to_html_long(
-            capture,
-            path,
-            batch=batch or 0,
-            checks=checks,
-            title=title,
-            precision=precision,
-            overwrite=overwrite,
-            monitor=monitor,
-            monitor_alerts=monitor_alerts,
-            monitor_stats=monitor_stats,
-        )
     started = time.perf_counter()
     if path is not None:
         output_path(path, overwrite=overwrite)  # fail before the work
     monitor_part = monitor_section(monitor, alerts=monitor_alerts, stats=monitor_stats)
-    records, undrawn, stitched = shown_records(capture)
-    rows, _ = report_rows(records, batch, max_values)
-    data = build_data(
-        [records],
-        batch=rows,
+    plan = plan_page(
+        capture,
         tokens=tokens,
         key_tokens=key_tokens,
+        batch=batch,
+        checks=checks,
         precision=precision,
         masked_scores=masked_scores,
         max_values=max_values,
     )
-    row_metas = [data.meta, *data.meta["moreRows"]]
-    # records without weights (a scores-only capture) have no summary row; the report says why elsewhere
-    summary = Capture([r for r in records if r.weights is not None], capture.info).summary()
-    if checks is True:
-        from ..probe.checks import check
-
-        checks = check(capture)
-    checks = None if checks is False else checks
-    panel = check_panel(checks, data.meta["records"], rows[0], rows)
-    for b, row_meta in zip(rows, row_metas):  # the cells to mark differ by row
-        row_meta["flags"] = (
-            check_panel(checks, row_meta["records"], b, rows)["flags"] if b != rows[0] else panel["flags"]
-        )
-    data.meta["summary"] = {
-        f"{row.layer}-{row.head}": {
-            c: page_number(getattr(row, c)) for c in summary.columns if c not in ("layer", "name", "head")
-        }
-        for row in summary.itertuples()
-    }
-    model = capture.info.get("model_class", "model")
-    chunks = render(
-        "report.html.j2",
-        title=title or f"attnprobe report: {model}",
-        mode="report",
-        info=describe_info(capture.info),
-        records=list(zip(records, data.meta["records"])),
-        undrawn=undrawn,
-        weightless=weights_note(records, capture.info),
-        stitched=stitched,
-        input=input_facts(records, rows, data, tokens, key_tokens),
-        precision=precision,
-        masked_scores=masked_scores,
-        summary=summary,
-        summary_targets={
-            (m["layer"], h): f"#head-{m['id']}-{h}" for m in reversed(data.meta["records"]) for h in m["heads"]
-        },
-        checks=panel,
-        monitor=monitor_part,
-        page_scripts=("monitor.js",) if monitor_part else (),
-        meta_json=script_json(data.meta),
-        blobs=data.blobs,
-        elapsed=time.perf_counter() - started,
-    )
+    chunks = render_plan(plan, title=title, monitor=monitor_part, started=started)
     return write_or_return(chunks, path, overwrite)

@@ -20,7 +20,8 @@ from ..probe.capture import Capture
 from ..probe.checks.violations import CheckResult
 from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
-from .html import MAX_BATCH_ROWS, checks_document, shown_records, to_html
+from .html import checks_document, render_plan
+from .page import PagePlan, plan_view
 
 #: The most bytes a notebook view holds; settable. The page travels base64-encoded in a data: URL (4/3 of its size),
 #: which Chromium accepts up to 2 MiB.
@@ -43,17 +44,6 @@ def repr_html(obj: Any) -> str:
     raise TypeError(f"no notebook view for {type(obj).__name__}")
 
 
-def _values(record: AttentionRecord) -> int:
-    per_head = (record.query_len or 0) * (record.key_len or 0)
-    return per_head * len(record.heads) * ((record.weights is not None) + (record.scores is not None))
-
-
-def _estimate(records: list[AttentionRecord], precision: str) -> int:
-    """Bytes of the view of a report of ``records`` at most (values base64-encoded twice before compression)."""
-    per_value = 4 if precision == "exact" else 2
-    return (80_000 + sum(_values(r) for r in records) * per_value * 4 // 3 + 2_000 * len(records)) * 4 // 3
-
-
 def _view_bytes(document: str) -> int:
     return (len(document.encode("utf-8")) + 2) // 3 * 4 + 300
 
@@ -72,59 +62,60 @@ def _note(text: str) -> str:
 
 
 def capture_view(capture: Capture, *, what: str = "capture") -> str:
-    """The report of ``capture`` in a frame, under ``MAX_BYTES`` (see the module docstring)."""
+    """The report of ``capture`` in a frame, under ``MAX_BYTES`` (see the module docstring): planned once
+    (``reports.page.plan_view``), rendered in one pass; only when the page comes out larger than estimated is it
+    rendered again with half its records."""
     full = (
         'attnprobe.reports.to_html(cap, "report.html")'
         if what == "capture"
         else 'attnprobe.reports.to_html(attnprobe.Capture([record]), "report.html")'
     )
     try:
-        records, _, _ = shown_records(capture)
+        plan, drawn = plan_view(capture, max_bytes=MAX_BYTES)
+        shown = _document(plan)
     except AttnprobeError as exc:
         return _note(html.escape(f"{capture!r}: {exc}"))
-    # every batch row (as the report shows them) when they all fit exactly; else batch row 0, as before
-    size = max(r.batch_size or 1 for r in records)
-    batch = None if _estimate(records, "exact") * min(size, MAX_BATCH_ROWS) <= MAX_BYTES else 0
-    chosen, precision = records, "exact"
-    for precision in ("exact", "bfloat16"):
-        chosen = list(records)
-        while chosen and _estimate(chosen, precision) > MAX_BYTES:
-            chosen.pop()
-        if len(chosen) == len(records):
-            break
-    document = None
-    while chosen:
-        try:
-            document = to_html(Capture(chosen, capture.info), precision=precision, max_values=None, batch=batch)
-        except AttnprobeError as exc:
-            return _note(html.escape(f"{capture!r}: {exc}"))
-        if _view_bytes(document) <= MAX_BYTES or len(chosen) == 1:
-            break
-        chosen = chosen[: len(chosen) // 2]
-    mb = f"{MAX_BYTES / 1e6:g} MB"
-    if document is None or _view_bytes(document) > MAX_BYTES:
+    if shown is None:
         return _note(
             html.escape(
-                f"{capture!r}: even one record of it makes a report over {mb} (attnprobe.reports.inline.MAX_BYTES), "
-                f"too large to show here; write the report to a file: {full}"
+                f"{capture!r}: even one record of it makes a report over {MAX_BYTES / 1e6:g} MB "
+                f"(attnprobe.reports.inline.MAX_BYTES), too large to show here; write the report to a file: {full}"
             )
         )
+    document, plan = shown
+    return _view_note(plan, drawn, full) + _frame(document, FRAME_HEIGHT, f"attnprobe {what}")
+
+
+def _document(plan: PagePlan) -> tuple[str, PagePlan] | None:
+    """The page of ``plan`` and the plan it shows, under ``MAX_BYTES``: the plan's estimate is an upper bound on
+    the values' share only, so a page over the bound is rendered again with half its records (None: not even one
+    record fits)."""
+    while plan.records:
+        document = "".join(render_plan(plan))
+        if _view_bytes(document) <= MAX_BYTES:
+            return document, plan
+        if len(plan.records) == 1:
+            return None
+        plan = plan.first(len(plan.records) // 2)
+    return None
+
+
+def _view_note(plan: PagePlan, drawn: int, full: str) -> str:
+    """The line above a view that does not show everything: which rows, records and precision it shows."""
     parts = []
-    if batch == 0 and size > 1:
-        parts.append(f"batch row 0 of {size}")
-    if len(chosen) < len(records):
-        layers = sorted({r.layer for r in chosen})
-        parts.append(f"showing the first {len(chosen)} of {len(records)} records (layers {layers[0]} to {layers[-1]})")
-    if precision != "exact":
+    if plan.rows == [0] and plan.batch_size > 1:
+        parts.append(f"batch row 0 of {plan.batch_size}")
+    if len(plan.records) < drawn:
+        layers = sorted({r.layer for r in plan.records})
+        parts.append(f"showing the first {len(plan.records)} of {drawn} records (layers {layers[0]} to {layers[-1]})")
+    if plan.precision != "exact":
         parts.append("values rounded to bfloat16")
-    note = ""
-    if parts:
-        note = _note(
-            html.escape(
-                f"attnprobe: {' and '.join(parts)} to keep this view under {mb}; the whole report, exact: {full}"
-            )
-        )
-    return note + _frame(document, FRAME_HEIGHT, f"attnprobe {what}")
+    if not parts:
+        return ""
+    mb = f"{MAX_BYTES / 1e6:g} MB"
+    return _note(
+        html.escape(f"attnprobe: {' and '.join(parts)} to keep this view under {mb}; the whole report, exact: {full}")
+    )
 
 
 def checks_view(result: CheckResult) -> str:

@@ -9,20 +9,23 @@ Per record and head the page holds (``to_html`` switches here by itself for a st
   previous-token mass, ...), one value per query row;
 - the exact weights of the windows chosen at capture time (``Overview.windows``, ``--window`` on the command line).
 
-``reports.html.to_html_long`` writes the page from ``build_long_data``; ``reports.png.save_long_grid`` draws the
-overviews (mean) and the windows of every head.
+``reports.page.plan_page`` plans the page (its batch row, every record), ``reports.html.page_data`` builds its data
+with ``build_long_data``; ``reports.png.save_long_grid`` draws the overviews (mean) and the windows of every head.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
+
+from torch import Tensor
 
 from ..probe.capture import Capture
 from ..probe.engine.stats import OVERVIEW_STATS
+from ..probe.errors import AttnprobeError
 from ..probe.record import AttentionRecord
 from . import encoding
-from ._common import check_batch
 
 #: Per-row statistics drawn along the sequence, in the page's order.
 ROW_PLOTS: tuple[str, ...] = (
@@ -53,45 +56,54 @@ def _floats(t, precision: str) -> bytes:
     return encoding.shuffled_floats(t.float().numpy(), precision)
 
 
-def build_long_data(
-    records: list[AttentionRecord], batch: int, precision: str, blobs: encoding.Blobs, tokens=None
-) -> list[dict[str, Any]]:
+def _statistics(record: AttentionRecord) -> Mapping[str, Tensor]:
+    if record.stats is None:
+        raise AttnprobeError(
+            f"layer {record.layer} ({record.name!r}) has no statistics: the long-input report draws a statistics "
+            "capture (keep=('stats',))"
+        )
+    return record.stats
+
+
+def build_long_data(records: list[AttentionRecord], batch: int, precision: str, blobs: encoding.Blobs) -> list[dict]:
     """Per record: its facts and, per head, the blob ids of its overviews, row statistics and windows."""
-    out = []
-    for rid, r in enumerate(records):
-        check_batch(r, batch)
-        st = r.stats
-        q_len, k_len = int(st["entropy"].shape[2]), int(st["key_weight"].shape[2])
-        meta: dict[str, Any] = {
-            "id": rid,
-            "layer": r.layer,
-            "call": r.call,
-            "name": r.name,
-            "kind": r.kind,
-            "heads": list(r.heads),
-            "queries": q_len,
-            "keys": k_len,
-            "source": (r.meta or {}).get("stats_source"),
-            "heads_data": [],
+    return [_long_record(rid, r, batch, precision, blobs) for rid, r in enumerate(records)]
+
+
+def _long_record(rid: int, r: AttentionRecord, batch: int, precision: str, blobs: encoding.Blobs) -> dict[str, Any]:
+    """One record of the long-input page: its place, sizes, overview cells, windows and plots, and per head the
+    blob ids of its data."""
+    st = _statistics(r)
+    q_len, k_len = int(st["entropy"].shape[2]), int(st["key_weight"].shape[2])
+    ov = st.get("overview_mean")  # (batch, head, cells, cells)
+    meta: dict[str, Any] = {
+        "id": rid,
+        "layer": r.layer,
+        "call": r.call,
+        "name": r.name,
+        "kind": r.kind,
+        "heads": list(r.heads),
+        "queries": q_len,
+        "keys": k_len,
+        "source": (r.meta or {}).get("stats_source"),
+        "heads_data": [],
+        "cells": None if ov is None else [int(ov.shape[2]), int(ov.shape[3])],
+        "cellSize": None if ov is None else [-(-q_len // int(ov.shape[2])), -(-k_len // int(ov.shape[3]))],
+        "windows": [list(w) for w in windows_of(r)],
+        "plots": [name for name in ROW_PLOTS if name in st],
+    }
+    for i, head in enumerate(r.heads):
+        hd: dict[str, Any] = {"head": head}
+        if ov is not None:
+            for name in OVERVIEW_STATS:
+                hd[name] = blobs.add(functools.partial(_floats, st[name][batch, i], precision))
+        hd["rows"] = {
+            name: blobs.add(functools.partial(_floats, st[name][batch, i], "exact")) for name in meta["plots"]
         }
-        ov = st.get("overview_mean")
-        meta["cells"] = None if ov is None else [int(ov.shape[2]), int(ov.shape[3])]
-        meta["cellSize"] = None if ov is None else [-(-q_len // int(ov.shape[2])), -(-k_len // int(ov.shape[3]))]
-        meta["windows"] = [list(w) for w in windows_of(r)]
-        meta["plots"] = [name for name in ROW_PLOTS if name in st]
-        for i, head in enumerate(r.heads):
-            hd: dict[str, Any] = {"head": head}
-            if ov is not None:
-                for name in OVERVIEW_STATS:
-                    hd[name] = blobs.add(functools.partial(_floats, st[name][batch, i], precision))
-            hd["rows"] = {
-                name: blobs.add(functools.partial(_floats, st[name][batch, i], "exact")) for name in meta["plots"]
-            }
-            hd["windows"] = [
-                blobs.add(functools.partial(_floats, st[f"window_{w}"][batch, i], precision))
-                for w in range(len(meta["windows"]))
-                if f"window_{w}" in st
-            ]
-            meta["heads_data"].append(hd)
-        out.append(meta)
-    return out
+        hd["windows"] = [
+            blobs.add(functools.partial(_floats, st[f"window_{w}"][batch, i], precision))
+            for w in range(len(meta["windows"]))
+            if f"window_{w}" in st
+        ]
+        meta["heads_data"].append(hd)
+    return meta

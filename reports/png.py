@@ -22,6 +22,7 @@ from ._common import (
     check_batch,
     display_token,
     head_view,
+    matrix_shape,
     output_path,
     record_labels,
     require_record,
@@ -243,8 +244,6 @@ def head_grid(
     whose keys differ from the row below, cross-attention), at ``GRID_TOKEN_POINTS``; every k-th token
     when they do not all fit. The title says which batch row is shown.
     """
-    from matplotlib.figure import Figure
-
     _check_value(value)
     if normalize not in ("shared", "head"):
         raise AttnprobeError(f"normalize must be 'shared' or 'head', got {normalize!r}")
@@ -254,35 +253,22 @@ def head_grid(
     labels = [record_labels(r, batch, tokens, key_tokens) for r in records]
     ncols = max(len(r.heads) for r in records)
     nrows = len(records)
+    labelled = tokens is not None or key_tokens is not None
     if cell_inches is None:
-        longest = max(max(r.query_len or 0, r.key_len or 0) for r in records)
-        # room for every token label when the grid is small (one layer of 4 heads, 13 tokens)
-        wanted = longest * GRID_TOKEN_POINTS * 1.3 / 72 if tokens is not None or key_tokens is not None else 1.3
-        cell_inches = max(0.35, min(max(1.3, wanted), 3.0, 18.0 / max(ncols, nrows)))
+        cell_inches = _grid_cell_inches(records, labelled, ncols, nrows)
     if fig is None:
-        extra = 0.9 if tokens is not None or key_tokens is not None else 0.0  # the token labels' margins
+        from matplotlib.figure import Figure
+
+        extra = 0.9 if labelled else 0.0  # the token labels' margins
         fig = Figure(
             figsize=(ncols * cell_inches + 1.6 + extra, nrows * cell_inches + 1.0 + extra), layout="constrained"
         )
     views = [[head_view(r, h, batch) for h in r.heads] for r in records]
-    vmin = vmax = None
-    extend = "neither"
-    if normalize == "shared":
-        values = [
-            (v.weights if value == "weights" else v.scores)[v.allowed]
-            for row in views
-            for v in row
-            if (v.weights if value == "weights" else v.scores) is not None
-        ]
-        finite = np.concatenate([x[np.isfinite(x)] for x in values]) if values else np.zeros(0)
-        vmin = 0.0 if value == "weights" else (float(finite.min()) if finite.size else None)
-        vmax = float(finite.max()) if finite.size else None
-        if value == "weights" and finite.size:  # robust: see heatmap()
-            vmax = float(np.quantile(finite, 0.99)) or vmax
-            extend = "max" if vmax < finite.max() else "neither"
+    vmin, vmax, extend = _shared_range(views, value) if normalize == "shared" else (None, None, "neither")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     image = None
-    for i, (r, row) in enumerate(zip(records, views)):
+    fit = max(1, int(cell_inches * 72 / (GRID_TOKEN_POINTS * 1.3)))  # labels that fit along one cell
+    for i, row in enumerate(views):
         for j in range(ncols):
             ax = axes[i, j]
             ax.set_xticks([])
@@ -291,39 +277,69 @@ def head_grid(
                 ax.set_axis_off()
                 continue
             view = row[j]
-            if (view.weights if value == "weights" else view.scores) is None:
+            if _matrix(view, value) is None:
                 ax.text(0.5, 0.5, f"no {value}", ha="center", va="center", fontsize="xx-small", transform=ax.transAxes)
                 continue
             image = draw_head(ax, view, value, cmap=cmap, vmin=vmin, vmax=vmax)
-            if i == 0 or len(r.heads) != len(records[i - 1].heads):
-                ax.set_title(f"H{view.head}", fontsize="x-small")
-            if j == 0:
-                label = f"L{r.layer}" + (f" c{r.call}" if r.call else "") + (" x" if r.kind == "cross" else "")
-                ax.set_ylabel(label, fontsize="x-small")
-            fit = max(1, int(cell_inches * 72 / (GRID_TOKEN_POINTS * 1.3)))  # labels that fit along one cell
-            tq, tk = view.shape
-            if j == 0 and labels[i].query is not None:
-                _set_ticks(ax, "y", labels[i].query, tq, r.query_offset, fit, GRID_TOKEN_POINTS, limit=10)
-            last_of_its_keys = i == nrows - 1 or labels[i + 1].key != labels[i].key
-            if labels[i].key is not None and last_of_its_keys:
-                _set_ticks(ax, "x", labels[i].key, tk, r.key_start, fit, GRID_TOKEN_POINTS, limit=10)
+            _label_grid_cell(ax, records, labels, i, j, fit)
     if title:
-        size = records[0].batch_size
-        fig.suptitle(
-            title
-            if isinstance(title, str)
-            else f"attention {value} of batch row {batch}"
-            + (f" (of {size})" if size and size > 1 else "")
-            + " · rows: layer (L), columns: head (H)",
-            fontsize="small",
-            x=0.01,
-            ha="left",
-        )
+        fig.suptitle(_grid_title(title, value, batch, records[0].batch_size), fontsize="small", x=0.01, ha="left")
     if normalize == "shared" and image is not None:
         fig.colorbar(
             image, ax=axes, label="weight" if value == "weights" else "score (pre-softmax)", shrink=0.8, extend=extend
         )
     return fig
+
+
+def _matrix(view, value: str) -> np.ndarray | None:
+    """The ``(query, key)`` weights or scores of a head view, as ``value`` names them."""
+    return view.weights if value == "weights" else view.scores
+
+
+def _grid_cell_inches(records: list[AttentionRecord], labelled: bool, ncols: int, nrows: int) -> float:
+    """The side of one panel: room for every token label when the grid is small (one layer of 4 heads, 13 tokens)."""
+    longest = max(max(r.query_len or 0, r.key_len or 0) for r in records)
+    wanted = longest * GRID_TOKEN_POINTS * 1.3 / 72 if labelled else 1.3
+    return max(0.35, min(max(1.3, wanted), 3.0, 18.0 / max(ncols, nrows)))
+
+
+def _shared_range(views, value: str) -> tuple[float | None, float | None, str]:
+    """(vmin, vmax, colour-bar extension) of one colour scale over every head's allowed cells; weights end at
+    their 99th percentile, as in ``heatmap``."""
+    values = [m[v.allowed] for row in views for v in row if (m := _matrix(v, value)) is not None]
+    finite = np.concatenate([x[np.isfinite(x)] for x in values]) if values else np.zeros(0)
+    vmin = 0.0 if value == "weights" else (float(finite.min()) if finite.size else None)
+    vmax = float(finite.max()) if finite.size else None
+    extend = "neither"
+    if value == "weights" and finite.size:  # robust: see heatmap()
+        vmax = float(np.quantile(finite, 0.99)) or vmax
+        extend = "max" if vmax is not None and vmax < finite.max() else "neither"
+    return vmin, vmax, extend
+
+
+def _label_grid_cell(ax, records: list[AttentionRecord], labels, i: int, j: int, fit: int) -> None:
+    """The head title over a row's first panels, the layer and tokens beside its first panel, and the keys' tokens
+    under the bottom row (and under a row whose keys differ from the next row's: cross-attention)."""
+    r = records[i]
+    head = r.heads[j]
+    if i == 0 or len(r.heads) != len(records[i - 1].heads):
+        ax.set_title(f"H{head}", fontsize="x-small")
+    if j == 0:
+        label = f"L{r.layer}" + (f" c{r.call}" if r.call else "") + (" x" if r.kind == "cross" else "")
+        ax.set_ylabel(label, fontsize="x-small")
+    tq, tk = matrix_shape(r)
+    if j == 0 and labels[i].query is not None:
+        _set_ticks(ax, "y", labels[i].query, tq, r.query_offset, fit, GRID_TOKEN_POINTS, limit=10)
+    last_of_its_keys = i == len(records) - 1 or labels[i + 1].key != labels[i].key
+    if labels[i].key is not None and last_of_its_keys:
+        _set_ticks(ax, "x", labels[i].key, tk, r.key_start, fit, GRID_TOKEN_POINTS, limit=10)
+
+
+def _grid_title(title: str | bool, value: str, batch: int, size: int | None) -> str:
+    if isinstance(title, str):
+        return title
+    rows = f" (of {size})" if size and size > 1 else ""
+    return f"attention {value} of batch row {batch}{rows} · rows: layer (L), columns: head (H)"
 
 
 def cell_label(v: float) -> str:

@@ -119,6 +119,7 @@ def test_notebook_view_shows_every_row_when_they_fit(assert_no_hooks):
     import base64
 
     from attnprobe.reports import inline
+    from attnprobe.reports.page import estimate_view_bytes
 
     cap = stack_capture(assert_no_hooks, layers=1, heads=1, length=5, batch=2)
 
@@ -129,7 +130,7 @@ def test_notebook_view_shows_every_row_when_they_fit(assert_no_hooks):
     assert [r["batch"] for r in meta["moreRows"]] == [1]
     small = inline.MAX_BYTES
     try:
-        inline.MAX_BYTES = inline._estimate(list(cap), "exact") + 1  # one row fits, two do not
+        inline.MAX_BYTES = estimate_view_bytes(list(cap), "exact") + 1  # one row fits, two do not
         view = inline.repr_html(cap)
     finally:
         inline.MAX_BYTES = small

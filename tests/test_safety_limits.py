@@ -10,8 +10,9 @@ from click.testing import CliRunner
 
 import attnprobe
 from attnprobe import SelectionError
-from attnprobe.cli import main, planned_attention_bytes
+from attnprobe.cli import main
 from attnprobe.probe.commandline import loading
+from attnprobe.probe.commandline.memory_plan import planned_attention_bytes
 
 TINY = "cli_factories:tiny"
 
@@ -88,10 +89,10 @@ def test_a_large_file_is_refused_before_the_forward_with_the_figure(tmp_path, mo
 
 
 def test_without_a_budget_the_machine_memory_is_the_limit(tmp_path, monkeypatch):
-    import attnprobe.cli as cli
+    from attnprobe.probe.commandline import memory_plan
 
     (tmp_path / "many.txt").write_text("\n".join(f"line {i}" for i in range(200)))
-    monkeypatch.setattr(cli, "available_memory", lambda: 10 * 2**20)
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: 10 * 2**20)
     line = one_line(["report", "--file", "many.txt", "--full"], tmp_path, monkeypatch)
     assert line.startswith("attnprobe: error: too large an input: the input (200 row(s)")
     assert "more than the memory available on this machine (10.0 MiB)" in line
@@ -105,7 +106,7 @@ def test_the_planned_figure_is_a_lower_bound(spec, keep):
         net, tokenizer, source, texts=texts, decoder_texts=[], ids=[] if tokenizer else [[1, 2, 3, 4], [5, 6]]
     )
     options = {"layers": [0, -1], "heads": [0, 1], "keep": keep}
-    planned = planned_attention_bytes(work, options)
+    planned = planned_attention_bytes(work, options, attnprobe.attention_modules(work.model))
     with torch.no_grad():
         _, cap = attnprobe.run(work.model, work.inputs, **options)
     assert 0 < planned <= cap.nbytes, (planned, cap.nbytes)

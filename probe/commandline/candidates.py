@@ -90,6 +90,7 @@ def softmax_modules(model: nn.Module, *, exclude=()) -> list[Candidate]:
         if cls not in memo:
             forward = getattr(cls, "forward", None)
             memo[cls] = None if forward is None else _forward_softmax(forward)
-        if memo[cls] is not None:
-            out.append(Candidate(name=name, module_class=cls.__name__, where=memo[cls]))
+        where = memo[cls]
+        if where is not None:
+            out.append(Candidate(name=name, module_class=cls.__name__, where=where))
     return out

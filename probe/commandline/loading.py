@@ -31,7 +31,8 @@ class InputError(AttnprobeError, ValueError):
 
 @dataclass
 class Workload:
-    """A model ready to run: the call's keyword arguments and the token strings per batch row."""
+    """A model ready to run: its inputs by their Hugging Face names (``input_ids``, ``attention_mask``, ...), how
+    its forward takes the token ids (``ids_keyword``), and the token strings per batch row."""
 
     model: nn.Module
     source: str
@@ -40,10 +41,28 @@ class Workload:
     tokens: list[list[str]] | None = None
     decoder_tokens: list[list[str]] | None = None
     texts: list[str] = field(default_factory=list)
+    #: the forward's parameter that takes the token ids: ``"input_ids"``, another name (nanoGPT's
+    #: ``forward(idx, targets=None)``: ``"idx"``), or None for a positional-only one (``forward(ids, /)``)
+    ids_keyword: str | None = "input_ids"
 
     @property
     def is_encoder_decoder(self) -> bool:
         return bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
+
+    @property
+    def call_inputs(self) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:
+        """What the model is called with (``attnprobe.run(model, work.call_inputs)``): the inputs as keyword
+        arguments, the token ids under the name the forward gives them, or the ids alone as its one argument."""
+        if self.ids_keyword == "input_ids" or "input_ids" not in self.inputs:
+            return self.inputs
+        if self.ids_keyword is None:
+            return (self.inputs["input_ids"],)
+        return {(self.ids_keyword if k == "input_ids" else k): v for k, v in self.inputs.items()}
+
+    def forward(self) -> Any:
+        """The model's output on the inputs, called as ``call_inputs`` says (no capture)."""
+        inputs = self.call_inputs
+        return self.model(*inputs) if isinstance(inputs, tuple) else self.model(**inputs)
 
 
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
@@ -69,10 +88,10 @@ def parse_int_list(text: str | None, what: str) -> list[int] | None:
         if hi < lo:
             raise InputError(f"{what} range {part!r} runs backwards; write it as {hi}-{lo}")
         if len(out) + hi + 1 - lo > MAX_SELECTED:  # before a single number is listed
+            error = too_many(what, len(out) + hi + 1 - lo, repr(text))
+            # the library's advice ("name the ones the model has") in the command line's words
             raise InputError(
-                str(too_many(what, len(out) + hi + 1 - lo, repr(text))).replace(
-                    "name the ones the model has", "`attnprobe info` lists the model's"
-                )
+                str(error) if error.problem is None else f"{error.problem}: `attnprobe info` lists the model's"
             )
         out.extend(range(lo, hi + 1))
     return out
@@ -393,8 +412,9 @@ def check_fits(model: nn.Module, inputs: dict[str, torch.Tensor], *, from_tokeni
             n, source = vocab
             bad = ids[(ids < 0) | (ids >= n)]
             if bad.numel():
+                told = " (from the tokenizer)" if from_tokenizer else ""
                 raise InputError(
-                    f"{what} token id {int(bad[0])}{' (from the tokenizer)' if from_tokenizer else ''} is out of range: "
+                    f"{what} token id {int(bad[0])}{told} is out of range: "
                     f"the model has {n} token ids (0 to {n - 1}, from {source})"
                 )
         if limit is not None and ids.shape[-1] > limit[0]:
@@ -414,7 +434,8 @@ def build_workload(
     ids: list[list[int]],
     device: str | None = None,
 ) -> Workload:
-    """Inputs for one forward: texts through the tokenizer, or raw ids; decoder inputs for encoder-decoders."""
+    """Inputs for one forward: texts through the tokenizer, or raw ids; decoder inputs for encoder-decoders;
+    fitted to what the model's forward takes (``fit_forward``)."""
     work = Workload(model=model, source=source, tokenizer=tokenizer, texts=list(texts))
     main_input = getattr(model, "main_input_name", "input_ids")
     if isinstance(main_input, str) and main_input != "input_ids":  # pixel_values, input_features, input_values
@@ -424,6 +445,21 @@ def build_workload(
         )
     if texts and ids:
         raise InputError("give either texts (--text/--file) or token ids (--ids), not both")
+    _encode(work, texts, ids)
+    if work.is_encoder_decoder:
+        _encode_decoder(work, decoder_texts)
+    elif decoder_texts:
+        raise InputError(f"--decoder-text is only for encoder-decoder models; {source} is not one")
+    fit_forward(work)
+    check_fits(model, work.inputs, from_tokenizer=bool(work.texts))
+    if device is not None:
+        _move(work, device)
+    return work
+
+
+def _encode(work: Workload, texts: list[str], ids: list[list[int]]) -> None:
+    """The input ids (and attention mask) of the texts (the default sentence when nothing is given) or of the ids."""
+    tokenizer, source = work.tokenizer, work.source
     if not texts and not ids:
         if tokenizer is None:
             raise InputError(f"{source} has no tokenizer: give token ids with --ids '1 2 3'")
@@ -434,55 +470,85 @@ def build_workload(
         enc = tokenizer(texts, padding=True, return_tensors="pt")
         work.inputs = dict(enc)
         work.tokens = _token_strings(tokenizer, enc["input_ids"])
-    else:
-        pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
-        input_ids, mask = _pad(ids, pad_id)
-        work.inputs = {"input_ids": input_ids, "attention_mask": mask}
-        work.tokens = [[str(i) for i in row] + [""] * (input_ids.shape[1] - len(row)) for row in ids]
-    if work.is_encoder_decoder:
-        if not decoder_texts:
-            raise InputError(f"{source} is an encoder-decoder model: give the decoder input with --decoder-text")
-        if tokenizer is None:
-            raise InputError("--decoder-text needs a tokenizer; this model has none")
-        if len(decoder_texts) not in (1, len(work.inputs["input_ids"])):
-            raise InputError(f"give one --decoder-text, or one per input ({len(work.inputs['input_ids'])})")
-        dec = tokenizer(
-            decoder_texts * (len(work.inputs["input_ids"]) if len(decoder_texts) == 1 else 1),
-            padding=True,
-            return_tensors="pt",
-        )
-        work.inputs["decoder_input_ids"] = dec["input_ids"]
-        work.inputs["decoder_attention_mask"] = dec["attention_mask"]
-        work.decoder_tokens = _token_strings(tokenizer, dec["input_ids"])
-    elif decoder_texts:
-        raise InputError(f"--decoder-text is only for encoder-decoder models; {source} is not one")
+        return
+    pad_id = getattr(getattr(work.model, "config", None), "pad_token_id", None) or 0
+    input_ids, mask = _pad(ids, pad_id)
+    work.inputs = {"input_ids": input_ids, "attention_mask": mask}
+    work.tokens = [[str(i) for i in row] + [""] * (input_ids.shape[1] - len(row)) for row in ids]
+
+
+def _encode_decoder(work: Workload, decoder_texts: list[str]) -> None:
+    """The decoder's input ids and mask of an encoder-decoder model: one --decoder-text for every input, or one each."""
+    if not decoder_texts:
+        raise InputError(f"{work.source} is an encoder-decoder model: give the decoder input with --decoder-text")
+    if work.tokenizer is None:
+        raise InputError("--decoder-text needs a tokenizer; this model has none")
+    rows = len(work.inputs["input_ids"])
+    if len(decoder_texts) not in (1, rows):
+        raise InputError(f"give one --decoder-text, or one per input ({rows})")
+    dec = work.tokenizer(decoder_texts * (rows if len(decoder_texts) == 1 else 1), padding=True, return_tensors="pt")
+    work.inputs["decoder_input_ids"] = dec["input_ids"]
+    work.inputs["decoder_attention_mask"] = dec["attention_mask"]
+    work.decoder_tokens = _token_strings(work.tokenizer, dec["input_ids"])
+
+
+def ids_keyword(forward) -> str | None:
+    """How ``forward`` takes token ids: ``"input_ids"`` when it names them so (or takes any keyword), else the
+    name of its first parameter (nanoGPT's ``forward(idx, targets=None)``: ``"idx"``), None for a positional-only
+    first parameter or ``*args``; an ``InputError`` when it takes no argument that could be the ids."""
+    params = inspect.signature(forward).parameters
+    if "input_ids" in params:
+        return "input_ids"
+    first = next(iter(params.values()), None)
+    if first is not None and first.kind is first.POSITIONAL_OR_KEYWORD:
+        return first.name
+    if first is not None and first.kind in (first.POSITIONAL_ONLY, first.VAR_POSITIONAL):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return "input_ids"
+    owner = getattr(getattr(forward, "__self__", None), "__class__", type(None)).__name__
+    raise InputError(
+        f"{owner}.forward takes no token ids (no input_ids and no positional argument); give a factory whose "
+        "model takes token ids, e.g. forward(input_ids, attention_mask=None) or nanoGPT's forward(idx, targets=None)"
+    )
+
+
+def fit_forward(work: Workload) -> None:
+    """Fit the inputs to the model's ``forward``: find how it takes the token ids (``Workload.ids_keyword``), and
+    leave out what it does not take (token types; an attention mask where nothing is padded, refused where
+    something is, since the padding could not reach the model)."""
+    model, source = work.model, work.source
     accepted = inspect.signature(model.forward).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
-        unknown = [k for k in work.inputs if k not in accepted]
-        for k in unknown:
-            if k in ("token_type_ids", "decoder_attention_mask"):
-                work.inputs.pop(k)
-            elif k == "attention_mask":
-                if not bool(work.inputs[k].all()):
-                    raise InputError(
-                        f"{source}: {type(model).__name__}.forward takes no attention_mask, so the padding of inputs "
-                        "of different lengths cannot reach it: give inputs of one length (or one input)"
-                    )
-                work.inputs.pop(k)  # no padding: the model needs no mask
-        if "input_ids" not in accepted and "input_ids" in work.inputs:
-            raise InputError(
-                f"{source}: {type(model).__name__}.forward takes no input_ids; give a factory whose model takes token ids"
-            )
-    check_fits(model, work.inputs, from_tokenizer=bool(texts))
-    if device is not None:
-        if device.strip().lower().startswith("meta"):
-            raise InputError(
-                f"cannot use device {device!r}: meta tensors hold no values to capture; "
-                "choose a real device such as cpu or cuda:0"
-            )
-        try:
-            work.model = model.to(device)
-            work.inputs = {k: v.to(device) for k, v in work.inputs.items()}
-        except (RuntimeError, AssertionError) as exc:
-            raise InputError(f"cannot use device {device!r}: {exc}".splitlines()[0]) from exc
-    return work
+    work.ids_keyword = ids_keyword(model.forward)
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return
+    for k in [k for k in work.inputs if k not in accepted and k != "input_ids"]:
+        if k in ("token_type_ids", "decoder_attention_mask"):
+            work.inputs.pop(k)
+        elif k == "attention_mask":
+            if not bool(work.inputs[k].all()):
+                raise InputError(
+                    f"{source}: {type(model).__name__}.forward takes no attention_mask, so the padding of inputs "
+                    "of different lengths cannot reach it: give inputs of one length (or one input)"
+                )
+            work.inputs.pop(k)  # no padding: the model needs no mask
+    if work.ids_keyword is None and len(work.inputs) > 1:
+        raise InputError(
+            f"{source}: {type(model).__name__}.forward takes the token ids as its one positional argument and "
+            f"cannot be given {', '.join(k for k in work.inputs if k != 'input_ids')} beside them by name; give a "
+            "factory whose model names its parameters"
+        )
+
+
+def _move(work: Workload, device: str) -> None:
+    """The model and the inputs on ``device`` (refusing ``meta``: it holds no values to capture)."""
+    if device.strip().lower().startswith("meta"):
+        raise InputError(
+            f"cannot use device {device!r}: meta tensors hold no values to capture; "
+            "choose a real device such as cpu or cuda:0"
+        )
+    try:
+        work.model = work.model.to(device)
+        work.inputs = {k: v.to(device) for k, v in work.inputs.items()}
+    except (RuntimeError, AssertionError) as exc:
+        raise InputError(f"cannot use device {device!r}: {exc}".splitlines()[0]) from exc

@@ -1,0 +1,148 @@
+"""Factories whose model takes token ids positionally (nanoGPT's ``GPT.forward(idx, targets=None)``) on the command
+line, and a forgotten causal mask found from it with ``--modules auto`` and the registered ``tril`` buffer.
+
+The model file is written into the test's folder and named as ``module:factory``, as a user's own file would be.
+Its bug is a shipped one (Mikyx-1/TinyLLM#18, "Fix causal mask being skipped during multi-token KV-cache
+prefill"): the attention applied its causal mask only ``if cache is None``, so a prefill that filled the cache ran
+unmasked and every prompt token attended to later ones. ``gpt_prefill_skips_mask`` is that code; ``gpt`` has the
+fix (the mask always applied).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from test_cli import cli, one_line_error  # noqa: F401  (the fixture)
+
+MODEL_FILE = """
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head, block_size, masks_only_without_cache):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+        self.masks_only_without_cache = masks_only_without_cache
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x, cache=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:
+            cache["k"], cache["v"] = k, v  # what the decoding steps attend to
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+        if cache is None or not self.masks_only_without_cache:
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = att @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head, block_size, masks_only_without_cache):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, masks_only_without_cache)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16, masks_only_without_cache=False):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(
+            [Block(n_embd, n_head, block_size, masks_only_without_cache) for _ in range(n_layer)]
+        )
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        caches = [{} for _ in self.h]  # a prefill: it fills the KV cache the generation then decodes against
+        for block, cache in zip(self.h, caches):
+            x = block(x, cache)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+def gpt():
+    torch.manual_seed(0)
+    return GPT()
+
+
+def gpt_prefill_skips_mask():
+    torch.manual_seed(0)
+    return GPT(masks_only_without_cache=True)
+"""
+
+IDS = ["--ids", "1 2 3 4 5 6"]
+
+
+@pytest.fixture
+def gpt_file(tmp_path):
+    (tmp_path / "nano_gpt_positional.py").write_text(MODEL_FILE)
+    return "nano_gpt_positional"
+
+
+def test_positional_ids_reach_the_model_from_every_command(cli, gpt_file, tmp_path):
+    result = cli("info", f"{gpt_file}:gpt")
+    assert result.exit_code == 0, result.output
+    assert "read them with --modules h.0.attn,h.1.attn (or --modules auto)" in result.output
+    result = cli("check", f"{gpt_file}:gpt", *IDS, "--modules", "auto", "-q", "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["records"] == 2 and data["verified"] and data["ok"]
+    result = cli("export", f"{gpt_file}:gpt", *IDS, "--modules", "h.0.attn,h.1.attn", "--out", "f.csv", "-q")
+    assert result.exit_code == 0, result.output
+    frame = pd.read_csv(tmp_path / "f.csv")
+    assert sorted(frame.layer.unique()) == [0, 1] and len(frame) == 2 * 2 * 6 * 6  # layers x heads x query x key
+    result = cli("report", f"{gpt_file}:gpt", *IDS, "--modules", "auto", "--out", "r.html", "-q")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r.html").stat().st_size > 0
+
+
+def test_without_modules_the_command_says_which_to_pass(cli, gpt_file):
+    line = one_line_error(cli("check", f"{gpt_file}:gpt", *IDS, "-q"))
+    assert "no attention found" in line and "--modules h.0.attn,h.1.attn or --modules auto" in line
+
+
+def test_the_registered_tril_buffer_finds_a_forgotten_causal_mask(cli, gpt_file):
+    # no --causal: the tril buffer each attention registers declares it causal, and the skipped mask breaks that
+    result = cli("check", f"{gpt_file}:gpt_prefill_skips_mask", *IDS, "--modules", "auto", "-q", "--format", "json")
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.output)
+    causal = [v for v in data["violations"] if v["check"] == "causal"]
+    assert {v["layer"] for v in causal} == {0, 1}, data["violations"]
+    assert any("bias" in d for d in data["declarations"]), data["declarations"]  # where the causality was declared
+    fixed = cli("check", f"{gpt_file}:gpt", *IDS, "--modules", "auto", "-q", "--format", "json")
+    assert fixed.exit_code == 0 and json.loads(fixed.output)["ok"], fixed.output
+
+
+def test_a_forward_that_takes_no_ids_is_refused_in_one_line(cli, tmp_path):
+    (tmp_path / "takes_nothing.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, *, embeddings=None):\n"
+        "        return embeddings\n"
+        "def make():\n"
+        "    return M()\n"
+    )
+    line = one_line_error(cli("check", "takes_nothing:make", *IDS, "-q"))
+    assert "M.forward takes no token ids" in line and "forward(idx, targets=None)" in line
