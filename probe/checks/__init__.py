@@ -45,14 +45,14 @@ import torch
 
 from ..errors import SelectionError, warn_user
 from ..record import AttentionRecord
-from . import builtin as _builtin  # noqa: F401  (registers the built-in checks)
+from . import builtin as _builtin  # registers the built-in checks
 from .blocks import RecordFacts, RowBlock, record_shapes
 from .declarations import declared_layers_exist, mask_tensor, validate_declarations
 from .findings import MAX_GROUPS, CheckRun, records_of
 from .lint import attribute_causes
 from .registry import REGISTRY, CheckSpec, register
 from .tolerances import DEFAULT_TOLERANCES, FORBIDDEN_WEIGHT, Tolerance, tolerance
-from .violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
+from .violations import CheckResult, InvariantError, Violation  # InvariantError: re-exported
 
 #: Built-in checks, in the order they run and are reported (``REGISTRY`` holds them with severity and docs).
 CHECKS: tuple[str, ...] = tuple(REGISTRY)
@@ -67,13 +67,15 @@ CHUNK_ELEMENTS = 1 << 22
 
 def _lint(run: CheckRun, rec: AttentionRecord, index: int) -> None:
     """Findings an adapter recorded at capture time (``record.meta["lint"]``), as selected."""
-    findings = rec.meta.get("lint", ()) if run.lint_names is not None else ()
-    for v in findings:
+    selected = run.lint_names  # "all", a set of lint names, or None
+    if selected is None:
+        return
+    for v in rec.meta.get("lint", ()):
         if not isinstance(v, Violation):
             reason = f"a lint finding is not a Violation ({type(v).__name__})"
             run.skips.setdefault(("lint", reason), {})[index] = rec.layer
             continue
-        if run.lint_names == "all" or v.check in run.lint_names:
+        if selected == "all" or v.check in selected:
             run.lint.append(v)
             if v.check not in run.lint_seen:
                 run.lint_seen.append(v.check)
@@ -205,7 +207,7 @@ def _warn(run: CheckRun, records: list[AttentionRecord], weightless: dict[int, s
             "`with attnprobe.capture(...)` block, or the selected layers never ran)"
         )
     if weightless:
-        backends = ", ".join(sorted({b for b in weightless.values()}))
+        backends = ", ".join(sorted(set(weightless.values())))
         warn_user(
             f"weights were asked for but {_layers_only(weightless)} came without them "
             f"(backend: {backends}), so range, row_sum, mask, softmax_match and output_match could not run "
