@@ -107,6 +107,26 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
         (True, 0)
     """
     validate_declarations(causal, attention_mask)
+    _check_tolerances(atol=atol, rtol=rtol)
+    records, keep = records_of(capture_or_record)
+    declared_layers_exist(causal, attention_mask, records)
+    run = CheckRun(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
+    weightless: dict[int, str] = {}  # layer -> backend of records asked for weights that came without
+    prepared = 0
+    with torch.no_grad():
+        for index, rec in enumerate(records):
+            _lint(run, rec, index)
+            if run.selected and _check_record(run, rec, index):
+                prepared += 1
+                if rec.weights is None and keep is not None and "weights" in keep:
+                    weightless[rec.layer] = rec.backend
+    if attention_mask is not None and not isinstance(attention_mask, Mapping) and prepared and not run.mask_fitted:
+        _mask_fits_nothing(attention_mask, records)
+    _warn(run, records, weightless)
+    return _result(run, records)
+
+
+def _check_tolerances(*, atol, rtol) -> None:
     for name, value in (("atol", atol), ("rtol", rtol)):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
@@ -115,51 +135,50 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
                 f"{name} must be a non-negative finite number (or None for the dtype's default, "
                 f"see DEFAULT_TOLERANCES), got {value!r}"
             )
-    records, keep = records_of(capture_or_record)
-    declared_layers_exist(causal, attention_mask, records)
-    run = CheckRun(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
-    weightless: dict[int, str] = {}
-    prepared = 0
-    with torch.no_grad():
-        for index, rec in enumerate(records):
-            _lint(run, rec, index)
-            if not run.selected:
-                continue
-            record_shapes(rec, index)
-            if rec.weights is None and rec.stats is not None and "stats_rows" in rec.meta:
-                raise SelectionError(
-                    f"record {index} ({rec.name!r}, layer {rec.layer}) has the statistics of "
-                    f"{len(rec.meta['stats_rows'])} sampled query rows of {rec.query_len} (capture(stats_rows=), "
-                    "attnprobe.monitor(rows=)): the checks need every row. Capture without stats_rows= "
-                    "(keep=('stats',) checks every row in O(T) memory), or with rows=None in the monitor"
-                )
-            if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
-                for c in run.selected:
-                    run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
-                continue
-            if rec.weights is None and keep is not None and "weights" in keep:
-                weightless[rec.layer] = rec.backend
-            facts = RecordFacts(run, rec, index)
-            prepared += 1
-            for a, b in facts.chunks(CHUNK_ELEMENTS):
-                rows = RowBlock(facts, a, b)
-                for name in run.selected:
-                    REGISTRY[name].run(run, rows)
-    if attention_mask is not None and not isinstance(attention_mask, Mapping) and prepared and not run.mask_fitted:
-        shape = tuple(mask_tensor(attention_mask, "attention_mask").shape)
-        batches = sorted({r.batch_size for r in records if r.batch_size is not None})
-        if shape[0] not in batches:
-            raise ValueError(
-                f"attention_mask has batch {shape[0]} but the records have batch {', '.join(map(str, batches))}: "
-                "declare the mask of the inputs that were captured (generate with num_return_sequences or beam "
-                "search repeats each row: torch.repeat_interleave(mask, n, dim=0))"
-            )
-        raise ValueError(
-            f"attention_mask of shape {shape} fits none of the {len(records)} record(s) "
-            f"(batch, key) shapes {sorted({(r.batch_size, r.key_len) for r in records})}; pass the input "
-            "padding mask (batch, key), or {layer: mask} for models whose layers see different sequences"
+
+
+def _check_record(run: CheckRun, rec: AttentionRecord, index: int) -> bool:
+    """Run the selected checks over the row blocks of one record; False when it has nothing to check (said in
+    ``skipped``)."""
+    record_shapes(rec, index)
+    if rec.weights is None and rec.stats is not None and "stats_rows" in rec.meta:
+        raise SelectionError(
+            f"record {index} ({rec.name!r}, layer {rec.layer}) has the statistics of "
+            f"{len(rec.meta['stats_rows'])} sampled query rows of {rec.query_len} (capture(stats_rows=), "
+            "attnprobe.monitor(rows=)): the checks need every row. Capture without stats_rows= "
+            "(keep=('stats',) checks every row in O(T) memory), or with rows=None in the monitor"
         )
-    _warn(run, records, weightless)
+    if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
+        for c in run.selected:
+            run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
+        return False
+    facts = RecordFacts(run, rec, index)
+    for a, b in facts.chunks(CHUNK_ELEMENTS):
+        rows = RowBlock(facts, a, b)
+        for name in run.selected:
+            REGISTRY[name].run(run, rows)
+    return True
+
+
+def _mask_fits_nothing(attention_mask, records: list[AttentionRecord]) -> None:
+    """Raise: the one declared ``attention_mask`` fits none of the records (by batch, then by shape)."""
+    shape = tuple(mask_tensor(attention_mask, "attention_mask").shape)
+    batches = sorted({r.batch_size for r in records if r.batch_size is not None})
+    if shape[0] not in batches:
+        raise ValueError(
+            f"attention_mask has batch {shape[0]} but the records have batch {', '.join(map(str, batches))}: "
+            "declare the mask of the inputs that were captured (generate with num_return_sequences or beam "
+            "search repeats each row: torch.repeat_interleave(mask, n, dim=0))"
+        )
+    raise ValueError(
+        f"attention_mask of shape {shape} fits none of the {len(records)} record(s) "
+        f"(batch, key) shapes {sorted({(r.batch_size, r.key_len) for r in records})}; pass the input "
+        "padding mask (batch, key), or {layer: mask} for models whose layers see different sequences"
+    )
+
+
+def _result(run: CheckRun, records: list[AttentionRecord]) -> CheckResult:
+    """What the run found, skipped and covered, as a ``CheckResult``."""
     skipped = tuple(
         f"{c}: {reason} ({_layer_list(list(layers.values()))})"
         for (c, reason), layers in sorted(run.skips.items(), key=lambda kv: _order(kv[0][0]))
