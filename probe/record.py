@@ -233,8 +233,8 @@ class AttentionRecord:
             return self.heads.index(head)
         except ValueError:
             raise NotCapturedError(
-                f"head {head} of {(self.name or '<root>')!r} was not captured (layer {self.layer}; stored heads: {list(self.heads)}); "
-                "capture it with heads=None or include it in heads=[...]"
+                f"head {head} of {(self.name or '<root>')!r} was not captured (layer {self.layer}; stored heads: "
+                f"{list(self.heads)}); capture it with heads=None or include it in heads=[...]"
             ) from None
 
     def allowed_for_heads(self) -> torch.Tensor | None:

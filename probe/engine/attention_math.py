@@ -253,7 +253,8 @@ class AttentionCall:
 
 
 def sink_logsumexp(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """``log(exp(lse) + exp(sink))`` per head: the normaliser once the sink logit takes part (``lse`` ``(B, h, rows)``)."""
+    """``log(exp(lse) + exp(sink))`` per head: the normaliser once the sink logit takes part (``lse`` ``(batch, head,
+    query)``, ``sinks`` ``(head,)``)."""
     if sinks is None:
         return lse
     return torch.logaddexp(lse, sinks.to(lse.device, lse.dtype).view(1, -1, 1))
