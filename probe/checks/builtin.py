@@ -220,24 +220,33 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
     if not p.causal and not p.causal_declared:
         return  # a bidirectional record: nothing to hold it to
     run.ran("causal", p)
-    source = p.causal_source
-    thr = p.tol.forbidden
     if p.st is not None:
-        _causal_from_stats(run, p, p.st, p.diag, source)
-        return
-    future = p.future()
-    rows = p.checked[..., None]
-    if not p.causal:  # declared bidirectional: some query must attend some later real key
-        later = future if p.key_pad is None else future & ~p.key_pad[:, None, None, :]
-        # rows whose weights are NaN/inf (in any head) say nothing about what they attend (``finite`` reports them)
-        candidates = later & (rows if p.w is None else (rows & p.finite_rows().all(1, keepdim=True)[..., None]))
-        attended = (p.w > thr) if p.w is not None else p.allowed
-        assert attended is not None  # checked above: weights or a mask
-        seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
-        seen[1] += int(candidates.sum())
-        seen[2] = seen[2] or bool((attended & candidates).any())
-        return
-    window = p.outside_window()
+        _causal_from_stats(run, p, p.st, p.diag, p.causal_source)
+    elif not p.causal:
+        _bidirectional_seen(run, p)
+    else:
+        _causal_cells(run, p)
+        _causal_own(run, p)
+
+
+def _bidirectional_seen(run: CheckRun, p: RowBlock) -> None:
+    """Declared bidirectional: count the later real keys the rows could attend and whether any got weight (or,
+    without weights, permission); ``CheckRun.violations`` reports a record where none did."""
+    future, rows = p.future(), p.checked[..., None]  # (Tq, Tk), (B, 1 or H, Tq, 1)
+    later = future if p.key_pad is None else future & ~p.key_pad[:, None, None, :]
+    # rows whose weights are NaN/inf (in any head) say nothing about what they attend (``finite`` reports them)
+    candidates = later & (rows if p.w is None else (rows & p.finite_rows().all(1, keepdim=True)[..., None]))
+    attended = (p.w > p.tol.forbidden) if p.w is not None else p.allowed
+    assert attended is not None  # check_causal skips a record with neither weights nor a mask
+    seen = run.bidirectional.setdefault(p.index, [p.rec, 0, False])
+    seen[1] += int(candidates.sum())
+    seen[2] = seen[2] or bool((attended & candidates).any())
+
+
+def _causal_cells(run: CheckRun, p: RowBlock) -> None:
+    """Weight (or, without weights, permission) on keys after the query's position or older than its window."""
+    rec, source, thr = p.rec, p.causal_source, p.tol.forbidden
+    future, window, rows = p.future(), p.outside_window(), p.checked[..., None]
     if p.w is not None:
         run.emit(
             p,
@@ -281,7 +290,6 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
                     f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"
                 ),
             )
-    _causal_own(run, p)
 
 
 def _causal_own(run: CheckRun, p: RowBlock) -> None:
