@@ -254,28 +254,29 @@ def _max_bytes_of(max_bytes) -> int | None:
         )
     elif isinstance(max_bytes, float) and max_bytes.is_integer():
         max_bytes = int(max_bytes)  # 1e9
-    if max_bytes is None:
-        return None
-    if isinstance(max_bytes, bool) or not hasattr(max_bytes, "__index__") or operator.index(max_bytes) <= 0:
-        raise SelectionError(
-            f"max_bytes must be a positive whole number of bytes (such as 500_000_000 or 5e8) or a size "
-            f"such as '500MB' or '2GiB', got {max_bytes!r}"
-        )
-    return operator.index(max_bytes)
+    return _whole_bytes(
+        max_bytes,
+        "max_bytes must be a positive whole number of bytes (such as 500_000_000 or 5e8) or a size "
+        "such as '500MB' or '2GiB'",
+    )
 
 
 def _block_bytes_of(block_bytes) -> int | None:
     """``capture(block_bytes=)``: None (the engine's default) or a positive number of bytes or a size."""
     if isinstance(block_bytes, str):
         block_bytes = parse_bytes(block_bytes)
-    if block_bytes is None:
+    return _whole_bytes(
+        block_bytes, "block_bytes must be a positive number of bytes (such as 32_000_000) or a size such as '32MB'"
+    )
+
+
+def _whole_bytes(value, need: str) -> int | None:
+    """``value`` as a positive int, or None; else a SelectionError saying ``need`` and what was given."""
+    if value is None:
         return None
-    if isinstance(block_bytes, bool) or not hasattr(block_bytes, "__index__") or operator.index(block_bytes) <= 0:
-        raise SelectionError(
-            f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
-            f"as '32MB', got {block_bytes!r}"
-        )
-    return operator.index(block_bytes)
+    if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) <= 0:
+        raise SelectionError(f"{need}, got {value!r}")
+    return operator.index(value)
 
 
 #: Where records are stored unless the caller says otherwise.
