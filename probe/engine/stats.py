@@ -269,6 +269,8 @@ class _RowSums:
     scale: torch.Tensor | None = None
     """``sum e * max|v|``: what the output's rounding error scales with (None without an observed output)."""
     dot_shifted: bool = False
+    """``dot`` is of the logits less each row's max (the one-block pass): ``_finish`` leaves ``shift`` out of the
+    entropy's lse."""
 
     @classmethod
     def start(
@@ -353,8 +355,9 @@ class _Engine:
     sum in one pass. Else two passes over the key blocks (``_two_passes``): pass 1 finds each row's max ``m`` and
     ``l = sum exp(z - m)`` with a running max, rescaling ``l`` by ``exp(m_old - m_new)`` whenever the max grows
     (flash attention's online softmax); pass 2 turns each key block into ``e = exp(z - m)`` with the final ``m``.
-    Either way the weights are ``e / l``: every sum is accumulated in units of ``e`` (``_RowSums``) and divided once
-    at the end (``_finish``), where ``lse = m + log l`` and the entropy ``H = lse - sum(e * z) / l``.
+    Either way the weights are ``e / l`` (``l`` plus ``exp(sink - m)`` with attention sinks): every sum is accumulated
+    in units of ``e`` (``_RowSums``) and divided once at the end (``_finish``), where ``lse = m + log l`` and the
+    entropy ``H = lse - sum(e * z) / l``.
 
     Weights at forbidden keys are exactly 0 (their logit is ``-inf``, never a finite sentinel: exp of a huge
     negative number is slow on CPUs), so the masked sums need no pass. An empty row of an additive mask is
