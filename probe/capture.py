@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, overload
+from typing import Any, NamedTuple, cast, overload
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from . import threads
 from .errors import NotCapturedError, SelectionError, UnsupportedModelError, warn_user
 from .intent import Intent, module_intent
 from .interface import Adapter, Lazy, Site
-from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord
+from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord, RecordKind
 from .selection import Selection, Store, index_heads, int_list, kv_heads_for, sampled_rows
 from .walk import ModuleWalk
 
@@ -296,7 +296,7 @@ class CaptureSession:
         self.model_class = type(model).__name__
         self.stats_missing: list[int] = []  # layers whose statistics could not be computed (keep=("stats",))
         self._workspace: dict = {}  # the statistics engine's block buffers, reused by every record; freed on exit
-        self._model = model  # dropped on exit; the Capture never holds it
+        self._model: nn.Module | None = model  # dropped on exit; the Capture never holds it
         self._compiled: list[str] = []  # read from the walk when the capture opens
         self.selection = selection
         self.store = Store(selection)
@@ -328,7 +328,7 @@ class CaptureSession:
     # -- lifecycle -------------------------------------------------------------------------
     def discover(self) -> list:
         """Ask every adapter for its sites; number them in module order. Attaches nothing."""
-        model = self._model
+        model = self._require_model()
         named = self._named = ModuleWalk(model)  # walked once, shared by the adapters and what they derive
         self._compiled = compiled_modules(model, named)
         order = {id(m): i for i, (_, m) in enumerate(named)}
@@ -345,6 +345,14 @@ class CaptureSession:
             site.layer = layer
         return self.sites
 
+    def _require_model(self) -> nn.Module:
+        if self._model is None:
+            raise SelectionError(
+                "this capture has already run and let go of its model (its records stay on the Capture it "
+                "returned); start a new one: `with attnprobe.capture(model, ...) as cap:`"
+            )
+        return self._model
+
     def __enter__(self) -> Capture:
         if self._stack is not None:
             raise SelectionError(
@@ -352,12 +360,7 @@ class CaptureSession:
                 "For a second, nested capture of the same model create another one: "
                 "`with attnprobe.capture(model, ...) as inner:`"
             )
-        if self._model is None:
-            raise SelectionError(
-                "this capture has already run and let go of its model (its records stay on the Capture it "
-                "returned); start a new one: `with attnprobe.capture(model, ...) as cap:`"
-            )
-        model = self._model
+        model = self._require_model()
         self.discover()
         found = self._found
         claimed = {id(s.module) for s in self.sites}
@@ -365,14 +368,15 @@ class CaptureSession:
         scripted = scripted_modules(model, self._named)
         if scripted and not self.sites and not may_grow:
             raise UnsupportedModelError(
-                f"{self.model_class} runs TorchScript ({', '.join(map(repr, scripted[:3]))} made with torch.jit.script/trace): "
-                "its code runs inside the TorchScript interpreter, where no hook or torch function mode can see "
-                "attention. Capture the Python module before scripting it (outputs are the same)"
+                f"{self.model_class} runs TorchScript ({', '.join(map(repr, scripted[:3]))} made with "
+                "torch.jit.script/trace): its code runs inside the TorchScript interpreter, where no hook or torch "
+                "function mode can see attention. Capture the Python module before scripting it (outputs are the same)"
             )
         if scripted:
             warn_user(
-                f"{', '.join(map(repr, scripted[:3]))} in {self.model_class} run TorchScript (torch.jit.script/trace): attention "
-                "inside them cannot be seen and is not recorded; capture the Python modules before scripting"
+                f"{', '.join(map(repr, scripted[:3]))} in {self.model_class} run TorchScript "
+                "(torch.jit.script/trace): attention inside them cannot be seen and is not recorded; capture the "
+                "Python modules before scripting"
             )
         if not self.sites and not may_grow:
             raise UnsupportedModelError(
@@ -534,29 +538,45 @@ class CaptureSession:
         if num_heads is not None and site.num_heads is None:
             site.num_heads, site.num_kv_heads = num_heads, num_kv_heads or num_heads
             self.select_site(site)
-        if site.heads is None:
+        if site.heads is None or site.kv_heads is None or site.num_heads is None:
             raise UnsupportedModelError(f"adapter {site.adapter.name!r} did not say how many heads {site.name!r} has")
-        preselected = set(preselected)
+        layout = _Heads(site.num_heads, site.num_kv_heads or site.num_heads, site.heads, site.kv_heads)
         tensors = {f: values.pop(f, None) for f in TENSOR_FIELDS}
-        allowed = values.pop("allowed", None)
-        query_padding = values.pop("query_padding", None)
-        sinks = values.pop("sinks", None)
+        masks = {f: values.pop(f, None) for f in ("allowed", "query_padding", "sinks")}
         identified = values.pop("identified", None)
         if identified is None:
-            identified = frozenset(
-                f
-                for f, t in (*tensors.items(), ("allowed", allowed), ("query_padding", query_padding))
-                if t is not None
-            )
-
+            named = (*tensors.items(), ("allowed", masks["allowed"]), ("query_padding", masks["query_padding"]))
+            identified = frozenset(f for f, t in named if t is not None)
         stats_call = values.pop("stats", None)
-        adapter_allowed = allowed
-        if self.stats_only:
-            allowed = None  # (batch, head, query, key): what a statistics capture never holds; stats hold its facts
+        adapter_allowed = masks["allowed"]
+        if self.stats_only:  # (batch, head, query, key): what a statistics capture never holds; stats hold its facts
+            masks["allowed"] = None
 
         # plan every copy first, with its exact stored size, so the budget fails before any memory is spent
-        masks = {"allowed": allowed, "query_padding": query_padding, "sinks": sinks}
-        plan = []  # (field, tensor or Lazy, head index or None, head axis, planned bytes)
+        plan = self._plan(site, tensors, masks, set(preselected))
+        self._reserve(site, call, plan, tensors, values.get("step"))
+        stored = self._copy(site, call, plan)
+        if "stats" in self.selection.keep:
+            stored["stats"] = self._stats(
+                site,
+                call,
+                layout=layout,
+                stats_call=stats_call,
+                tensors=tensors,
+                stored=stored,
+                kind=kind,
+                values=values,
+                query_padding=masks["query_padding"],
+                allowed=adapter_allowed,
+                sinks=masks["sinks"],
+            )
+        return self._record(site, call, layout, kind=kind, identified=identified, stored=stored, values=values)
+
+    def _plan(
+        self, site: Site, tensors: dict[str, Any], masks: dict[str, Any], preselected: set[str]
+    ) -> list[tuple[str, Any, tuple[int, ...] | None, int, int]]:
+        """Every copy a record needs: ``(field, tensor or Lazy, head index or None, head axis, stored bytes)``."""
+        plan = []
         for f, t in (*tensors.items(), *masks.items()):
             if t is None or (f in tensors and f not in self.selection.keep):
                 continue
@@ -569,16 +589,22 @@ class CaptureSession:
             else:
                 index, axis = (site.kv_heads if f in ("k", "v") else site.heads), 1
             plan.append((f, t, index, axis, self.store.planned_bytes(t.shape, t.dtype, index, axis)))
+        return plan
+
+    def _reserve(self, site: Site, call: int, plan: list, tensors: dict[str, Any], step: int | None) -> None:
+        """Take the plan's bytes from the budget (an error naming the layer, call and fields when they do not fit)."""
         self.store.reserve(
             sum(p[4] for p in plan),
             f"layer {site.layer} ({site.name or type(site.module).__name__!r}, call {call}"
-            + ("" if values.get("step") is None else f", generation step {values['step']}")
+            + ("" if step is None else f", generation step {step}")
             + f": {', '.join(p[0] for p in plan) or 'nothing'})",
             fields={p[0] for p in plan if p[0] in tensors},
             dtypes=[p[1].dtype for p in plan],
-            heads=len(site.heads),
+            heads=len(site.heads or ()),
         )
 
+    def _copy(self, site: Site, call: int, plan: list) -> dict[str, Any]:
+        """The planned copies, made: the selected heads of each tensor, in the storage device and dtype."""
         stored: dict[str, Any] = {}
         with ExitStack() as modes:
             if torch.is_inference_mode_enabled():  # records hold ordinary tensors, usable after the block
@@ -589,12 +615,20 @@ class CaptureSession:
                     stored[f] = self.store.put_fresh(t.fn(), t.dtype, planned, f"layer {site.layer}, call {call}: {f}")
                 else:
                     stored[f] = self.store.put(t, index, axis)
+        return stored
 
-        if "stats" in self.selection.keep:
-            stored["stats"] = self._stats(
-                site, call, stats_call, tensors, stored, kind, values, query_padding, adapter_allowed, sinks
-            )
-
+    def _record(
+        self,
+        site: Site,
+        call: int,
+        layout: _Heads,
+        *,
+        kind: str,
+        identified,
+        stored: dict[str, Any],
+        values: dict[str, Any],
+    ) -> AttentionRecord:
+        """The record of one call, appended to the capture (written to disk first with ``store=``)."""
         intent = self.intent_of(site)
         if intent is not None and intent.causal:  # what the module's own code declares (probe/intent.py)
             values["meta"] = {**values.get("meta", {}), "declared_causal": intent.source}
@@ -602,11 +636,11 @@ class CaptureSession:
             name=site.name,
             layer=site.layer,
             call=call,
-            kind=kind,
-            num_heads=site.num_heads,
-            num_kv_heads=site.num_kv_heads or site.num_heads,
-            heads=site.heads,
-            kv_heads=site.kv_heads,
+            kind=cast(RecordKind, kind),  # AttentionRecord refuses anything but "self" and "cross"
+            num_heads=layout.num_heads,
+            num_kv_heads=layout.num_kv_heads,
+            heads=layout.heads,
+            kv_heads=layout.kv_heads,
             identified=frozenset(identified),
             **stored,
             **values,
@@ -622,82 +656,122 @@ class CaptureSession:
         keep = self.selection.keep
         return "stats" in keep and not ({"scores", "weights"} & keep)
 
-    def _stats(self, site, call: int, stats_call, tensors, stored, kind, values, query_padding, allowed, sinks):
+    def _stats(
+        self,
+        site: Site,
+        call: int,
+        *,
+        layout: _Heads,
+        stats_call,
+        tensors,
+        stored,
+        kind,
+        values,
+        query_padding,
+        allowed,
+        sinks,
+    ) -> dict[str, torch.Tensor] | None:
         """The per-row statistics of one record: blockwise from the adapter's ``AttentionCall`` (q, k and the
         call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
         weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
-        from .engine.pooling import pool_weights
-        from .engine.stats import attention_stats, stats_from_weights
-
-        where = f"layer {site.layer}, call {call}: stats"
-        q_len = None
         with torch.no_grad(), torch._C.DisableTorchFunction():
             if stats_call is not None:
-                B, h, q_len, k_len = stats_call.shape
-                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
-                kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
-                rows = sampled_rows(q_len, self.selection.stats_rows)
-                stats = attention_stats(
-                    stats_call,
-                    diag_offset=diag,
-                    query_padding=query_padding,
-                    overview=self.selection.overview,
-                    rows=rows,
-                    workspace=self._workspace,
-                    **kwargs,
-                )
-                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "blockwise"}
+                got = self._stats_blockwise(stats_call, kind, values, query_padding)
             else:
-
-                def selected(name, index):
-                    t = stored.get(name) if name != "v" else None  # a stored v is per kv head
-                    if t is None:
-                        t = tensors.get(name)
-                        if isinstance(t, Lazy):
-                            t = t.fn()
-                        elif t is not None:
-                            t = index_heads(t.detach(), index)[0]
-                    return t
-
-                weights = selected("weights", site.heads)
-                if weights is None:
-                    values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "none"}
-                    self.stats_missing.append(site.layer)
-                    return None
-                B, h, q_len, k_len = weights.shape
-                diag = _diag_offset(kind, values.get("query_offset", 0), q_len, k_len)
-                al = allowed if allowed is None or allowed.shape[1] == 1 else index_heads(allowed, site.heads)[0]
-                group = site.num_heads // max(site.num_kv_heads or site.num_heads, 1)
-                v = selected("v", tuple(hd // group for hd in site.heads)) if tensors.get("v") is not None else None
-                output = selected("output", site.heads)
-                rows = sampled_rows(q_len, self.selection.stats_rows)
-                stats = stats_from_weights(
-                    weights,
-                    scores=selected("scores", site.heads),
-                    allowed=al,
-                    v=v,
-                    output=None if v is None else output,
-                    diag_offset=diag,
-                    query_padding=query_padding,
-                    rows=rows,
-                    sinks=None if sinks is None else index_heads(sinks, site.heads, 0)[0],
-                )
-                if self.selection.overview is not None:
-                    stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})
-                values["meta"] = {**dict(values.get("meta") or {}), "stats_source": "weights"}
+                got = self._stats_of_weights(layout, tensors, stored, kind, values, query_padding, allowed, sinks)
+        meta = dict(values.get("meta") or {})
+        if got is None:
+            values["meta"] = {**meta, "stats_source": "none"}
+            self.stats_missing.append(site.layer)
+            return None
+        stats, source, rows, (q_len, k_len) = got
+        meta["stats_source"] = source
         if rows is not None:  # statistics of a sample of query rows: the record says which, and of how many
-            values["meta"] = {**values["meta"], "stats_rows": rows.tolist(), "stats_query_len": q_len}
-        if self.selection.overview is not None and self.selection.overview.windows:
-            values["meta"] = {
-                **values["meta"],
-                "stats_windows": [
-                    [min(q0, q_len), min(q1, q_len), min(k0, k_len), min(k1, k_len)]
-                    for q0, q1, k0, k1 in self.selection.overview.windows
-                ],
-            }
+            meta.update(stats_rows=rows.tolist(), stats_query_len=q_len)
+        overview = self.selection.overview
+        if overview is not None and overview.windows:
+            clip = [
+                [min(q0, q_len), min(q1, q_len), min(k0, k_len), min(k1, k_len)] for q0, q1, k0, k1 in overview.windows
+            ]
+            meta["stats_windows"] = clip
+        values["meta"] = meta
         nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
-        self.store.reserve(nbytes, where)
+        self.store.reserve(nbytes, f"layer {site.layer}, call {call}: stats")
         return {name: t.to(self.selection.device) for name, t in stats.items()}
+
+    def _stats_blockwise(self, stats_call, kind: str, values, query_padding) -> _Stats:
+        """The engine's statistics of the adapter's ``AttentionCall``, block by block."""
+        from .engine.stats import attention_stats
+
+        _, _, q_len, k_len = stats_call.shape
+        kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
+        rows = sampled_rows(q_len, self.selection.stats_rows)
+        stats = attention_stats(
+            stats_call,
+            diag_offset=_diag_offset(kind, values.get("query_offset", 0), q_len, k_len),
+            query_padding=query_padding,
+            overview=self.selection.overview,
+            rows=rows,
+            workspace=self._workspace,
+            **kwargs,
+        )
+        return stats, "blockwise", rows, (q_len, k_len)
+
+    def _stats_of_weights(self, layout: _Heads, tensors, stored, kind: str, values, query_padding, allowed, sinks):
+        """The statistics of the full weights an adapter handed over (stored, given, or computed now from a
+        ``Lazy``); None without weights."""
+        from .engine.pooling import pool_weights
+        from .engine.stats import stats_from_weights
+
+        def selected(name, index):
+            t = stored.get(name) if name != "v" else None  # a stored v is per kv head
+            if t is None:
+                t = tensors.get(name)
+                if isinstance(t, Lazy):
+                    t = t.fn()
+                elif t is not None:
+                    t = index_heads(t.detach(), index)[0]
+            return t
+
+        heads = layout.heads
+        weights = selected("weights", heads)  # (batch, head, query, key)
+        if weights is None:
+            return None
+        _, _, q_len, k_len = weights.shape
+        al = allowed if allowed is None or allowed.shape[1] == 1 else index_heads(allowed, heads)[0]
+        group = layout.num_heads // max(layout.num_kv_heads, 1)
+        v = selected("v", tuple(hd // group for hd in heads)) if tensors.get("v") is not None else None
+        output = selected("output", heads)
+        rows = sampled_rows(q_len, self.selection.stats_rows)
+        stats = stats_from_weights(
+            weights,
+            scores=selected("scores", heads),
+            allowed=al,
+            v=v,
+            output=None if v is None else output,
+            diag_offset=_diag_offset(kind, values.get("query_offset", 0), q_len, k_len),
+            query_padding=query_padding,
+            rows=rows,
+            sinks=None if sinks is None else index_heads(sinks, heads, 0)[0],
+        )
+        if self.selection.overview is not None:
+            stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})
+        return stats, "weights", rows, (q_len, k_len)
+
+
+class _Heads(NamedTuple):
+    """The head layout of a site whose heads are known: what every record of it carries."""
+
+    num_heads: int
+    num_kv_heads: int
+    heads: tuple[int, ...]
+    """The selected query heads."""
+    kv_heads: tuple[int, ...]
+    """The kv heads they read."""
+
+
+#: What a way to the statistics gives: (statistics, where they came from, the sampled rows or None, (query, key)).
+_Stats = tuple[Mapping[str, torch.Tensor], str, torch.Tensor | None, tuple[int, int]]
 
 
 def _diag_offset(kind: str, query_offset: int, q_len: int, k_len: int) -> int | None:

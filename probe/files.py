@@ -80,7 +80,7 @@ def target_path(path, *, overwrite: bool) -> Path:
 
 
 def _explain(exc: OSError, target: Path) -> OutputError:
-    reasons = {
+    reasons: dict[int | None, str] = {
         errno.ENOSPC: "the disk is full",
         errno.EDQUOT: "the disk quota is exceeded",
         errno.EFBIG: "the file size limit is reached",
@@ -137,8 +137,8 @@ class atomic_open:
         if mode not in ("w", "wb"):
             raise ValueError(f"atomic_open writes only: mode 'w' or 'wb', not {mode!r}")
         self.path, self.mode, self.overwrite = path, mode, overwrite
-        text = "b" not in mode
-        self.options = {"encoding": encoding, "errors": errors, "newline": newline} if text else {}
+        text = "b" not in mode  # a binary file takes no encoding, errors or newline: they stay None
+        self.encoding, self.errors, self.newline = (encoding, errors, newline) if text else (None, None, None)
         self.temp: Path | None = None  # the temporary file, from the moment its name is chosen
         self.file: IO | None = None
 
@@ -146,25 +146,27 @@ class atomic_open:
         self.target = target_path(self.path, overwrite=self.overwrite)
         try:
             fd = self._create()
-            self.file = os.fdopen(fd, self.mode, **self.options)
+            self.file = os.fdopen(fd, self.mode, encoding=self.encoding, errors=self.errors, newline=self.newline)
             return self.file
         except BaseException as exc:
             self._fail(exc)
             raise
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self._fail(exc)
-            return False  # the exception propagates as it is
+            return  # the exception propagates as it is
+        file, temp = self.file, self.temp
+        if file is None or temp is None:
+            raise RuntimeError("atomic_open: __exit__ without a successful __enter__")
         try:
-            self.file.flush()
-            os.fsync(self.file.fileno())  # the data is on disk before the name points at it
-            self.file.close()
-            _move_into_place(self.temp, self.target, self.overwrite)
+            file.flush()
+            os.fsync(file.fileno())  # the data is on disk before the name points at it
+            file.close()
+            _move_into_place(temp, self.target, self.overwrite)
         except BaseException as exc:
             self._fail(exc)
             raise
-        return False
 
     def _create(self) -> int:
         folder = self.target.parent

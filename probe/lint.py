@@ -1,4 +1,5 @@
-"""Moved to ``attnprobe.probe.checks.lint``: this stand-in keeps the old path working, with a DeprecationWarning, until attnprobe 0.3."""
+"""Moved to ``attnprobe.probe.checks.lint``: this stand-in keeps the old path working, with a DeprecationWarning,
+until attnprobe 0.3."""
 
 from .moved import alias
 

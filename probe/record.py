@@ -32,6 +32,9 @@ TENSOR_FIELDS: tuple[str, ...] = ("q", "k", "v", "scores", "weights", "output")
 #: What ``capture(keep=...)`` accepts: the tensors, and ``"stats"`` (per-row statistics, ``record.stats``).
 KEEP_NAMES: tuple[str, ...] = TENSOR_FIELDS + ("stats",)
 
+#: Self-attention (keys from the queries' own sequence) or cross-attention (``AttentionRecord.kind``).
+RecordKind = Literal["self", "cross"]
+
 #: How a record's weights were obtained (``AttentionRecord.weights_source``).
 WEIGHTS_SOURCES = (
     "observed",  # read from the attention code itself (hook point, softmax output)
@@ -64,7 +67,7 @@ class AttentionRecord:
     """Index of the attention module among all attention modules of the model, in module order."""
     call: int
     """How many times this module had been called before in this capture (0 for the first call)."""
-    kind: Literal["self", "cross"]
+    kind: RecordKind
     """``"cross"`` when keys and values come from another sequence than the queries."""
     num_heads: int
     """Query heads of the module (all of them, not only the stored ones)."""
@@ -181,10 +184,10 @@ class AttentionRecord:
     def stats_real_rows(self) -> torch.Tensor | None:
         """``(batch, head, n)`` bool, on the CPU: which rows of ``stats``' row statistics are real query rows (not
         padding), what averages over a record's rows take; None when there are no statistics."""
-        positions = self.stats_positions
-        if positions is None:
+        stats, positions = self.stats, self.stats_positions
+        if stats is None or positions is None:
             return None
-        batch, heads, rows = self.stats["entropy"].shape
+        batch, heads, rows = stats["entropy"].shape
         real = (
             torch.ones(batch, rows, dtype=torch.bool)
             if self.query_padding is None
@@ -230,8 +233,8 @@ class AttentionRecord:
             return self.heads.index(head)
         except ValueError:
             raise NotCapturedError(
-                f"head {head} of {(self.name or '<root>')!r} was not captured (layer {self.layer}; stored heads: {list(self.heads)}); "
-                "capture it with heads=None or include it in heads=[...]"
+                f"head {head} of {(self.name or '<root>')!r} was not captured (layer {self.layer}; stored heads: "
+                f"{list(self.heads)}); capture it with heads=None or include it in heads=[...]"
             ) from None
 
     def allowed_for_heads(self) -> torch.Tensor | None:

@@ -12,13 +12,17 @@ import itertools
 import math
 import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import CaptureBudgetError, SelectionError
 from .record import KEEP_NAMES, TENSOR_FIELDS
+
+if TYPE_CHECKING:
+    from .engine.pooling import Overview
 
 
 def _as_int(item, what: str, value) -> int:
@@ -59,7 +63,7 @@ def int_list(value, what: str) -> tuple[int, ...]:
     elif isinstance(value, Iterable):
         items = tuple(itertools.islice(value, MAX_SELECTED + 1))  # never more than that in memory
         if len(items) > MAX_SELECTED:
-            raise too_many(what, len(value) if hasattr(value, "__len__") else None, f"({type(value).__name__})")
+            raise too_many(what, len(value) if isinstance(value, Sized) else None, f"({type(value).__name__})")
     else:
         raise SelectionError(f"{what} must be an int or a list of ints, got {value!r}")
     return tuple(dict.fromkeys(_as_int(item, what, value) for item in items))  # dedupe, keep order
@@ -102,7 +106,8 @@ def _storage_device(device) -> torch.device:
         except Exception as exc:
             raise SelectionError(
                 f"device={device!r} cannot hold tensors on this machine ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); store records on the CPU (device=None or 'cpu')"
+                f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); store records on the CPU "
+                "(device=None or 'cpu')"
             ) from exc
     return dev
 
@@ -150,8 +155,9 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def overview_of(overview, keep) -> object | None:
-    """``capture(overview=)``: None, a number of cells, or a ``probe.pooling.Overview``; needs ``"stats"`` in keep."""
+def overview_of(overview, keep) -> Overview | None:
+    """``capture(overview=)``: None, a number of cells, or a ``probe.engine.pooling.Overview``; needs ``"stats"`` in
+    keep."""
     if overview is None:
         return None
     from .engine.pooling import Overview
@@ -203,6 +209,80 @@ def sampled_rows(length: int, count: int | None) -> torch.Tensor | None:
     return torch.arange(count) * (length - 1) // (count - 1)  # a step >= 1: ascending, no repeats
 
 
+def _heads_of(heads) -> tuple[tuple[int, ...] | None, dict[int, tuple[int, ...] | None] | None]:
+    """``capture(heads=)``: ``(heads for every layer, {layer: heads})``, one of them None (both when ``heads`` is)."""
+    head_tuple, by_layer = None, None
+    if isinstance(heads, Mapping):
+        by_layer = {}
+        for layer, hs in heads.items():
+            if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+                raise SelectionError(
+                    f"the keys of heads={{layer: heads}} must be layer numbers (int), got {layer!r}; "
+                    "e.g. heads={0: [1, 2], -1: None}"
+                )
+            layer = _as_int(layer, "the keys of heads={layer: heads}", heads)
+            by_layer[layer] = None if hs is None else int_list(hs, f"heads for layer {layer}")
+    elif heads is not None:
+        head_tuple = int_list(heads, "heads")
+    for h in (head_tuple or ()) + tuple(h for hs in (by_layer or {}).values() for h in (hs or ())):
+        if h < 0:
+            raise SelectionError(f"heads must be non-negative head numbers, got {h}")
+    if head_tuple == () or any(hs == () for hs in (by_layer or {}).values()):
+        raise SelectionError(
+            "heads=[] selects no head, so its layers would store empty tensors; to capture nothing use "
+            "layers=[], to leave a layer out do not list it (heads={layer: None} keeps all its heads)"
+        )
+    return head_tuple, by_layer
+
+
+def _dtype_of(dtype) -> torch.dtype | None:
+    """``capture(dtype=)``: None, a floating torch dtype, or its name (``"float16"``, ``"torch.bfloat16"``)."""
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise SelectionError(f"dtype must be a floating torch dtype such as torch.float16, got {dtype!r}")
+    return dtype
+
+
+def _max_bytes_of(max_bytes) -> int | None:
+    """``capture(max_bytes=)``: None (no budget), a whole number of bytes (``5e8`` too) or a size (``"500MB"``)."""
+    if isinstance(max_bytes, str):
+        max_bytes = parse_bytes(max_bytes)  # "500MB", "2GiB"
+    elif isinstance(max_bytes, float) and not math.isfinite(max_bytes):
+        raise SelectionError(
+            f"max_bytes={max_bytes!r} is not a number of bytes; give e.g. 5e8 or '500MB', or None for no budget"
+        )
+    elif isinstance(max_bytes, float) and max_bytes.is_integer():
+        max_bytes = int(max_bytes)  # 1e9
+    return _whole_bytes(
+        max_bytes,
+        "max_bytes must be a positive whole number of bytes (such as 500_000_000 or 5e8) or a size "
+        "such as '500MB' or '2GiB'",
+    )
+
+
+def _block_bytes_of(block_bytes) -> int | None:
+    """``capture(block_bytes=)``: None (the engine's default) or a positive number of bytes or a size."""
+    if isinstance(block_bytes, str):
+        block_bytes = parse_bytes(block_bytes)
+    return _whole_bytes(
+        block_bytes, "block_bytes must be a positive number of bytes (such as 32_000_000) or a size such as '32MB'"
+    )
+
+
+def _whole_bytes(value, need: str) -> int | None:
+    """``value`` as a positive int, or None; else a SelectionError saying ``need`` and what was given."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) <= 0:
+        raise SelectionError(f"{need}, got {value!r}")
+    return operator.index(value)
+
+
+#: Where records are stored unless the caller says otherwise.
+_CPU = torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class Selection:
     """A validated capture request. Build it with ``Selection.build(...)``."""
@@ -211,13 +291,14 @@ class Selection:
     heads: tuple[int, ...] | None = None
     heads_by_layer: Mapping[int, tuple[int, ...] | None] | None = None
     keep: frozenset[str] = frozenset(TENSOR_FIELDS)
-    device: torch.device = torch.device("cpu")
+    device: torch.device = _CPU
     dtype: torch.dtype | None = None
     max_bytes: int | None = None
     block_bytes: int | None = None
     """Memory target of one block of the statistics engine (``keep=("stats",)``); None = its default."""
-    overview: object | None = None
-    """``probe.pooling.Overview``: pooled weights and exact windows a statistics capture also keeps; None = none."""
+    overview: Overview | None = None
+    """``probe.engine.pooling.Overview``: pooled weights and exact windows a statistics capture also keeps; None =
+    none."""
     stats_rows: int | None = None
     """Statistics of at most this many query rows per call (``sampled_rows``: evenly spaced, the last one
     included); None = every row."""
@@ -236,73 +317,22 @@ class Selection:
         overview=None,
         stats_rows=None,
     ) -> Selection:
+        # each argument checked in the order of the signature, so that the first wrong one is the one reported
         layer_tuple = None if layers is None else int_list(layers, "layers")
-        head_tuple, by_layer = None, None
-        if isinstance(heads, Mapping):
-            by_layer = {}
-            for layer, hs in heads.items():
-                if isinstance(layer, bool) or not hasattr(layer, "__index__"):
-                    raise SelectionError(
-                        f"the keys of heads={{layer: heads}} must be layer numbers (int), got {layer!r}; "
-                        "e.g. heads={0: [1, 2], -1: None}"
-                    )
-                layer = _as_int(layer, "the keys of heads={layer: heads}", heads)
-                by_layer[layer] = None if hs is None else int_list(hs, f"heads for layer {layer}")
-            if layer_tuple is None:
-                layer_tuple = tuple(by_layer)
-        elif heads is not None:
-            head_tuple = int_list(heads, "heads")
-        for h in (head_tuple or ()) + tuple(h for hs in (by_layer or {}).values() for h in (hs or ())):
-            if h < 0:
-                raise SelectionError(f"heads must be non-negative head numbers, got {h}")
-        if head_tuple == () or any(hs == () for hs in (by_layer or {}).values()):
-            raise SelectionError(
-                "heads=[] selects no head, so its layers would store empty tensors; to capture nothing use "
-                "layers=[], to leave a layer out do not list it (heads={layer: None} keeps all its heads)"
-            )
-
+        head_tuple, by_layer = _heads_of(heads)
+        if layer_tuple is None and by_layer is not None:
+            layer_tuple = tuple(by_layer)  # heads={layer: heads} selects those layers
         keep_set = _keep_set(keep)
-        dev = _storage_device(device)
-        if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
-            dtype = getattr(torch, dtype.removeprefix("torch."))  # "float16", "torch.bfloat16"
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise SelectionError(f"dtype must be a floating torch dtype such as torch.float16, got {dtype!r}")
-        if isinstance(max_bytes, str):
-            max_bytes = parse_bytes(max_bytes)  # "500MB", "2GiB"
-        elif isinstance(max_bytes, float) and not math.isfinite(max_bytes):
-            raise SelectionError(
-                f"max_bytes={max_bytes!r} is not a number of bytes; give e.g. 5e8 or '500MB', or None for no budget"
-            )
-        elif isinstance(max_bytes, float) and max_bytes.is_integer():
-            max_bytes = int(max_bytes)  # 1e9
-        if max_bytes is not None:
-            if isinstance(max_bytes, bool) or not hasattr(max_bytes, "__index__") or operator.index(max_bytes) <= 0:
-                raise SelectionError(
-                    f"max_bytes must be a positive whole number of bytes (such as 500_000_000 or 5e8) or a size "
-                    f"such as '500MB' or '2GiB', got {max_bytes!r}"
-                )
-            max_bytes = operator.index(max_bytes)
-        if isinstance(block_bytes, str):
-            block_bytes = parse_bytes(block_bytes)
-        if block_bytes is not None and (
-            isinstance(block_bytes, bool) or not hasattr(block_bytes, "__index__") or operator.index(block_bytes) <= 0
-        ):
-            raise SelectionError(
-                f"block_bytes must be a positive number of bytes (such as 32_000_000) or a size such "
-                f"as '32MB', got {block_bytes!r}"
-            )
+        dev, dtype, max_bytes, block_bytes = (
+            _storage_device(device),
+            _dtype_of(dtype),
+            _max_bytes_of(max_bytes),
+            _block_bytes_of(block_bytes),
+        )
         overview = overview_of(overview, keep_set)
+        stats_rows = stats_rows_of(stats_rows, keep_set, overview)
         return cls(
-            layer_tuple,
-            head_tuple,
-            by_layer,
-            keep_set,
-            dev,
-            dtype,
-            max_bytes,
-            None if block_bytes is None else operator.index(block_bytes),
-            overview,
-            stats_rows_of(stats_rows, keep_set, overview),
+            layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes, block_bytes, overview, stats_rows
         )
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> Selection:

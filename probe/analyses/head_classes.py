@@ -137,6 +137,8 @@ def classify(
         raise ClassifyError(f"probe must be 'induction' or None, not {probe!r}")
     if probe is not None and model is None:
         raise ClassifyError("probe='induction' runs the model: pass model=")
+    if probe is not None and capture is None:
+        raise ClassifyError("probe='induction' runs the model under a capture: pass capture= (attnprobe.capture)")
     if source is None and model is None:
         raise ClassifyError("give a scan folder or a statistics capture, and/or model= with probe='induction'")
     if isinstance(source, (str, Path)):
@@ -145,9 +147,11 @@ def classify(
         frame = pd.DataFrame(head_means(source))
     else:
         frame = None
-    if probe == "induction":
+    if probe == "induction" and capture is not None:
         found = induction_scores(capture, model, vocab_size=vocab_size, seed=seed)
-        induction = pd.DataFrame([{"layer": l, "head": h, "induction": s} for (l, h), s in sorted(found.items())])
+        induction = pd.DataFrame(
+            [{"layer": layer, "head": h, "induction": s} for (layer, h), s in sorted(found.items())]
+        )
         frame = induction if frame is None else frame.merge(induction, on=["layer", "head"], how="left")
     scored = [label for label in THRESHOLDS if SCORES[label] in frame.columns]
 

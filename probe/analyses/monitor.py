@@ -334,8 +334,9 @@ class Monitor:
 
     def __repr__(self) -> str:
         return (
-            f"Monitor(every={self.every}, rows={self.query_rows}, calls={self.calls}, sampled={len(set(self._rows._columns['call']))}, "
-            f"alerts={len(self._alert_rows)}, {'open' if self._handles else 'closed'})"
+            f"Monitor(every={self.every}, rows={self.query_rows}, calls={self.calls}, "
+            f"sampled={len(set(self._rows._columns['call']))}, alerts={len(self._alert_rows)}, "
+            f"{'open' if self._handles else 'closed'})"
         )
 
 

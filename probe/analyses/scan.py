@@ -333,9 +333,11 @@ def _process_state():
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         from accelerate import PartialState
-    except ImportError:
+    except ImportError as exc:
         if launched:
-            raise ScanError("this scan runs in several processes: that needs accelerate (pip install accelerate)")
+            raise ScanError(
+                "this scan runs in several processes: that needs accelerate (pip install accelerate)"
+            ) from exc
         return None
     return PartialState(cpu=not torch.cuda.is_available())
 
@@ -360,13 +362,7 @@ def run_scan(
     block_bytes: int | None = None,
 ) -> ScanResult:
     """See ``attnprobe.scan``."""
-    if tokenizer is None:
-        raise ScanError("a scan reads texts: give the model's tokenizer (tokenizer=)")
-    for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ScanError(f"{name} must be a positive whole number, not {value!r}")
-    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
-        raise ScanError(f"max_length must be a positive whole number, not {max_length!r}")
+    _check_sizes(tokenizer, batch_size=batch_size, chunk_size=chunk_size, max_length=max_length)
     texts = list(data) if not isinstance(data, (str, os.PathLike)) else read_inputs(data, field=field, limit=limit)
     if limit is not None:
         texts = texts[:limit]
@@ -374,7 +370,7 @@ def run_scan(
         raise ScanError("no input to scan")
     out = Path(out)
     plan = Plan(len(texts), chunk_size)
-    config = {
+    config = {  # what the folder holds: a resumed scan must be this one
         "format": FORMAT,
         "model": model_description(model, source),
         "data": str(data) if isinstance(data, (str, os.PathLike)) else f"{len(texts)} texts given in Python",
@@ -387,16 +383,8 @@ def run_scan(
     }
     state = _process_state()
     main = state is None or state.is_main_process
-    # the main process checks and creates the folder first; the others check it once it is there (checking at the
-    # same time, they could see the main process's config half-written and call the folder foreign)
-    if main:
-        prepare_folder(out, config, resume=resume, main=True)
-    if state is not None:
-        state.wait_for_everyone()
-    if not main:
-        prepare_folder(out, config, resume=resume, main=False)
+    _open_folder(out, config, resume=resume, state=state, main=main)
     todo = [c for c in range(plan.chunks) if not (resume and (out / part_name(c)).exists())]
-    skipped = plan.chunks - len(todo)
     mine = todo
     if state is not None and state.num_processes > 1:
         with state.split_between_processes(todo) as share:
@@ -405,66 +393,94 @@ def run_scan(
     options = {"keep": ("stats",), "layers": layers, "heads": heads}
     if block_bytes is not None:
         options["block_bytes"] = block_bytes
-    from tqdm.auto import tqdm
+    bar = _progress_bar(sum(len(plan.span(c)) for c in mine), state, progress=progress)
 
-    bar = tqdm(
-        total=sum(len(plan.span(c)) for c in mine),
-        unit="input",
-        disable=not progress,
-        desc=f"scan{'' if state is None or state.num_processes == 1 else f' [{state.process_index}]'}",
-    )
+    def tokenize(index: list[int]) -> dict[str, torch.Tensor]:
+        batch = tokenizer([texts[i] for i in index], **_tokenizer_options(max_length), return_tensors="pt")
+        return {k: v.to(device) for k, v in batch.items()}
+
     was_training = model.training
     model.eval()
     try:
         for chunk in mine:
             span = plan.span(chunk)
-            columns: dict[str, list] = {}
-            for start in range(span.start, span.stop, batch_size):
-                index = list(range(start, min(span.stop, start + batch_size)))
-                batch = tokenizer(
-                    [texts[i] for i in index],
-                    padding=True,
-                    truncation=max_length is not None,
-                    max_length=max_length,
-                    return_tensors="pt",
-                )
-                batch = {k: v.to(device) for k, v in batch.items()}
-                counts = (
-                    batch["attention_mask"].sum(-1).tolist()
-                    if "attention_mask" in batch
-                    else [batch["input_ids"].shape[-1]] * len(index)
-                )
-                with torch.no_grad(), capture(model, **options) as cap:
-                    model(**batch)
-                for name, values in aggregate(cap, index, counts).items():
-                    columns.setdefault(name, []).extend(values)
-                bar.update(len(index))
-            write_part(
-                out / part_name(chunk),
-                columns,
-                {
-                    **config,
-                    "chunk": chunk,
-                    "first_input": span.start,
-                    "last_input": span.stop - 1,
-                    "process": 0 if state is None else state.process_index,
-                },
-            )
+            columns = _scan_span(capture, model, options, tokenize, span, batch_size=batch_size, bar=bar)
+            where = {"chunk": chunk, "first_input": span.start, "last_input": span.stop - 1}
+            process = 0 if state is None else state.process_index
+            write_part(out / part_name(chunk), columns, {**config, **where, "process": process})
     finally:
         bar.close()
         model.train(was_training)
     if state is not None:
         state.wait_for_everyone()
     if main:
-        parts = sorted(p.name for p in out.glob("part-*.parquet"))
-        missing = [part_name(c) for c in range(plan.chunks) if part_name(c) not in parts]
-        _write_text(
-            out / MANIFEST,
-            json.dumps(
-                {**config, "parts": parts, "complete": not missing, "missing": missing}, indent=2, sort_keys=True
-            ),
+        _write_manifest(out, plan, config)
+    return ScanResult(out=out, inputs=len(texts), chunks_written=len(mine), chunks_skipped=plan.chunks - len(todo))
+
+
+def _check_sizes(tokenizer, *, batch_size: int, chunk_size: int, max_length: int | None) -> None:
+    """A tokenizer, and positive whole numbers for the sizes (an error naming the one that is not)."""
+    if tokenizer is None:
+        raise ScanError("a scan reads texts: give the model's tokenizer (tokenizer=)")
+    for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ScanError(f"{name} must be a positive whole number, not {value!r}")
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        raise ScanError(f"max_length must be a positive whole number, not {max_length!r}")
+
+
+def _progress_bar(inputs: int, state, *, progress: bool):
+    """A tqdm bar over this process's inputs (named by its process index when there are several)."""
+    from tqdm.auto import tqdm
+
+    several = state is not None and state.num_processes > 1
+    return tqdm(
+        total=inputs, unit="input", disable=not progress, desc=f"scan [{state.process_index}]" if several else "scan"
+    )
+
+
+def _tokenizer_options(max_length: int | None) -> dict:
+    return {"padding": True, "truncation": max_length is not None, "max_length": max_length}
+
+
+def _open_folder(out: Path, config: dict, *, resume: bool, state, main: bool) -> None:
+    """The main process checks and creates the folder first; the others check it once it is there (checking at
+    the same time, they could see the main process's config half-written and call the folder foreign)."""
+    if main:
+        prepare_folder(out, config, resume=resume, main=True)
+    if state is not None:
+        state.wait_for_everyone()
+    if not main:
+        prepare_folder(out, config, resume=resume, main=False)
+
+
+def _scan_span(
+    capture: Callable, model, options: dict, tokenize: Callable, span: range, *, batch_size: int, bar
+) -> dict[str, list]:
+    """The rows of one chunk: its inputs a batch at a time, each batch run under a statistics capture."""
+    columns: dict[str, list] = {}
+    for start in range(span.start, span.stop, batch_size):
+        index = list(range(start, min(span.stop, start + batch_size)))
+        batch = tokenize(index)
+        counts = (
+            batch["attention_mask"].sum(-1).tolist()
+            if "attention_mask" in batch
+            else [batch["input_ids"].shape[-1]] * len(index)
         )
-    return ScanResult(out=out, inputs=len(texts), chunks_written=len(mine), chunks_skipped=skipped)
+        with torch.no_grad(), capture(model, **options) as cap:
+            model(**batch)
+        for name, values in aggregate(cap, index, counts).items():
+            columns.setdefault(name, []).extend(values)
+        bar.update(len(index))
+    return columns
+
+
+def _write_manifest(out: Path, plan: Plan, config: dict) -> None:
+    """The folder's manifest: the scan, its parts, and whether every chunk was written."""
+    parts = sorted(p.name for p in out.glob("part-*.parquet"))
+    missing = [part_name(c) for c in range(plan.chunks) if part_name(c) not in parts]
+    manifest = {**config, "parts": parts, "complete": not missing, "missing": missing}
+    _write_text(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
 
 
 def _jsonable(heads):

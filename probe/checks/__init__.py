@@ -45,14 +45,14 @@ import torch
 
 from ..errors import SelectionError, warn_user
 from ..record import AttentionRecord
-from . import builtin as _builtin  # noqa: F401  (registers the built-in checks)
+from . import builtin as _builtin  # registers the built-in checks
 from .blocks import RecordFacts, RowBlock, record_shapes
 from .declarations import declared_layers_exist, mask_tensor, validate_declarations
 from .findings import MAX_GROUPS, CheckRun, records_of
 from .lint import attribute_causes
 from .registry import REGISTRY, CheckSpec, register
 from .tolerances import DEFAULT_TOLERANCES, FORBIDDEN_WEIGHT, Tolerance, tolerance
-from .violations import CheckResult, InvariantError, Violation  # noqa: F401  (InvariantError: re-exported)
+from .violations import CheckResult, InvariantError, Violation  # InvariantError: re-exported
 
 #: Built-in checks, in the order they run and are reported (``REGISTRY`` holds them with severity and docs).
 CHECKS: tuple[str, ...] = tuple(REGISTRY)
@@ -67,13 +67,15 @@ CHUNK_ELEMENTS = 1 << 22
 
 def _lint(run: CheckRun, rec: AttentionRecord, index: int) -> None:
     """Findings an adapter recorded at capture time (``record.meta["lint"]``), as selected."""
-    findings = rec.meta.get("lint", ()) if run.lint_names is not None else ()
-    for v in findings:
+    selected = run.lint_names  # "all", a set of lint names, or None
+    if selected is None:
+        return
+    for v in rec.meta.get("lint", ()):
         if not isinstance(v, Violation):
             reason = f"a lint finding is not a Violation ({type(v).__name__})"
             run.skips.setdefault(("lint", reason), {})[index] = rec.layer
             continue
-        if run.lint_names == "all" or v.check in run.lint_names:
+        if selected == "all" or v.check in selected:
             run.lint.append(v)
             if v.check not in run.lint_seen:
                 run.lint_seen.append(v.check)
@@ -105,6 +107,26 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
         (True, 0)
     """
     validate_declarations(causal, attention_mask)
+    _check_tolerances(atol=atol, rtol=rtol)
+    records, keep = records_of(capture_or_record)
+    declared_layers_exist(causal, attention_mask, records)
+    run = CheckRun(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
+    weightless: dict[int, str] = {}  # layer -> backend of records asked for weights that came without
+    prepared = 0
+    with torch.no_grad():
+        for index, rec in enumerate(records):
+            _lint(run, rec, index)
+            if run.selected and _check_record(run, rec, index):
+                prepared += 1
+                if rec.weights is None and keep is not None and "weights" in keep:
+                    weightless[rec.layer] = rec.backend
+    if attention_mask is not None and not isinstance(attention_mask, Mapping) and prepared and not run.mask_fitted:
+        _mask_fits_nothing(attention_mask, records)
+    _warn(run, records, weightless)
+    return _result(run, records)
+
+
+def _check_tolerances(*, atol, rtol) -> None:
     for name, value in (("atol", atol), ("rtol", rtol)):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
@@ -113,51 +135,50 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
                 f"{name} must be a non-negative finite number (or None for the dtype's default, "
                 f"see DEFAULT_TOLERANCES), got {value!r}"
             )
-    records, keep = records_of(capture_or_record)
-    declared_layers_exist(causal, attention_mask, records)
-    run = CheckRun(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
-    weightless: dict[int, str] = {}
-    prepared = 0
-    with torch.no_grad():
-        for index, rec in enumerate(records):
-            _lint(run, rec, index)
-            if not run.selected:
-                continue
-            record_shapes(rec, index)
-            if rec.weights is None and rec.stats is not None and "stats_rows" in rec.meta:
-                raise SelectionError(
-                    f"record {index} ({rec.name!r}, layer {rec.layer}) has the statistics of "
-                    f"{len(rec.meta['stats_rows'])} sampled query rows of {rec.query_len} (capture(stats_rows=), "
-                    "attnprobe.monitor(rows=)): the checks need every row. Capture without stats_rows= "
-                    "(keep=('stats',) checks every row in O(T) memory), or with rows=None in the monitor"
-                )
-            if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
-                for c in run.selected:
-                    run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
-                continue
-            if rec.weights is None and keep is not None and "weights" in keep:
-                weightless[rec.layer] = rec.backend
-            facts = RecordFacts(run, rec, index)
-            prepared += 1
-            for a, b in facts.chunks(CHUNK_ELEMENTS):
-                rows = RowBlock(facts, a, b)
-                for name in run.selected:
-                    REGISTRY[name].run(run, rows)
-    if attention_mask is not None and not isinstance(attention_mask, Mapping) and prepared and not run.mask_fitted:
-        shape = tuple(mask_tensor(attention_mask, "attention_mask").shape)
-        batches = sorted({r.batch_size for r in records if r.batch_size is not None})
-        if shape[0] not in batches:
-            raise ValueError(
-                f"attention_mask has batch {shape[0]} but the records have batch {', '.join(map(str, batches))}: "
-                "declare the mask of the inputs that were captured (generate with num_return_sequences or beam "
-                "search repeats each row: torch.repeat_interleave(mask, n, dim=0))"
-            )
-        raise ValueError(
-            f"attention_mask of shape {shape} fits none of the {len(records)} record(s) "
-            f"(batch, key) shapes {sorted({(r.batch_size, r.key_len) for r in records})}; pass the input "
-            "padding mask (batch, key), or {layer: mask} for models whose layers see different sequences"
+
+
+def _check_record(run: CheckRun, rec: AttentionRecord, index: int) -> bool:
+    """Run the selected checks over the row blocks of one record; False when it has nothing to check (said in
+    ``skipped``)."""
+    record_shapes(rec, index)
+    if rec.weights is None and rec.stats is not None and "stats_rows" in rec.meta:
+        raise SelectionError(
+            f"record {index} ({rec.name!r}, layer {rec.layer}) has the statistics of "
+            f"{len(rec.meta['stats_rows'])} sampled query rows of {rec.query_len} (capture(stats_rows=), "
+            "attnprobe.monitor(rows=)): the checks need every row. Capture without stats_rows= "
+            "(keep=('stats',) checks every row in O(T) memory), or with rows=None in the monitor"
         )
-    _warn(run, records, weightless)
+    if rec.batch_size is None or rec.query_len is None or rec.key_len is None:
+        for c in run.selected:
+            run.skips.setdefault((c, "the record has no tensors"), {})[index] = rec.layer
+        return False
+    facts = RecordFacts(run, rec, index)
+    for a, b in facts.chunks(CHUNK_ELEMENTS):
+        rows = RowBlock(facts, a, b)
+        for name in run.selected:
+            REGISTRY[name].run(run, rows)
+    return True
+
+
+def _mask_fits_nothing(attention_mask, records: list[AttentionRecord]) -> None:
+    """Raise: the one declared ``attention_mask`` fits none of the records (by batch, then by shape)."""
+    shape = tuple(mask_tensor(attention_mask, "attention_mask").shape)
+    batches = sorted({r.batch_size for r in records if r.batch_size is not None})
+    if shape[0] not in batches:
+        raise ValueError(
+            f"attention_mask has batch {shape[0]} but the records have batch {', '.join(map(str, batches))}: "
+            "declare the mask of the inputs that were captured (generate with num_return_sequences or beam "
+            "search repeats each row: torch.repeat_interleave(mask, n, dim=0))"
+        )
+    raise ValueError(
+        f"attention_mask of shape {shape} fits none of the {len(records)} record(s) "
+        f"(batch, key) shapes {sorted({(r.batch_size, r.key_len) for r in records})}; pass the input "
+        "padding mask (batch, key), or {layer: mask} for models whose layers see different sequences"
+    )
+
+
+def _result(run: CheckRun, records: list[AttentionRecord]) -> CheckResult:
+    """What the run found, skipped and covered, as a ``CheckResult``."""
     skipped = tuple(
         f"{c}: {reason} ({_layer_list(list(layers.values()))})"
         for (c, reason), layers in sorted(run.skips.items(), key=lambda kv: _order(kv[0][0]))
@@ -205,7 +226,7 @@ def _warn(run: CheckRun, records: list[AttentionRecord], weightless: dict[int, s
             "`with attnprobe.capture(...)` block, or the selected layers never ran)"
         )
     if weightless:
-        backends = ", ".join(sorted({b for b in weightless.values()}))
+        backends = ", ".join(sorted(set(weightless.values())))
         warn_user(
             f"weights were asked for but {_layers_only(weightless)} came without them "
             f"(backend: {backends}), so range, row_sum, mask, softmax_match and output_match could not run "

@@ -96,7 +96,10 @@ class RecordFacts:
 
     def __init__(self, run, rec: AttentionRecord, index: int) -> None:
         self.rec, self.index = rec, index
-        self.B, self.Tq, self.Tk = rec.batch_size, rec.query_len, rec.key_len
+        B, Tq, Tk = rec.batch_size, rec.query_len, rec.key_len
+        if B is None or Tq is None or Tk is None:  # check() skips such records before it gets here
+            raise ValueError(f"record {index} ({rec.name!r}, layer {rec.layer}) has no tensors to check")
+        self.B, self.Tq, self.Tk = B, Tq, Tk
         stored = [getattr(rec, f) for f in ("weights", "scores", "output", "v")]
         wide = any(t is not None and t.dtype == torch.float64 for t in stored)
         self.cdtype = torch.float64 if wide else torch.float32
@@ -108,8 +111,8 @@ class RecordFacts:
         self.allowed = None if rec.allowed is None else rec.allowed.to(self.device, torch.bool)
         self.qpos = torch.arange(self.Tq, device=self.device) + rec.query_offset  # reported query positions
         self.kpos = torch.arange(self.Tk, device=self.device)  # reported key positions
-        self.diag = None  # key index (cache slot) of each query (self-attention only)
-        self.offset = None
+        self.diag: torch.Tensor | None = None  # (Tq,) key index (cache slot) of each query (self-attention only)
+        self.offset: int | None = None
         self.key_start = 0  # position of the first key: > 0 when a sliding-window cache dropped older keys
         if rec.kind == "self":
             # the queries sit at query_offset in the keys; a cache that dropped old keys (sliding window)
@@ -301,12 +304,19 @@ class RowBlock:
         self.empty = empty  # (B, 1 or H, Tq)
         self.real = torch.ones_like(empty) if self.query_pad is None else ~self.query_pad[:, None, :]
         self.checked = self.real & ~empty  # (B, 1 or H, Tq): the rows every value check looks at
-        self._finite_rows = None
+        self._finite_rows: torch.Tensor | None = None
+
+    def own_keys(self) -> torch.Tensor:
+        """``(Tq,)`` the key index of each query's own key; a ValueError when the record does not place its queries
+        among its keys (cross-attention, more queries than keys: ``diag`` is None)."""
+        if self.diag is None:
+            raise ValueError(f"record {self.index} ({self.rec.name!r}) does not place its queries among its keys")
+        return self.diag
 
     def future(self) -> torch.Tensor:
         """(Tq, Tk) bool: key index after the query's own key index."""
         keys = torch.arange(self.Tk, device=self.device)
-        return keys[None, :] > self.diag[:, None]
+        return keys[None, :] > self.own_keys()[:, None]
 
     def outside_window(self) -> torch.Tensor | None:
         """(Tq, Tk) bool: keys older than a causal sliding window (the window includes the query)."""
@@ -314,7 +324,7 @@ class RowBlock:
         if not window:
             return None
         keys = torch.arange(self.Tk, device=self.device)
-        return keys[None, :] <= self.diag[:, None] - window
+        return keys[None, :] <= self.own_keys()[:, None] - window
 
     def _declared_allowed(self) -> torch.Tensor | None:
         """(B, 1, Tq, Tk) what the declarations allow, or None when nothing was declared."""
@@ -332,17 +342,17 @@ class RowBlock:
 
     def _declared_empty_rows(self) -> torch.Tensor | None:
         """(B, 1, rows) rows the declarations leave no key to attend, counted per row (O(T), no (rows, key))."""
-        causal = self.causal_declared and self.causal and self.diag is not None
-        padded = self.key_pad is not None and self.key_pad_source == DECLARED_PADDING
-        if not (causal or padded):
+        diag = self.diag if self.causal_declared and self.causal else None  # (rows,) each row's own key
+        pad = self.key_pad if self.key_pad_source == DECLARED_PADDING else None  # (B, Tk)
+        if diag is None and pad is None:
             return None
-        real = torch.ones(self.B, self.Tk, device=self.device) if not padded else (~self.key_pad).float()
-        if not causal:
+        real = torch.ones(self.B, self.Tk, device=self.device) if pad is None else (~pad).float()  # (B, Tk)
+        if diag is None:
             return (real.sum(-1) == 0)[:, None, None].expand(self.B, 1, self.Tq)
         cum = torch.cat([torch.zeros(self.B, 1, device=self.device), real.cumsum(-1)], dim=-1)  # (B, Tk + 1)
-        hi = (self.diag + 1).clamp(0, self.Tk)
+        hi = (diag + 1).clamp(0, self.Tk)
         window = self.rec.sliding_window
-        lo = (self.diag - window + 1).clamp(0, self.Tk) if window else torch.zeros_like(hi)
+        lo = (diag - window + 1).clamp(0, self.Tk) if window else torch.zeros_like(hi)
         count = cum[:, hi] - cum[:, lo]  # real keys in the window [lo, diag]
         self.empty_known = True
         return (count == 0)[:, None, :]
@@ -353,5 +363,7 @@ class RowBlock:
             self._finite_rows = self.checked & self.st["finite"]
         if self._finite_rows is None:
             w = self.w
+            if w is None:
+                raise ValueError(f"record {self.index} ({self.rec.name!r}) has neither weights nor statistics")
             self._finite_rows = self.checked if all_finite(w) else self.checked & torch.isfinite(w).all(-1)
         return self._finite_rows

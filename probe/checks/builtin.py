@@ -7,6 +7,7 @@ reports through ``CheckRun.emit`` / ``CheckRun.skip``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -17,14 +18,18 @@ from .findings import CheckRun
 from .registry import register
 
 
-def _has(run: CheckRun, p: RowBlock, check: str, *fields: str) -> bool:
-    """True when the record has every field ``check`` needs; otherwise say which are missing and skip."""
-    missing = [f for f in fields if getattr(p.rec, f) is None]
+def _needed(run: CheckRun, p: RowBlock, check: str, *fields: str) -> tuple[torch.Tensor, ...] | None:
+    """The tensors ``check`` needs, in the order asked (``weights``, ``scores``, ``allowed``, ``output``: the block's
+    rows; ``v``: the record's); None, after saying which are missing and skipping, when the record lacks some."""
+    tensors = {"weights": p.w, "scores": p.scores, "allowed": p.allowed, "output": p.output, "v": p.rec.v}
+    got = [tensors[f] for f in fields]
+    missing = [f for f, t in zip(fields, got) if t is None]
     if missing:
         names = ["mask (allowed)" if f == "allowed" else f for f in missing]
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
         run.skip(check, f"no {listed} captured", p)
-    return not missing
+        return None
+    return tuple(t for t in got if t is not None)
 
 
 def _fmt(x: float | None) -> str:
@@ -92,10 +97,10 @@ def check_finite(run: CheckRun, p: RowBlock) -> None:
                 "scores:overflow",
                 overflow,
                 lambda n, _: (
-                    f"{n} score(s) stored as inf in rows whose weights are finite and agree (no finite-score key weighs "
-                    "more than a +inf one or less than a -inf one): scores beyond the range of the model's dtype "
-                    "(float16: 65504) that the attention itself kept finite; softmax_match cannot compare those "
-                    "rows"
+                    f"{n} score(s) stored as inf in rows whose weights are finite and agree (no finite-score key "
+                    "weighs more than a +inf one or less than a -inf one): scores beyond the range of the model's "
+                    "dtype (float16: 65504) that the attention itself kept finite; softmax_match cannot compare "
+                    "those rows"
                 ),
                 severity="info",
             )
@@ -116,10 +121,11 @@ def check_range(run: CheckRun, p: RowBlock) -> None:
             values=torch.maximum(-low, high - 1),
         )
         return
-    if not _has(run, p, "range", "weights"):
+    needed = _needed(run, p, "range", "weights")
+    if needed is None:
         return
     run.ran("range", p)
-    atol, w = p.tol.atol, p.w
+    (w,), atol = needed, p.tol.atol
     low, high = torch.aminmax(w)  # NaN fails both tests below and takes the long way
     if float(low) >= -atol and float(high) <= 1 + atol:
         return
@@ -134,15 +140,15 @@ def check_range(run: CheckRun, p: RowBlock) -> None:
     )
 
 
-def _sink_logits(p: RowBlock) -> torch.Tensor:
-    """(B, H, Tq, 1) the sink logit of each head."""
-    sinks = p.rec.sinks.to(p.device, p.cdtype).reshape(1, -1, 1, 1)
+def _sink_logits(p: RowBlock, sinks: torch.Tensor) -> torch.Tensor:
+    """(B, H, Tq, 1) the sink logit of each head (``sinks`` ``(H,)``)."""
+    sinks = sinks.to(p.device, p.cdtype).reshape(1, -1, 1, 1)
     return sinks.expand(p.B, sinks.shape[1], p.Tq, 1)
 
 
-def _masked_scores(p: RowBlock) -> torch.Tensor:
-    """Scores with disallowed keys at -inf (NaN scores of keys never computed are disallowed too)."""
-    return torch.where(p.allowed, p.scores.to(p.cdtype), -math.inf)
+def _masked_scores(p: RowBlock, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """(B, H, Tq, Tk) scores with disallowed keys at -inf (NaN scores of keys never computed are disallowed too)."""
+    return torch.where(allowed, scores.to(p.cdtype), -math.inf)
 
 
 @register(
@@ -165,9 +171,12 @@ def check_row_sum(run: CheckRun, p: RowBlock) -> None:
             values=err,
         )
         return
-    if not _has(run, p, "row_sum", "weights"):
+    needed = _needed(run, p, "row_sum", "weights")
+    if needed is None:
         return
-    expected, what = 1.0, "1"
+    (w,) = needed
+    expected: torch.Tensor | float = 1.0
+    what = "1"
     if p.rec.sinks is not None:
         if p.scores is None or p.allowed is None:
             run.skip("row_sum", "the record has attention sinks but no scores or mask to compute the sink mass", p)
@@ -175,7 +184,7 @@ def check_row_sum(run: CheckRun, p: RowBlock) -> None:
         expected = 1.0 - sink_mass(p.scores.to(p.cdtype), p.allowed, p.rec.sinks)  # (B, H, Tq)
         what = "1 - sink mass"
     run.ran("row_sum", p)
-    err = (p.w.sum(-1) - expected).abs()
+    err = (w.sum(-1) - expected).abs()  # (B, H, Tq)
     tol = p.tol.row_sum
     if float(err.amax()) <= tol:  # fast path
         return
@@ -211,23 +220,33 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
     if not p.causal and not p.causal_declared:
         return  # a bidirectional record: nothing to hold it to
     run.ran("causal", p)
-    source = p.causal_source
-    thr = p.tol.forbidden
     if p.st is not None:
-        _causal_from_stats(run, p, source)
-        return
-    future = p.future()
-    rows = p.checked[..., None]
-    if not p.causal:  # declared bidirectional: some query must attend some later real key
-        later = future if p.key_pad is None else future & ~p.key_pad[:, None, None, :]
-        # rows whose weights are NaN/inf (in any head) say nothing about what they attend (``finite`` reports them)
-        candidates = later & (rows if p.w is None else (rows & p.finite_rows().all(1, keepdim=True)[..., None]))
-        attended = (p.w > thr) if p.w is not None else p.allowed
-        seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
-        seen[1] += int(candidates.sum())
-        seen[2] = seen[2] or bool((attended & candidates).any())
-        return
-    window = p.outside_window()
+        _causal_from_stats(run, p, p.st, p.diag, p.causal_source)
+    elif not p.causal:
+        _bidirectional_seen(run, p)
+    else:
+        _causal_cells(run, p)
+        _causal_own(run, p)
+
+
+def _bidirectional_seen(run: CheckRun, p: RowBlock) -> None:
+    """Declared bidirectional: count the later real keys the rows could attend and whether any got weight (or,
+    without weights, permission); ``CheckRun.violations`` reports a record where none did."""
+    future, rows = p.future(), p.checked[..., None]  # (Tq, Tk), (B, 1 or H, Tq, 1)
+    later = future if p.key_pad is None else future & ~p.key_pad[:, None, None, :]
+    # rows whose weights are NaN/inf (in any head) say nothing about what they attend (``finite`` reports them)
+    candidates = later & (rows if p.w is None else (rows & p.finite_rows().all(1, keepdim=True)[..., None]))
+    attended = (p.w > p.tol.forbidden) if p.w is not None else p.allowed
+    assert attended is not None  # check_causal skips a record with neither weights nor a mask
+    seen = run.bidirectional.setdefault(p.index, [p.rec, 0, False])
+    seen[1] += int(candidates.sum())
+    seen[2] = seen[2] or bool((attended & candidates).any())
+
+
+def _causal_cells(run: CheckRun, p: RowBlock) -> None:
+    """Weight (or, without weights, permission) on keys after the query's position or older than its window."""
+    rec, source, thr = p.rec, p.causal_source, p.tol.forbidden
+    future, window, rows = p.future(), p.outside_window(), p.checked[..., None]
     if p.w is not None:
         run.emit(
             p,
@@ -251,7 +270,7 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
                 ),
                 values=p.w,
             )
-    else:
+    elif p.allowed is not None:  # no weights: what the mask lets the queries attend
         run.emit(
             p,
             "causal",
@@ -271,11 +290,10 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
                     f"the mask lets queries attend {n} key(s) older than the sliding window of {rec.sliding_window}"
                 ),
             )
-    _causal_own(run, p)
 
 
 def _causal_own(run: CheckRun, p: RowBlock) -> None:
-    if p.own is not None:  # a causal mask lets every real query attend its own position
+    if p.own is not None and p.own_excused is not None:  # a causal mask lets every real query attend its own position
         bad = ~p.own & ~p.own_excused & p.checked
         run.emit(
             p,
@@ -289,16 +307,19 @@ def _causal_own(run: CheckRun, p: RowBlock) -> None:
         )
 
 
-def _causal_from_stats(run: CheckRun, p: RowBlock, source: str) -> None:
-    """``causal`` from per-row statistics: the last key a row gives weight says "after my position", the
-    first key "older than the window" (``stats.WEIGHT_THRESHOLD`` decides what counts as weight)."""
-    rec, st, diag = p.rec, p.st, p.diag.view(1, 1, -1)
-    first, last = st["first_key"], st["last_key"]
+def _causal_from_stats(
+    run: CheckRun, p: RowBlock, st: Mapping[str, torch.Tensor], own: torch.Tensor, source: str
+) -> None:
+    """``causal`` from per-row statistics ``st``: the last key a row gives weight says "after my position" (``own``
+    ``(rows,)``, each row's own key), the first key "older than the window" (``stats.WEIGHT_THRESHOLD`` decides what
+    counts as weight)."""
+    rec, diag = p.rec, own.view(1, 1, -1)
+    first, last = st["first_key"], st["last_key"]  # (B, H, rows)
     if not p.causal:  # declared bidirectional: some query must attend some later real key
-        later = (p.Tk - 1 - p.diag).clamp(min=0).view(1, 1, -1).to(torch.long)  # later keys per row
+        later = (p.Tk - 1 - own).clamp(min=0).view(1, 1, -1).to(torch.long)  # later keys per row
         if p.key_pad is not None:
             pad = torch.cat([torch.zeros(p.B, 1, dtype=torch.long, device=p.device), p.key_pad.long().cumsum(-1)], -1)
-            later = later - (pad[:, -1:] - pad[:, (p.diag + 1).clamp(max=p.Tk)])[:, None, :]
+            later = later - (pad[:, -1:] - pad[:, (own + 1).clamp(max=p.Tk)])[:, None, :]
         candidates = p.checked & p.finite_rows().all(1, keepdim=True)
         seen = run.bidirectional.setdefault(p.index, [rec, 0, False])
         seen[1] += int((later * candidates).sum())
@@ -340,7 +361,7 @@ def _check_forbidden(run: CheckRun, p: RowBlock, check: str, forbidden: torch.Te
             lambda n, worst: f"weight on {n} {what} (max {_fmt(worst)}{why})",
             values=p.w,
         )
-    else:
+    elif p.allowed is not None:  # no weights: what the mask lets the queries attend
         run.emit(
             p,
             check,
@@ -360,7 +381,7 @@ def check_padding(run: CheckRun, p: RowBlock) -> None:
         return
     if p.st is not None:
         run.ran("padding", p)
-        _padding_from_stats(run, p)
+        _padding_from_stats(run, p, p.st, p.key_pad)
         return
     if p.w is None and p.allowed is None:
         run.skip("padding", "no weights and no mask captured", p)
@@ -371,10 +392,10 @@ def check_padding(run: CheckRun, p: RowBlock) -> None:
     )
 
 
-def _padding_from_stats(run: CheckRun, p: RowBlock) -> None:
+def _padding_from_stats(run: CheckRun, p: RowBlock, st: Mapping[str, torch.Tensor], pad: torch.Tensor) -> None:
     """Rows whose first or last attended key is padding (left and right padding), and the padded keys that got
-    weight from any counted row (``key_weight``: holes in the middle too)."""
-    st, pad = p.st, p.key_pad  # pad (B, Tk)
+    weight from any counted row (``key_weight``: holes in the middle too); ``st`` the block's statistics, ``pad``
+    ``(B, Tk)`` the key padding."""
 
     def padded(key):  # (B, H, rows) -> is that key padding
         at = pad.gather(1, key.clamp(min=0).flatten(1)).view_as(key)
@@ -409,14 +430,16 @@ def check_mask(run: CheckRun, p: RowBlock) -> None:
             values=p.st["masked_max"],
         )
         return
-    if not _has(run, p, "mask", "weights", "allowed"):
+    needed = _needed(run, p, "mask", "weights", "allowed")
+    if needed is None:
         return
     run.ran("mask", p)
+    _, allowed = needed
     _check_forbidden(
         run,
         p,
         "mask",
-        ~p.allowed,
+        ~allowed,
         "key(s) the record's own mask disallows",
         "; the mask the module built did not reach the softmax: not applied, applied inverted, or applied to a copy",
     )
@@ -445,15 +468,17 @@ def check_softmax_match(run: CheckRun, p: RowBlock) -> None:
             p,
         )
         return
-    if not _has(run, p, "softmax_match", "weights", "scores", "allowed"):
+    needed = _needed(run, p, "softmax_match", "weights", "scores", "allowed")
+    if needed is None:
         return
     run.ran("softmax_match", p)
-    logits = _masked_scores(p)
+    w, scores, allowed = needed
+    logits = _masked_scores(p, scores, allowed)  # (B, H, Tq, Tk)
     if p.rec.sinks is not None:
-        ref = torch.softmax(torch.cat([logits, _sink_logits(p)], dim=-1), dim=-1)[..., :-1]
+        ref = torch.softmax(torch.cat([logits, _sink_logits(p, p.rec.sinks)], dim=-1), dim=-1)[..., :-1]
     else:
-        ref = torch.softmax(logits, dim=-1)
-    diff = torch.sub(p.w, ref).abs_()
+        ref = torch.softmax(logits, dim=-1)  # (B, H, Tq, Tk)
+    diff = torch.sub(w, ref).abs_()  # (B, H, Tq, Tk)
     if float(diff.amax()) <= p.tol.atol:  # fast path (NaN in rows left out fails it and goes the long way)
         return
     tol = p.tol.atol + (p.tol.rtol + _score_slack(p)) * ref
@@ -498,8 +523,10 @@ def check_output_match(run: CheckRun, p: RowBlock) -> None:
             values=err,
         )
         return
-    if not _has(run, p, "output_match", "weights", "v", "output"):
+    needed = _needed(run, p, "output_match", "weights", "v", "output")
+    if needed is None:
         return
+    w, v, output = needed
     if rec.num_kv_heads <= 0 or rec.num_heads % rec.num_kv_heads:
         run.skip("output_match", f"{rec.num_heads} heads do not group over {rec.num_kv_heads} kv heads", p)
         return
@@ -510,15 +537,15 @@ def check_output_match(run: CheckRun, p: RowBlock) -> None:
         run.skip("output_match", "the kv heads of some stored query heads were not captured", p)
         return
     run.ran("output_match", p)
-    v = rec.v.to(p.device, p.cdtype)
+    v = v.to(p.device, p.cdtype)  # (B, KV, Tk, D)
     if kv_index != list(range(v.shape[1])):
         v = v[:, kv_index]  # (B, H, Tk, D): query head h reads kv head h // group
-    diff = (p.output.to(p.cdtype) - p.w @ v).abs()
+    diff = (output.to(p.cdtype) - w @ v).abs()  # (B, H, Tq, D)
     if float(diff.amax()) <= p.tol.atol:  # fast path
         return
-    scale = p.w.abs() @ v.abs()  # what the rounding error of a weighted sum scales with
+    scale = w.abs() @ v.abs()  # (B, H, Tq, D): what the rounding error of a weighted sum scales with
     tol = p.tol.atol + (p.tol.rtol + _score_slack(p)) * scale
-    rows = (diff > tol).any(-1) & p.finite_rows() & torch.isfinite(p.output).all(-1)
+    rows = (diff > tol).any(-1) & p.finite_rows() & torch.isfinite(output).all(-1)
     run.emit(
         p,
         "output_match",

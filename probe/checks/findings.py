@@ -11,7 +11,7 @@ import torch
 from ..record import AttentionRecord
 from .blocks import RowBlock
 from .registry import REGISTRY
-from .violations import MAX_POSITIONS, Violation
+from .violations import MAX_POSITIONS, Severity, Violation
 
 #: Above this many (head, batch) groups per check and record, violations are summed over the batch.
 MAX_GROUPS = 64
@@ -69,7 +69,7 @@ class _Finding:
 
     rec: AttentionRecord
     check: str
-    severity: str
+    severity: Severity
     message: Callable[[int, float | None], str]
     axis: int  # size of the head axis of the offending tensor (1 = a mask shared by the heads)
     qpos: torch.Tensor  # (query,) reported position of each query row of the record
@@ -110,7 +110,7 @@ class CheckRun:
         message: Callable[[int, float | None], str],
         *,
         values: torch.Tensor | None = None,
-        severity: str | None = None,
+        severity: Severity | None = None,
         keys: torch.Tensor | None = None,
     ) -> None:
         """Add offending cells ``(B, 1 or H, Tq, Tk)`` or rows ``(B, 1 or H, Tq)`` of one kind of finding.
@@ -213,7 +213,7 @@ class CheckRun:
         return out
 
 
-def select_checks(checks) -> tuple[tuple[str, ...], str | frozenset | None]:
+def select_checks(checks) -> tuple[tuple[str, ...], str | frozenset[str] | None]:
     """(built-in checks to run, lint selection: "all", a set of lint names, or None)."""
     known = tuple(REGISTRY)
     if checks is None:
@@ -232,10 +232,8 @@ def select_checks(checks) -> tuple[tuple[str, ...], str | frozenset | None]:
         )
     builtin = tuple(c for c in known if c in names)
     if "lint" in names:
-        lint = "all"
-    else:
-        lint = frozenset(n for n in names if n.startswith("lint_")) or None
-    return builtin, lint
+        return builtin, "all"
+    return builtin, frozenset(n for n in names if n.startswith("lint_")) or None
 
 
 def records_of(capture_or_record) -> tuple[list[AttentionRecord], tuple[str, ...] | None]:

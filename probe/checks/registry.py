@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .violations import SEVERITIES
+from .violations import SEVERITIES, Severity
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class CheckSpec:
     """One registered check."""
 
     name: str
-    severity: str
+    severity: Severity
     """Severity of what it finds unless a finding says otherwise (``"error"``, ``"warning"``, ``"info"``)."""
     doc: str
     """One line: what holds when the check passes."""
@@ -34,7 +34,7 @@ class CheckSpec:
 REGISTRY: dict[str, CheckSpec] = {}
 
 
-def register(name: str, *, severity: str = "error", doc: str):
+def register(name: str, *, severity: Severity = "error", doc: str):
     """Decorator: register ``fn(run, block)`` as the check ``name``."""
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of {SEVERITIES}, got {severity!r}")

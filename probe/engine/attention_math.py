@@ -233,13 +233,13 @@ class AttentionCall:
         nor a float mask, the factor and the scaling go into the block's ``q`` rows, not over the whole block."""
         dtype = self.compute_dtype
         q, k = self.q[:, :, a:b].to(dtype), self.k[:, :, c:d].to(dtype)
-        float_mask = self.mask is not None and self.mask.dtype.is_floating_point
-        if self.bias is None and self.softcap is None and not float_mask and (times != 1.0 or self.scaling != 1.0):
+        float_mask = self.mask if self.mask is not None and self.mask.dtype.is_floating_point else None
+        if self.bias is None and self.softcap is None and float_mask is None and (times != 1.0 or self.scaling != 1.0):
             return attention_logits(q * (self.scaling * times), k, scaling=1.0, out=out)
         bias = None if self.bias is None else _rows(_as_4d(self.bias), a, b, c, d)
         s = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap, out=out)
-        if float_mask:
-            m = _rows(_as_4d(self.mask), a, b, c, d)
+        if float_mask is not None:
+            m = _rows(_as_4d(float_mask), a, b, c, d)
             s = torch.where(mask_allows(m, self.masked_at), s + m.to(dtype), s)
         return s if times == 1.0 else s.mul_(times)
 
@@ -253,7 +253,8 @@ class AttentionCall:
 
 
 def sink_logsumexp(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """``log(exp(lse) + exp(sink))`` per head: the normaliser once the sink logit takes part (``lse`` ``(B, h, rows)``)."""
+    """``log(exp(lse) + exp(sink))`` per head: the normaliser once the sink logit takes part (``lse`` ``(batch, head,
+    query)``, ``sinks`` ``(head,)``)."""
     if sinks is None:
         return lse
     return torch.logaddexp(lse, sinks.to(lse.device, lse.dtype).view(1, -1, 1))

@@ -36,8 +36,8 @@ class Overview:
         ):
             raise ValueError(f"Overview cells must be a positive int, got {self.cells!r}")
         windows = []
-        for w in self.windows:
-            w = tuple(w)
+        for given in self.windows:
+            w = tuple(given)
             if (
                 len(w) != 4
                 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in w)

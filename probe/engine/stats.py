@@ -1,21 +1,22 @@
 """Per-row attention statistics without a ``(query x key)`` tensor: the statistics engine.
 
 ``attention_stats(call)`` computes, for every selected head and every query row of one attention call
-(``probe.attention_math.AttentionCall``), the statistics below, block by block: query rows in blocks,
+(``probe.engine.attention_math.AttentionCall``), the statistics below, block by block: query rows in blocks,
 and keys in blocks too when one row is too long for the byte target, with a running max (flash-style:
 pass 1 finds each row's log-normaliser, pass 2 turns each block into exact weights). No tensor larger
 than one block (``block_bytes``) is ever made, so memory grows as ``T``, not ``T^2``.
 
-``stats_from_weights(...)`` computes the same statistics from full tensors (a full capture's weights),
-through the same accumulator: the reference the engine is tested against, and how a full record gets
-statistics.
+``stats_from_weights(...)`` computes the same statistics from full tensors (a full capture's weights), with an
+accumulator of its own written as plainly as the definitions (``_Rows``): the reference the engine is tested
+against, and how a full record gets statistics.
 
 Per ``(batch, head, query)`` (``ROW_STATS``):
 
 - ``entropy``: ``-sum w log w`` over the keys (nats);
 - ``max_weight``, ``min_weight``, ``argmax_key`` (key index; the first one on ties);
-- ``first_key_mass`` (the first key any query may attend: the first one that is not padding), ``diagonal_mass`` (the query's own key), ``previous_mass`` (the key
-  before it); NaN where that key does not exist (cross-attention, the first query);
+- ``first_key_mass`` (the first key any query may attend: the first one that is not padding), ``diagonal_mass``
+  (the query's own key), ``previous_mass`` (the key before it); NaN where that key does not exist
+  (cross-attention, the first query);
 - ``masked_mass``, ``masked_max``: weight on keys the call's own mask forbids (sum, largest);
 - ``row_sum_error``: ``|sum w - expected|``, expected 1, or 1 minus the sink mass with attention sinks;
 - ``max_score``: the largest logit at an allowed key (``-inf`` when none is allowed);
@@ -31,13 +32,20 @@ Per ``(batch, head, query)`` (``ROW_STATS``):
 Per ``(batch, head, key)`` (``KEY_STATS``): ``key_weight``, the weight summed over the query rows that
 count (not padding, not empty), and ``key_allowed``, whether any query may attend the key (padding
 verdicts). Everything is O(T).
+
+Shapes are written in the notation of ``probe/record.py``: q ``(batch, head, query, d_head)``, k and v
+``(batch, kv_head, key, d_head)`` (here each selected query head's kv head, so ``head``), logits and weights
+``(batch, head, query, key)``, per-row statistics ``(batch, head, query)``. Inside one block, ``query`` counts the
+block's rows and ``key`` its keys.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
@@ -90,147 +98,9 @@ _TEMPORARIES = 4
 _CACHE_BYTES = 8 << 20
 _MIN_ROWS = 64
 
-
-class _Rows:
-    """Statistics of query rows ``a:b`` accumulated over key blocks (one accumulator, two sources: the
-    engine's exact weights, or a full capture's weights)."""
-
-    def __init__(
-        self,
-        B: int,
-        h: int,
-        a: int,
-        b: int,
-        Tk: int,
-        *,
-        diag_offset: int | None,
-        device,
-        dtype,
-        dv: int | None,
-        positions: torch.Tensor | None = None,
-    ) -> None:
-        n = b - a
-        self.a, self.b, self.Tk = a, b, Tk
-        z = torch.zeros(B, h, n, device=device, dtype=dtype)
-        self.sum, self.entropy, self.masked_mass = z.clone(), z.clone(), z.clone()
-        self.max = torch.full_like(z, -math.inf)
-        self.min = torch.full_like(z, math.inf)
-        self.masked_max = torch.zeros_like(z)
-        self.argmax = torch.zeros(B, h, n, dtype=torch.long, device=device)
-        self.first = torch.full((B, h, n), Tk, dtype=torch.long, device=device)
-        self.last = torch.full((B, h, n), -1, dtype=torch.long, device=device)
-        self.allowed_keys = torch.zeros(B, h, n, dtype=torch.long, device=device)
-        nan = torch.full_like(z, math.nan)
-        self.first_mass, self.diag_mass, self.prev_mass = nan.clone(), nan.clone(), nan.clone()
-        self.diag_allowed = torch.zeros(B, h, n, dtype=torch.bool, device=device)
-        self.max_score = torch.full_like(z, -math.inf)
-        self.min_score = torch.full_like(z, math.inf)
-        # key index of each row's own key (self-attention), else None
-        rows = torch.arange(a, b, device=device) if positions is None else positions[a:b].to(device)
-        self.diag = None if diag_offset is None else rows + diag_offset
-        self.out = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
-        self.first_key = None  # (B, h, 1) the first key any query may attend; None = key 0
-        self.scale = None if dv is None else torch.zeros(B, h, n, device=device, dtype=dtype)
-
-    def _at(self, t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:
-        _gather(t, key, c, d, out)
-
-    def add(
-        self,
-        w: torch.Tensor,
-        c: int,
-        *,
-        scores: torch.Tensor | None,
-        allowed: torch.Tensor | None,
-        v: torch.Tensor | None,
-        exact_zero_outside: bool,
-    ) -> None:
-        """Fold in keys ``c:c + w.shape[-1]``: weights ``w`` ``(B, h, rows, keys)``, the logits ``scores`` (None:
-        unknown), ``allowed`` (None: every key allowed). ``exact_zero_outside``: the weights are 0 at every
-        forbidden key by construction (the engine's softmax), so the masked sums need no pass."""
-        d = c + w.shape[-1]
-        keys = torch.arange(c, d, device=w.device)
-        self.sum += w.sum(-1)
-        self.entropy -= torch.special.xlogy(w, w).sum(-1)
-        bmax, barg = w.max(-1)
-        better = bmax > self.max  # strict: the first key keeps a tie
-        self.argmax = torch.where(better, barg + c, self.argmax)
-        self.max = torch.maximum(self.max, bmax)  # NaN propagates
-        self.min = torch.minimum(self.min, w.amin(-1))
-        hit = w > WEIGHT_THRESHOLD
-        self.first = torch.minimum(self.first, torch.where(hit, keys, self.Tk).amin(-1))
-        self.last = torch.maximum(self.last, torch.where(hit, keys, -1).amax(-1))
-        self._at(w, 0 if self.first_key is None else self.first_key.expand(*w.shape[:3]), c, d, self.first_mass)
-        if self.diag is not None:
-            self._at(w, self.diag, c, d, self.diag_mass)
-            self._at(w, self.diag - 1, c, d, self.prev_mass)
-        if allowed is None:
-            self.allowed_keys += d - c
-            if self.diag is not None:
-                self.diag_allowed |= ((self.diag >= c) & (self.diag < d)).view(1, 1, -1)
-        else:
-            allowed = allowed.expand(*w.shape[:2], *allowed.shape[2:]) if allowed.shape[1] != w.shape[1] else allowed
-            self.allowed_keys += allowed.sum(-1).expand_as(self.allowed_keys)
-            if self.diag is not None:
-                got = torch.zeros_like(self.diag_allowed)
-                self._at(allowed.expand(*w.shape), self.diag, c, d, got)
-                self.diag_allowed |= got
-            if not exact_zero_outside:
-                outside = torch.where(allowed, 0.0, w)
-                self.masked_mass += outside.sum(-1)
-                self.masked_max = torch.maximum(self.masked_max, outside.amax(-1))
-        if scores is not None:
-            if allowed is None:
-                self.max_score = torch.maximum(self.max_score, scores.amax(-1))
-                self.min_score = torch.minimum(self.min_score, scores.amin(-1))
-            else:
-                self.max_score = torch.maximum(self.max_score, torch.where(allowed, scores, -math.inf).amax(-1))
-                self.min_score = torch.minimum(self.min_score, torch.where(allowed, scores, math.inf).amin(-1))
-        if v is not None and self.out is not None:
-            vb = v[:, :, c:d].to(w.dtype)
-            self.out += w @ vb
-            self.scale += (w.abs() @ vb.abs().amax(-1, keepdim=True)).squeeze(-1)
-
-    def finish(
-        self,
-        *,
-        expected: torch.Tensor | float,
-        output: torch.Tensor | None,
-        scores_known: bool,
-        empty_uniform: bool = False,
-    ) -> dict[str, torch.Tensor]:
-        empty = self.allowed_keys == 0
-        finite = torch.isfinite(self.sum) & torch.isfinite(self.max) & torch.isfinite(self.min)
-        if scores_known:
-            # a NaN/inf logit at an allowed key (the "-inf at an allowed key" signal comes from the min)
-            finite &= empty | (torch.isfinite(self.max_score) & torch.isfinite(self.min_score))
-        out = {
-            "entropy": self.entropy,
-            "max_weight": self.max,
-            "min_weight": self.min,
-            "argmax_key": self.argmax,
-            "first_key_mass": self.first_mass,
-            "diagonal_mass": self.diag_mass,
-            "previous_mass": self.prev_mass,
-            "masked_mass": self.masked_mass,
-            "masked_max": self.masked_max,
-            "row_sum_error": (self.sum - expected).abs(),
-            "max_score": self.max_score if scores_known else torch.full_like(self.max, math.nan),
-            "first_key": torch.where(self.first >= self.Tk, -1, self.first),
-            "last_key": self.last,
-            "allowed_keys": self.allowed_keys,
-            "diagonal_allowed": self.diag_allowed,
-        }
-        if output is not None and self.out is not None:
-            obs = output[:, :, self.a : self.b].to(self.out.dtype)
-            out["output_error"] = (self.out - obs).abs().amax(-1)
-            out["output_scale"] = self.scale
-            finite &= torch.isfinite(obs).all(-1)
-        else:
-            nan = torch.full_like(self.max, math.nan)
-            out["output_error"], out["output_scale"] = nan, nan.clone()
-        out["finite"] = finite
-        return out
+#: ``exp(x) = exp2(x * log2(e))`` (``_exp``), and back: a max found in base 2 times ln 2 is the natural one.
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 def _rows_per_block(B: int, h: int, keys: int, itemsize: int, block_bytes: int) -> int:
@@ -240,16 +110,30 @@ def _rows_per_block(B: int, h: int, keys: int, itemsize: int, block_bytes: int) 
     return max(1, min(max(_MIN_ROWS, _CACHE_BYTES // row), block_bytes // (2 * row)))
 
 
-def _counted_rows(query_padding: torch.Tensor | None, B: int, Tq: int, device) -> torch.Tensor:
-    """(B, Tq) float: 1 for the query rows whose weights count in ``key_weight``."""
+def _block_plan(B: int, h: int, Tq: int, Tk: int, itemsize: int, block_bytes: int) -> tuple[int, int]:
+    """``(rows, keys)`` of one block: every key in one block when a row's keys fit ``block_bytes``
+    (``_TEMPORARIES`` of them), else a few rows against blocks of keys."""
+    key_block = max(1, block_bytes // max(1, B * h * itemsize * _TEMPORARIES))  # keys of one row that fit
+    if key_block >= Tk:
+        return _rows_per_block(B, h, Tk, itemsize, block_bytes), key_block
+    rows_step = max(1, min(64, Tq))  # one row is longer than the target: a few rows, keys in blocks
+    return rows_step, max(1, block_bytes // max(1, B * h * rows_step * itemsize * _TEMPORARIES))
+
+
+def _counted_rows(query_padding: torch.Tensor | None, B: int, Tq: int, device: torch.device) -> torch.Tensor:
+    """``(batch, query)`` float: 1 for the query rows whose weights count in ``key_weight``."""
     if query_padding is None:
         return torch.ones(B, Tq, device=device)
     return (~query_padding.to(device, torch.bool)).float()
 
 
 def _collect(
-    parts: list[dict], key_weight: torch.Tensor, key_allowed: torch.Tensor, extra: dict | None = None
+    parts: list[dict[str, torch.Tensor]],
+    key_weight: torch.Tensor,
+    key_allowed: torch.Tensor,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> Mapping[str, torch.Tensor]:
+    """The row statistics of every block of rows, joined along ``query``, with the key statistics (and ``extra``)."""
     if len(parts) == 1:  # one block of rows (every row of a short input): its tensors as they are
         stats = {name: parts[0][name] for name in ROW_STATS}
     else:
@@ -300,50 +184,201 @@ def attention_stats(
             query_padding = query_padding.index_select(1, rows.to(query_padding.device, torch.long))
     B, h, Tq, Tk = call.shape
     dtype, device = call.compute_dtype, call.q.device
-    itemsize = torch.finfo(dtype).bits // 8
-    key_block = max(1, block_bytes // max(1, B * h * itemsize * _TEMPORARIES))  # keys of one row that fit
-    if key_block >= Tk:
-        rows_step = _rows_per_block(B, h, Tk, itemsize, block_bytes)
-    else:  # one row is longer than the target: a few rows, keys in blocks
-        rows_step = max(1, min(64, Tq))
-        key_block = max(1, block_bytes // max(1, B * h * rows_step * itemsize * _TEMPORARIES))
-    counted = _counted_rows(query_padding, B, Tq, device).to(dtype)
-    stats = _Engine(call, B, h, Tq, Tk, dtype, device, diag_offset, {} if workspace is None else workspace)
-    if overview is not None:
-        stats.pool = Pooler(overview, B, h, Tq, Tk, device)
+    rows_step, key_block = _block_plan(B, h, Tq, Tk, torch.finfo(dtype).bits // 8, block_bytes)
+    counted = _counted_rows(query_padding, B, Tq, device).to(dtype)  # (batch, query)
+    engine = _Engine(call, diag_offset=diag_offset, buffers={} if workspace is None else workspace, overview=overview)
     with torch.no_grad():
         for a in range(0, Tq, rows_step):
             b = min(a + rows_step, Tq)
             reach = call.key_limit(b)
-            stats.rows(a, b, [(c, min(c + key_block, reach)) for c in range(0, reach, key_block)], counted[:, a:b])
-    return stats.result()
+            engine.rows(a, b, [(c, min(c + key_block, reach)) for c in range(0, reach, key_block)], counted[:, a:b])
+    return engine.result()
+
+
+@dataclass(frozen=True)
+class _RowBlock:
+    """Query rows ``a:b`` of the call: what every key block of theirs reads."""
+
+    a: int
+    b: int
+    positions: torch.Tensor
+    """``(query,)`` long: each row's position among the call's queries (what causal masks count from)."""
+    diag: torch.Tensor | None
+    """``(query,)`` long: each row's own key (self-attention); None for cross-attention."""
+    counted: torch.Tensor
+    """``(batch, query)`` float: 1 for the rows whose weights count in ``key_weight`` (not padding)."""
+
+
+@dataclass(frozen=True)
+class _Normaliser:
+    """Each row's softmax normaliser, per ``(batch, head, query)``: the weights are ``e / total``, with
+    ``e = exp(logit - shift)``, so a sweep over the keys (``_RowSums``) works in units of ``e`` and divides once.
+
+    The engine fills it from each row's largest logit (``shift`` = that max): in one go when the row fits one block,
+    else with a running max over the key blocks (``_Engine._running_max``). A sweep that takes each row's logsumexp
+    from the model's own kernel fits beside them, with no first pass: ``shift`` = that lse, ``e`` is then the weight
+    itself (``p = exp(s - lse)``), ``total`` = 1, ``sum_e`` = 1 less the sinks' share and ``empty`` where the lse
+    is ``-inf``; its sweep accumulates the same ``_RowSums`` and finds ``max_score`` and ``argmax`` on the way (set
+    with ``dataclasses.replace`` before ``_finish``)."""
+
+    max_score: torch.Tensor
+    """The largest logit at an allowed key (natural units; ``-inf``: no key allowed; NaN: a NaN logit)."""
+    argmax: torch.Tensor
+    """long: the key of the first largest logit."""
+    shift: torch.Tensor
+    """What every logit of the row is shifted by before ``exp``: the max where it is finite, else 0."""
+    sum_e: torch.Tensor
+    """``l = sum exp(logit - shift)`` over the row's allowed keys."""
+    total: torch.Tensor
+    """The normaliser in units of ``e``: ``l``, plus ``exp(sink - shift)`` with attention sinks."""
+    inv: torch.Tensor
+    """``1 / total``; 0 where ``total`` is (a row with no allowed key)."""
+    empty: torch.Tensor
+    """bool: the rows with no allowed key, whose max is ``-inf`` (a NaN row is not empty: it is not finite)."""
+
+
+@dataclass
+class _RowSums:
+    """What a sweep over the key blocks of query rows accumulates, in units of ``e`` (see ``_Normaliser``); every
+    field is ``(batch, head, query)`` unless it says otherwise, and becomes a statistic once divided by the
+    normaliser (``_Engine._finish``)."""
+
+    sum_e: torch.Tensor
+    """``sum e`` over the keys: the row's weight sum times ``total`` (``row_sum_error``)."""
+    dot: torch.Tensor
+    """``sum e * logit`` over the allowed keys (forbidden keys count 0): the entropy's second term. Of the logits
+    less the row's max when ``dot_shifted``."""
+    min_e: torch.Tensor
+    """The smallest ``e``; 0 once some key lies beyond the rows' reach."""
+    first_e: torch.Tensor
+    """``e`` at the first key any query may attend (``first_key_mass``)."""
+    diag_e: torch.Tensor
+    """``e`` at the row's own key; NaN where it has none (``diagonal_mass``)."""
+    prev_e: torch.Tensor
+    """``e`` at the key before the row's own; NaN where it has none (``previous_mass``)."""
+    first: torch.Tensor
+    """long: the first key whose weight exceeds ``WEIGHT_THRESHOLD`` (the key count: none yet)."""
+    last: torch.Tensor
+    """long: the last such key (-1: none yet)."""
+    allowed_keys: torch.Tensor
+    """long: the keys the call's mask lets the row attend."""
+    diag_allowed: torch.Tensor
+    """bool: whether the mask lets the row attend its own key."""
+    out: torch.Tensor | None = None
+    """``(batch, head, query, d_head)``: ``sum e * v`` (None without an observed output)."""
+    scale: torch.Tensor | None = None
+    """``sum e * max|v|``: what the output's rounding error scales with (None without an observed output)."""
+    dot_shifted: bool = False
+    """``dot`` is of the logits less each row's max (the one-block pass): ``_finish`` leaves ``shift`` out of the
+    entropy's lse."""
+
+    @classmethod
+    def start(
+        cls, shape: tuple[int, int, int], keys: int, d_v: int | None, *, device: torch.device, dtype: torch.dtype
+    ) -> _RowSums:
+        """Nothing summed yet, for rows of ``shape`` ``(batch, head, query)`` among ``keys`` keys; ``d_v``: the
+        output's size per head (None: no observed output)."""
+        zeros = torch.zeros(shape, device=device, dtype=dtype)
+        return cls(
+            sum_e=zeros.clone(),
+            dot=zeros.clone(),
+            min_e=torch.full_like(zeros, math.inf),
+            first_e=zeros.clone(),
+            diag_e=torch.full_like(zeros, math.nan),
+            prev_e=torch.full_like(zeros, math.nan),
+            first=torch.full(shape, keys, dtype=torch.long, device=device),
+            last=torch.full(shape, -1, dtype=torch.long, device=device),
+            allowed_keys=torch.zeros(shape, dtype=torch.long, device=device),
+            diag_allowed=torch.zeros(shape, dtype=torch.bool, device=device),
+            out=None if d_v is None else torch.zeros(*shape, d_v, device=device, dtype=dtype),
+            scale=None if d_v is None else torch.zeros_like(zeros),
+        )
+
+
+@dataclass(frozen=True)
+class _Observed:
+    """What the output check reads, in the compute dtype: the values and the output the call returned."""
+
+    v: torch.Tensor
+    """``(batch, head, key, d_head)``: each selected query head's kv head."""
+    v_max: torch.Tensor
+    """``(batch, head, key)``: each key's largest ``|v|``: ``e @ v_max`` bounds ``max_d (e @ |v|)_d``, what the
+    output's rounding error scales with (the larger of the max and minus the min: two reductions, no ``|v|``)."""
+    output: torch.Tensor
+    """``(batch, head, query, d_head)``: what the attention returned."""
+
+    @classmethod
+    def of(cls, call: AttentionCall, dtype: torch.dtype) -> _Observed | None:
+        if call.output is None or call.v is None:
+            return None
+        v = call.v.to(dtype)
+        return cls(v=v, v_max=torch.maximum(v.amax(-1), v.amin(-1).neg_()), output=call.output)
+
+    def products(self, e: torch.Tensor, c: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(e @ v, e @ max|v|)`` over keys ``c:d``, each undivided by the normaliser: the output (a new tensor) and
+        its scale. The scale is a matrix-vector product, taken as ``max|v| @ e^T``: the orientation that runs at
+        memory speed (``e @ max|v|`` costs as much as ``e @ v``)."""
+        # (batch, head, 1, key) x (batch, head, key, query) -> (batch, head, query)
+        scale = torch.matmul(self.v_max[:, :, None, c:d], e.transpose(-1, -2)).squeeze(-2)
+        return e @ self.v[:, :, c:d], scale  # (batch, head, query, key) x (batch, head, key, d_head)
+
+
+class _Logits(NamedTuple):
+    """One block of logits, as the two-pass sweep reads them."""
+
+    scores: torch.Tensor
+    """``(batch, head, query, key)``: the logits, 0 at forbidden keys (a NaN/inf there must not reach the entropy's
+    sum of ``e * logit``, where a NaN/inf at an allowed key must show)."""
+    allowed: torch.Tensor | None
+    """``(batch or 1, 1 or head, query, key)`` bool; None: every key, or a causal mask alone (counted from the
+    rows' positions)."""
+    z: torch.Tensor
+    """``(batch, head, query, key)``: the softmax input, ``-inf`` at forbidden keys (``scores`` itself when none
+    is)."""
+
+
+class _Forbidden(NamedTuple):
+    """Where the rows of one block may not attend, as the one-block pass masks it."""
+
+    allowed: torch.Tensor | None
+    """``(batch or 1, 1 or head, query, key)`` bool: the call's mask; None when it has none."""
+    forbidden: torch.Tensor | None
+    """bool, keys ``c + cut:d`` of the block: True where the row may not attend; None: it may attend every key."""
+    cut: int
+    """The first key (block-relative) ``forbidden`` covers: a causal mask alone masks only the tile of late keys."""
 
 
 class _Engine:
-    """The engine's two passes over the key blocks of each block of query rows.
+    """The statistics of one call, a block of query rows at a time (``rows``).
 
-    Pass 1 finds each row's max ``m`` (and its key) and ``l = sum exp(z - m)`` with a running max (flash-style);
-    a row that fits one block does it in one go. Pass 2 turns each key block into ``e = exp(z - m)``: the
-    weights are ``e / l``, so every sum is accumulated in units of ``e`` and divided by ``l`` once at the end.
+    When one block holds a row's keys (``_one_block``): the logits, their max, ``e = exp(logit - max)`` and every
+    sum in one pass. Else two passes over the key blocks (``_two_passes``): pass 1 finds each row's max ``m`` and
+    ``l = sum exp(z - m)`` with a running max, rescaling ``l`` by ``exp(m_old - m_new)`` whenever the max grows
+    (flash attention's online softmax); pass 2 turns each key block into ``e = exp(z - m)`` with the final ``m``.
+    Either way the weights are ``e / l`` (``l`` plus ``exp(sink - m)`` with attention sinks): every sum is accumulated
+    in units of ``e`` (``_RowSums``) and divided once at the end (``_finish``), where ``lse = m + log l`` and the
+    entropy ``H = lse - sum(e * z) / l``.
+
     Weights at forbidden keys are exactly 0 (their logit is ``-inf``, never a finite sentinel: exp of a huge
     negative number is slow on CPUs), so the masked sums need no pass. An empty row of an additive mask is
-    uniform over every key (see ``attention_math``): its statistics are written directly.
+    uniform over every key (see ``attention_math``): its statistics are written directly (``_uniform_rows``).
     """
 
-    def __init__(self, call: AttentionCall, B, h, Tq, Tk, dtype, device, diag_offset, buffers: dict) -> None:
-        self.call, self.B, self.h, self.Tq, self.Tk = call, B, h, Tq, Tk
-        self.dtype, self.device, self.diag_offset = dtype, device, diag_offset
-        self.sinks = None if call.sinks is None else call.sinks.to(device, dtype).view(1, -1, 1)
-        self.v = None if call.output is None or call.v is None else call.v.to(dtype)
-        # the largest |v| of each key: e @ v_max bounds max_d (e @ |v|)_d, what the output's rounding error scales with
-        # (the larger of the max and minus the min: two reductions, no |v| tensor)
-        self.v_max = None if self.v is None else torch.maximum(self.v.amax(-1), self.v.amin(-1).neg_())
-        self.key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
-        self.key_allowed = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)
-        self.parts: list[dict] = []
-        self.first_key = self._first_attendable()  # (B, h, 1): the key first_key_mass reads
-        self.pool: Pooler | None = None
-        self._buffers = buffers
+    def __init__(
+        self, call: AttentionCall, *, diag_offset: int | None, buffers: dict, overview: Overview | None
+    ) -> None:
+        self.call, self.diag_offset, self._buffers = call, diag_offset, buffers
+        self.B, self.h, self.Tq, self.Tk = call.shape
+        self.dtype, self.device = call.compute_dtype, call.q.device
+        # (1, head, 1): the sink logits
+        self.sinks = None if call.sinks is None else call.sinks.to(self.device, self.dtype).view(1, -1, 1)
+        self.observed = _Observed.of(call, self.dtype)
+        per_key = (self.B, self.h, self.Tk)  # (batch, head, key)
+        self.key_weight = torch.zeros(per_key, device=self.device, dtype=self.dtype)
+        self.key_allowed = torch.zeros(per_key, dtype=torch.bool, device=self.device)
+        self.parts: list[dict[str, torch.Tensor]] = []
+        self.first_key = self._first_attendable()  # (batch, head, 1): the key first_key_mass reads
+        self.pool = None if overview is None else Pooler(overview, self.B, self.h, self.Tq, self.Tk, self.device)
 
     def _scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A ``shape`` view of buffer ``name``, made once at the size of the largest block (the first block of rows
@@ -358,283 +393,272 @@ class _Engine:
         return buf[:need].view(shape)
 
     def _first_attendable(self) -> torch.Tensor:
-        """``(B, h, 1)`` the first key some query may attend (0 under a causal mask alone), read from the mask a
-        block of rows at a time."""
+        """``(batch, head, 1)`` the first key some query may attend (0 under a causal mask alone), read from the mask
+        a block of rows at a time."""
         B, h, Tq, Tk, call = self.B, self.h, self.Tq, self.Tk, self.call
         if call.mask is None:
             return torch.zeros(B, h, 1, dtype=torch.long, device=self.device)
-        seen = torch.zeros(B, h, Tk, dtype=torch.bool, device=self.device)
+        seen = torch.zeros(B, h, Tk, dtype=torch.bool, device=self.device)  # (batch, head, key)
         step = max(1, (1 << 24) // max(1, B * h * Tk))
         for a in range(0, Tq, step):
-            b = min(a + step, Tq)
-            seen |= call.allowed(a, b, 0, Tk).any(-2).expand(B, h, Tk)
+            allowed = call.allowed(a, min(a + step, Tq), 0, Tk)  # (batch or 1, 1 or head, query, key)
+            if allowed is not None:  # never None: the call has a mask
+                seen |= allowed.any(-2).expand(B, h, Tk)
         return seen.to(torch.uint8).argmax(-1, keepdim=True)
 
-    def _block(self, a, b, c, d):
-        """(logits, allowed or None, softmax input with -inf where forbidden): keys ``c:d`` of rows ``a:b``."""
-        s = self.call.logits(a, b, c, d)
-        if self.call.mask is not None:
-            allowed = self.call.allowed(a, b, c, d)
-            forbidden = ~allowed
-        else:  # a causal mask alone (or nothing): built as "later than the query", no negation
-            allowed, forbidden = None, self.call.forbidden(a, b, c, d)
-        z = s if forbidden is None else s.masked_fill(forbidden, -math.inf)
-        if forbidden is not None:
-            # the logits at forbidden keys no longer matter (their weight is 0): zero them, so that a NaN/inf
-            # there cannot reach the entropy's sum of e * s, where a NaN/inf at an allowed key must show
-            s = s.masked_fill_(forbidden, 0.0)
-        # a causal mask alone is counted from positions (in rows()), anything else from the mask itself
-        return s, allowed, z
-
     def rows(self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor) -> None:
+        """The statistics of query rows ``a:b`` over the key blocks ``blocks`` (``(c, d)``: keys ``c:d``; none when
+        the rows reach no key); ``counted`` ``(batch, query)``: the rows that count in ``key_weight``."""
+        positions = self.call.row_positions(a, b)  # (query,)
+        diag = None if self.diag_offset is None else positions + self.diag_offset  # (query,)
+        block = _RowBlock(a=a, b=b, positions=positions, diag=diag, counted=counted)
         if len(blocks) == 1:
-            return self._one_block(a, b, *blocks[0], counted)
-        B, h, n, dtype, device = self.B, self.h, b - a, self.dtype, self.device
-        m = torch.full((B, h, n), -math.inf, device=device, dtype=dtype)
-        arg = torch.zeros(B, h, n, dtype=torch.long, device=device)
-        l = torch.zeros_like(m)
-        kept = None
-        if len(blocks) == 1:  # the whole row in one block: one pass
-            kept = self._block(a, b, *blocks[0])
-            m, arg = kept[2].max(-1)
-            arg = arg + blocks[0][0]
-        else:  # pass 1: running max, rescaled sum
-            for c, d in blocks:
-                _, _, z = self._block(a, b, c, d)
-                bm, barg = z.max(-1)
-                m_new = torch.maximum(m, bm)
-                arg = torch.where(bm > m, barg + c, arg)
-                safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
-                l = l * torch.exp(torch.where(torch.isfinite(m), m - safe, -math.inf)) + torch.exp(
-                    z - safe[..., None]
-                ).sum(-1)
-                m = m_new
-        shift = torch.where(torch.isfinite(m), m, 0.0)  # e = exp(z - shift); -inf rows stay 0
-        empty = torch.isneginf(m)  # no allowed key (NaN rows are not empty: they are not finite)
-        positions = self.call.row_positions(a, b)
-        diag = None if self.diag_offset is None else positions + self.diag_offset
-        dv = None if self.v is None else self.v.shape[-1]
-        z_ = torch.zeros(B, h, n, device=device, dtype=dtype)
-        acc = {
-            "l": z_.clone(),
-            "dot": z_.clone(),
-            "min": torch.full_like(z_, math.inf),
-            "first_e": z_.clone(),
-            "diag_e": torch.full_like(z_, math.nan),
-            "prev_e": torch.full_like(z_, math.nan),
-            "allowed_keys": torch.zeros(B, h, n, dtype=torch.long, device=device),
-            "diag_allowed": torch.zeros(B, h, n, dtype=torch.bool, device=device),
-            "first": torch.full((B, h, n), self.Tk, dtype=torch.long, device=device),
-            "last": torch.full((B, h, n), -1, dtype=torch.long, device=device),
-            "a": a,
-        }
-        out = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
-        scale = None if dv is None else torch.zeros_like(z_)
-        pending = []  # key-block sums of e that need l: (c, d, e-block summed against counted rows)
-        real = counted.view(B, 1, n) * ~empty
-        for c, d in blocks:
-            s, allowed, z = kept if kept is not None else self._block(a, b, c, d)
-            # z is not needed again: in place, unless z is the logits themselves (nothing masked)
-            x = z - shift[..., None] if z is s else z.sub_(shift[..., None])
-            e = _exp(x, out=x)
-            acc["l"] += e.sum(-1)
-            acc["min"] = torch.minimum(acc["min"], e.amin(-1))
-            _gather(e, self.first_key.expand(B, h, n), c, d, acc["first_e"])
-            if diag is not None:
-                _gather(e, diag, c, d, acc["diag_e"])
-                _gather(e, diag - 1, c, d, acc["prev_e"])
-            if allowed is None:  # every key, or a causal mask alone: counted from positions
-                limit = positions + self.call.causal_offset + 1 if self.call.causal else torch.full_like(positions, d)
-                acc["allowed_keys"] += (limit.clamp(c, d) - c).view(1, 1, -1)
-                reach = min(d, self.call.key_limit(b)) if self.call.causal else d
-                self.key_allowed[..., c : max(c, reach)] = True
-                if diag is not None:
-                    acc["diag_allowed"] |= ((diag >= c) & (diag < d) & (diag < limit)).view(1, 1, -1)
-            else:
-                acc["allowed_keys"] += allowed.sum(-1, dtype=torch.long).expand(B, h, n)
-                self.key_allowed[..., c:d] |= allowed.any(-2).expand(B, h, d - c)
-                if diag is not None:
-                    rows = allowed.expand(*allowed.shape[:2], n, d - c)  # a mask the same for every query: a view
-                    got = torch.zeros(rows.shape[:3], dtype=torch.bool, device=device)
-                    _gather(rows, diag, c, d, got)
-                    acc["diag_allowed"] |= got
-            if out is not None:
-                o, sc = self._products(e, c, d)
-                out += o
-                scale += sc
-            # entropy needs sum e * z over the allowed keys: s (zero at forbidden keys) times e, in place in s,
-            # which nothing reads again
-            acc["dot"] += s.mul_(e).sum(-1)
-            pending.append((c, d, e if len(blocks) == 1 else None))
-            if len(blocks) > 1:
-                pending[-1] = (c, d, None)
-                self._key_sums(e, c, d, real, acc, l_final=self._total(l, shift))
-        if not blocks or blocks[-1][1] < self.Tk:  # keys this block of rows cannot reach weigh 0
-            acc["min"].clamp_(max=0.0)
-        if len(blocks) == 1:
-            l = acc["l"]
-            c, d, e = pending[0]
-            self._key_sums(e, c, d, real, acc, l_final=self._total(l, shift))
-        self.parts.append(self._finish(a, b, m, arg, l, shift, empty, diag, acc, out, scale))
+            self._one_block(block, *blocks[0])
+        else:
+            self._two_passes(block, blocks)
 
-    def _one_block(self, a: int, b: int, c: int, d: int, counted: torch.Tensor) -> None:
-        """Rows ``a:b`` whose keys ``c:d`` fit one block: every statistic in one pass over the block, with as few
+    def _normaliser(self, max_score: torch.Tensor, argmax: torch.Tensor, sum_e: torch.Tensor) -> _Normaliser:
+        """The normaliser of rows whose ``e`` were taken less their largest logit ``max_score``."""
+        shift = torch.where(torch.isfinite(max_score), max_score, 0.0)  # e = exp(z - shift); -inf rows stay 0
+        total = sum_e if self.sinks is None else sum_e + torch.exp(self.sinks - shift)
+        inv = torch.where(total > 0, 1.0 / total, 0.0)
+        empty = torch.isneginf(max_score)
+        return _Normaliser(
+            max_score=max_score, argmax=argmax, shift=shift, sum_e=sum_e, total=total, inv=inv, empty=empty
+        )
+
+    # ----------------------------------------------------------------------------------------- one block of keys
+    def _one_block(self, rows: _RowBlock, c: int, d: int) -> None:
+        """Rows whose keys ``c:d`` fit one block: every statistic in one pass over the block, with as few
         full-size passes as the math allows. The logits get ``-inf`` where the row may not attend (a causal mask
         alone: only the tile of keys some row of the block may not see), then their max and its key (``_row_max``: a
         max with indices costs ten times an ``amax`` on CPUs), ``e = exp(logits - max)`` in a second buffer,
         reductions of ``e``, and the first and last key above the threshold (``_hits``). The logits and ``e`` live in
         two buffers reused by every block (``_scratch``)."""
-        B, h, n, dtype, device, call = self.B, self.h, b - a, self.dtype, self.device, self.call
-        positions = call.row_positions(a, b)
-        diag = None if self.diag_offset is None else positions + self.diag_offset
-        shape = (B, h, n, d - c)
-        # (B, h, n, K), ours to change: log2(e) times the logits, so that e is one exp2 (see _exp) and its max is
-        # the block's max, exactly 0 once shifted
-        s = call.logits(a, b, c, d, out=self._scratch("logits", shape), times=_LOG2E)
-        allowed, forbidden, cut = None, None, 0
-        if call.mask is not None:
-            allowed = call.allowed(a, b, c, d)  # (B or 1, 1 or h, n, K), usually the same for every head
-            forbidden = ~allowed
-        elif call.causal:  # keys from `lo` on are later than some row's own position: mask that tile only
-            limit = positions + call.causal_offset + 1  # (n,) the first key each row may not attend
+        shape = (self.B, self.h, rows.b - rows.a, d - c)
+        mask = self._forbidden(rows, c, d)
+        s, max2, argmax = self._logits_less_max(rows, c, d, mask)  # (batch, head, query, key), base 2
+        e = torch.exp2(s, out=self._scratch("weights", shape))  # (batch, head, query, key): exp(logit - max)
+        # (batch, head, query) each: the natural logit's max and its key; e = exp(logits - shift) to float rounding
+        norm = self._normaliser(max2 * _LN2, argmax + c, e.sum(-1))
+        if mask.forbidden is not None:  # the entropy's sum of e * s must see 0 there, not 0 * -inf: the max with 0
+            cut = mask.cut  # (batch, head, query, key - cut) below
+            torch.maximum(s[..., cut:], _bound(mask.forbidden, 0.0, -math.inf, self.dtype), out=s[..., cut:])
+        sums = _RowSums.start(shape[:3], self.Tk, None, device=self.device, dtype=self.dtype)
+        sums.sum_e, sums.min_e = norm.sum_e, e.amin(-1)  # (batch, head, query): the block's sums are the rows'
+        # (batch, head, query): sum e * (logits - max), forbidden keys 0: the entropy without adding the max and taking
+        # it off again; in place: s is only a scratch buffer from here on
+        sums.dot, sums.dot_shifted = s.mul_(e).sum(-1).mul_(_LN2), True
+        self._fold_hits(sums, e, c, norm, scratch=s)  # s is not read again
+        self._gather_masses(sums, e, rows, c, d)
+        self._count_allowed(sums, rows, c, d, mask.allowed)
+        if d < self.Tk or c > 0:  # keys this block of rows cannot reach weigh 0
+            sums.min_e.clamp_(max=0.0)
+        self._add_weights(e, rows, c, norm)
+        if self.observed is not None:
+            sums.out, sums.scale = self.observed.products(e, c, d)
+        self.parts.append(self._finish(rows, norm, sums))
+
+    def _forbidden(self, rows: _RowBlock, c: int, d: int) -> _Forbidden:
+        """Where rows may not attend among keys ``c:d``: the call's mask, or the tile of keys later than some row's
+        own position (a causal mask alone), or nowhere."""
+        call = self.call
+        allowed = call.allowed(rows.a, rows.b, c, d) if call.mask is not None else None
+        if allowed is not None:  # (batch or 1, 1 or head, query, key), usually the same for every head
+            return _Forbidden(allowed=allowed, forbidden=~allowed, cut=0)
+        if call.causal:  # keys from `lo` on are later than some row's own position: mask that tile only
+            limit = rows.positions + call.causal_offset + 1  # (query,): the first key each row may not attend
             # the block's first row has the smallest position (they ascend): known on the host for contiguous rows
-            start = a if call.positions is None else int(call.positions[a])
+            start = rows.a if call.positions is None else int(call.positions[rows.a])
             lo = min(max(start + call.causal_offset + 1 - c, 0), d - c)
             if lo < d - c:
-                forbidden, cut = torch.arange(c + lo, d, device=device)[None, :] >= limit[:, None], lo
-        weights = self._scratch("weights", shape)
+                later = torch.arange(c + lo, d, device=self.device)[None, :] >= limit[:, None]  # (query, key)
+                return _Forbidden(allowed=None, forbidden=later, cut=lo)
+        return _Forbidden(allowed=None, forbidden=None, cut=0)
+
+    def _logits_less_max(
+        self, rows: _RowBlock, c: int, d: int, mask: _Forbidden
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(s, max, key)``: the block's logits in base 2 (times ``log2(e)``, so that ``e`` is one ``exp2``, see
+        ``_exp``) with ``-inf`` where the row may not attend, less each row's largest (``s`` ``(batch, head, query,
+        key)``, in the logits buffer); that largest, base 2 (``-inf``: no key allowed; NaN: a NaN logit), and its key
+        in the block (``(batch, head, query)`` each). The weights buffer is scratch here."""
+        shape, forbidden, cut = (self.B, self.h, rows.b - rows.a, d - c), mask.forbidden, mask.cut
+        s = self.call.logits(rows.a, rows.b, c, d, out=self._scratch("logits", shape), times=_LOG2E)
         if forbidden is not None:
             # -inf where the row may not attend (never a finite sentinel), as the min with a bound that is -inf there
             # and +inf elsewhere: a masked fill costs ten times as much on CPUs (1 ms against 0.1 for 8 x 12 x 128
             # rows of 128 keys). A NaN logit at a forbidden key survives the min and makes its row's max NaN;
             # blocks with a NaN max are filled again exactly, so that such a logit does not count.
-            torch.minimum(s[..., cut:], _bound(forbidden, -math.inf, math.inf, dtype), out=s[..., cut:])
-        # the largest logit at an allowed key (-inf: none is allowed; NaN: a NaN logit), base 2, and its key; s minus
-        # that max in place from here on; the weights buffer is scratch until e takes it
-        m2, arg = _row_max(s, scratch=weights)
-        if forbidden is not None and bool(torch.isnan(m2).any()):
-            s = call.logits(a, b, c, d, out=self._scratch("logits", shape), times=_LOG2E)
+            torch.minimum(s[..., cut:], _bound(forbidden, -math.inf, math.inf, self.dtype), out=s[..., cut:])
+        max2, argmax = _row_max(s, scratch=self._scratch("weights", shape))  # s less its max from here on
+        if forbidden is not None and bool(torch.isnan(max2).any()):
+            s = self.call.logits(rows.a, rows.b, c, d, out=self._scratch("logits", shape), times=_LOG2E)
             s[..., cut:].masked_fill_(forbidden, -math.inf)
-            m2, arg = _row_max(s, scratch=weights)
-        arg = arg + c
-        e = torch.exp2(s, out=weights)
-        m = m2 * _LN2  # the natural logit's max; e = exp(logits - shift) to float rounding
-        shift = torch.where(torch.isfinite(m), m, 0.0)
-        if forbidden is not None:  # the entropy's sum of e * s must see 0 there, not 0 * -inf: the max with 0 there
-            torch.maximum(s[..., cut:], _bound(forbidden, 0.0, -math.inf, dtype), out=s[..., cut:])
-        empty = torch.isneginf(m)
-        l = e.sum(-1)
-        total = self._total(l, shift)
-        # sum e * (logits - max), forbidden keys 0: the entropy without adding the max and taking it off again
-        dot = s.mul_(e).sum(-1).mul_(_LN2)  # in place: s is only a scratch buffer from here on
-        first, last = _hits(e, WEIGHT_THRESHOLD * total, scratch=s)  # s is not read again
-        acc = {
-            "l": l,
-            "dot": dot,
-            "dot_shifted": True,
-            "min": e.amin(-1),
-            "a": a,
-            "first_e": torch.zeros_like(l),
-            "diag_e": torch.full_like(l, math.nan),
-            "prev_e": torch.full_like(l, math.nan),
-            "first": torch.where(first >= 0, first + c, self.Tk),
-            "last": torch.where(last >= 0, last + c, -1),
-        }
-        _gather(e, self.first_key.expand(B, h, n), c, d, acc["first_e"])
-        if diag is not None:
-            _gather(e, diag, c, d, acc["diag_e"])
-            _gather(e, diag - 1, c, d, acc["prev_e"])
-        if allowed is None:  # every key, or a causal mask alone: counted from positions
-            limit = positions + call.causal_offset + 1 if call.causal else torch.full_like(positions, d)
-            acc["allowed_keys"] = (limit.clamp(c, d) - c).view(1, 1, -1).expand(B, h, n).clone()
-            reach = min(d, call.key_limit(b)) if call.causal else d
+            max2, argmax = _row_max(s, scratch=self._scratch("weights", shape))
+        return s, max2, argmax
+
+    # ------------------------------------------------------------------------------- keys in blocks: two passes
+    def _two_passes(self, rows: _RowBlock, blocks: list[tuple[int, int]]) -> None:
+        """Rows whose keys come in blocks: pass 1 the normaliser (``_running_max``), pass 2 every sum, block by
+        block, from ``e = exp(z - shift)`` at the final shift."""
+        norm = self._running_max(rows, blocks)
+        shape = (self.B, self.h, rows.b - rows.a)
+        d_v = None if self.observed is None else self.observed.v.shape[-1]
+        sums = _RowSums.start(shape, self.Tk, d_v, device=self.device, dtype=self.dtype)
+        for c, d in blocks:
+            s, allowed, z = self._logits(rows, c, d)  # (batch, head, query, key) each, allowed broadcast
+            # (batch, head, query, key) less (batch, head, query, 1); z is not needed again: in place, unless z is
+            # the logits themselves (nothing masked)
+            x = z - norm.shift[..., None] if z is s else z.sub_(norm.shift[..., None])
+            e = _exp(x, out=x)  # (batch, head, query, key): exp(z - shift), 0 at forbidden keys
+            sums.sum_e += e.sum(-1)  # (batch, head, query)
+            sums.min_e = torch.minimum(sums.min_e, e.amin(-1))  # (batch, head, query)
+            self._gather_masses(sums, e, rows, c, d)
+            self._count_allowed(sums, rows, c, d, allowed)
+            if self.observed is not None and sums.out is not None and sums.scale is not None:
+                out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
+                sums.out += out
+                sums.scale += scale
+            # (batch, head, query): the entropy needs sum e * z over the allowed keys: s (zero at forbidden keys)
+            # times e, in place in s, which nothing reads again
+            sums.dot += s.mul_(e).sum(-1)
+            self._add_weights(e, rows, c, norm)
+            self._fold_hits(sums, e, c, norm)
+        if not blocks or blocks[-1][1] < self.Tk:  # keys this block of rows cannot reach weigh 0
+            sums.min_e.clamp_(max=0.0)
+        self.parts.append(self._finish(rows, norm, sums))
+
+    def _running_max(self, rows: _RowBlock, blocks: list[tuple[int, int]]) -> _Normaliser:
+        """Pass 1: each row's largest logit ``m``, its key and ``l = sum exp(z - m)``, block by block: the sum so far
+        is rescaled by ``exp(m_old - m_new)`` whenever a block raises the max."""
+        shape = (self.B, self.h, rows.b - rows.a)
+        m = torch.full(shape, -math.inf, device=self.device, dtype=self.dtype)  # (batch, head, query)
+        argmax = torch.zeros(shape, dtype=torch.long, device=self.device)  # (batch, head, query)
+        sum_e = torch.zeros_like(m)  # (batch, head, query)
+        for c, d in blocks:
+            z = self._logits(rows, c, d).z  # (batch, head, query, key)
+            block_max, block_arg = z.max(-1)  # (batch, head, query) each
+            new_max = torch.maximum(m, block_max)  # (batch, head, query)
+            argmax = torch.where(block_max > m, block_arg + c, argmax)  # strict: the first key keeps a tie
+            safe = torch.where(torch.isfinite(new_max), new_max, 0.0)  # (batch, head, query)
+            # (batch, head, query): exp(m_old - m_new), 0 where there was no finite max yet
+            rescale = torch.exp(torch.where(torch.isfinite(m), m - safe, -math.inf))
+            # (batch, head, query) + (batch, head, query, key) summed over the keys
+            sum_e = sum_e * rescale + torch.exp(z - safe[..., None]).sum(-1)
+            m = new_max
+        return self._normaliser(m, argmax, sum_e)
+
+    def _logits(self, rows: _RowBlock, c: int, d: int) -> _Logits:
+        """Keys ``c:d`` of the rows: their logits (0 where forbidden), the mask, and the softmax input (-inf where
+        forbidden)."""
+        call = self.call
+        s = call.logits(rows.a, rows.b, c, d)  # (batch, head, query, key)
+        allowed = call.allowed(rows.a, rows.b, c, d) if call.mask is not None else None
+        # a causal mask alone (or nothing): built as "later than the query", no negation
+        forbidden = ~allowed if allowed is not None else call.forbidden(rows.a, rows.b, c, d)
+        if forbidden is None:
+            return _Logits(scores=s, allowed=allowed, z=s)
+        z = s.masked_fill(forbidden, -math.inf)
+        # the logits at forbidden keys no longer matter (their weight is 0): zero them, so that a NaN/inf there
+        # cannot reach the entropy's sum of e * s, where a NaN/inf at an allowed key must show
+        return _Logits(scores=s.masked_fill_(forbidden, 0.0), allowed=allowed, z=z)
+
+    # ----------------------------------------------------------------------------------- sums over a key block
+    def _gather_masses(self, sums: _RowSums, e: torch.Tensor, rows: _RowBlock, c: int, d: int) -> None:
+        """``e`` at the first attendable key, the row's own key and the one before it, where they lie in ``c:d``."""
+        _gather(e, self.first_key.expand(*e.shape[:3]), c, d, sums.first_e)
+        if rows.diag is not None:
+            _gather(e, rows.diag, c, d, sums.diag_e)
+            _gather(e, rows.diag - 1, c, d, sums.prev_e)
+
+    def _count_allowed(self, sums: _RowSums, rows: _RowBlock, c: int, d: int, allowed: torch.Tensor | None) -> None:
+        """The keys ``c:d`` the rows may attend: ``allowed_keys`` and ``diag_allowed`` per row, ``key_allowed`` per
+        key. ``allowed``: the call's mask over the block; None: every key, or a causal mask alone, counted from the
+        rows' positions."""
+        call, (B, h, n) = self.call, sums.allowed_keys.shape
+        if allowed is None:
+            # (query,): the first key each row may not attend
+            limit = rows.positions + call.causal_offset + 1 if call.causal else torch.full_like(rows.positions, d)
+            sums.allowed_keys += (limit.clamp(c, d) - c).view(1, 1, -1)
+            reach = min(d, call.key_limit(rows.b)) if call.causal else d
             self.key_allowed[..., c : max(c, reach)] = True
-            acc["diag_allowed"] = torch.zeros(B, h, n, dtype=torch.bool, device=device)
-            if diag is not None:
-                acc["diag_allowed"] |= ((diag >= c) & (diag < d) & (diag < limit)).view(1, 1, -1)
-        else:
-            acc["allowed_keys"] = allowed.sum(-1, dtype=torch.long).expand(B, h, n).clone()
-            self.key_allowed[..., c:d] |= allowed.any(-2).expand(B, h, d - c)
-            acc["diag_allowed"] = torch.zeros(B, h, n, dtype=torch.bool, device=device)
-            if diag is not None:
-                rows = allowed.expand(*allowed.shape[:2], n, d - c)  # a mask the same for every query: a view
-                _gather(rows, diag, c, d, acc["diag_allowed"])
-        if d < self.Tk or c > 0:  # keys this block of rows cannot reach weigh 0
-            acc["min"].clamp_(max=0.0)
-        inv = torch.where(total > 0, 1.0 / total, 0.0)
-        real = counted.view(B, 1, n) * ~empty
-        self.key_weight[..., c:d] += (real * inv).unsqueeze(-2).matmul(e).squeeze(-2)
+            if rows.diag is not None:
+                sums.diag_allowed |= ((rows.diag >= c) & (rows.diag < d) & (rows.diag < limit)).view(1, 1, -1)
+            return
+        sums.allowed_keys += allowed.sum(-1, dtype=torch.long).expand(B, h, n)
+        self.key_allowed[..., c:d] |= allowed.any(-2).expand(B, h, d - c)
+        if rows.diag is not None:
+            # (batch or 1, 1 or head, query, key): a mask the same for every query, as a view
+            per_row = allowed.expand(*allowed.shape[:2], n, d - c)
+            got = torch.zeros(per_row.shape[:3], dtype=torch.bool, device=self.device)  # (batch or 1, 1 or head, query)
+            _gather(per_row, rows.diag, c, d, got)
+            sums.diag_allowed |= got
+
+    def _fold_hits(
+        self, sums: _RowSums, e: torch.Tensor, c: int, norm: _Normaliser, *, scratch: torch.Tensor | None = None
+    ) -> None:
+        """The first and last key of ``c:`` whose weight exceeds ``WEIGHT_THRESHOLD`` (``e`` undivided, the
+        threshold times the normaliser), folded into ``first`` and ``last``."""
+        first, last = _hits(e, WEIGHT_THRESHOLD * norm.total, scratch=scratch)  # (batch, head, query), -1: none
+        sums.first = torch.where(first >= 0, torch.minimum(sums.first, first + c), sums.first)
+        sums.last = torch.where(last >= 0, torch.maximum(sums.last, last + c), sums.last)
+
+    def _add_weights(self, e: torch.Tensor, rows: _RowBlock, c: int, norm: _Normaliser) -> None:
+        """The block's weights ``e / total`` summed into ``key_weight`` over the rows that count, and pooled into
+        the overview."""
+        real = rows.counted.view(self.B, 1, -1) * ~norm.empty  # (batch, head, query): rows that count
+        # (batch, head, 1, query) x (batch, head, query, key) -> (batch, head, key)
+        self.key_weight[..., c : c + e.shape[-1]] += (real * norm.inv).unsqueeze(-2).matmul(e).squeeze(-2)
         if self.pool is not None:
-            self.pool.add(e, a, c, row_scale=inv)
-        out, scale = self._products(e, c, d)
-        self.parts.append(self._finish(a, b, m, arg, l, shift, empty, diag, acc, out, scale))
+            self.pool.add(e, rows.a, c, row_scale=norm.inv)
 
-    def _products(self, e: torch.Tensor, c: int, d: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(e @ v, e @ max|v|)`` over keys ``c:d``, each undivided by the normaliser: the output (a new tensor) and
-        its scale (None, None without an observed output). The scale is a matrix-vector product, taken as
-        ``max|v| @ e^T``: the orientation that runs at memory speed (``e @ max|v|`` costs as much as ``e @ v``)."""
-        if self.v is None:
-            return None, None
-        scale = torch.matmul(self.v_max[:, :, None, c:d], e.transpose(-1, -2)).squeeze(-2)
-        return e @ self.v[:, :, c:d], scale
-
-    def _key_sums(self, e, c, d, real, acc, *, l_final) -> None:
-        """Sums over this block's keys that need each row's normaliser: key_weight, first/last key."""
-        inv = torch.where(l_final > 0, 1.0 / l_final, 0.0)
-        self.key_weight[..., c:d] += (real * inv).unsqueeze(-2).matmul(e).squeeze(-2)
-        first, last = _hits(e, WEIGHT_THRESHOLD * l_final)  # weight > threshold, e not divided
-        acc["first"] = torch.where(first >= 0, torch.minimum(acc["first"], first + c), acc["first"])
-        acc["last"] = torch.where(last >= 0, torch.maximum(acc["last"], last + c), acc["last"])
-        if self.pool is not None:
-            self.pool.add(e, acc["a"], c, row_scale=inv)
-
-    def _total(self, l: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """The softmax normaliser in units of ``e``: ``l``, plus ``exp(sink - shift)`` with attention sinks."""
-        return l if self.sinks is None else l + torch.exp(self.sinks - shift)
-
-    def _finish(self, a, b, m, arg, l, shift, empty, diag, acc, out, scale) -> dict:
-        Tk, sinks = self.Tk, self.sinks
-        total = self._total(l, shift)
-        expected = 1.0 if sinks is None else 1.0 - torch.exp(sinks - shift) / total
-        inv = torch.where(total > 0, 1.0 / total, 0.0)
-        # entropy = log(total) + shift - sum(e * z) / total, with the shift taken out of both where it was
-        lse = torch.log(total) + (0.0 if acc.get("dot_shifted") else shift)
-        stats = {
-            "entropy": torch.where(l > 0, lse * (l * inv) - acc["dot"] * inv, 0.0),
+    # -------------------------------------------------------------------------------------------- the statistics
+    def _finish(self, rows: _RowBlock, norm: _Normaliser, sums: _RowSums) -> dict[str, torch.Tensor]:
+        """The row statistics (``ROW_STATS``, each ``(batch, head, query)``): the sums divided by the normaliser."""
+        m, shift, inv, empty = norm.max_score, norm.shift, norm.inv, norm.empty
+        # (batch, head, query): each row's weight sum, 1 less the sink's share
+        expected = 1.0 if self.sinks is None else 1.0 - torch.exp(self.sinks - shift) / norm.total
+        # (batch, head, query): entropy = log(total) + shift - sum(e * z) / total, with the shift taken out of both
+        # where it was
+        lse = torch.log(norm.total) + (0.0 if sums.dot_shifted else shift)
+        stats = {  # each (batch, head, query)
+            "entropy": torch.where(norm.sum_e > 0, lse * (norm.sum_e * inv) - sums.dot * inv, 0.0),
             "max_weight": torch.where(empty, 0.0, torch.exp(m - shift) * inv),
-            "min_weight": acc["min"] * inv,
-            "argmax_key": torch.where(empty, 0, arg),
-            "first_key_mass": acc["first_e"] * inv,
-            "diagonal_mass": acc["diag_e"] * inv,
-            "previous_mass": acc["prev_e"] * inv,
+            "min_weight": sums.min_e * inv,
+            "argmax_key": torch.where(empty, 0, norm.argmax),
+            "first_key_mass": sums.first_e * inv,
+            "diagonal_mass": sums.diag_e * inv,
+            "previous_mass": sums.prev_e * inv,
             "masked_mass": torch.zeros_like(m),
             "masked_max": torch.zeros_like(m),
-            "row_sum_error": (acc["l"] * inv - expected).abs(),
+            "row_sum_error": (sums.sum_e * inv - expected).abs(),
             "max_score": m,
-            "first_key": torch.where(acc["first"] >= Tk, -1, acc["first"]),
-            "last_key": acc["last"],
-            "allowed_keys": acc["allowed_keys"],
-            "diagonal_allowed": acc["diag_allowed"],
+            "first_key": torch.where(sums.first >= self.Tk, -1, sums.first),
+            "last_key": sums.last,
+            "allowed_keys": sums.allowed_keys,
+            "diagonal_allowed": sums.diag_allowed,
         }
-        finite = torch.isfinite(acc["dot"]) & torch.isfinite(total) & ~torch.isnan(m)
-        finite = finite | (empty & (acc["dot"] == 0))
-        if out is not None:
-            obs = self.call.output[:, :, a:b].to(self.dtype)
-            stats["output_error"] = out.mul_(inv[..., None]).sub_(obs).abs_().amax(-1)  # out is ours
-            stats["output_scale"] = scale * inv
+        finite = torch.isfinite(sums.dot) & torch.isfinite(norm.total) & ~torch.isnan(m)  # (batch, head, query)
+        finite = finite | (empty & (sums.dot == 0))
+        if self.observed is not None and sums.out is not None and sums.scale is not None:
+            obs = self.observed.output[:, :, rows.a : rows.b].to(self.dtype)  # (batch, head, query, d_head)
+            stats["output_error"] = sums.out.mul_(inv[..., None]).sub_(obs).abs_().amax(-1)  # out is ours
+            stats["output_scale"] = sums.scale * inv
             finite &= torch.isfinite(stats["output_error"])  # NaN/inf in the observed row (or in v) reaches it
         else:
             stats["output_error"] = torch.full_like(m, math.nan)
             stats["output_scale"] = torch.full_like(m, math.nan)
-        if self.call.additive and sinks is None:  # an empty row of an additive mask is uniform over every key
-            stats = self._uniform_rows(stats, empty, diag, a, b)
+        if self.call.additive and self.sinks is None:  # an empty row of an additive mask is uniform over every key
+            stats = self._uniform_rows(stats, rows, empty)
             if self.pool is not None:
-                self.pool.add_uniform(empty, a, 1.0 / Tk)
+                self.pool.add_uniform(empty, rows.a, 1.0 / self.Tk)
         stats["finite"] = finite
         return stats
 
-    def _uniform_rows(self, stats: dict, empty: torch.Tensor, diag, a: int, b: int) -> dict:
-        Tk, u = self.Tk, 1.0 / self.Tk
+    def _uniform_rows(self, stats: dict, rows: _RowBlock, empty: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``stats`` with the rows ``empty`` (``(batch, head, query)``) uniform over every key."""
+        Tk, u, diag = self.Tk, 1.0 / self.Tk, rows.diag
         put = {
             "entropy": math.log(Tk),
             "max_weight": u,
@@ -651,12 +675,13 @@ class _Engine:
         if diag is not None:
             out["diagonal_mass"] = torch.where(empty & (diag < Tk), u, stats["diagonal_mass"])
             out["previous_mass"] = torch.where(empty & (diag >= 1) & (diag - 1 < Tk), u, stats["previous_mass"])
-        if self.v is not None:
-            mean = self.v.mean(-2, keepdim=True)  # (B, h, 1, d): the output of a uniform row
-            obs = self.call.output[:, :, a:b].to(self.dtype)
-            err = (mean - obs).abs().amax(-1)
+        if self.observed is not None:
+            mean = self.observed.v.mean(-2, keepdim=True)  # (batch, head, 1, d_head): the output of a uniform row
+            obs = self.observed.output[:, :, rows.a : rows.b].to(self.dtype)  # (batch, head, query, d_head)
+            err = (mean - obs).abs().amax(-1)  # (batch, head, query)
             out["output_error"] = torch.where(empty, err, stats["output_error"])
-            out["output_scale"] = torch.where(empty, self.v_max.mean(-1, keepdim=True), stats["output_scale"])
+            scale = self.observed.v_max.mean(-1, keepdim=True)  # (batch, head, 1)
+            out["output_scale"] = torch.where(empty, scale, stats["output_scale"])
         return out
 
     def result(self) -> Mapping[str, torch.Tensor]:
@@ -672,9 +697,6 @@ _CHUNK = 256
 #: Rows of at least this many keys are searched by chunks (``_hits``, ``_row_max``); shorter ones by float
 #: arithmetic over the whole block.
 _LONG_ROW = 1024
-
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 def _chunk_max(e: torch.Tensor) -> torch.Tensor:
@@ -718,19 +740,19 @@ def _hits(
     times more than either (the block's ``uint8`` argmax alone cost more than its ``q @ k``)."""
     K = e.shape[-1]
     if K < _LONG_ROW:
-        x = torch.sub(e, threshold.unsqueeze(-1), out=scratch).sign_()  # 1 above, 0 at, -1 below, NaN stays
-        up = torch.arange(1, K + 1, device=e.device, dtype=e.dtype)
-        last = x.mul_(up).amax(-1)  # (last hit + 1), <= 0 when there is none
-        first = x.sign_().mul_(up.flip(0)).amax(-1)  # (K - first hit): the signs back, times K..1
-        some = last > 0
+        x = torch.sub(e, threshold.unsqueeze(-1), out=scratch).sign_()  # (..., K): 1 above, 0 at, -1 below, NaN
+        up = torch.arange(1, K + 1, device=e.device, dtype=e.dtype)  # (K,): 1..K
+        last = x.mul_(up).amax(-1)  # (...): last hit + 1, <= 0 when there is none
+        first = x.sign_().mul_(up.flip(0)).amax(-1)  # (...): K - first hit (the signs back, times K..1)
+        some = last > 0  # (...)
         return torch.where(some, K - first, -1).long(), torch.where(some, last - 1, -1).long()
-    threshold = threshold.unsqueeze(-1)
-    in_chunk = _chunk_max(e) > threshold
-    some = in_chunk.any(-1)
-    values, keys = _inside(e, _first_true(in_chunk))
-    first = keys.gather(-1, _first_true((values > threshold) & (keys < K)).unsqueeze(-1)).squeeze(-1)
-    values, keys = _inside(e, _last_true(in_chunk))
-    last = keys.gather(-1, _last_true((values > threshold) & (keys < K)).unsqueeze(-1)).squeeze(-1)
+    threshold = threshold.unsqueeze(-1)  # (..., 1)
+    in_chunk = _chunk_max(e) > threshold  # (..., chunks)
+    some = in_chunk.any(-1)  # (...)
+    values, keys = _inside(e, _first_true(in_chunk))  # (..., _CHUNK) each: the first chunk with a hit
+    first = keys.gather(-1, _first_true((values > threshold) & (keys < K)).unsqueeze(-1)).squeeze(-1)  # (...)
+    values, keys = _inside(e, _last_true(in_chunk))  # (..., _CHUNK) each: the last chunk with a hit
+    last = keys.gather(-1, _last_true((values > threshold) & (keys < K)).unsqueeze(-1)).squeeze(-1)  # (...)
     return torch.where(some, first, -1), torch.where(some, last, -1)
 
 
@@ -743,18 +765,18 @@ def _row_max(s: torch.Tensor, *, scratch: torch.Tensor | None = None) -> tuple[t
     rows with no allowed key (max ``-inf``) get some key, which callers replace."""
     K = s.shape[-1]
     if K >= _LONG_ROW:
-        chunks = _chunk_max(s)
-        m = chunks.amax(-1)
-        values, keys = _inside(s, _first_true(chunks == m.unsqueeze(-1)))
+        chunks = _chunk_max(s)  # (..., chunks)
+        m = chunks.amax(-1)  # (...)
+        values, keys = _inside(s, _first_true(chunks == m.unsqueeze(-1)))  # (..., _CHUNK) each
         arg = keys.gather(-1, _first_true((values == m.unsqueeze(-1)) & (keys < K)).unsqueeze(-1)).squeeze(-1)
     else:
-        m, arg = s.amax(-1), None
-    odd = torch.isnan(m) | torch.isposinf(m)
+        m, arg = s.amax(-1), None  # (...)
+    odd = torch.isnan(m) | torch.isposinf(m)  # (...)
     # rare: a NaN or +inf logit; those rows keep their values through the shift, but other rows do not
-    odd_arg = s.max(-1)[1] if bool(odd.any()) else None
-    s.sub_(torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1))
+    odd_arg = s.max(-1)[1] if bool(odd.any()) else None  # (...)
+    s.sub_(torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1))  # (..., K) less (..., 1)
     if arg is None:
-        down = K - torch.arange(K, device=s.device, dtype=s.dtype)  # K..1
+        down = K - torch.arange(K, device=s.device, dtype=s.dtype)  # (K,): K..1
         # sign + 1 is 1 where the shifted logit is 0 (the max), 0 below; times K - key; its max is K - the first max
         arg = K - torch.sign(s, out=scratch).add_(1.0).mul_(down).amax(-1).nan_to_num_(0.0, 0.0, 0.0).long()
     if odd_arg is not None:
@@ -775,17 +797,158 @@ def _exp(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     return torch.mul(x, _LOG2E, out=out).exp2_()
 
 
-def _gather(t: torch.Tensor, key, c: int, d: int, out: torch.Tensor) -> None:
-    """``out[..., i] = t[..., i, key_i - c]`` for the rows whose key lies in ``c:d`` (``key`` an int or ``(rows,)``)."""
+def _gather(t: torch.Tensor, key: int | torch.Tensor, c: int, d: int, out: torch.Tensor) -> None:
+    """``out[..., i] = t[..., i, key_i - c]`` for the rows whose key lies in ``c:d``: ``t`` ``(batch, head, query,
+    key)`` (keys ``c:d``), ``key`` an int, ``(query,)`` or ``(batch, head, query)``, ``out`` ``(batch, head,
+    query)``."""
     if isinstance(key, int):
         if c <= key < d:
             out.copy_(t[..., key - c])
         return
-    inside = (key >= c) & (key < d)
+    inside = (key >= c) & (key < d)  # like key
     index = (key - c).clamp(0, d - c - 1)
     index = index.view(1, 1, -1, 1).expand(*t.shape[:3], 1) if index.dim() == 1 else index.unsqueeze(-1)
-    got = t.gather(-1, index)[..., 0]
+    got = t.gather(-1, index)[..., 0]  # (batch, head, query)
     out.copy_(torch.where(inside, got.to(out.dtype), out))
+
+
+# --------------------------------------------------------------------------------- from full weights (reference)
+class _Rows:
+    """Statistics of query rows ``a:b`` from their full weights, accumulated over key blocks as the definitions read
+    (the reference the engine is tested against; ``stats_from_weights``). Every field is ``(batch, head, query)``
+    unless it says otherwise."""
+
+    def __init__(
+        self,
+        B: int,
+        h: int,
+        a: int,
+        b: int,
+        Tk: int,
+        *,
+        diag_offset: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        dv: int | None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        n = b - a
+        self.a, self.b, self.Tk = a, b, Tk
+        z = torch.zeros(B, h, n, device=device, dtype=dtype)
+        self.sum, self.entropy, self.masked_mass = z.clone(), z.clone(), z.clone()
+        self.max = torch.full_like(z, -math.inf)
+        self.min = torch.full_like(z, math.inf)
+        self.masked_max = torch.zeros_like(z)
+        self.argmax = torch.zeros(B, h, n, dtype=torch.long, device=device)
+        self.first = torch.full((B, h, n), Tk, dtype=torch.long, device=device)
+        self.last = torch.full((B, h, n), -1, dtype=torch.long, device=device)
+        self.allowed_keys = torch.zeros(B, h, n, dtype=torch.long, device=device)
+        nan = torch.full_like(z, math.nan)
+        self.first_mass, self.diag_mass, self.prev_mass = nan.clone(), nan.clone(), nan.clone()
+        self.diag_allowed = torch.zeros(B, h, n, dtype=torch.bool, device=device)
+        self.max_score = torch.full_like(z, -math.inf)
+        self.min_score = torch.full_like(z, math.inf)
+        # (query,) key index of each row's own key (self-attention), else None
+        rows = torch.arange(a, b, device=device) if positions is None else positions[a:b].to(device)
+        self.diag = None if diag_offset is None else rows + diag_offset
+        # (batch, head, query, d_head): weights @ v, and |weights| @ max|v| (None without an observed output)
+        self.out = None if dv is None else torch.zeros(B, h, n, dv, device=device, dtype=dtype)
+        self.scale = None if dv is None else torch.zeros(B, h, n, device=device, dtype=dtype)
+        self.first_key: torch.Tensor | None = None  # (batch, head, 1) the first key any query may attend; None = 0
+
+    def add(
+        self,
+        w: torch.Tensor,
+        c: int,
+        *,
+        scores: torch.Tensor | None,
+        allowed: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> None:
+        """Fold in keys ``c:c + w.shape[-1]``: weights ``w`` ``(batch, head, query, key)``, the logits ``scores``
+        (None: unknown), ``allowed`` (None: every key allowed), ``v`` ``(batch, head, key, d_head)``."""
+        d = c + w.shape[-1]
+        keys = torch.arange(c, d, device=w.device)  # (key,)
+        self.sum += w.sum(-1)
+        self.entropy -= torch.special.xlogy(w, w).sum(-1)
+        bmax, barg = w.max(-1)
+        better = bmax > self.max  # strict: the first key keeps a tie
+        self.argmax = torch.where(better, barg + c, self.argmax)
+        self.max = torch.maximum(self.max, bmax)  # NaN propagates
+        self.min = torch.minimum(self.min, w.amin(-1))
+        hit = w > WEIGHT_THRESHOLD  # (batch, head, query, key)
+        self.first = torch.minimum(self.first, torch.where(hit, keys, self.Tk).amin(-1))
+        self.last = torch.maximum(self.last, torch.where(hit, keys, -1).amax(-1))
+        _gather(w, 0 if self.first_key is None else self.first_key.expand(*w.shape[:3]), c, d, self.first_mass)
+        if self.diag is not None:
+            _gather(w, self.diag, c, d, self.diag_mass)
+            _gather(w, self.diag - 1, c, d, self.prev_mass)
+        if allowed is None:
+            self.allowed_keys += d - c
+            if self.diag is not None:
+                self.diag_allowed |= ((self.diag >= c) & (self.diag < d)).view(1, 1, -1)
+        else:
+            allowed = allowed.expand(*w.shape[:2], *allowed.shape[2:]) if allowed.shape[1] != w.shape[1] else allowed
+            self.allowed_keys += allowed.sum(-1).expand_as(self.allowed_keys)
+            if self.diag is not None:
+                got = torch.zeros_like(self.diag_allowed)
+                _gather(allowed.expand(*w.shape), self.diag, c, d, got)
+                self.diag_allowed |= got
+            outside = torch.where(allowed, 0.0, w)  # (batch, head, query, key): the weights at forbidden keys
+            self.masked_mass += outside.sum(-1)
+            self.masked_max = torch.maximum(self.masked_max, outside.amax(-1))
+        if scores is not None:
+            if allowed is None:
+                self.max_score = torch.maximum(self.max_score, scores.amax(-1))
+                self.min_score = torch.minimum(self.min_score, scores.amin(-1))
+            else:
+                self.max_score = torch.maximum(self.max_score, torch.where(allowed, scores, -math.inf).amax(-1))
+                self.min_score = torch.minimum(self.min_score, torch.where(allowed, scores, math.inf).amin(-1))
+        if v is not None and self.out is not None and self.scale is not None:
+            vb = v[:, :, c:d].to(w.dtype)  # (batch, head, key, d_head)
+            self.out += w @ vb
+            self.scale += (w.abs() @ vb.abs().amax(-1, keepdim=True)).squeeze(-1)
+
+    def finish(
+        self,
+        *,
+        expected: torch.Tensor | float,
+        output: torch.Tensor | None,
+        scores_known: bool,
+    ) -> dict[str, torch.Tensor]:
+        """The row statistics (``ROW_STATS``); ``expected``: each row's weight sum, ``output`` the observed one."""
+        empty = self.allowed_keys == 0
+        finite = torch.isfinite(self.sum) & torch.isfinite(self.max) & torch.isfinite(self.min)
+        if scores_known:
+            # a NaN/inf logit at an allowed key (the "-inf at an allowed key" signal comes from the min)
+            finite &= empty | (torch.isfinite(self.max_score) & torch.isfinite(self.min_score))
+        out = {
+            "entropy": self.entropy,
+            "max_weight": self.max,
+            "min_weight": self.min,
+            "argmax_key": self.argmax,
+            "first_key_mass": self.first_mass,
+            "diagonal_mass": self.diag_mass,
+            "previous_mass": self.prev_mass,
+            "masked_mass": self.masked_mass,
+            "masked_max": self.masked_max,
+            "row_sum_error": (self.sum - expected).abs(),
+            "max_score": self.max_score if scores_known else torch.full_like(self.max, math.nan),
+            "first_key": torch.where(self.first >= self.Tk, -1, self.first),
+            "last_key": self.last,
+            "allowed_keys": self.allowed_keys,
+            "diagonal_allowed": self.diag_allowed,
+        }
+        if output is not None and self.out is not None and self.scale is not None:
+            obs = output[:, :, self.a : self.b].to(self.out.dtype)  # (batch, head, query, d_head)
+            out["output_error"] = (self.out - obs).abs().amax(-1)
+            out["output_scale"] = self.scale
+            finite &= torch.isfinite(obs).all(-1)
+        else:
+            nan = torch.full_like(self.max, math.nan)
+            out["output_error"], out["output_scale"] = nan, nan.clone()
+        out["finite"] = finite
+        return out
 
 
 def stats_from_weights(
@@ -807,48 +970,53 @@ def stats_from_weights(
     head) with the observed ``output``, ``sinks`` ``(head,)``. ``rows``: only these query rows, as in
     ``attention_stats`` (the diagonal read at each row's own position)."""
     if rows is not None:
-        rows = rows.to(weights.device, torch.long)
+        index = rows = rows.to(weights.device, torch.long)
 
-        def cut(t: torch.Tensor | None, axis: int = 2) -> torch.Tensor | None:
-            return t if t is None or t.shape[axis] == 1 else t.index_select(axis, rows.to(t.device))
+        def cut(t: torch.Tensor, axis: int = 2) -> torch.Tensor:
+            return t if t.shape[axis] == 1 else t.index_select(axis, index.to(t.device))
 
-        weights, scores, allowed, output = cut(weights), cut(scores), cut(allowed), cut(output)
-        query_padding = cut(query_padding, 1)
+        weights = cut(weights)
+        scores, allowed, output = (None if t is None else cut(t) for t in (scores, allowed, output))
+        query_padding = None if query_padding is None else cut(query_padding, 1)
     B, h, Tq, Tk = weights.shape
     dtype = torch.promote_types(weights.dtype, torch.float32)
     device = weights.device
-    counted = _counted_rows(query_padding, B, Tq, device).to(dtype)
-    key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)
-    key_allowed = (
+    counted = _counted_rows(query_padding, B, Tq, device).to(dtype)  # (batch, query)
+    key_weight = torch.zeros(B, h, Tk, device=device, dtype=dtype)  # (batch, head, key)
+    key_allowed = (  # (batch, head, key)
         torch.ones(B, h, Tk, dtype=torch.bool, device=device)
         if allowed is None
         else allowed.any(-2).expand(B, h, Tk).clone()
     )
+    first_key = key_allowed.to(torch.uint8).argmax(-1, keepdim=True)  # (batch, head, 1)
+    sink_logits = None if sinks is None else sinks.to(device, dtype)  # (head,)
     dv = None if v is None or output is None else v.shape[-1]
     step = _rows_per_block(B, h, Tk, torch.finfo(dtype).bits // 8, block_bytes)
     parts = []
     with torch.no_grad():
         for a in range(0, Tq, step):
             b = min(a + step, Tq)
-            w = weights[:, :, a:b].to(dtype)
-            s = None if scores is None else scores[:, :, a:b].to(dtype)
+            w = weights[:, :, a:b].to(dtype)  # (batch, head, query, key)
+            s = None if scores is None else scores[:, :, a:b].to(dtype)  # (batch, head, query, key)
+            # (batch, 1 or head, query or 1, key)
             al = None if allowed is None else (allowed if allowed.shape[2] == 1 else allowed[:, :, a:b]).to(torch.bool)
             acc = _Rows(B, h, a, b, Tk, diag_offset=diag_offset, device=device, dtype=dtype, dv=dv, positions=rows)
-            acc.first_key = key_allowed.to(torch.uint8).argmax(-1, keepdim=True)
-            acc.add(w, 0, scores=s, allowed=al, v=v, exact_zero_outside=False)
-            real = counted[:, a:b].view(B, 1, -1) * (1.0 if al is None else al.any(-1).to(dtype))
+            acc.first_key = first_key
+            acc.add(w, 0, scores=s, allowed=al, v=v)
+            real = counted[:, a:b].view(B, 1, -1) * (
+                1.0 if al is None else al.any(-1).to(dtype)
+            )  # (batch, head, query)
             key_weight += torch.einsum("bhq,bhqk->bhk", real.expand(B, h, -1), w.nan_to_num(0.0))
-            if sinks is not None and s is not None:
+            expected: torch.Tensor | float = 1.0  # (batch, head, query): 1 less the sink's weight
+            if sink_logits is not None and s is not None:
                 z = s if al is None else s.masked_fill(~al, -math.inf)
-                lse = sink_logsumexp(torch.logsumexp(z, -1), sinks.to(device, dtype))
-                expected = 1.0 - torch.exp(sinks.to(device, dtype).view(1, -1, 1) - lse)
-            else:
-                expected = 1.0
+                lse = sink_logsumexp(torch.logsumexp(z, -1), sink_logits)
+                expected = 1.0 - torch.exp(sink_logits.view(1, -1, 1) - lse)
             parts.append(acc.finish(expected=expected, output=output, scores_known=s is not None))
     return _collect(parts, key_weight, key_allowed)
 
 
-def record_stats(record) -> Mapping[str, torch.Tensor] | None:
+def record_stats(record: object) -> Mapping[str, torch.Tensor] | None:
     """The statistics of a full record (``stats_from_weights`` over its weights, scores, mask, v and output);
     None when it has no weights."""
     from ..record import AttentionRecord
@@ -857,7 +1025,7 @@ def record_stats(record) -> Mapping[str, torch.Tensor] | None:
         raise TypeError(f"record_stats takes an AttentionRecord, got {type(record).__name__}")
     if record.weights is None:
         return None
-    B, h, q_len, k_len = record.weights.shape
+    q_len, k_len = record.weights.shape[2:]
     diag = None
     if record.kind == "self":
         offset = record.query_offset if record.query_offset + q_len <= k_len else k_len - q_len
@@ -870,12 +1038,9 @@ def record_stats(record) -> Mapping[str, torch.Tensor] | None:
         and record.num_heads % record.num_kv_heads == 0
     ):
         group = record.num_heads // record.num_kv_heads
-        try:
+        if all(hd // group in record.kv_heads for hd in record.heads):  # each stored head's kv head was stored
             index = [record.kv_heads.index(hd // group) for hd in record.heads]
-        except ValueError:
-            index = None
-        if index is not None:
-            v, output = record.v[:, index], record.output
+            v, output = record.v[:, index], record.output  # v: (batch, head, key, d_head), each head's kv head
     return stats_from_weights(
         record.weights,
         scores=record.scores,

@@ -339,7 +339,8 @@ def _read_record(entry: Mapping[str, Any], folder: Path) -> AttentionRecord:
     path = folder / file
     try:
         with safe_open(str(path), framework="pt") as f:  # tensors stay memory-mapped: read when first used
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
+            # safe_open is no mapping: keys() is how it lists its tensors (it has no __iter__)
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
     except FileNotFoundError:
         raise CaptureFileError(f"{path} is missing: the capture directory is incomplete") from None
     except Exception as exc:

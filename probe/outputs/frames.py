@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 from ..engine.sinks import sink_mass
 from ..errors import AttnprobeError, warn_user
 from ..files import atomic_open
+from ..record import AttentionRecord
 from .tokens import record_token_rows
 
 #: Column -> dtype of ``Capture.to_frame()``: the one schema, defined here only.
@@ -121,8 +122,6 @@ def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
     """
     if not isinstance(drop_padding, bool):
         raise TypeError(f"drop_padding must be True or False, got {type(drop_padding).__name__}")
-    import pandas as pd
-
     records = list(cap)
     if records and all(r.weights is None and r.scores is None and r.stats is not None for r in records):
         if tokens is not None or key_tokens is not None:
@@ -134,56 +133,83 @@ def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
     with_tokens = tokens is not None or key_tokens is not None
     vocab = _Vocab()
     names: dict[str, int] = {}  # module path -> category code, in order of first appearance
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in FRAME_SCHEMA}
-    parts["allowed_known"] = []
-    parts["padding_known"] = []
-    token_parts: dict[str, list[np.ndarray]] = {"query_token": [], "key_token": []}
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in (*FRAME_SCHEMA, "allowed_known", "padding_known")}
+    token_parts: dict[str, list[np.ndarray]] = {c: [] for c in TOKEN_SCHEMA}
     left_out = []
-    for r in cap:
-        t = r.weights if r.weights is not None else r.scores
-        if t is None:
+    for r in records:
+        columns = _cell_columns(r, names)
+        if columns is None:
             left_out.append(r)
             continue
-        B, H, Tq, Tk = t.shape
-        n = B * H * Tq * Tk
-        batch = np.repeat(np.arange(B, dtype=np.int64), H * Tq * Tk)
-        qpos = np.tile(np.repeat(np.arange(Tq, dtype=np.int64) + r.query_offset, Tk), B * H)
-        kpos = np.tile(np.arange(Tk, dtype=np.int64) + r.key_start, B * H * Tq)  # positions, not cache slots
-        parts["layer"].append(np.full(n, r.layer, dtype=np.int64))
-        parts["name"].append(np.full(n, names.setdefault(r.name, len(names)), dtype=np.int64))
-        parts["call"].append(np.full(n, r.call, dtype=np.int64))
-        parts["head"].append(np.tile(np.repeat(np.asarray(r.heads, dtype=np.int64), Tq * Tk), B))
-        parts["batch"].append(batch)
-        parts["query_pos"].append(qpos)
-        parts["key_pos"].append(kpos)
-        parts["score"].append(_values(r.scores, n))
-        parts["weight"].append(_values(r.weights, n))
-        allowed = r.allowed_for_heads()
-        parts["allowed"].append(
-            np.zeros(n, dtype=bool) if allowed is None else allowed.expand(B, H, Tq, Tk).cpu().numpy().reshape(-1)
-        )
-        parts["allowed_known"].append(np.full(n, allowed is not None))
-        padding = r.query_padding
-        parts["query_padding"].append(
-            np.zeros(n, dtype=bool)
-            if padding is None
-            else padding.cpu().bool()[:, None, :, None].expand(B, H, Tq, Tk).numpy().reshape(-1)
-        )
-        parts["padding_known"].append(np.full(n, padding is not None))
+        for col, values in columns.items():
+            parts[col].append(values)
         if with_tokens:
-            q_rows, k_rows = record_token_rows(r, tokens, key_tokens)
-            for col, rows, pos in (("query_token", q_rows, qpos), ("key_token", k_rows, kpos)):
-                if rows is None:
-                    token_parts[col].append(np.full(n, -1, dtype=np.int64))
-                else:
-                    token_parts[col].append(vocab.codes(rows)[batch, pos])
-
+            for col, values in _token_columns(r, tokens, key_tokens, vocab, columns).items():
+                token_parts[col].append(values)
     _warn_left_out(
         left_out,
         "to_frame()",
         "scores or weights (one row per query and key needs one of them)",
         "capture with keep= including 'weights' or 'scores' to have them in the frame",
     )
+    frame = _cells_frame(parts, names, token_parts, vocab if with_tokens else None)
+    if drop_padding:
+        frame = frame[~frame["query_padding"].fillna(False).to_numpy(dtype=bool)].reset_index(drop=True)
+    return frame
+
+
+def _cell_columns(r, names: dict[str, int]) -> dict[str, np.ndarray] | None:
+    """The columns of one record's rows, one per (head, batch, query, key) cell, in ``FRAME_SCHEMA``'s order (plus
+    whether its mask and padding are known); None without scores or weights. ``names``: module path -> category
+    code, added to."""
+    t = r.weights if r.weights is not None else r.scores
+    if t is None:
+        return None
+    B, H, Tq, Tk = t.shape
+    n = B * H * Tq * Tk
+    allowed = r.allowed_for_heads()  # (batch, 1 or head, query, key) or None
+    padding = r.query_padding  # (batch, query) or None
+    return {
+        "layer": np.full(n, r.layer, dtype=np.int64),
+        "name": np.full(n, names.setdefault(r.name, len(names)), dtype=np.int64),
+        "call": np.full(n, r.call, dtype=np.int64),
+        "head": np.tile(np.repeat(np.asarray(r.heads, dtype=np.int64), Tq * Tk), B),
+        "batch": np.repeat(np.arange(B, dtype=np.int64), H * Tq * Tk),
+        "query_pos": np.tile(np.repeat(np.arange(Tq, dtype=np.int64) + r.query_offset, Tk), B * H),
+        "key_pos": np.tile(np.arange(Tk, dtype=np.int64) + r.key_start, B * H * Tq),  # positions, not cache slots
+        "score": _values(r.scores, n),
+        "weight": _values(r.weights, n),
+        "allowed": (
+            np.zeros(n, dtype=bool) if allowed is None else allowed.expand(B, H, Tq, Tk).cpu().numpy().reshape(-1)
+        ),
+        "query_padding": (
+            np.zeros(n, dtype=bool)
+            if padding is None
+            else padding.cpu().bool()[:, None, :, None].expand(B, H, Tq, Tk).numpy().reshape(-1)
+        ),
+        "allowed_known": np.full(n, allowed is not None),
+        "padding_known": np.full(n, padding is not None),
+    }
+
+
+def _token_columns(r, tokens, key_tokens, vocab: _Vocab, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The query and key token of each cell of ``columns`` (one record's), as codes of ``vocab`` (-1: none)."""
+    q_rows, k_rows = record_token_rows(r, tokens, key_tokens)
+    batch, n = columns["batch"], len(columns["batch"])
+    out = {}
+    for col, rows, pos in (("query_token", q_rows, columns["query_pos"]), ("key_token", k_rows, columns["key_pos"])):
+        out[col] = np.full(n, -1, dtype=np.int64) if rows is None else vocab.codes(rows)[batch, pos]
+    return out
+
+
+def _cells_frame(
+    parts: dict[str, list[np.ndarray]],
+    names: dict[str, int],
+    token_parts: dict[str, list[np.ndarray]],
+    vocab: _Vocab | None,
+):
+    """The frame of the records' columns (``FRAME_SCHEMA``, and ``TOKEN_SCHEMA`` with a ``vocab``)."""
+    import pandas as pd
 
     def cat(col, dtype):
         return np.concatenate(parts[col]) if parts[col] else np.zeros(0, dtype=dtype)
@@ -202,15 +228,12 @@ def to_frame(cap, tokens=None, key_tokens=None, *, drop_padding: bool = False):
         "allowed": pd.arrays.BooleanArray(cat("allowed", bool), ~known),
         "query_padding": pd.arrays.BooleanArray(cat("query_padding", bool), ~cat("padding_known", bool)),
     }
-    if with_tokens:
+    if vocab is not None:
         categories = list(vocab.index)
         for col in TOKEN_SCHEMA:
             codes = np.concatenate(token_parts[col]) if token_parts[col] else np.zeros(0, dtype=np.int64)
             data[col] = pd.Categorical.from_codes(codes, categories=categories)
-    frame = pd.DataFrame(data, copy=False)
-    if drop_padding:
-        frame = frame[~frame["query_padding"].fillna(False).to_numpy(dtype=bool)].reset_index(drop=True)
-    return frame
+    return pd.DataFrame(data, copy=False)
 
 
 def stats_frame(records, *, drop_padding: bool = False):
@@ -299,7 +322,7 @@ def _summary_from_stats(r, acc: dict) -> None:
             a[col] = a.get(col, 0.0) + float(v[i])
 
 
-def summary(cap):
+def summary(cap: Iterable[AttentionRecord]):
     """Per-(layer, head) statistics of ``cap`` (see ``SUMMARY_SCHEMA``)."""
     import pandas as pd
 
@@ -308,55 +331,10 @@ def summary(cap):
     for r in cap:
         if r.weights is None and r.stats is not None:
             _summary_from_stats(r, acc)
-            continue
-        if r.weights is None:
+        elif r.weights is None:
             left_out.append(r)
-            continue
-        w = r.weights.detach().to("cpu", torch.float32)
-        B, H, Tq, Tk = w.shape
-        allowed = r.allowed_for_heads()
-        allowed = torch.ones_like(w, dtype=torch.bool) if allowed is None else allowed.cpu().expand(B, H, Tq, Tk)
-        real = allowed.any(-1)  # (B, H, Tq): rows with at least one allowed key
-        if r.query_padding is not None:
-            real &= ~r.query_padding.cpu()[:, None, :]
-        counts = real.sum(dim=(0, 2))  # (H,)
-
-        def row_mean(x):  # mean over real rows, per head -> (H,)
-            return torch.where(real, x, 0.0).sum(dim=(0, 2))
-
-        entropy = -torch.where(w > 0, w * w.clamp_min(1e-30).log(), 0.0).sum(-1)
-        key_real = allowed.any(-2)  # (B, H, Tk): keys some query may attend
-        first = key_real.float().argmax(-1)  # first such key
-        first_mass = w.gather(-1, first[:, :, None, None].expand(B, H, Tq, 1)).squeeze(-1)
-        masked = torch.where(allowed, 0.0, w).sum(-1)
-        expected_sum = _expected_row_sum(r, allowed)  # (B, H, Tq), None when it cannot be known
-        if expected_sum is None:
-            row_err = torch.full((H,), math.nan)
         else:
-            row_err = torch.where(real, (w.sum(-1) - expected_sum).abs(), 0.0).amax(dim=(0, 2))
-        stats = {
-            "entropy": row_mean(entropy),
-            "max_weight": row_mean(w.amax(-1)),
-            "first_key_mass": row_mean(first_mass),
-            "masked_mass": row_mean(masked),
-        }
-        if r.kind == "self":
-            pos = torch.arange(Tq) + r.query_offset - r.key_start  # key index (cache slot) of each query
-            for col, shift in (("diagonal_mass", 0), ("previous_mass", 1)):
-                idx = pos - shift
-                ok = (idx >= 0) & (idx < Tk)
-                vals = w.gather(-1, idx.clamp(0, Tk - 1)[None, None, :, None].expand(B, H, Tq, 1)).squeeze(-1)
-                stats[col] = torch.where(real & ok, vals, 0.0).sum(dim=(0, 2))
-                stats[col + "_rows"] = (real & ok).sum(dim=(0, 2))
-        for i, head in enumerate(r.heads):
-            a = acc.setdefault((r.layer, head), {"name": r.name, "rows": 0, "row_sum_error": math.nan})
-            a["rows"] += int(counts[i])
-            err = float(row_err[i])
-            if not math.isnan(err):  # records whose expected row sum is unknown do not count
-                a["row_sum_error"] = err if math.isnan(a["row_sum_error"]) else max(a["row_sum_error"], err)
-            for col, v in stats.items():
-                a[col] = a.get(col, 0.0) + float(v[i])
-
+            _summary_from_weights(r, r.weights, acc)
     _warn_left_out(left_out, "summary()", "weights", "capture with keep= including 'weights' to summarize them")
     rows = []
     for (layer, head), a in sorted(acc.items()):
@@ -371,6 +349,54 @@ def summary(cap):
         rows.append(row)
     frame = pd.DataFrame(rows, columns=list(SUMMARY_SCHEMA))
     return frame.astype(SUMMARY_SCHEMA)
+
+
+def _summary_from_weights(r: AttentionRecord, weights: torch.Tensor, acc: dict) -> None:
+    """Add a record's ``weights`` ``(batch, head, query, key)`` to the per-(layer, head) sums of ``summary``."""
+    w = weights.detach().to("cpu", torch.float32)
+    B, H, Tq, Tk = w.shape
+    allowed = r.allowed_for_heads()
+    allowed = torch.ones_like(w, dtype=torch.bool) if allowed is None else allowed.cpu().expand(B, H, Tq, Tk)
+    real = allowed.any(-1)  # (B, H, Tq): rows with at least one allowed key
+    if r.query_padding is not None:
+        real &= ~r.query_padding.cpu()[:, None, :]
+    counts = real.sum(dim=(0, 2))  # (H,)
+
+    def row_mean(x: torch.Tensor) -> torch.Tensor:  # (B, H, Tq) -> (H,): the sum over real rows, per head
+        return torch.where(real, x, 0.0).sum(dim=(0, 2))
+
+    entropy = -torch.where(w > 0, w * w.clamp_min(1e-30).log(), 0.0).sum(-1)  # (B, H, Tq)
+    key_real = allowed.any(-2)  # (B, H, Tk): keys some query may attend
+    first = key_real.float().argmax(-1)  # first such key
+    first_mass = w.gather(-1, first[:, :, None, None].expand(B, H, Tq, 1)).squeeze(-1)  # (B, H, Tq)
+    masked = torch.where(allowed, 0.0, w).sum(-1)  # (B, H, Tq)
+    expected_sum = _expected_row_sum(r, allowed)  # (B, H, Tq), None when it cannot be known
+    if expected_sum is None:
+        row_err = torch.full((H,), math.nan)
+    else:
+        row_err = torch.where(real, (w.sum(-1) - expected_sum).abs(), 0.0).amax(dim=(0, 2))
+    stats = {
+        "entropy": row_mean(entropy),
+        "max_weight": row_mean(w.amax(-1)),
+        "first_key_mass": row_mean(first_mass),
+        "masked_mass": row_mean(masked),
+    }
+    if r.kind == "self":
+        pos = torch.arange(Tq) + r.query_offset - r.key_start  # key index (cache slot) of each query
+        for col, shift in (("diagonal_mass", 0), ("previous_mass", 1)):
+            idx = pos - shift
+            ok = (idx >= 0) & (idx < Tk)
+            vals = w.gather(-1, idx.clamp(0, Tk - 1)[None, None, :, None].expand(B, H, Tq, 1)).squeeze(-1)
+            stats[col] = torch.where(real & ok, vals, 0.0).sum(dim=(0, 2))
+            stats[col + "_rows"] = (real & ok).sum(dim=(0, 2))
+    for i, head in enumerate(r.heads):
+        a = acc.setdefault((r.layer, head), {"name": r.name, "rows": 0, "row_sum_error": math.nan})
+        a["rows"] += int(counts[i])
+        err = float(row_err[i])
+        if not math.isnan(err):  # records whose expected row sum is unknown do not count
+            a["row_sum_error"] = err if math.isnan(a["row_sum_error"]) else max(a["row_sum_error"], err)
+        for col, v in stats.items():
+            a[col] = a.get(col, 0.0) + float(v[i])
 
 
 def _expected_row_sum(r, allowed: torch.Tensor):

@@ -20,9 +20,8 @@ _DYNAMIC_CACHE = (
 )
 
 
-def _pad_keys(t: torch.Tensor | None, length: int, fill) -> torch.Tensor | None:
-    if t is None:
-        return None
+def _pad_keys(t: torch.Tensor, length: int, fill) -> torch.Tensor:
+    """``t`` ``(..., key)`` with ``fill`` appended along the keys up to ``length``."""
     extra = length - t.shape[-1]
     if extra == 0:
         return t
@@ -36,69 +35,25 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
     Keys never computed for an earlier step (positions generated later) get weight 0,
     ``allowed`` False and score NaN (not observed).
     """
-    if not steps:
-        raise AttnprobeError("nothing to stitch: no records with a generation step")
-    first = steps[0]
-    for i, r in enumerate(steps):
-        if r.step != i:
-            selected = (
-                " (a selection of steps? stitch needs each run whole, from its prefill, step 0)" if i == 0 else ""
-            )
-            raise AttnprobeError(f"cannot stitch {first.name!r}: expected step {i}, found step {r.step}{selected}")
-        if r.name != first.name or r.heads != first.heads:
-            raise AttnprobeError(
-                f"cannot stitch records of different modules or head selections ({first.name!r}, {r.name!r})"
-            )
-    total = steps[-1].query_offset + steps[-1].query_len
-    expected = first.query_offset
-    for r in steps:
-        if r.query_offset != expected:
-            rolled_back = (
-                f"; the cache went back {expected - r.query_offset} position(s): assisted or prompt-lookup decoding "
-                "drops the candidate tokens it rejects, whose rows the earlier step holds"
-                if r.query_offset < expected
-                else ""
-            )
-            raise AttnprobeError(
-                f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected "
-                f"{expected}{rolled_back}"
-            )
-        expected += r.query_len
-        if r.meta.get("reordered_rows"):
-            raise AttnprobeError(
-                f"cannot stitch {r.name!r}: before step {r.step} beam search reordered the batch rows (num_beams > 1), "
-                "so a row's steps belong to different hypotheses and form no one matrix; read the steps one by one "
-                "(capture.select(steps=[...])), or generate with num_beams=1 to stitch"
-            )
-        if r.kind == "self" and r.key_len is not None and r.key_len > r.query_offset + r.query_len:
-            raise AttnprobeError(
-                f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach only "
-                f'position {r.query_offset + r.query_len}; a static cache (cache_implementation="static", '
-                "StaticCache) pads the keys to its full length, so the steps do not form one matrix; generate with "
-                f"{_DYNAMIC_CACHE} to stitch them"
-            )
-        if r.kind == "self" and r.key_len is not None and r.key_len != r.query_offset + r.query_len:
-            raise AttnprobeError(
-                f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach "
-                f"position {r.query_offset + r.query_len}; a sliding-window or compressed cache drops keys, so "
-                f"the steps do not form one matrix; generate with {_DYNAMIC_CACHE} (a cache that keeps every key) "
-                "to stitch them"
-            )
-    key_total = total if first.kind == "self" else first.key_len
+    _check_run(steps)
+    total = _check_positions(steps)  # the queries of every step, one after the other
+    first, last = steps[0], steps[-1]
+    # a cross-attention run reads the same keys at every step (none: no tensor with a key axis to pad)
+    key_total = total if first.kind == "self" else (first.key_len or 0)
 
     def cat(field: str, fill):
         parts = [getattr(r, field) for r in steps]
         if any(p is None for p in parts):
             return None
         if field in ("scores", "weights", "allowed"):
-            parts = [_pad_keys(p, key_total, fill) for p in parts]
+            parts = [_pad_keys(p, key_total, fill) for p in parts]  # (batch, head, query, key_total) each
         return torch.cat(parts, dim=2 if field != "query_padding" else 1)
 
-    last = steps[-1]
     allowed = None
-    if all(r.allowed is not None for r in steps):
-        width = max(r.allowed.shape[1] for r in steps)
-        allowed = torch.cat([_pad_keys(r.allowed.expand(-1, width, -1, -1), key_total, False) for r in steps], dim=2)
+    masks = [r.allowed for r in steps if r.allowed is not None]  # (batch, 1 or head, query, key) each
+    if len(masks) == len(steps):
+        width = max(m.shape[1] for m in masks)
+        allowed = torch.cat([_pad_keys(m.expand(-1, width, -1, -1), key_total, False) for m in masks], dim=2)
     return replace(
         first,
         step=None,
@@ -112,6 +67,66 @@ def stitch_steps(steps: list[AttentionRecord]) -> AttentionRecord:
         query_padding=cat("query_padding", False),
         meta={**first.meta, "stitched_steps": len(steps)},
     )
+
+
+def _check_run(steps: list[AttentionRecord]) -> None:
+    """The steps are one run of one module: steps 0, 1, 2, ... with the same heads."""
+    if not steps:
+        raise AttnprobeError("nothing to stitch: no records with a generation step")
+    first = steps[0]
+    for i, r in enumerate(steps):
+        if r.step != i:
+            selected = (
+                " (a selection of steps? stitch needs each run whole, from its prefill, step 0)" if i == 0 else ""
+            )
+            raise AttnprobeError(f"cannot stitch {first.name!r}: expected step {i}, found step {r.step}{selected}")
+        if r.name != first.name or r.heads != first.heads:
+            raise AttnprobeError(
+                f"cannot stitch records of different modules or head selections ({first.name!r}, {r.name!r})"
+            )
+
+
+def _check_positions(steps: list[AttentionRecord]) -> int:
+    """The queries of the steps follow each other, over keys that form one matrix (no beam reordering, no cache
+    that pads or drops keys); returns where the last step's queries end."""
+    expected = steps[0].query_offset
+    for r in steps:
+        q_len = r.query_len
+        if q_len is None:
+            raise AttnprobeError(f"cannot stitch {r.name!r}: step {r.step} holds no tensor with query rows")
+        if r.query_offset != expected:
+            rolled_back = (
+                f"; the cache went back {expected - r.query_offset} position(s): assisted or prompt-lookup decoding "
+                "drops the candidate tokens it rejects, whose rows the earlier step holds"
+                if r.query_offset < expected
+                else ""
+            )
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: step {r.step} starts at query position {r.query_offset}, expected "
+                f"{expected}{rolled_back}"
+            )
+        expected += q_len
+        if r.meta.get("reordered_rows"):
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: before step {r.step} beam search reordered the batch rows (num_beams > 1), "
+                "so a row's steps belong to different hypotheses and form no one matrix; read the steps one by one "
+                "(capture.select(steps=[...])), or generate with num_beams=1 to stitch"
+            )
+        if r.kind == "self" and r.key_len is not None and r.key_len > expected:
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach only "
+                f'position {expected}; a static cache (cache_implementation="static", '
+                "StaticCache) pads the keys to its full length, so the steps do not form one matrix; generate with "
+                f"{_DYNAMIC_CACHE} to stitch them"
+            )
+        if r.kind == "self" and r.key_len is not None and r.key_len != expected:
+            raise AttnprobeError(
+                f"cannot stitch {r.name!r}: at step {r.step} the keys are {r.key_len} long but the queries reach "
+                f"position {expected}; a sliding-window or compressed cache drops keys, so "
+                f"the steps do not form one matrix; generate with {_DYNAMIC_CACHE} (a cache that keeps every key) "
+                "to stitch them"
+            )
+    return expected
 
 
 def _runs(capture) -> list[tuple[int, list[AttentionRecord]]]:

@@ -62,7 +62,8 @@ def _same_heads(records: list[AttentionRecord], what: str) -> None:
 def to_bertviz(capture, batch: int = 0, *, tokens=None, key_tokens=None, call: int = 0) -> dict[str, Any]:
     """The keyword arguments of ``bertviz.head_view`` / ``bertviz.model_view`` for batch row ``batch``.
 
-    For self-attention models: ``{"attention": (one (1, head, query, key) tensor per captured layer), "tokens": [...]}``.
+    For self-attention models: ``{"attention": (one (1, head, query, key) tensor per captured layer), "tokens":
+    [...]}``.
     For encoder-decoder models (records whose ``meta["stack"]`` names the encoder or decoder): ``encoder_attention``,
     ``decoder_attention``, ``cross_attention``, ``encoder_tokens`` and ``decoder_tokens``. The tuples hold the
     captured layers in order (``cap.layers``), each layer's stored heads in order; ``tokens`` label the query
