@@ -26,6 +26,7 @@ module named (or, with ``"auto"``, of the module holding the list) are the heads
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -150,8 +151,9 @@ def code_reaches_sdpa(cls: type) -> bool:
     Starting from the class attributes of ``cls`` and its bases (methods, static/class methods,
     properties, and plain attributes such as ``attn_fn = F.scaled_dot_product_attention``), it follows:
     the names a function's code uses, looked up in its globals (functions in any module, and
-    ``helpers.attend`` / ``Helpers.attend`` attributes of imported modules and classes); closures and ``__wrapped__`` (decorators);
-    ``functools.partial`` objects; dicts, lists and tuples of functions (``ATTENTION = {"sdpa": ...}``).
+    ``helpers.attend`` / ``Helpers.attend`` attributes of imported modules and classes); closures and
+    ``__wrapped__`` (decorators); ``functools.partial`` objects; dicts, lists and tuples of functions
+    (``ATTENTION = {"sdpa": ...}``).
     It is True when it meets the function itself, its name among the names a code object uses (any
     ``F.`` / ``torch.nn.functional.`` spelling) or the string ``"scaled_dot_product_attention"`` as a
     constant (``getattr(F, "scaled_dot_product_attention")``).
@@ -189,9 +191,8 @@ def code_reaches_sdpa(cls: type) -> bool:
             _queue(todo, dict.values(value))
         elif isinstance(value, (list, tuple)) and len(value) <= _CONTAINER_LIMIT:
             _queue(todo, value)
-        elif inspect.isfunction(value) and not _is_torch_code(value):
-            if _function_reaches(value, todo):
-                return True
+        elif inspect.isfunction(value) and not _is_torch_code(value) and _function_reaches(value, todo):
+            return True
     return False
 
 
@@ -199,10 +200,8 @@ def _function_reaches(func, todo: list) -> bool:
     """Whether ``func``'s own code names sdpa; queues what it refers to (globals, closure, wrapped)."""
     cells = []
     for cell in func.__closure__ or ():
-        try:
+        with contextlib.suppress(ValueError):  # an empty cell has no contents
             cells.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            pass
     _queue(
         todo,
         (getattr(func, "__wrapped__", None), *cells, *(func.__defaults__ or ()), *(func.__kwdefaults__ or {}).values()),
@@ -458,8 +457,8 @@ class _Run:
                     produced = site.calls or any(key[0] == id(site.module) for key in self.traced_sites)
                     if self.ran.get(id(site.module)) and not produced:
                         warn_user(
-                            f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no softmax "
-                            "attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
+                            f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no "
+                            "softmax attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
                             "F.softmax/torch.softmax/Tensor.softmax/nn.Softmax (direct scaled_dot_product_attention "
                             "calls are recorded on their own)"
                         )

@@ -30,7 +30,8 @@ def is_masking_value(value) -> bool:
 
 
 def split_additive(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A float mask added to the scores -> (allowed, bias or None). ``allowed`` is True where the entry masks nothing."""
+    """A float mask added to the scores -> (allowed, bias or None). ``allowed`` is True where the entry masks
+    nothing."""
     allowed = mask > MASKED_AT
     return allowed, additive_bias(mask, allowed)
 

@@ -269,12 +269,12 @@ class StackState:
         return {**meta, "reordered_rows": True} if self.reordered and self.step is not None else meta
 
     def _unwatch(self) -> None:
-        for cache, own, wrapper in reversed(self._watched):
-            if cache.__dict__.get("reorder_cache") is wrapper:
+        for watched, own, wrapper in reversed(self._watched):
+            if watched.__dict__.get("reorder_cache") is wrapper:
                 if own is None:
-                    del cache.reorder_cache
+                    del watched.reorder_cache
                 else:
-                    cache.reorder_cache = own
+                    watched.reorder_cache = own
         self._watched.clear()
 
     def _forget(self) -> None:

@@ -151,14 +151,15 @@ def _where_step(node: Node) -> ChainStep | None:
         return None
     cond = cond.detach().bool()
     for chain, fill, allowed in ((a, b, cond), (b, a, ~cond)):
-        if (
+        if not (
             isinstance(chain, torch.Tensor)
             and chain.is_floating_point()
             and reaches_product(chain, node.parent_of(chain))
         ):
-            if is_masking_value(fill) or (isinstance(fill, torch.Tensor) and bool((fill <= MASKED_AT).all())):
-                inp = node.before if node.before is not None and chain is a else chain  # where(..., out=scores)
-                return ChainStep("mask", node, inp, node.parent_of(chain), allowed=allowed)
+            continue  # not the scores
+        if is_masking_value(fill) or (isinstance(fill, torch.Tensor) and bool((fill <= MASKED_AT).all())):
+            inp = node.before if node.before is not None and chain is a else chain  # where(..., out=scores)
+            return ChainStep("mask", node, inp, node.parent_of(chain), allowed=allowed)
     return None
 
 

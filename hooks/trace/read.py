@@ -29,7 +29,7 @@ from torch import nn
 
 from ...probe.checks import lint as lint_rules
 from ..masks import compress_heads, forbids_future
-from .chain import ScoresChain, permuted, read_scores_chain, source, unfolded_heads, unrepeated_heads
+from .chain import Product, ScoresChain, permuted, read_scores_chain, source, unfolded_heads, unrepeated_heads
 from .mistakes import head_merge_lint, unused_masks
 from .ops import einsum_operands
 from .recorder import Node, Scope, format_location
