@@ -46,7 +46,7 @@ from ..probe.errors import AttnprobeError, SelectionError, warn_user
 from ..probe.intent import Intent, module_intent
 from ..probe.threads import elsewhere
 from ..probe.walk import walk_of
-from .base import Adapter, Lazy, Site
+from .base import Adapter, Lazy, Site, selected_heads
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
@@ -697,7 +697,7 @@ class _Run:
     def _emit_sdpa(self, call: _SdpaCall, site: Site) -> None:
         """The record of one call of a selected layer: q, k, v, the mask and the output as sdpa took and gave them,
         the scores and weights of the selected heads recomputed on first use."""
-        session, heads = self.session, site.heads
+        session, (heads, _) = self.session, selected_heads(site)
         B, _, L, S = call.shape
         # a statistics capture never builds a (query, key) mask: the engine reads the call's own mask in blocks
         allowed = None if session.stats_only else _sdpa_allowed(call)  # (batch, 1 or head, query, key)
