@@ -51,7 +51,7 @@ from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
 from .trace.read import EXPECTED, Finding, analyze
-from .trace.recorder import Tracer, format_location
+from .trace.recorder import Scope, Tracer, format_location
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -380,18 +380,18 @@ def _stacked_fields(site: Site, group: list[Finding]) -> dict[str, object]:
     """The tensor fields of single-head findings stacked as the heads of one record (the selected heads, made on
     first use); a field one of them lacks is None."""
     fields: dict[str, object] = {}
+    heads, kv_heads = selected_heads(site)
     for name in _TENSOR_FIELDS[:-1]:
         parts = [getattr(f, name) for f in group]
         if any(p is None for p in parts):
             fields[name] = None
             continue
-        chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
+        chosen = [parts[h] for h in (kv_heads if name in ("k", "v") else heads)]
         fields[name] = Lazy(
             (chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype, partial(torch.cat, chosen, dim=1)
         )
-    masks = [f.allowed for f in group]
-    # one (B, 1, Tq, Tk) mask per head
-    fields["allowed"] = compress_heads(torch.cat(masks, dim=1)) if all(m is not None for m in masks) else None
+    masks = [f.allowed for f in group if f.allowed is not None]  # (batch, 1, query, key) each, one per head
+    fields["allowed"] = compress_heads(torch.cat(masks, dim=1)) if len(masks) == len(group) else None
     return fields
 
 
@@ -519,7 +519,8 @@ class _Run:
     def __init__(
         self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]
     ) -> None:
-        self.adapter, self.session, self.model = adapter, session, model
+        self.adapter, self.session = adapter, session
+        self.model: nn.Module | None = model  # until the capture closes: it must not keep the model alive
         self.owner = session.thread  # module hooks of other threads' forwards do nothing (the mode is per thread)
         self._names: dict[int, str] | None = None
         self.claimed = claimed
@@ -537,15 +538,16 @@ class _Run:
     def names(self) -> dict[int, str]:
         """Module paths by module id (built on first need: most captures never need it)."""
         if self._names is None:
-            self._names = {id(m): n for n, m in self.model.named_modules()}
+            self._names = {} if self.model is None else {id(m): n for n, m in self.model.named_modules()}
         return self._names
 
     # -- setup -----------------------------------------------------------------------------
     def start(self, stack: ExitStack, *, roots: list[nn.Module]) -> None:
         """Push the function mode (direct sdpa calls) and trace the module trees under ``roots``."""
-        if roots:
+        model = self.model
+        if roots and model is not None:
             self.tracer = Tracer()
-            self.owner_of = {id(c): m for m in self.model.modules() for c in m.children()}
+            self.owner_of = {id(c): m for m in model.modules() for c in m.children()}
             seen: set[int] = set()
             for root in roots:
                 self._hook_tree(root, stack, seen)
@@ -747,10 +749,12 @@ class _Run:
 
     @staticmethod
     def _sdpa_meta(call: _SdpaCall, site: Site, dropout_in_eval: bool) -> dict:
-        lints = ()
-        if call.passes_same_kv():
-            message = "the same tensor is passed to scaled_dot_product_attention as key and value"
-            lints = (lint_violation(LINT_SAME_KV, name=site.name, layer=site.layer, call=site.calls, message=message),)
+        message = "the same tensor is passed to scaled_dot_product_attention as key and value"
+        lints = (
+            (lint_violation(LINT_SAME_KV, name=site.name, layer=site.layer, call=site.calls, message=message),)
+            if call.passes_same_kv()
+            else ()
+        )
         return {
             "module_class": type(call.module).__name__,
             "sdpa_at": site.info["sdpa_at"],
@@ -816,7 +820,7 @@ class _Run:
                         finding = analyze(scope, softmax, returned)
                         if finding is not None:
                             finding.lints.extend(unread)
-                            self._route(finding, scope)
+                            self._route(finding, scope, tracer.stack)
                 parent = tracer.current()
                 if parent is not None and parent.traced:
                     parent.add_module_call(module, args, kwargs, output)
@@ -856,10 +860,9 @@ class _Run:
             if id(b.tensor) not in read
         ]
 
-    def _route(self, finding: Finding, scope) -> None:
-        """Hand a finding to the scope of the module its layer belongs to."""
+    def _route(self, finding: Finding, scope: Scope, stack: list[Scope]) -> None:
+        """Hand a finding to the scope of the module its layer belongs to (``stack``: the tracer's open scopes)."""
         module = scope.module
-        stack = self.tracer.stack
         if self.adapter.auto:
             holder = self.owner_of.get(id(module))
             owner = module

@@ -46,7 +46,8 @@ class OwnModuleAdapter(Adapter):
             self._attach_site(session, site, stack)
 
     def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
-        module: MultiHeadAttention = site.module
+        module = site.module
+        assert isinstance(module, MultiHeadAttention)  # find_named makes sites of these only
         calls: list[dict] = []  # one entry per call in progress (run-time side, outside any compiled graph)
         stack.callback(calls.clear)
         owner = session.thread  # calls from other threads pass through unrecorded

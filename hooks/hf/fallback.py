@@ -19,7 +19,7 @@ from ...probe.errors import UnsupportedModelError, warn_user
 from ...probe.threads import current, elsewhere
 from ..functional import code_reaches_sdpa
 from . import compat as hf_compat
-from .context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
+from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
 from .source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
@@ -99,9 +99,12 @@ def _calls_sdpa_without_weights(cls: type) -> bool:
     forward takes neither ``output_attentions`` nor ``**kwargs``: AIMv2's attention-pooling head). It is not
     old-style attention: output_attentions would return nothing, while the functional adapter reads its
     sdpa calls whole (q, k, v, mask, recomputed weights)."""
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return False
     try:
-        params = list(inspect.signature(cls.forward).parameters.values())
-    except (TypeError, ValueError):
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a forward inspect cannot read
         return False
     if any(p.name == "output_attentions" or p.kind is p.VAR_KEYWORD for p in params):
         return False
@@ -396,7 +399,7 @@ class _FallbackSite:
             site.num_kv_heads = site.num_kv_heads if site.num_kv_heads and heads % site.num_kv_heads == 0 else heads
             self.session.select_site(site)
         dropout = _dropout_of(mod)
-        kind = self._kind_now()
+        kind = call_kind(self.kind, self.probe)
         offset = state.position if state is not None else 0
         if self.time_first and kind == "self":
             offset = k_len - q_len  # keys = the memory, then this call's positions
@@ -421,9 +424,3 @@ class _FallbackSite:
             query_offset=offset,
             meta={**meta, "weights_after_dropout": True} if dropout and not self.pre_softmax else meta,
         )
-
-    def _kind_now(self) -> str:
-        """Self- or cross-attention: the module's class says, or the arguments of this call (``KindProbe``)."""
-        if self.kind is not None:
-            return self.kind
-        return self.probe.kind if self.probe is not None else "self"

@@ -553,8 +553,9 @@ def read_scores_chain(softmax: Node, x: torch.Tensor) -> ScoresChain:
     else:
         chain.lost = f"more than {_MAX_STEPS} steps between the product and softmax at {format_location(softmax.where)}"
     chain.steps, chain.start = steps[::-1], t
-    if chain.product is not None and chain.product.additive is not None:
-        chain.steps.insert(0, additive_step(chain.product_node, chain.product.additive, 1.0, t, None))
+    product, node = chain.product, chain.product_node
+    if product is not None and node is not None and product.additive is not None:  # baddbmm's input term
+        chain.steps.insert(0, additive_step(node, product.additive, 1.0, t, None))
     return chain
 
 

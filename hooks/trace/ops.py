@@ -37,6 +37,7 @@ cat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -232,7 +233,7 @@ def _bind(sig: Signature, args: tuple, kwargs: dict) -> dict | None:
     if sig.varargs is not None:
         fixed = len(names) - 1
         params = dict(zip(names[:fixed], args[:fixed]))
-        rest = args[fixed:]
+        rest: Sequence = args[fixed:]
         if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
             rest = rest[0]  # x.permute((0, 2, 1)), torch.einsum(eq, [a, b])
         if rest:
