@@ -83,12 +83,12 @@ class Recomputed:
     def scores(self) -> torch.Tensor:
         if self._scores is None:
             with torch.no_grad(), torch._C.DisableTorchFunction():
-                self._scores = self._compute()
+                self._scores = self._compute()  # (batch, head, query, key)
         return self._scores
 
     def weights(self) -> torch.Tensor:
         s = self.scores()
         if not self._keep:
             self._scores = None  # masked in place below: no record reads these scores
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), torch._C.DisableTorchFunction():  # (batch, head, query, key), masked by (b, 1 or h, q, k)
             return masked_softmax(s, self._allowed(), in_place=not self._keep)

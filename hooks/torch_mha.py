@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import threading
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -155,10 +155,10 @@ class MHAParts:
         B, _, L, _ = self.q.shape
         S = self.k.shape[2]
         if self.mask is None:
-            allowed = torch.ones((), dtype=torch.bool, device=self.q.device).expand(B, 1, L, S)
-        else:
-            allowed = (self.mask > MASKED_AT).expand(B, self.mask.shape[1], L, S)  # the bias is split off per head
-        if self.causal_kernel:
+            allowed = torch.ones((), dtype=torch.bool, device=self.q.device).expand(B, 1, L, S)  # (B, 1, L, S)
+        else:  # (B, 1 or H, L, S); the bias is split off per head
+            allowed = (self.mask > MASKED_AT).expand(B, self.mask.shape[1], L, S)
+        if self.causal_kernel:  # (B, 1 or H, L, S) & (L, S)
             allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=self.q.device).tril()
         return allowed
 
@@ -169,7 +169,8 @@ class MHAParts:
         """
         if self.mask is None:
             return None
-        return additive_bias(self.mask if self.mask.shape[1] == 1 else _pick(self.mask, heads))
+        mask = self.mask if self.mask.shape[1] == 1 else _pick(self.mask, heads)  # (1 or B, 1 or head, L, S)
+        return additive_bias(mask)
 
 
 def mha_parts(
@@ -177,7 +178,8 @@ def mha_parts(
 ) -> MHAParts:
     """Mirror ``F.multi_head_attention_forward`` up to the softmax, keeping every tensor it computes."""
     batched = query.dim() == 3
-    if mod.batch_first and batched:  # keep the identities the packed projection tests (q is k is v)
+    # (B, T, E) batch first -> (T, B, E), keeping the identities the packed projection tests (q is k is v)
+    if mod.batch_first and batched:
         if key is value:
             if query is key:
                 query = key = value = query.transpose(1, 0)
@@ -187,9 +189,9 @@ def mha_parts(
         else:
             query, key, value = (x.transpose(1, 0) for x in (query, key, value))
     if not batched:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)  # (T, E) -> (T, 1, E)
         if key_padding_mask is not None:
-            key_padding_mask = key_padding_mask.unsqueeze(0)
+            key_padding_mask = key_padding_mask.unsqueeze(0)  # (S,) -> (1, S)
     L, B, _ = query.shape
     H, d = mod.num_heads, mod.head_dim
 
@@ -201,32 +203,32 @@ def mha_parts(
     q, k, v = _in_projection(mod, query, key, value)  # (T, B, E) each
     extra = 0
     if mod.bias_k is not None and mod.bias_v is not None:
-        k = torch.cat([k, mod.bias_k.repeat(1, B, 1)])
-        v = torch.cat([v, mod.bias_v.repeat(1, B, 1)])
-        attn = None if attn is None else F.pad(attn, (0, 1))
-        kpm = None if kpm is None else F.pad(kpm, (0, 1))
+        k = torch.cat([k, mod.bias_k.repeat(1, B, 1)])  # (S + 1, B, E)
+        v = torch.cat([v, mod.bias_v.repeat(1, B, 1)])  # (S + 1, B, E)
+        attn = None if attn is None else F.pad(attn, (0, 1))  # (..., L, S + 1)
+        kpm = None if kpm is None else F.pad(kpm, (0, 1))  # (B, S + 1)
         extra += 1
-    q = q.view(L, B * H, d).transpose(0, 1)  # (B*H, L, d)
-    k = k.view(k.shape[0], B * H, d).transpose(0, 1)
-    v = v.view(v.shape[0], B * H, d).transpose(0, 1)
+    q = q.view(L, B * H, d).transpose(0, 1)  # (L, B, E) -> (B*H, L, d)
+    k = k.view(k.shape[0], B * H, d).transpose(0, 1)  # (S, B, E) -> (B*H, S, d)
+    v = v.view(v.shape[0], B * H, d).transpose(0, 1)  # (S, B, E) -> (B*H, S, d)
     if mod.add_zero_attn:
-        zeros = torch.zeros((B * H, 1, d), dtype=k.dtype, device=k.device)
-        k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
-        attn = None if attn is None else F.pad(attn, (0, 1))
-        kpm = None if kpm is None else F.pad(kpm, (0, 1))
+        zeros = torch.zeros((B * H, 1, d), dtype=k.dtype, device=k.device)  # (B*H, 1, d)
+        k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)  # (B*H, S + 1, d) each
+        attn = None if attn is None else F.pad(attn, (0, 1))  # (..., L, S + 1)
+        kpm = None if kpm is None else F.pad(kpm, (0, 1))  # (B, S + 1)
         extra += 1
     S = k.shape[1]
 
     mask = None
     if attn is not None:
-        mask = attn.view(1, 1, L, S) if attn_2d else attn.view(B, H, L, S)
+        mask = attn.view(1, 1, L, S) if attn_2d else attn.view(B, H, L, S)  # (L, S) or (B*H, L, S) -> 4-D
     if kpm is not None:
-        kpm = kpm.view(B, 1, 1, S)
-        mask = kpm if mask is None else mask + kpm
+        kpm = kpm.view(B, 1, 1, S)  # (B, S) -> (B, 1, 1, S)
+        mask = kpm if mask is None else mask + kpm  # (1 or B, 1 or H, L, S)
     return MHAParts(
-        q=q.view(B, H, L, d),
-        k=k.view(B, H, S, d),
-        v=v.view(B, H, S, d),
+        q=q.view(B, H, L, d),  # (batch, head, query, d_head)
+        k=k.view(B, H, S, d),  # (batch, head, key, d_head)
+        v=v.view(B, H, S, d),  # (batch, head, key, d_head)
         mask=mask,
         scaling=math.sqrt(1.0 / float(d)),
         extra_keys=extra,
@@ -309,7 +311,7 @@ class _Call:
 class _Untouched:
     """A call on nested tensors: it runs on torch's fast path, unrecorded, as it would without a capture."""
 
-    guard: torch._C.DisableTorchFunction | None  # entered for this call (None if torch functions were already off)
+    guard: AbstractContextManager | None  # torch._C.DisableTorchFunction() entered for this call (None: already off)
     fastpath: bool  # the fast-path setting to restore afterwards
 
 
@@ -736,15 +738,15 @@ class TorchMHAAdapter(Adapter):
                     b["key"] = b["query"]
                 calls.append(b)
                 return
-            b = calls.pop() if calls else None
-            if b is None or not site.selected:
+            bound = calls.pop() if calls else None
+            if bound is None or not site.selected:
                 return
             if not tensors:
                 _warn_unreadable(site, None, warned)
                 return
             attn_output, weights = tensors
-            per_head = weights if b["need_weights"] and not b["average_attn_weights"] else None
-            _record(session, site, _Returned(module, b, attn_output, per_head), warned)
+            per_head = weights if bound["need_weights"] and not bound["average_attn_weights"] else None
+            _record(session, site, _Returned(module, bound, attn_output, per_head), warned)
 
         token = listen(module, "torch_mha", receive, stack)
         for h in (
