@@ -557,6 +557,47 @@ def _let_nested_through(site: Site, warned: set[str]) -> _Untouched:
     return untouched
 
 
+class _Delivered:
+    """The run-time side of the hooks on a model with compiled parts: the calls their ``deliver`` handed over (from
+    the graph, or eagerly), each paired with its output and recorded."""
+
+    def __init__(self, session, site: Site, module: nn.MultiheadAttention) -> None:
+        self.session, self.site, self.module = session, site, module
+        self.calls: list[dict | None] = []  # the calls whose output has not come yet
+        self.warned: set[str] = set()
+
+    def receive(self, event: str, tensors: list, numbers: list) -> None:
+        if elsewhere(self.session.thread):
+            return  # another thread's forward: not this capture's
+        if event == "call":
+            self.calls.append(self._bound(tensors, numbers))
+            return
+        bound = self.calls.pop() if self.calls else None
+        site = self.site
+        if bound is None or not site.selected:
+            return
+        if not tensors:
+            _warn_unreadable(site, None, self.warned)
+            return
+        attn_output, weights = tensors
+        per_head = weights if bound["need_weights"] and not bound["average_attn_weights"] else None
+        _record(self.session, site, _Returned(self.module, bound, attn_output, per_head), self.warned)
+
+    def _bound(self, tensors: list, numbers: list) -> dict | None:
+        """The call's arguments by name; None for arguments the hook could not read (the module raises its own
+        error)."""
+        if not tensors:
+            return None
+        names = ("query", "key", "value", "key_padding_mask", "attn_mask")
+        b = dict(zip(names, map(held, tensors) if self.site.selected else tensors))
+        b.update(need_weights=bool(numbers[0]), average_attn_weights=bool(numbers[1]), is_causal=bool(numbers[2]))
+        if numbers[4]:  # the identities the module's packed in-projection tests (self-attention: q is k is v)
+            b["value"] = b["key"]
+        if numbers[3]:
+            b["key"] = b["query"]
+        return b
+
+
 class _EagerHooks:
     """The hooks on one selected module of a model without compiled parts: the pre-hook notes the call (and asks
     for per-head weights where the caller asked for averaged ones), the post-hook records it and hands the caller
@@ -692,11 +733,10 @@ class TorchMHAAdapter(Adapter):
         ``deliver`` (Dynamo traces them into the graph) and change nothing; the call runs as the caller made it,
         so the weights are the module's own only when the caller asked for per-head weights, else recomputed
         from Q and K, and the per-head output is ``weights @ V`` (no dispatch mode can run in a compiled graph)."""
-        calls: list[dict | None] = []  # run-time side: the calls whose output has not come yet
-        stack.callback(calls.clear)
-        warned: set[str] = set()
         module = site.module
         assert isinstance(module, nn.MultiheadAttention)  # find_named makes sites of these only
+        delivered = _Delivered(session, site, module)
+        stack.callback(delivered.calls.clear)
 
         def before(mod, args, kwargs):
             b = _bind(args, kwargs)
@@ -720,35 +760,7 @@ class TorchMHAAdapter(Adapter):
             ok = isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)
             deliver(token, "output", [output[0], output[1]] if ok else [], [])
 
-        def receive(event: str, tensors: list, numbers: list) -> None:
-            if elsewhere(session.thread):
-                return  # another thread's forward: not this capture's
-            if event == "call":
-                if not tensors:
-                    calls.append(None)  # arguments we cannot read: the module raises its own error
-                    return
-                names = ("query", "key", "value", "key_padding_mask", "attn_mask")
-                b = dict(zip(names, map(held, tensors) if site.selected else tensors))
-                b.update(
-                    need_weights=bool(numbers[0]), average_attn_weights=bool(numbers[1]), is_causal=bool(numbers[2])
-                )
-                if numbers[4]:  # the identities the module's packed in-projection tests (self-attention: q is k is v)
-                    b["value"] = b["key"]
-                if numbers[3]:
-                    b["key"] = b["query"]
-                calls.append(b)
-                return
-            bound = calls.pop() if calls else None
-            if bound is None or not site.selected:
-                return
-            if not tensors:
-                _warn_unreadable(site, None, warned)
-                return
-            attn_output, weights = tensors
-            per_head = weights if bound["need_weights"] and not bound["average_attn_weights"] else None
-            _record(session, site, _Returned(module, bound, attn_output, per_head), warned)
-
-        token = listen(module, "torch_mha", receive, stack)
+        token = listen(module, "torch_mha", delivered.receive, stack)
         for h in (
             module.register_forward_pre_hook(before, with_kwargs=True),
             module.register_forward_hook(after, prepend=True),
