@@ -226,15 +226,15 @@ def _scores_before_masks(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor:
         # (*lead, query, d) x (*lead, key, d) -> (*lead, query, key), as the product laid them out
         scores = attention_logits(product.q, product.k, scaling=product.factor)
     else:
-        scores = start.inp.detach()
+        scores = start.inp.detach()  # (*lead, query, key) as the code laid the scores out at that step
     for s in steps[first_mask:]:
         if s.kind == "scale":
             scores = scores * s.factor
         elif s.kind in ("bias", "mask") and s.bias is not None:
-            scores = scores + s.bias
+            scores = scores + s.bias  # the bias (0 where a mask masks) broadcast to the scores
         elif s.kind == "relayout":
-            scores = scores.reshape(s.node.out.shape)
-    return scores.reshape(x.shape)
+            scores = scores.reshape(s.node.out.shape)  # the step's own output shape
+    return scores.reshape(x.shape)  # laid out like the softmax input
 
 
 def _allowed(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor | None:
@@ -242,8 +242,8 @@ def _allowed(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor | None:
     when the path was not followed to a product and had no mask."""
 
     def like_x(m: torch.Tensor, shape) -> torch.Tensor:
-        m = m.expand(shape)
-        return m if tuple(shape) == tuple(x.shape) else m.reshape(x.shape)
+        m = m.expand(shape)  # the mask as its step's output is laid out
+        return m if tuple(shape) == tuple(x.shape) else m.reshape(x.shape)  # laid out like the softmax input
 
     masks = [(s.allowed, s.node.out.shape) for s in chain.steps if s.kind == "mask" and s.allowed is not None]
     if masks:
@@ -251,7 +251,7 @@ def _allowed(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor | None:
         for mask, shape in masks[1:]:
             allowed = allowed & like_x(mask, shape)
         return allowed
-    if chain.product is not None:
+    if chain.product is not None:  # (1, ..., 1, key) expanded like the softmax input: every key allowed
         return torch.ones((1,) * (x.dim() - 1) + tuple(x.shape[-1:]), dtype=torch.bool, device=x.device).expand(x.shape)
     return None
 
