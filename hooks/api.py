@@ -137,8 +137,8 @@ def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[A
 
     ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
     a tuple or list as positional arguments, anything else as the one argument. ``options`` are
-    ``capture``'s (layers, heads, keep, device, dtype, max_bytes, modules, store, overwrite). With ``no_grad`` (the default)
-    the forward runs under ``torch.no_grad()``.
+    ``capture``'s (layers, heads, keep, device, dtype, max_bytes, modules, store, overwrite). With ``no_grad`` (the
+    default) the forward runs under ``torch.no_grad()``.
 
     Example::
 

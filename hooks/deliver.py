@@ -79,10 +79,10 @@ def listen(key: object, channel: str, receiver: Callable, stack: ExitStack, *, s
     closes.
 
     ``channel`` names what is delivered (one of ``CHANNELS``: a module may carry hooks of several kinds).
-    The token is made of ``id(key)`` (a module) and the channel, for the first capture that listens; a nested capture that attaches
-    hooks of its own gets the next free slot, so each session hears its own hooks once. ``shared``: every capture
-    listens on ``id(key)`` itself (one hook, or one wrapper, serves all of them). Tokens do not depend on what a
-    capture selects: a graph compiled for one capture serves the next.
+    The token is made of ``id(key)`` (a module) and the channel, for the first capture that listens; a nested capture
+    that attaches hooks of its own gets the next free slot, so each session hears its own hooks once. ``shared``:
+    every capture listens on ``id(key)`` itself (one hook, or one wrapper, serves all of them). Tokens do not depend
+    on what a capture selects: a graph compiled for one capture serves the next.
 
     Also registers the op (once) before any forward runs: Dynamo must find it when it traces the hooks.
     """

@@ -26,11 +26,13 @@ module named (or, with ``"auto"``, of the module holding the list) are the heads
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
 import sys
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -39,17 +41,17 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..probe.checks.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
-from ..probe.engine.attention_math import AttentionCall, mask_allows
+from ..probe.engine.attention_math import AttentionCall, attention_logits, mask_allows
 from ..probe.errors import AttnprobeError, SelectionError, warn_user
 from ..probe.intent import Intent, module_intent
 from ..probe.threads import elsewhere
 from ..probe.walk import walk_of
-from .base import Adapter, Lazy, Site
+from .base import Adapter, Lazy, Site, selected_heads
 from .calls import bind_arguments
 from .masks import MASKED_AT, Recomputed, additive_bias, compress_heads, forbids_future
 from .modes import exit_mode
 from .trace.read import EXPECTED, Finding, analyze
-from .trace.recorder import Tracer, format_location
+from .trace.recorder import Scope, Tracer, format_location
 
 _SDPA = F.scaled_dot_product_attention
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -150,8 +152,9 @@ def code_reaches_sdpa(cls: type) -> bool:
     Starting from the class attributes of ``cls`` and its bases (methods, static/class methods,
     properties, and plain attributes such as ``attn_fn = F.scaled_dot_product_attention``), it follows:
     the names a function's code uses, looked up in its globals (functions in any module, and
-    ``helpers.attend`` / ``Helpers.attend`` attributes of imported modules and classes); closures and ``__wrapped__`` (decorators);
-    ``functools.partial`` objects; dicts, lists and tuples of functions (``ATTENTION = {"sdpa": ...}``).
+    ``helpers.attend`` / ``Helpers.attend`` attributes of imported modules and classes); closures and
+    ``__wrapped__`` (decorators); ``functools.partial`` objects; dicts, lists and tuples of functions
+    (``ATTENTION = {"sdpa": ...}``).
     It is True when it meets the function itself, its name among the names a code object uses (any
     ``F.`` / ``torch.nn.functional.`` spelling) or the string ``"scaled_dot_product_attention"`` as a
     constant (``getattr(F, "scaled_dot_product_attention")``).
@@ -189,9 +192,8 @@ def code_reaches_sdpa(cls: type) -> bool:
             _queue(todo, dict.values(value))
         elif isinstance(value, (list, tuple)) and len(value) <= _CONTAINER_LIMIT:
             _queue(todo, value)
-        elif inspect.isfunction(value) and not _is_torch_code(value):
-            if _function_reaches(value, todo):
-                return True
+        elif inspect.isfunction(value) and not _is_torch_code(value) and _function_reaches(value, todo):
+            return True
     return False
 
 
@@ -199,10 +201,8 @@ def _function_reaches(func, todo: list) -> bool:
     """Whether ``func``'s own code names sdpa; queues what it refers to (globals, closure, wrapped)."""
     cells = []
     for cell in func.__closure__ or ():
-        try:
+        with contextlib.suppress(ValueError):  # an empty cell has no contents
             cells.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            pass
     _queue(
         todo,
         (getattr(func, "__wrapped__", None), *cells, *(func.__defaults__ or ()), *(func.__kwdefaults__ or {}).values()),
@@ -380,19 +380,137 @@ def _stacked_fields(site: Site, group: list[Finding]) -> dict[str, object]:
     """The tensor fields of single-head findings stacked as the heads of one record (the selected heads, made on
     first use); a field one of them lacks is None."""
     fields: dict[str, object] = {}
+    heads, kv_heads = selected_heads(site)
     for name in _TENSOR_FIELDS[:-1]:
         parts = [getattr(f, name) for f in group]
         if any(p is None for p in parts):
             fields[name] = None
             continue
-        chosen = [parts[h] for h in (site.kv_heads if name in ("k", "v") else site.heads)]
+        chosen = [parts[h] for h in (kv_heads if name in ("k", "v") else heads)]
         fields[name] = Lazy(
             (chosen[0].shape[0], len(chosen), *chosen[0].shape[2:]), chosen[0].dtype, partial(torch.cat, chosen, dim=1)
         )
-    masks = [f.allowed for f in group]
-    # one (B, 1, Tq, Tk) mask per head
-    fields["allowed"] = compress_heads(torch.cat(masks, dim=1)) if all(m is not None for m in masks) else None
+    masks = [f.allowed for f in group if f.allowed is not None]  # (batch, 1, query, key) each, one per head
+    fields["allowed"] = compress_heads(torch.cat(masks, dim=1)) if len(masks) == len(group) else None
     return fields
+
+
+# -- direct scaled_dot_product_attention calls: one call in the record layout ----------------------------------
+@dataclass
+class _SdpaCall:
+    """One ``scaled_dot_product_attention`` call laid out as the record lays it out (sdpa's broadcasting applied)."""
+
+    module: nn.Module  # the module whose forward made the call
+    site_key: tuple  # (id(module), the source lines from its forward down to the call)
+    bound: dict  # the call's arguments by name (``_SDPA_PARAMS``)
+    q: torch.Tensor  # (batch, head, query, d_head)
+    k: torch.Tensor  # (batch, kv_head, key, d_head)
+    v: torch.Tensor  # (batch, kv_head, key, d_v)
+    output: torch.Tensor | None  # (batch, head, query, d_v): what sdpa returned
+    full: tuple[int, ...]  # (*lead, query, key): the shape sdpa broadcasts the mask to
+
+    @classmethod
+    def of(cls, module: nn.Module, site_key: tuple, bound: dict, out) -> _SdpaCall:
+        """From the arguments as sdpa took them: ``(..., L, E)`` of 2 to N axes each."""
+        query, key = bound["query"], bound["key"]
+        q = _to4(query)  # (batch, head, query, d_head)
+        k, v = _to4(key), _to4(bound["value"])  # (batch or 1, kv_head, key, d_head)
+        if k.shape[0] == 1 and q.shape[0] > 1:  # k, v broadcast over the batch
+            k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])  # (batch, kv_head, key, d)
+        q_lead, k_lead = list(query.shape[:-2]), list(key.shape[:-2])
+        if q_lead and k_lead:
+            k_lead[-1] = q_lead[-1]  # grouped-query attention: fewer key heads than query heads
+        full = (*torch.broadcast_shapes(q_lead, k_lead), q.shape[2], k.shape[2])  # (*lead, query, key)
+        output = _to4(out) if isinstance(out, torch.Tensor) else None  # (batch, head, query, d_v)
+        return cls(module, site_key, bound, q, k, v, output, full)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(batch, head, query, key)``."""
+        return (self.q.shape[0], self.q.shape[1], self.q.shape[2], self.k.shape[2])
+
+    @property
+    def kind(self) -> str:
+        return "self" if self.q.shape[2] == self.k.shape[2] else "cross"
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """``attn_mask`` as passed: bool (True = attend) or float (added to the scores)."""
+        return self.bound["attn_mask"]
+
+    @property
+    def causal(self) -> bool:
+        return bool(self.bound["is_causal"])
+
+    @property
+    def scale(self) -> float:
+        """The factor sdpa applied to ``q @ k^T``: ``scale`` as passed, else ``1 / sqrt(d_head)``."""
+        scale = self.bound["scale"]
+        return scale if scale is not None else 1.0 / math.sqrt(self.q.shape[-1])
+
+    def kv_of(self, heads: tuple[int, ...]) -> tuple[int, ...]:
+        """The key/value head each of ``heads`` reads (grouped-query attention)."""
+        group = self.q.shape[1] // self.k.shape[1]
+        return tuple(h // group for h in heads)
+
+    def mask_4d(self) -> torch.Tensor | None:
+        """The mask broadcast as sdpa broadcasts it, ``(batch, 1 or head, query, key)`` (a view)."""
+        mask = self.mask
+        return None if mask is None else _to4(mask.expand(torch.broadcast_shapes(mask.shape, self.full)))
+
+    def passes_same_kv(self) -> bool:
+        """Whether the same tensor was passed as key and value (lint_same_kv)."""
+        k, v = self.k, self.v
+        return self.bound["key"] is self.bound["value"] or (
+            k.shape == v.shape and ((k.data_ptr() == v.data_ptr() and k.stride() == v.stride()) or torch.equal(k, v))
+        )
+
+
+def _sdpa_allowed(call: _SdpaCall) -> torch.Tensor:
+    """``(batch, 1 or head, query, key)`` bool, True = may attend: the mask (a float one masks at or below
+    ``MASKED_AT``) and ``is_causal`` combined; a view of the mask where it can be."""
+    B, _, L, S = call.shape
+    device, mask = call.q.device, call.mask
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask > MASKED_AT
+        allowed = _to4(allowed.expand(torch.broadcast_shapes(allowed.shape, call.full)))  # (batch, 1 or head, L, S)
+    else:
+        allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=device).expand(B, 1, L, S)  # (batch, 1, L, S)
+    if call.causal:
+        allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=device).tril()  # (batch, 1 or head, L, S)
+    if allowed.shape[1] > 1 and allowed.stride(1) == 0:
+        allowed = allowed[:, :1]  # every head has the same mask: (batch, 1, query, key)
+    return allowed.expand(B, allowed.shape[1], L, S)  # (batch, 1 or head, query, key)
+
+
+def _sdpa_scores(call: _SdpaCall, heads: tuple[int, ...]) -> torch.Tensor:
+    """``(batch, head, query, key)`` for ``heads``, a new tensor: ``q @ k^T * scale`` (``attention_logits``), plus
+    the non-masking part of a float mask (ALiBi)."""
+    k = call.k[:, list(call.kv_of(heads))]  # (batch, head, key, d_head): the kv head each selected head reads
+    s = attention_logits(_pick(call.q, heads), k, scaling=call.scale)  # (batch, head, query, key)
+    mask = call.mask_4d()  # (batch, 1 or head, query, key)
+    if mask is None or mask.dtype == torch.bool:
+        return s
+    bias = additive_bias(mask[:, :1] if mask.shape[1] == 1 or mask.stride(1) == 0 else _pick(mask, heads))
+    # added here, out of place, with torch's type promotion: sdpa takes a float32 mask beside bfloat16 q, and
+    # attention_logits(bias=) would round that mask to the logits' dtype first
+    return s if bias is None else s + bias  # (batch, head, query, key) + (batch, 1 or head, query, key)
+
+
+def _sdpa_stats(call: _SdpaCall, heads: tuple[int, ...]) -> AttentionCall:
+    """The call for the blockwise statistics engine (no (query x key) tensor)."""
+    return AttentionCall.for_heads(
+        call.q,
+        call.k,
+        call.v,
+        heads=heads,
+        kv_heads=call.kv_of(heads),
+        mask=call.mask_4d(),
+        masked_at=MASKED_AT,
+        causal=call.causal,
+        scaling=float(call.scale),
+        output=call.output,
+    )
 
 
 class _Run:
@@ -401,7 +519,8 @@ class _Run:
     def __init__(
         self, adapter: FunctionalAdapter, session, model: nn.Module, sites: list[Site], claimed: set[int]
     ) -> None:
-        self.adapter, self.session, self.model = adapter, session, model
+        self.adapter, self.session = adapter, session
+        self.model: nn.Module | None = model  # until the capture closes: it must not keep the model alive
         self.owner = session.thread  # module hooks of other threads' forwards do nothing (the mode is per thread)
         self._names: dict[int, str] | None = None
         self.claimed = claimed
@@ -419,15 +538,16 @@ class _Run:
     def names(self) -> dict[int, str]:
         """Module paths by module id (built on first need: most captures never need it)."""
         if self._names is None:
-            self._names = {id(m): n for n, m in self.model.named_modules()}
+            self._names = {} if self.model is None else {id(m): n for n, m in self.model.named_modules()}
         return self._names
 
     # -- setup -----------------------------------------------------------------------------
     def start(self, stack: ExitStack, *, roots: list[nn.Module]) -> None:
         """Push the function mode (direct sdpa calls) and trace the module trees under ``roots``."""
-        if roots:
+        model = self.model
+        if roots and model is not None:
             self.tracer = Tracer()
-            self.owner_of = {id(c): m for m in self.model.modules() for c in m.children()}
+            self.owner_of = {id(c): m for m in model.modules() for c in m.children()}
             seen: set[int] = set()
             for root in roots:
                 self._hook_tree(root, stack, seen)
@@ -458,8 +578,8 @@ class _Run:
                     produced = site.calls or any(key[0] == id(site.module) for key in self.traced_sites)
                     if self.ran.get(id(site.module)) and not produced:
                         warn_user(
-                            f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no softmax "
-                            "attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
+                            f"modules=: {site.name!r} ({type(site.module).__name__}) ran but attnprobe found no "
+                            "softmax attention in it; it reads softmax(q @ k^T ...) written with matmul/bmm/einsum and "
                             "F.softmax/torch.softmax/Tensor.softmax/nn.Softmax (direct scaled_dot_product_attention "
                             "calls are recorded on their own)"
                         )
@@ -513,151 +633,110 @@ class _Run:
         return module, (id(module), tuple(chain))
 
     def _record_sdpa(self, args, kwargs, out) -> None:
+        call = self._read_sdpa(args, kwargs, out)
+        if call is None:
+            return
+        site = self._sdpa_site(call)
+        if site.selected:
+            self._emit_sdpa(call, site)
+        else:
+            self.session.emit(site, kind=call.kind)
+
+    def _read_sdpa(self, args, kwargs, out) -> _SdpaCall | None:
+        """The call being handled, in the record layout; None when it is not the model's to record (outside the
+        model, inside a module another adapter reads) or cannot be read (warned)."""
         where = self._locate()
         if where is None:
-            return
-        module, key = where
-        call = _bind_sdpa(args, kwargs)
-        tensors = None if call is None else (call["query"], call["key"], call["value"])
-        if tensors is None or not all(
-            isinstance(t, torch.Tensor) and not t.is_nested and t.dim() >= 2 for t in tensors
+            return None
+        module, site_key = where
+        bound = _bind_sdpa(args, kwargs)
+        if bound is None or not all(
+            isinstance(t, torch.Tensor) and not t.is_nested and t.dim() >= 2
+            for t in (bound["query"], bound["key"], bound["value"])
         ):
             self._warn_once(
-                ("sdpa-args", key),
+                ("sdpa-args", site_key),
                 f"a scaled_dot_product_attention call in {self.names[id(module)]!r} has "
                 "arguments attnprobe cannot read (nested tensors?); it is not in the capture",
             )
-            return
-        q, k, v = (_to4(t) for t in tensors)
-        if k.shape[0] == 1 and q.shape[0] > 1:
-            k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
-        B, H, L, E = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
-        if H % Hkv:
-            return
-        site = self.sdpa_sites.get(key)
+            return None
+        call = _SdpaCall.of(module, site_key, bound, out)
+        heads, kv_heads = call.q.shape[1], call.k.shape[1]
+        if heads % kv_heads:  # one query head broadcast against several key heads: a record has no such layout
+            self._warn_once(
+                ("sdpa-heads", site_key),
+                f"a scaled_dot_product_attention call in {self.names[id(module)]!r} has {heads} query head(s) and "
+                f"{kv_heads} key/value heads (q {tuple(call.q.shape)}, k {tuple(call.k.shape)}), which do not "
+                "divide: attnprobe records each key/value head read by a whole group of query heads only; the model "
+                "ran unchanged, these calls are not in the capture (give q as many heads as k, e.g. q.expand)",
+            )
+            return None
+        return call
+
+    def _sdpa_site(self, call: _SdpaCall) -> Site:
+        """The layer of the call's site, made on its first call (or a module named in ``modules=``: its first call
+        site is its layer), with its head counts."""
+        _, heads, _, _ = call.shape
+        kv_heads = call.k.shape[1]
+        site = self.sdpa_sites.get(call.site_key)
         if site is None:
-            at = format_location(key[1][0])
-            static = self.named.get(id(module))
+            at = format_location(call.site_key[1][0])
+            static = self.named.get(id(call.module))
             if static is not None and not ({"softmax_at", "sdpa_at"} & static.info.keys()):
-                site = static  # a module named in modules= that calls sdpa: its first call site is its layer
+                site = static
                 site.info["sdpa_at"] = at
             else:
-                site = Site(
-                    self.names[id(module)], module, self.adapter, H, Hkv, info={"strategy": "sdpa call", "sdpa_at": at}
-                )
+                name = self.names[id(call.module)]
+                info = {"strategy": "sdpa call", "sdpa_at": at}
+                site = Site(name, call.module, self.adapter, heads, kv_heads, info=info)
                 self.session.add_site(site)
-            self.sdpa_sites[key] = site
+            self.sdpa_sites[call.site_key] = site
         if site.num_heads is None:
-            site.num_heads, site.num_kv_heads = H, Hkv
+            site.num_heads, site.num_kv_heads = heads, kv_heads
             self.session.select_site(site)
-        if not site.selected:
-            self.session.emit(site, kind="self" if L == S else "cross")
-            return
+        return site
 
-        q_lead, k_lead = list(tensors[0].shape[:-2]), list(tensors[1].shape[:-2])
-        if q_lead and k_lead:
-            k_lead[-1] = q_lead[-1]  # grouped-query attention: fewer key heads than query heads
-        full = torch.broadcast_shapes(q_lead, k_lead) + (L, S)
-        mask = call["attn_mask"]
-        stats_only = self.session.stats_only  # never build a (query, key) mask: the engine reads it in blocks
-        if stats_only:
-            allowed = None
-        elif mask is not None:
-            allowed = mask if mask.dtype == torch.bool else mask > MASKED_AT
-            allowed = _to4(allowed.expand(torch.broadcast_shapes(allowed.shape, full)))
-        else:
-            allowed = torch.ones(1, 1, L, S, dtype=torch.bool, device=q.device).expand(B, 1, L, S)
-        if call["is_causal"] and not stats_only:
-            allowed = allowed & torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        if allowed is not None:
-            if allowed.shape[1] > 1 and allowed.stride(1) == 0:
-                allowed = allowed[:, :1]
-            allowed = allowed.expand(B, allowed.shape[1], L, S)
-        scale = call["scale"] if call["scale"] is not None else 1.0 / math.sqrt(E)
-        group = H // Hkv
-        heads = site.heads
+    def _emit_sdpa(self, call: _SdpaCall, site: Site) -> None:
+        """The record of one call of a selected layer: q, k, v, the mask and the output as sdpa took and gave them,
+        the scores and weights of the selected heads recomputed on first use."""
+        session, (heads, _) = self.session, selected_heads(site)
+        B, _, L, S = call.shape
+        # a statistics capture never builds a (query, key) mask: the engine reads the call's own mask in blocks
+        allowed = None if session.stats_only else _sdpa_allowed(call)  # (batch, 1 or head, query, key)
 
-        def scores_of_heads() -> torch.Tensor:
-            kh = k[:, [h // group for h in heads]]
-            s = (_pick(q, heads) @ kh.transpose(-2, -1)).mul_(scale)  # a new tensor: scaled in place
-            if mask is not None and mask.dtype != torch.bool:
-                # the non-masking part of a float mask (ALiBi), split off when scores or weights are kept, for
-                # the selected heads only
-                m = _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
-                bias = additive_bias(m[:, :1] if m.shape[1] == 1 or m.stride(1) == 0 else _pick(m, heads))
-                if bias is not None:
-                    s = s + bias
-            return s
+        def allowed_of_heads() -> torch.Tensor:
+            mask = allowed if allowed is not None else _sdpa_allowed(call)  # (batch, 1 or head, query, key)
+            return mask if mask.shape[1] == 1 else _pick(mask, heads)  # (batch, 1 or head, query, key)
 
         recomputed = Recomputed(
-            scores_of_heads,
-            lambda: allowed if allowed.shape[1] == 1 else _pick(allowed, heads),
-            keep_scores=self.session.wants(site, "scores"),
+            partial(_sdpa_scores, call, heads), allowed_of_heads, keep_scores=session.wants(site, "scores")
         )
-        stats = None
-        if self.session.wants(site, "stats"):
-            m4 = None if mask is None else _to4(mask.expand(torch.broadcast_shapes(mask.shape, full)))
-            stats = AttentionCall.for_heads(
-                q,
-                k,
-                v,
-                heads=heads,
-                kv_heads=tuple(h // group for h in heads),
-                mask=m4,
-                masked_at=MASKED_AT,
-                causal=bool(call["is_causal"]),
-                scaling=float(scale),
-                output=_to4(out) if isinstance(out, torch.Tensor) else None,
-            )
-        if stats_only:
-            declared_causal = mask is not None and forbids_future(mask_allows(mask, MASKED_AT))
-        else:
-            declared_causal = mask is not None and forbids_future(allowed)
-
+        mask = call.mask
+        declared_causal = mask is not None and forbids_future(
+            mask_allows(mask, MASKED_AT) if allowed is None else allowed
+        )
         # sdpa applies dropout_p whatever module.training says: record it as applied, and flag it in eval mode
-        dropout = float(call["dropout_p"])
-        dropout_in_eval = dropout > 0 and not module.training
-        lints = ()
-        if tensors[1] is tensors[2] or (
-            k.shape == v.shape and ((k.data_ptr() == v.data_ptr() and k.stride() == v.stride()) or torch.equal(k, v))
-        ):
-            lints = (
-                lint_violation(
-                    LINT_SAME_KV,
-                    name=site.name,
-                    layer=site.layer,
-                    call=site.calls,
-                    message="the same tensor is passed to scaled_dot_product_attention as key and value",
-                ),
-            )
-        record = self.session.emit(
+        dropout = float(call.bound["dropout_p"])
+        dropout_in_eval = dropout > 0 and not call.module.training
+        record = session.emit(
             site,
-            kind="self" if L == S else "cross",
-            q=q,
-            k=k,
-            v=v,
-            scores=Lazy((B, len(heads), L, S), q.dtype, recomputed.scores),
-            weights=Lazy((B, len(heads), L, S), q.dtype, recomputed.weights),
-            output=_to4(out) if isinstance(out, torch.Tensor) else None,
+            kind=call.kind,
+            q=call.q,
+            k=call.k,
+            v=call.v,
+            scores=Lazy((B, len(heads), L, S), call.q.dtype, recomputed.scores),
+            weights=Lazy((B, len(heads), L, S), call.q.dtype, recomputed.weights),
+            output=call.output,
             allowed=allowed,
-            causal=bool(call["is_causal"]) or declared_causal,
-            scaling=float(scale),
+            causal=call.causal or declared_causal,
+            scaling=float(call.scale),
             backend="sdpa",
-            stats=stats,
-            dtype=q.dtype,
+            stats=_sdpa_stats(call, heads) if session.wants(site, "stats") else None,
+            dtype=call.q.dtype,
             weights_source="recomputed",
             dropout=dropout,
             identified=frozenset({"q", "k", "v", "scores", "weights", "output", "allowed"}),
-            meta={
-                "module_class": type(module).__name__,
-                "sdpa_at": site.info["sdpa_at"],
-                "dropout_in_eval": dropout_in_eval,
-                "scale": "explicit" if call["scale"] is not None else "default",
-                "enable_gqa": bool(call["enable_gqa"]),
-                "kind_from": "lengths",
-                "lint": lints,
-            },
+            meta=self._sdpa_meta(call, site, dropout_in_eval),
         )
         if record is not None:
             self._warn_lints(record.meta["lint"])
@@ -667,6 +746,24 @@ class _Run:
                     f"scaled_dot_product_attention got dropout_p={dropout:g}",
                     "sdpa applies dropout_p whatever module.training says; pass dropout_p=p if self.training else 0.0",
                 )
+
+    @staticmethod
+    def _sdpa_meta(call: _SdpaCall, site: Site, dropout_in_eval: bool) -> dict:
+        message = "the same tensor is passed to scaled_dot_product_attention as key and value"
+        lints = (
+            (lint_violation(LINT_SAME_KV, name=site.name, layer=site.layer, call=site.calls, message=message),)
+            if call.passes_same_kv()
+            else ()
+        )
+        return {
+            "module_class": type(call.module).__name__,
+            "sdpa_at": site.info["sdpa_at"],
+            "dropout_in_eval": dropout_in_eval,
+            "scale": "explicit" if call.bound["scale"] is not None else "default",
+            "enable_gqa": bool(call.bound["enable_gqa"]),
+            "kind_from": "lengths",
+            "lint": lints,
+        }
 
     def _warn_eval_dropout(self, site: Site, what: str, why: str) -> None:
         self._warn_once(
@@ -723,7 +820,7 @@ class _Run:
                         finding = analyze(scope, softmax, returned)
                         if finding is not None:
                             finding.lints.extend(unread)
-                            self._route(finding, scope)
+                            self._route(finding, scope, tracer.stack)
                 parent = tracer.current()
                 if parent is not None and parent.traced:
                     parent.add_module_call(module, args, kwargs, output)
@@ -763,10 +860,9 @@ class _Run:
             if id(b.tensor) not in read
         ]
 
-    def _route(self, finding: Finding, scope) -> None:
-        """Hand a finding to the scope of the module its layer belongs to."""
+    def _route(self, finding: Finding, scope: Scope, stack: list[Scope]) -> None:
+        """Hand a finding to the scope of the module its layer belongs to (``stack``: the tracer's open scopes)."""
         module = scope.module
-        stack = self.tracer.stack
         if self.adapter.auto:
             holder = self.owner_of.get(id(module))
             owner = module

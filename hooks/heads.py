@@ -1,4 +1,5 @@
-"""``attnprobe.heads``: label what each head does (see ``probe/analyses/head_classes.py`` for the labels and thresholds)."""
+"""``attnprobe.heads``: label what each head does (see ``probe/analyses/head_classes.py`` for the labels and
+thresholds)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,14 @@ The full per-head table is ``callback.history`` (and ``callback.alerts``).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
 
 from .api import monitor
+
+if TYPE_CHECKING:
+    from ..probe.analyses.monitor import Monitor
 
 
 class AttnprobeCallback(TrainerCallback):
@@ -50,7 +54,7 @@ class AttnprobeCallback(TrainerCallback):
             "raise_on": raise_on,
             "block_bytes": block_bytes,
         }
-        self.monitor = None
+        self.monitor: Monitor | None = None
         self._history = None
         self._alerts = None
         self._logged = 0
@@ -83,6 +87,8 @@ class AttnprobeCallback(TrainerCallback):
     # results
     def _figures(self) -> dict[str, float]:
         """Per-layer figures of the steps sampled since the last log."""
+        if self.monitor is None:
+            return {}
         rows = self.monitor.rows[self._logged :]
         self._logged += len(rows)
         if not rows:

@@ -30,7 +30,8 @@ def is_masking_value(value) -> bool:
 
 
 def split_additive(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A float mask added to the scores -> (allowed, bias or None). ``allowed`` is True where the entry masks nothing."""
+    """A float mask added to the scores -> (allowed, bias or None). ``allowed`` is True where the entry masks
+    nothing."""
     allowed = mask > MASKED_AT
     return allowed, additive_bias(mask, allowed)
 
@@ -82,12 +83,12 @@ class Recomputed:
     def scores(self) -> torch.Tensor:
         if self._scores is None:
             with torch.no_grad(), torch._C.DisableTorchFunction():
-                self._scores = self._compute()
+                self._scores = self._compute()  # (batch, head, query, key)
         return self._scores
 
     def weights(self) -> torch.Tensor:
         s = self.scores()
         if not self._keep:
             self._scores = None  # masked in place below: no record reads these scores
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), torch._C.DisableTorchFunction():  # (batch, head, query, key), masked by (b, 1 or h, q, k)
             return masked_softmax(s, self._allowed(), in_place=not self._keep)

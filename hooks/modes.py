@@ -7,17 +7,24 @@ a mode the user entered meanwhile. Popping the top would remove theirs and leave
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 
 def exit_mode(mode, *, dispatch: bool) -> None:
     """Exit ``mode`` (if it is still on its stack); modes entered after it stay, in their order."""
+    from torch import overrides
+    from torch.utils import _python_dispatch
+
+    current: Callable[[], list[Any]]
+    pop: Callable[[], Any]  # the dispatch stack's pop takes an optional key, the function stack's none
+    push: Callable[[Any], None]
     if dispatch:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as current
-        from torch.utils._python_dispatch import _pop_mode as pop
-        from torch.utils._python_dispatch import _push_mode as push
+        current = _python_dispatch._get_current_dispatch_mode_stack
+        pop, push = _python_dispatch._pop_mode, _python_dispatch._push_mode
     else:
-        from torch.overrides import _get_current_function_mode_stack as current
-        from torch.overrides import _pop_mode as pop
-        from torch.overrides import _push_mode as push
+        current = overrides._get_current_function_mode_stack
+        pop, push = overrides._pop_mode, overrides._push_mode
     stack = current()
     if not any(m is mode for m in stack):
         return

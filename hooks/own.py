@@ -46,12 +46,10 @@ class OwnModuleAdapter(Adapter):
             self._attach_site(session, site, stack)
 
     def _attach_site(self, session, site: Site, stack: ExitStack) -> None:
-        module: MultiHeadAttention = site.module
-        calls: list[dict] = []  # one entry per call in progress (run-time side, outside any compiled graph)
-        stack.callback(calls.clear)
-        owner = session.thread  # calls from other threads pass through unrecorded
-        # statistics of an own module come from the weights it computed (they are what is checked)
-        kept = {field for field in _HOOKED if session.wants(site, field) or session.wants(site, "stats")}
+        module = site.module
+        assert isinstance(module, MultiHeadAttention)  # find_named makes sites of these only
+        received = _Received(session, site, module)
+        stack.callback(received.calls.clear)
 
         # -- inside the forward: hand the tensors over, nothing else (traceable by torch.compile) ----------
         def before(mod, args, kwargs):
@@ -77,33 +75,7 @@ class OwnModuleAdapter(Adapter):
 
             return hook
 
-        # -- at run time: the records ---------------------------------------------------------------------------
-        def receive(event: str, tensors: list, numbers: list) -> None:
-            if elsewhere(owner):
-                return
-            if event == "before":
-                x, context, attention_mask, attn_mask = tensors
-                calls.append(
-                    {
-                        "info": module.resolve_call(
-                            x,
-                            context,
-                            attention_mask=attention_mask,
-                            attn_mask=attn_mask,
-                            is_causal=value_of(numbers[0]),
-                        )
-                    }
-                )
-            elif event == "after":
-                if calls:
-                    self._emit(session, site, module, calls.pop())
-            elif calls:
-                if event == "q":
-                    calls[-1]["dtype"] = tensors[0].dtype
-                if event in kept or event == "allowed":
-                    calls[-1][event] = held(tensors[0])
-
-        token = listen(module, "attnprobe", receive, stack)
+        token = listen(module, "attnprobe", received.receive, stack)
         handles = [
             module.register_forward_pre_hook(before, with_kwargs=True),
             # not always_call (Dynamo guards on those hooks' ids): a forward that raises leaves its entry in `calls`,
@@ -116,8 +88,39 @@ class OwnModuleAdapter(Adapter):
         for h in handles:
             stack.callback(h.remove)
 
-    @staticmethod
-    def _emit(session, site: Site, mod: MultiHeadAttention, seen: dict) -> None:
+
+class _Received:
+    """The run-time side of one module's hooks (outside any compiled graph): the tensors its hook points delivered,
+    gathered call by call into records."""
+
+    def __init__(self, session, site: Site, module: MultiHeadAttention) -> None:
+        self.session, self.site, self.module = session, site, module
+        self.calls: list[dict] = []  # one entry per call in progress
+        self.owner = session.thread  # calls from other threads pass through unrecorded
+        # statistics of an own module come from the weights it computed (they are what is checked)
+        self.kept = {field for field in _HOOKED if session.wants(site, field) or session.wants(site, "stats")}
+
+    def receive(self, event: str, tensors: list, numbers: list) -> None:
+        if elsewhere(self.owner):
+            return
+        calls = self.calls
+        if event == "before":
+            x, context, attention_mask, attn_mask = tensors
+            info = self.module.resolve_call(
+                x, context, attention_mask=attention_mask, attn_mask=attn_mask, is_causal=value_of(numbers[0])
+            )
+            calls.append({"info": info})
+        elif event == "after":
+            if calls:
+                self._emit(calls.pop())
+        elif calls:
+            if event == "q":
+                calls[-1]["dtype"] = tensors[0].dtype
+            if event in self.kept or event == "allowed":
+                calls[-1][event] = held(tensors[0])
+
+    def _emit(self, seen: dict) -> None:
+        session, site, mod = self.session, self.site, self.module
         info = seen.pop("info")
         out = seen.get("output")
         if out is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -212,6 +213,25 @@ def test_same_tensor_as_key_and_value_is_linted():
     with attnprobe.capture(block) as quiet:
         block(X)
     assert len(quiet) == 1 and quiet[0].meta["lint"] == ()
+
+
+def test_query_heads_that_do_not_divide_the_key_heads_are_warned_not_dropped_silently():
+    class OneQueryHead(nn.Module):
+        def forward(self, q, kv):
+            return F.scaled_dot_product_attention(q, kv, kv * 2)  # sdpa broadcasts the one query head over three
+
+    m = OneQueryHead()
+    q, kv = torch.randn(2, 1, 5, 8), torch.randn(2, 3, 5, 8)
+    plain = m(q, kv)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with attnprobe.capture(m) as cap:
+            got = m(q, kv)
+    assert torch.equal(plain, got)  # the model ran unchanged
+    assert len(cap) == 0 and leftovers(m) == []
+    said = [str(w.message) for w in caught if issubclass(w.category, attnprobe.AttnprobeWarning)]
+    assert any("1 query head(s) and 3 key/value heads" in s and "do not divide" in s for s in said), said
+    assert any(s.startswith("no attention found in OneQueryHead") for s in said)  # the capture's own summary
 
 
 def test_a_call_outside_the_model_is_ignored():

@@ -20,7 +20,7 @@ import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -32,10 +32,10 @@ from ...probe.errors import UnsupportedModelError, warn_user
 from ...probe.selection import index_heads
 from ...probe.threads import elsewhere
 from ...probe.walk import walk_of
-from ..base import Adapter, Lazy, Site
+from ..base import Adapter, Lazy, Site, selected_heads
 from ..deliver import deliver, held, listen, number, value_of
 from . import compat as hf_compat
-from .context import KindProbe, Surroundings, head_counts, parents_of, static_kind
+from .context import KindProbe, Surroundings, call_kind, head_counts, parents_of, static_kind
 from .recompute import MaskMemo, Recompute, kv_of_heads
 from .source import name_branches, record_dtype, softmax_dtype
 
@@ -64,7 +64,7 @@ _VERDICTS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionar
 @dataclass(frozen=True)
 class _ClassInfo:
     uses_interface: bool
-    interface: object | None = None  # the ALL_ATTENTION_FUNCTIONS the forward reads (may be file-local)
+    interface: Mapping[str, Callable] | None = None  # the ALL_ATTENTION_FUNCTIONS the forward reads (maybe file-local)
     eager: Callable | None = None  # the model file's own eager function (the dispatch default)
 
 
@@ -116,7 +116,14 @@ def _base_function(cls: type, base: str) -> Callable:
     if base == "eager":
         fn = _EAGER.get(cls)
         return _eager_function(cls) if fn is None else fn
-    return class_info(cls).interface[base]
+    interface = class_info(cls).interface
+    if interface is None:  # the forward names ALL_ATTENTION_FUNCTIONS, but not as a global of its module
+        raise UnsupportedModelError(
+            f"{cls.__name__}.forward dispatches through an ALL_ATTENTION_FUNCTIONS that is not a global of its "
+            f"module ({cls.__module__}), so attnprobe cannot tell which function it calls for {base!r}; exclude the "
+            "module with layers=[...]"
+        )
+    return interface[base]
 
 
 def _eager_function(cls: type) -> Callable:
@@ -362,7 +369,7 @@ def switch_configs(configs, stack: ExitStack) -> None:
         if base is not None and (impl not in BASE_OF or id(config) in _SWITCHED):
             plan.append((config, hf_compat.implementation_internal(config), private_name(base)))
     hold_registration(stack)  # its undo runs after the configs are restored (the stack unwinds in reverse)
-    held = []
+    held: list[object] = []  # the configs switched, for restore()
 
     def restore():
         with _LOCK:
@@ -410,6 +417,26 @@ class _Call:
         if "is_causal" in kwargs:
             kwargs["is_causal"] = bool(kwargs["is_causal"])
         return cls(q, k, v, mask, out, weights, kwargs)
+
+    @property
+    def mask_tensor(self) -> torch.Tensor | None:
+        """The mask as a tensor (None: no mask). Only tensors come this far: the built-in bases hand over tensors and
+        ``_check_mask`` refuses any other object a custom mask function makes."""
+        mask = self.mask
+        if mask is None or isinstance(mask, torch.Tensor):
+            return mask
+        raise UnsupportedModelError(
+            f"an attention function received a {type(mask).__name__} as its mask; attnprobe reads 4-D (batch, "
+            "1 or head, query, key) bool or float masks only"
+        )
+
+    def per_head_output(self) -> torch.Tensor | None:
+        """``(batch, head, query, d_head)``: the function's output ``(batch, query, head, d_head)`` with its axes
+        in the record's order; None when it is not laid out so."""
+        out = self.out
+        if out is not None and out.dim() == 4 and tuple(out.shape[:3]) == (self.batch, self.q_len, self.heads):
+            return out.transpose(1, 2)  # (batch, query, head, d_head) -> (batch, head, query, d_head)
+        return None
 
     @property
     def batch(self) -> int:
@@ -470,7 +497,7 @@ class _Recorder:
         # function (or an overridden "sdpa") that is what the arguments ask for, not necessarily what
         # the function did: the output it returned is recorded as it is, so `output_match` tells.
         self.recomputable = True
-        self._fn = None
+        self._fn: Callable | None = None
         meta = {
             "module_class": type(module).__name__,
             "layer_idx": getattr(module, "layer_idx", None),
@@ -483,7 +510,7 @@ class _Recorder:
         # many eager functions run their softmax in float32 whatever the model's dtype: the weights of a
         # float64 model are then only float32-accurate, and the record says so (checks use its dtype)
         self.softmax_dtype = softmax_dtype(_base_function(type(module), base)) if base == "eager" else None
-        self._kv_of_heads = None
+        self._kv_of_heads: tuple[int, ...] | None = None
 
     # -- helpers --------------------------------------------------------------------------
     def _sync_heads(self, heads: int, kv_heads: int) -> None:
@@ -582,7 +609,7 @@ class _Recorder:
     def _position(self, call: _Call) -> _Where:
         """Where the call sits: self or cross, generation step, position of the first query, padded query rows."""
         state = self.state
-        kind = self.kind or self.kind_probe.kind
+        kind = call_kind(self.kind, self.kind_probe)
         step = state.step if state is not None else None
         offset = state.position if state is not None else 0
         query_padding = state.query_padding(call.batch, call.q_len) if state is not None else None
@@ -605,77 +632,88 @@ class _Recorder:
     def _tensors(self, call: _Call, semantics: _Semantics, mask_info, observed) -> tuple[dict, set, str]:
         """The record's scores / weights / output (recomputed lazily where not observed), what was identified,
         and where the weights come from."""
-        site, wants, q = self.site, self.session.wants, call.q
+        site, wants = self.site, self.session.wants
         values: dict = {}
-        identified = {"q", "k", "v", "allowed"}
-        weights_source = "none"
         if self.recomputable and (wants(site, "scores") or (wants(site, "weights") and observed is None)):
-            if self._kv_of_heads is None:
-                self._kv_of_heads = kv_of_heads(site.heads, call.heads, call.kv_heads)
-            mask = call.mask
-            keep_q = self._q_shared(call)
-            rec = Recompute(
-                q,
-                call.k,
-                mask_info,
-                heads=site.heads,
-                kv_heads=self._kv_of_heads,
-                scaling=semantics.scaling,
-                additive=self.style == "eager"
-                or semantics.position_bias is not None
-                or (mask is not None and mask.dtype.is_floating_point),
-                position_bias=semantics.position_bias,
-                softcap=semantics.softcap,
-                sinks=semantics.sinks,
-                scores_wanted=wants(site, "scores"),
-                keep_q=keep_q,
-            )
-            if keep_q:
-                values["q"] = Lazy((call.batch, len(site.heads), call.q_len, q.shape[-1]), q.dtype, rec.kept_q)
-            if self._scores_trusted(rec, observed, call.kwargs):
-                values["scores"] = Lazy(rec.shape, q.dtype, rec.scores)
-                identified.add("scores")
-            if observed is None:
-                values["weights"] = Lazy(rec.shape, q.dtype, rec.weights)
-                weights_source = "recomputed"
-        out = call.out
-        output = (
-            out.transpose(1, 2)
-            if out is not None and out.dim() == 4 and tuple(out.shape[:3]) == (call.batch, call.q_len, call.heads)
-            else None
-        )
+            values.update(self._recomputed(call, semantics, mask_info, observed))
+        output = call.per_head_output()  # (batch, head, query, d_head)
         if self.recomputable and wants(site, "stats"):
-            if self._kv_of_heads is None:
-                self._kv_of_heads = kv_of_heads(site.heads, call.heads, call.kv_heads)
-            mask = call.mask
-            values["stats"] = AttentionCall.for_heads(
-                q,
-                call.k,
-                call.v,
-                heads=site.heads,
-                kv_heads=self._kv_of_heads,
-                mask=None if mask is None else mask[..., : call.k_len],
-                causal=self._implicit_causal(call, semantics),
-                bias=semantics.position_bias,
-                softcap=semantics.softcap,
-                sinks=semantics.sinks,
-                output=output,
-                scaling=semantics.scaling,
-                additive=self.style == "eager"
-                or semantics.position_bias is not None
-                or (mask is not None and mask.dtype.is_floating_point),
-            )
+            values["stats"] = self._statistics(call, semantics, output)
         if observed is not None:
             values["weights"] = self._observed_weights(observed, call)
             weights_source = "observed"
-        elif self.recomputable and "weights" not in values:
-            weights_source = "recomputed"  # recomputable, only not kept
+        else:  # recomputed, kept or not; none when the function's math is not attnprobe's to redo
+            weights_source = "recomputed" if self.recomputable else "none"
+        identified = {"q", "k", "v", "allowed"} | ({"scores"} if "scores" in values else set())
         if weights_source != "none":
             identified.add("weights")
         if output is not None:
             values["output"] = output
             identified.add("output")
         return values, identified, weights_source
+
+    def _recomputed(self, call: _Call, semantics: _Semantics, mask_info, observed) -> dict:
+        """Lazy recomputed tensors: q (where the record keeps the very copy the product reads), the scores (where
+        attnprobe's formula is what the backend computed) and the weights (where the function returned none)."""
+        site, wants, q = self.site, self.session.wants, call.q
+        heads, _ = selected_heads(site)
+        keep_q = self._q_shared(call)
+        rec = Recompute(
+            q,
+            call.k,
+            mask_info,
+            heads=heads,
+            kv_heads=self._kv_heads(call),
+            scaling=semantics.scaling,
+            additive=self._additive(call, semantics),
+            position_bias=semantics.position_bias,
+            softcap=semantics.softcap,
+            sinks=semantics.sinks,
+            scores_wanted=wants(site, "scores"),
+            keep_q=keep_q,
+        )
+        values: dict = {}
+        if keep_q:  # (batch, head, query, d_head)
+            values["q"] = Lazy((call.batch, len(heads), call.q_len, q.shape[-1]), q.dtype, rec.kept_q)
+        if self._scores_trusted(rec, observed, call.kwargs):
+            values["scores"] = Lazy(rec.shape, q.dtype, rec.scores)  # (batch, head, query, key)
+        if observed is None:
+            values["weights"] = Lazy(rec.shape, q.dtype, rec.weights)  # (batch, head, query, key)
+        return values
+
+    def _statistics(self, call: _Call, semantics: _Semantics, output: torch.Tensor | None) -> AttentionCall:
+        """The call for the blockwise statistics engine, with its own mask (no (query x key) tensor)."""
+        heads, _ = selected_heads(self.site)
+        mask = call.mask_tensor  # (batch or 1, 1 or head, query or 1, key or more)
+        return AttentionCall.for_heads(
+            call.q,
+            call.k,
+            call.v,
+            heads=heads,
+            kv_heads=self._kv_heads(call),
+            mask=None if mask is None else mask[..., : call.k_len],
+            causal=self._implicit_causal(call, semantics),
+            bias=semantics.position_bias,
+            softcap=semantics.softcap,
+            sinks=semantics.sinks,
+            output=output,
+            scaling=semantics.scaling,
+            additive=self._additive(call, semantics),
+        )
+
+    def _kv_heads(self, call: _Call) -> tuple[int, ...]:
+        """The key/value head each selected head reads (grouped-query attention), derived once per head count."""
+        if self._kv_of_heads is None:
+            heads, _ = selected_heads(self.site)
+            self._kv_of_heads = kv_of_heads(heads, call.heads, call.kv_heads)
+        return self._kv_of_heads
+
+    def _additive(self, call: _Call, semantics: _Semantics) -> bool:
+        """Whether the backend adds its mask to the logits (``finfo.min`` where masked) rather than masking them
+        with ``-inf`` (see ``hooks/hf/recompute.py``)."""
+        mask = call.mask_tensor
+        float_mask = mask is not None and mask.dtype.is_floating_point
+        return self.style == "eager" or semantics.position_bias is not None or float_mask
 
     def _observed_weights(self, observed: torch.Tensor, call: _Call):
         """The weights the function returned, as the record takes them: the function's own tensor (a ``Lazy`` that
@@ -716,8 +754,9 @@ class _Recorder:
             }  # a sliding-window cache dropped keys
         if state is not None:
             meta = state.generation_meta(meta)
-        if semantics.scaling != getattr(module, "scaling", semantics.scaling):
-            meta = {**meta, "module_scaling": float(module.scaling)}  # e.g. Whisper scales q before the call
+        module_scaling = getattr(module, "scaling", semantics.scaling)
+        if semantics.scaling != module_scaling:
+            meta = {**meta, "module_scaling": float(module_scaling)}  # e.g. Whisper scales q before the call
         if dtype != call.q.dtype:
             meta = {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
         return meta

@@ -18,8 +18,8 @@ Attention dispatch (hooks/hf/adapter.py)
      own eager function>)`` (5.1-5.24); 5.0 wrote the same dispatch as ``if config._attn_implementation !=
      "eager": attention_interface = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (hf.py lets that one
      comparison with "eager" through: it is the dispatch). A forward whose code names ``ALL_ATTENTION_FUNCTIONS``
-     uses the interface (5.0-5.24). Which families do changes between releases (gptj, codegen, layoutlmv3: old-style up to 5.23,
-     interface from 5.24): read from the installed code, never from a list.
+     uses the interface (5.0-5.24). Which families do changes between releases (gptj, codegen, layoutlmv3:
+     old-style up to 5.23, interface from 5.24): read from the installed code, never from a list.
   2. The eager default is the modeling file's own ``*eager_attention_forward`` global (5.0-5.24; "eager" is
      not in the registry).
   3. ``AttentionInterface._global_mapping`` and ``AttentionMaskInterface._global_mapping``: the registries'

@@ -11,6 +11,7 @@ per stack that holds a selected attention module reads both; the attention calls
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from contextlib import ExitStack
 from functools import cache
 
@@ -30,12 +31,20 @@ HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attn
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
-@cache
 def forward_params(cls: type) -> dict[str, int]:
     """Parameter name -> positional index (after ``self``) of ``cls.forward``; {} when unknown."""
+    # the cache sits behind this function: mypy does not take a class object such as type[nn.Module] as Hashable
+    return _forward_params(cls)
+
+
+@cache
+def _forward_params(cls: type) -> dict[str, int]:
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return {}
     try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError):
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):  # a forward inspect cannot read
         return {}
     return {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1) for i, p in enumerate(params)}
 
@@ -142,6 +151,27 @@ def _built_mask(mask) -> bool:
     if isinstance(mask, dict):
         return any(_built_mask(m) for m in mask.values())
     return isinstance(mask, torch.Tensor) and mask.dim() > 2
+
+
+def call_kind(static: str | None, probe: KindProbe | None) -> str:
+    """Self- or cross-attention, for the call running now: what the module's class says (``static_kind``), else what
+    the arguments of this call said (``KindProbe``)."""
+    if static is not None:
+        return static
+    return probe.kind if probe is not None else "self"
+
+
+class _ReorderWatcher:
+    """A cache's ``reorder_cache`` as a stack watches it: marks each watching stack, then runs the cache's own."""
+
+    def __init__(self, method: Callable, first: StackState) -> None:
+        self.method = method
+        self.attnprobe_watchers = [first]  # the stacks sharing this cache
+
+    def __call__(self, *args, **kwargs):
+        for state in self.attnprobe_watchers:
+            state._reorder_seen = True
+        return self.method(*args, **kwargs)
 
 
 class StackState:
@@ -254,27 +284,21 @@ class StackState:
         method = getattr(cache, "reorder_cache", None)
         if not callable(method):
             return
-
-        def reorder_cache(*args, **kwargs):
-            for state in reorder_cache.attnprobe_watchers:
-                state._reorder_seen = True
-            return method(*args, **kwargs)
-
-        reorder_cache.attnprobe_watchers = [self]
-        self._watched.append((cache, own, reorder_cache))
-        cache.reorder_cache = reorder_cache
+        wrapper = _ReorderWatcher(method, self)
+        self._watched.append((cache, own, wrapper))
+        cache.reorder_cache = wrapper
 
     def generation_meta(self, meta: dict) -> dict:
         """``meta`` plus ``reordered_rows`` when beam search reordered the rows before this step."""
         return {**meta, "reordered_rows": True} if self.reordered and self.step is not None else meta
 
     def _unwatch(self) -> None:
-        for cache, own, wrapper in reversed(self._watched):
-            if cache.__dict__.get("reorder_cache") is wrapper:
+        for watched, own, wrapper in reversed(self._watched):
+            if watched.__dict__.get("reorder_cache") is wrapper:
                 if own is None:
-                    del cache.reorder_cache
+                    del watched.reorder_cache
                 else:
-                    cache.reorder_cache = own
+                    watched.reorder_cache = own
         self._watched.clear()
 
     def _forget(self) -> None:
@@ -343,10 +367,11 @@ def _encoder_decoder_ids(model: nn.Module, named: list | None = None) -> tuple[s
         if not getattr(config, "is_encoder_decoder", False):
             plain.add(id(config))
             continue
-        if not hasattr(m, "get_encoder"):
+        get_encoder = getattr(m, "get_encoder", None)
+        if get_encoder is None:
             continue
         try:
-            enc = m.get_encoder()
+            enc = get_encoder()
         except Exception:
             continue
         if not isinstance(enc, nn.Module) or enc is m:

@@ -19,7 +19,7 @@ from ...probe.errors import UnsupportedModelError, warn_user
 from ...probe.threads import current, elsewhere
 from ..functional import code_reaches_sdpa
 from . import compat as hf_compat
-from .context import HEAD_ATTRS, KindProbe, ancestors, argument, forward_params, static_kind
+from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
 from .source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
@@ -99,9 +99,12 @@ def _calls_sdpa_without_weights(cls: type) -> bool:
     forward takes neither ``output_attentions`` nor ``**kwargs``: AIMv2's attention-pooling head). It is not
     old-style attention: output_attentions would return nothing, while the functional adapter reads its
     sdpa calls whole (q, k, v, mask, recomputed weights)."""
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return False
     try:
-        params = list(inspect.signature(cls.forward).parameters.values())
-    except (TypeError, ValueError):
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a forward inspect cannot read
         return False
     if any(p.name == "output_attentions" or p.kind is p.VAR_KEYWORD for p in params):
         return False
@@ -273,7 +276,7 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
         # inside a model that otherwise uses the interface, a module whose weights cannot be read (MiniMax's
         # lightning attention, deformable attention) is left out with a warning; old-style models refuse
         strict = any(is_old_style_model(m) for m in ancestors(site.module, parents))
-        _attach_site(session, site, surroundings, stack, strict)
+        _FallbackSite(session, site, surroundings, stack, strict)
 
     models = sorted({type(m).__name__ for m in (f.model for f in forced.values())}) or [type(model).__name__]
     warn_user(
@@ -299,108 +302,118 @@ def _refuse_if_path_changes(site, owners) -> None:
         )
 
 
-def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) -> None:
-    module = site.module
-    state = surroundings.stack_of(module)
-    kind = static_kind(module)
-    probe = KindProbe(module, stack) if kind is None else None
-    meta = {
-        "module_class": type(module).__name__,
-        "layer_idx": getattr(module, "layer_idx", None),
-        "base": "output_attentions",
-    }
-    part = surroundings.part_of(module)
-    if part is not None:
-        meta["stack"] = part
+class _FallbackSite:
+    """The forward hook on one selected old-style module: the weights in its return value, read and recorded."""
 
-    softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the model's dtype
-    time_first = type(module).__name__ in _TIME_FIRST
-    pre_softmax = type(module).__name__ in _PRE_SOFTMAX
-    declared = _declared_heads(module)
+    def __init__(self, session, site, surroundings, stack: ExitStack, strict: bool) -> None:
+        module = site.module
+        self.session, self.site, self.strict = session, site, strict
+        self.owner = session.thread  # other threads' forwards are not read
+        self.state = surroundings.stack_of(module)  # the model's generation state (cache, step, padding)
+        self.kind = static_kind(module)
+        self.probe = KindProbe(module, stack) if self.kind is None else None
+        self.meta = {
+            "module_class": type(module).__name__,
+            "layer_idx": getattr(module, "layer_idx", None),
+            "base": "output_attentions",
+        }
+        part = surroundings.part_of(module)
+        if part is not None:
+            self.meta["stack"] = part
+        self.softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the dtype
+        self.time_first = type(module).__name__ in _TIME_FIRST
+        self.pre_softmax = type(module).__name__ in _PRE_SOFTMAX
+        self.declared = _declared_heads(module)
+        self.warned = False  # this capture has said once that the module is left out
+        handle = module.register_forward_hook(self.after)
+        stack.callback(handle.remove)
 
-    warned = []  # this capture has said once that the module is left out
-
-    owner = session.thread
-
-    def after(mod, args, output):
-        if elsewhere(owner):
+    def after(self, mod, args, output) -> None:
+        if elsewhere(self.owner):
             return  # another thread's forward
         try:
-            weights = readable(mod, output)
+            weights = self.readable(mod, output)
         except UnsupportedModelError as e:
-            if strict:
+            if self.strict:
                 raise
-            if not warned:
-                warned.append(True)
+            if not self.warned:
+                self.warned = True
                 warn_user(f"{e}; it is not recorded (the model's other attention modules are)")
-            return None
-        record(mod, weights)
+            return
+        self.record(mod, weights)
 
-    def readable(mod, output) -> torch.Tensor:
-        """The (batch, head, query, key) weights in ``output``; UnsupportedModelError naming what is wrong."""
-        weights = _weights_in(output)
-        if weights is None and _several_weights(output):
+    def readable(self, mod, output) -> torch.Tensor:
+        """The ``(batch, head, query, key)`` weights in ``output``; UnsupportedModelError naming what is wrong."""
+        site = self.site
+        where = f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer})"
+        weights = _weights_in(output)  # in the module's own layout
+        if weights is None:
+            raise self._no_weights(mod, output, where)
+        if self.time_first:
+            weights = weights.permute(2, 3, 0, 1)  # (query, key, batch, head) -> (batch, head, query, key)
+        if self.pre_softmax:
+            with torch.no_grad():
+                weights = nn.functional.softmax(weights, dim=-1)  # (batch, head, query, key)
+        if not _probabilities(weights):
             raise UnsupportedModelError(
-                f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) returned "
-                f"{_several_weights(output)} weight matrices for one call (XLNet's two-stream attention, used with "
+                f"{where} returned output_attentions values in [{float(weights.nan_to_num().min()):.3g}, "
+                f"{float(weights.nan_to_num().max()):.3g}]: not post-softmax weights, so attnprobe cannot record them "
+                "as weights. Exclude the module with layers=[...]"
+            )
+        if self.declared is not None and weights.shape[1] != self.declared:
+            raise UnsupportedModelError(
+                f"{where} has {self.declared} heads but returned weights of shape {tuple(weights.shape)}: not laid "
+                "out as (batch, head, query, key), so attnprobe cannot read them. Exclude the module with layers=[...]"
+            )
+        return weights
+
+    def _no_weights(self, mod, output, where: str) -> UnsupportedModelError:
+        """Why ``output`` holds no (query, key) weights: two streams, weights of another layout, or none."""
+        site = self.site
+        if several := _several_weights(output):
+            return UnsupportedModelError(
+                f"{where} returned {several} weight matrices for one call (XLNet's two-stream attention, used with "
                 "target_mapping); attnprobe records one (query, key) matrix per call. Capture a forward without "
                 "target_mapping, or exclude the module with layers=[...]"
             )
-        if weights is not None and time_first:
-            weights = weights.permute(2, 3, 0, 1)  # (query, key, batch, head) -> (batch, head, query, key)
-        if weights is not None and pre_softmax:
-            with torch.no_grad():
-                weights = nn.functional.softmax(weights, dim=-1)
-        if weights is not None and not _probabilities(weights):
-            raise UnsupportedModelError(
-                f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) returned output_attentions "
-                f"values in [{float(weights.nan_to_num().min()):.3g}, {float(weights.nan_to_num().max()):.3g}]: not "
-                "post-softmax weights, so attnprobe cannot record them as weights. Exclude the module with layers=[...]"
-            )
-        if weights is not None and declared is not None and weights.shape[1] != declared:
-            raise UnsupportedModelError(
-                f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}) has {declared} heads but "
-                f"returned weights of shape {tuple(weights.shape)}: not laid out as (batch, head, query, key), so "
-                "attnprobe cannot read them. Exclude the module with layers=[...]"
-            )
-        if weights is None and (shape := _other_layout(output)) is not None:
-            raise UnsupportedModelError(
-                f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}): "
-                f"it has no attention interface and returned its weights with shape {shape}, not one "
+        unreadable = f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer})"
+        if (shape := _other_layout(output)) is not None:
+            return UnsupportedModelError(
+                f"{unreadable}: it has no attention interface and returned its weights with shape {shape}, not one "
                 "(batch, head, query, key) matrix per call (weights per window or mask unit), so attnprobe cannot "
                 f"record them. Trace its softmax with capture(model, modules=[...]) naming {site.name!r}, or "
                 f"exclude the module with layers=[...] (it is layer {site.layer})"
             )
-        if weights is None:
-            raise UnsupportedModelError(
-                f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer}): "
-                "it has no attention interface and returned no attention weights (call the model itself, which "
-                "is asked for output_attentions; if its code computes a softmax, trace it with "
-                f"capture(model, modules=[...]) naming it, {site.name!r}; or exclude the module with layers=[...]; "
-                f"it is layer {site.layer})"
-            )
-        return weights
+        return UnsupportedModelError(
+            f"{unreadable}: it has no attention interface and returned no attention weights (call the model itself, "
+            "which is asked for output_attentions; if its code computes a softmax, trace it with "
+            f"capture(model, modules=[...]) naming it, {site.name!r}; or exclude the module with layers=[...]; "
+            f"it is layer {site.layer})"
+        )
 
-    def record(mod, weights: torch.Tensor) -> None:
-        b, heads, q_len, k_len = weights.shape
+    def record(self, mod, weights: torch.Tensor) -> None:
+        site, state = self.site, self.state
+        b, heads, q_len, k_len = weights.shape  # (batch, head, query, key)
         if site.num_heads != heads:
             site.num_heads = heads
             site.num_kv_heads = site.num_kv_heads if site.num_kv_heads and heads % site.num_kv_heads == 0 else heads
-            session.select_site(site)
+            self.session.select_site(site)
         dropout = _dropout_of(mod)
-        kind_now = kind or probe.kind
+        kind = call_kind(self.kind, self.probe)
         offset = state.position if state is not None else 0
-        if time_first and kind_now == "self":
+        if self.time_first and kind == "self":
             offset = k_len - q_len  # keys = the memory, then this call's positions
         if offset is None:  # a cache that cannot say its length
-            offset = max(k_len - q_len, 0) if kind_now == "self" else 0
-        dtype = record_dtype(weights.dtype, softmax)
-        meta_now = meta if dtype == weights.dtype else {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
+            offset = max(k_len - q_len, 0) if kind == "self" else 0
+        dtype = record_dtype(weights.dtype, self.softmax)
+        meta = self.meta
+        if dtype != weights.dtype:
+            meta = {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
         if state is not None:
-            meta_now = state.generation_meta(meta_now)
-        session.emit(
+            meta = state.generation_meta(meta)
+        self.session.emit(
             site,
-            kind=kind_now,
+            kind=kind,
             weights=weights,
             query_padding=state.query_padding(b, q_len) if state is not None else None,
             backend="eager",
@@ -409,8 +422,5 @@ def _attach_site(session, site, surroundings, stack: ExitStack, strict: bool) ->
             dropout=dropout,
             step=state.step if state is not None else None,
             query_offset=offset,
-            meta={**meta_now, "weights_after_dropout": True} if dropout and not pre_softmax else meta_now,
+            meta={**meta, "weights_after_dropout": True} if dropout and not self.pre_softmax else meta,
         )
-
-    handle = module.register_forward_hook(after)
-    stack.callback(handle.remove)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...probe.engine.attention_math import attention_logits, softmax_with_sinks
+from ...probe.errors import UnsupportedModelError
 from ...probe.selection import index_heads
 
 
@@ -38,18 +39,18 @@ def allowed_from(mask, *, batch: int, q_len: int, k_len: int, implicit_causal: b
     """
     if mask is None:
         if implicit_causal:
-            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril_()
+            allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril_()  # (query, key)
         else:
-            allowed = torch.ones(1, 1, dtype=torch.bool, device=device)
-        return allowed.view(1, 1, *allowed.shape).expand(batch, 1, q_len, k_len)
-    mask = as_4d(mask)[..., :k_len]
+            allowed = torch.ones(1, 1, dtype=torch.bool, device=device)  # (1, 1): every key
+        return allowed.view(1, 1, *allowed.shape).expand(batch, 1, q_len, k_len)  # (batch, 1, query, key)
+    mask = as_4d(mask)[..., :k_len]  # (batch or 1, 1 or head, query or 1, key)
     if mask.dtype == torch.bool:
         allowed = mask
     elif mask.dtype.is_floating_point:
         allowed = mask > torch.finfo(mask.dtype).min / 2
     else:  # an integer 0/1 mask handed straight to the function
         allowed = mask != 0
-    return allowed.expand(batch, allowed.shape[1], q_len, k_len)
+    return allowed.expand(batch, allowed.shape[1], q_len, k_len)  # (batch, 1 or head, query, key)
 
 
 class MaskInfo:
@@ -63,19 +64,19 @@ class MaskInfo:
     def __init__(self, mask, allowed: torch.Tensor) -> None:
         self.mask, self.allowed = mask, allowed
         self._add: dict = {}
-        self._empty = None
+        self._empty: tuple[torch.Tensor | None] | None = None  # (the rows with no allowed key, or None), once known
 
     def to_add(self, fill: float, heads, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """``dtype`` ``(batch or 1, 1 or head, query, key)``: 0 where allowed, ``fill`` elsewhere (None: all allowed).
         A mask that is the same for every sequence (sdpa's ``is_causal``, expanded over the batch) stays one."""
         key = (fill, dtype, heads if self.allowed.shape[1] > 1 else None)
         if key not in self._add:
-            allowed = self.for_heads(heads)
+            allowed = self.for_heads(heads)  # (batch, 1 or head, query, key)
             if allowed.shape[0] > 1 and allowed.stride(0) == 0:
-                allowed = allowed[:1]  # broadcasting does the rest
+                allowed = allowed[:1]  # (1, 1 or head, query, key): broadcasting does the rest
             if self.mask is None and bool(allowed.all()):
                 self._add[key] = None
-            else:
+            else:  # (batch or 1, 1 or head, query, key)
                 self._add[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
                     ~allowed, fill
                 )
@@ -86,8 +87,8 @@ class MaskInfo:
         keys: converted once per forward, not once per layer."""
         key = ("float", dtype, k_len, heads if as_4d(self.mask).shape[1] > 1 else None)
         if key not in self._add:
-            t = as_4d(self.mask.detach())[..., :k_len]
-            self._add[key] = (index_heads(t, heads)[0] if t.shape[1] > 1 else t).to(dtype)
+            t = as_4d(self.mask.detach())[..., :k_len]  # (batch or 1, 1 or head, query or 1, key)
+            self._add[key] = (index_heads(t, heads)[0] if t.shape[1] > 1 else t).to(dtype)  # heads selected
         return self._add[key]
 
     def float_bias(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor | None:
@@ -97,18 +98,19 @@ class MaskInfo:
         no (query, key) sum made per layer (at 1 x 1,024 tokens that sum cost a tenth of an eager layer)."""
         key = ("bias", dtype, k_len, heads if as_4d(self.mask).shape[1] > 1 else None)
         if key not in self._add:
-            bias = self.float_mask(heads, dtype, k_len).masked_fill(~self.for_heads(heads), 0.0)
+            bias = self.float_mask(heads, dtype, k_len).masked_fill(~self.for_heads(heads), 0.0)  # (b, 1 or h, q, k)
             self._add[key] = bias if bool(bias.any()) else None
         return self._add[key]
 
     def for_heads(self, heads) -> torch.Tensor:
+        """``(batch, 1 or head, query, key)``: ``allowed`` of the selected heads (one mask for all stays one)."""
         a = self.allowed
         return index_heads(a, heads)[0] if a.shape[1] > 1 else a
 
     def empty_rows(self, heads) -> torch.Tensor | None:
         """``(batch, 1 or head, query, 1)`` True for rows with no allowed key; None when there are none."""
         if self._empty is None or self.allowed.shape[1] > 1:
-            empty = ~self.for_heads(heads).any(dim=-1, keepdim=True)
+            empty = ~self.for_heads(heads).any(dim=-1, keepdim=True)  # (batch, 1 or head, query, 1)
             self._empty = (empty if bool(empty.any()) else None,)
         return self._empty[0]
 
@@ -178,7 +180,9 @@ class Recompute:
         self.position_bias, self.softcap, self.sinks = position_bias, softcap, sinks
         self.out_dtype = out_dtype or q.dtype
         self.compute_dtype = torch.promote_types(q.dtype, torch.float32)
-        self._logits = self._scores = self._weights = None
+        self._logits: torch.Tensor | None = None
+        self._scores: torch.Tensor | None = None
+        self._weights: torch.Tensor | None = None
         #: False when nobody will ask for ``scores``: ``weights`` may then add the mask to the logits in place
         self.scores_wanted = scores_wanted
         #: True when a record keeps q as ``kept_q()``: the very copy the product reads
@@ -196,11 +200,12 @@ class Recompute:
         of k hands the matrix library another layout than eager attention does: another last bit for some shapes.)"""
         if self._inputs is None:
             with torch.no_grad():
-                q, fresh = index_heads(self.q.detach(), self.heads)
+                q, fresh = index_heads(self.q.detach(), self.heads)  # (batch, head, query, d_head)
                 q = q.to(self.compute_dtype)
                 if self.keep_q and not fresh:
                     q = q.clone(memory_format=torch.contiguous_format)
-                k = index_heads(self.k.detach(), self.kv_heads)[0].to(self.compute_dtype)  # the kv head of each head
+                # (batch, head, key, d_head): the kv head each selected head reads
+                k = index_heads(self.k.detach(), self.kv_heads)[0].to(self.compute_dtype)
             self._inputs = (q, k)
         return self._inputs
 
@@ -213,13 +218,14 @@ class Recompute:
         if self._logits is None:
             with torch.no_grad():
                 q, k = self.inputs()
-                bias = None if self.position_bias is None else self._per_head(self.position_bias)
+                bias = None if self.position_bias is None else self._per_head(self.position_bias)  # (b, 1 or h, q, k)
+                # (batch, head, query, d_head) x (batch, head, key, d_head) -> (batch, head, query, key)
                 logits = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap)
             self._logits = logits
         return self._logits
 
     def _per_head(self, t: torch.Tensor) -> torch.Tensor:
-        t = as_4d(t.detach())[..., : self.k.shape[2]]
+        t = as_4d(t.detach())[..., : self.k.shape[2]]  # (batch or 1, 1 or head, query, key)
         return index_heads(t, self.heads)[0] if t.shape[1] > 1 else t
 
     def allowed(self) -> torch.Tensor:
@@ -241,18 +247,18 @@ class Recompute:
             if self.mask is not None and self.mask.dtype.is_floating_point:
                 # a float mask may carry more than masking (Swin folds its relative bias into it): its bias part
                 # (0 where it masks) is added, a new tensor; the logits stay free for the weights
-                bias = self.info.float_bias(self.heads, logits.dtype, self.k.shape[2])
+                bias = self.info.float_bias(self.heads, logits.dtype, self.k.shape[2])  # (batch, 1 or head, q, k)
                 if bias is not None:
                     with torch.no_grad():
-                        logits = logits + bias
+                        logits = logits + bias  # (batch, head, query, key)
             self._scores = logits
         return self._scores.to(self.out_dtype)
 
     def weights(self) -> torch.Tensor:
         if self._weights is None:
             with torch.no_grad():
-                logits = self.logits()
-                add = self._mask_to_add()
+                logits = self.logits()  # (batch, head, query, key)
+                add = self._mask_to_add()  # (batch or 1, 1 or head, query, key)
                 # the logits are free when no record keeps them (no scores wanted, or the scores are a tensor of
                 # their own): the mask and the softmax are then written into them, and the weights are the only
                 # (query, key) tensor made here. Otherwise the masked logits are the one new tensor, and the
@@ -266,12 +272,12 @@ class Recompute:
                 )
                 if own:
                     self._logits = None
-                    z = logits if add is None else logits.add_(add)
+                    z = logits if add is None else logits.add_(add)  # (batch, head, query, key)
                 elif add is not None:
-                    z, own = torch.add(logits, add), True
+                    z, own = torch.add(logits, add), True  # (batch, head, query, key)
                 else:
                     z = logits  # kept as the scores: the softmax makes the weights' own tensor
-                if self.sinks is None:
+                if self.sinks is None:  # (batch, head, query, key)
                     weights = torch.softmax(z, dim=-1, out=z) if own else torch.softmax(z, dim=-1)
                 else:  # attention sinks: one extra logit per head that takes probability mass and no value
                     weights = softmax_with_sinks(z, self.sinks, self.heads)
@@ -284,6 +290,14 @@ class Recompute:
 
 
 def kv_of_heads(heads: tuple[int, ...], num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
-    """For each selected query head, the key/value head it reads (grouped-query attention)."""
-    group = num_heads // max(num_kv_heads, 1)
+    """For each selected query head, the key/value head it reads (grouped-query attention: each key/value head
+    serves a group of ``num_heads // num_kv_heads`` consecutive query heads)."""
+    kv = max(num_kv_heads, 1)
+    if num_heads % kv:
+        raise UnsupportedModelError(
+            f"an attention call had {num_heads} query heads and {num_kv_heads} key/value heads, which do not divide: "
+            "attnprobe reads grouped-query attention, each key/value head serving a group of query heads, so it "
+            "cannot tell which key head a query head read. Exclude the module with layers=[...]"
+        )
+    group = num_heads // kv
     return tuple(h // group for h in heads)

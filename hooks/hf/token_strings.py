@@ -20,8 +20,9 @@ def _as_lists(ids, what: str = "token ids"):
             )
         return ids.tolist()
     dtype = getattr(ids, "dtype", None)
-    if getattr(dtype, "kind", None) is not None and hasattr(ids, "ndim") and hasattr(ids, "tolist"):  # numpy
-        if ids.ndim not in (0, 1, 2) or dtype.kind not in "iu":
+    kind = getattr(dtype, "kind", None)
+    if kind is not None and hasattr(ids, "ndim") and hasattr(ids, "tolist"):  # numpy
+        if ids.ndim not in (0, 1, 2) or kind not in "iu":
             raise AttnprobeError(
                 f"{what} must be an integer array (batch, position) or (position,), got "
                 f"{dtype} of shape {tuple(ids.shape)}"

@@ -151,14 +151,15 @@ def _where_step(node: Node) -> ChainStep | None:
         return None
     cond = cond.detach().bool()
     for chain, fill, allowed in ((a, b, cond), (b, a, ~cond)):
-        if (
+        if not (
             isinstance(chain, torch.Tensor)
             and chain.is_floating_point()
             and reaches_product(chain, node.parent_of(chain))
         ):
-            if is_masking_value(fill) or (isinstance(fill, torch.Tensor) and bool((fill <= MASKED_AT).all())):
-                inp = node.before if node.before is not None and chain is a else chain  # where(..., out=scores)
-                return ChainStep("mask", node, inp, node.parent_of(chain), allowed=allowed)
+            continue  # not the scores
+        if is_masking_value(fill) or (isinstance(fill, torch.Tensor) and bool((fill <= MASKED_AT).all())):
+            inp = node.before if node.before is not None and chain is a else chain  # where(..., out=scores)
+            return ChainStep("mask", node, inp, node.parent_of(chain), allowed=allowed)
     return None
 
 
@@ -552,8 +553,9 @@ def read_scores_chain(softmax: Node, x: torch.Tensor) -> ScoresChain:
     else:
         chain.lost = f"more than {_MAX_STEPS} steps between the product and softmax at {format_location(softmax.where)}"
     chain.steps, chain.start = steps[::-1], t
-    if chain.product is not None and chain.product.additive is not None:
-        chain.steps.insert(0, additive_step(chain.product_node, chain.product.additive, 1.0, t, None))
+    product, node = chain.product, chain.product_node
+    if product is not None and node is not None and product.additive is not None:  # baddbmm's input term
+        chain.steps.insert(0, additive_step(node, product.additive, 1.0, t, None))
     return chain
 
 

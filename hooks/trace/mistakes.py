@@ -36,10 +36,10 @@ def head_merge_lint(out_node: Node, out: torch.Tensor, axes: list[list[tuple[str
                 order = ", ".join(label for label, _ in atoms)
                 return (
                     lint_rules.LINT_HEAD_MERGE,
-                    f"heads merged by a reshape {tuple(t.shape)} -> {tuple(nxt.out.shape)} at {format_location(nxt.where)} "
-                    f"while the axes are ({order}) (b=batch, h=head, q=query, d=d_head): the head axis is not next to "
-                    "d_head, so values of different queries are mixed; move it first, e.g. "
-                    "out.transpose(1, 2).reshape(B, T, H * D)",
+                    f"heads merged by a reshape {tuple(t.shape)} -> {tuple(nxt.out.shape)} at "
+                    f"{format_location(nxt.where)} while the axes are ({order}) (b=batch, h=head, q=query, "
+                    "d=d_head): the head axis is not next to d_head, so values of different queries are mixed; "
+                    "move it first, e.g. out.transpose(1, 2).reshape(B, T, H * D)",
                 )
             if verdict is False:
                 return None
@@ -66,8 +66,8 @@ def unused_masks(scope: Scope, chain: set[int], returned: set[int]) -> list[tupl
         found.append(
             (
                 lint_rules.LINT_UNUSED_MASK,
-                f"the result of {name}(...) at {format_location(n.where)} is never used, so its mask is not applied to the "
-                f"scores; assign it (scores = scores.{name}(...))"
+                f"the result of {name}(...) at {format_location(n.where)} is never used, so its mask is not applied to "
+                f"the scores; assign it (scores = scores.{name}(...))"
                 + (" or use masked_fill_" if n.op == "masked_fill" else ""),
             )
         )

@@ -37,6 +37,7 @@ cat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +98,14 @@ def _op(
                 INPLACE_OPS[f] = op
 
 
-def _build_table() -> None:
-    g = getattr
-    softmax = g(torch.special, "softmax", None)
+def _maybe(owner, name: str):
+    """``owner.name``, or None where this torch release has no such function (``_op`` skips None)."""
+    return getattr(owner, name, None)
+
+
+def _products() -> None:
+    """softmax, and the products that make the scores or read the values."""
+    softmax = _maybe(torch.special, "softmax")
     _op("softmax", ("input", "dim", "dtype"), torch.softmax, softmax, _T.softmax, defaults={"dim": None})
     _op("softmax", ("input", "dim", "_stacklevel", "dtype"), F.softmax, defaults={"dim": None})
 
@@ -111,46 +117,32 @@ def _build_table() -> None:
     _op("einsum", ("equation", "operands"), torch.einsum, varargs="operands")
     baddbmm = ("input", "batch1", "batch2")
     _op("baddbmm", baddbmm, torch.baddbmm, _T.baddbmm, defaults={"beta": 1, "alpha": 1})
-    _op("baddbmm", baddbmm, g(_T, "baddbmm_", None), defaults={"beta": 1, "alpha": 1}, inplace=True)
+    _op("baddbmm", baddbmm, _maybe(_T, "baddbmm_"), defaults={"beta": 1, "alpha": 1}, inplace=True)
 
-    _op("mul", binary, torch.mul, _T.mul, _T.__mul__, g(torch, "multiply", None), g(_T, "multiply", None))
+
+def _arithmetic() -> None:
+    """Scales and biases: mul, div, add, sub, with their operators, reflected operators and in-place forms."""
+    binary = ("input", "other")
+    _op("mul", binary, torch.mul, _T.mul, _T.__mul__, _maybe(torch, "multiply"), _maybe(_T, "multiply"))
     _op("mul", binary, _T.__rmul__, reflected=True)
     # ``s *= c`` and the like: torch dispatches them as mul_, div_, add_, sub_; the operators are listed too, in case
     # a release hands them over as they are
-    _op("mul", binary, _T.mul_, g(_T, "multiply_", None), g(_T, "__imul__", None), inplace=True)
+    _op("mul", binary, _T.mul_, _maybe(_T, "multiply_"), _maybe(_T, "__imul__"), inplace=True)
     div = ("input", "other", "rounding_mode")
-    _op(
-        "div",
-        div,
-        torch.div,
-        _T.div,
-        _T.__truediv__,
-        g(torch, "divide", None),
-        g(_T, "divide", None),
-        torch.true_divide,
-        _T.true_divide,
-        defaults={"rounding_mode": None},
-    )
-    _op("div", div, _T.__rtruediv__, g(_T, "__rdiv__", None), reflected=True, defaults={"rounding_mode": None})
-    _op(
-        "div",
-        div,
-        _T.div_,
-        g(_T, "divide_", None),
-        g(_T, "true_divide_", None),
-        g(_T, "__itruediv__", None),
-        g(_T, "__idiv__", None),
-        defaults={"rounding_mode": None},
-        inplace=True,
-    )
+    no_rounding = {"rounding_mode": None}
+    divides = (torch.div, _T.div, _T.__truediv__, _maybe(torch, "divide"), _maybe(_T, "divide"))
+    _op("div", div, *divides, torch.true_divide, _T.true_divide, defaults=no_rounding)
+    _op("div", div, _T.__rtruediv__, _maybe(_T, "__rdiv__"), reflected=True, defaults=no_rounding)
+    in_place = (_T.div_, _maybe(_T, "divide_"), _maybe(_T, "true_divide_"), _maybe(_T, "__itruediv__"))
+    _op("div", div, *in_place, _maybe(_T, "__idiv__"), defaults=no_rounding, inplace=True)
     additive = ("input", "other", "alpha")
     for name, funcs, reflected, inplace in (
-        ("add", (torch.add, _T.add, _T.__add__), None, (_T.add_, g(_T, "__iadd__", None))),
+        ("add", (torch.add, _T.add, _T.__add__), None, (_T.add_, _maybe(_T, "__iadd__"))),
         (
             "sub",
-            (torch.sub, _T.sub, _T.__sub__, g(torch, "subtract", None), g(_T, "subtract", None)),
+            (torch.sub, _T.sub, _T.__sub__, _maybe(torch, "subtract"), _maybe(_T, "subtract")),
             _T.__rsub__,
-            (_T.sub_, g(_T, "subtract_", None), g(_T, "__isub__", None)),
+            (_T.sub_, _maybe(_T, "subtract_"), _maybe(_T, "__isub__")),
         ),
     ):
         _op(name, additive, *funcs, defaults={"alpha": 1})
@@ -159,6 +151,9 @@ def _build_table() -> None:
             _op(name, additive, reflected, defaults={"alpha": 1}, reflected=True)
     _op("add", additive, _T.__radd__, defaults={"alpha": 1}, reflected=True)
 
+
+def _masks_and_axes() -> None:
+    """Masks (masked_fill, where, item assignment), indexing, and the calls that move axes."""
     _op("masked_fill", ("input", "mask", "value"), torch.masked_fill, _T.masked_fill)
     _op("masked_fill", ("input", "mask", "value"), _T.masked_fill_, inplace=True)
     _op("where", ("condition", "input", "other"), torch.where)
@@ -166,99 +161,42 @@ def _build_table() -> None:
     _op("setitem", ("input", "index", "value"), _T.__setitem__, inplace=True)
     _op("getitem", ("input", "index"), _T.__getitem__)
 
-    _op(
-        "transpose",
-        ("input", "dim0", "dim1"),
-        torch.transpose,
-        _T.transpose,
-        g(torch, "swapdims", None),
-        g(_T, "swapdims", None),
-    )
-    _op(
-        "transpose",
-        ("input", "dim0", "dim1"),
-        g(torch, "swapaxes", None),
-        g(_T, "swapaxes", None),
-        renamed={"axis0": "dim0", "axis1": "dim1"},
-    )
+    dims = ("input", "dim0", "dim1")
+    _op("transpose", dims, torch.transpose, _T.transpose, _maybe(torch, "swapdims"), _maybe(_T, "swapdims"))
+    swapaxes = (_maybe(torch, "swapaxes"), _maybe(_T, "swapaxes"))
+    _op("transpose", dims, *swapaxes, renamed={"axis0": "dim0", "axis1": "dim1"})
     _op("permute", ("input", "dims"), torch.permute, _T.permute, varargs="dims")
-    _op(
-        "movedim",
-        ("input", "source", "destination"),
-        torch.movedim,
-        _T.movedim,
-        g(torch, "moveaxis", None),
-        g(_T, "moveaxis", None),
-    )
+    moves = (torch.movedim, _T.movedim, _maybe(torch, "moveaxis"), _maybe(_T, "moveaxis"))
+    _op("movedim", ("input", "source", "destination"), *moves)
 
-    # ops read by their input alone (the shape they give comes from their output): the other arguments are kept
-    # as they came in "args"
+
+def _shaping() -> None:
+    """Calls read by their input alone (the shape they give comes from their output; their other arguments are kept
+    as they came, in ``args``), dropout, and the calls that split, join or repeat tensors."""
     shaping = ("input", "args")
-    _op(
-        "reshape",
-        shaping,
-        _T.view,
-        _T.reshape,
-        torch.reshape,
-        _T.flatten,
-        torch.flatten,
-        _T.unflatten,
-        torch.unflatten,
-        _T.view_as,
-        _T.reshape_as,
-        _T.squeeze,
-        _T.unsqueeze,
-        torch.squeeze,
-        torch.unsqueeze,
-        varargs="args",
-    )
-    _op(
-        "pass",
-        shaping,
-        _T.contiguous,
-        _T.float,
-        _T.half,
-        _T.double,
-        _T.bfloat16,
-        _T.to,
-        _T.type_as,
-        _T.clone,
-        torch.clone,
-        _T.type,
-        varargs="args",
-    )
-    _op(
-        "split",
-        shaping,
-        _T.chunk,
-        torch.chunk,
-        _T.split,
-        torch.split,
-        _T.unbind,
-        torch.unbind,
-        _T.tensor_split,
-        torch.tensor_split,
-        varargs="args",
-    )
+    views = (_T.view, _T.reshape, torch.reshape, _T.flatten, torch.flatten, _T.unflatten, torch.unflatten)
+    squeezes = (_T.squeeze, _T.unsqueeze, torch.squeeze, torch.unsqueeze)
+    _op("reshape", shaping, *views, _T.view_as, _T.reshape_as, *squeezes, varargs="args")
+    casts = (_T.float, _T.half, _T.double, _T.bfloat16, _T.to, _T.type_as)
+    _op("pass", shaping, _T.contiguous, *casts, _T.clone, torch.clone, _T.type, varargs="args")
+    splits = (_T.chunk, torch.chunk, _T.split, torch.split, _T.unbind, torch.unbind, _T.tensor_split)
+    _op("split", shaping, *splits, torch.tensor_split, varargs="args")
     _op("expand", shaping, _T.expand, _T.expand_as, varargs="args")
-    _op("tile", shaping, _T.repeat, g(torch, "tile", None), g(_T, "tile", None), varargs="args")
+    _op("tile", shaping, _T.repeat, _maybe(torch, "tile"), _maybe(_T, "tile"), varargs="args")
     _op("dropout", ("input", "p", "training", "inplace"), F.dropout, defaults={"p": 0.5, "training": True})
     _op("dropout", ("input", "p", "training"), torch.dropout, renamed={"train": "training"})
-    _op(
-        "cat",
-        ("tensors", "dim"),
-        torch.cat,
-        g(torch, "concat", None),
-        g(torch, "concatenate", None),
-        defaults={"dim": 0},
-    )
-    _op(
-        "repeat_interleave",
-        ("input", "repeats", "dim"),
-        _T.repeat_interleave,
-        torch.repeat_interleave,
-        defaults={"dim": None},
-    )
+    cats = (torch.cat, _maybe(torch, "concat"), _maybe(torch, "concatenate"))
+    _op("cat", ("tensors", "dim"), *cats, defaults={"dim": 0})
+    repeats = (_T.repeat_interleave, torch.repeat_interleave)
+    _op("repeat_interleave", ("input", "repeats", "dim"), *repeats, defaults={"dim": None})
+
+
+def _build_table() -> None:
+    """Every op the tracer reads, family by family (the module docstring's table)."""
+    _products()
+    _arithmetic()
+    _masks_and_axes()
+    _shaping()
 
 
 _build_table()
@@ -295,7 +233,7 @@ def _bind(sig: Signature, args: tuple, kwargs: dict) -> dict | None:
     if sig.varargs is not None:
         fixed = len(names) - 1
         params = dict(zip(names[:fixed], args[:fixed]))
-        rest = args[fixed:]
+        rest: Sequence = args[fixed:]
         if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
             rest = rest[0]  # x.permute((0, 2, 1)), torch.einsum(eq, [a, b])
         if rest:

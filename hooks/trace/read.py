@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from ...probe.checks import lint as lint_rules
+from ...probe.engine.attention_math import attention_logits
 from ..masks import compress_heads, forbids_future
-from .chain import ScoresChain, permuted, read_scores_chain, source, unfolded_heads, unrepeated_heads
+from .chain import Product, ScoresChain, permuted, read_scores_chain, source, unfolded_heads, unrepeated_heads
 from .mistakes import head_merge_lint, unused_masks
 from .ops import einsum_operands
 from .recorder import Node, Scope, format_location
@@ -85,7 +86,10 @@ class ScoresLayout:
     @classmethod
     def of(cls, x: torch.Tensor, chain: ScoresChain) -> ScoresLayout:
         product = chain.product
-        vector = x.dim() == 1 or (product is not None and product.vector and x.dim() == chain.start.dim())
+        start = chain.start
+        vector = x.dim() == 1 or (
+            product is not None and product.vector and start is not None and x.dim() == start.dim()
+        )
         layout = cls(x.unsqueeze(-2).shape if vector else x.shape, vector)
         if product is None:
             return layout
@@ -151,23 +155,30 @@ def analyze(scope: Scope, softmax: Node, returned: set[int]) -> Finding | None:
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < 1 or x.is_nested:
         return None
     chain = read_scores_chain(softmax, x)
-    if chain.product is not None and chain.product.vector and x.dim() != chain.start.dim():
-        chain.lost = (
-            f"the scores of one query vector from {chain.product_node.name} at "
-            f"{format_location(chain.product_node.where)} are reshaped on their way to softmax"
-        )
-        chain.product = chain.product_node = None
+    _drop_reshaped_vector(chain, x)
     layout = ScoresLayout.of(x, chain)
     finding = _read_scores(scope, softmax, x, w, chain, layout)
     _lint_softmax_axis(finding, softmax, x)
     if chain.product is not None:
-        _read_queries_and_keys(finding, chain, layout)
+        _read_queries_and_keys(finding, chain.product, chain, layout)
     _read_kind(finding, chain.product, layout)
     _read_causal(finding, chain)
     used = _read_values(finding, scope, softmax, w, chain, layout)
     finding.lints.extend(unused_masks(scope, chain.node_ids | used | {id(softmax)}, returned))
     _explain_missing(finding, chain, softmax)
     return finding
+
+
+def _drop_reshaped_vector(chain: ScoresChain, x: torch.Tensor) -> None:
+    """The scores of one query vector reshaped on their way to softmax: their product is not read."""
+    product, node, start = chain.product, chain.product_node, chain.start
+    if product is None or node is None or start is None or not product.vector or x.dim() == start.dim():
+        return
+    chain.lost = (
+        f"the scores of one query vector from {node.name} at {format_location(node.where)} are reshaped on their "
+        "way to softmax"
+    )
+    chain.product = chain.product_node = None
 
 
 def _read_scores(
@@ -210,20 +221,20 @@ def _scores_before_masks(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor:
     first_mask = next((i for i, s in enumerate(steps) if s.kind == "mask"), None)
     if first_mask is None:
         return x.detach()
-    start = steps[first_mask]
-    if start.node is chain.product_node:  # baddbmm: the scores before its mask term are computed here
-        product = chain.product
-        scores = (product.q @ product.k.transpose(-2, -1)) * product.factor
+    start, product = steps[first_mask], chain.product
+    if product is not None and start.node is chain.product_node:  # baddbmm: the scores before its mask term
+        # (*lead, query, d) x (*lead, key, d) -> (*lead, query, key), as the product laid them out
+        scores = attention_logits(product.q, product.k, scaling=product.factor)
     else:
-        scores = start.inp.detach()
+        scores = start.inp.detach()  # (*lead, query, key) as the code laid the scores out at that step
     for s in steps[first_mask:]:
         if s.kind == "scale":
             scores = scores * s.factor
         elif s.kind in ("bias", "mask") and s.bias is not None:
-            scores = scores + s.bias
+            scores = scores + s.bias  # the bias (0 where a mask masks) broadcast to the scores
         elif s.kind == "relayout":
-            scores = scores.reshape(s.node.out.shape)
-    return scores.reshape(x.shape)
+            scores = scores.reshape(s.node.out.shape)  # the step's own output shape
+    return scores.reshape(x.shape)  # laid out like the softmax input
 
 
 def _allowed(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor | None:
@@ -231,16 +242,16 @@ def _allowed(x: torch.Tensor, chain: ScoresChain) -> torch.Tensor | None:
     when the path was not followed to a product and had no mask."""
 
     def like_x(m: torch.Tensor, shape) -> torch.Tensor:
-        m = m.expand(shape)
-        return m if tuple(shape) == tuple(x.shape) else m.reshape(x.shape)
+        m = m.expand(shape)  # the mask as its step's output is laid out
+        return m if tuple(shape) == tuple(x.shape) else m.reshape(x.shape)  # laid out like the softmax input
 
-    masks = [s for s in chain.steps if s.kind == "mask"]
+    masks = [(s.allowed, s.node.out.shape) for s in chain.steps if s.kind == "mask" and s.allowed is not None]
     if masks:
-        allowed = like_x(masks[0].allowed, masks[0].node.out.shape)
-        for s in masks[1:]:
-            allowed = allowed & like_x(s.allowed, s.node.out.shape)
+        allowed = like_x(*masks[0])
+        for mask, shape in masks[1:]:
+            allowed = allowed & like_x(mask, shape)
         return allowed
-    if chain.product is not None:
+    if chain.product is not None:  # (1, ..., 1, key) expanded like the softmax input: every key allowed
         return torch.ones((1,) * (x.dim() - 1) + tuple(x.shape[-1:]), dtype=torch.bool, device=x.device).expand(x.shape)
     return None
 
@@ -267,9 +278,8 @@ def _lint_softmax_axis(finding: Finding, softmax: Node, x: torch.Tensor) -> None
         )
 
 
-def _read_queries_and_keys(finding: Finding, chain: ScoresChain, layout: ScoresLayout) -> None:
+def _read_queries_and_keys(finding: Finding, product: Product, chain: ScoresChain, layout: ScoresLayout) -> None:
     """Q and K in the record layout, the scaling applied between the product and the softmax."""
-    product = chain.product
     finding.scaling = product.factor * math.prod(s.factor for s in chain.steps)
     q = layout.record(layout.fit(product.q_rows.detach()))
     if layout.grouped:
@@ -459,8 +469,10 @@ def _lint_head_merge(finding: Finding, found: _ValueProduct, layout: ScoresLayou
     tail = [[("q", out.shape[-2])], [("d", out.shape[-1])]]
     if lead == 2:
         axes = [[("b", out.shape[0])], [("h", out.shape[1])], *tail]
-    else:  # (B*H, T, D) from bmm
+    elif layout.unfold is not None:  # (B*H, T, D) from bmm
         axes = [[("b", layout.unfold[0]), ("h", layout.unfold[1])], *tail]
+    else:  # (N, T, D) whose heads are not known: nothing merged them here
+        return None
     merged_from = out
     if found.letters is not None:  # an einsum: its own output axes, in its letters' order
         letters, order = found.letters

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from types import FrameType
 
 import torch
 from torch import nn
@@ -58,7 +59,7 @@ _INTERNAL_CODE: dict = {}  # code object -> whether it is torch's or attnprobe's
 
 def user_location(depth: int = 2) -> tuple[str, int]:
     """(file, line) of the innermost frame outside torch and attnprobe."""
-    frame = sys._getframe(depth)
+    frame: FrameType | None = sys._getframe(depth)
     while frame is not None:
         code = frame.f_code
         internal = _INTERNAL_CODE.get(code)
@@ -74,7 +75,8 @@ def user_location(depth: int = 2) -> tuple[str, int]:
 
 def user_stacklevel() -> int:
     """``warnings.warn`` stacklevel that points at the first frame outside torch and attnprobe."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and _internal(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level
