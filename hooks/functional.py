@@ -317,9 +317,15 @@ class FunctionalAdapter(Adapter):
             if isinstance(item, str):
                 if item not in by_name:
                     near = [n for n in by_name if n and (item in n or n.endswith(item.split(".")[-1]))][:5]
+                    problem = f"{item!r} is not a module of {type(model).__name__}"
+                    hint = "names come from model.named_modules()" + (f", e.g. {near}" if near else "")
                     raise SelectionError(
-                        f"modules=: {item!r} is not a module of {type(model).__name__}; names come from "
-                        f"model.named_modules()" + (f", e.g. {near}" if near else "")
+                        f"modules=: {problem}; {hint}",
+                        problem=problem,
+                        hint=hint,
+                        argument="modules",
+                        value=item,
+                        choices=near,
                     )
                 module = by_name[item]
             elif isinstance(item, nn.Module):
@@ -334,8 +340,10 @@ class FunctionalAdapter(Adapter):
             if isinstance(module, _CONTAINERS):
                 holder = owner_of.get(id(module))
                 if holder is None:
+                    problem = f"{item!r} is a {type(module).__name__} at the root"
+                    hint = "name a module with a forward"
                     raise SelectionError(
-                        f"modules=: {item!r} is a {type(module).__name__} at the root; name a module with a forward"
+                        f"modules=: {problem}; {hint}", problem=problem, hint=hint, argument="modules", value=item
                     )
                 module = holder
             found.setdefault(id(module), (name_of[id(module)], module))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import threads
-from .errors import NotCapturedError, SelectionError, UnsupportedModelError, warn_user
+from .errors import NoAttentionError, NotCapturedError, SelectionError, UnsupportedModelError, warn_user
 from .intent import Intent, module_intent
 from .interface import Adapter, Lazy, Site
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord, RecordKind
@@ -379,13 +379,14 @@ class CaptureSession:
                 "Python modules before scripting"
             )
         if not self.sites and not may_grow:
-            raise UnsupportedModelError(
+            raise NoAttentionError(
                 f"no attention found in {self.model_class}. attnprobe reads its own MultiHeadAttention, Hugging Face "
                 "attention modules, torch.nn.MultiheadAttention, and F.scaled_dot_product_attention calls it can see "
                 "in the model's code. A call reached indirectly (through a function kept in a dict or an attribute, "
                 "e.g. self.attn_fn) is found only with capture(model, modules='auto'), which intercepts every call "
                 "(slower). For hand-written softmax(q @ k) attention, name the modules that compute it: "
-                "capture(model, modules=[...]), or use modules='auto'"
+                "capture(model, modules=[...]), or use modules='auto'",
+                model_class=self.model_class,
             )
         self.static_sites = len(self.sites)
         self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)

@@ -44,10 +44,12 @@ MAX_SELECTED = 1 << 16
 def too_many(what: str, count: int | None, shown) -> SelectionError:
     """The error for a selection that names more than ``MAX_SELECTED`` numbers."""
     size = f"{count:,}" if count is not None else f"more than {MAX_SELECTED:,}"
-    return SelectionError(
+    problem = (
         f"{what} {shown} names {size} numbers; no model has that many attention layers or heads "
-        f"(at most {MAX_SELECTED:,} are accepted): name the ones the model has"
+        f"(at most {MAX_SELECTED:,} are accepted)"
     )
+    hint = "name the ones the model has"
+    return SelectionError(f"{problem}: {hint}", problem=problem, hint=hint, argument=what, value=shown)
 
 
 def int_list(value, what: str) -> tuple[int, ...]:
@@ -352,10 +354,12 @@ class Selection:
                         f"{what} {layer} cannot count from the end: no attention layer was found before the run "
                         "(attention found while the model runs is numbered from 0 as it appears); use layers >= 0"
                     )
-                raise SelectionError(
+                problem = (
                     f"{what} {layer} is out of range: the model has {n_layers} attention layer(s), numbered 0 to "
-                    f"{n_layers - 1}, or -1 to {-n_layers} from the end; attnprobe.attention_modules(model) lists them"
+                    f"{n_layers - 1}, or -1 to {-n_layers} from the end"
                 )
+                hint = "attnprobe.attention_modules(model) lists them"
+                raise SelectionError(f"{problem}; {hint}", problem=problem, hint=hint, argument="layers", value=layer)
             return number
 
         by_layer = self.heads_by_layer
@@ -471,10 +475,19 @@ class Store:
         """
         limit = self.selection.max_bytes
         if limit is not None and self.used + nbytes > limit:
-            raise CaptureBudgetError(
+            problem = (
                 f"capture budget exceeded: storing {what} needs {format_bytes(nbytes)} more, "
-                f"{format_bytes(self.used)} is already stored and max_bytes is {format_bytes(limit)}. "
-                + self._advice(fields, dtypes, heads)
+                f"{format_bytes(self.used)} is already stored and max_bytes is {format_bytes(limit)}"
+            )
+            hint = self._advice(fields, dtypes, heads)
+            raise CaptureBudgetError(
+                f"{problem}. {hint}",
+                problem=problem,
+                hint=hint,
+                what=what,
+                needed=nbytes,
+                stored=self.used,
+                limit=limit,
             )
         self.used += nbytes
 
