@@ -60,7 +60,7 @@ def main() -> None:
     variants = {"memory": memory, "store": store, "save": save, "load": load_only, "load+read": load_read}
     times = {name: [] for name in variants}
     with torch.no_grad():
-        for name, fn in variants.items():  # warm up
+        for fn in variants.values():  # warm up
             fn()
         for _ in range(args.rounds):
             order = list(variants)

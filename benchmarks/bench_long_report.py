@@ -115,7 +115,8 @@ def main() -> None:
     total = r["capture_s"] + r["check_s"] + r["html_s"] + r["png_s"]
     print(
         f"HTML {r['html_mb']:.1f} MB; capture {r['capture_s']:.1f} s ({r['capture_s'] / p['forward_s']:.1f}x the plain "
-        f"forward's {p['forward_s']:.1f} s), check {r['check_s']:.1f} s, HTML {r['html_s']:.1f} s, PNG {r['png_s']:.1f} s, "
+        f"forward's {p['forward_s']:.1f} s), check {r['check_s']:.1f} s, HTML {r['html_s']:.1f} s, "
+        f"PNG {r['png_s']:.1f} s, "
         f"total {total:.1f} s; peak RSS {r['peak_rss_mib']:.0f} MiB (plain forward {p['peak_rss_mib']:.0f} MiB)"
     )
 

@@ -119,7 +119,7 @@ def native_attention(lib):
             scaling = (kwargs.get("scaling") or d**-0.5) * log2e
             s = torch.matmul(query * scaling, key.transpose(-1, -2), out=buffer("s", (B, h, n, K)))
             e = buffer("e", (B, h, n, K))
-            m, l, dot, low = (torch.empty(B, h, n) for _ in range(4))
+            m, row_sum, dot, low = (torch.empty(B, h, n) for _ in range(4))
             arg, first, last = (torch.empty(B, h, n, dtype=torch.long) for _ in range(3))
             lib.row_pass(
                 s.data_ptr(),
@@ -128,12 +128,12 @@ def native_attention(lib):
                 K,
                 m.data_ptr(),
                 arg.data_ptr(),
-                l.data_ptr(),
+                row_sum.data_ptr(),
                 dot.data_ptr(),
                 low.data_ptr(),
             )
-            inv = 1.0 / l
-            threshold = l * WEIGHT_THRESHOLD
+            inv = 1.0 / row_sum
+            threshold = row_sum * WEIGHT_THRESHOLD
             lib.hits(e.data_ptr(), B * h * n, K, threshold.data_ptr(), first.data_ptr(), last.data_ptr())
             scale = torch.matmul(value.abs().amax(-1)[:, :, None, :], e.transpose(-1, -2)).squeeze(-2) * inv
             key_weight = inv.unsqueeze(-2).matmul(e).squeeze(-2)
@@ -143,20 +143,20 @@ def native_attention(lib):
             previous = torch.cat([torch.full((B, h, 1), math.nan), e[:, :, rows[1:], rows[1:] - 1]], -1) * inv
             attention.kept.append(
                 {
-                    "entropy": torch.log(l) - dot * ln2 * inv,
+                    "entropy": torch.log(row_sum) - dot * ln2 * inv,
                     "max_weight": inv,
                     "min_weight": low * inv,
                     "argmax_key": arg,
                     "first_key_mass": e[..., 0] * inv,
                     "diagonal_mass": diagonal,
                     "previous_mass": previous,
-                    "row_sum_error": (l * inv - 1).abs(),
+                    "row_sum_error": (row_sum * inv - 1).abs(),
                     "max_score": m * ln2,
                     "first_key": first,
                     "last_key": last,
                     "output_error": error,
                     "output_scale": scale,
-                    "finite": torch.isfinite(dot) & torch.isfinite(l),
+                    "finite": torch.isfinite(dot) & torch.isfinite(row_sum),
                     "key_weight": key_weight,
                 }
             )

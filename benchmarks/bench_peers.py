@@ -51,8 +51,8 @@ the plain forward): their total and the largest groups by op, shape and the code
 and a full capture run beyond the plain forward (count and self time, torch.profiler), and the Python time spent
 in attnprobe's recorder per layer.
 
-Run:  python benchmarks/bench_peers.py [--rounds 10] [--slow-rounds 3] [--shapes 8x128 1x1024] [--grad both] [--skip torchlens]
-      [--no-memory] [--profile] [--tensors "attnprobe six" "tl six"]
+Run:  python benchmarks/bench_peers.py [--rounds 10] [--slow-rounds 3] [--shapes 8x128 1x1024] [--grad both]
+      [--skip torchlens] [--no-memory] [--profile] [--tensors "attnprobe six" "tl six"]
 The machine this ran on may be shared: absolute times move with its load, ratios within a round much less.
 """
 
@@ -555,7 +555,8 @@ def main() -> None:
 
     print(
         f"\nGPT-2-shaped 6 x 12 x 384, random init, {torch.get_num_threads()} threads, {args.rounds} shuffled rounds "
-        f"(+{args.warmup} warm-up; torchlens in {min(args.slow_rounds, args.rounds)}); time / plain sdpa forward of the same round, median:"
+        f"(+{args.warmup} warm-up; torchlens in {min(args.slow_rounds, args.rounds)}); "
+        "time / plain sdpa forward of the same round, median:"
     )
     width = max(len(ROWS[k][0]) for k in keys)
     print(f"  {'captured':<{width}} " + " ".join(f"{head(c):>19}" for c in columns))

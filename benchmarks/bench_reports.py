@@ -14,6 +14,7 @@ import argparse
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -108,13 +109,13 @@ def main() -> None:
                 ("bfloat16", {"precision": "bfloat16"}),
             ):
                 path = Path(tmp) / f"r{layers}x{tokens}-{len(label)}.html"
-                seconds, _ = best_of(args.repeat, lambda: to_html(cap, path, overwrite=True, **options))
+                seconds, _ = best_of(args.repeat, partial(to_html, cap, path, overwrite=True, **options))
                 size = path.stat().st_size
                 baseline = baseline or (seconds, size)
                 print(
                     f"  {label:28s} {seconds:6.2f} s  {size / 2**20:7.2f} MiB  ({size / values:.2f} bytes/value, "
-                    f"{size / raw:.0%} of raw float32; time x{seconds / baseline[0]:.2f}, size x{size / baseline[1]:.2f} "
-                    "vs default)"
+                    f"{size / raw:.0%} of raw float32; time x{seconds / baseline[0]:.2f}, "
+                    f"size x{size / baseline[1]:.2f} vs default)"
                 )
                 if args.browser and label.startswith("exact (default)"):
                     figures = open_in_browser(path)

@@ -1,8 +1,9 @@
 """Scans over a data set, and capture on a dispatched model (accelerate), measured in one run.
 
     scan     MiniLM (bundled) over N lines, batch 16: inputs/s with 1 process and with 2 processes
-             (`accelerate launch --multi_gpu --num_processes 2 -m attnprobe scan`: on a CPU-only machine that runs gloo), and the peak resident memory
-             of each process at 500 and at 2,000 lines (flat in the number of inputs: no growth with N)
+             (`accelerate launch --multi_gpu --num_processes 2 -m attnprobe scan`: on a CPU-only machine that runs
+             gloo), and the peak resident memory of each process at 500 and at 2,000 lines (flat in the number of
+             inputs: no growth with N)
     dispatch a tiny Llama loaded with a device map that puts half its layers on "disk" (an offload folder):
              full capture / plain forward of the same dispatched model (interleaved rounds, median ratio)
 
@@ -120,7 +121,8 @@ def scan_figures(args, folder: Path) -> None:
     by = {(n, p): peak for n, p, _, peak in rows}
     for p in (1, 2):
         print(
-            f"peak RSS, {args.lines} / {args.small} lines, {p} process(es): {by[(args.lines, p)] / by[(args.small, p)]:.2f}x"
+            f"peak RSS, {args.lines} / {args.small} lines, {p} process(es): "
+            f"{by[(args.lines, p)] / by[(args.small, p)]:.2f}x"
         )
 
 

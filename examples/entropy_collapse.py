@@ -85,7 +85,7 @@ def diverged_at(losses, window=20):
         if not math.isfinite(loss):
             return i
         best = min(best, loss)
-        if i >= window and all(l > best + 1.0 for l in losses[i : i + window]):
+        if i >= window and all(later > best + 1.0 for later in losses[i : i + window]):
             return i
     return None
 

@@ -44,4 +44,3 @@ def assert_no_hooks():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    yield

@@ -218,7 +218,8 @@ def canvas_colours(page, selector: str) -> int:
             const c = document.querySelector(sel);
             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
             const seen = new Set();
-            for (let i = 0; i < d.length; i += 4) seen.add((d[i] << 16) | (d[i + 1] << 8) | d[i + 2] | (d[i + 3] << 24));
+            for (let i = 0; i < d.length; i += 4)
+                seen.add((d[i] << 16) | (d[i + 1] << 8) | d[i + 2] | (d[i + 3] << 24));
             return seen.size;
         }""",
         selector,

@@ -251,9 +251,11 @@ def test_checker_finds_probe_importing_hooks_at_any_depth():
     found = problems(sources, consumers={})
     assert found == [
         f"{PACKAGE}.probe.capture line 3: imports {PACKAGE}.hooks.own: {PACKAGE}.probe must not import {PACKAGE}.hooks",
-        f"{PACKAGE}.probe.frames line 3: imports {PACKAGE}.reports.html.x: {PACKAGE}.probe must not import {PACKAGE}.reports",
+        f"{PACKAGE}.probe.frames line 3: imports {PACKAGE}.reports.html.x: "
+        f"{PACKAGE}.probe must not import {PACKAGE}.reports",
         f"{PACKAGE}.probe.loading line 2: imports {PACKAGE}.hooks.own: {PACKAGE}.probe must not import {PACKAGE}.hooks",
-        f"{PACKAGE}.probe.loading line 3: imports {PACKAGE}.reports.html: {PACKAGE}.probe must not import {PACKAGE}.reports",
+        f"{PACKAGE}.probe.loading line 3: imports {PACKAGE}.reports.html: "
+        f"{PACKAGE}.probe must not import {PACKAGE}.reports",
         f"{PACKAGE}.probe.plugin line 2: imports {PACKAGE}: {PACKAGE}.probe must not import {PACKAGE}",
     ]
     assert problems(sources, consumers={f"{PACKAGE}.probe.plugin": "a consumer"}) == found[:4]

@@ -123,7 +123,7 @@ def test_no_hook_left_after_exception(model, assert_no_hooks):
             model(torch.randn(2, 9, 5), ctx)  # wrong width: the second layer raises mid-forward
     assert_no_hooks(model)
     assert [r.layer for r in cap] == [0]
-    with pytest.raises(RuntimeError, match="boom"):
+    with pytest.raises(RuntimeError, match="boom"):  # noqa: PT012  (an error raised through the capture's exit)
         with attnprobe.capture(model) as cap:
             model(x, ctx)
             raise RuntimeError("boom")
@@ -206,7 +206,7 @@ def test_negative_layers_count_from_the_end(model):
 
 
 def test_not_a_module_is_a_clear_error():
-    with pytest.raises(attnprobe.UnsupportedModelError, match="needs a torch.nn.Module"):  # also a TypeError
+    with pytest.raises(attnprobe.UnsupportedModelError, match=r"needs a torch\.nn\.Module"):  # also a TypeError
         attnprobe.capture(torch.randn(3))
 
 
@@ -279,7 +279,7 @@ def test_capture_is_read_only_and_selects(model):
 
 
 def test_run_returns_output_and_capture(model):
-    x, ctx, mask, ctx_mask = inputs()
+    x, ctx, mask, _ = inputs()
     out, cap = attnprobe.run(model, (x, ctx), layers=[1])
     assert torch.equal(out, model(x, ctx)) and [r.layer for r in cap] == [1]
     out, cap = attnprobe.run(model, {"x": x, "ctx": ctx, "attention_mask": mask}, keep="weights")
@@ -313,10 +313,12 @@ def test_import_is_quiet():
     code = (
         "import sys, torch\n"
         "from torch.nn.modules import module as m\n"
-        "before = (len(m._global_forward_hooks), len(m._global_forward_pre_hooks), torch.overrides._get_current_function_mode_stack())\n"
+        "state = lambda: (len(m._global_forward_hooks), len(m._global_forward_pre_hooks),"
+        " torch.overrides._get_current_function_mode_stack())\n"
+        "before = state()\n"
         "import attnprobe\n"
         "public = [getattr(attnprobe, name) for name in attnprobe.__all__]\n"
-        "after = (len(m._global_forward_hooks), len(m._global_forward_pre_hooks), torch.overrides._get_current_function_mode_stack())\n"
+        "after = state()\n"
         "assert before == after, (before, after)\n"
         "heavy = [n for n in ('pandas', 'matplotlib', 'transformers', 'jinja2') if n in sys.modules]\n"
         "assert not heavy, heavy\n"

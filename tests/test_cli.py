@@ -536,7 +536,7 @@ def test_readme_first_run_then_try_commands_run_in_order(cli, tmp_path):
     text = (TESTS.parent / "README.md").read_text()
     # the README's first-run block and the "Then try ..." line after it, up to the next CI block
     section = text.split("<!-- ci:first-run -->", 1)[1].split("<!-- ci:", 1)[0]
-    commands = ["attnprobe report"] + [c for c in re.findall(r"`(attnprobe [^`]+)`", section.replace("\n", " "))]
+    commands = ["attnprobe report", *re.findall(r"`(attnprobe [^`]+)`", section.replace("\n", " "))]
     assert len(commands) >= 4, commands
     for command in commands:  # one folder: a later command must not trip over an earlier one's file
         result = cli(*shlex.split(command)[1:])

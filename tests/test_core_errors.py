@@ -52,13 +52,13 @@ def test_reentering_an_active_capture_is_refused(model, assert_no_hooks):
     x = torch.randn(1, 3, 8)
     session = attnprobe.capture(model, layers=[0])
     with session as cap:
-        with pytest.raises(SelectionError, match="already active.*create another one"):
+        with pytest.raises(SelectionError, match=r"already active.*create another one"):
             with session:
                 pass
         model(x)
     assert len(cap) == 1  # the outer capture was not disturbed: one record, not two
     assert_no_hooks(model)
-    with pytest.raises(SelectionError, match="already run.*start a new one"):
+    with pytest.raises(SelectionError, match=r"already run.*start a new one"):
         with session:
             pass
     assert_no_hooks(model)
@@ -140,7 +140,7 @@ def test_sizes_and_dtypes_by_name(model):
     _, cap = attnprobe.run(model, x, layers=[0], dtype="torch.float16", max_bytes=1e6)
     assert cap[0].weights.dtype == torch.float16 and cap.info["selection"]["max_bytes"] == 10**6
     for bad in (0, -5, 2.5, "lots", True, "0MB"):
-        with pytest.raises(SelectionError, match="max_bytes must be a positive|cannot read"):
+        with pytest.raises(SelectionError, match=r"max_bytes must be a positive|cannot read"):
             attnprobe.capture(model, max_bytes=bad)
     with pytest.raises(SelectionError, match="floating torch dtype"):
         attnprobe.capture(model, dtype="int8")

@@ -153,7 +153,7 @@ def test_encoder_decoder_frame_labels_each_stack_with_its_own_tokens():
         expect_k = "e" if part == "encoder" or kind == "cross" else "d"
         assert set(rows.query_token.str[0]) == {expect_q}, (layer, part, kind)
         assert set(rows.key_token.str[0]) == {expect_k}, (layer, part, kind)
-    assert {v for v in stack.values()} == {("encoder", "self"), ("decoder", "self"), ("decoder", "cross")}
+    assert set(stack.values()) == {("encoder", "self"), ("decoder", "self"), ("decoder", "cross")}
 
 
 def sink_record(with_scores: bool = True) -> AttentionRecord:

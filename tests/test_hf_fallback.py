@@ -49,7 +49,7 @@ def test_weights_only_records_and_unchanged_output(gpt_neo, return_dict, assert_
                 out = gpt_neo(**batch, return_dict=return_dict)
     assert type(out) is type(plain)
     if return_dict:
-        assert list(out.keys()) == list(plain.keys()) and "attentions" not in out.keys()
+        assert list(out.keys()) == list(plain.keys()) and "attentions" not in out
     assert len(out) == len(plain) and torch.equal(out[0], plain[0])
     assert len(cap) == 2 and cap[0].name == "transformer.h.0.attn.attention"
     for r in cap:
@@ -154,7 +154,7 @@ def test_funnel_keeps_its_head_count_in_the_config_and_is_recorded(base, side, a
         with pytest.warns(AttnprobeWarning, match=r"no attention interface in FunnelRelMultiheadAttention"):
             with attnprobe.capture(model) as cap:
                 out = model(**batch)
-    assert torch.equal(out.last_hidden_state, plain.last_hidden_state) and "attentions" not in out.keys()
+    assert torch.equal(out.last_hidden_state, plain.last_hidden_state) and "attentions" not in out
     assert_no_hooks(model)
     length = batch["input_ids"].shape[1]
     # the second block pools its queries (pool_q_only): half as many queries as keys
@@ -214,7 +214,7 @@ def test_a_cache_that_cannot_say_its_length():
     from attnprobe.hooks.hf.compat import cached_length as _cached_length
 
     class Hybrid:  # like a Mamba + attention cache: layer 0 holds no attention
-        layers = [object(), object()]
+        layers = (object(), object())
 
         def get_seq_length(self, layer=0):
             if layer == 0:
@@ -222,7 +222,7 @@ def test_a_cache_that_cannot_say_its_length():
             return 5
 
     class Empty:
-        layers = []
+        layers = ()
 
         def get_seq_length(self, layer=0):
             raise ValueError("no attention layer")

@@ -237,7 +237,7 @@ def test_a_report_of_selected_steps_draws_them_as_they_are(tmp_path):
     assert "<html" in reports.to_html(part).lower()
     reports.save_grid(part, tmp_path / "step2.png")
     assert (tmp_path / "step2.png").stat().st_size > 0
-    with pytest.raises(AttnprobeError, match="expected step 0, found step 2 .*selection of steps"):
+    with pytest.raises(AttnprobeError, match=r"expected step 0, found step 2 .*selection of steps"):
         attnprobe.stitch(part)
     _, cap = _greedy(model, inputs("llama", "left", length=5))
     records, stitched = shown(list(cap.select(layers=[0])))

@@ -1550,7 +1550,8 @@ REFUSED = {
     "yoso": "returned no attention weights",
     "mobilevit": "modules=[...]",
     "timesformer": "modules=[...]",  # its temporal attention is called without output_attentions
-    "hiera": "not one (batch, head, query, key) matrix per call",  # weights per mask unit, (batch, head, window, query, key)
+    # weights per mask unit, (batch, head, window, query, key)
+    "hiera": "not one (batch, head, query, key) matrix per call",
 }
 #: Families whose output_attentions leave out some attention calls (nothing to compare those with).
 _LANGUAGE_ONLY = "its outputs hold the language model's attentions, not the vision tower's"

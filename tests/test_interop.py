@@ -118,9 +118,9 @@ def test_circuitsvis_arguments_and_html(assert_no_hooks):
 
 def test_bad_requests_say_what_to_do(assert_no_hooks):
     cap = stack_capture(assert_no_hooks)
-    with pytest.raises(attnprobe.AttnprobeError, match="batch=5 is out of range: .* 2 batch row"):
+    with pytest.raises(attnprobe.AttnprobeError, match=r"batch=5 is out of range: .* 2 batch row"):
         cap.to_bertviz(batch=5)
-    with pytest.raises(attnprobe.AttnprobeError, match="no record with call=1 .*calls captured: \\[0\\]"):
+    with pytest.raises(attnprobe.AttnprobeError, match=r"no record with call=1 .*calls captured: \[0\]"):
         cap.to_bertviz(call=1)
     with pytest.raises(attnprobe.AttnprobeError, match="has no weights: capture with keep"):
         stack_capture(assert_no_hooks, keep=["q"]).to_bertviz()

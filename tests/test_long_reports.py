@@ -223,7 +223,7 @@ def long_report(tmp_path, tokens: int, name: str):
 
 
 def test_long_report_opens_in_chromium_and_its_size_grows_as_the_input(tmp_path, open_report):
-    small_cap, small = long_report(tmp_path, 1024, "small.html")
+    _, small = long_report(tmp_path, 1024, "small.html")
     cap, path = long_report(tmp_path, 2048, "long.html")
     heads = sum(len(r.heads) for r in cap)
     # the size: a fixed part (overviews, windows: no larger with more tokens) plus the per-row statistics

@@ -109,7 +109,7 @@ def test_nothing_is_captured_between_sampled_calls():
 
 def test_no_hook_left_when_the_training_loop_raises_on_a_sampled_step(assert_no_hooks):
     model = Tiny(dropout=0.0)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError):  # noqa: PT012  (an error raised through the monitor's exit)
         with attnprobe.monitor(model, every=2):
             model(batches(1)[0])
             model(batches(1)[0])
@@ -173,7 +173,7 @@ def test_history_to_parquet_and_tensorboard(tmp_path):
 
 
 def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32))
@@ -220,7 +220,7 @@ def test_monitor_plot_draws_one_line_per_layer_or_head():
     assert len(per_head.get_lines()) == 8
     with pytest.raises(ValueError, match="no statistic 'loss'"):
         attnprobe.reports.monitor_plot(history, "loss")
-    with pytest.raises(TypeError, match="mon.history"):
+    with pytest.raises(TypeError, match=r"mon\.history"):
         attnprobe.reports.monitor_plot(mon)
 
 

@@ -74,9 +74,9 @@ def test_page_from_a_history_frame_writes_atomically_and_refuses_what_it_cannot_
     with pytest.raises(FileExistsError):
         attnprobe.reports.monitor_html(mon.history, path)
     assert attnprobe.reports.monitor_html(mon.history, path, overwrite=True) == path
-    with pytest.raises(ValueError, match="no statistic 'loss'.*entropy_min"):
+    with pytest.raises(ValueError, match=r"no statistic 'loss'.*entropy_min"):
         attnprobe.reports.monitor_html(mon, stats=("loss",))
-    with pytest.raises(TypeError, match="mon.history"):
+    with pytest.raises(TypeError, match=r"mon\.history"):
         attnprobe.reports.monitor_html([1, 2, 3])
     with pytest.raises(ValueError, match="no step, layer, head column"):
         attnprobe.reports.monitor_html(mon.history.drop(columns=["step", "layer", "head"]))

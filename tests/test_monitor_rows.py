@@ -201,9 +201,9 @@ def test_downstream_of_a_sampled_capture_uses_the_real_positions_or_refuses(tmp_
     want = real.groupby(["layer", "head"])["entropy"].mean().to_numpy()
     assert summary["entropy"].to_numpy() == pytest.approx(want, abs=1e-6)
     # check() and the long-input report need every row: a clear refusal
-    with pytest.raises(SelectionError, match="sampled query rows of 30.*Capture without stats_rows="):
+    with pytest.raises(SelectionError, match=r"sampled query rows of 30.*Capture without stats_rows="):
         attnprobe.check(cap)
-    with pytest.raises(AttnprobeError, match="sampled query rows.*monitor_html"):
+    with pytest.raises(AttnprobeError, match=r"sampled query rows.*monitor_html"):
         attnprobe.reports.to_html(cap)
     # saved and loaded: the positions travel with the record
     loaded = attnprobe.load(cap.save(tmp_path / "cap"))

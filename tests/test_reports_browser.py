@@ -7,13 +7,13 @@ import json
 import numpy as np
 import torch
 from reports_helpers import (  # noqa: F401  (browser and open_report: fixtures)
-    browser,
-    open_report,
     Stack,
+    browser,
     canvas_colours,
     cross_capture,
     generation_capture,
     hover_cell,
+    open_report,
     stack_capture,
     wait_until,
     words,
@@ -232,7 +232,8 @@ def test_summary_table_sorts_by_a_column(tmp_path, open_report, assert_no_hooks)
 
     def entropies():
         return page.evaluate(
-            f"Array.from(document.querySelectorAll('table.summary tbody tr')).map(tr => Number(tr.cells[{column}].dataset.v))"
+            "Array.from(document.querySelectorAll('table.summary tbody tr'))"
+            f".map(tr => Number(tr.cells[{column}].dataset.v))"
         )
 
     header = page.locator("table.summary th", has_text="entropy")
@@ -262,7 +263,8 @@ def test_long_input_renders_scrolls_and_zooms_without_freezing(tmp_path, open_re
         page.click("#zoom-in")
     assert page.evaluate("window.attnprobe.state().cell") > 30
     page.evaluate(
-        "() => { const s = document.querySelector('.scroller'); s.scrollTop = s.scrollHeight; s.scrollLeft = s.scrollWidth; }"
+        "() => { const s = document.querySelector('.scroller');"
+        " s.scrollTop = s.scrollHeight; s.scrollLeft = s.scrollWidth; }"
     )
     page.wait_for_timeout(100)
     rec = cap[0]
@@ -299,7 +301,7 @@ def test_thinned_token_labels_say_their_positions(tmp_path, open_report):
     page.evaluate("window.__labels = []")
     page.click("#zoom-cells")  # every row labelled: the tokens alone
     page.wait_for_timeout(100)
-    assert set(t for t in page.evaluate("window.__labels") if "beta" in t or "delta" in t) == {"beta", "delta"}
+    assert {t for t in page.evaluate("window.__labels") if "beta" in t or "delta" in t} == {"beta", "delta"}
     report.assert_clean()
 
 
@@ -431,7 +433,7 @@ def test_bidi_and_invisible_tokens_are_drawn_escaped(tmp_path, browser, assert_n
         wait_until(page, "() => window.attnprobe.state().head === 1")
         wait_until(page, "() => window.__drawn.length > 0")
         drawn = set(page.evaluate("window.__drawn"))
-        assert {e for e in ESCAPED} <= drawn, drawn
+        assert set(ESCAPED) <= drawn, drawn
         assert not any(ch in t for t in drawn for ch in "\u202e\u200b\u2066\u3164\ufe0f\u200f")
         shown = page.evaluate("Array.from(document.querySelectorAll('.tokenlist .tok')).map(e => e.textContent)")
         assert shown == ESCAPED
@@ -450,7 +452,8 @@ def token_view_readout(page) -> dict:
             const box = document.getElementById('tv-readout');
             const rows = {};
             for (const tr of box.querySelectorAll('table.tv-top tr')) {
-                rows[tr.dataset.head] = Array.from(tr.querySelectorAll('td.tv-link')).map(td => [+td.dataset.i, td.dataset.w]);
+                rows[tr.dataset.head] = Array.from(tr.querySelectorAll('td.tv-link'))
+                    .map(td => [+td.dataset.i, td.dataset.w]);
             }
             const pair = box.querySelector('.tv-pair');
             return {text: box.textContent, rows, pair: pair && pair.textContent};

@@ -74,7 +74,7 @@ def test_storage_dtype_sets_the_default_tolerance(assert_no_hooks):
 def test_captures_of_different_things_are_refused(assert_no_hooks):
     before, _ = pair(assert_no_hooks)
     other = stack_capture(assert_no_hooks, layers=2, heads=3, length=5)
-    with pytest.raises(AttnprobeError, match="the captures differ: layer 0 .* 2x6x6.* 2x5x5"):
+    with pytest.raises(AttnprobeError, match=r"the captures differ: layer 0 .* 2x6x6.* 2x5x5"):
         compare(before, other)
     with pytest.raises(AttnprobeError, match="hold 2 and 1 drawable records"):
         compare(before, before.select(layers=[0]))
@@ -91,7 +91,7 @@ def test_diff_report_ranks_heads_and_holds_both_captures(tmp_path, assert_no_hoo
     assert "sdpa" in document and "eager" in document and "1 of 6 heads changed" in document
     from test_reports_html import report_meta
 
-    meta, blobs = report_meta(document)
+    meta, _ = report_meta(document)
     assert meta["mode"] == "diff" and meta["labels"] == ["sdpa", "eager"]
     assert all(len(r["sources"]) == 2 for r in meta["records"])
     assert meta["changes"]["1-0"]["changed"] and not meta["changes"]["1-2"]["changed"]
@@ -159,7 +159,9 @@ def test_nan_and_mismatched_quantities(assert_no_hooks):
     assert document.index('href="#head-1-2"') < document.index('href="#head-0-0"')  # the changed head ranks first
     scores_only = attnprobe.Capture([replace(r, weights=None) for r in before], before.info)
     weights_only = attnprobe.Capture([replace(r, scores=None) for r in before], before.info)
-    with pytest.raises(AttnprobeError, match="share neither weights nor scores .*before has weights, after has scores"):
+    with pytest.raises(
+        AttnprobeError, match=r"share neither weights nor scores .*before has weights, after has scores"
+    ):
         compare(weights_only, scores_only)
     assert compare(scores_only, scores_only)["max_abs_score_diff"].eq(0).all()
 
@@ -167,7 +169,7 @@ def test_nan_and_mismatched_quantities(assert_no_hooks):
 def test_diff_of_different_shapes_is_refused_clearly(assert_no_hooks):
     before, _ = pair(assert_no_hooks)
     shorter = stack_capture(assert_no_hooks, layers=2, heads=3, length=5)
-    with pytest.raises(AttnprobeError, match="the captures differ: layer 0 .* 2x6x6.* vs .* 2x5x5"):
+    with pytest.raises(AttnprobeError, match=r"the captures differ: layer 0 .* 2x6x6.* vs .* 2x5x5"):
         diff_html(before, shorter)
     fewer_heads = before.select(heads=[0, 1])
     with pytest.raises(AttnprobeError, match=r"heads \[0, 1, 2\].* heads \[0, 1\]"):

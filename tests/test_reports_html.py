@@ -229,7 +229,7 @@ def test_checks_panel_lists_violations_and_flags_heads(assert_no_hooks):
     assert 'href="#head-1-1"' in document and "(batch row 1, not shown here)" in document
     assert "output_match: no output captured" in document
     assert "Checks were not run" in to_html(cap, checks=False)
-    with pytest.raises(TypeError, match="checks must be an attnprobe.CheckResult"):
+    with pytest.raises(TypeError, match=r"checks must be an attnprobe\.CheckResult"):
         to_html(cap, checks=[])
 
 
@@ -328,11 +328,11 @@ def test_a_scores_only_capture_says_why_and_draws_scores(assert_no_hooks):
 
 def test_bad_input_gets_clear_errors(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=1, heads=2, length=5, batch=2)
-    with pytest.raises(TypeError, match="expected an attnprobe.Capture"):
+    with pytest.raises(TypeError, match=r"expected an attnprobe\.Capture"):
         to_html(list(cap))
-    with pytest.raises(AttnprobeError, match="batch row 3 does not exist .* batch size 2"):
+    with pytest.raises(AttnprobeError, match=r"batch row 3 does not exist .* batch size 2"):
         to_html(cap, batch=3)
-    with pytest.raises(AttnprobeError, match="tokens has 4 entries but layer 0 .* 5 query positions"):
+    with pytest.raises(AttnprobeError, match=r"tokens has 4 entries but layer 0 .* 5 query positions"):
         to_html(cap, tokens=words(4))
     with pytest.raises(AttnprobeError, match="tokens has 3 rows but the capture has batch size 2"):
         to_html(cap, tokens=[words(5)] * 3)
@@ -340,7 +340,7 @@ def test_bad_input_gets_clear_errors(assert_no_hooks):
         to_html(cap, tokens="hello world")
     with pytest.raises(AttnprobeError, match=r"must hold strings, got 1 \(int\)"):
         to_html(cap, tokens=[words(5), [1, 2, 3, 4, 5]])
-    with pytest.raises(AttnprobeError, match="100 values .* more than max_values=10.*precision='bfloat16'"):
+    with pytest.raises(AttnprobeError, match=r"100 values .* more than max_values=10.*precision='bfloat16'"):
         to_html(cap, max_values=10)
     qkv_only = stack_capture(assert_no_hooks, layers=1, heads=1, length=4, batch=1, keep=["q", "k"])
     with pytest.raises(AttnprobeError, match="no record has weights or scores"):

@@ -105,13 +105,13 @@ def test_cross_attention_uses_key_tokens_on_the_key_axis(assert_no_hooks):
 def test_bad_arguments_are_named(assert_no_hooks):
     cap = stack_capture(assert_no_hooks, layers=1, heads=3, length=5, batch=1)
     ax = Figure().add_subplot()
-    with pytest.raises(AttnprobeError, match="has 3 heads .* say which one with head="):
+    with pytest.raises(AttnprobeError, match=r"has 3 heads .* say which one with head="):
         heatmap(cap[0], ax=ax)
-    with pytest.raises(KeyError, match="head 7 .* was not captured"):
+    with pytest.raises(KeyError, match=r"head 7 .* was not captured"):
         heatmap(cap[0], head=7, ax=ax)
     with pytest.raises(AttnprobeError, match="batch row 2 does not exist"):
         heatmap(cap[0], head=0, ax=ax, batch=2)
-    with pytest.raises(AttnprobeError, match="tokens has 3 entries but layer 0 .* 5 query positions"):
+    with pytest.raises(AttnprobeError, match=r"tokens has 3 entries but layer 0 .* 5 query positions"):
         heatmap(cap[0], head=0, ax=ax, tokens=words(3))
     with pytest.raises(AttnprobeError, match="value must be 'weights'"):
         heatmap(cap[0], head=0, ax=ax, value="pattern")

@@ -200,7 +200,7 @@ def test_sigint_at_random_moments_leaves_old_or_new_never_partial(tmp_path):
         assert started.exists(), proc.communicate()
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=240)
+        _, err = proc.communicate(timeout=240)
         codes.append(proc.returncode)
         # 130 from attnprobe; 0 when the command had finished; -SIGINT when it lands while Python shuts down
         assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err)

@@ -130,9 +130,8 @@ def test_many_threads_at_once_never_fail_a_forward_nor_mix_records(which, assert
                 with attnprobe.capture(model) as cap:
                     out = output_of(model(**inputs)).detach()
             except SelectionError as exc:
-                assert "already being captured in thread" in str(exc)
                 with lock:
-                    refused.append(1)
+                    refused.append(str(exc))  # checked in the main thread: an assert here would only end this one
                 out, cap = output_of(model(**inputs)).detach(), None  # plain forward while another captures
             except BaseException as exc:
                 with lock:
@@ -155,6 +154,7 @@ def test_many_threads_at_once_never_fail_a_forward_nor_mix_records(which, assert
     for t in threads:
         t.join(120)
     assert not errors, errors[:5]
+    assert all("already being captured in thread" in message for message in refused), refused[:5]
     assert counts and set(counts) == {layers}, counts  # each capture: its own thread's calls only
     assert len(counts) + len(refused) == 4 * 15
     assert_no_hooks(model)

@@ -123,7 +123,7 @@ def test_resume_writes_only_the_missing_chunks_and_folders_are_never_mixed(minil
     assert result.chunks_written == 1 and result.chunks_skipped == 2
     assert (out / "part-00000.parquet").stat().st_mtime_ns == stamp
     pd.testing.assert_frame_equal(pd.read_parquet(out).sort_values(["input", "head"]).reset_index(drop=True), first)
-    with pytest.raises(ScanError, match="another scan .*layers"):
+    with pytest.raises(ScanError, match=r"another scan .*layers"):
         attnprobe.scan(model, lines, out, tokenizer=tokenizer, chunk_size=4, layers=[2], resume=True, progress=False)
     other = tmp_path / "other"
     other.mkdir()
@@ -149,7 +149,7 @@ def test_input_formats(tmp_path):
     with pytest.raises(ScanError, match="no column 'text'"):
         read_inputs(tmp_path / "d.parquet", field="text")
     (tmp_path / "e.xml").write_text("<x/>")
-    with pytest.raises(ScanError, match="cannot read e.xml"):
+    with pytest.raises(ScanError, match=r"cannot read e\.xml"):
         read_inputs(tmp_path / "e.xml")
 
 

@@ -562,7 +562,7 @@ class Distances(nn.Module):
 
 def test_a_partial_record_warns_once_per_layer_naming_fields_and_line():
     model = Distances()
-    with pytest.warns(attnprobe.AttnprobeWarning) as caught:
+    with pytest.warns(attnprobe.AttnprobeWarning) as caught:  # noqa: PT031  (two calls, one warning)
         with attnprobe.capture(model, modules=[model]) as cap:
             model(X)
             model(X)

@@ -67,7 +67,7 @@ def test_fused_projection_split_with_view_and_transpose():
     padding = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])  # left padding, 1 = real token
     cap = run(model, X, padding, modules=[model])
     (rec,) = cap
-    q, k, v = model.c_attn(X).split(16, dim=2)
+    q, _, v = model.c_attn(X).split(16, dim=2)
     assert torch.equal(rec.q, q.view(2, 6, 4, 4).transpose(1, 2)) and torch.equal(
         rec.v, v.view(2, 6, 4, 4).transpose(1, 2)
     )
@@ -124,7 +124,7 @@ def test_auto_finds_every_kind_and_numbers_by_first_call():
     assert cap.info["attention_modules"] == ("fused", "heads", "chunked")
     assert all(r.identified == ALL for r in cap)
     # without modules= hand-written attention is not traced, and nothing else can be found: said up front
-    with pytest.raises(attnprobe.UnsupportedModelError, match="no attention found in Model.*modules='auto'"):
+    with pytest.raises(attnprobe.UnsupportedModelError, match=r"no attention found in Model.*modules='auto'"):
         with attnprobe.capture(model):
             model(X)
 

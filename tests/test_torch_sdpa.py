@@ -151,7 +151,7 @@ def test_selection_heads_and_budget_apply_to_found_layers():
 def test_layer_past_the_end_is_an_error_at_exit():
     m = SdpaBlock()
     with pytest.raises(
-        attnprobe.SelectionError, match="layer 3 is out of range.*0 found before the run, 1 while it ran"
+        attnprobe.SelectionError, match=r"layer 3 is out of range.*0 found before the run, 1 while it ran"
     ):
         with attnprobe.capture(m, layers=[3]):
             m(X)

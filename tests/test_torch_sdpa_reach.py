@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ class ViaGetattr(nn.Module):
 
 
 class NoSdpa(nn.Module):
-    table = {"relu": torch.relu}
+    table: ClassVar[dict] = {"relu": torch.relu}
     act = functools.partial(torch.clamp, min=0)
 
     @_traced
@@ -177,7 +178,7 @@ def test_layers_of_named_modules_are_checked_when_they_are_known():
         m(x, ctx)
     assert [(r.layer, r.kind) for r in cap] == [(1, "cross")]
     with pytest.raises(
-        attnprobe.SelectionError, match="layer 2 is out of range.*1 found before the run, 1 while it ran"
+        attnprobe.SelectionError, match=r"layer 2 is out of range.*1 found before the run, 1 while it ran"
     ):
         with attnprobe.capture(m, modules=[m], layers=[2]):
             m(x, ctx)

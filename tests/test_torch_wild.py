@@ -178,7 +178,7 @@ def test_timm_vit_fused_attn(mode):
     expect(rec, q, k, v, HD**-0.5, torch.ones(T, T, dtype=torch.bool), causal=False)
 
 
-# ------------------------------------------------------------------------------------------------ 3 Annotated Transformer
+# ---------------------------------------------------------------------------------------------- 3 Annotated Transformer
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("masking", ["padding", "subsequent"])
 def test_annotated_transformer_attention_function(mode, masking):

@@ -33,7 +33,7 @@ class Head(nn.Module):
         self.bug = bug
 
     def forward(self, x):
-        B, T, C = x.shape
+        B, T, C = x.shape  # noqa: RUF059  (the "Let's build GPT" idiom, as the code this copies writes it)
         k = self.key(x)  # (B, T, d_head)
         q = self.query(x)
         wei = q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5  # (B, T, T)

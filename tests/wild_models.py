@@ -86,7 +86,7 @@ class VitAttention(nn.Module):
         return self.proj(x)
 
 
-# ------------------------------------------------------------------------------------------------ 3 Annotated Transformer
+# ---------------------------------------------------------------------------------------------- 3 Annotated Transformer
 def attention(query, key, value, mask=None, dropout=None, bug=None):
     """Scaled dot product attention as a free function, masks with -1e9."""
     d_k = query.size(-1)
