@@ -25,7 +25,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..probe.analyses.batches import scan_batch
 from ..probe.analyses.scan import (
     FORMAT,
     MANIFEST,
@@ -36,6 +35,7 @@ from ..probe.analyses.scan import (
     part_name,
     prepare_folder,
     read_inputs,
+    scan_batch,
     write_part,
 )
 

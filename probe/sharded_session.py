@@ -66,9 +66,10 @@ class ShardedSession(CaptureSession):
     def discover(self) -> list:
         sites = super().discover()
         if self.layout.pp_size > 1:
-            paths = module_paths(self._model)
+            model = self._require_model()
+            paths = module_paths(model)
             local = [GlobalSite(paths[id(s.module)], s.name, s.num_heads, s.num_kv_heads) for s in sites]
-            self._order = global_layer_order(self._model, local, group=self.layout.group("pp"))
+            self._order = global_layer_order(model, local, group=self.layout.group("pp"))
             number = {g.name: i for i, g in enumerate(self._order)}
             for site in sites:
                 site.layer = number[site.name]

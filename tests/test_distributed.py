@@ -21,13 +21,7 @@ import pandas as pd
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        "gather" not in __import__("inspect").signature(__import__("attnprobe").capture).parameters,
-        reason="the sharded capture is not wired into attnprobe.capture yet (hooks/api.py)",
-    ),
-]
+pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 MODES = ("tp", "pp", "fsdp")

@@ -4,8 +4,6 @@ rows and Parquet schema. Slow (Ray's start-up): marked ``distributed``, run by `
 
 from __future__ import annotations
 
-import inspect
-
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
@@ -38,10 +36,6 @@ def _sorted(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values(["input", "layer", "call", "head"], ignore_index=True)
 
 
-@pytest.mark.skipif(
-    "engine" not in inspect.signature(attnprobe.scan).parameters,
-    reason="engine= is not wired into attnprobe.scan yet (hooks/api.py)",
-)
 def test_ray_engine_writes_the_scan_folder(cluster, minilm, tmp_path):
     path, model, tokenizer = minilm
     alone = attnprobe.scan(model, TEXTS, tmp_path / "one", tokenizer=tokenizer, batch_size=4, chunk_size=8,

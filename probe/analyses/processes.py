@@ -30,6 +30,9 @@ class OneProcess:
     def wait(self) -> None:
         pass
 
+    def agree(self, config: dict) -> None:
+        """Refuse processes that would scan different things (one process agrees with itself)."""
+
     def share(self, chunks: list[int]) -> list[int]:
         return chunks
 
