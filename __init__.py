@@ -26,7 +26,8 @@ _EXPORTS = {
     "attention_modules": ".hooks.api",
     "capture": ".hooks.api",
     "run": ".hooks.api",
-    "scan": ".hooks.api",
+    "scan": ".hooks.scan_api",
+    "ScanBatches": ".hooks.ray_scan",
     "monitor": ".hooks.api",
     "stitch": ".probe.outputs.generation",
     "load": ".probe.capture",
@@ -55,8 +56,10 @@ _MODULES = {"heads": ".hooks.heads", "integrations": ".hooks.integrations"}
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .hooks.api import attention_modules, capture, monitor, run, scan
+    from .hooks.api import attention_modules, capture, monitor, run
     from .hooks.hf.token_strings import token_strings
+    from .hooks.ray_scan import ScanBatches
+    from .hooks.scan_api import scan
     from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.checks.violations import CheckResult, InvariantError, Violation

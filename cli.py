@@ -880,20 +880,48 @@ def token_labels(work):
     help="Inputs per Parquet file (an interrupted scan loses at most one chunk).",
 )
 @click.option("--resume", is_flag=True, help="Skip the chunks already written in OUT.")
+@click.option(
+    "--engine",
+    type=click.Choice(["torch", "ray"]),
+    default="torch",
+    show_default=True,
+    help="ray: the chunks run as tasks on a Ray cluster (pip install 'attnprobe[ray]'), each actor loading MODEL once.",
+)
+@click.option("--concurrency", type=click.IntRange(min=1), help="With --engine ray: how many actors (default 1).")
+@click.option("--num-gpus", type=click.FloatRange(min=0), help="With --engine ray: GPUs per actor.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 @handle_errors
-def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, chunk_size, resume, quiet, debug):
+def scan(
+    model,
+    data,
+    out,
+    field,
+    batch_size,
+    max_length,
+    layers,
+    heads,
+    limit,
+    chunk_size,
+    resume,
+    engine,
+    concurrency,
+    num_gpus,
+    quiet,
+    debug,
+):
     """Per-head attention statistics of MODEL over every input of --data, to a Parquet dataset in --out.
 
     One row per input, layer and head: each statistic averaged over the input's real query rows, plus
     row-level extremes (entropy_min, max_score_max, ...). No (query x key) tensor is stored, so memory stays
     flat in the number of inputs. Runs unchanged under `accelerate launch --num_processes N -m attnprobe scan`
-    and `torchrun` (each process scans its own chunks).
+    and `torchrun` (each process scans its own chunks; a model split across processes by tensor or pipeline
+    parallelism is fed the same inputs on the processes that hold it), or on a Ray cluster with --engine ray.
 
     \b
     Examples:
       attnprobe scan --data sentences.txt --out scan/
+      attnprobe scan ./my-bert --data data.jsonl --engine ray --concurrency 4 --out scan/
       attnprobe scan ./my-bert --data data.jsonl --field text --batch-size 32 --max-length 128 --out scan/
       duckdb -c "SELECT layer, head, avg(entropy) FROM 'scan/*.parquet' GROUP BY ALL"
     """
@@ -901,9 +929,17 @@ def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, 
 
     from .probe.commandline import loading
 
-    net, tokenizer, source = loading.load_model(model)
-    if tokenizer is None:
-        raise UsageProblem(f"{source} has no tokenizer: a scan reads texts (give a model folder with its tokenizer)")
+    if engine == "ray":  # every actor loads the model itself, from the folder or factory named here
+        net, tokenizer = model or str(loading.bundled_model_path()), None
+    else:
+        net, tokenizer, source = loading.load_model(model)
+        if tokenizer is None:
+            raise UsageProblem(
+                f"{source} has no tokenizer: a scan reads texts (give a model folder with its tokenizer)"
+            )
+    if engine != "ray" and (concurrency is not None or num_gpus is not None):
+        raise UsageProblem("--concurrency and --num-gpus place Ray actors: they go with --engine ray")
+    ray_options = {"engine": "ray", "concurrency": concurrency, "num_gpus": num_gpus} if engine == "ray" else {}
     result = attnprobe.scan(
         net,
         data,
@@ -918,6 +954,7 @@ def scan(model, data, out, field, batch_size, max_length, layers, heads, limit, 
         resume=resume,
         chunk_size=chunk_size,
         progress=not quiet,
+        **ray_options,
     )
     skipped = f", {result.chunks_skipped} chunk(s) already there" if result.chunks_skipped else ""
     click.echo(

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from ..probe.capture import AttentionModule, Capture, CaptureSession
+from ..probe.errors import SelectionError
 from ..probe.interface import Adapter
 from ..probe.selection import Selection
+from ..probe.sharded_session import ShardedSession
 from . import default_adapters
 
 
@@ -75,6 +77,11 @@ class capture:
     Capture's tensors are memory-mapped from the files. The folder appears when the ``with`` block ends (it is
     written under a temporary name); if the block raises, nothing is left on disk (the records in the Capture stay
     usable: ``cap.save(path)`` keeps them). ``overwrite=True`` replaces an existing capture directory there.
+    ``gather``: for a model split across processes (tensor or pipeline parallelism, e.g. ``from_pretrained(...,
+    distributed_config=DistributedConfig(tp_size=2))`` under ``torchrun``): ``True`` gives every process the whole
+    records of its model copy when the block ends, ``"main"`` only global rank 0; without it each process keeps the
+    heads and layers it holds, labelled with the model's numbers (``record.meta["rank"]``; ``cap.info["layout"]``
+    and ``["held_layers"]``). No effect on a model in one process.
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
     raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
@@ -106,8 +113,15 @@ class capture:
         overwrite: bool = False,
         overview=None,
         stats_rows=None,
+        gather=False,
     ):
-        self._session = CaptureSession(
+        from .hf.sharding import shard_layout
+
+        layout = shard_layout(model) if isinstance(model, nn.Module) else None
+        sharded: dict[str, Any] = {} if layout is None else {"layout": layout, "gather": gather}
+        if layout is None and gather not in (False, True):
+            raise SelectionError(f"gather must be False or True (or 'main' for a sharded model), got {gather!r}")
+        self._session = (CaptureSession if layout is None else ShardedSession)(
             model,
             Selection.build(
                 layers=layers,
@@ -123,6 +137,7 @@ class capture:
             default_adapters(modules=modules),
             store=store,
             overwrite=overwrite,
+            **sharded,
         )
 
     def __enter__(self) -> Capture:
@@ -157,54 +172,6 @@ def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[A
             else:
                 output = model(inputs)
     return output, cap
-
-
-def scan(
-    model: nn.Module,
-    data,
-    out,
-    *,
-    tokenizer=None,
-    field: str | None = None,
-    batch_size: int = 16,
-    max_length: int | None = None,
-    layers=None,
-    heads=None,
-    limit: int | None = None,
-    resume: bool = False,
-    chunk_size: int = 256,
-    progress: bool = True,
-):
-    """Per-head statistics of ``model`` over every input of ``data``, written to a Parquet dataset in ``out``.
-
-    ``data``: a ``.txt`` file (one input per line), ``.jsonl`` (``field``, default ``text``), ``.csv`` or
-    ``.parquet`` (``field``), a folder saved by ``datasets``' ``save_to_disk``, or a list of texts.
-    Inputs are tokenized by ``tokenizer`` in padded batches of ``batch_size`` (truncated to ``max_length``)
-    and run under ``capture(keep=("stats",))``: memory stays flat in the number of inputs, and no
-    (query x key) tensor is stored. Each input gets one row per (layer, head): the mean of every statistic
-    over its real query rows, and the row-level extremes (``entropy_min``, ``max_score_max``, ...).
-    ``out/part-NNNNN.parquet`` holds ``chunk_size`` inputs each; ``resume=True`` skips chunks already
-    written. Under ``accelerate launch`` / ``torchrun`` each process scans its own chunks.
-    Returns a ``ScanResult`` (``.to_frame()`` reads the whole scan).
-    """
-    from ..probe.analyses.scan import run_scan
-
-    return run_scan(
-        capture,
-        model,
-        data,
-        out,
-        tokenizer=tokenizer,
-        field=field,
-        batch_size=batch_size,
-        max_length=max_length,
-        layers=layers,
-        heads=heads,
-        limit=limit,
-        resume=resume,
-        chunk_size=chunk_size,
-        progress=progress,
-    )
 
 
 def monitor(

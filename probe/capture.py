@@ -389,7 +389,7 @@ class CaptureSession:
                 model_class=self.model_class,
             )
         self.static_sites = len(self.sites)
-        self.selection = self.selection.resolve_layers(len(self.sites), may_grow=may_grow)
+        self.selection = self.selection.resolve_layers(self.layer_count(), may_grow=may_grow)
         self.store.selection = self.selection
         for site in self.sites:
             self.select_site(site)
@@ -428,7 +428,7 @@ class CaptureSession:
                 self.disk.close(self.capture.info)  # the index, then the folder renamed into place
             else:  # nothing half-written is left (a previous capture there stays); the records in memory stay usable
                 self.disk.abort()
-        n = len(self.sites)
+        n = self.layer_count()
         missing = sorted(layer for layer in (self.selection.layers or ()) if layer >= n)
         if exc_type is None and missing:  # layer numbers past the model's, accepted only in case they appeared
             raise SelectionError(
@@ -492,6 +492,15 @@ class CaptureSession:
                 "max_bytes": sel.max_bytes,
             },
         }
+
+    def layer_count(self) -> int:
+        """How many attention layers the model has (the sites found so far; a sharded session counts every
+        process's)."""
+        return len(self.sites)
+
+    def label(self, record: AttentionRecord) -> AttentionRecord:
+        """The record as the Capture keeps it (a sharded session puts the model's head numbers on it)."""
+        return record
 
     def select_site(self, site) -> None:
         site.selected = self.selection.wants(site.layer)
@@ -646,6 +655,7 @@ class CaptureSession:
             **stored,
             **values,
         )
+        record = self.label(record)
         if self.disk is not None:  # written now; the Capture keeps the memory-mapped copy, this one is dropped
             record = self.disk.write(record)
         self.capture._append(record)

@@ -328,8 +328,13 @@ class ScanResult:
         return pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True)
 
 
-def _process_state():
-    """accelerate's view of the processes (one process when not launched); None without accelerate."""
+def _processes(layout=None):
+    """The processes this scan runs in (``probe/analyses/processes.py``): a sharded model's mesh, accelerate's view
+    of the processes of a launch, or this one process."""
+    from .processes import AccelerateProcesses, OneProcess, ShardedProcesses
+
+    if layout is not None and layout.world > 1:
+        return ShardedProcesses(layout)
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         from accelerate import PartialState
@@ -338,8 +343,8 @@ def _process_state():
             raise ScanError(
                 "this scan runs in several processes: that needs accelerate (pip install accelerate)"
             ) from exc
-        return None
-    return PartialState(cpu=not torch.cuda.is_available())
+        return OneProcess()
+    return AccelerateProcesses(PartialState(cpu=not torch.cuda.is_available()))
 
 
 def run_scan(
@@ -360,8 +365,9 @@ def run_scan(
     progress: bool = True,
     source: str | None = None,
     block_bytes: int | None = None,
+    layout=None,
 ) -> ScanResult:
-    """See ``attnprobe.scan``."""
+    """See ``attnprobe.scan``. ``layout``: the ``probe.shards.ShardLayout`` of a model split across processes."""
     _check_sizes(tokenizer, batch_size=batch_size, chunk_size=chunk_size, max_length=max_length)
     texts = list(data) if not isinstance(data, (str, os.PathLike)) else read_inputs(data, field=field, limit=limit)
     if limit is not None:
@@ -381,39 +387,36 @@ def run_scan(
         "layers": None if layers is None else list(layers),
         "heads": _jsonable(heads),
     }
-    state = _process_state()
-    main = state is None or state.is_main_process
-    _open_folder(out, config, resume=resume, state=state, main=main)
+    processes = _processes(layout)
+    processes.agree(config)
+    _open_folder(out, config, resume=resume, processes=processes)
     todo = [c for c in range(plan.chunks) if not (resume and (out / part_name(c)).exists())]
-    mine = todo
-    if state is not None and state.num_processes > 1:
-        with state.split_between_processes(todo) as share:
-            mine = list(share)
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    options = {"keep": ("stats",), "layers": layers, "heads": heads}
+    mine = processes.share(todo)
+    options: dict = {"layers": layers, "heads": heads}
     if block_bytes is not None:
         options["block_bytes"] = block_bytes
-    bar = _progress_bar(sum(len(plan.span(c)) for c in mine), state, progress=progress)
-
-    def tokenize(index: list[int]) -> dict[str, torch.Tensor]:
-        batch = tokenizer([texts[i] for i in index], **_tokenizer_options(max_length), return_tensors="pt")
-        return {k: v.to(device) for k, v in batch.items()}
-
+    run = _BatchRun(capture, model, tokenizer, texts, batch_size=batch_size, max_length=max_length, options=options)
+    bar = _progress_bar(sum(len(plan.span(c)) for c in mine), processes, progress=progress)
     was_training = model.training
     model.eval()
     try:
         for chunk in mine:
             span = plan.span(chunk)
-            columns = _scan_span(capture, model, options, tokenize, span, batch_size=batch_size, bar=bar)
-            where = {"chunk": chunk, "first_input": span.start, "last_input": span.stop - 1}
-            process = 0 if state is None else state.process_index
-            write_part(out / part_name(chunk), columns, {**config, **where, "process": process})
+            columns = _scan_span(run, span, processes=processes, bar=bar)
+            if processes.writes:
+                where = {"chunk": chunk, "first_input": span.start, "last_input": span.stop - 1}
+                metadata = {**config, **where, "process": processes.index, **processes.describe()}
+                write_part(out / part_name(chunk), columns, metadata)
+        # a model sharded by FSDP gathers its parameters from every process: all run as many forwards
+        for _ in range(
+            processes.idle_batches(lambda share: sum(math.ceil(len(plan.span(c)) / batch_size) for c in share))
+        ):
+            run.rows(list(range(min(batch_size, len(texts)))))
     finally:
         bar.close()
         model.train(was_training)
-    if state is not None:
-        state.wait_for_everyone()
-    if main:
+    processes.wait()
+    if processes.main:
         _write_manifest(out, plan, config)
     return ScanResult(out=out, inputs=len(texts), chunks_written=len(mine), chunks_skipped=plan.chunks - len(todo))
 
@@ -429,47 +432,97 @@ def _check_sizes(tokenizer, *, batch_size: int, chunk_size: int, max_length: int
         raise ScanError(f"max_length must be a positive whole number, not {max_length!r}")
 
 
-def _progress_bar(inputs: int, state, *, progress: bool):
+def _progress_bar(inputs: int, processes, *, progress: bool):
     """A tqdm bar over this process's inputs (named by its process index when there are several)."""
     from tqdm.auto import tqdm
 
-    several = state is not None and state.num_processes > 1
-    return tqdm(
-        total=inputs, unit="input", disable=not progress, desc=f"scan [{state.process_index}]" if several else "scan"
-    )
+    name = f"scan [{processes.index}]" if processes.count > 1 else "scan"
+    return tqdm(total=inputs, unit="input", disable=not progress, desc=name)
 
 
 def _tokenizer_options(max_length: int | None) -> dict:
     return {"padding": True, "truncation": max_length is not None, "max_length": max_length}
 
 
-def _open_folder(out: Path, config: dict, *, resume: bool, state, main: bool) -> None:
+def _open_folder(out: Path, config: dict, *, resume: bool, processes) -> None:
     """The main process checks and creates the folder first; the others check it once it is there (checking at
     the same time, they could see the main process's config half-written and call the folder foreign)."""
-    if main:
+    if processes.main:
         prepare_folder(out, config, resume=resume, main=True)
-    if state is not None:
-        state.wait_for_everyone()
-    if not main:
+    processes.wait()
+    if not processes.main:
         prepare_folder(out, config, resume=resume, main=False)
 
 
-def _scan_span(
-    capture: Callable, model, options: dict, tokenize: Callable, span: range, *, batch_size: int, bar
+def model_device(model) -> torch.device:
+    """Where the model's (materialized) parameters are: the device inputs go to."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+def scan_batch(
+    capture: Callable,
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    indexes: Sequence[int],
+    *,
+    max_length: int | None = None,
+    options: dict | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, list]:
-    """The rows of one chunk: its inputs a batch at a time, each batch run under a statistics capture."""
-    columns: dict[str, list] = {}
-    for start in range(span.start, span.stop, batch_size):
-        index = list(range(start, min(span.stop, start + batch_size)))
-        batch = tokenize(index)
-        counts = (
-            batch["attention_mask"].sum(-1).tolist()
-            if "attention_mask" in batch
-            else [batch["input_ids"].shape[-1]] * len(index)
+    """The scan rows of ``texts`` (input numbers ``indexes``): one padded forward of ``model`` under
+    ``capture(model, keep=("stats",), **options)``, aggregated by ``aggregate``. ``attnprobe.scan`` runs it batch
+    after batch; the Ray Data engine (``hooks/ray_scan.py``) inside its actors."""
+    batch = tokenizer(list(texts), **_tokenizer_options(max_length), return_tensors="pt")
+    device = model_device(model) if device is None else device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    counts = (
+        batch["attention_mask"].sum(-1).tolist()
+        if "attention_mask" in batch
+        else [batch["input_ids"].shape[-1]] * len(texts)
+    )
+    with torch.no_grad(), capture(model, keep=("stats",), **(options or {})) as cap:
+        model(**batch)
+    return aggregate(cap, indexes, counts)
+
+
+@dataclass
+class _BatchRun:
+    """What every batch of one scan shares: the model, its tokenizer, the texts and the capture's options."""
+
+    capture: Callable
+    model: object
+    tokenizer: object
+    texts: list[str]
+    batch_size: int
+    max_length: int | None
+    options: dict
+
+    def __post_init__(self) -> None:
+        self.device = model_device(self.model)
+
+    def rows(self, index: list[int]) -> dict[str, list]:
+        texts = [self.texts[i] for i in index]
+        return scan_batch(
+            self.capture,
+            self.model,
+            self.tokenizer,
+            texts,
+            index,
+            max_length=self.max_length,
+            options=self.options,
+            device=self.device,
         )
-        with torch.no_grad(), capture(model, **options) as cap:
-            model(**batch)
-        for name, values in aggregate(cap, index, counts).items():
+
+
+def _scan_span(run: _BatchRun, span: range, *, processes, bar) -> dict[str, list]:
+    """The rows of one chunk: its inputs a batch at a time, each batch run under a statistics capture (the rows of a
+    sharded model's processes joined on the process that writes them; None elsewhere)."""
+    columns: dict[str, list] = {}
+    for start in range(span.start, span.stop, run.batch_size):
+        index = list(range(start, min(span.stop, start + run.batch_size)))
+        rows = processes.combine(run.rows(index))
+        for name, values in (rows or {}).items():
             columns.setdefault(name, []).extend(values)
         bar.update(len(index))
     return columns
