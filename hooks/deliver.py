@@ -22,6 +22,7 @@ import math
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
+from typing import List, Optional  # noqa: UP035 (see deliver_op)
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -121,7 +122,14 @@ def _register_op() -> None:
             return
 
         @torch.library.custom_op("attnprobe::deliver", mutates_args=())
-        def deliver_op(token: int, event: str, tensors: list[torch.Tensor | None], numbers: list[float]) -> None:
+        # typing.List/Optional, not list[...] / X | None: torch 2.6's infer_schema (the oldest torch we declare) knows
+        # only the typing spellings
+        def deliver_op(
+            token: int,
+            event: str,
+            tensors: List[Optional[torch.Tensor]],  # noqa: UP006, UP045
+            numbers: List[float],  # noqa: UP006
+        ) -> None:
             _IN_GRAPH.active = True
             try:
                 _receive(token, event, tensors[:-1], numbers)  # without the tensor `deliver` added
