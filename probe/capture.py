@@ -18,7 +18,7 @@ from .errors import NoAttentionError, NotCapturedError, SelectionError, Unsuppor
 from .intent import Intent, module_intent
 from .interface import Adapter, Lazy, Site
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord, RecordKind
-from .selection import Selection, Store, index_heads, int_list, kv_heads_for, sampled_rows
+from .selection import Selection, Store, index_heads, int_list, kv_heads_for, kv_of_heads, sampled_rows
 from .walk import ModuleWalk
 
 
@@ -750,8 +750,8 @@ class CaptureSession:
             return None
         _, _, q_len, k_len = weights.shape
         al = allowed if allowed is None or allowed.shape[1] == 1 else index_heads(allowed, heads)[0]
-        group = layout.num_heads // max(layout.num_kv_heads, 1)
-        v = selected("v", tuple(hd // group for hd in heads)) if tensors.get("v") is not None else None
+        v_heads = kv_of_heads(heads, layout.num_heads, layout.num_kv_heads)
+        v = selected("v", v_heads) if tensors.get("v") is not None else None
         output = selected("output", heads)
         rows = sampled_rows(q_len, self.selection.stats_rows)
         stats = stats_from_weights(

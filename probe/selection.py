@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import CaptureBudgetError, SelectionError
+from .errors import CaptureBudgetError, SelectionError, UnsupportedModelError
 from .record import KEEP_NAMES, TENSOR_FIELDS
 
 if TYPE_CHECKING:
@@ -419,10 +419,26 @@ class Selection:
         return self.layers == ()
 
 
+def kv_of_heads(heads: tuple[int, ...], num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
+    """For each query head of ``heads``, the key/value head it reads (grouped-query attention: each key/value head
+    serves a group of ``num_heads // num_kv_heads`` consecutive query heads). Head counts that do not divide are
+    refused: no group size maps them, and a guess would pair query heads with the wrong keys."""
+    kv = max(num_kv_heads, 1)
+    if num_heads % kv:
+        raise UnsupportedModelError(
+            f"an attention call had {num_heads} query heads and {num_kv_heads} key/value heads, which do not divide: "
+            "attnprobe reads grouped-query attention, each key/value head serving a group of query heads, so it "
+            "cannot tell which key head a query head read. Exclude the module with layers=[...]",
+            problem=f"{num_heads} query heads and {num_kv_heads} key/value heads do not divide",
+            hint="exclude the module with layers=[...]",
+        )
+    group = num_heads // kv
+    return tuple(h // group for h in heads)
+
+
 def kv_heads_for(heads: tuple[int, ...], num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
-    """The key/value heads that query heads ``heads`` read under grouped-query attention."""
-    group = num_heads // max(num_kv_heads, 1)
-    return tuple(dict.fromkeys(h // group for h in heads))
+    """The key/value heads that query heads ``heads`` read under grouped-query attention, each once, in order."""
+    return tuple(dict.fromkeys(kv_of_heads(heads, num_heads, num_kv_heads)))
 
 
 def index_heads(t: torch.Tensor, index: tuple[int, ...] | None, axis: int = 1) -> tuple[torch.Tensor, bool]:

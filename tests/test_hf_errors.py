@@ -162,7 +162,7 @@ def test_module_subclass_of_nn_module_not_hf_is_left_to_others():
 
 
 def test_query_heads_that_do_not_divide_the_key_heads_are_refused_by_name():
-    from attnprobe.hooks.hf.recompute import kv_of_heads
+    from attnprobe.probe.selection import kv_of_heads
 
     assert kv_of_heads((0, 3, 5), 6, 2) == (0, 1, 1)  # grouped-query attention: three query heads per key head
     with pytest.raises(UnsupportedModelError, match="6 query heads and 4 key/value heads, which do not divide"):

@@ -29,14 +29,14 @@ from torch import nn
 
 from ...probe.engine.attention_math import AttentionCall
 from ...probe.errors import UnsupportedModelError, warn_user
-from ...probe.selection import index_heads
+from ...probe.selection import index_heads, kv_of_heads
 from ...probe.threads import elsewhere
 from ...probe.walk import walk_of
 from ..base import Adapter, Lazy, Site, selected_heads
 from ..deliver import deliver, held, listen, number, value_of
 from . import compat as hf_compat
 from .context import KindProbe, Surroundings, call_kind, head_counts, parents_of, static_kind
-from .recompute import MaskMemo, Recompute, kv_of_heads
+from .recompute import MaskMemo, Recompute
 from .source import name_branches, record_dtype, softmax_dtype
 
 #: base backend -> the private name that wraps it. No "sdpa" and no "flash" inside the names:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from ...probe.engine.attention_math import attention_logits, softmax_with_sinks
-from ...probe.errors import UnsupportedModelError
 from ...probe.selection import index_heads
 
 
@@ -287,17 +286,3 @@ class Recompute:
                         weights.masked_fill_(empty, 0.0)  # rows with no allowed key attend nothing
             self._weights = weights
         return self._weights.to(self.out_dtype)
-
-
-def kv_of_heads(heads: tuple[int, ...], num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
-    """For each selected query head, the key/value head it reads (grouped-query attention: each key/value head
-    serves a group of ``num_heads // num_kv_heads`` consecutive query heads)."""
-    kv = max(num_kv_heads, 1)
-    if num_heads % kv:
-        raise UnsupportedModelError(
-            f"an attention call had {num_heads} query heads and {num_kv_heads} key/value heads, which do not divide: "
-            "attnprobe reads grouped-query attention, each key/value head serving a group of query heads, so it "
-            "cannot tell which key head a query head read. Exclude the module with layers=[...]"
-        )
-    group = num_heads // kv
-    return tuple(h // group for h in heads)
