@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -230,6 +231,48 @@ class Pair:
         head = (self.heads if side == "ref" else self.cand_heads)[i]
         a = lay.allowed
         return a[:, 0] if a.shape[1] == 1 else a[:, lay.heads.index(head)]
+
+
+def aligned_record(pair: Pair, side: str) -> AttentionRecord:
+    """One side of ``pair`` as a record in the shared layout: the reference's layer, name and head numbers, the
+    candidate's heads in the matched order, heads unfolded from the batch, key/value heads as compared (``kv_head``
+    axis: their own; ``head``: one per query head). For drawing both sides with one page (the diff report)."""
+    lay = pair.ref if side == "ref" else pair.cand
+    r, ref = lay.record, pair.ref.record
+    values: dict[str, Any] = {}
+    for name in ("q", "scores", "weights", "output"):
+        if name in lay.tensors:
+            values[name] = torch.stack([pair.pick(side, name, i) for i in range(len(pair.heads))], 1)
+    for name in KV_FIELDS:
+        if name in lay.tensors and pair.kv_heads:
+            values[name] = torch.stack([pair.pick(side, name, i) for i in range(len(pair.kv_heads))], 1)
+    if lay.allowed is not None:
+        values["allowed"] = torch.stack([pair.allowed(side, i) for i in range(len(pair.heads))], 1)  # type: ignore[misc]
+    kv_heads = tuple(pair.kv_heads) if pair.kv_axis == "kv_head" else tuple(pair.heads)
+    return AttentionRecord(
+        name=ref.name,
+        layer=ref.layer,
+        call=ref.call,
+        kind=ref.kind,
+        num_heads=lay.num_heads,
+        num_kv_heads=lay.num_kv_heads if pair.kv_axis == "kv_head" else lay.num_heads,
+        heads=tuple(pair.heads),
+        kv_heads=kv_heads,
+        query_padding=lay.padding,
+        causal=r.causal,
+        scaling=r.scaling,
+        backend=r.backend,
+        dtype=r.dtype,
+        weights_source=r.weights_source,
+        query_offset=ref.query_offset,
+        softcap=r.softcap,
+        meta={
+            "aligned_from": r.name,
+            "aligned_layer": r.layer,
+            "aligned_heads": tuple(pair.heads if side == "ref" else pair.cand_heads),
+        },
+        **values,
+    )
 
 
 def kv_head(lay: Layout, name: str, head: int, axis: str) -> torch.Tensor:

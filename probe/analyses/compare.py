@@ -33,6 +33,7 @@ from .alignment import (
     KV_FIELDS,
     Pair,
     align_calls,
+    aligned_record,
     match_heads,
     pair_up,
 )
@@ -140,6 +141,14 @@ class Comparison:
         import pandas as pd
 
         return pd.DataFrame(list(self.rows), columns=list(COMPARISON_SCHEMA)).astype(COMPARISON_SCHEMA)
+
+    def aligned(self):
+        """Two ``Capture``s, reference and candidate, one record per compared call in one layout (the reference's
+        layer numbers, names and heads; the candidate's heads in the matched order; heads unfolded from the batch):
+        what ``attnprobe.reports.diff_html`` draws side by side."""
+        from ..capture import Capture
+
+        return tuple(Capture([aligned_record(p, side) for p in self.pairs]) for side in ("ref", "cand"))
 
     def summary(self) -> str:
         """One line: agreement, or the first divergence and its diagnosis."""
