@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..probe.analyses.compare import Comparison, ComparisonError, compare_captures
@@ -27,6 +28,15 @@ def _run_side(model: nn.Module, inputs, options: Mapping[str, Any], side: str):
     return cap
 
 
+def _batch_size(inputs) -> int | None:
+    """The batch size of the first tensor among ``inputs`` (a tensor, a mapping or a sequence)."""
+    values = (
+        inputs.values() if isinstance(inputs, Mapping) else inputs if isinstance(inputs, (tuple, list)) else [inputs]
+    )
+    first = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    return None if first is None else int(first.shape[0])
+
+
 def compare(
     reference,
     candidate,
@@ -37,6 +47,7 @@ def compare(
     atol: float | None = None,
     rtol: float | None = None,
     allow_permuted_heads: bool = False,
+    batch: int | None = None,
     candidate_inputs=None,
     reference_options: Mapping[str, Any] | None = None,
     candidate_options: Mapping[str, Any] | None = None,
@@ -56,7 +67,8 @@ def compare(
     recorded). ``atol``/``rtol``: a cell differs when ``|candidate - reference| > atol + rtol * scale`` (``scale``:
     the head's largest ``|reference|``; defaults by dtype, ``probe.analyses.compare.TOLERANCES``).
     ``allow_permuted_heads``: heads found in another order are compared as matched (``Comparison.permutations``)
-    instead of being the divergence (diagnosed ``head_order``).
+    instead of being the divergence (diagnosed ``head_order``). ``batch``: the input's batch size, for when both sides
+    fold heads into the batch axis (attention on ``(batch * heads, T, d)``); inferred from ``inputs``.
 
     Returns a ``Comparison``: ``ok``, ``first`` (layer, head, tensor, query, key and both values), ``diagnosis``
     (``scale``, ``mask``, ``rope_layout``, ``rope_base``, ``positions``, ``head_order``, ``kv_repeat``, ``softcap``,
@@ -85,6 +97,7 @@ def compare(
                     f"with inputs, the {side} must be a model (torch.nn.Module), got {type(model).__name__}; "
                     "to compare two captures, leave inputs out"
                 )
+        batch = batch or _batch_size(inputs)
         ref_cap = _run_side(reference, inputs, {**options, **(reference_options or {})}, "reference")
         cand_inputs = inputs if candidate_inputs is None else candidate_inputs
         cand_cap = _run_side(candidate, cand_inputs, {**options, **(candidate_options or {})}, "candidate")
@@ -96,4 +109,5 @@ def compare(
         atol=atol,
         rtol=rtol,
         allow_permuted_heads=allow_permuted_heads,
+        batch=batch,
     )

@@ -273,6 +273,9 @@ def test_heads_in_another_order_are_a_permutation():
     result = compare(ref, cand, X)
     assert (result.first.layer, result.first.tensor, result.diagnosis) == (0, "q", "head_order")
     assert result.details["permutation"] == [1, 3, 0, 2]  # the candidate's head holding reference head 0, 1, ...
+    folded = _sdpa_model(fold=True)
+    result = compare(folded, _permute_heads(folded, [2, 0, 3, 1]), X)  # both fold: unfolded by the input's batch
+    assert result.diagnosis == "head_order" and result.details["permutation"] == [1, 3, 0, 2]
     matched = compare(ref, cand, X, allow_permuted_heads=True)
     assert matched.ok and dict(matched.permutations) == {0: (1, 3, 0, 2), 1: (1, 3, 0, 2)}
     frame = matched.to_frame()

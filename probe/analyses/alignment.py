@@ -181,11 +181,15 @@ def _batch_of_kv(r: AttentionRecord) -> int:
     return int(t.shape[0])
 
 
-def _check_shapes(ref: AttentionRecord, cand: AttentionRecord) -> int:
-    """The batch both are seen with; refuses calls whose shapes cannot describe the same attention."""
+def _check_shapes(ref: AttentionRecord, cand: AttentionRecord, batch_hint: int | None) -> int:
+    """The batch both are seen with: the smaller one, or ``batch_hint`` (the input's batch) where both sides hold
+    one head per row of more rows (heads folded into the batch on both sides). Refuses calls whose shapes cannot
+    describe the same attention."""
     same_len = (ref.query_len, ref.key_len) == (cand.query_len, cand.key_len)
     rb, cb = _batch_of(ref), _batch_of(cand)
     batch = min(rb, cb)
+    if batch_hint and batch > batch_hint and batch % batch_hint == 0 and ref.num_heads == cand.num_heads == 1:
+        batch = batch_hint
     folds = max(rb, cb) % batch == 0
     if not same_len or not folds:
         raise AlignmentError(
@@ -283,9 +287,10 @@ def kv_head(lay: Layout, name: str, head: int, axis: str) -> torch.Tensor:
     return t[:, lay.kv_heads.index(kv)]
 
 
-def pair_up(index: int, ref: AttentionRecord, cand: AttentionRecord) -> Pair:
-    """Bring two aligned calls into one layout and pair their heads by number (no permutation yet)."""
-    batch = _check_shapes(ref, cand)
+def pair_up(index: int, ref: AttentionRecord, cand: AttentionRecord, batch: int | None = None) -> Pair:
+    """Bring two aligned calls into one layout and pair their heads by number (no permutation yet); ``batch``: the
+    input's batch size, if known."""
+    batch = _check_shapes(ref, cand, batch)
     r, c = layout(ref, batch), layout(cand, batch)
     if r.num_heads != c.num_heads:
         raise AlignmentError(

@@ -309,18 +309,15 @@ def compare_captures(
     atol: float | None = None,
     rtol: float | None = None,
     allow_permuted_heads: bool = False,
+    batch: int | None = None,
 ) -> Comparison:
     """``attnprobe.compare`` of two captures (see there)."""
     unknown = sorted(set(tensors or ()) - set(FLOW))
     if unknown:
         raise ComparisonError(f"tensors= names {unknown}, which are not compared; choose from {', '.join(FLOW)}")
     settings = _Settings(tuple(tensors or FLOW), atol, rtol, allow_permuted_heads)
-    pairs = [
-        pair_up(i, r, c)
-        for i, (r, c) in enumerate(
-            align_calls(_records(reference, "reference"), _records(candidate, "candidate"), mapping)
-        )
-    ]
+    aligned = align_calls(_records(reference, "reference"), _records(candidate, "candidate"), mapping)
+    pairs = [pair_up(i, r, c, batch) for i, (r, c) in enumerate(aligned)]
     rows: list[dict[str, Any]] = []
     permutations: dict[int, tuple[int, ...]] = {}
     first: tuple[Pair, str, dict] | None = None

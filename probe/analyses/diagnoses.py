@@ -79,11 +79,17 @@ def _counted(c: _Case) -> tuple[torch.Tensor, torch.Tensor]:
     return c.data.ref[keep], c.data.cand[keep]
 
 
-def _describe_factor(x: float) -> str:
-    for n in range(2, 8193):
-        for form, value in ((f"1/sqrt({n})", n**-0.5), (f"1/{n}", 1 / n), (f"sqrt({n})", n**0.5)):
-            if abs(x - value) <= 1e-6 * abs(value):
-                return f" = {form}"
+def _describe_factor(x: float, d_head: int | None) -> str:
+    """`` = 1/sqrt(d_head)`` and the like, when ``x`` is such a simple factor."""
+    named = []
+    if d_head:
+        named += [("1/sqrt(d_head)", d_head**-0.5), ("1/d_head", 1 / d_head), ("sqrt(d_head)", d_head**0.5)]
+        named += [("d_head", float(d_head))]
+    for form, f in (("1/sqrt({})", lambda n: n**-0.5), ("1/{}", lambda n: 1 / n), ("sqrt({})", lambda n: n**0.5)):
+        named += [(form.format(n), f(n)) for n in range(2, 8193)]
+    for form, value in named:
+        if abs(x - value) <= 1e-6 * abs(value):
+            return f" = {form}"
     return ""
 
 
@@ -93,18 +99,20 @@ def _scale(c: _Case) -> Diagnosis | None:
     if denom == 0 or x.numel() == 0:
         return None
     factor = float((x * y).sum()) / denom
+    q = c.pair.ref.tensors.get("q")
+    d_head = None if q is None else int(q.shape[-1])
     residual = float((y - factor * x).abs().max())
     if not c.explained(residual) or abs(factor - 1) * float(x.abs().max()) <= c.tol[0]:
         return None
     text = (
-        f"the candidate's {c.name} are {factor:.6g}{_describe_factor(factor)} times the reference's at every cell "
-        f"that counts (largest residual {residual:.2g}, largest difference {c.diff:.2g})"
+        f"the candidate's {c.name} are {factor:.6g}{_describe_factor(factor, d_head)} times the reference's at every "
+        f"cell that counts (largest residual {residual:.2g}, largest difference {c.diff:.2g})"
     )
     r, k = c.pair.ref.record.scaling, c.pair.cand.record.scaling
     if c.name == "scores" and r is not None and k is not None:
         text += (
-            f"; the recorded scaling is {r:.6g}{_describe_factor(r)} (reference) and {k:.6g}{_describe_factor(k)} "
-            "(candidate)"
+            f"; the recorded scaling is {r:.6g}{_describe_factor(r, d_head)} (reference) and "
+            f"{k:.6g}{_describe_factor(k, d_head)} (candidate)" + (f", d_head {d_head}" if d_head else "")
         )
     return Diagnosis("scale", text, {"factor": factor, "residual": residual})
 
