@@ -216,6 +216,7 @@ class Pair:
     kv_heads: list[int] = field(default_factory=list)
     cand_kv_heads: list[int] = field(default_factory=list)
     permuted: bool = False
+    mask_counts: dict[int, int] = field(default_factory=dict)  # compared head -> cells one side masks (cached)
 
     def pick(self, side: str, name: str, i: int) -> torch.Tensor:
         """Head ``i`` of the compared heads (``kv`` heads for k/v) of tensor ``name``: ``(batch, ...)``."""
@@ -227,6 +228,30 @@ class Pair:
         src = lay.stats[name] if name in lay.stats and name not in lay.tensors else lay.tensors[name]
         return src[:, lay.heads.index(head)]
 
+    def positions(self, side: str, name: str, heads: Sequence[int]) -> list[int]:
+        """Where compared heads ``heads`` (key/value heads for k and v) sit on ``side``'s head axis of ``name``."""
+        lay = self.ref if side == "ref" else self.cand
+        if name in KV_FIELDS:
+            numbers = self.kv_heads if side == "ref" else self.cand_kv_heads
+            grouped = self.kv_axis == "head" and lay.num_kv_heads != lay.num_heads
+            return [lay.kv_heads.index(numbers[i] // lay.group if grouped else numbers[i]) for i in heads]
+        numbers = self.heads if side == "ref" else self.cand_heads
+        return [lay.heads.index(numbers[i]) for i in heads]
+
+    def pick_block(self, side: str, name: str, heads: Sequence[int]) -> torch.Tensor:
+        """Compared heads ``heads`` of ``name``: ``(batch, head, ...)``, a view when they sit in order."""
+        lay = self.ref if side == "ref" else self.cand
+        src = lay.stats[name] if name in lay.stats and name not in lay.tensors else lay.tensors[name]
+        return _take(src, self.positions(side, name, heads))
+
+    def allowed_block(self, side: str, heads: Sequence[int]) -> torch.Tensor | None:
+        """``(batch, 1 or head, query, key)`` bool of compared heads ``heads``; None when the record has no mask."""
+        lay = self.ref if side == "ref" else self.cand
+        a = lay.allowed
+        if a is None or a.shape[1] == 1:
+            return a
+        return _take(a, self.positions(side, "weights", heads))
+
     def allowed(self, side: str, i: int) -> torch.Tensor | None:
         """``(batch, query, key)`` bool for compared head ``i``; None when the record has no mask."""
         lay = self.ref if side == "ref" else self.cand
@@ -235,6 +260,13 @@ class Pair:
         head = (self.heads if side == "ref" else self.cand_heads)[i]
         a = lay.allowed
         return a[:, 0] if a.shape[1] == 1 else a[:, lay.heads.index(head)]
+
+
+def _take(t: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``t[:, index]``, as a view when ``index`` is a run of consecutive positions."""
+    if index == list(range(index[0], index[0] + len(index))):
+        return t[:, index[0] : index[0] + len(index)]
+    return t[:, index]
 
 
 def aligned_record(pair: Pair, side: str) -> AttentionRecord:

@@ -38,7 +38,7 @@ from .alignment import (
     pair_up,
 )
 from .diagnoses import Diagnosis, diagnose
-from .differences import cells, differences, head_distances, mask_differs, scale_of
+from .differences import block, differences, head_distances, mask_differs, per_head_cells, per_head_max, per_head_scale
 
 #: ``(atol, rtol)`` by the coarser dtype of the two sides (the dtype attention ran in, or a tensor was stored in).
 TOLERANCES: Mapping[torch.dtype, tuple[float, float]] = MappingProxyType(
@@ -181,8 +181,10 @@ def _pair_dtype(pair: Pair) -> torch.dtype:
 
 
 def _mask_count(pair: Pair, i: int) -> int:
-    diff = mask_differs(pair, i)
-    return 0 if diff is None else int(diff.sum())
+    if i not in pair.mask_counts:
+        diff = mask_differs(pair, i)
+        pair.mask_counts[i] = 0 if diff is None else int(diff.sum())
+    return pair.mask_counts[i]
 
 
 def _first_cell(exceeds: torch.Tensor, name: str, positions: torch.Tensor | None) -> dict[str, Any]:
@@ -201,7 +203,8 @@ def _first_cell(exceeds: torch.Tensor, name: str, positions: torch.Tensor | None
         cell["query"], cell["key"] = p, rest[0]
     else:
         cell["query"], cell["dim"] = p, rest[0]
-    cell["_index"] = (b, p, *rest)
+    cell["_index"] = (b, p)
+    cell["_rest"] = tuple(rest)
     return cell
 
 
@@ -232,14 +235,44 @@ def _compared(pair: Pair, settings: _Settings) -> list[str]:
     return out
 
 
-def _head_row(pair: Pair, name: str, i: int, tol: tuple[float, float], dtype: torch.dtype):
-    c = cells(pair, name, i)
-    d = differences(c)
-    scale = scale_of(c)
-    tolerance = 0.5 if name == "allowed_keys" else tol[0] + tol[1] * scale
+#: Memory target of one block of heads compared at once (their float32 copies and temporaries).
+BLOCK_BYTES = 64 << 20
+
+
+def _tensor_rows(pair: Pair, name: str, tol: tuple[float, float], dtype: torch.dtype, locate: bool):
+    """The frame rows of every compared head of ``name``, and (``locate``) the earliest differing cell of each head
+    that differs; heads in blocks of about ``BLOCK_BYTES``."""
     kv = name in KV_FIELDS
+    n = len(pair.kv_heads) if kv else len(pair.heads)
+    one = pair.pick("ref", name, 0)
+    per_block = max(1, BLOCK_BYTES // max(one.numel() * 16, 1))
+    rows, found = [], []
+    for start in range(0, n, per_block):
+        heads = range(start, min(n, start + per_block))
+        c = block(pair, name, heads, precise=False)
+        d = differences(c)  # (batch, head, ...)
+        top, scales = per_head_max(d), per_head_scale(c)
+        counts = per_head_cells(c)
+        for k, i in enumerate(heads):
+            scale = float(scales[k])
+            tolerance = 0.5 if name == "allowed_keys" else tol[0] + tol[1] * scale
+            row = _row(pair, name, i, kv, dtype)
+            row.update(max_abs_diff=float(top[k]), scale=scale, tolerance=tolerance, cells=int(counts[k]))
+            row["exceeds"] = bool(top[k] > tolerance)
+            rows.append(row)
+            if row["exceeds"] and locate:
+                exceeds = d[:, k] > tolerance
+                first = _first_cell(exceeds, name, c.positions)
+                b, p = first.pop("_index")
+                at = (b, k, p, *first.pop("_rest"))
+                first.update(reference=float(c.ref[at]), candidate=float(c.cand[at]), difference=float(d[at]))
+                found.append((first, row))
+    return rows, found
+
+
+def _row(pair: Pair, name: str, i: int, kv: bool, dtype: torch.dtype) -> dict[str, Any]:
     r, k = pair.ref.record, pair.cand.record
-    row = {
+    return {
         "layer": r.layer,
         "call": r.call,
         "name": r.name,
@@ -249,22 +282,9 @@ def _head_row(pair: Pair, name: str, i: int, tol: tuple[float, float], dtype: to
         "head": (pair.kv_heads if kv else pair.heads)[i],
         "candidate_head": (pair.cand_kv_heads if kv else pair.cand_heads)[i],
         "axis": pair.kv_axis if kv else "head",
-        "max_abs_diff": float(d.max()) if d.numel() else 0.0,
-        "scale": scale,
-        "tolerance": tolerance,
-        "exceeds": False,
-        "cells": int(c.counting().sum()),
         "mask_differs": _mask_count(pair, i) if name in ("scores", "weights") else 0,
         "dtype": str(dtype).removeprefix("torch."),
     }
-    exceeds = d > tolerance
-    first = None
-    if bool(exceeds.any()):
-        row["exceeds"] = True
-        first = _first_cell(exceeds, name, c.positions)
-        at = first.pop("_index")
-        first.update(reference=float(c.ref[at]), candidate=float(c.cand[at]), difference=float(d[at]))
-    return row, first
 
 
 def _permute(pair: Pair, settings: _Settings, tol: tuple[float, float]) -> tuple[int, ...] | None:
@@ -332,13 +352,8 @@ def compare_captures(
                 permutations[pair.ref.record.layer] = perm
         names = _compared(pair, settings)
         for name in names:
-            found = []
-            count = len(pair.kv_heads) if name in KV_FIELDS else len(pair.heads)
-            for i in range(count):
-                row, cell = _head_row(pair, name, i, tol, dtype)
-                rows.append(row)
-                if cell is not None:
-                    found.append((cell, row))
+            rows_of, found = _tensor_rows(pair, name, tol, dtype, locate=first is None)
+            rows += rows_of
             if first is None and found:
                 cell, row = min(found, key=lambda f: _earliest(f[0]))
                 first = (pair, name, {**cell, **row})

@@ -16,6 +16,7 @@ and ``unknown`` when none fits (its evidence says what was ruled out).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -79,15 +80,19 @@ def _counted(c: _Case) -> tuple[torch.Tensor, torch.Tensor]:
     return c.data.ref[keep], c.data.cand[keep]
 
 
+@functools.cache
+def _simple_factors() -> tuple[tuple[str, float], ...]:
+    forms = (("1/sqrt({})", lambda n: n**-0.5), ("1/{}", lambda n: 1 / n), ("sqrt({})", lambda n: n**0.5))
+    return tuple((form.format(n), f(n)) for form, f in forms for n in range(2, 8193))
+
+
 def _describe_factor(x: float, d_head: int | None) -> str:
     """`` = 1/sqrt(d_head)`` and the like, when ``x`` is such a simple factor."""
-    named = []
+    named: list[tuple[str, float]] = []
     if d_head:
         named += [("1/sqrt(d_head)", d_head**-0.5), ("1/d_head", 1 / d_head), ("sqrt(d_head)", d_head**0.5)]
         named += [("d_head", float(d_head))]
-    for form, f in (("1/sqrt({})", lambda n: n**-0.5), ("1/{}", lambda n: 1 / n), ("sqrt({})", lambda n: n**0.5)):
-        named += [(form.format(n), f(n)) for n in range(2, 8193)]
-    for form, value in named:
+    for form, value in (*named, *_simple_factors()):
         if abs(x - value) <= 1e-6 * abs(value):
             return f" = {form}"
     return ""

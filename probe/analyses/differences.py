@@ -6,6 +6,7 @@ Memory: one head of one tensor at a time, in float64 on the CPU; never a float64
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,13 @@ def f64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", torch.float64)
 
 
+def working(t: torch.Tensor, precise: bool) -> torch.Tensor:
+    """``t`` on the CPU in float64 (``precise``: what the diagnoses fit in), else in float32 unless it is float64 (a
+    difference of two float32 values is exact in float32 when they are close, and half the memory traffic)."""
+    dtype = torch.float64 if precise or t.dtype == torch.float64 else torch.float32
+    return t.detach().to("cpu", dtype)
+
+
 def stat_positions(pair: Pair) -> torch.Tensor:
     """The query positions both statistics captures describe (the same rows, or an error)."""
     pos = [lay.record.stats_positions for lay in (pair.ref, pair.cand)]
@@ -54,49 +62,53 @@ def stat_positions(pair: Pair) -> torch.Tensor:
     return pos[0]
 
 
-def allowed_pair(pair: Pair, i: int, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both sides' ``allowed`` of compared head ``i`` as ``(batch, query, key)`` bool (all True where unknown)."""
-    out = []
-    for side in ("ref", "cand"):
-        a = pair.allowed(side, i)
-        out.append(torch.ones(shape, dtype=torch.bool) if a is None else a.cpu().bool().expand(shape))
-    return out[0], out[1]
-
-
-def cells(pair: Pair, name: str, i: int) -> Cells:
-    """Head ``i`` of tensor ``name`` on both sides, with the cells that count."""
-    x, y = f64(pair.pick("ref", name, i)), f64(pair.pick("cand", name, i))
+def _rows(pair: Pair, name: str, shape: torch.Size) -> torch.Tensor:
+    """The rows that count, broadcastable to a ``(batch, head, position, ...)`` block of ``name``."""
     real = real_rows(pair)
-    if name in KV_FIELDS:
-        return Cells(x, y, torch.ones(1, 1, 1, dtype=torch.bool))
+    if name in KV_FIELDS or real is None:
+        return torch.ones((1,) * len(shape), dtype=torch.bool)
     if name in COMPARED_STATS:
-        pos = stat_positions(pair)
-        rows = torch.ones(x.shape, dtype=torch.bool) if real is None else real[:, pos]
-        return Cells(x, y, rows, pos)
-    rows = torch.ones(x.shape[:2], dtype=torch.bool) if real is None else real
-    if name in ("q", "output"):
-        return Cells(x, y, rows[..., None])
-    a_ref, a_cand = allowed_pair(pair, i, x.shape)
-    if name == "scores":
-        return Cells(x, y, a_ref & a_cand & rows[..., None])
-    return Cells(x, y, ((a_ref | a_cand).any(-1) & rows)[..., None])  # weights: every key of a row that attends
+        return real[:, None, stat_positions(pair)]  # (batch, 1, rows)
+    return real[:, None, :, None]  # (batch, 1, query, 1)
+
+
+def block(pair: Pair, name: str, heads: Sequence[int], precise: bool = True) -> Cells:
+    """Compared heads ``heads`` of ``name`` on both sides, ``(batch, head, ...)`` (views where the heads sit in
+    order), in float64 when ``precise``, with the cells that count (broadcastable)."""
+    x = working(pair.pick_block("ref", name, heads), precise)
+    y = working(pair.pick_block("cand", name, heads), precise)
+    counts = _rows(pair, name, x.shape)
+    positions = stat_positions(pair) if name in COMPARED_STATS else None
+    if name in ("scores", "weights"):
+        a_ref, a_cand = (pair.allowed_block(side, heads) for side in ("ref", "cand"))
+        if name == "scores":
+            for a in (a_ref, a_cand):
+                counts = counts if a is None else counts & a.cpu().bool()
+        elif a_ref is not None and a_cand is not None:  # weights: every key of a row that attends
+            counts = counts & (a_ref.cpu().bool() | a_cand.cpu().bool()).any(-1, keepdim=True)
+    return Cells(x, y, counts, positions)
+
+
+def cells(pair: Pair, name: str, i: int, precise: bool = True) -> Cells:
+    """Compared head ``i`` of ``name`` on both sides, ``(batch, ...)``, with the cells that count."""
+    c = block(pair, name, [i], precise)
+    return Cells(c.ref[:, 0], c.cand[:, 0], c.counts[:, 0], c.positions)
 
 
 def differences(c: Cells) -> torch.Tensor:
     """``|cand - ref|`` with non-finite values handled: equal non-finite values agree, a non-finite value on one side
     only is an infinite difference; 0 where the cell does not count."""
     x, y = c.ref, c.cand
-    d = (y - x).abs()
-    same = (x == y) | (x.isnan() & y.isnan())
-    d = torch.where(same, torch.zeros_like(d), d.nan_to_num(nan=math.inf, posinf=math.inf))
-    return torch.where(c.counting(), d, torch.zeros_like(d))
+    d = (y - x).abs_()
+    if d.numel() and not math.isfinite(float(d.max())):  # rare: the slow path for NaN and infinities
+        same = (x == y) | (x.isnan() & y.isnan())
+        d = torch.where(same, torch.zeros_like(d), d.nan_to_num(nan=math.inf, posinf=math.inf))
+    return d if bool(c.counts.all()) else d.masked_fill_(~c.counts, 0.0)
 
 
 def scale_of(c: Cells) -> float:
     """The largest finite ``|reference|`` over the cells that count."""
-    x = c.ref.abs()
-    x = torch.where(c.counting() & x.isfinite(), x, torch.zeros_like(x))
-    return float(x.max()) if x.numel() else 0.0
+    return float(per_head_scale(Cells(c.ref[:, None], c.cand[:, None], c.counts[:, None])).max())
 
 
 def mask_differs(pair: Pair, i: int) -> torch.Tensor | None:
@@ -113,37 +125,62 @@ def mask_differs(pair: Pair, i: int) -> torch.Tensor | None:
 
 def head_distances(pair: Pair, name: str, tol: tuple[float, float]) -> torch.Tensor:
     """``(n, n)``: the largest difference of reference head i and candidate head j of ``name`` (key/value heads for
-    k and v), in units of the tolerance."""
+    k and v), in units of the tolerance. Pairs whose norms alone put them apart (the largest difference is at least
+    the difference of the norms over the square root of the cells) are not compared: ``inf``."""
     kv = name in KV_FIELDS
     heads = pair.kv_heads if kv else pair.heads
     n = len(heads)
-    dist = torch.empty(n, n, dtype=torch.float64)
-    saved = list(pair.cand_kv_heads if kv else pair.cand_heads)
+    attr = "cand_kv_heads" if kv else "cand_heads"
+    saved = list(getattr(pair, attr))
+    norms = torch.empty(2, n, dtype=torch.float64)
+    bound = torch.empty(n, dtype=torch.float64)  # tolerance x sqrt(cells) of reference head i
+    dist = torch.full((n, n), math.inf, dtype=torch.float64)
     try:
+        setattr(pair, attr, list(heads))
+        for i in range(n):
+            c = cells(pair, name, i, precise=False)
+            counting = c.counting()
+            norms[0, i] = float(c.ref[counting].double().norm())
+            norms[1, i] = float(c.cand[counting].double().norm())
+            bound[i] = (tol[0] + tol[1] * scale_of(c)) * math.sqrt(max(int(counting.sum()), 1))
         for j in range(n):
-            if kv:
-                pair.cand_kv_heads = [heads[j]] * n
-            else:
-                pair.cand_heads = [heads[j]] * n
+            setattr(pair, attr, [heads[j]] * n)
             for i in range(n):
-                c = cells(pair, name, i)
+                if abs(float(norms[0, i] - norms[1, j])) > bound[i]:
+                    continue
+                c = cells(pair, name, i, precise=False)
                 dist[i, j] = float(differences(c).max()) / (tol[0] + tol[1] * scale_of(c))
     finally:
-        if kv:
-            pair.cand_kv_heads = saved
-        else:
-            pair.cand_heads = saved
+        setattr(pair, attr, saved)
     return dist
 
 
 def stacked(pair: Pair, name: str) -> Cells:
-    """Every compared head of ``name`` at once: ``(batch, head, ...)`` (for the diagnoses, which fit one model to a
-    whole layer; q/k/v and statistics are O(T) a head, scores and weights are what the capture already holds)."""
+    """Every compared head of ``name`` at once, in float64: ``(batch, head, ...)`` (for the diagnoses, which fit one
+    model to a whole call; q/k/v and statistics are O(T) a head, scores and weights what the capture already holds)."""
     n = len(pair.kv_heads) if name in KV_FIELDS else len(pair.heads)
-    parts = [cells(pair, name, i) for i in range(n)]
-    return Cells(
-        torch.stack([p.ref for p in parts], 1),
-        torch.stack([p.cand for p in parts], 1),
-        torch.stack([p.counting() for p in parts], 1),
-        parts[0].positions,
-    )
+    return block(pair, name, range(n))
+
+
+def per_head_max(x: torch.Tensor) -> torch.Tensor:
+    """``(head,)``: the largest value of each head of ``x`` ``(batch, head, ...)`` (0 for an empty one)."""
+    if not x.numel():
+        return torch.zeros(x.shape[1], dtype=x.dtype)
+    return x.amax(dim=[d for d in range(x.dim()) if d != 1])
+
+
+def per_head_scale(c: Cells) -> torch.Tensor:
+    """``(head,)``: the largest finite ``|reference|`` of each head over the cells that count."""
+    x = c.ref.abs()
+    if not bool(c.counts.all()):
+        x.masked_fill_(~c.counts, 0.0)
+    top = per_head_max(x)
+    if not bool(top.isfinite().all()):
+        top = per_head_max(x.masked_fill_(~x.isfinite(), 0.0))
+    return top
+
+
+def per_head_cells(c: Cells) -> torch.Tensor:
+    """``(head,)``: how many cells count in each head."""
+    counts = torch.broadcast_to(c.counts, c.ref.shape)
+    return counts.sum(dim=[d for d in range(counts.dim()) if d != 1])
