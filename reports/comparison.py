@@ -8,12 +8,16 @@ are left blank; the first differing cell is circled.
 
 from __future__ import annotations
 
+import base64
 import io
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from ..probe.analyses.alignment import KV_FIELDS, Pair
 from ..probe.analyses.compare import Comparison, Divergence
+from ..probe.analyses.diagnoses import DIAGNOSES
 from ..probe.analyses.differences import cells
 from ..probe.errors import AttnprobeError
 
@@ -112,3 +116,30 @@ def save_divergence(result: Comparison, path, *, dpi: float = 100, overwrite: bo
     from .png import save_figure
 
     return save_figure(_figure(result), path, overwrite=overwrite, dpi=dpi)
+
+
+def divergence_context(result: Comparison, record_ids: Mapping[tuple[int, int], int] | None = None) -> dict[str, Any]:
+    """What the diff report's "First divergence" section shows (``templates/_divergence.html.j2``).
+    ``record_ids``: ``{(layer, call): record id on the page}``, to link the head's detail view."""
+    context: dict[str, Any] = {"ok": result.ok, "pairs": len(result.pairs), "rows": len(result.rows)}
+    first = result.first
+    if first is None:
+        return context
+    where = ", ".join(
+        f"{k} {v}"
+        for k, v in (("batch", first.batch), ("query", first.query), ("key", first.key), ("dim", first.dim))
+        if v is not None
+    )
+    rid = (record_ids or {}).get((first.layer, first.call))
+    drawn = first.tensor not in KV_FIELDS and rid is not None
+    context.update(
+        summary=f"The two implementations first differ at layer {first.layer}, head {first.head}, {first.tensor}.",
+        first=first,
+        where=where,
+        diagnosis=result.diagnosis,
+        meaning=DIAGNOSES.get(result.diagnosis or "unknown", ""),
+        evidence=result.evidence,
+        png=base64.b64encode(divergence_png(result)).decode("ascii"),
+        target=f"#head-{rid}-{first.head}" if drawn else None,
+    )
+    return context

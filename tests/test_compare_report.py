@@ -79,3 +79,11 @@ def test_the_aligned_captures_share_one_layout_for_the_diff_report(result):
     frame = attnprobe.reports.compare(ref, cand)
     assert frame["changed"].all()  # the mask changed in every head
     assert attnprobe.reports.diff_html(ref, cand, labels=("reference", "candidate")).startswith("<!doctype html>")
+
+
+def test_the_divergence_section_context(result):
+    from attnprobe.reports.comparison import divergence_context
+
+    context = divergence_context(result, {(0, 0): 7})
+    assert context["diagnosis"] == "mask" and context["target"] == f"#head-7-{result.first.head}"
+    assert context["where"] == "batch 0, query 0, key 0" and context["png"].startswith("iVBORw0KGgo")  # a PNG

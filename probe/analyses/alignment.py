@@ -139,8 +139,9 @@ def _batch_of(r: AttentionRecord) -> int:
 
 
 def _unfold_tensor(t: torch.Tensor | None, batch: int) -> torch.Tensor | None:
-    """``(batch * m, h, ...)`` -> ``(batch, m * h, ...)`` (a view where the storage allows)."""
-    if t is None or t.shape[0] == batch:
+    """``(batch * m, h, ...)`` -> ``(batch, m * h, ...)`` (a view where the storage allows); a mask of one batch row
+    (broadcast over the batch) stays as it is."""
+    if t is None or t.shape[0] in (batch, 1):
         return t
     return t.reshape(batch, -1, *t.shape[2:])
 
