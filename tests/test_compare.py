@@ -350,3 +350,11 @@ def test_bad_arguments_are_one_line_errors():
         compare(model, model, X, tensors=["attention"])
     with pytest.raises(AlignmentError, match="cannot be the same attention call"):
         compare(attnprobe.run(model, X)[1], attnprobe.run(model, X[:, :5])[1])
+
+
+def test_captures_that_share_nothing_are_refused():
+    model = _sdpa_model()
+    _, full = attnprobe.run(model, X, keep=["q"])
+    _, stats = attnprobe.run(model, X, keep=("stats",))
+    with pytest.raises(ComparisonError, match="share no tensor to compare"):
+        compare(full, stats)

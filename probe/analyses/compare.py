@@ -81,7 +81,8 @@ class Divergence:
     """Where two implementations first differ beyond tolerance.
 
     ``query`` and ``key`` are positions (``key`` is None for q, output and statistics, ``query`` None for k and v);
-    ``dim`` the ``d_head`` index for q, k, v and output; ``reference``/``candidate`` the two values there.
+    ``dim`` the ``d_head`` index for q, k, v and output; ``reference``/``candidate`` the two values there. ``head``
+    is the reference's head number: a key/value head for k and v compared per key/value head (the frame's ``axis``).
     """
 
     layer: int
@@ -351,17 +352,17 @@ def compare_captures(
             if perm is not None:
                 permutations[pair.ref.record.layer] = perm
         names = _compared(pair, settings)
+        if not names:
+            raise ComparisonError(
+                f"layer {pair.ref.record.layer}: the captures share no tensor to compare (reference has "
+                f"{_held(pair.ref)}, candidate {_held(pair.cand)}); capture the same quantities on both sides"
+            )
         for name in names:
             rows_of, found = _tensor_rows(pair, name, tol, dtype, locate=first is None)
             rows += rows_of
             if first is None and found:
                 cell, row = min(found, key=lambda f: _earliest(f[0]))
                 first = (pair, name, {**cell, **row})
-        if first is None and not names:
-            raise ComparisonError(
-                f"layer {pair.ref.record.layer}: the captures share no tensor to compare (reference has "
-                f"{_held(pair.ref)}, candidate {_held(pair.cand)}); capture the same quantities on both sides"
-            )
     return _result(rows, first, permutations, pairs, used, settings)
 
 
