@@ -124,7 +124,7 @@ class Comparison:
     ``permutations``: ``{layer: candidate head of each reference head}`` for layers whose heads were matched in
     another order. ``pairs`` holds the aligned calls (the reports draw them)."""
 
-    rows: tuple[dict[str, Any], ...]
+    rows: tuple[dict[str, Any], ...] = field(repr=False)
     first: Divergence | None
     diagnosis: str | None
     evidence: str
