@@ -100,10 +100,10 @@ def _describe_factor(x: float, d_head: int | None) -> str:
 
 def _scale(c: _Case) -> Diagnosis | None:
     x, y = _counted(c)
-    denom = float((x * x).sum())
+    denom = float((x * x).sum(dtype=torch.float64))
     if denom == 0 or x.numel() == 0:
         return None
-    factor = float((x * y).sum()) / denom
+    factor = float((x * y).sum(dtype=torch.float64)) / denom
     q = c.pair.ref.tensors.get("q")
     d_head = None if q is None else int(q.shape[-1])
     residual = float((y - factor * x).abs().max())

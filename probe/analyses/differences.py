@@ -156,10 +156,11 @@ def head_distances(pair: Pair, name: str, tol: tuple[float, float]) -> torch.Ten
 
 
 def stacked(pair: Pair, name: str) -> Cells:
-    """Every compared head of ``name`` at once, in float64: ``(batch, head, ...)`` (for the diagnoses, which fit one
-    model to a whole call; q/k/v and statistics are O(T) a head, scores and weights what the capture already holds)."""
+    """Every compared head of ``name`` at once: ``(batch, head, ...)`` (for the diagnoses, which fit one model to a
+    whole call). q, k, v, output and statistics (O(T) a head) in float64; scores and weights, (query x key), in their
+    float32 working copy (a view of what the capture holds where it can be), never a float64 copy of them."""
     n = len(pair.kv_heads) if name in KV_FIELDS else len(pair.heads)
-    return block(pair, name, range(n))
+    return block(pair, name, range(n), precise=name not in ("scores", "weights"))
 
 
 def per_head_max(x: torch.Tensor) -> torch.Tensor:
