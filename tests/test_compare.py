@@ -18,10 +18,11 @@ from port_models import GPT, Bug, Llama
 from torch import nn
 
 import attnprobe
-from attnprobe.hooks.compare_models import compare
 from attnprobe.probe.analyses.alignment import AlignmentError
 from attnprobe.probe.analyses.compare import ComparisonError, compare_captures
 from attnprobe.probe.analyses.diagnoses import DIAGNOSES
+
+compare = attnprobe.compare
 
 transformers = pytest.importorskip("transformers")
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from reports_helpers import browser, open_report, wait_until  # noqa: F401  (browser and open_report: fixtures)
 from torch import nn
 
 import attnprobe
-from attnprobe.hooks.compare_models import compare
 from attnprobe.probe.errors import AttnprobeError
 from attnprobe.reports.comparison import divergence_axes, divergence_matrices, divergence_png, save_divergence
+
+compare = attnprobe.compare
 
 pytest.importorskip("matplotlib")
 
@@ -87,3 +89,33 @@ def test_the_divergence_section_context(result):
     context = divergence_context(result, {(0, 0): 7})
     assert context["diagnosis"] == "mask" and context["target"] == f"#head-7-{result.first.head}"
     assert context["where"] == "batch 0, query 0, key 0" and context["png"].startswith("iVBORw0KGgo")  # a PNG
+
+
+def test_the_diff_report_of_a_comparison_opens_with_the_first_divergence(result, tmp_path):
+    page = attnprobe.reports.diff_html(result)
+    assert '<section id="divergence">' in page and "Diagnosis: mask" in page
+    assert "img-src data:" in page and 'src="data:image/png;base64,' in page
+    assert page.index('id="divergence"') < page.index('id="grid"')  # after the overview, before the heads
+    assert '<b class="src-label">reference</b>' in page and "two implementations" in page
+    path = attnprobe.reports.diff_html(result, path=tmp_path / "compare.html")
+    assert path.read_text().count('id="divergence"') == 1
+    with pytest.raises(AttnprobeError, match="pass no second capture"):
+        attnprobe.reports.diff_html(result, result.aligned()[1])
+    with pytest.raises(AttnprobeError, match="needs two captures"):
+        attnprobe.reports.diff_html(result.aligned()[0])
+
+
+def test_the_diff_report_of_two_agreeing_implementations_says_so():
+    model = Attention().eval()
+    same = compare(model, model, X, reference_options={"modules": "auto"}, candidate_options={"modules": "auto"})
+    page = attnprobe.reports.diff_html(same)
+    assert "agree within tolerance" in page and "img-src" not in page
+
+
+def test_the_divergence_section_in_a_browser(result, tmp_path, open_report):
+    report = open_report(attnprobe.reports.diff_html(result, path=tmp_path / "compare.html"))
+    page = report.page
+    assert page.evaluate("document.querySelector('#divergence img.divergence').naturalWidth") > 0  # allowed, decoded
+    page.click("#divergence a[href^='#head-']")
+    wait_until(page, f"() => window.attnprobe.state().head === {result.first.head}")
+    report.assert_clean()

@@ -18,6 +18,7 @@ of that head and tensor; a value non-finite on one side only is an infinite diff
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -132,6 +133,7 @@ class Comparison:
     permutations: Mapping[int, tuple[int, ...]]
     pairs: tuple[Pair, ...] = field(repr=False)
     tolerances: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    infos: tuple[Mapping[str, Any], Mapping[str, Any]] = field(default=({}, {}), repr=False)
 
     @property
     def ok(self) -> bool:
@@ -149,7 +151,10 @@ class Comparison:
         what ``attnprobe.reports.diff_html`` draws side by side."""
         from ..capture import Capture
 
-        return tuple(Capture([aligned_record(p, side) for p in self.pairs]) for side in ("ref", "cand"))
+        return tuple(
+            Capture([aligned_record(p, side) for p in self.pairs], info)
+            for side, info in zip(("ref", "cand"), self.infos)
+        )
 
     def summary(self) -> str:
         """One line: agreement, or the first divergence and its diagnosis."""
@@ -363,7 +368,9 @@ def compare_captures(
             if first is None and found:
                 cell, row = min(found, key=lambda f: _earliest(f[0]))
                 first = (pair, name, {**cell, **row})
-    return _result(rows, first, permutations, pairs, used, settings)
+    result = _result(rows, first, permutations, pairs, used, settings)
+    infos = (dict(getattr(reference, "info", None) or {}), dict(getattr(candidate, "info", None) or {}))
+    return dataclasses.replace(result, infos=infos)
 
 
 def _held(lay) -> list[str]:
