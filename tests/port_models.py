@@ -265,3 +265,32 @@ class Llama(nn.Module):
                 for name, p in mine.named_parameters(recurse=False):
                     p.copy_(getattr(theirs, name).weight)
         return model.eval()
+
+
+# --------------------------------------------------------------------------- factories for `attnprobe compare`
+
+
+def tiny_llama():
+    """HF Llama from a tiny config (seeded: every call makes the same weights)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def llama_port():
+    return Llama.from_hf(tiny_llama())
+
+
+def llama_port_interleaved():
+    """The port with interleaved RoPE in layer 1 (HF's weights are laid out for half-rotated pairs)."""
+    return Llama.from_hf(tiny_llama(), {1: Bug(rope="interleaved")})

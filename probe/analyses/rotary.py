@@ -62,7 +62,8 @@ def rotate(x: torch.Tensor, angles: torch.Tensor, pairing: str) -> torch.Tensor:
 
 
 def _fmt_base(log_base: float) -> str:
-    return f"{10**log_base:.4g}"
+    """``10 ** log_base`` to four significant digits, written out: 10,000 rather than 1e+04."""
+    return f"{float(f'{10**log_base:.4g}'):,.10g}"
 
 
 def _layout_permutation(ref: torch.Tensor, cand: torch.Tensor, bar: float):
@@ -123,7 +124,9 @@ def _classify_slopes(slopes: torch.Tensor, pairing: str):
     if fit_err <= 0.02 * top:
         ref_base, cand_base = 10**ref_lb, 10**cand_lb
         details.update(reference_base=ref_base, candidate_base=cand_base)
-        text += f", as RoPE bases {ref_base:.4g} (reference) and {cand_base:.4g} (candidate) give them (fitted)"
+        text += (
+            f", as RoPE bases {_fmt_base(ref_lb)} (reference) and {_fmt_base(cand_lb)} (candidate) give them (fitted)"
+        )
     return "rope_base", text, details
 
 
