@@ -10,7 +10,7 @@ sides alike):
     compare_captures(a, b_scaled)      / one full capture      the same with a divergence to diagnose
     compare_captures(stats, stats)     / one stats capture     comparing two statistics captures
 
-Run:  python benchmarks/bench_compare.py [--rounds 10]
+Run:  python benchmarks/bench_compare.py [--rounds 10] [--threads 1]
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def _seconds(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sdpa, eager, batch = load()
     scaled = type(eager)(eager.config)
     scaled.load_state_dict(eager.state_dict())
