@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from port_models import GPT, Bug, Llama
+from port_models import GPT, Bug, Llama, tiny_llama
 from torch import nn
 
 import attnprobe
@@ -30,19 +30,6 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 IDS = torch.tensor([[5, 17, 3, 88, 41, 9, 60], [12, 7, 7, 30, 99, 2, 45]])  # (batch, T)
 
 
-def _llama_config(**extra):
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=100,
-        **extra,
-    )
-
-
 @pytest.fixture(scope="module")
 def gpt2():
     torch.manual_seed(0)
@@ -52,8 +39,7 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(_llama_config()).eval()
+    model = tiny_llama()
     return model, attnprobe.run(model, IDS)[1]
 
 

@@ -386,24 +386,8 @@ def _result(rows, first, permutations, pairs, used, settings: _Settings) -> Comp
     if first is None:
         return Comparison(tuple(rows), None, None, "", {}, MappingProxyType(permutations), tuple(pairs), used)
     pair, name, at = first
-    div = Divergence(
-        layer=at["layer"],
-        head=at["head"],
-        tensor=name,
-        query=at["query"],
-        key=at["key"],
-        reference=at["reference"],
-        candidate=at["candidate"],
-        batch=at["batch"],
-        dim=at["dim"],
-        call=at["call"],
-        name=at["name"],
-        candidate_layer=at["candidate_layer"],
-        candidate_name=at["candidate_name"],
-        candidate_head=at["candidate_head"],
-        difference=at["difference"],
-        tolerance=at["tolerance"],
-    )
+    fields = {f.name for f in dataclasses.fields(Divergence)} - {"tensor"}
+    div = Divergence(tensor=name, **{k: at[k] for k in fields})
     tol = settings.tolerance(_pair_dtype(pair))
     cause: Diagnosis = diagnose(pair, name, div, tol)
     return Comparison(
