@@ -105,6 +105,17 @@ def test_hf_eager_and_sdpa_of_one_model_agree(llama):
     assert result.to_frame()["max_abs_diff"].max() <= 1e-5
 
 
+def test_flex_attention_is_refused_with_the_captures_error(llama):
+    # issue 35 asks eager vs sdpa vs flex; attnprobe cannot capture flex attention (docs/hugging-face.md, Limits), so
+    # compare says so on one line instead of comparing something it did not see
+    model, _ = llama
+    flex = copy.deepcopy(model)
+    flex.set_attn_implementation("flex_attention")
+    with pytest.raises(attnprobe.UnsupportedModelError, match=r"flex.*attn_implementation='sdpa'") as caught:
+        compare(model, flex, IDS)
+    assert "\n" not in str(caught.value)
+
+
 def test_float32_and_bfloat16_differ_within_the_bfloat16_tolerance(llama):
     model, ref = llama
     low = copy.deepcopy(model).to(torch.bfloat16)
