@@ -29,6 +29,8 @@ _EXPORTS = {
     "scan": ".hooks.scan_api",
     "ScanBatches": ".hooks.ray_scan",
     "monitor": ".hooks.api",
+    "compare": ".hooks.compare_models",
+    "Comparison": ".probe.analyses.compare",
     "stitch": ".probe.outputs.generation",
     "load": ".probe.capture",
     "AttnprobeError": ".probe.errors",
@@ -57,9 +59,11 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .hooks.api import attention_modules, capture, monitor, run
+    from .hooks.compare_models import compare
     from .hooks.hf.token_strings import token_strings
     from .hooks.ray_scan import ScanBatches
     from .hooks.scan_api import scan
+    from .probe.analyses.compare import Comparison
     from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.checks.violations import CheckResult, InvariantError, Violation

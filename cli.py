@@ -308,6 +308,7 @@ def main() -> None:
     \b
     attnprobe report                    an HTML report of the bundled MiniLM on a default sentence
     attnprobe check                     check its attention invariants (exit code 1 on a violation)
+    attnprobe compare REF CAND --ids "1 2 3"  two implementations head by head: the first divergence and its cause
     attnprobe info                      what attention the bundled MiniLM has
     attnprobe export --out frame.parquet  the tidy frame, one row per layer, head, query and key
     attnprobe COMMAND --help            options and more examples
@@ -852,6 +853,118 @@ def token_labels(work):
     if work.is_encoder_decoder:
         return work.decoder_tokens, work.tokens
     return work.tokens, None
+
+
+@main.command()
+@click.argument("reference")
+@click.argument("candidate")
+@click.option("--text", "texts", multiple=True, help="Input text (the reference's tokenizer); repeat for a batch.")
+@click.option("--file", "text_file", type=click.Path(dir_okay=False), help="Input texts, one per line.")
+@click.option("--ids", "ids", multiple=True, help="Token ids '101 2023 102'; repeatable.")
+@click.option("--decoder-text", "decoder_texts", multiple=True, help="Decoder input (encoder-decoder models).")
+@click.option(
+    "--mapping",
+    help="Which calls correspond, REFERENCE=CANDIDATE by layer number or module name, e.g. 0=0,1=2 "
+    "(default: forward order).",
+)
+@click.option("--modules", help="Hand-written attention to read in both, as --modules of check ('auto': all).")
+@click.option("--reference-modules", help="--modules for the reference only.")
+@click.option("--candidate-modules", help="--modules for the candidate only, e.g. auto for a hand-written port.")
+@click.option("--atol", type=float, help="Absolute tolerance (default by dtype).")
+@click.option("--rtol", type=float, help="Relative tolerance, times the head's largest value (default by dtype).")
+@click.option("--allow-permuted-heads", is_flag=True, help="Heads in another order are matched, not a divergence.")
+@click.option("--html", "html", type=click.Path(dir_okay=False), help="Also write the diff report to this file.")
+@click.option("--overwrite", is_flag=True, help="Replace the --html file if it exists.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--device", help="Device to run both on, e.g. cpu or cuda:0 (default: each model's).")
+@click.option("--dtype", help="Run both in float32, float16, bfloat16 or float64.")
+@click.option("--candidate-dtype", help="Run the candidate in this dtype (e.g. bfloat16 against float32).")
+@click.option("--max-bytes", help="Fail early instead of storing more than this per model, e.g. 500MB.")
+@STATS_OPTION
+@TRUST_REMOTE_CODE
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
+@handle_errors
+def compare(reference, candidate, **options):
+    """Run two implementations of one model on the same input and compare them head by head.
+
+    REFERENCE and CANDIDATE are model folders or package.module:factory (as for check); the candidate gets
+    exactly the reference's inputs. Prints one line: agreement, or the first divergence (layer, head,
+    tensor, position, both values) and its likely cause (scale, mask, rope_layout, rope_base, positions,
+    head_order, kv_repeat, softcap, softmax_dtype or unknown) with its evidence.
+
+    Exit code 0 when they agree within tolerance, 1 when they differ, 2 on bad usage or input (also two
+    models whose attention calls cannot be lined up: give --mapping), 3 when attnprobe itself fails.
+
+    \b
+    Examples:
+      attnprobe compare ./gpt2 mypkg.port:gpt --ids "464 2068 7586" --candidate-modules auto
+      attnprobe compare ./llama ./llama --candidate-dtype bfloat16 --text "a sentence"
+      attnprobe compare ref:model port:model --ids "1 2 3" --mapping 0=0,1=2 --html compare.html
+    """
+    import attnprobe
+
+    from .probe.commandline import comparing
+
+    o = options
+    mapping = comparing.parse_mapping(o["mapping"])
+    if o["html"]:
+        targets.check_output(Path(o["html"]), o["overwrite"])  # before the work, not after
+    progress = Progress(6, o["quiet"])
+    try:
+        ref_work, cand_work = compare_workloads(reference, candidate, o, progress)
+        ref_cap, cand_cap = capture_both(ref_work, cand_work, o, progress)
+        progress.stage("comparing")
+        result = attnprobe.compare(
+            ref_cap,
+            cand_cap,
+            mapping=mapping,
+            atol=o["atol"],
+            rtol=o["rtol"],
+            allow_permuted_heads=o["allow_permuted_heads"],
+            batch=int(next(iter(ref_work.inputs.values())).shape[0]),
+        )
+        if o["html"]:
+            Path(o["html"]).parent.mkdir(parents=True, exist_ok=True)
+            attnprobe.reports.diff_html(result, o["html"], overwrite=o["overwrite"])
+    finally:
+        progress.close()
+    if o["fmt"] == "json":
+        click.echo(json.dumps(comparing.comparison_json(result, ref_work.source, cand_work.source), indent=2))
+    else:
+        click.echo(result.summary())
+    sys.exit(0 if result.ok else 1)
+
+
+def capture_both(ref_work, cand_work, o, progress):
+    """Both captures, in one mode: the reference's (full, or statistics by --stats or by itself when a full capture
+    would not fit), and the candidate's in the same."""
+    ref_modules, cand_modules = o["reference_modules"] or o["modules"], o["candidate_modules"] or o["modules"]
+    ref_cap = run_capture(ref_work, None, None, o["max_bytes"], progress, modules=ref_modules, stats=o["stats"])
+    statistics = ref_cap[0].weights is None and ref_cap[0].stats is not None
+    cand_cap = run_capture(cand_work, None, None, o["max_bytes"], progress, modules=cand_modules, stats=statistics)
+    return ref_cap, cand_cap
+
+
+def compare_workloads(reference, candidate, o, progress):
+    """The reference's workload (its inputs from --text/--file/--ids), and the candidate's on the same inputs."""
+    from .probe.commandline import comparing, loading
+
+    ref_work = prepare(
+        reference,
+        o["texts"],
+        o["text_file"],
+        o["decoder_texts"],
+        o["ids"],
+        o["device"],
+        o["dtype"],
+        progress,
+        o["trust_remote_code"],
+    )
+    progress.stage("loading candidate")
+    dtype = loading.parse_dtype(o["candidate_dtype"] or o["dtype"])
+    model, tokenizer, source = loading.load_model(candidate, dtype=dtype, trust_remote_code=o["trust_remote_code"])
+    return ref_work, comparing.candidate_workload(ref_work, model, tokenizer, source, o["device"])
 
 
 @main.command()

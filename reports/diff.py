@@ -6,6 +6,7 @@ Typical pairs: before and after a code change, ``sdpa`` vs ``eager``, float32 vs
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -163,7 +164,7 @@ def _compare_records(rows_a: list[AttentionRecord], rows_b: list[AttentionRecord
 
 def diff_html(
     before,
-    after,
+    after=None,
     path=None,
     *,
     labels: tuple[str, str] = ("before", "after"),
@@ -185,6 +186,13 @@ def diff_html(
     Options as in ``to_html``; returns the document when ``path`` is None, else writes it and returns
     the path.
 
+    ``before`` may instead be the result of ``attnprobe.compare`` (two implementations of one model), with ``after``
+    left out (``diff_html(comparison, path)``): the page then draws its two sides lined up
+    (``Comparison.aligned()``: the reference's layer and head numbers, the candidate's heads in the matched order;
+    labels "reference" and "candidate" unless given) and opens with a "First divergence" section: where the two
+    first differ, the diagnosis and its evidence, the diverged tensor of that head side by side with the difference
+    (q, k and v too, which the head views do not draw), and a link to the head's detail view.
+
     Example::
 
         >>> import torch, attnprobe
@@ -196,6 +204,9 @@ def diff_html(
         True
     """
     started = time.perf_counter()
+    if path is None and isinstance(after, (str, os.PathLike)):  # diff_html(comparison, "page.html")
+        after, path = None, after
+    before, after, labels, comparison = _sides(before, after, labels)
     if path is not None:
         output_path(path, overwrite=overwrite)
     if len(labels) != 2 or not all(isinstance(x, str) for x in labels):
@@ -210,14 +221,27 @@ def diff_html(
         masked_scores=masked_scores,
         max_values=MAX_VALUES if max_values is None else max_values,
     )
+    chunks = _page(plan, before, after, labels, comparison, atol=atol, title=title, started=started)
+    return write_or_return(chunks, path, overwrite)
+
+
+def _page(plan, before, after, labels, comparison, *, atol, title, started):
+    """The diff page of ``plan`` as text chunks: the ranked heads, and the first divergence of ``comparison``."""
     rows_a, rows_b = plan.sources
     frame = _compare_records(rows_a, rows_b, atol)  # the stitched records once, not a second copy
     data = page_data(plan)
     rows, changes = _ranked_heads(frame, data.meta["records"])
     data.meta.update(labels=list(labels), changes=changes, flags={})
     model = before.info.get("model_class", "model")
-    chunks = render(
+    divergence = None
+    if comparison is not None:
+        from .comparison import divergence_context
+
+        divergence = divergence_context(comparison, {(m["layer"], m["call"]): m["id"] for m in data.meta["records"]})
+    return render(
         "report.html.j2",
+        data_images=divergence is not None and not divergence["ok"],
+        divergence=divergence,
         title=title or f"attnprobe comparison: {model}, {labels[0]} vs {labels[1]}",
         mode="diff",
         labels=labels,
@@ -236,7 +260,26 @@ def diff_html(
         blobs=data.blobs,
         elapsed=time.perf_counter() - started,
     )
-    return write_or_return(chunks, path, overwrite)
+
+
+def _sides(before, after, labels: tuple[str, str]):
+    """``(before, after, labels, comparison)``: two captures as given, or the two sides of one ``attnprobe.compare``
+    result (then ``comparison``)."""
+    from ..probe.analyses.compare import Comparison
+
+    if isinstance(before, Comparison):
+        if after is not None:
+            raise AttnprobeError(
+                "diff_html(comparison) draws the two sides of one attnprobe.compare result: pass no second capture "
+                "(the file goes to path=...)"
+            )
+        first, second = before.aligned()
+        return first, second, ("reference", "candidate") if labels == ("before", "after") else labels, before
+    if after is None:
+        raise AttnprobeError(
+            "diff_html needs two captures (before, after) of the same model and input, or one attnprobe.compare result"
+        )
+    return before, after, labels, None
 
 
 def _ranked_heads(frame, records_meta: list[dict]) -> tuple[list[dict], dict[str, dict]]:

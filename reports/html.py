@@ -384,10 +384,18 @@ def sort_value(x) -> str:
     return str(x)
 
 
-def render(template: str, *, script_name: str = "report.js", page_scripts: tuple[str, ...] = (), **context):
+def render(
+    template: str,
+    *,
+    script_name: str = "report.js",
+    page_scripts: tuple[str, ...] = (),
+    data_images: bool = False,
+    **context,
+):
     """Render ``template`` with the page script (``static/<script_name>``), any further ``page_scripts`` (names in
     ``static/``, e.g. ``("monitor.js",)`` for a report's Monitor section) and the style inlined, and a CSP that pins
-    each script by its own hash (no 'unsafe-inline', no eval).
+    each script by its own hash (no 'unsafe-inline', no eval). ``data_images``: the page embeds images as ``data:``
+    URIs (the diff report's first divergence), which the CSP then allows (and no other image source).
 
     Returns an iterator of text chunks (a file is written without holding the whole document twice).
     """
@@ -399,6 +407,8 @@ def render(template: str, *, script_name: str = "report.js", page_scripts: tuple
     digests = [base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") for text in scripts]
     hashes = " ".join(f"'sha256-{digest}'" for digest in digests)
     csp = f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+    if data_images:
+        csp += "; img-src data:"
     env = _environment()
     return env.get_template(template).generate(
         csp=csp,

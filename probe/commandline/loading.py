@@ -453,7 +453,7 @@ def build_workload(
     fit_forward(work)
     check_fits(model, work.inputs, from_tokenizer=bool(work.texts))
     if device is not None:
-        _move(work, device)
+        move_workload(work, device)
     return work
 
 
@@ -540,7 +540,7 @@ def fit_forward(work: Workload) -> None:
         )
 
 
-def _move(work: Workload, device: str) -> None:
+def move_workload(work: Workload, device: str) -> None:
     """The model and the inputs on ``device`` (refusing ``meta``: it holds no values to capture)."""
     if device.strip().lower().startswith("meta"):
         raise InputError(
