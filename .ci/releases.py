@@ -34,5 +34,6 @@ for version in admitted:
     latest_patch[version.release[:2]] = version  # ascending: the last one of each minor stays
 oldest = min(Version(s.version) for s in declared.specifier if s.operator == ">=")
 for version in sorted(latest_patch.values()):
-    if version not in (admitted[-1], oldest):
+    # the oldest declared minor by its minor number: step 3 pins 5.16 (5.16.0) while its latest patch is 5.16.1
+    if version != admitted[-1] and version.release[:2] != oldest.release[:2]:
         print(version)
