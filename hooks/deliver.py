@@ -56,6 +56,12 @@ def deliver(token: int, event: str, tensors: list, numbers: list) -> None:
         _receive(token, event, tensors, numbers)
 
 
+def listening(token: int) -> bool:
+    """Whether ``deliver(token, ...)`` may reach a receiver: a capture listens on ``token``, or Dynamo is tracing (a
+    compiled graph must not depend on which captures are open: its op looks the receivers up at run time)."""
+    return torch.compiler.is_compiling() or token in _RECEIVERS
+
+
 def _receive(token: int, event: str, tensors, numbers) -> None:
     receivers = _RECEIVERS.get(token)
     if receivers:
