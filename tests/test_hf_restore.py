@@ -46,7 +46,7 @@ def test_no_config_changes_and_every_function_is_put_back(assert_no_hooks):
     """The capture wraps the function in place: every (sub)config keeps its implementation inside the capture, the
     registries keep their keys (only the captured function's entry holds a wrapper of it), and all is as before
     after."""
-    from attnprobe.hooks.hf.dispatch import held_slots
+    from attnprobe.hooks.slots import held_slots
 
     model = _clip()
     before, registries = _all_implementations(model.config), _registries()
@@ -85,7 +85,7 @@ def test_restored_after_the_forward_raises(assert_no_hooks):
     assert model.config._attn_implementation == "sdpa"
     assert_no_hooks(model)
     from attnprobe.hooks.deliver import active_tokens
-    from attnprobe.hooks.hf.dispatch import held_slots
+    from attnprobe.hooks.slots import held_slots
 
     assert not active_tokens() and held_slots() == 0
 
@@ -138,7 +138,7 @@ def test_eager_is_wrapped_in_the_model_file_and_put_back(assert_no_hooks):
     """ "eager" is in no registry: the model file's own eager function is wrapped where its forward looks it up."""
     import transformers.models.llama.modeling_llama as llama
 
-    from attnprobe.hooks.hf.dispatch import held_slots
+    from attnprobe.hooks.slots import held_slots
 
     eager = llama.eager_attention_forward
     model = twin(build("llama"), "eager")

@@ -18,26 +18,25 @@ Model code that branches on ``config._attn_implementation`` (Gemma 4, glm_moe_ds
 capture as without. The wrapper calls the function it replaced with the very arguments and returns its result
 untouched; it hands what the call received to ``deliver`` for the module's token, which in eager code is a dict
 look-up when no capture listens to the module (another model, a module not selected, another thread's capture is
-told apart by the receiver). One wrapper object per slot and function for the life of the process: a graph
-``torch.compile`` traced with it serves every later capture.
+told apart by the receiver). The slots themselves are ``hooks/slots.py``'s.
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
-from ...probe.errors import UnsupportedModelError, warn_user
+from ...probe.errors import UnsupportedModelError
+from .. import slots
 from ..deliver import deliver, listening, number
+from ..slots import Slot
 from . import compat as hf_compat
-
-_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------------------------- classes
@@ -104,26 +103,6 @@ class Dispatch:
     kernel: str  # one of KERNELS
     slot: Slot
     function: Callable  # the function the model calls (the one the slot holds when no capture wraps it)
-
-
-@dataclass(frozen=True, eq=False)
-class Slot:
-    """Where a dispatch finds its function: ``mapping[key]`` (a registry's dict or a module's globals), or the
-    attribute ``key`` of the instance ``owner`` (GPT-2's upcast path)."""
-
-    mapping: MutableMapping | None
-    key: str
-    owner: nn.Module | None = None
-
-    @property
-    def ident(self) -> tuple[int, str]:
-        return (id(self.mapping if self.owner is None else self.owner), self.key)
-
-    def get(self):
-        if self.owner is not None:
-            return self.owner.__dict__.get(self.key)
-        assert self.mapping is not None
-        return self.mapping.get(self.key)
 
 
 def resolve(module: nn.Module, where: str) -> Dispatch:
@@ -201,94 +180,14 @@ def _unpartial(function: Callable) -> Callable:
 
 
 # --------------------------------------------------------------------------------------------- wrapping
-@dataclass
-class _Held:
-    slot: Slot
-    original: Callable
-    wrapper: Callable
-    count: int
-
-
-_HELD: dict[tuple[int, str], _Held] = {}
-#: (slot ident, id(original)) -> (original, wrapper): the one wrapper of each function at each slot
-_WRAPPERS: dict[tuple[tuple[int, str], int], tuple[Callable, Callable]] = {}
-
-
 def original(slot: Slot) -> Callable:
     """The function the slot holds when no capture wraps it."""
-    with _LOCK:
-        held = _HELD.get(slot.ident)
-        return held.original if held is not None else _read(slot)
-
-
-def _read(slot: Slot) -> Callable:
-    if slot.owner is not None:
-        return getattr(slot.owner, slot.key)  # the bound method
-    assert slot.mapping is not None
-    return slot.mapping[slot.key]
+    return slots.original(slot)
 
 
 def hold(slot: Slot, stack: ExitStack) -> None:
-    """Put the wrapper into ``slot`` until ``stack`` closes (the last capture holding the slot takes it out)."""
-    with _LOCK:
-        held = _HELD.get(slot.ident)
-        if held is None:
-            fn = _read(slot)
-            wrapper = _wrapper(slot, fn)
-            held = _HELD[slot.ident] = _Held(slot, fn, wrapper, 0)
-            _write(slot, wrapper)
-        held.count += 1
-    stack.callback(_release, slot.ident)
-
-
-def _release(ident: tuple[int, str]) -> None:
-    with _LOCK:
-        held = _HELD.get(ident)
-        if held is None:
-            return
-        held.count -= 1
-        if held.count:
-            return
-        del _HELD[ident]
-        slot = held.slot
-        now = slot.get()
-        if now is held.wrapper:
-            if slot.owner is not None:
-                del slot.owner.__dict__[slot.key]  # the class's method again
-            else:
-                _write(slot, held.original)
-            return
-    # the user put another function there meanwhile (AttentionInterface.register): it stays, and the calls it
-    # took were not recorded
-    warn_user(
-        f"the attention function under {slot.key!r} was replaced while a capture was open (by "
-        f"{getattr(now, '__qualname__', repr(now))}): the calls it ran were not recorded. Register attention "
-        "functions before a capture opens"
-    )
-
-
-def _write(slot: Slot, fn: Callable) -> None:
-    if slot.owner is not None:
-        slot.owner.__dict__[slot.key] = fn
-    else:
-        assert slot.mapping is not None
-        slot.mapping[slot.key] = fn
-
-
-def held_slots() -> int:
-    """How many slots hold a wrapper now (0 once every capture has closed)."""
-    with _LOCK:
-        return len(_HELD)
-
-
-def _wrapper(slot: Slot, fn: Callable) -> Callable:
-    key = (slot.ident, id(fn))
-    found = _WRAPPERS.get(key)
-    if found is not None and found[0] is fn:
-        return found[1]
-    wrapper = _upcast_wrapper(slot.owner, fn) if slot.owner is not None else _interface_wrapper(fn)
-    _WRAPPERS[key] = (fn, wrapper)
-    return wrapper
+    """Put the wrapper of the slot's function into ``slot`` until ``stack`` closes (``hooks/slots.py``)."""
+    slots.hold(slot, stack, _interface_wrapper if slot.owner is None else partial(_upcast_wrapper, slot.owner))
 
 
 def _interface_wrapper(fn: Callable) -> Callable:
@@ -304,7 +203,7 @@ def _interface_wrapper(fn: Callable) -> Callable:
     return attnprobe_wrapper
 
 
-def _upcast_wrapper(module: nn.Module, method: Callable) -> Callable:
+def _upcast_wrapper(module, method: Callable) -> Callable:
     def attnprobe_upcast(query, key, value, attention_mask=None):
         result = method(query, key, value, attention_mask)
         token = id(module)
