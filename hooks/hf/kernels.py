@@ -68,11 +68,11 @@ class FlexMask:
 
     def __call__(self, rows: torch.Tensor, c: int, d: int) -> torch.Tensor:
         keys = torch.arange(c, d, device=rows.device)  # (key,)
-        allowed = self.mod(self.batch_index, self.heads, rows, keys).bool()  # (batch, head, rows, key)
+        allowed = self.mod(self.batch_index, self.heads, rows, keys).bool()  # (batch, head, rows, key), maybe a view
         q_blocks, kv_blocks = rows // self.block_q, keys // self.block_kv  # (rows,), (key,)
-        allowed &= _tiles(self.partial, q_blocks, kv_blocks)
+        allowed = allowed & _tiles(self.partial, q_blocks, kv_blocks)
         if self.full is not None:
-            allowed |= _tiles(self.full, q_blocks, kv_blocks)
+            allowed = allowed | _tiles(self.full, q_blocks, kv_blocks)
         return allowed
 
 
