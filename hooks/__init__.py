@@ -10,13 +10,14 @@ def default_adapters(*, modules=None) -> list[Adapter]:
 
     ``modules``: hand-written attention to trace (``capture(..., modules=)``), passed to the functional adapter.
     """
+    from .flex import FlexAdapter
     from .functional import FunctionalAdapter
     from .hf.adapter import HuggingFaceAdapter
     from .own import OwnModuleAdapter
     from .torch_mha import TorchMHAAdapter
 
     functional = FunctionalAdapter(modules=modules)
-    return [OwnModuleAdapter(), HuggingFaceAdapter(traced=functional), TorchMHAAdapter(), functional]
+    return [OwnModuleAdapter(), HuggingFaceAdapter(traced=functional), TorchMHAAdapter(), FlexAdapter(), functional]
 
 
 __all__ = ["Adapter", "Site", "default_adapters"]

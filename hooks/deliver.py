@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 _RECEIVERS: dict[int, list[Callable]] = {}  # token -> receivers of the captures open on it
 _LOCK = threading.Lock()
 #: token = channel << 60 | slot << 52 | id(module) (ids of live objects stay below 2**52), a positive int64
-CHANNELS = ("hf-call", "hf-kind", "hf-stack", "attnprobe", "torch_mha")
+CHANNELS = ("hf-call", "hf-kind", "hf-stack", "attnprobe", "torch_mha", "flex-call")
 _CHANNEL_SHIFT, _SLOT_SHIFT = 60, 52
 _OP = None
 _IN_GRAPH = threading.local()  # .active: receivers are running inside a compiled graph (see `held`)
@@ -54,6 +54,17 @@ def deliver(token: int, event: str, tensors: list, numbers: list) -> None:
         torch.ops.attnprobe.deliver(token, event, [*tensors, torch.empty(0)], [float(n) for n in numbers])
     else:
         _receive(token, event, tensors, numbers)
+
+
+def shared_token(key: object, channel: str) -> int:
+    """The token ``listen(key, channel, ..., shared=True)`` returns, for code that delivers without having listened."""
+    return (CHANNELS.index(channel) << _CHANNEL_SHIFT) | id(key)
+
+
+def listening(token: int) -> bool:
+    """Whether ``deliver(token, ...)`` may reach a receiver: a capture listens on ``token``, or Dynamo is tracing (a
+    compiled graph must not depend on which captures are open: its op looks the receivers up at run time)."""
+    return torch.compiler.is_compiling() or token in _RECEIVERS
 
 
 def _receive(token: int, event: str, tensors, numbers) -> None:

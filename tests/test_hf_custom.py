@@ -73,22 +73,29 @@ def test_the_function_registered_now_is_the_one_called(assert_no_hooks):
     with torch.no_grad():
         plain = model(**batch).logits
         assert calls == ["second", "second"]
-        with attnprobe.capture(model) as cap:
-            captured = model(**batch).logits
-            # ... also when it changes between two forwards of one capture
-            AttentionInterface.register(name, _counting("third", calls))
-            again = model(**batch).logits
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", attnprobe.AttnprobeWarning)
+            with attnprobe.capture(model) as cap:
+                captured = model(**batch).logits
+                # a function registered while the capture is open replaces attnprobe's wrapper: it runs, unrecorded,
+                # and the capture says so when it closes
+                third = _counting("third", calls)
+                AttentionInterface.register(name, third)
+                again = model(**batch).logits
+    said = [str(w.message) for w in seen if issubclass(w.category, attnprobe.AttnprobeWarning)]
+    assert len(said) == 1 and f"under {name!r} was replaced" in said[0] and "attention_third" in said[0]
     assert calls == ["second"] * 4 + ["third"] * 2
     assert torch.equal(plain, captured) and torch.equal(plain, again)
-    assert [r.meta["base_function"] for r in cap] == ["attention_second"] * 2 + ["attention_third"] * 2
+    assert [r.meta["base_function"] for r in cap] == ["attention_second"] * 2
     assert cap[0].backend == name
     assert model.config._attn_implementation == name
+    assert AttentionInterface._global_mapping[name] is third  # the user's registration stays
     assert attnprobe.check(cap).ok
     assert_no_hooks(model)
 
 
 def test_a_sub_config_on_a_custom_function_keeps_working_when_only_others_are_selected(assert_no_hooks):
-    """Every private name is registered before any config switches, also for backends of unselected modules."""
+    """A tower on the user's function runs it untouched (and unrecorded) while only the other tower is captured."""
     calls: list = []
     name = _register(_counting("text", calls))  # a fresh name: no earlier capture registered its private twin
     model = _clip()
@@ -104,7 +111,7 @@ def test_a_sub_config_on_a_custom_function_keeps_working_when_only_others_are_se
         calls.clear()
         with attnprobe.capture(model, layers=vision) as cap:
             captured = model(**batch)
-    assert calls == ["text"]  # the text tower ran its own function, through attnprobe's name
+    assert calls == ["text"]  # the text tower ran its own function
     assert torch.equal(plain.text_embeds, captured.text_embeds)
     assert torch.equal(plain.logits_per_image, captured.logits_per_image)
     assert [r.name.split(".")[0] for r in cap] == ["vision_model"] and cap[0].backend == "sdpa"

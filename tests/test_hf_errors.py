@@ -88,15 +88,39 @@ def test_overridden_sdpa_is_recorded_and_judged_by_its_output():
     assert attnprobe.check(cap).ok
 
 
-def test_model_code_that_branches_on_the_name_is_refused(monkeypatch):
-    from attnprobe.hooks.hf import adapter as hf
+BRANCHING = """
+class BranchingAttention(UserAttention):
+    \"\"\"Model code that branches on the implementation's name, as Gemma 4 and glm_moe_dsa do: under "sdpa" it
+    masks the last key, elsewhere it does not.\"\"\"
 
-    monkeypatch.setattr(hf, "name_branches", lambda module: ('if self.config._attn_implementation == "sdpa":',))
-    model = build("llama")
-    with pytest.raises(UnsupportedModelError, match=r"branches on the attention implementation's name"):
-        with attnprobe.capture(model):
-            pass
-    assert model.config._attn_implementation == "sdpa"
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        mask = None
+        if self.config._attn_implementation == "sdpa":
+            mask = torch.ones(t, t, dtype=torch.bool)
+            mask[:, -1] = False
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, plain_attention)
+        out, _ = attention(self, q, k, v, mask, scaling=self.head_dim ** -0.5)
+        return out.reshape(b, t, -1)
+"""
+
+
+def test_model_code_that_branches_on_the_name_takes_its_own_path(assert_no_hooks):
+    namespace: dict = {}
+    exec(compile(SOURCE.replace("DEFAULT", "plain_attention") + BRANCHING, "<user_branching>", "exec"), namespace)
+    attn = namespace["BranchingAttention"](_config("sdpa")).eval()
+    seen = []
+    with torch.no_grad():
+        plain = attn(torch.ones(1, 4, 8))
+        with attnprobe.capture(attn) as cap:
+            seen.append(attn.config._attn_implementation)
+            out = attn(torch.ones(1, 4, 8))
+    assert seen == ["sdpa"] and attn.config._attn_implementation == "sdpa"
+    assert torch.equal(plain, out)
+    assert cap[0].allowed[0, 0, :, -1].tolist() == [False] * 4  # the "sdpa" branch's mask: the path taken
+    assert cap[0].weights[..., -1].abs().max() == 0
+    assert_no_hooks(attn)
 
 
 def test_heads_out_of_range_fail_before_the_forward():

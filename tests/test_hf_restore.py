@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from hf_helpers import build, inputs
+from hf_helpers import build, inputs, twin
 
 import attnprobe
 from attnprobe import UnsupportedModelError
@@ -35,17 +35,32 @@ def _all_implementations(config):
     return found
 
 
-def test_sub_configs_are_switched_and_restored(assert_no_hooks):
+def _registries():
+    import transformers.masking_utils as mu
+    import transformers.modeling_utils as mo
+
+    return dict(mo.AttentionInterface._global_mapping), dict(mu.AttentionMaskInterface._global_mapping)
+
+
+def test_no_config_changes_and_every_function_is_put_back(assert_no_hooks):
+    """The capture wraps the function in place: every (sub)config keeps its implementation inside the capture, the
+    registries keep their keys (only the captured function's entry holds a wrapper of it), and all is as before
+    after."""
+    from attnprobe.hooks.slots import held_slots
+
     model = _clip()
-    before = _all_implementations(model.config)
+    before, registries = _all_implementations(model.config), _registries()
     batch = {"input_ids": torch.randint(0, 50, (2, 5)), "pixel_values": torch.randn(2, 3, 8, 8)}
     with torch.no_grad():
         plain = model(**batch)
         with attnprobe.capture(model) as cap:
-            inside = _all_implementations(model.config)
+            inside, functions = _all_implementations(model.config), _registries()[0]
             captured = model(**batch)
-    assert set(inside.values()) == {"attnprobe_sdp"} and set(before.values()) == {"sdpa"}
-    assert _all_implementations(model.config) == before
+    assert inside == before and set(before.values()) == {"sdpa"}
+    assert functions.keys() == registries[0].keys()
+    assert functions["sdpa"] is not registries[0]["sdpa"] and functions["sdpa"].__wrapped__ is registries[0]["sdpa"]
+    assert all(functions[k] is f for k, f in registries[0].items() if k != "sdpa")
+    assert _all_implementations(model.config) == before and _registries() == registries and held_slots() == 0
     assert torch.equal(plain.logits_per_image, captured.logits_per_image)
     assert len(cap) == 2 and {r.name.split(".")[0] for r in cap} == {"text_model", "vision_model"}
     causal = {r.name.split(".")[0]: r.causal for r in cap}
@@ -70,8 +85,9 @@ def test_restored_after_the_forward_raises(assert_no_hooks):
     assert model.config._attn_implementation == "sdpa"
     assert_no_hooks(model)
     from attnprobe.hooks.deliver import active_tokens
+    from attnprobe.hooks.slots import held_slots
 
-    assert not active_tokens()
+    assert not active_tokens() and held_slots() == 0
 
 
 def test_a_second_model_on_the_same_config_is_unaffected(assert_no_hooks):
@@ -92,7 +108,7 @@ def test_a_second_model_on_the_same_config_is_unaffected(assert_no_hooks):
     with torch.no_grad():
         plain = second(**batch).logits
         with attnprobe.capture(first) as cap:
-            during = second(**batch).logits  # sees the private name, goes straight to sdpa
+            during = second(**batch).logits  # goes through the wrapper, which passes its calls straight to sdpa
             first(**batch)
     assert torch.equal(plain, during)
     assert len(cap) == 2 and all(r.name.startswith("model.layers") for r in cap)
@@ -109,7 +125,7 @@ def test_nested_captures_record_independently(assert_no_hooks):
         with attnprobe.capture(model, layers=[0]) as outer:
             with attnprobe.capture(model, heads=[1], keep=["weights"]) as inner:
                 out = model(**batch).last_hidden_state
-            assert model.config._attn_implementation == "attnprobe_sdp"
+            assert model.config._attn_implementation == "sdpa"
             model(**batch)
     assert torch.equal(plain, out)
     assert [r.layer for r in outer] == [0, 0] and [r.layer for r in inner] == [0, 1]
@@ -118,32 +134,35 @@ def test_nested_captures_record_independently(assert_no_hooks):
     assert_no_hooks(model)
 
 
-def test_registration_is_global_and_idempotent():
-    """(That nothing registers at import is tested in test_hf_errors: importing the adapter loads no transformers.)"""
-    import transformers.masking_utils as mu
-    import transformers.modeling_utils as mo
+def test_eager_is_wrapped_in_the_model_file_and_put_back(assert_no_hooks):
+    """ "eager" is in no registry: the model file's own eager function is wrapped where its forward looks it up."""
+    import transformers.models.llama.modeling_llama as llama
 
-    from attnprobe.hooks.hf.adapter import register
+    from attnprobe.hooks.slots import held_slots
 
-    register()
-    first = dict(mo.AttentionInterface._global_mapping)
-    register()
-    assert mo.AttentionInterface._global_mapping == first
-    assert mu.AttentionMaskInterface._global_mapping["attnprobe_sdp"] is mu.sdpa_mask
-    assert mu.AttentionMaskInterface._global_mapping["attnprobe_eager"] is mu.eager_mask
-    ours = {k for k in first if k.startswith("attnprobe")}
-    assert {"attnprobe_sdp", "attnprobe_eager"} <= ours  # (+ attnprobe_fnN for custom functions other tests wrapped)
-    assert all(k in ("attnprobe_sdp", "attnprobe_eager") or k.startswith("attnprobe_fn") for k in ours)
-    assert not any("sdpa" in k or "flash" in k for k in first if k.startswith("attnprobe"))
+    eager = llama.eager_attention_forward
+    model = twin(build("llama"), "eager")
+    registries = _registries()
+    batch = inputs("llama", "left")
+    with torch.no_grad():
+        plain = model(**batch).logits
+        with attnprobe.capture(model) as cap:
+            assert llama.eager_attention_forward is not eager and llama.eager_attention_forward.__wrapped__ is eager
+            captured = model(**batch).logits
+    assert llama.eager_attention_forward is eager and _registries() == registries and held_slots() == 0
+    assert "eager" not in registries[0]
+    assert torch.equal(plain, captured) and [r.weights_source for r in cap] == ["observed"] * 2
+    assert model.config._attn_implementation == "eager"
+    assert_no_hooks(model)
 
 
-def test_unsupported_backend_is_a_clear_error(assert_no_hooks):
+def test_paged_attention_is_a_clear_error(assert_no_hooks):
     model = build("llama")
-    model.config._attn_implementation_internal = "flash_attention_2"  # as if loaded that way
-    with pytest.raises(UnsupportedModelError, match=r"'model.layers.0.self_attn'.*flash_attention_2.*sdpa"):
+    model.config._attn_implementation_internal = "paged|eager"  # as if loaded for continuous batching
+    with pytest.raises(UnsupportedModelError, match=r"'model.layers.0.self_attn'.*paged\|eager.*sdpa"):
         with attnprobe.capture(model):
             pass
-    assert model.config._attn_implementation == "flash_attention_2"
+    assert model.config._attn_implementation == "paged|eager"
     # a layer that is not selected does not matter
     with attnprobe.capture(model, layers=[]) as cap:
         pass
@@ -151,7 +170,9 @@ def test_unsupported_backend_is_a_clear_error(assert_no_hooks):
     assert_no_hooks(model)
 
 
-def test_models_that_branch_on_the_implementation_name_are_refused():
+def test_model_files_that_branch_on_the_implementation_name_are_found():
+    """What the old-style fallback reads (Falcon computes another way when asked for weights under sdpa); interface
+    models that branch on the name are captured on their own path (tests/test_hf_name_branches.py)."""
     import importlib
 
     from attnprobe.hooks.hf.source import name_branches

@@ -248,6 +248,40 @@ FAMILIES = {
         "causal",
     ),
     "gemma3-text": ("Gemma3TextConfig", dict(DECODER, sliding_window=3, query_pre_attn_scalar=8), "causal"),
+    # Gemma 4 and glm_moe_dsa branch on the implementation's name (captured on their own path since issue 32)
+    "gemma4-text": (
+        "Gemma4TextConfig",
+        dict(
+            DECODER,
+            global_head_dim=8,
+            sliding_window=3,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "causal",
+    ),
+    "glm-moe-dsa": (
+        "GlmMoeDsaConfig",
+        dict(
+            DECODER,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            qk_nope_head_dim=8,
+            head_dim=4,
+            index_topk=16,  # more than the sequence: the sparse mask keeps every causal key
+            index_head_dim=8,
+            index_n_heads=2,
+            first_k_dense_replace=1,
+        ),
+        "causal",
+    ),
     "starcoder2": ("Starcoder2Config", DECODER, "causal"),
     "cohere": ("CohereConfig", DECODER, "causal"),
     "cohere2": ("Cohere2Config", dict(DECODER, sliding_window=3), "causal"),
@@ -1301,6 +1335,20 @@ def tensors_of(output) -> list[torch.Tensor]:
     return []
 
 
+def attention_functions(model) -> dict:
+    """Where the model's attention functions live, as they are now: the registry's entries and the eager function
+    of each modeling file the model's classes come from (a capture wraps them in place and puts them back)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    found: dict = {("registry", k): f for k, f in AttentionInterface._global_mapping.items()}
+    for module in model.modules():
+        file = inspect.getmodule(type(module))
+        for k, f in vars(file).items() if file is not None else ():
+            if k.endswith("eager_attention_forward"):
+                found[(file.__name__, k)] = f
+    return found
+
+
 def implementations(model) -> dict[int, object]:
     """id(config) -> _attn_implementation for every config the modules hold, with sub-configs."""
     found, todo = {}, [m.config for m in model.modules() if hasattr(m, "config")]
@@ -1419,7 +1467,7 @@ def sweep(name: str) -> dict:
     extras = extras[0] if extras else {}
     batch, masks = make_inputs(kind, model.config, extras.get("image_tokens", 16))
     batch.update(extras.get("inputs", {}))
-    before = implementations(model)
+    before, functions = implementations(model), attention_functions(model)
     plain = run_plain(model, batch, name)
     hooks = hook_counts(model)
     result = {"family": name}
@@ -1427,6 +1475,7 @@ def sweep(name: str) -> dict:
         warnings.simplefilter("always", attnprobe.AttnprobeWarning)
         try:
             with torch.no_grad(), attnprobe.capture(model) as cap:
+                result["same_inside"] = implementations(model) == before  # the name never changes
                 captured = tensors_of(model(**batch))
         except attnprobe.UnsupportedModelError as e:
             result.update(
@@ -1450,7 +1499,7 @@ def sweep(name: str) -> dict:
     result.update(
         outcome="fallback" if fallback else "full",
         outputs_equal=len(plain) == len(captured) and all(torch.equal(a, b) for a, b in zip(plain, captured)),
-        restored=implementations(model) == before,
+        restored=implementations(model) == before and attention_functions(model) == functions,
         hooks_left=hook_counts(model) != hooks,
         records=len(hf),
         left_out=left_out,
@@ -1594,7 +1643,8 @@ def test_family(name):
     result = sweep(name)
     expected = "refused" if name in REFUSED else "fallback" if old_style_attention(build(name)) else "full"
     assert result["outcome"] == expected, (f"transformers {transformers.__version__}", result)
-    assert result["restored"], "an attention implementation was not restored"
+    assert result["restored"], "an attention implementation or function was not restored"
+    assert result.get("same_inside", True), "an attention implementation's name changed inside the capture"
     assert not result["hooks_left"], "a hook was left behind"
     if expected == "refused":
         assert REFUSED[name] in result["error"], result["error"]

@@ -14,35 +14,43 @@ as ``AutoModel`` or ``PreTrainedModel``, are imported where they are used).
 
 Items, by where they are used:
 
-Attention dispatch (hooks/hf/adapter.py)
+Attention dispatch (hooks/hf/dispatch.py)
   1. Interface modules call ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, <the file's
      own eager function>)`` (5.1-5.24); 5.0 wrote the same dispatch as ``if config._attn_implementation !=
-     "eager": attention_interface = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`` (hf.py lets that one
-     comparison with "eager" through: it is the dispatch). A forward whose code names ``ALL_ATTENTION_FUNCTIONS``
-     uses the interface (5.0-5.24). Which families do changes between releases (gptj, codegen, layoutlmv3:
-     old-style up to 5.23, interface from 5.24): read from the installed code, never from a list.
-  2. The eager default is the modeling file's own ``*eager_attention_forward`` global (5.0-5.24; "eager" is
-     not in the registry).
-  3. ``AttentionInterface._global_mapping`` and ``AttentionMaskInterface._global_mapping``: the registries'
-     private dicts, read to restore them exactly and to see what a name maps to (5.0-5.24).
-     ``AttentionInterface.register`` / ``AttentionMaskInterface.register`` are public.
-  4. ``masking_utils.sdpa_mask`` / ``eager_mask`` (readable masks), ``flash_attention_mask`` /
-     ``flex_attention_mask`` (not (query, key) masks) (5.0-5.24).
-  5. ``integrations.sdpa_attention.sdpa_attention_forward``: the sdpa function (5.0-5.24).
-  6. ``config._attn_implementation`` (read) and ``config._attn_implementation_internal`` (written for the
-     length of a capture, then restored), ``config.sub_configs`` (5.0-5.24).
-  7. GPT-2's ``_upcast_and_reordered_attn`` / ``reorder_and_upcast_attn`` eager path (5.0-5.24).
+     "eager": attention_interface = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. A forward whose code
+     names ``ALL_ATTENTION_FUNCTIONS`` uses the interface (5.0-5.24). Which families do changes between releases
+     (gptj, codegen, layoutlmv3: old-style up to 5.23, interface from 5.24): read from the installed code, never
+     from a list. ``get_interface`` drops a ``paged|`` prefix but for ``paged|eager`` (5.16-5.24).
+  2. The eager default is the modeling file's own ``*eager_attention_forward`` global, looked up when the forward
+     runs (5.0-5.24; "eager" is not in the registry): a capture wraps that global in place.
+  3. ``AttentionInterface._global_mapping`` and a file-local interface's ``_local_mapping``: the dicts the
+     dispatch reads (``GeneralInterface.__getitem__``, 5.0-5.24); a capture wraps the entry in place and puts the
+     function back when it closes. ``AttentionMaskInterface._global_mapping``: the mask function of a name.
+  4. ``masking_utils.sdpa_mask`` / ``eager_mask`` (readable masks), ``flash_attention_mask`` (a 2-D padding mask
+     or None) / ``flex_attention_mask`` (a ``BlockMask``) (5.0-5.24).
+  5. ``integrations.sdpa_attention.sdpa_attention_forward``, ``integrations.flex_attention.flex_attention_forward``
+     and ``integrations.flash_attention.flash_attention_forward``: the functions whose math attnprobe knows; hub
+     flash kernels register ``flash_attention_forward`` under their own name (``hub_kernels``, 5.0-5.24).
+  6. ``config._attn_implementation`` (read, never written), ``config.sub_configs`` (5.0-5.24).
+  7. GPT-2's ``_upcast_and_reordered_attn`` / ``reorder_and_upcast_attn`` eager path, called instead of the
+     interface when the flag is set (5.0-5.24).
   8. Keyword arguments of attention calls: ``scaling``, ``dropout``, ``is_causal``, ``position_bias`` (T5),
-     ``softcap`` (Gemma2), ``s_aux`` (GPT-OSS sinks), ``sliding_window`` (5.0-5.24).
+     ``softcap`` (Gemma2), ``s_aux`` (GPT-OSS sinks), ``sliding_window``, ``position_ids`` and ``cu_seq_lens_q/k``
+     (flash's varlen) (5.0-5.24).
+  9. Flash semantics (``modeling_flash_attention_utils._flash_attention_forward``): a 2-D padding mask unpads (the
+     queries are the last ``query_length`` positions of the mask), else ``cu_seq_lens_q/k`` given, else packed
+     ``position_ids`` (batch 1, documents start where the position is the minimum), else the plain kernel; causal
+     bottom-right aligned unless ``flash_attention._use_top_left_mask``; ``window_size=(w - 1, w - 1)`` when the
+     keys outnumber ``sliding_window`` (5.0-5.24).
 Surroundings of a call (hooks/hf/context.py)
-  9. The generation cache reaches the model stacks as an instance of ``cache_utils.Cache``: keyword
+ 10. The generation cache reaches the model stacks as an instance of ``cache_utils.Cache``: keyword
      ``past_key_values`` up to 5.23, ``cache`` from 5.24 (``past_key_values`` still accepted by the top-level
      model with a FutureWarning until its removal). attnprobe finds it by type among all arguments.
- 10. ``Cache.get_seq_length(layer)``, ``Cache.layers`` and ``Cache.reorder_cache`` (beam search) (5.0-5.24).
- 11. A stack's forward takes ``attention_mask`` (2-D, 1 = token) and one of the input names in
+ 11. ``Cache.get_seq_length(layer)``, ``Cache.layers`` and ``Cache.reorder_cache`` (beam search) (5.0-5.24).
+ 12. A stack's forward takes ``attention_mask`` (2-D, 1 = token) and one of the input names in
      ``hf_context.INPUT_NAMES`` (5.0-5.24).
 Old-style models (hooks/hf/fallback.py)
- 12. ``PreTrainedModel._can_set_attn_implementation()`` is False for models without the interface (5.0-5.24);
+ 13. ``PreTrainedModel._can_set_attn_implementation()`` is False for models without the interface (5.0-5.24);
      their ``output_attentions=True`` returns the weights.
 """
 
@@ -83,7 +91,7 @@ def warn_unrecognised(key, what: str) -> None:
     )
 
 
-# ------------------------------------------------------------------------------- generation cache (9, 10)
+# ------------------------------------------------------------------------------ generation cache (10, 11)
 def cache_class() -> type | None:
     """The base class of every generation cache (``transformers.cache_utils.Cache``); None if it is gone."""
     try:
@@ -126,7 +134,7 @@ def cached_length(cache) -> int | None:
     return None
 
 
-# ------------------------------------------------------------------------------- registries (3, 4, 5)
+# --------------------------------------------------------------------------- registries, functions (3, 4, 5, 9)
 def attention_registry() -> dict:
     """name -> attention function (``AttentionInterface._global_mapping``)."""
     from transformers.modeling_utils import AttentionInterface
@@ -154,18 +162,6 @@ def _mapping(interface: type, name: str) -> dict:
     return mapping
 
 
-def register_attention(name: str, fn) -> None:
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(name, fn)
-
-
-def register_mask(name: str, fn) -> None:
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionMaskInterface.register(name, fn)
-
-
 def mask_functions() -> tuple:
     """(eager_mask, sdpa_mask, {mask functions whose result is no (query, key) mask})."""
     from transformers import masking_utils
@@ -181,24 +177,55 @@ def sdpa_forward():
     return sdpa_attention_forward
 
 
-# ------------------------------------------------------------------------------------------ configs (6)
-def config_class() -> type:
-    from transformers import PretrainedConfig
+@functools.cache
+def kernel_functions() -> dict:
+    """transformers' own attention functions whose math attnprobe knows -> "sdpa", "flex" or "flash" (item 5)."""
+    found: dict = {sdpa_forward(): "sdpa"}
+    try:
+        from transformers.integrations.flex_attention import flex_attention_forward
 
-    return PretrainedConfig
+        found[flex_attention_forward] = "flex"
+    except ImportError:  # a torch without flex attention
+        pass
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    found[flash_attention_forward] = "flash"
+    return found
 
 
-def implementation_internal(config):
-    """What to restore on exit: the config's own attribute (``_attn_implementation_internal``)."""
-    return getattr(config, "_attn_implementation_internal", getattr(config, "_attn_implementation", None))
+def flash_top_left() -> bool:
+    """Whether transformers' flash path aligns causal masks to the upper left (flash-attn before 2.1, some NPUs),
+    rather than to the lower right (item 9)."""
+    from transformers.integrations import flash_attention
+
+    return bool(getattr(flash_attention, "_use_top_left_mask", False))
 
 
-def set_implementation_internal(config, name) -> None:
-    """Point one config (not its sub-configs) at ``name`` without the checks of ``set_attn_implementation``."""
-    config._attn_implementation_internal = name
+def flash_takes_sinks() -> bool:
+    """Whether the flash functions transformers loaded take sink logits (``s_aux``, FA3 from vLLM; ``learnable_sink``,
+    FA4): transformers drops ``s_aux`` for the others (item 9)."""
+    import inspect
+
+    from transformers import modeling_flash_attention_utils as fa
+
+    fn = getattr(fa, "_flash_varlen_fn", None) or getattr(fa, "_flash_fn", None)
+    try:
+        params = inspect.signature(fn).parameters if fn is not None else {}
+    except (TypeError, ValueError):
+        return False
+    return "s_aux" in params or "learnable_sink" in params
 
 
-# ----------------------------------------------------------------------------------- old-style (12)
+def block_mask_class() -> type | None:
+    """torch's flex ``BlockMask``; None when the installed torch has no flex attention."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return None
+    return BlockMask
+
+
+# ------------------------------------------------------------------------------------------ old-style (13)
 def pretrained_model_class() -> type:
     from transformers import PreTrainedModel
 

@@ -15,10 +15,15 @@ inputs, only for the selected heads, and cast to the dtype the attention ran in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from ...probe.engine.attention_math import attention_logits, softmax_with_sinks
 from ...probe.selection import index_heads
+
+T = TypeVar("T")
 
 
 def as_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -60,8 +65,11 @@ class MaskInfo:
     computed once per forward, not once per layer.
     """
 
-    def __init__(self, mask, allowed: torch.Tensor) -> None:
+    def __init__(self, mask, allowed: torch.Tensor, *, selected: bool = False) -> None:
         self.mask, self.allowed = mask, allowed
+        #: ``allowed`` (and a tensor ``mask``) hold the selected heads already, one per head (a flex mask_mod that
+        #: reads the head): for_heads takes them as they are
+        self.selected = selected
         self._add: dict = {}
         self._empty: tuple[torch.Tensor | None] | None = None  # (the rows with no allowed key, or None), once known
 
@@ -87,7 +95,8 @@ class MaskInfo:
         key = ("float", dtype, k_len, heads if as_4d(self.mask).shape[1] > 1 else None)
         if key not in self._add:
             t = as_4d(self.mask.detach())[..., :k_len]  # (batch or 1, 1 or head, query or 1, key)
-            self._add[key] = (index_heads(t, heads)[0] if t.shape[1] > 1 else t).to(dtype)  # heads selected
+            pick = t.shape[1] > 1 and not self.selected
+            self._add[key] = (index_heads(t, heads)[0] if pick else t).to(dtype)  # heads selected
         return self._add[key]
 
     def float_bias(self, heads, dtype: torch.dtype, k_len: int) -> torch.Tensor | None:
@@ -104,7 +113,7 @@ class MaskInfo:
     def for_heads(self, heads) -> torch.Tensor:
         """``(batch, 1 or head, query, key)``: ``allowed`` of the selected heads (one mask for all stays one)."""
         a = self.allowed
-        return index_heads(a, heads)[0] if a.shape[1] > 1 else a
+        return index_heads(a, heads)[0] if a.shape[1] > 1 and not self.selected else a
 
     def empty_rows(self, heads) -> torch.Tensor | None:
         """``(batch, 1 or head, query, 1)`` True for rows with no allowed key; None when there are none."""
@@ -120,6 +129,26 @@ class MaskMemo:
     def __init__(self, size: int = 4) -> None:
         self.size = size
         self._entries: list[tuple[tuple, MaskInfo]] = []
+        self._derived: list[tuple[tuple, tuple, object]] = []
+
+    def derived(self, key: tuple[tuple, tuple], build: Callable[[], T]) -> T:
+        """What ``build()`` makes from the objects ``key[0]`` (the same objects, unchanged: compared by identity and
+        version) and the values ``key[1]`` (compared by equality), made once for the layers that share them (flex's
+        BlockMask, flash's padding mask and position ids, the permission built from them)."""
+        sources, values = key
+        versions = tuple(
+            None if t is None or getattr(t, "is_inference", lambda: True)() else t._version for t in sources
+        )
+        for objects, seen, value in self._derived:
+            if (
+                seen == (versions, values)
+                and len(objects) == len(sources)
+                and all(a is b for a, b in zip(objects, sources))
+            ):
+                return value  # type: ignore[return-value]
+        value = build()
+        self._derived = [(sources, (versions, values), value)] + self._derived[: self.size - 1]
+        return value
 
     def get(self, mask, *, batch: int, q_len: int, k_len: int, implicit_causal: bool, device) -> MaskInfo:
         if isinstance(mask, torch.Tensor) and mask.is_inference():
@@ -145,15 +174,17 @@ class MaskMemo:
 
     def clear(self) -> None:
         self._entries = []
+        self._derived = []
 
 
 class Recompute:
     """Scores and weights of the selected heads of one call, each computed at most once.
 
     ``scores`` are the logits the softmax sees before masking: scaled ``q @ k``, plus any position
-    bias, softcapped, plus the non-masking part of a float mask. ``weights`` follow the backend's
-    own mask semantics (see the module docstring), including attention sinks. Both are new tensors
-    (a record keeps them without another copy); ``weights`` never changes what ``scores`` returned.
+    bias, softcapped, then what a flex ``score_mod`` does, plus the non-masking part of a float mask.
+    ``weights`` follow the backend's own mask semantics (see the module docstring), including attention
+    sinks. Both are new tensors (a record keeps them without another copy); ``weights`` never changes what
+    ``scores`` returned.
     """
 
     def __init__(
@@ -169,6 +200,7 @@ class Recompute:
         position_bias=None,
         softcap=None,
         sinks=None,
+        score_mod=None,
         out_dtype=None,
         scores_wanted=True,
         keep_q=False,
@@ -177,6 +209,7 @@ class Recompute:
         self.heads, self.kv_heads = heads, kv_heads
         self.scaling, self.additive = scaling, additive
         self.position_bias, self.softcap, self.sinks = position_bias, softcap, sinks
+        self.score_mod = score_mod  # what a flex kernel does to the softcapped logits (``AttentionCall.score_mod``)
         self.out_dtype = out_dtype or q.dtype
         self.compute_dtype = torch.promote_types(q.dtype, torch.float32)
         self._logits: torch.Tensor | None = None
@@ -220,6 +253,9 @@ class Recompute:
                 bias = None if self.position_bias is None else self._per_head(self.position_bias)  # (b, 1 or h, q, k)
                 # (batch, head, query, d_head) x (batch, head, key, d_head) -> (batch, head, query, key)
                 logits = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap)
+                if self.score_mod is not None:
+                    rows = torch.arange(logits.shape[2], device=logits.device)
+                    logits = self.score_mod(logits, rows, 0, logits.shape[3])  # (batch, head, query, key)
             self._logits = logits
         return self._logits
 

@@ -42,8 +42,8 @@ _BRANCH = re.compile(r"""_attn_implementation\s*(?:==|!=|(?:not\s+)?in\b)(.*)"""
 _BASE_LITERAL = re.compile(r"""["'](?:sdpa|eager)["']""")
 _HANDLED = 'using_eager = self.config._attn_implementation == "eager"'  # GPT-2's path, see gpt2_eager
 #: transformers 5.0 dispatches with ``if self.config._attn_implementation != "eager": attention_interface =
-#: ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]`` (5.1 and later: ``get_interface``); under a capture
-#: that branch finds attnprobe's private name in the registry, which calls the base backend as before
+#: ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]`` (5.1 and later: ``get_interface``): the dispatch
+#: itself, not a branch on the name
 _DISPATCH = '_attn_implementation != "eager":'
 
 
@@ -51,7 +51,9 @@ _DISPATCH = '_attn_implementation != "eager":'
 def name_branches(module_name: str) -> tuple[str, ...]:
     """Lines of a modeling file that compare the implementation *name* with "sdpa" or "eager".
 
-    Under a capture such a comparison would see attnprobe's private name and take another path.
+    The fallback for old-style models refuses such modules under sdpa: asked for ``output_attentions`` they may
+    compute attention another way (Falcon). Interface-based models are captured without renaming anything, so their
+    branches on the name take the path they take without attnprobe.
     """
     mod = sys.modules.get(module_name)
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,15 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: A mask given as a function of blocks (a FlexAttention ``mask_mod``, a varlen kernel's documents): ``fn(rows, c, d)``
+#: -> bool ``(batch or 1, 1 or head, len(rows), d - c)``, True = may attend, for the query rows at positions ``rows``
+#: (``(n,)`` long, among the call's queries) against keys ``c:d``, for the selected heads.
+MaskBlocks = Callable[[torch.Tensor, int, int], torch.Tensor]
+#: What a kernel does to the logits beyond scaling, bias and softcapping (a FlexAttention ``score_mod``):
+#: ``fn(logits, rows, c, d)`` -> the logits of the same block ``(batch, head, len(rows), d - c)``.
+ScoreBlocks = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+
 def _rows(t: torch.Tensor, a: int, b: int, c: int, d: int) -> torch.Tensor:
     """Rows ``a:b`` and keys ``c:d`` of a 4-D tensor that may broadcast (size 1) along either axis (a view)."""
     t = t if t.shape[-2] == 1 else t[..., a:b, :]
@@ -123,7 +133,7 @@ class AttentionCall:
     k: torch.Tensor
     scaling: float
     v: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
+    mask: torch.Tensor | MaskBlocks | None = None
     masked_at: float | None = None
     causal: bool = False
     causal_offset: int = 0
@@ -136,6 +146,7 @@ class AttentionCall:
     positions: torch.Tensor | None = None
     """``(query,)`` long, ascending: each q row's position among the call's queries (what ``causal`` and the
     diagonal are counted from); None = ``0 .. query - 1``. Set by ``take_rows`` for a sample of rows."""
+    score_mod: ScoreBlocks | None = None
 
     @classmethod
     def for_heads(cls, q, k, v=None, *, heads, kv_heads, mask=None, bias=None, sinks=None, output=None, **kw):
@@ -145,8 +156,8 @@ class AttentionCall:
             return None if t is None else index_heads(t.detach(), tuple(index), axis)[0]
 
         def per_head(t):
-            if t is None:
-                return None
+            if not isinstance(t, torch.Tensor):
+                return t  # None, or a mask function (made for the selected heads)
             t = _as_4d(t.detach())
             return t if t.shape[1] == 1 else pick(t, heads)
 
@@ -169,8 +180,8 @@ class AttentionCall:
             raise ValueError("take_rows takes ascending, unique row indices (1-D)")
 
         def cut(t):
-            if t is None:
-                return None
+            if not isinstance(t, torch.Tensor):
+                return t  # None, or a mask function (it reads the rows' positions)
             t = _as_4d(t)
             return t if t.shape[-2] == 1 else t.index_select(-2, rows.to(t.device))
 
@@ -202,7 +213,9 @@ class AttentionCall:
     def allowed(self, a: int, b: int, c: int, d: int) -> torch.Tensor | None:
         """``(batch or 1, 1 or head, b - a, d - c)`` bool, True = may attend; None when every key is allowed."""
         allowed = None
-        if self.mask is not None:
+        if callable(self.mask):
+            allowed = self.mask(self.row_positions(a, b), c, d)
+        elif self.mask is not None:
             m = _rows(_as_4d(self.mask), a, b, c, d)
             allowed = mask_allows(m, self.masked_at)
         if self.causal:
@@ -214,7 +227,9 @@ class AttentionCall:
     def forbidden(self, a: int, b: int, c: int, d: int) -> torch.Tensor | None:
         """The complement of ``allowed`` (what a softmax input is filled with ``-inf`` at), built directly."""
         forbidden = None
-        if self.mask is not None:
+        if callable(self.mask):
+            forbidden = ~self.mask(self.row_positions(a, b), c, d)
+        elif self.mask is not None:
             forbidden = ~mask_allows(_rows(_as_4d(self.mask), a, b, c, d), self.masked_at)
         if self.causal:
             rows = self.row_positions(a, b)[:, None] + self.causal_offset
@@ -233,11 +248,15 @@ class AttentionCall:
         nor a float mask, the factor and the scaling go into the block's ``q`` rows, not over the whole block."""
         dtype = self.compute_dtype
         q, k = self.q[:, :, a:b].to(dtype), self.k[:, :, c:d].to(dtype)
-        float_mask = self.mask if self.mask is not None and self.mask.dtype.is_floating_point else None
-        if self.bias is None and self.softcap is None and float_mask is None and (times != 1.0 or self.scaling != 1.0):
+        mask = self.mask
+        float_mask = mask if isinstance(mask, torch.Tensor) and mask.dtype.is_floating_point else None
+        plain = self.bias is None and self.softcap is None and float_mask is None and self.score_mod is None
+        if plain and (times != 1.0 or self.scaling != 1.0):
             return attention_logits(q * (self.scaling * times), k, scaling=1.0, out=out)
         bias = None if self.bias is None else _rows(_as_4d(self.bias), a, b, c, d)
         s = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap, out=out)
+        if self.score_mod is not None:
+            s = self.score_mod(s, self.row_positions(a, b), c, d)
         if float_mask is not None:
             m = _rows(_as_4d(float_mask), a, b, c, d)
             s = torch.where(mask_allows(m, self.masked_at), s + m.to(dtype), s)
