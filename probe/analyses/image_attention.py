@@ -176,3 +176,59 @@ def image_attention(
         weights = _head_rows(record, grid.batch, row, head)
     values = weights[grid.key_index(record)].reshape(grid.rows, grid.cols)  # (key,) -> (rows, cols)
     return ImageAttention(grid, values, record, record.query_offset + row, head, "rollout" if rollout else "weights")
+
+
+#: The columns of ``image_mass``'s frame.
+IMAGE_MASS_COLUMNS = ("layer", "name", "call", "head", "batch", "rows", "image_mass", "image_mass_max", "source")
+
+
+def _text_rows(record: AttentionRecord, tokens: ImageTokens, batch: int, positions: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` bool: which query ``positions`` of batch row ``batch`` are text (not image tokens, not padding)."""
+    image = {p for g in tokens.for_record(record) if g.batch == batch for p in (*g.positions, *g.extra)}
+    text = torch.tensor([int(p) not in image for p in positions.tolist()], dtype=torch.bool)
+    if record.query_padding is not None:
+        padded = record.query_padding[batch].detach().cpu().bool()
+        text &= ~padded[positions - record.query_offset]
+    return text
+
+
+def _masses(record: AttentionRecord, tokens: ImageTokens) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """(``(batch, head, n)`` each row's weight on image patches, ``(n,)`` its query positions, source) or None."""
+    if record.stats is not None and "image_mass" in record.stats:
+        positions = record.stats_positions
+        assert positions is not None  # statistics present
+        return record.stats["image_mass"].double().cpu(), positions + record.query_offset, "stats"
+    keys = tokens.key_set(record)
+    if record.weights is None or keys is None:
+        return None
+    mass = (record.weights.double() * keys[:, None, None, :]).sum(-1)  # (batch, head, query, key) -> (b, h, q)
+    return mass, torch.arange(record.query_len or 0) + record.query_offset, "weights"
+
+
+def image_mass(cap, *, image_grid=None):
+    """One row per (layer, call, head, batch row) of the records that hold image tokens: ``rows``, how many text rows
+    (query rows that are neither image tokens nor padding) were counted, and their mean (``image_mass``) and
+    largest (``image_mass_max``) share of weight on the image patches.
+
+    Read from the weights of a full capture, or from ``record.stats["image_mass"]`` of a statistics capture
+    (``capture(model, keep=("stats",), image_grid=...)``: no (query x key) tensor is ever held), said in ``source``.
+    Records with no text row (a vision tower) are left out.
+    """
+    import pandas as pd
+
+    tokens = capture_image_tokens(cap, image_grid)
+    rows = []
+    for record in cap:
+        found = _masses(record, tokens)
+        if found is None:
+            continue
+        mass, positions, source = found
+        for batch in sorted({g.batch for g in tokens.for_record(record)}):
+            text = _text_rows(record, tokens, batch, positions)
+            if not text.any():
+                continue
+            for i, head in enumerate(record.heads):
+                values = mass[batch, i][text]
+                mean, top = float(values.mean()), float(values.max())
+                rows.append((record.layer, record.name, record.call, head, batch, int(text.sum()), mean, top, source))
+    return pd.DataFrame(rows, columns=list(IMAGE_MASS_COLUMNS))
