@@ -5,8 +5,9 @@ page shows each picture (drawn on a canvas from its own pixels: no image file, n
 the record's tokens: pointing at a token tints the patches it attends to (every picture of its row), pointing at a
 patch shades the tokens by how much they attend to it. The data is small next to the report's matrices: per record
 and picture, the ``(head, query, cell)`` weights at the picture's patch positions of the grid's batch row, one
-compressed blob each (the report's own encoding, ``encoding.shuffled_floats``), and each picture as RGB bytes,
-downscaled to at most ``MAX_PICTURE_SIDE`` pixels a side (its cells' boxes scaled with it).
+compressed blob each (the report's own encoding, ``encoding.shuffled_floats``), and each picture as a JPEG
+(quality ``JPEG_QUALITY``; the browser decodes it from bytes with ``createImageBitmap``, no image URL), downscaled to
+at most ``MAX_PICTURE_SIDE`` pixels a side (its cells' boxes scaled with it).
 """
 
 from __future__ import annotations
@@ -24,24 +25,27 @@ from . import encoding
 from ._common import display_token
 from .overlay import picture_array
 
-#: Pictures are embedded at most this many pixels a side (their aspect kept).
+#: Pictures are embedded at most this many pixels a side (their aspect kept), as JPEG of this quality.
 MAX_PICTURE_SIDE = 512
+JPEG_QUALITY = 90
 
 
 @dataclass(frozen=True)
 class Picture:
-    """One embedded picture: its pixels at the embedded size and the scale from the picture's own pixels."""
+    """One embedded picture: its JPEG at the embedded size and the scale from the picture's own pixels."""
 
     image: int
     width: int
     height: int
     scale: float
     original: tuple[int, int]  # (height, width) of the picture given
-    rgb: bytes
+    jpeg: bytes
 
 
 def embedded_picture(image: int, picture) -> Picture:
-    """``picture`` (a PIL image, a path, an array) as RGB bytes at most ``MAX_PICTURE_SIDE`` a side."""
+    """``picture`` (a PIL image, a path, an array) as a JPEG at most ``MAX_PICTURE_SIDE`` pixels a side."""
+    import io
+
     from PIL import Image
 
     array = picture_array(picture)
@@ -52,7 +56,9 @@ def embedded_picture(image: int, picture) -> Picture:
     scale = min(1.0, MAX_PICTURE_SIDE / max(height, width))
     if scale < 1.0:
         im = im.resize((max(1, round(width * scale)), max(1, round(height * scale))), Image.Resampling.LANCZOS)
-    return Picture(image, im.size[0], im.size[1], scale, (height, width), im.tobytes())
+    buffer = io.BytesIO()
+    im.save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    return Picture(image, im.size[0], im.size[1], scale, (height, width), buffer.getvalue())
 
 
 def pictures_of(image, tokens: ImageTokens) -> list[Picture]:
@@ -141,7 +147,7 @@ def image_section(
             )
     return {
         "pictures": [
-            {"image": p.image, "width": p.width, "height": p.height, "blob": blobs.add(lambda p=p: p.rgb)}
+            {"image": p.image, "width": p.width, "height": p.height, "blob": blobs.add(lambda p=p: p.jpeg)}
             for p in pictures.values()
         ],
         "records": out_records,

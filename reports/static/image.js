@@ -1,6 +1,6 @@
 // attnprobe report: the Image section. Self-contained: no network; data reaches the page as text, never markup.
 // Reads its own JSON (#attnprobe-image-meta) and decodes blobs through the report's script (window.attnprobe:
-// floatsOf for the weights, bytesOf for the pictures' RGB pixels). Pointing at a token tints the patches it
+// floatsOf for the weights, bytesOf for the pictures' JPEG bytes). Pointing at a token tints the patches it
 // attends to; pointing at a patch shades the tokens by their weight on it.
 (function () {
   "use strict";
@@ -35,15 +35,14 @@
 
   async function picture(p) {
     if (!pictures.has(p.image)) {
-      const rgb = await api.bytesOf(p.blob);
-      const data = new ImageData(p.width, p.height);
-      for (let i = 0, j = 0; i < p.width * p.height; i++, j += 3) {
-        data.data[i * 4] = rgb[j];
-        data.data[i * 4 + 1] = rgb[j + 1];
-        data.data[i * 4 + 2] = rgb[j + 2];
-        data.data[i * 4 + 3] = 255;
-      }
-      pictures.set(p.image, data);
+      const jpeg = await api.bytesOf(p.blob); // decoded from bytes: no image URL, nothing requested
+      const bitmap = await createImageBitmap(new Blob([jpeg], { type: "image/jpeg" }));
+      const canvas = document.createElement("canvas");
+      canvas.width = p.width;
+      canvas.height = p.height;
+      const ctx = canvas.getContext("2d");
+      ctx.drawImage(bitmap, 0, 0);
+      pictures.set(p.image, ctx.getImageData(0, 0, p.width, p.height));
     }
     return pictures.get(p.image);
   }
