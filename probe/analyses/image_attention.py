@@ -13,33 +13,16 @@ weights of a full capture, or from ``record.stats["image_mass"]`` of a statistic
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import AttnprobeError
-from ..outputs.image_tokens import ImageGrid, ImageTokenError, ImageTokens, as_image_tokens
+from ..outputs.image_tokens import ImageGrid, ImageTokenError, ImageTokens, capture_image_tokens
 from ..record import AttentionRecord
 
 #: The identity's share of each layer in the rollout (the paper's 0.5).
 ROLLOUT_RESIDUAL = 0.5
-
-
-def capture_image_tokens(cap, image_grid=None) -> ImageTokens:
-    """``image_grid`` (see ``as_image_tokens``) if given, else the image tokens the capture holds
-    (``capture(..., image_grid=)``); ``ImageTokenError`` saying how to give them when there are none."""
-    if image_grid is not None:
-        return as_image_tokens(image_grid)
-    info = getattr(cap, "info", None) or {}
-    stored = info.get("image_tokens") if isinstance(info, Mapping) else None
-    if not stored:
-        raise ImageTokenError(
-            "this capture holds no image tokens: capture with image_grid=attnprobe.locate_image_tokens(model, inputs, "
-            "processor=processor, images=pictures) (or a hand declaration, image_grid=attnprobe.ImageGrid(...)), "
-            "or pass image_grid= here"
-        )
-    return ImageTokens.from_json(stored)
 
 
 @dataclass(frozen=True, eq=False)

@@ -148,10 +148,14 @@ class ImageGrid:
 
     def applies_to(self, record: AttentionRecord) -> bool:
         """Whether ``record`` is one of the records these positions describe (its module, call and batch row)."""
-        inside = not self.modules or record.name == self.modules or record.name.startswith(self.modules + ".")
-        if not inside or (self.call is not None and record.call != self.call):
+        return self.holds(record.name, record.call, record.batch_size or 0)
+
+    def holds(self, name: str, call: int, batch_size: int) -> bool:
+        """Whether a call ``call`` of the attention module ``name`` over ``batch_size`` rows holds these positions."""
+        inside = not self.modules or name == self.modules or name.startswith(self.modules + ".")
+        if not inside or (self.call is not None and call != self.call):
             return False
-        return (record.batch_size or 0) > self.batch
+        return batch_size > self.batch
 
     def key_index(self, record: AttentionRecord) -> torch.Tensor:
         """``(rows * cols,)`` long: the cells' indices along ``record``'s key axis; ``ImageTokenError`` when the
@@ -211,6 +215,19 @@ class ImageTokens(Sequence):
         """The grids whose positions ``record`` holds (one per picture in it)."""
         return [g for g in self if g.applies_to(record)]
 
+    def key_mask(self, name: str, call: int, batch_size: int, key_len: int, key_start: int = 0) -> torch.Tensor | None:
+        """``(batch, key)`` bool: the keys of a call ``call`` of module ``name`` (``key_len`` keys from position
+        ``key_start``) that are image patches; positions outside those keys (dropped by a sliding-window cache) are
+        left out. None when the call holds no grid (what a statistics capture computes ``image_mass`` over)."""
+        grids = [g for g in self if g.holds(name, call, batch_size)]
+        if not grids:
+            return None
+        keys = torch.zeros(batch_size, key_len, dtype=torch.bool)
+        for g in grids:
+            index = torch.tensor(g.positions, dtype=torch.long) - key_start
+            keys[g.batch, index[(index >= 0) & (index < key_len)]] = True
+        return keys
+
     def key_set(self, record: AttentionRecord) -> torch.Tensor | None:
         """``(batch, key)`` bool: ``record``'s keys that are image patches; None when it holds none."""
         grids = self.for_record(record)
@@ -220,6 +237,24 @@ class ImageTokens(Sequence):
         for g in grids:
             keys[g.batch, g.key_index(record)] = True
         return keys
+
+    def patch_labels(self, record: AttentionRecord, batch: int) -> tuple[list[str] | None, list[str]] | None:
+        """(query labels, key labels) of a record whose every key is one picture's token (a vision tower's): each
+        patch named ``img<picture> r<row>c<col>``, its other tokens ``img<picture> [<position>]`` (CLS, registers);
+        the queries likewise when they are the same tokens (None: a pooling head's probe). None for any other
+        record (a language model's: its text tokens label it)."""
+        keys = record.key_len or 0
+        for g in self.for_record(record):
+            if g.batch != batch or len(g.positions) + len(g.extra) != keys or record.key_start != 0:
+                continue
+            labels = {p: f"img{g.image} [{p}]" for p in g.extra}
+            labels.update({p: f"img{g.image} r{i // g.cols}c{i % g.cols}" for i, p in enumerate(g.positions)})
+            if sorted(labels) != list(range(keys)):
+                continue
+            key_labels = [labels[p] for p in range(keys)]
+            same = record.kind == "self" and record.query_len == keys and record.query_offset == 0
+            return (key_labels if same else None), key_labels
+        return None
 
     def to_json(self) -> list[dict[str, Any]]:
         return [g.to_dict() for g in self]
@@ -255,6 +290,22 @@ def as_image_tokens(value) -> ImageTokens:
         "image_grid= takes attnprobe.locate_image_tokens(...)'s result, an attnprobe.ImageGrid (e.g. "
         f"ImageGrid(rows=14, cols=14, positions=range(1, 197))) or a list of them, not {type(value).__name__}"
     )
+
+
+def capture_image_tokens(cap, image_grid=None) -> ImageTokens:
+    """``image_grid`` (see ``as_image_tokens``) if given, else the image tokens the capture holds
+    (``capture(..., image_grid=)``); ``ImageTokenError`` saying how to give them when there are none."""
+    if image_grid is not None:
+        return as_image_tokens(image_grid)
+    info = getattr(cap, "info", None) or {}
+    stored = info.get("image_tokens") if isinstance(info, Mapping) else None
+    if not stored:
+        raise ImageTokenError(
+            "this capture holds no image tokens: capture with image_grid=attnprobe.locate_image_tokens(model, inputs, "
+            "processor=processor, images=pictures) (or a hand declaration, image_grid=attnprobe.ImageGrid(...)), "
+            "or pass image_grid= here"
+        )
+    return ImageTokens.from_json(stored)
 
 
 # ------------------------------------------------------------------------------------------------ locating
