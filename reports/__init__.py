@@ -16,6 +16,7 @@ from __future__ import annotations
 from .diff import compare, diff_html
 from .html import to_html
 from .monitor_views import monitor_html, monitor_plot
+from .overlay import overlay, save_overlay
 from .png import head_grid, heatmap, save_grid, save_heatmap, save_summary, summary_plot
 
 __all__ = [
@@ -25,8 +26,10 @@ __all__ = [
     "heatmap",
     "monitor_html",
     "monitor_plot",
+    "overlay",
     "save_grid",
     "save_heatmap",
+    "save_overlay",
     "save_summary",
     "summary_plot",
     "to_html",

@@ -117,7 +117,7 @@ def image_section(
     labels: Callable[[AttentionRecord, int], list[str] | None],
 ) -> dict[str, Any] | None:
     """The section's page data (None when no record shows a picture): ``records`` are the report's (record id,
-    record) pairs; ``labels(record, batch)`` the query tokens of a batch row (None: positions)."""
+    record) pairs; ``labels(record, batch)`` the labels of the record's query rows (None: their positions)."""
     shown = [(rid, r, tokens.for_record(r)) for rid, r in records if r.weights is not None]
     shown = [(rid, r, grids) for rid, r, grids in shown if grids]
     if not shown:
@@ -127,11 +127,10 @@ def image_section(
     for rid, r, grids in shown:
         for batch in sorted({g.batch for g in grids}):
             row_grids = [g for g in grids if g.batch == batch]
-            names = labels(r, batch)
-            text = [display_token(t, 40) for t in names] if names is not None else None
+            names = labels(r, batch)  # the record's own query rows (None: their positions)
             start = r.query_offset
             positions = range(start, start + (r.query_len or 0))
-            queries = [text[p] if text is not None and p < len(text) else str(p) for p in positions]
+            queries = [str(p) for p in positions] if names is None else [display_token(t, 40) for t in names]
             out_records.append(
                 {
                     "rid": rid,
