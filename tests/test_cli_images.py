@@ -7,6 +7,7 @@ Qwen2-VL's folder holds its image processor and tokenizer as the hub's do; its `
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,35 @@ def test_bad_pictures_and_prompts_are_one_line_errors(folder, tmp_path):
     with pytest.raises(InputError, match="needs a model folder"):
         build_image_workload(model, tokenizer, "vit", None, (PICTURE_PATH,), [])
     assert picture().size == (512, 600)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2-vl"])
+def test_report_with_an_image_writes_the_image_section(family, folder, tmp_path):
+    """``attnprobe report MODEL --image photo.png --text "..."``: the report's Image section holds the picture and the
+    located image tokens; the language model's grid is where the prompt's placeholders were expanded."""
+    from click.testing import CliRunner
+
+    from attnprobe.cli import main
+
+    out = tmp_path / f"{family}.html"
+    args = ["report", str(saved(family, folder)), "--image", PICTURE_PATH, "--text", "a portrait", "--out", str(out)]
+    result = CliRunner().invoke(main, [*args, "-q"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert '<section id="image">' in page and 'id="attnprobe-image-meta"' in page
+    meta = json.loads(page.split('id="attnprobe-image-meta">')[1].split("</script>")[0])
+    assert meta["pictures"][0]["height"] == 512 and {len(r["grids"]) for r in meta["records"]} == {1}
+    language = [r for r in meta["records"] if "language_model" in r["name"]]
+    assert language and all("portrait" in "".join(r["tokens"]) for r in language)
+
+
+def test_report_image_errors_are_one_line(folder, tmp_path):
+    from click.testing import CliRunner
+
+    from attnprobe.cli import main
+
+    vit = str(saved("vit", folder))
+    result = CliRunner().invoke(main, ["report", vit, "--image", str(tmp_path / "missing.png"), "-q"])
+    assert result.exit_code == 2 and "does not exist" in result.output and len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(main, ["report", vit, "--image", PICTURE_PATH, "--ids", "1 2", "-q"])
+    assert result.exit_code == 2 and "--image takes the prompt as --text" in result.output

@@ -18,8 +18,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "tests"))
 warnings.filterwarnings("ignore")
 
-import attnprobe  # noqa: E402
 from image_helpers import FAMILIES, build  # noqa: E402
+
+import attnprobe  # noqa: E402
 
 FACE = (256.0, 230.0)
 
@@ -45,9 +46,10 @@ for family in FAMILIES:
     cap = attnprobe.Capture([dataclasses.replace(r, weights=weights) if r is record else r for r in cap], cap.info)
     token_rows = None
     if "input_ids" in built.inputs:
-        token_rows = [built.processor.tokenizer.convert_ids_to_tokens(row) for row in built.inputs["input_ids"].tolist()]
+        ids = built.inputs["input_ids"].tolist()
+        token_rows = [built.processor.tokenizer.convert_ids_to_tokens(row) for row in ids]
     path = HERE / f"overlay-{family}.png"
     attnprobe.reports.save_overlay(
-        cap, built.pictures[0], path, layer=record.layer, head=1, query=query, tokens=token_rows, overwrite=True
+        cap, built.pictures[0], path, layer=record.layer, head=1, query=query, tokens=token_rows, overwrite=True, dpi=64
     )
     print(f"wrote {path}")

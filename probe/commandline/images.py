@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..outputs.image_tokens import ImageTokens, locate_image_tokens
-from .loading import InputError
+from .loading import InputError, Workload
 
 
 def first_line(text: str) -> str:
@@ -22,15 +22,12 @@ def first_line(text: str) -> str:
 
 
 @dataclass
-class ImageWorkload:
-    """A model with pictures ready to run: its inputs, token strings, pictures and located image tokens."""
+class ImageWorkload(Workload):
+    """A model with pictures ready to run (a ``Workload``): also the processor, the pictures and the image tokens
+    located in the inputs."""
 
-    model: Any
-    source: str
-    processor: Any
-    pictures: list
-    inputs: dict = field(default_factory=dict)
-    tokens: list[list[str]] | None = None
+    processor: Any = None
+    pictures: list = field(default_factory=list)
     image_tokens: ImageTokens | None = None
 
 
@@ -152,8 +149,11 @@ def build_image_workload(
     pictures = read_pictures(images)
     inputs = processed(model, processor, tokenizer, source, pictures, texts)
     inputs.pop("labels", None)
-    work = ImageWorkload(model=model, source=source, processor=processor, pictures=pictures, inputs=inputs)
     tokenizer = getattr(processor, "tokenizer", tokenizer)
+    work = ImageWorkload(
+        model=model, source=source, tokenizer=tokenizer, inputs=inputs, processor=processor, pictures=pictures
+    )
+    work.texts = list(texts)
     if "input_ids" in inputs and tokenizer is not None:
         work.tokens = [tokenizer.convert_ids_to_tokens(row) for row in inputs["input_ids"].tolist()]
     work.image_tokens = locate_image_tokens(model, inputs, processor=processor, images=pictures)
