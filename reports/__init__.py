@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .diff import compare, diff_html
 from .html import to_html
+from .inline import view
 from .monitor_views import monitor_html, monitor_plot
 from .overlay import overlay, save_overlay
 from .png import head_grid, heatmap, save_grid, save_heatmap, save_summary, summary_plot
@@ -33,4 +34,5 @@ __all__ = [
     "save_summary",
     "summary_plot",
     "to_html",
+    "view",
 ]

@@ -233,8 +233,7 @@ def plan_page(
             )
         return _plan_long(capture, batch, precision, checks)
     records, undrawn, stitched = shown_records(capture)
-    held = image is not None or image_grid is not None or "image_tokens" in capture.info
-    image_tokens = capture_image_tokens(capture, image_grid) if held else None  # also what labels a vision tower
+    image_tokens = _image_tokens(capture, image, image_grid)
     rows = _report_rows(records, batch, max_values)
     extra = 0 if image is None or image_tokens is None else cells_per_record(records, image_tokens)
     _refuse_past_budget([records], rows, max_values, extra=extra)
@@ -290,11 +289,19 @@ def plan_diff(
     )
 
 
-def plan_view(capture, *, max_bytes: int) -> tuple[PagePlan, int]:
+def _image_tokens(capture: Capture, image, image_grid) -> ImageTokens | None:
+    """The image tokens a page uses: for the Image section (``image=``), and to label a vision tower's records by
+    their patches; None when the capture holds none and none is given."""
+    held = image is not None or image_grid is not None or "image_tokens" in capture.info
+    return capture_image_tokens(capture, image_grid) if held else None
+
+
+def plan_view(capture, *, max_bytes: int, image=None) -> tuple[PagePlan, int]:
     """The plan of a notebook view of ``capture`` under ``max_bytes`` (estimated: ``estimate_view_bytes``), and
     how many records the capture draws. Every batch row (as the report shows them) when they all fit exactly, else
     batch row 0; exact values when every record fits, else bfloat16; then as many records as fit, in order (none
-    when even the first does not). The view's checks run over the records it shows."""
+    when even the first does not). The view's checks run over the records it shows. ``image``: the pictures of an
+    Image section (``reports.view(cap, image=...)``)."""
     records, _, stitched = shown_records(capture)
     size = _batch_size(records)
     every_row = estimate_view_bytes(records, "exact") * min(size, MAX_BATCH_ROWS) <= max_bytes
@@ -315,5 +322,7 @@ def plan_view(capture, *, max_bytes: int) -> tuple[PagePlan, int]:
         batch_size=size,
         precision=precision,
         stitched=stitched,
+        image=image,
+        image_tokens=_image_tokens(capture, image, None),
     )
     return plan, len(records)

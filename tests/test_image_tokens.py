@@ -201,3 +201,18 @@ def test_a_hand_declaration_round_trips_and_checks_itself():
         ImageGrid(rows=1, cols=2, positions=[3, 3])
     with pytest.raises(ImageTokenError, match="image_grid= takes"):
         as_image_tokens("14x14")
+
+
+def test_a_capture_keeps_its_image_tokens_through_save_and_load(tmp_path):
+    built, tokens, _ = located("qwen2-vl")
+    with attnprobe.capture(built.model, image_grid=tokens, layers=[0, -1]) as cap:
+        built.model(**built.inputs)
+    assert list(cap.image_tokens()) == list(tokens) and list(cap.select(layers=[0]).image_tokens()) == list(tokens)
+    loaded = attnprobe.load(cap.save(tmp_path / "cap"))
+    assert list(loaded.image_tokens()) == list(tokens)
+    _, plain = attnprobe.run(built.model, dict(built.inputs), layers=[0])
+    with pytest.raises(ImageTokenError, match=r"holds no image tokens: capture with image_grid="):
+        plain.image_tokens()
+    declared = attnprobe.ImageGrid(rows=10, cols=8, positions=range(80), modules="model.visual", call=0)
+    _, hand = attnprobe.run(built.model, dict(built.inputs), layers=[0], image_grid=declared)
+    assert hand.image_tokens()[0] == declared and len(hand.image_tokens().for_record(hand[0])) == 1

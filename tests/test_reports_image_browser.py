@@ -106,3 +106,25 @@ def test_two_pictures_get_a_canvas_each(tmp_path, open_report):
     sizes = page.evaluate("Array.from(document.querySelectorAll('#img-pictures canvas')).map(c => [c.width, c.height])")
     assert sizes == [[437, 512], [512, 300]]  # at most 512 pixels a side
     report.assert_clean()
+
+
+def test_the_notebook_view_shows_the_image_section(tmp_path, browser):
+    built, tokens, cap = located("vit")
+    _, cap = attnprobe.run(built.model, dict(built.inputs), image_grid=tokens)
+    notebook = tmp_path / "notebook.html"  # a page holding the cell's output, as a notebook does
+    notebook.write_text(
+        f"<!doctype html><html><body>{attnprobe.reports.view(cap, image=built.pictures[0])._repr_html_()}"
+    )
+    page = browser.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    try:
+        page.goto(notebook.as_uri())
+        page.wait_for_timeout(300)
+        frame = page.frames[1]
+        frame.evaluate("() => window.attnprobe.imageReady")
+        assert frame.locator("#img-pictures canvas").count() == 1
+        assert frame.evaluate("() => window.attnprobe.errors") == [] and not errors, errors
+    finally:
+        page.close()

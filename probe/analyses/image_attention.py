@@ -147,6 +147,16 @@ def image_attention(
     through the stream's layers up to ``layer`` (heads averaged). ``image_index``: which picture (default the first
     in the record); ``call``: the record's call (default: the first call holding the picture; Qwen2-VL's vision tower
     attends each picture in its own call); ``image_grid``: image tokens to use instead of the capture's own.
+
+    Example (a CLS token, then 2 x 2 patches)::
+
+        >>> import torch, attnprobe
+        >>> attn = attnprobe.MultiHeadAttention(8, num_heads=2)
+        >>> grid = attnprobe.ImageGrid(rows=2, cols=2, positions=[1, 2, 3, 4], image_size=(32, 32))
+        >>> out, cap = attnprobe.run(attn, torch.randn(1, 5, 8), image_grid=grid)
+        >>> seen = attnprobe.image_attention(cap, layer=0, head=1, query=0)
+        >>> tuple(seen.values.shape), round(seen.mass, 4) == round(float(cap[0].weights[0, 1, 0, 1:].sum()), 4)
+        ((2, 2), True)
     """
     tokens = capture_image_tokens(cap, image_grid)
     record, grid = _record_and_grid(cap, tokens, layer, call, image_index)
