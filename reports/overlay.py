@@ -142,6 +142,8 @@ def overlay(
     picture = picture_array(image)
     common = dict(layer=layer, query=query, image_index=image_index, call=call, image_grid=image_grid)
     if head == "all":
+        if rollout:
+            raise AttnprobeError("rollout averages the heads: draw rollout=True with head=None, not head='all'")
         first = image_attention(cap, head=None, **common)
         panels = [image_attention(cap, head=h, **common) for h in first.record.heads]
     else:

@@ -39,18 +39,24 @@ def load_processor(path: Path, family: str):
 
     try:
         return AutoProcessor.from_pretrained(str(path))
+    except ImportError as exc:  # Qwen2-VL's video processor needs torchvision: its image processor does the rest
+        if family != "qwen2_vl":
+            raise _unreadable(path, exc) from exc
+        try:
+            return AutoImageProcessor.from_pretrained(str(path))
+        except Exception as inner:
+            raise _unreadable(path, inner) from inner
     except Exception as exc:
-        if family == "qwen2_vl" and "torchvision" in str(exc).lower():
-            try:
-                return AutoImageProcessor.from_pretrained(str(path))
-            except Exception:
-                pass
-        raise InputError(
-            first_line(
-                f"--image needs the model folder's processor, which could not be loaded from {str(path)!r}: "
-                f"{type(exc).__name__}: {exc}"
-            )
-        ) from exc
+        raise _unreadable(path, exc) from exc
+
+
+def _unreadable(path: Path, exc: Exception) -> InputError:
+    return InputError(
+        first_line(
+            f"--image needs the model folder's processor, which could not be loaded from {str(path)!r}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+    )
 
 
 def read_pictures(paths: tuple[str, ...]) -> list:
