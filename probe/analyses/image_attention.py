@@ -116,18 +116,25 @@ def _stream(cap, record: AttentionRecord, grid: ImageGrid) -> list[AttentionReco
     return records
 
 
+def _rollout_layer(record: AttentionRecord, batch: int) -> torch.Tensor:
+    """``(query, key)`` float64: one layer of the rollout, heads averaged, half identity, rows summing to one."""
+    a = weights_of(record)[batch].double().mean(0)  # (head, query, key) -> (query, key)
+    a = (1.0 - ROLLOUT_RESIDUAL) * a + ROLLOUT_RESIDUAL * torch.eye(a.shape[-1], dtype=a.dtype)
+    total = a.sum(-1, keepdim=True)
+    return torch.where(total > 0, a / total.clamp_min(torch.finfo(a.dtype).tiny), 0.0)
+
+
 def rollout_row(records: list[AttentionRecord], batch: int, row: int) -> torch.Tensor:
-    """``(key,)`` float64: row ``row`` of the attention rollout through ``records`` (heads averaged, half identity)."""
-    result = None
-    for r in records:
-        a = weights_of(r)[batch].double().mean(0)  # (head, query, key) -> (query, key)
-        a = (1.0 - ROLLOUT_RESIDUAL) * a + ROLLOUT_RESIDUAL * torch.eye(a.shape[-1], dtype=a.dtype)
-        total = a.sum(-1, keepdim=True)
-        a = torch.where(total > 0, a / total.clamp_min(torch.finfo(a.dtype).tiny), 0.0)
-        result = a if result is None else a @ result  # (T, T) x (T, T): through one more layer
-    if result is None:
+    """``(key,)`` float64: row ``row`` of the attention rollout through ``records`` (heads averaged, half identity).
+
+    The rollout is ``A_L @ ... @ A_1``; its one row is carried down from the last layer as a vector (one
+    vector-matrix product a layer), never the (token x token) product of the layers."""
+    if not records:
         raise AttnprobeError("rollout needs at least one layer")
-    return result[row]
+    result = _rollout_layer(records[-1], batch)[row]  # (key,)
+    for r in reversed(records[:-1]):
+        result = result @ _rollout_layer(r, batch)  # (key,) x (query, key): down one more layer
+    return result
 
 
 def image_attention(
