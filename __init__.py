@@ -50,6 +50,11 @@ _EXPORTS = {
     "assert_invariants": ".probe.checks",
     "check": ".probe.checks",
     "token_strings": ".hooks.hf.token_strings",
+    "ImageGrid": ".probe.outputs.image_tokens",
+    "ImageTokens": ".probe.outputs.image_tokens",
+    "locate_image_tokens": ".probe.outputs.image_tokens",
+    "image_attention": ".probe.analyses.image_attention",
+    "image_mass": ".probe.analyses.image_attention",
 }
 _SUBPACKAGES = ("reports",)
 #: public modules whose code lives in a room: attnprobe.heads is hooks/heads.py
@@ -64,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .hooks.ray_scan import ScanBatches
     from .hooks.scan_api import scan
     from .probe.analyses.compare import Comparison
+    from .probe.analyses.image_attention import image_attention, image_mass
     from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.checks.violations import CheckResult, InvariantError, Violation
@@ -76,6 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from .probe.modules import CrossAttention, HookPoint, MultiHeadAttention
     from .probe.outputs.generation import stitch
+    from .probe.outputs.image_tokens import ImageGrid, ImageTokens, locate_image_tokens
     from .probe.record import TENSOR_FIELDS, AttentionRecord
 
 

@@ -207,12 +207,24 @@ def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress
 
 
 def run_capture(
-    work, layers, heads, max_bytes, progress, keep=None, modules=None, *, stats=None, overview=None, found=None
+    work,
+    layers,
+    heads,
+    max_bytes,
+    progress,
+    keep=None,
+    modules=None,
+    *,
+    stats=None,
+    overview=None,
+    found=None,
+    image_grid=None,
 ):
     """Capture the workload. ``stats``: True = statistics mode (``keep=("stats",)``, nothing grows as query x key),
     None = switch to it by itself (one line on stderr) when a full capture cannot fit --max-bytes (or the memory
     available), False = never. ``overview``: the ``Overview`` a statistics report also keeps. ``found``: the
-    attention modules found before the run, when the caller has asked already (``attnprobe.attention_modules``)."""
+    attention modules found before the run, when the caller has asked already (``attnprobe.attention_modules``).
+    ``image_grid``: the image tokens of a workload with pictures (``capture(image_grid=)``)."""
     import attnprobe
 
     from .probe.commandline import loading, memory_plan
@@ -225,6 +237,8 @@ def run_capture(
         "keep": keep,
         "modules": loading.parse_modules(modules),
     }
+    if image_grid is not None:
+        options["image_grid"] = image_grid
     found = attnprobe.attention_modules(work.model) if found is None else found
     note = None
     if stats is None:
@@ -554,6 +568,14 @@ def export(
     help="Statistics mode: pool each head's weights to at most this many cells a side (max and mean; "
     "default 512 for up to 2 heads, 256 up to 8, 128 beyond). Implies --stats.",
 )
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="A picture for a vision model or a vision-language model (repeatable; MODEL's folder holds its processor; "
+    "--text is the prompt): the report's Image section draws attention over it.",
+)
 @handle_errors
 def report(
     model,
@@ -578,6 +600,7 @@ def report(
     stats,
     windows,
     cells,
+    images,
 ):
     """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
 
@@ -589,6 +612,7 @@ def report(
       attnprobe report ./my-t5 --text "translate: hi" --decoder-text "<pad> hallo"
       attnprobe report mypkg.models:tiny --ids "1 5 9 2" --out heads.png   # the format from the suffix
       attnprobe report ./my-llama --file long.txt --stats --window 4000:4100,0:200 --format all
+      attnprobe report ./my-llava --image photo.png --text "What is she wearing?"   # attention over the picture
 
     A long input (or --stats) gives a statistics report: per head the weights pooled to at most --cells cells,
     per-row statistics along the sequence, and the exact weights of the --window choices.
@@ -604,7 +628,10 @@ def report(
     planned = targets.report_targets(out, fmt, overwrite)
     progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
+        if images:
+            work = prepare_pictures(model, images, texts, text_file, ids, device, dtype, progress, trust_remote_code)
+        else:
+            work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
         n_rows = len(next(iter(work.inputs.values())))
         if batch is not None and not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
@@ -631,11 +658,56 @@ def report_capture(work, layers, heads, max_bytes, progress, modules, stats, win
     found = attnprobe.attention_modules(work.model)
     overview = memory_plan.statistics_overview(work, heads, windows, cells, found)
     cap = run_capture(
-        work, layers, heads, max_bytes, progress, modules=modules, stats=stats, overview=overview, found=found
+        work,
+        layers,
+        heads,
+        max_bytes,
+        progress,
+        modules=modules,
+        stats=stats,
+        overview=overview,
+        found=found,
+        image_grid=getattr(work, "image_tokens", None),
     )
     if len(cap) == 0:
         raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
     return cap
+
+
+def prepare_pictures(model, images, texts, text_file, ids, device, dtype, progress, trust_remote_code=False):
+    """The workload of ``report --image``: MODEL's folder's processor on the pictures and the prompt (``--text``)."""
+    from pathlib import Path
+
+    from .probe.commandline import images as pictures
+    from .probe.commandline import loading
+
+    if ids:
+        raise UsageProblem("--image takes the prompt as --text, not --ids")
+    progress.stage("loading model")
+    net, tokenizer, source = loading.load_model(
+        model, dtype=loading.parse_dtype(dtype), trust_remote_code=trust_remote_code
+    )
+    progress.stage("preparing input")
+    folder = Path(model) if model is not None and Path(model).is_dir() else None
+    work = pictures.build_image_workload(net, tokenizer, source, folder, images, loading.read_texts(texts, text_file))
+    if device is not None:
+        work.model = net.to(device)
+        work.inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in work.inputs.items()}
+    return work
+
+
+def report_pictures(work, cap):
+    """The pictures of the report's Image section: those of ``report --image`` when the capture holds weights to
+    draw (a statistics capture has none: said on stderr)."""
+    pictures = getattr(work, "pictures", None)
+    if not pictures:
+        return None
+    if all(r.weights is None for r in cap):
+        click.echo(
+            "attnprobe: the statistics report has no Image section (no weights to draw on the picture)", err=True
+        )
+        return None
+    return pictures
 
 
 def report_checks(work, cap):
@@ -676,6 +748,7 @@ def write_reports(cap, planned: dict[str, Path], work, checks, *, batch, precisi
                 precision=precision,
                 overwrite=overwrite,
                 title=title,
+                image=report_pictures(work, cap),
             )
         )
     if "grid" in planned:

@@ -82,6 +82,10 @@ class capture:
     records of its model copy when the block ends, ``"main"`` only global rank 0; without it each process keeps the
     heads and layers it holds, labelled with the model's numbers (``record.meta["rank"]``; ``cap.info["layout"]``
     and ``["held_layers"]``). No effect on a model in one process.
+    ``image_grid``: which positions are image patches (``attnprobe.locate_image_tokens(model, inputs,
+    processor=, images=)``, or a hand declaration ``attnprobe.ImageGrid(...)`` or a list of them): the capture
+    keeps them (``cap.image_tokens()``: overlays and the report's Image section read them), and with ``"stats"``
+    each row's weight on the image patches is computed blockwise too (``record.stats["image_mass"]``).
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
     raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
@@ -114,6 +118,7 @@ class capture:
         overview=None,
         stats_rows=None,
         gather=False,
+        image_grid=None,
     ):
         from .hf.sharding import shard_layout
 
@@ -138,6 +143,7 @@ class capture:
             store=store,
             overwrite=overwrite,
             **sharded,
+            image_grid=image_grid,
         )
 
     def __enter__(self) -> Capture:
@@ -152,7 +158,8 @@ def run(model: nn.Module, inputs, *, no_grad: bool = True, **options) -> tuple[A
 
     ``inputs``: a mapping (e.g. a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
     a tuple or list as positional arguments, anything else as the one argument. ``options`` are
-    ``capture``'s (layers, heads, keep, device, dtype, max_bytes, modules, store, overwrite). With ``no_grad`` (the
+    ``capture``'s (layers, heads, keep, device, dtype, max_bytes, modules, store, overwrite, image_grid, ...). With
+    ``no_grad`` (the
     default) the forward runs under ``torch.no_grad()``.
 
     Example::

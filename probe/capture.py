@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,6 +18,7 @@ from . import threads
 from .errors import NoAttentionError, NotCapturedError, SelectionError, UnsupportedModelError, warn_user
 from .intent import Intent, module_intent
 from .interface import Adapter, Lazy, Site
+from .outputs.image_tokens import as_image_tokens
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord, RecordKind
 from .selection import Selection, Store, index_heads, int_list, kv_heads_for, kv_of_heads, sampled_rows
 from .walk import ModuleWalk
@@ -156,6 +158,15 @@ class Capture(Sequence):
 
         return to_frame(self, tokens=tokens, key_tokens=key_tokens, drop_padding=drop_padding)
 
+    def image_tokens(self):
+        """Which positions are image patches: an ``ImageTokens``, one ``ImageGrid`` per picture and stream of layers
+        (positions, ``rows x cols`` grid, each patch's region of the picture), as given to ``capture(...,
+        image_grid=)`` (``attnprobe.locate_image_tokens`` finds them from a processor's outputs; see the docs'
+        "Attention on pictures"). ``ImageTokenError`` when the capture holds none."""
+        from .outputs.image_tokens import capture_image_tokens
+
+        return capture_image_tokens(self)
+
     def summary(self):
         """One row per (layer, head): entropy, max weight, mass on first key / diagonal / previous token,
         mass on keys that were not allowed, worst row-sum error; padded and empty query rows excluded."""
@@ -277,6 +288,7 @@ class CaptureSession:
     ``adapters`` are tried in order (a module claimed by one is not offered to the next); ``attnprobe.capture``
     passes ``hooks.default_adapters()``. Adapters use the session as a ``probe.interface.Session``.
     ``store``: a directory the records are written to as they are made (``disk.RecordWriter``).
+    ``image_grid``: the image tokens of the input (``probe.outputs.image_tokens.as_image_tokens`` takes it).
     """
 
     def __init__(
@@ -287,6 +299,7 @@ class CaptureSession:
         *,
         store=None,
         overwrite: bool = False,
+        image_grid=None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
@@ -309,6 +322,8 @@ class CaptureSession:
         self._stack: ExitStack | None = None
         self.thread = threads.current()  # the thread that opened the capture: only its calls are recorded
         self.disk = None  # a RecordWriter when records go to a directory (store=)
+        # which positions are image patches (capture(image_grid=)): kept in the info; statistics get image_mass
+        self.image_tokens = None if image_grid is None else as_image_tokens(image_grid)
         if store is not None:
             from .outputs.disk import RecordWriter
 
@@ -477,7 +492,9 @@ class CaptureSession:
 
     def _info(self) -> dict[str, Any]:
         sel = self.selection
+        images = {} if self.image_tokens is None else {"image_tokens": self.image_tokens.to_json()}
         return {
+            **images,
             "model_class": self.model_class,
             "attention_modules": tuple(s.name for s in self.sites),
             "num_heads": tuple(s.num_heads for s in self.sites),
@@ -686,16 +703,23 @@ class CaptureSession:
         call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
         weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
         with torch.no_grad(), torch._C.DisableTorchFunction():
+            image_keys = functools.partial(self._image_keys, site.name, call, kind, values.get("query_offset", 0))
             if stats_call is not None:
-                got = self._stats_blockwise(stats_call, kind, values, query_padding)
+                got = self._stats_blockwise(stats_call, kind, values, query_padding, image_keys)
             else:
-                got = self._stats_of_weights(layout, tensors, stored, kind, values, query_padding, allowed, sinks)
+                got = self._stats_of_weights(
+                    layout, tensors, stored, kind, values, query_padding, allowed, sinks, image_keys
+                )
         meta = dict(values.get("meta") or {})
         if got is None:
             values["meta"] = {**meta, "stats_source": "none"}
             self.stats_missing.append(site.layer)
             return None
         stats, source, rows, (q_len, k_len) = got
+        from .engine.stats import KEY_SET_STAT
+
+        if KEY_SET_STAT in stats:  # each row's weight on the image patches
+            stats = {("image_mass" if name == KEY_SET_STAT else name): t for name, t in stats.items()}
         meta["stats_source"] = source
         if rows is not None:  # statistics of a sample of query rows: the record says which, and of how many
             meta.update(stats_rows=rows.tolist(), stats_query_len=q_len)
@@ -710,8 +734,18 @@ class CaptureSession:
         self.store.reserve(nbytes, f"layer {site.layer}, call {call}: stats")
         return {name: t.to(self.selection.device) for name, t in stats.items()}
 
-    def _stats_blockwise(self, stats_call, kind: str, values, query_padding) -> _Stats:
-        """The engine's statistics of the adapter's ``AttentionCall``, block by block."""
+    def _image_keys(self, name: str, call: int, kind: str, query_offset: int, shape) -> torch.Tensor | None:
+        """``(batch, key)`` bool: the keys of a call of ``shape`` ``(batch, head, query, key)`` that are image patches
+        (``capture(image_grid=)``); None without image tokens there."""
+        if self.image_tokens is None:
+            return None
+        batch, _, q_len, k_len = shape
+        key_start = max(query_offset + q_len - k_len, 0) if kind == "self" and k_len >= q_len else 0  # record.key_start
+        return self.image_tokens.key_mask(name, call, batch, k_len, key_start)
+
+    def _stats_blockwise(self, stats_call, kind: str, values, query_padding, image_keys) -> _Stats:
+        """The engine's statistics of the adapter's ``AttentionCall``, block by block (``image_keys(shape)``: the
+        image patches among the keys, for ``image_mass``)."""
         from .engine.stats import attention_stats
 
         _, _, q_len, k_len = stats_call.shape
@@ -724,11 +758,14 @@ class CaptureSession:
             overview=self.selection.overview,
             rows=rows,
             workspace=self._workspace,
+            key_set=image_keys(stats_call.shape),
             **kwargs,
         )
         return stats, "blockwise", rows, (q_len, k_len)
 
-    def _stats_of_weights(self, layout: _Heads, tensors, stored, kind: str, values, query_padding, allowed, sinks):
+    def _stats_of_weights(
+        self, layout: _Heads, tensors, stored, kind: str, values, query_padding, allowed, sinks, image_keys
+    ):
         """The statistics of the full weights an adapter handed over (stored, given, or computed now from a
         ``Lazy``); None without weights."""
         from .engine.pooling import pool_weights
@@ -764,6 +801,7 @@ class CaptureSession:
             query_padding=query_padding,
             rows=rows,
             sinks=None if sinks is None else index_heads(sinks, heads, 0)[0],
+            key_set=image_keys(weights.shape),
         )
         if self.selection.overview is not None:
             stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from .diff import compare, diff_html
 from .html import to_html
+from .inline import view
 from .monitor_views import monitor_html, monitor_plot
+from .overlay import overlay, save_overlay
 from .png import head_grid, heatmap, save_grid, save_heatmap, save_summary, summary_plot
 
 __all__ = [
@@ -25,9 +27,12 @@ __all__ = [
     "heatmap",
     "monitor_html",
     "monitor_plot",
+    "overlay",
     "save_grid",
     "save_heatmap",
+    "save_overlay",
     "save_summary",
     "summary_plot",
     "to_html",
+    "view",
 ]

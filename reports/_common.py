@@ -195,8 +195,12 @@ class Labels:
     key: list[str] | None
 
 
-def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens) -> Labels:
-    """Query and key labels of ``record`` for batch row ``batch`` (see ``attnprobe.probe.outputs.tokens``)."""
+def record_labels(record: AttentionRecord, batch: int, tokens, key_tokens, image_tokens=None) -> Labels:
+    """Query and key labels of ``record`` for batch row ``batch`` (see ``attnprobe.probe.outputs.tokens``); a record
+    whose keys are all one picture's tokens (a vision tower's, with ``image_tokens``) is labelled by its patches."""
+    patches = None if image_tokens is None else image_tokens.patch_labels(record, batch)
+    if patches is not None:
+        return Labels(*patches)
     q_rows, k_rows = record_token_rows(record, tokens, key_tokens)
     q_len, k_len = record.query_len, record.key_len  # None: no tensor says (positions only)
     q0, k0 = record.query_offset, record.key_start

@@ -35,9 +35,11 @@ LEVEL = 1
 
 
 class Blobs:
-    """Collects compressed payloads; each gets an element id (``b0``, ``b1``, ...)."""
+    """Collects compressed payloads; each gets an element id (``b0``, ``b1``, ...; ``prefix`` other than ``"b"``
+    for a second collection on the same page, e.g. the Image section's ``i0``, ``i1``, ...)."""
 
-    def __init__(self, workers: int = 2, pending: int = 8) -> None:
+    def __init__(self, workers: int = 2, pending: int = 8, prefix: str = "b") -> None:
+        self._prefix = prefix
         self._jobs: list = []
         self._pool = ThreadPoolExecutor(max_workers=workers)  # zlib releases the GIL
         # each queued job keeps its input matrix alive: without a bound, a producer faster than zlib
@@ -52,7 +54,7 @@ class Blobs:
         while len(self._jobs) - self._waited >= self._pending:
             self._jobs[self._waited].result()
             self._waited += 1
-        ident = f"b{len(self._jobs)}"
+        ident = f"{self._prefix}{len(self._jobs)}"
         self._jobs.append(
             self._pool.submit(lambda: base64.b64encode(zlib.compress(make_bytes(), LEVEL)).decode("ascii"))
         )
@@ -60,7 +62,7 @@ class Blobs:
 
     def results(self) -> list[tuple[str, str]]:
         try:
-            return [(f"b{i}", job.result()) for i, job in enumerate(self._jobs)]
+            return [(f"{self._prefix}{i}", job.result()) for i, job in enumerate(self._jobs)]
         finally:
             self._pool.shutdown()
 

@@ -31,6 +31,7 @@ from ..probe.record import AttentionRecord
 from ..probe.version import __version__
 from . import encoding
 from ._common import display_token, head_view, matrix_shape, output_path, record_labels
+from .image_section import image_section
 from .long import build_long_data
 from .page import MAX_BATCH_ROWS, MAX_VALUES, PagePlan, plan_page
 
@@ -126,7 +127,7 @@ def _row_meta(plan: PagePlan, batch: int, tok: _Tokens, blobs: encoding.Blobs) -
     records_meta = []
     for rid, group in enumerate(zip(*plan.sources)):
         r = group[0]
-        meta = _record_meta(rid, r, record_labels(r, batch, plan.tokens, plan.key_tokens), tok)
+        meta = _record_meta(rid, r, record_labels(r, batch, plan.tokens, plan.key_tokens, plan.image_tokens), tok)
         views = []  # per source, the head views of its record
         for rec in group:
             views.append([head_view(rec, h, batch) for h in r.heads])
@@ -529,7 +530,7 @@ def _padded_positions(plan: PagePlan, row, b: int) -> set[int]:
     for r in plan.records:
         if r.kind == "cross" or r.query_padding is None:
             continue
-        labels = record_labels(r, b, plan.tokens, plan.key_tokens)
+        labels = record_labels(r, b, plan.tokens, plan.key_tokens, plan.image_tokens)
         if labels.query == row[r.query_offset : r.query_offset + matrix_shape(r)[0]]:
             marks = r.query_padding[min(b, r.query_padding.shape[0] - 1)]
             padded.update(int(p) + r.query_offset for p in marks.nonzero().flatten().tolist())
@@ -626,7 +627,32 @@ def page_data(plan: PagePlan) -> PageData:
     }
     if plan.layout == "report":
         context.update(_report_parts(plan, data, checks))
+        image = context["image"] = _image_part(plan)
+        if image is not None:  # the section's blobs (i0, i1, ...) beside the report's
+            return PageData(data.meta, data.blobs + image.pop("blobs"), context)
     return PageData(data.meta, data.blobs, context)
+
+
+def _image_part(plan: PagePlan) -> dict[str, Any] | None:
+    """The Image section of a report with pictures (``to_html(image=)``): its page data as JSON and its blobs (ids
+    ``i0``, ``i1``, ...); None without pictures, or when no record drawn holds their tokens."""
+    if plan.image is None or plan.image_tokens is None:
+        return None
+    blobs = encoding.Blobs(prefix="i")
+    try:
+        section = image_section(
+            list(enumerate(plan.records)),
+            plan.image_tokens,
+            plan.image,
+            blobs=blobs,
+            precision=plan.precision,
+            labels=lambda record, batch: record_labels(record, batch, plan.tokens, None, plan.image_tokens).query,
+        )
+        blob_list = blobs.results()
+    except BaseException:
+        blobs.close()
+        raise
+    return None if section is None else {"meta_json": script_json(section), "blobs": blob_list}
 
 
 def _report_parts(plan: PagePlan, data: ReportData, checks: CheckResult | None) -> dict[str, Any]:
@@ -685,7 +711,7 @@ def render_plan(plan: PagePlan, *, title: str | None = None, monitor=None, start
         title=title or f"attnprobe report: {model}",
         **data.context,
         monitor=monitor,
-        page_scripts=("monitor.js",) if monitor else (),
+        page_scripts=("monitor.js",) * bool(monitor) + ("image.js",) * bool(data.context.get("image")),
         meta_json=script_json(data.meta),
         blobs=data.blobs,
         elapsed=time.perf_counter() - started,
@@ -708,6 +734,8 @@ def to_html(
     monitor=None,
     monitor_alerts=None,
     monitor_stats=None,
+    image=None,
+    image_grid=None,
 ):
     """Write one self-contained HTML report of ``capture``; return the document when ``path`` is None.
 
@@ -726,6 +754,11 @@ def to_html(
     history frame with ``monitor_alerts=mon.alerts`` beside it) adds a Monitor section with the plots and alerts
     table of ``monitor_html`` (``monitor_stats``: the statistics drawn, as its ``stats=``); its script is pinned by
     its own hash in the page's Content-Security-Policy, beside the report's.
+
+    ``image``: the picture the processor took (a PIL image, a path, an array), or a list of them in its order, adds
+    an Image section when the capture holds image tokens (``cap.image_tokens()``, or ``image_grid=`` here): each
+    picture drawn from its own pixels (no request), a layer and head choice, pointing at a token tints the patches
+    it attends to, pointing at a patch shades the tokens by their weight on it (see ``reports.image_section``).
 
     Records captured under ``generate`` (with ``step``) are shown stitched (``attnprobe.stitch``).
     A statistics-only capture (``keep=("stats",)``, long inputs) gets the long-input page of ``reports.long``:
@@ -753,6 +786,8 @@ def to_html(
         precision=precision,
         masked_scores=masked_scores,
         max_values=max_values,
+        image=image,
+        image_grid=image_grid,
     )
     chunks = render_plan(plan, title=title, monitor=monitor_part, started=started)
     return write_or_return(chunks, path, overwrite)

@@ -61,7 +61,27 @@ def _note(text: str) -> str:
     return f'<p class="attnprobe-note" style="{_NOTE_STYLE}">{text}</p>'
 
 
-def capture_view(capture: Capture, *, what: str = "capture") -> str:
+class View:
+    """A notebook view of a capture with pictures (``reports.view``): shown like the capture itself, plus the
+    report's Image section."""
+
+    def __init__(self, capture: Capture, image=None) -> None:
+        self.capture, self.image = capture, image
+
+    def _repr_html_(self) -> str:
+        return capture_view(self.capture, image=self.image)
+
+
+def view(capture: Capture, *, image=None) -> View:
+    """The notebook view of ``capture`` (what a cell showing ``cap`` displays) with the Image section of the
+    pictures ``image`` (one, or a list in the processor's order; the capture holds their image tokens:
+    ``cap.image_tokens()``). A notebook displays the returned object."""
+    if not isinstance(capture, Capture):
+        raise TypeError(f"view() takes a Capture, got {type(capture).__name__}")
+    return View(capture, image)
+
+
+def capture_view(capture: Capture, *, what: str = "capture", image=None) -> str:
     """The report of ``capture`` in a frame, under ``MAX_BYTES`` (see the module docstring): planned once
     (``reports.page.plan_view``), rendered in one pass; only when the page comes out larger than estimated is it
     rendered again with half its records."""
@@ -71,7 +91,7 @@ def capture_view(capture: Capture, *, what: str = "capture") -> str:
         else 'attnprobe.reports.to_html(attnprobe.Capture([record]), "report.html")'
     )
     try:
-        plan, drawn = plan_view(capture, max_bytes=MAX_BYTES)
+        plan, drawn = plan_view(capture, max_bytes=MAX_BYTES, image=image)
         shown = _document(plan)
     except AttnprobeError as exc:
         return _note(html.escape(f"{capture!r}: {exc}"))

@@ -18,9 +18,11 @@ from typing import Any
 from ..probe.capture import Capture
 from ..probe.checks.violations import CheckResult
 from ..probe.errors import AttnprobeError
+from ..probe.outputs.image_tokens import ImageTokens, capture_image_tokens
 from ..probe.record import AttentionRecord
 from . import encoding
 from ._common import check_batch
+from .image_section import cells_per_record
 from .long import stats_only
 
 #: Refuse reports that would hold more matrix values than this (about 4 bytes each, exact precision).
@@ -49,6 +51,8 @@ class PagePlan:
     tokens: Any = None
     key_tokens: Any = None
     checks: CheckResult | bool | None = True  # True: run attnprobe.check on ``capture``; False/None: no panel
+    image: Any = None  # the pictures of the Image section (to_html(image=)); None: no such section
+    image_tokens: ImageTokens | None = None  # where they are in the records (the capture's, or image_grid=)
 
     @property
     def records(self) -> list[AttentionRecord]:
@@ -138,10 +142,11 @@ def _batch_size(records: list[AttentionRecord]) -> int:
 
 def _report_rows(records: list[AttentionRecord], batch, max_values: int | None) -> list[int]:
     """The batch rows a report shows. ``batch``: an int (that row), a list of rows, or None: every row up to
-    ``MAX_BATCH_ROWS`` and as many as fit ``max_values`` (row 0 always)."""
+    ``MAX_BATCH_ROWS`` and as many as fit ``max_values`` (row 0 always), and that every record has (a VLM's vision
+    tower attends one row per picture, its language model one per prompt)."""
     if batch is None:
         per_row = values_per_row([records]) or 1
-        size = _batch_size(records)
+        size = min((r.batch_size or 1) for r in records)
         fit = size if max_values is None else max(1, max_values // per_row)
         return list(range(min(size, MAX_BATCH_ROWS, fit)))
     if isinstance(batch, (list, tuple)):
@@ -151,13 +156,16 @@ def _report_rows(records: list[AttentionRecord], batch, max_values: int | None) 
     return [batch]
 
 
-def _refuse_past_budget(sources: Sequence[list[AttentionRecord]], rows: list[int], max_values: int | None) -> None:
-    """Check the batch rows exist in every record, and the page's weights and scores fit ``max_values``."""
+def _refuse_past_budget(
+    sources: Sequence[list[AttentionRecord]], rows: list[int], max_values: int | None, *, extra: int = 0
+) -> None:
+    """Check the batch rows exist in every record, and the page's weights and scores (and ``extra`` values: the
+    Image section's) fit ``max_values``."""
     for records in sources:
         for r in records:
             for b in rows:
                 check_batch(r, b)
-    values = values_per_row(sources) * len(rows)
+    values = values_per_row(sources) * len(rows) + extra
     if max_values is not None and values > max_values:
         several = f" ({len(rows)} batch rows)" if len(rows) > 1 else ""
         raise AttnprobeError(
@@ -210,15 +218,25 @@ def plan_page(
     precision: str = "exact",
     masked_scores: bool = False,
     max_values: int | None = MAX_VALUES,
+    image=None,
+    image_grid=None,
 ) -> PagePlan:
     """The plan of ``reports.to_html(capture, ...)`` (the arguments are its own): the long-input layout for a
-    statistics-only capture, else the report's, its batch rows as many as fit ``max_values``."""
+    statistics-only capture, else the report's, its batch rows as many as fit ``max_values`` (with the Image
+    section's values when ``image`` is given)."""
     check_precision(precision)
     if stats_only(capture):  # a long input: statistics, pooled overviews and windows, no (query x key) matrix
+        if image is not None:
+            raise AttnprobeError(
+                "a statistics capture holds no weights to draw on the picture: capture with keep=('weights',) for "
+                "the Image section, or read attnprobe.image_mass(cap)"
+            )
         return _plan_long(capture, batch, precision, checks)
     records, undrawn, stitched = shown_records(capture)
+    image_tokens = _image_tokens(capture, image, image_grid)
     rows = _report_rows(records, batch, max_values)
-    _refuse_past_budget([records], rows, max_values)
+    extra = 0 if image is None or image_tokens is None else cells_per_record(records, image_tokens)
+    _refuse_past_budget([records], rows, max_values, extra=extra)
     return PagePlan(
         layout="report",
         capture=capture,
@@ -232,6 +250,8 @@ def plan_page(
         tokens=tokens,
         key_tokens=key_tokens,
         checks=checks,
+        image=image,
+        image_tokens=image_tokens,
     )
 
 
@@ -269,11 +289,19 @@ def plan_diff(
     )
 
 
-def plan_view(capture, *, max_bytes: int) -> tuple[PagePlan, int]:
+def _image_tokens(capture: Capture, image, image_grid) -> ImageTokens | None:
+    """The image tokens a page uses: for the Image section (``image=``), and to label a vision tower's records by
+    their patches; None when the capture holds none and none is given."""
+    held = image is not None or image_grid is not None or "image_tokens" in capture.info
+    return capture_image_tokens(capture, image_grid) if held else None
+
+
+def plan_view(capture, *, max_bytes: int, image=None) -> tuple[PagePlan, int]:
     """The plan of a notebook view of ``capture`` under ``max_bytes`` (estimated: ``estimate_view_bytes``), and
     how many records the capture draws. Every batch row (as the report shows them) when they all fit exactly, else
     batch row 0; exact values when every record fits, else bfloat16; then as many records as fit, in order (none
-    when even the first does not). The view's checks run over the records it shows."""
+    when even the first does not). The view's checks run over the records it shows. ``image``: the pictures of an
+    Image section (``reports.view(cap, image=...)``)."""
     records, _, stitched = shown_records(capture)
     size = _batch_size(records)
     every_row = estimate_view_bytes(records, "exact") * min(size, MAX_BATCH_ROWS) <= max_bytes
@@ -294,5 +322,7 @@ def plan_view(capture, *, max_bytes: int) -> tuple[PagePlan, int]:
         batch_size=size,
         precision=precision,
         stitched=stitched,
+        image=image,
+        image_tokens=_image_tokens(capture, image, None),
     )
     return plan, len(records)

@@ -29,6 +29,9 @@ CORE_MODULES = {
     "attnprobe.reports.monitor_views": True,
     "attnprobe.hooks.own": False,
     "attnprobe.hooks.base": False,
+    "attnprobe.probe.outputs.image_tokens": True,
+    "attnprobe.probe.analyses.image_attention": True,
+    "attnprobe.reports.overlay": True,
 }
 
 

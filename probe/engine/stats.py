@@ -29,6 +29,10 @@ Per ``(batch, head, query)`` (``ROW_STATS``):
 - ``allowed_keys``: how many keys the call's mask lets the row attend (0 = an empty row);
 - ``diagonal_allowed``: whether the mask lets the query attend its own key.
 
+With ``key_set`` ``(batch, key)`` bool (a subset of the keys, e.g. a picture's patch tokens): ``key_set_mass``
+``(batch, head, query)``, each row's weight on those keys, summed block by block like the other masses
+(``capture(..., image_grid=)`` stores it as ``record.stats["image_mass"]``).
+
 Per ``(batch, head, key)`` (``KEY_STATS``): ``key_weight``, the weight summed over the query rows that
 count (not padding, not empty), and ``key_allowed``, whether any query may attend the key (padding
 verdicts). Everything is O(T).
@@ -75,6 +79,9 @@ ROW_STATS: tuple[str, ...] = (
 )
 #: Statistics with one value per (batch, head, key).
 KEY_STATS: tuple[str, ...] = ("key_weight", "key_allowed")
+
+#: With ``key_set=``: each row's weight on the keys of the set, one value per (batch, head, query).
+KEY_SET_STAT = "key_set_mass"
 
 #: Per (batch, head, query cell, key cell): the weights pooled to at most ``Overview.cells`` cells a side
 #: (``capture(overview=...)``); and ``window_<i>`` ``(batch, head, q1 - q0, k1 - k0)``: exact weights of window i.
@@ -134,10 +141,11 @@ def _collect(
     extra: dict[str, torch.Tensor] | None = None,
 ) -> Mapping[str, torch.Tensor]:
     """The row statistics of every block of rows, joined along ``query``, with the key statistics (and ``extra``)."""
+    names = ROW_STATS + ((KEY_SET_STAT,) if parts and KEY_SET_STAT in parts[0] else ())
     if len(parts) == 1:  # one block of rows (every row of a short input): its tensors as they are
-        stats = {name: parts[0][name] for name in ROW_STATS}
+        stats = {name: parts[0][name] for name in names}
     else:
-        stats = {name: torch.cat([p[name] for p in parts], dim=2) for name in ROW_STATS}
+        stats = {name: torch.cat([p[name] for p in parts], dim=2) for name in names}
     stats["key_weight"], stats["key_allowed"] = key_weight, key_allowed
     stats.update(extra or {})
     return MappingProxyType(stats)
@@ -152,6 +160,7 @@ def attention_stats(
     overview: Overview | None = None,
     rows: torch.Tensor | None = None,
     workspace: dict | None = None,
+    key_set: torch.Tensor | None = None,
 ) -> Mapping[str, torch.Tensor]:
     """Every statistic of ``call`` (``ROW_STATS`` ``(batch, head, query)``, ``KEY_STATS`` ``(batch, head, key)``),
     exact, without a tensor larger than ``block_bytes`` (a few of them at once).
@@ -164,6 +173,7 @@ def attention_stats(
     ``workspace``: a dict the engine keeps its block buffers in, to reuse them in the next call (a capture passes one
     per capture: fresh buffers for every layer cost page faults, about a fifth of the engine's time at 8 x 128
     tokens). Without it, they are made for this call and freed after it.
+    ``key_set`` ``(batch, key)`` bool: also ``key_set_mass``, each row's weight on those keys.
 
     Example::
 
@@ -186,7 +196,8 @@ def attention_stats(
     dtype, device = call.compute_dtype, call.q.device
     rows_step, key_block = _block_plan(B, h, Tq, Tk, torch.finfo(dtype).bits // 8, block_bytes)
     counted = _counted_rows(query_padding, B, Tq, device).to(dtype)  # (batch, query)
-    engine = _Engine(call, diag_offset=diag_offset, buffers={} if workspace is None else workspace, overview=overview)
+    buffers = {} if workspace is None else workspace
+    engine = _Engine(call, diag_offset=diag_offset, buffers=buffers, overview=overview, key_set=key_set)
     with torch.no_grad():
         for a in range(0, Tq, rows_step):
             b = min(a + rows_step, Tq)
@@ -268,6 +279,8 @@ class _RowSums:
     """``(batch, head, query, d_head)``: ``sum e * v`` (None without an observed output)."""
     scale: torch.Tensor | None = None
     """``sum e * max|v|``: what the output's rounding error scales with (None without an observed output)."""
+    set_e: torch.Tensor | None = None
+    """``sum e`` over the keys of the call's key set (``key_set_mass``; None without one)."""
     dot_shifted: bool = False
     """``dot`` is of the logits less each row's max (the one-block pass): ``_finish`` leaves ``shift`` out of the
     entropy's lse."""
@@ -365,7 +378,13 @@ class _Engine:
     """
 
     def __init__(
-        self, call: AttentionCall, *, diag_offset: int | None, buffers: dict, overview: Overview | None
+        self,
+        call: AttentionCall,
+        *,
+        diag_offset: int | None,
+        buffers: dict,
+        overview: Overview | None,
+        key_set: torch.Tensor | None = None,
     ) -> None:
         self.call, self.diag_offset, self._buffers = call, diag_offset, buffers
         self.B, self.h, self.Tq, self.Tk = call.shape
@@ -379,6 +398,8 @@ class _Engine:
         self.parts: list[dict[str, torch.Tensor]] = []
         self.first_key = self._first_attendable()  # (batch, head, 1): the key first_key_mass reads
         self.pool = None if overview is None else Pooler(overview, self.B, self.h, self.Tq, self.Tk, self.device)
+        # (batch, 1, key, 1): the key set as a column to multiply the weights by (None: no key set)
+        self.key_set = None if key_set is None else key_set.to(self.device, self.dtype).view(self.B, 1, self.Tk, 1)
 
     def _scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A ``shape`` view of buffer ``name``, made once at the size of the largest block (the first block of rows
@@ -451,6 +472,7 @@ class _Engine:
         sums.dot, sums.dot_shifted = s.mul_(e).sum(-1).mul_(_LN2), True
         self._fold_hits(sums, e, c, norm, scratch=s)  # s is not read again
         self._gather_masses(sums, e, rows, c, d)
+        sums.set_e = self._set_e(e, c, d)
         self._count_allowed(sums, rows, c, d, mask.allowed)
         if d < self.Tk or c > 0:  # keys this block of rows cannot reach weigh 0
             sums.min_e.clamp_(max=0.0)
@@ -515,6 +537,9 @@ class _Engine:
             sums.sum_e += e.sum(-1)  # (batch, head, query)
             sums.min_e = torch.minimum(sums.min_e, e.amin(-1))  # (batch, head, query)
             self._gather_masses(sums, e, rows, c, d)
+            block_set = self._set_e(e, c, d)
+            if block_set is not None:
+                sums.set_e = block_set if sums.set_e is None else sums.set_e + block_set
             self._count_allowed(sums, rows, c, d, allowed)
             if self.observed is not None and sums.out is not None and sums.scale is not None:
                 out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
@@ -571,6 +596,13 @@ class _Engine:
         if rows.diag is not None:
             _gather(e, rows.diag, c, d, sums.diag_e)
             _gather(e, rows.diag - 1, c, d, sums.prev_e)
+
+    def _set_e(self, e: torch.Tensor, c: int, d: int) -> torch.Tensor | None:
+        """``sum e`` over the keys of ``c:d`` in the key set, per ``(batch, head, query)``; None without a key set."""
+        if self.key_set is None:
+            return None
+        # (batch, head, query, key) x (batch, 1, key, 1) -> (batch, head, query, 1)
+        return e.matmul(self.key_set[:, :, c:d]).squeeze(-1)
 
     def _count_allowed(self, sums: _RowSums, rows: _RowBlock, c: int, d: int, allowed: torch.Tensor | None) -> None:
         """The keys ``c:d`` the rows may attend: ``allowed_keys`` and ``diag_allowed`` per row, ``key_allowed`` per
@@ -639,6 +671,8 @@ class _Engine:
             "allowed_keys": sums.allowed_keys,
             "diagonal_allowed": sums.diag_allowed,
         }
+        if self.key_set is not None:  # (batch, head, query): no key of the set in reach sums to 0
+            stats[KEY_SET_STAT] = (torch.zeros_like(m) if sums.set_e is None else sums.set_e) * inv
         finite = torch.isfinite(sums.dot) & torch.isfinite(norm.total) & ~torch.isnan(m)  # (batch, head, query)
         finite = finite | (empty & (sums.dot == 0))
         if self.observed is not None and sums.out is not None and sums.scale is not None:
@@ -672,6 +706,9 @@ class _Engine:
             "last_key": Tk - 1 if u > WEIGHT_THRESHOLD else -1,
         }
         out = {name: (torch.where(empty, put[name], t) if name in put else t) for name, t in stats.items()}
+        if self.key_set is not None:  # (batch, 1, 1): the share of every key that is in the set
+            share = self.key_set.sum(2) / Tk
+            out[KEY_SET_STAT] = torch.where(empty, share, stats[KEY_SET_STAT])
         if diag is not None:
             out["diagonal_mass"] = torch.where(empty & (diag < Tk), u, stats["diagonal_mass"])
             out["previous_mass"] = torch.where(empty & (diag >= 1) & (diag - 1 < Tk), u, stats["previous_mass"])
@@ -963,12 +1000,13 @@ def stats_from_weights(
     query_padding: torch.Tensor | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     rows: torch.Tensor | None = None,
+    key_set: torch.Tensor | None = None,
 ) -> Mapping[str, torch.Tensor]:
     """The same statistics as ``attention_stats``, from full tensors: ``weights`` ``(batch, head, query, key)``,
     ``scores`` (the logits; None: ``max_score`` NaN, finiteness from the weights alone), ``allowed`` ``(batch,
     1 or head, query or 1, key)`` (None: every key allowed), ``v`` ``(batch, head, key, d)`` (each query head's kv
     head) with the observed ``output``, ``sinks`` ``(head,)``. ``rows``: only these query rows, as in
-    ``attention_stats`` (the diagonal read at each row's own position)."""
+    ``attention_stats`` (the diagonal read at each row's own position); ``key_set`` as there."""
     if rows is not None:
         index = rows = rows.to(weights.device, torch.long)
 
@@ -1012,7 +1050,11 @@ def stats_from_weights(
                 z = s if al is None else s.masked_fill(~al, -math.inf)
                 lse = sink_logsumexp(torch.logsumexp(z, -1), sink_logits)
                 expected = 1.0 - torch.exp(sink_logits.view(1, -1, 1) - lse)
-            parts.append(acc.finish(expected=expected, output=output, scores_known=s is not None))
+            part = acc.finish(expected=expected, output=output, scores_known=s is not None)
+            if key_set is not None:  # (batch, head, query, key) x (batch, 1, key, 1) -> (batch, head, query)
+                column = key_set.to(device, dtype).view(B, 1, Tk, 1)
+                part[KEY_SET_STAT] = w.nan_to_num(0.0).matmul(column).squeeze(-1)
+            parts.append(part)
     return _collect(parts, key_weight, key_allowed)
 
 

@@ -1145,5 +1145,8 @@
   api.openTokens = (rid) => openTokens(rid);
   api.pointToken = (side, i) => tvPoint(side, i);
   api.tokenView = () => ({ rid: tv.rid, ready: !!tv.heads, focus: tvFocus(), pin: tv.pin });
+  // for the page's other scripts (the Image section, static/image.js): a blob's float32 values, a blob's bytes
+  api.floatsOf = (id, n) => floats(id, n);
+  api.bytesOf = (id) => cached(id, () => inflate(base64Bytes(id)));
   api.ready = main().catch((err) => { api.errors.push(String(err && err.stack || err)); throw err; });
 })();
