@@ -40,11 +40,23 @@ LIMITS = {
     "data file": DATA_FILE_LIMIT,
 }
 
-#: The tokenizer files of a model folder (``TOKENIZER_LIMIT``); other JSON, text and code files take ``CONFIG_LIMIT``.
+#: The tokenizer files of a model folder (``TOKENIZER_LIMIT``).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "tokenizer.model")
 TOKENIZER_SUFFIXES = (".model", ".tiktoken", ".bpe")
-#: Small files of a model folder that transformers may read (``CONFIG_LIMIT``).
-CONFIG_SUFFIXES = (".json", ".jinja", ".py", ".txt")
+#: The small files of a model folder that transformers reads (``CONFIG_LIMIT``), and shipped code (``*.py``).
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "adapter_config.json",
+)
+CONFIG_SUFFIXES = (".index.json", ".py")
 
 
 class InputFileError(AttnprobeError, ValueError):
@@ -155,11 +167,12 @@ def read_regular(path: str | os.PathLike, *, what: str, limit: int) -> bytes:
 
 def model_file_limit(name: str) -> int | None:
     """The size limit of a model folder's file ``name``: ``TOKENIZER_LIMIT`` for vocabularies, ``CONFIG_LIMIT`` for
-    configs and other small files transformers may read, None (any size) for weights and everything else."""
+    the configs transformers reads, a weights index and shipped code, None (any size) for weights and for files
+    transformers does not read (a README, a training log)."""
     lower = name.lower()
     if lower in TOKENIZER_FILES or lower.endswith(TOKENIZER_SUFFIXES):
         return TOKENIZER_LIMIT
-    if lower.endswith(CONFIG_SUFFIXES):
+    if lower in CONFIG_FILES or lower.endswith(CONFIG_SUFFIXES):
         return CONFIG_LIMIT
     return None
 

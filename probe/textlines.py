@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -31,9 +31,9 @@ _UNIVERSAL = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
 
 @dataclass(frozen=True)
 class LineShape:
-    """What ``measure`` found: ``inputs`` non-blank lines, the longest ``longest`` characters (``longest_bytes``
-    bytes) on line ``longest_line`` (1-based, blank lines counted), starting at byte ``longest_offset``; ``marks``:
-    the byte offset of input 0, ``mark_every``, 2 x ``mark_every``, ... (empty unless asked)."""
+    """What ``measure`` found: ``inputs`` non-blank lines, the longest ``longest`` characters on line
+    ``longest_line`` (1-based, blank lines counted) of ``longest_bytes`` bytes, starting at byte ``longest_offset``;
+    ``marks``: the byte offset of input 0, ``mark_every``, 2 x ``mark_every``, ... (empty unless asked)."""
 
     path: str
     inputs: int
@@ -41,7 +41,6 @@ class LineShape:
     longest_bytes: int
     longest_line: int
     longest_offset: int
-    size: int
     mark_every: int | None = None
     marks: tuple[int, ...] = field(default=(), repr=False)
 
@@ -145,27 +144,47 @@ def measure(
     what: str = "input file",
     breaks: str = "all",
     mark_every: int | None = None,
+    parse: Callable[[int, str], int] | None = None,
+    line_chars: int | None = None,
+    most: int | None = None,
 ) -> LineShape:
     """One pass over the text file ``path`` (a regular file of at most ``limit`` bytes: ``reading.open_regular``):
-    the number of inputs and the longest one, keeping no line (see the module's docstring)."""
+    the number of inputs and the longest one, keeping no line (see the module's docstring). ``parse(line number,
+    text)``, when given, reads each input's line (a line over ``line_chars`` characters is refused) and returns the
+    input's length in characters, which ``longest`` then counts (a JSON line's text field). ``most``: stop after that
+    many inputs."""
     shown = os.fspath(path)
     inputs, marks = 0, []
-    longest: _Line | None = None
+    longest, size = None, 0
     with open_regular(path, what=what, limit=limit) as f:
-        size = os.fstat(f.fileno()).st_size
-        for line in _lines(f, shown, what, breaks=breaks, keep=0):
+        for line in _lines(f, shown, what, breaks=breaks, keep=0 if parse is None else line_chars):
             if not line.nonblank:
                 continue
             if mark_every is not None and inputs % mark_every == 0:
                 marks.append(line.offset)
             inputs += 1
-            if longest is None or line.chars > longest.chars:
-                longest = line
+            chars = line.chars if parse is None else parse(line.number, _whole(line, shown, what, line_chars))
+            if longest is None or chars > longest[0]:
+                longest, size = (chars, line), line.nbytes
+            if most is not None and inputs >= most:
+                break
     if longest is None:
-        return LineShape(shown, 0, 0, 0, 0, 0, size, mark_every, ())
-    return LineShape(
-        shown, inputs, longest.chars, longest.nbytes, longest.number, longest.offset, size, mark_every, tuple(marks)
-    )
+        return LineShape(shown, 0, 0, 0, 0, 0, mark_every, ())
+    chars, line = longest
+    return LineShape(shown, inputs, chars, size, line.number, line.offset, mark_every, tuple(marks))
+
+
+def _whole(line: _Line, path: str, what: str, line_chars: int | None) -> str:
+    text = line.text
+    if text is None:
+        raise InputFileError(
+            f"{what} {path!r}: line {line.number:,} is {line.chars:,} characters long, over attnprobe's limit of "
+            f"{line_chars:,} for one line",
+            path=path,
+            size=line.nbytes,
+            limit=line_chars,
+        )
+    return text
 
 
 def read_lines(
