@@ -188,3 +188,30 @@ def test_the_memory_available_honours_the_address_space_limit():
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     assert available is not None and available <= room
+
+
+def test_scan_files_are_read_a_block_at_a_time_as_a_whole_read_would(tmp_path, monkeypatch):
+    """``scan``'s .txt and .jsonl inputs (``FileInputs``): counted in the bounded pass, then read ``BLOCK_INPUTS`` at
+    a time from the marks; every input, in any order, is the one reading the whole file gives."""
+    import json
+
+    from attnprobe.probe.analyses import scan
+
+    monkeypatch.setattr(scan, "BLOCK_INPUTS", 5)
+    rng = random.Random(5)
+    texts = [" ".join(rng.choice(["a", "bé", "漢", "word"]) for _ in range(rng.randint(1, 9))) for _ in range(23)]
+    (tmp_path / "in.txt").write_text("".join(t + rng.choice(["\n", "\r\n", "\r", "\n \n"]) for t in texts))
+    rows = [json.dumps({"text": t, "n": i}) for i, t in enumerate(texts)]
+    (tmp_path / "in.jsonl").write_text("\n".join(rows[:10]) + "\n\n" + "\n".join(rows[10:]) + "\n")
+    for name in ("in.txt", "in.jsonl"):
+        inputs = scan.data_inputs(tmp_path / name)
+        assert isinstance(inputs, scan.FileInputs) and len(inputs) == len(texts)
+        assert inputs.longest == max(map(len, texts))
+        order = list(range(len(texts)))
+        rng.shuffle(order)
+        assert [inputs[i] for i in order] == [texts[i] for i in order]
+        assert list(inputs) == texts and inputs[-1] == texts[-1] and inputs[3:8] == texts[3:8]
+        assert scan.read_inputs(tmp_path / name, limit=7) == texts[:7]
+    (tmp_path / "bad.jsonl").write_text(rows[0] + "\n" + '{"other": 1}\n')
+    with pytest.raises(scan.ScanError, match=r"bad\.jsonl:2: no field 'text'"):
+        scan.data_inputs(tmp_path / "bad.jsonl")
