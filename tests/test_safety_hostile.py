@@ -201,7 +201,9 @@ def _random_bytes(rng: random.Random, size: int, kind: int) -> bytes:
     weights = [30, 30, 10, 2, 3, 2, 1, 1, 1, 1][: len(alphabet) - (0, 1, 4)[kind]]
     if kind == 1:
         weights = [*weights[:6], 0, *weights[7:]]
-    return b"".join(rng.choices(alphabet[: len(weights)], weights, k=size))[:size]
+    # 256 pieces of 1,000 draws each, then pieces drawn until the size is reached: a 10 MB file in well under a second
+    pieces = [b"".join(rng.choices(alphabet[: len(weights)], weights, k=1000)) for _ in range(256)]
+    return b"".join(rng.choices(pieces, k=size // 2000 + 1))[:size]
 
 
 def generated_files(folder: Path) -> dict[str, Path]:
@@ -218,8 +220,10 @@ def generated_files(folder: Path) -> dict[str, Path]:
         "one huge word, 10 MB": b"a" * (10 * MB),
         "short lines, 10 MB": b"".join(b"input line number %07d of many\n" % i for i in range(10 * MB // 32)),
         "CR line breaks, 1 MB": b"old mac line\r" * (MB // 13),
-        "mixed Unicode lines, 3 MB": _random_lines(rng, 3 * MB),
+        "mixed Unicode lines, 1 MB": _random_lines(rng, MB),
         "three good lines": "The cat sat.\n\nA naïve café 漢字 😀\nlast line\n".encode(),
+        "random bytes without NUL, 10 MB": _random_bytes(rng, 10 * MB, 1),
+        "random UTF-8 words, 10 MB": _random_bytes(rng, 10 * MB, 2),
     }
     for i in range(6):
         size = int(10 ** rng.uniform(0, 7))
@@ -237,7 +241,7 @@ def test_generated_input_files_never_crash_hang_or_grow_past_the_bound(tmp_path)
     (tmp_path / "dev-zero.txt").symlink_to("/dev/zero") if Path("/dev/zero").exists() else None
     runs = [["check", "-q", "--text", "warm up"]]  # loads the model once: the runs after it measure the input only
     runs += [["check", "--file", p.name, "-q"] for p in paths.values()]
-    hostile = ["binary 1 MB", "NUL inside text", "one huge word, 10 MB", "short lines, 10 MB", "three good lines"]
+    hostile = ["binary 1 MB", "one huge word, 10 MB", "short lines, 10 MB", "three good lines"]
     runs += [
         ["scan", "--data", paths[n].name, "--out", f"scan{i}", "--limit", "4", "-q"] for i, n in enumerate(hostile)
     ]
