@@ -6,8 +6,8 @@ to /dev/zero, or a named pipe; a malicious pickle) runs twice:
 
 - as a fresh ``attnprobe`` process under a 6 GiB address-space limit (the whole cost a user waits for: Python,
   torch and transformers start-up included), wall time and peak resident memory (``ru_maxrss`` of the child);
-- in one process that has imported torch and transformers already (``tests/hostile_driver.py``): the command's
-  own time and its peak resident memory over the memory before it.
+- in one process, under the same limit, that has imported torch and transformers already (``tests/hostile_driver.py``):
+  the command's own time and its peak resident memory over the memory before it.
 
 Beside them the start-up alone: ``python -c "import torch, transformers, attnprobe.cli"`` (the interpreter's
 baseline), and the smallest real command (``attnprobe check --text hi``). This machine is shared: compare the rows
@@ -34,12 +34,14 @@ from test_safety_hostile import bundled_copy, malicious_weights  # noqa: E402  (
 LIMIT = 6 << 30
 
 
+def limited() -> None:
+    """The child's address space: ``LIMIT`` (the memory plan sees it; without it, on a machine with more memory free,
+    the 65,000 lines are not refused but run, for minutes and tens of GiB)."""
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
+
+
 def fresh(args: list[str], cwd: Path) -> tuple[float, float, int, int]:
     """(wall seconds, peak MiB, exit code, stderr lines) of ``args`` as a new process under ``LIMIT``."""
-
-    def limited():
-        resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
-
     start = time.monotonic()
     child = subprocess.Popen(args, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limited)
     err = child.stderr.read() if child.stderr else b""
@@ -76,8 +78,9 @@ def main() -> None:
         print(f"{'case':38} {'fresh s':>8} {'fresh MiB':>10} {'exit':>5} {'lines':>6} {'own s':>7} {'own +MiB':>9}")
         print(f"{'start-up: import torch, transformers':38} {wall:8.1f} {peak:10.0f}")
         (folder / "runs.json").write_text(json.dumps(list(cases.values())))
-        env = {**os.environ, "PYTHONPATH": str(TESTS)}
-        subprocess.run([sys.executable, str(TESTS / "hostile_driver.py"), "runs.json", "out.json"], cwd=folder, env=env)
+        env = {**os.environ, "PYTHONPATH": str(TESTS), "MALLOC_ARENA_MAX": "2"}
+        driver = [sys.executable, str(TESTS / "hostile_driver.py"), "runs.json", "out.json"]
+        subprocess.run(driver, cwd=folder, env=env, preexec_fn=limited, check=True)
         own = json.loads((folder / "out.json").read_text())
         for (name, args), run in zip(cases.items(), own):
             wall, peak, code, lines = fresh([*exe, *args], folder)
