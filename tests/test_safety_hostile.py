@@ -116,11 +116,25 @@ def malicious_weights(folder: Path, marker: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def issue_runs(tmp_path_factory):
-    """The issue's cases, in one child: a file of 65,000 lines of 80 characters (also with --max-bytes 500MB), a
-    model folder whose config.json is a link to /dev/zero, one whose config.json is a named pipe, and one whose
-    weights are a malicious pickle (also with --debug, which shows the warning the one line leaves out)."""
-    tmp_path = tmp_path_factory.mktemp("issue")
+def all_runs(tmp_path_factory):
+    """Every run of this module in one child (torch, transformers and the model are loaded once): the issue's cases
+    (``issue_cases``), then the generated inputs (``generated_cases``). The results by name, and the folder."""
+    tmp_path = tmp_path_factory.mktemp("hostile")
+    runs = {**issue_cases(tmp_path), **generated_cases(tmp_path)}
+    return dict(zip(runs, drive(list(runs.values()), tmp_path))), tmp_path
+
+
+@pytest.fixture(scope="module")
+def issue_runs(all_runs):
+    results, tmp_path = all_runs
+    return {name: r for name, r in results.items() if not name.startswith("generated: ")}, tmp_path
+
+
+def issue_cases(tmp_path: Path) -> dict[str, list[str]]:
+    """The issue's cases: a file of 65,000 lines of 80 characters (also with --max-bytes 500MB), a model folder
+    whose config.json is a link to /dev/zero, one whose config.json is a named pipe, and one whose weights are a
+    malicious pickle (also with --debug, which shows the warning the one line leaves out). The first run loads the
+    model: the generated runs after them measure the input only."""
     rng = random.Random(0)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "because", "it", "saw", "cat"]
     lines = [" ".join(rng.choice(words) for _ in range(20))[:80].ljust(80) for _ in range(65_000)]
@@ -141,7 +155,7 @@ def issue_runs(tmp_path_factory):
         "evil": ["check", "./evil", "-q"],
         "evil --debug": ["check", "./evil", "--debug"],
     }
-    return dict(zip(runs, drive(list(runs.values()), tmp_path))), tmp_path
+    return runs
 
 
 def test_a_file_of_65000_short_lines_is_refused_before_it_is_tokenized(issue_runs):
@@ -235,20 +249,25 @@ def generated_files(folder: Path) -> dict[str, Path]:
     return paths
 
 
-def test_generated_input_files_never_crash_hang_or_grow_past_the_bound(tmp_path):
+def generated_cases(tmp_path: Path) -> dict[str, list[str]]:
+    """``check --file`` over every generated file, ``scan --data`` over a few, and a pipe and /dev/zero given as
+    input files; named ``generated: ...``."""
     paths = generated_files(tmp_path)
     os.mkfifo(tmp_path / "pipe.txt")
     (tmp_path / "dev-zero.txt").symlink_to("/dev/zero") if Path("/dev/zero").exists() else None
-    runs = [["check", "-q", "--text", "warm up"]]  # loads the model once: the runs after it measure the input only
-    runs += [["check", "--file", p.name, "-q"] for p in paths.values()]
+    runs = {name: ["check", "--file", p.name, "-q"] for name, p in paths.items()}
     hostile = ["binary 1 MB", "one huge word, 10 MB", "short lines, 10 MB", "three good lines"]
-    runs += [
-        ["scan", "--data", paths[n].name, "--out", f"scan{i}", "--limit", "4", "-q"] for i, n in enumerate(hostile)
-    ]
+    for i, name in enumerate(hostile):
+        runs[f"scan: {name}"] = ["scan", "--data", paths[name].name, "--out", f"scan{i}", "--limit", "4", "-q"]
     specials = ["pipe.txt"] + (["dev-zero.txt"] if Path("/dev/zero").exists() else [])
-    runs += [["check", "--file", name, "-q"] for name in specials] + [["scan", "--data", "pipe.txt", "--out", "s"]]
-    names = ["warm up", *paths, *(f"scan: {n}" for n in hostile), *specials, "scan: pipe.txt"]
-    results = dict(zip(names, drive(runs, tmp_path)))
+    runs.update({name: ["check", "--file", name, "-q"] for name in specials})
+    runs["scan: pipe.txt"] = ["scan", "--data", "pipe.txt", "--out", "s"]
+    return {f"generated: {name}": args for name, args in runs.items()}
+
+
+def test_generated_input_files_never_crash_hang_or_grow_past_the_bound(all_runs):
+    prefix = "generated: "
+    results = {name[len(prefix) :]: r for name, r in all_runs[0].items() if name.startswith(prefix)}
     for name, r in results.items():
         assert r["code"] in (0, 1, 2), (name, r)
         assert "Traceback" not in r["stderr"], (name, r["stderr"])
