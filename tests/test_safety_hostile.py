@@ -119,7 +119,33 @@ def malicious_weights(folder: Path, marker: Path) -> None:
 def all_runs(tmp_path_factory):
     """Every run of this module in one child (torch, transformers and the model are loaded once): the issue's cases
     (``issue_cases``), then the generated inputs (``generated_cases``). The results by name, and the folder."""
-    tmp_path = tmp_path_factory.mktemp("hostile")
+    if "all" not in _DONE:  # pytest-xdist can tear a module's fixtures down between two batches of its tests
+        _DONE["all"] = _once_per_session(tmp_path_factory)
+    return _DONE["all"]
+
+
+_DONE: dict[str, tuple[dict, Path]] = {}
+
+
+def _once_per_session(tmp_path_factory) -> tuple[dict, Path]:
+    """The child's results, computed once per test session: under pytest-xdist the tests of this module can land on
+    several workers, and the first one to take the lock (in the session's shared folder) runs the child for all."""
+    import fcntl
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _run_all(tmp_path_factory.mktemp("hostile"))
+    shared = tmp_path_factory.getbasetemp().parent  # this session's folder, above every worker's own
+    with open(shared / "hostile.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = shared / "hostile.json"
+        if not saved.exists():
+            results, folder = _run_all(tmp_path_factory.mktemp("hostile"))
+            saved.write_text(json.dumps({"results": results, "folder": str(folder)}))
+        data = json.loads(saved.read_text())
+    return data["results"], Path(data["folder"])
+
+
+def _run_all(tmp_path: Path) -> tuple[dict, Path]:
     runs = {**issue_cases(tmp_path), **generated_cases(tmp_path)}
     return dict(zip(runs, drive(list(runs.values()), tmp_path))), tmp_path
 
