@@ -32,12 +32,15 @@ TOKENIZER_LIMIT = 512 * MiB
 TEXT_FILE_LIMIT = 64 * MiB
 #: ``scan --data``: read in chunks, never whole.
 DATA_FILE_LIMIT = 16 * GiB
+#: ``report --image``: a picture file (PIL's own limit on pixels guards what it decodes to).
+IMAGE_FILE_LIMIT = 256 * MiB
 
 LIMITS = {
     "config": CONFIG_LIMIT,
     "tokenizer": TOKENIZER_LIMIT,
     "text file": TEXT_FILE_LIMIT,
     "data file": DATA_FILE_LIMIT,
+    "image": IMAGE_FILE_LIMIT,
 }
 
 #: The tokenizer files of a model folder (``TOKENIZER_LIMIT``).

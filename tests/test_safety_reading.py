@@ -215,3 +215,17 @@ def test_scan_files_are_read_a_block_at_a_time_as_a_whole_read_would(tmp_path, m
     (tmp_path / "bad.jsonl").write_text(rows[0] + "\n" + '{"other": 1}\n')
     with pytest.raises(scan.ScanError, match=r"bad\.jsonl:2: no field 'text'"):
         scan.data_inputs(tmp_path / "bad.jsonl")
+
+
+def test_report_images_are_regular_files_of_a_bounded_size(tmp_path):
+    """``report --image``: a picture is opened as a checked regular file (a pipe would block PIL's open forever)."""
+    from PIL import Image
+
+    from attnprobe.probe.commandline.images import read_pictures
+
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(tmp_path / "ok.png")
+    (picture,) = read_pictures((str(tmp_path / "ok.png"),))
+    assert picture.size == (8, 8) and picture.getpixel((0, 0)) == (200, 10, 10)
+    os.mkfifo(tmp_path / "pipe.png")
+    with pytest.raises(InputFileError, match=r"image '.*pipe\.png' is a named pipe \(FIFO\)"):
+        read_pictures((str(tmp_path / "pipe.png"),))
