@@ -81,57 +81,83 @@ USER_OS_ERRORS = {
 
 
 def handle_errors(fn):
-    """Known input problems -> one line and exit 2; anything else -> exit 3; --debug shows tracebacks."""
+    """Known input problems -> one line and exit 2; anything else -> exit 3; --debug shows tracebacks. Warnings
+    (attnprobe's and third-party libraries') are held while the command runs and shown when it ends with a result
+    (exit 0 or 1); on an error the one line is all that is printed (--debug shows them too)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        debug = kwargs.get("debug", False)
-        try:
-            return fn(*args, **kwargs)
-        except click.exceptions.Exit:
-            raise
-        except (ModelFailed, CaptureFailed) as exc:
-            if debug:
-                raise exc.__cause__ from None  # the traceback of the failing forward itself
-            if isinstance(exc, ModelFailed):
-                raise
-            cause = exc.__cause__
-            click.echo(
-                f"attnprobe: internal error: the forward failed under capture with {type(cause).__name__}: "
-                f"{cause} and runs without attnprobe: a bug in attnprobe, please report it with the "
-                "traceback of --debug",
-                err=True,
-            )
-            sys.exit(3)
-        except click.ClickException:
-            raise
-        except Exception as exc:
-            if debug:
-                raise
-            from .probe.errors import AttnprobeError
+        import warnings
 
-            known = (
-                AttnprobeError,
-                FileExistsError,
-                FileNotFoundError,
-                PermissionError,
-                IsADirectoryError,
-                NotADirectoryError,
-                ValueError,
-                TypeError,
-            )
-            if isinstance(exc, known):
-                raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
-            if isinstance(exc, OSError) and exc.errno in USER_OS_ERRORS:  # the place, not attnprobe
-                what = f"cannot use {exc.filename}" if exc.filename else "the system refused"
-                raise UsageProblem(f"{what}: {exc.strerror or exc}") from None
-            click.echo(
-                f"attnprobe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
-                err=True,
-            )
-            sys.exit(3)
+        debug = kwargs.get("debug", False)
+        result, error = None, None
+        with warnings.catch_warnings(record=True) as caught:
+            try:
+                result = run_command(fn, args, kwargs, debug)
+            except BaseException as exc:  # re-raised below, once the warnings are dealt with
+                error = exc
+        if error is None or debug or _is_result(error):
+            for w in caught:  # the command's warnings, as they would have been shown
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+        if error is not None:
+            raise error
+        return result
 
     return wrapper
+
+
+def _is_result(exc: BaseException) -> bool:
+    """Whether ``exc`` ends a command with its result (exit 0, or 1: violations found), not with an error."""
+    code = exc.exit_code if isinstance(exc, click.exceptions.Exit) else exc.code if isinstance(exc, SystemExit) else 2
+    return code in (0, 1, None)
+
+
+def run_command(fn, args, kwargs, debug):
+    """``fn(*args, **kwargs)``, its errors sorted as ``handle_errors`` says."""
+    try:
+        return fn(*args, **kwargs)
+    except click.exceptions.Exit:
+        raise
+    except (ModelFailed, CaptureFailed) as exc:
+        if debug:
+            raise exc.__cause__ from None  # the traceback of the failing forward itself
+        if isinstance(exc, ModelFailed):
+            raise
+        cause = exc.__cause__
+        click.echo(
+            f"attnprobe: internal error: the forward failed under capture with {type(cause).__name__}: "
+            f"{cause} and runs without attnprobe: a bug in attnprobe, please report it with the "
+            "traceback of --debug",
+            err=True,
+        )
+        sys.exit(3)
+    except click.ClickException:
+        raise
+    except Exception as exc:
+        if debug:
+            raise
+        from .probe.errors import AttnprobeError
+
+        known = (
+            AttnprobeError,
+            FileExistsError,
+            FileNotFoundError,
+            PermissionError,
+            IsADirectoryError,
+            NotADirectoryError,
+            ValueError,
+            TypeError,
+        )
+        if isinstance(exc, known):
+            raise UsageProblem(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+        if isinstance(exc, OSError) and exc.errno in USER_OS_ERRORS:  # the place, not attnprobe
+            what = f"cannot use {exc.filename}" if exc.filename else "the system refused"
+            raise UsageProblem(f"{what}: {exc.strerror or exc}") from None
+        click.echo(
+            f"attnprobe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
+            err=True,
+        )
+        sys.exit(3)
 
 
 modules_option = click.option(
@@ -188,9 +214,13 @@ def model_and_input_options(fn):
     return fn
 
 
-def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code=False):
-    from .probe.commandline import loading
+def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code=False, plan=None):
+    """The workload of a command: ``--file`` checked and measured before the model loads (a pipe, a device, a file
+    over its limit or not text is refused at once), then the model, then the inputs, refused before they are
+    tokenized when ``plan`` (``input_plan``) says their capture cannot fit."""
+    from .probe.commandline import loading, sizing
 
+    inputs = sizing.sized_texts(texts, text_file)
     progress.stage("loading model")
     torch_dtype = loading.parse_dtype(dtype)
     net, tokenizer, source = loading.load_model(model, dtype=torch_dtype, trust_remote_code=trust_remote_code)
@@ -199,11 +229,37 @@ def prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress
         net,
         tokenizer,
         source,
-        texts=loading.read_texts(texts, text_file),
+        texts=inputs,
         decoder_texts=list(decoder_texts),
         ids=loading.parse_ids(ids),
         device=device,
+        plan=None if plan is None else plan.check,
     )
+
+
+def capture_options(layers, heads, max_bytes, keep=None, modules=None) -> dict:
+    """The options of ``attnprobe.run`` from the command's --layers, --heads, --max-bytes and --modules."""
+    from .probe.commandline import loading
+    from .probe.selection import parse_bytes
+
+    return {
+        "layers": loading.parse_int_list(layers, "--layers"),
+        "heads": loading.parse_int_list(heads, "--heads"),
+        "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
+        "keep": keep,
+        "modules": loading.parse_modules(modules),
+    }
+
+
+def input_plan(layers, heads, max_bytes, *, keep=None, modules=None, stats=None):
+    """The memory plan ``prepare`` asks before the texts are tokenized (``memory_plan.InputPlan``): the capture these
+    options make, in the statistics mode unless ``stats`` is False (``--full``) or ``keep`` names tensors."""
+    import attnprobe
+
+    from .probe.commandline import memory_plan
+
+    options = capture_options(layers, heads, max_bytes, keep, modules)
+    return memory_plan.InputPlan(options, max_bytes, stats, attnprobe.attention_modules)
 
 
 def run_capture(
@@ -227,16 +283,9 @@ def run_capture(
     ``image_grid``: the image tokens of a workload with pictures (``capture(image_grid=)``)."""
     import attnprobe
 
-    from .probe.commandline import loading, memory_plan
-    from .probe.selection import parse_bytes
+    from .probe.commandline import memory_plan
 
-    options = {
-        "layers": loading.parse_int_list(layers, "--layers"),
-        "heads": loading.parse_int_list(heads, "--heads"),
-        "max_bytes": None if max_bytes is None else parse_bytes(max_bytes),
-        "keep": keep,
-        "modules": loading.parse_modules(modules),
-    }
+    options = capture_options(layers, heads, max_bytes, keep, modules)
     if image_grid is not None:
         options["image_grid"] = image_grid
     found = attnprobe.attention_modules(work.model) if found is None else found
@@ -511,11 +560,12 @@ def export(
     if raw_csv and out_path.suffix.lower() != ".csv":
         raise UsageProblem("--raw-csv applies to .csv output; Parquet always stores the text exactly")
     targets.check_output(out_path, overwrite)
+    keep = ["scores", "weights"] if what == "frame" else ["weights"]
+    plan = input_plan(layers, heads, max_bytes, keep=keep, modules=modules)
     progress = Progress(4, quiet)
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
-        keep = ["scores", "weights"] if what == "frame" else ["weights"]
-        cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep, modules=modules)
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code, plan)
+        cap = run_capture(work, layers, heads, max_bytes, progress, keep=keep, modules=modules, found=plan.found)
         progress.stage("building frame")
         out_path.parent.mkdir(parents=True, exist_ok=True)
         tokens, key_tokens = token_labels(work)
@@ -626,12 +676,15 @@ def report(
     if (windows or cells is not None) and stats is False:
         raise UsageProblem("--window and --cells belong to the statistics mode; leave out --full")
     planned = targets.report_targets(out, fmt, overwrite)
+    plan = input_plan(layers, heads, max_bytes, modules=modules, stats=True if windows or cells is not None else stats)
     progress = Progress(5, quiet)  # loading, preparing, capturing, checking, writing
     try:
         if images:
             work = prepare_pictures(model, images, texts, text_file, ids, device, dtype, progress, trust_remote_code)
         else:
-            work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
+            work = prepare(
+                model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code, plan
+            )
         n_rows = len(next(iter(work.inputs.values())))
         if batch is not None and not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
@@ -809,10 +862,11 @@ def check(
       attnprobe check mypkg.models:decoder --ids "1 2 3" --checks causal,padding --format json
     """
     names = check_selection(check_names)
+    plan = input_plan(layers, heads, max_bytes, modules=modules, stats=stats)
     progress = Progress(4, quiet)
     try:
-        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code)
-        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats)
+        work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code, plan)
+        cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats, found=plan.found)
         progress.stage("checking")
         result, notes = run_checks(work, cap, causal, names)
     finally:
@@ -1023,6 +1077,8 @@ def compare_workloads(reference, candidate, o, progress):
     """The reference's workload (its inputs from --text/--file/--ids), and the candidate's on the same inputs."""
     from .probe.commandline import comparing, loading
 
+    # the memory plan of the reference's capture, asked before its inputs are tokenized (as check and report do)
+    plan = input_plan(None, None, o["max_bytes"], modules=o["reference_modules"] or o["modules"], stats=o["stats"])
     ref_work = prepare(
         reference,
         o["texts"],
@@ -1033,6 +1089,7 @@ def compare_workloads(reference, candidate, o, progress):
         o["dtype"],
         progress,
         o["trust_remote_code"],
+        plan,
     )
     progress.stage("loading candidate")
     dtype = loading.parse_dtype(o["candidate_dtype"] or o["dtype"])

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import attnprobe
 from attnprobe import SelectionError
 from attnprobe.cli import main
-from attnprobe.probe.commandline import loading
+from attnprobe.probe.commandline import loading, sizing
 from attnprobe.probe.commandline.memory_plan import planned_attention_bytes
 
 TINY = "cli_factories:tiny"
@@ -79,10 +79,14 @@ def test_a_large_file_is_refused_before_the_forward_with_the_figure(tmp_path, mo
     def never(*a, **k):
         raise AssertionError("the forward ran")
 
+    def unread(self):
+        raise AssertionError("the texts were read whole")
+
     monkeypatch.setattr(attnprobe, "run", never)
+    monkeypatch.setattr(sizing.TextInputs, "__iter__", unread)  # refused from the line count and the longest line
     line = one_line(["check", "--file", "many.txt", "--max-bytes", "50MB", "--full"], tmp_path, monkeypatch)
     assert (
-        line.startswith("attnprobe: error: capture budget exceeded: the input (3,000 row(s) of up to ")
+        line.startswith("attnprobe: error: capture budget exceeded: the input (3,000 row(s), padded to at least ")
         and "needs at least " in line
     )
     assert "more than --max-bytes 50MB (47.7 MiB)" in line and "give fewer inputs" in line

