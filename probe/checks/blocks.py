@@ -149,6 +149,12 @@ class RecordFacts:
         self.query_pad = query_pad  # (B, Tq) or None
         self.own, self.own_excused = self._own_position()
         self.decl = RecordDeclaration(run.declared, self)  # documents, blocks, windows, chunks, mask_fn, scale
+        opens = [o.name for o in self.decl.openings if o.user]
+        if opens and declared_for(run.causal, rec) is None:
+            # a prefix or blocks declared: the rest is causal (prefix-LM, Gemma 3's images), whatever the module says
+            self.causal, self.causal_declared = True, True
+            self.causal_source = f"causal outside what {opens[0]}= opens"
+            self.decl.make_causal(self.causal_source)
         for name, source in self.decl.notes:
             run.declarations.setdefault(f"{name} ({source})", {})[rec.layer] = rec.name or "<root>"
         for name, reason in self.decl.problems:

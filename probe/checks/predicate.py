@@ -113,14 +113,17 @@ class RecordDeclaration:
         self.openings: list[Opening] = []
         self.problems: list[tuple[str, str]] = []
         self.notes: list[tuple[str, str]] = []  # (declaration, source) of the unasked ones applied
-        self.user_shapes = declared.shapes(rec)
+        self.user_shapes: tuple[str, ...] = ()  # the user's declarations that shape this record (applied ones)
         self.mask_fn: Callable | None = declared.of("mask_fn", rec)
-        self.scale: tuple[float, str, bool] | None = None  # (value, source, declared by the user)
+        # (the scale, or the scales any of which the model may mean; source; declared by the user)
+        self.scale: tuple[tuple[float, ...], str, bool] | None = None
         self._ahead: torch.Tensor | None = None
         self._pad = facts.key_pad if facts.key_pad_source else None
         if rec.kind == "self" and self.own is not None:
             self._read_shapes(declared)
         self._read_scale(declared)
+        applied = [o.name for o in self.openings if o.user] + [b.name for b in self.bounds if b.user]
+        self.user_shapes = tuple(applied) + (("mask_fn",) if self.mask_fn is not None else ())
 
     # ------------------------------------------------------------------------------------- reading declarations
     def _pick(self, declared: Declared, name: str) -> tuple[Any, str, bool] | None:
@@ -149,7 +152,8 @@ class RecordDeclaration:
     def _read_scale(self, declared: Declared) -> None:
         picked = self._pick(declared, "scale")
         if picked is not None:
-            self.scale = (float(picked[0]), picked[1], picked[2])
+            values = picked[0] if isinstance(picked[0], (list, tuple)) else [picked[0]]
+            self.scale = (tuple(float(v) for v in values), picked[1], picked[2])
 
     def _rows_of(self, name: str, ids: torch.Tensor) -> torch.Tensor | None:
         """``ids`` ``(batch, seq)`` checked against this record (batch, positions); None after noting why not."""
@@ -215,6 +219,10 @@ class RecordDeclaration:
             origin = (~self._pad).to(torch.uint8).argmax(-1, keepdim=True) + self.key_start  # (batch, 1)
         first = origin + torch.div(pos - origin, C, rounding_mode="floor") * C  # (batch or 1, query)
         self.bounds.append(Bound("chunk_size", source, user, first - self.key_start, first + C - 1 - self.key_start))
+
+    def make_causal(self, source: str) -> None:
+        """Hold the record to causality outside its openings (a declared prefix or blocks imply it)."""
+        self.causal, self.causal_source, self._ahead = True, source, None
 
     # --------------------------------------------------------------------------------------------- the predicate
     @property

@@ -259,15 +259,16 @@ def scale(run: CheckRun, p: RowBlock) -> None:
     declared = p.decl.scale
     if declared is None or p.start != 0:
         return
-    value, source, user = declared
+    values, source, user = declared
     rec = p.rec
     if rec.scaling is None:
         run.skip("scale", "the record does not say the scaling its kernel applied", p)
         return
     run.ran("scale", p)
     effective, how = effective_scale(rec)
-    if math.isclose(effective, value, rel_tol=1e-3):
+    if any(math.isclose(effective, v, rel_tol=1e-3) for v in values):
         return
+    value = min(values, key=lambda v: abs(math.log(v / effective)))
     run.extra.append(
         Violation(
             check="scale",
@@ -278,7 +279,9 @@ def scale(run: CheckRun, p: RowBlock) -> None:
             step=rec.step,
             count=1,
             worst=effective,
-            message=f"effective softmax scale {effective:.4g} ({how}) but {source} {value:.4g}: "
+            message=f"effective softmax scale {effective:.4g} ({how}) but {source}"
+            + (f" {value:.4g}" if user else "")
+            + ": "
             + ("q or k scaled twice?" if effective < value else "a scale left out?"),
         )
     )
