@@ -39,7 +39,7 @@ def count_in(cum: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Ten
     a = lo.clamp(0, n)
     b = (hi + 1).clamp(0, n)
     b = torch.maximum(a, b)
-    shape = torch.broadcast_shapes(cum.shape[:-1], a.shape[:-1])
+    shape = tuple(max(x, y) for x, y in zip(cum.shape[:-1], a.shape[:-1]))  # both (B or 1, H or 1)
     cum = cum.expand(*shape, cum.shape[-1])
     a, b = a.expand(*shape, a.shape[-1]), b.expand(*shape, b.shape[-1])
     return cum.gather(-1, b) - cum.gather(-1, a)
