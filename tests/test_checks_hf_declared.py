@@ -349,3 +349,35 @@ def test_a_prefix_made_causal_is_caught(monkeypatch):
         assert max(found[0].keys) <= 18 and "masked" in found[0].message
         result = attnprobe.check(fixed, **declared)
         assert result.ok and result.coverage["reach"] == len(text), result.table()
+
+
+# ------------------------------------------------------------------------------------------------ statistics mode
+def _verdicts(result) -> set:
+    return {(v.check, v.severity, v.layer, v.batch, v.queries, v.query_count) for v in result.violations}
+
+
+def test_statistics_captures_get_the_same_verdicts_from_what_the_model_declares(monkeypatch):
+    """The unasked declarations (image blocks from token_type_ids, the config's sliding window, packed position_ids)
+    on statistics captures: the verdicts of the full capture, for the correct Gemma 3, #39389 planted, and packed
+    documents attending across (#46634)."""
+    from transformers.models.gemma3 import modeling_gemma3 as g
+
+    def same(full, stats, ok: bool) -> None:
+        on_full, on_stats = attnprobe.check(full), attnprobe.check(stats)
+        assert on_full.ok == ok and on_full.verified, on_full.table()
+        assert _verdicts(on_stats) == _verdicts(on_full), (on_full.table(), on_stats.table())
+        assert on_stats.declarations == on_full.declarations
+
+    model = gemma3()
+    same(gemma3_capture(model), gemma3_capture(model, keep=("stats",)), ok=True)
+    monkeypatch.setattr(
+        g, "create_masks_for_vision_model", lambda block_sequence_ids, **kwargs: g.create_masks_for_generate(**kwargs)
+    )
+    same(gemma3_capture(model), gemma3_capture(model, keep=("stats",)), ok=False)
+    llama_model, ids, ones = llama(), torch.arange(3, 15).unsqueeze(0), torch.ones(1, 12, dtype=torch.long)
+    caps = []
+    for keep in (None, ("stats",)):
+        with torch.no_grad(), attnprobe.capture(llama_model, **({} if keep is None else {"keep": keep})) as cap:
+            llama_model(input_ids=ids, position_ids=PACKED, use_cache=False, attention_mask=ones)
+        caps.append(cap)
+    same(*caps, ok=False)
