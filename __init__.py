@@ -36,6 +36,7 @@ _EXPORTS = {
     "AttnprobeError": ".probe.errors",
     "AttnprobeWarning": ".probe.errors",
     "CaptureBudgetError": ".probe.errors",
+    "DeclarationError": ".probe.errors",
     "SelectionError": ".probe.errors",
     "UnsupportedModelError": ".probe.errors",
     "CrossAttention": ".probe.modules",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         AttnprobeError,
         AttnprobeWarning,
         CaptureBudgetError,
+        DeclarationError,
         SelectionError,
         UnsupportedModelError,
     )

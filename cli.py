@@ -824,6 +824,27 @@ def write_reports(cap, planned: dict[str, Path], work, checks, *, batch, precisi
     "(default: each layer's own mask is the reference; an encoder-decoder's decoder is "
     "declared causal). In an encoder-decoder this concerns the decoder's self-attention only.",
 )
+@click.option(
+    "--sliding-window",
+    type=click.IntRange(min=1),
+    help="Declare a sliding window W for every layer: a key more than W - 1 positions before the query must get no "
+    "weight, and keys inside it must not be masked.",
+)
+@click.option(
+    "--prefix-length",
+    type=click.IntRange(min=0),
+    help="Declare a prefix-LM: the first N tokens see each other, the rest is causal.",
+)
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    help="Declare Llama 4-style chunked attention: a query sees the keys of its own chunk of N tokens only.",
+)
+@click.option(
+    "--scale",
+    type=float,
+    help="Declare the softmax scale every layer should use (checked against the scale measured from q and k).",
+)
 @click.option("--checks", "check_names", help="Only these checks, e.g. causal,padding (default: all).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @STATS_OPTION
@@ -844,6 +865,10 @@ def check(
     quiet,
     debug,
     causal,
+    sliding_window,
+    prefix_length,
+    chunk_size,
+    scale,
     check_names,
     fmt,
     stats,
@@ -853,7 +878,9 @@ def check(
     Exit code 0 when clean, 1 when an invariant is violated or nothing could be verified (for example
     --checks lint on a model without hand-written attention), 2 on bad usage or input (also a model
     that fails on the input without attnprobe), 3 when attnprobe itself fails (please report it).
-    The input padding mask is declared for you (padded keys must get no weight).
+    The input padding mask is declared for you (padded keys must get no weight); --sliding-window,
+    --prefix-length, --chunk-size and --scale declare what the attention should be (docs/checks.md), beside
+    what the model declares itself.
 
     \b
     Examples:
@@ -868,7 +895,8 @@ def check(
         work = prepare(model, texts, text_file, decoder_texts, ids, device, dtype, progress, trust_remote_code, plan)
         cap = run_capture(work, layers, heads, max_bytes, progress, modules=modules, stats=stats, found=plan.found)
         progress.stage("checking")
-        result, notes = run_checks(work, cap, causal, names)
+        shorthands = dict(sliding_window=sliding_window, prefix_length=prefix_length, chunk_size=chunk_size)
+        result, notes = run_checks(work, cap, causal, names, scale=scale, **shorthands)
     finally:
         progress.close()
     if fmt == "json":
@@ -908,8 +936,9 @@ def check_selection(check_names: str | None) -> list[str] | None:
     return names
 
 
-def run_checks(work, cap, causal, names):
-    """(``attnprobe.check`` of the capture with the input's padding and --causal declared, its warnings' text)."""
+def run_checks(work, cap, causal, names, **declared):
+    """(``attnprobe.check`` of the capture with the input's padding, --causal and the other declarations
+    (``declared``: sliding_window=, prefix_length=, chunk_size=, scale=; None = not declared), its warnings' text)."""
     import warnings
 
     import attnprobe
@@ -917,7 +946,7 @@ def run_checks(work, cap, causal, names):
     declared_causal, declared_mask = declarations(work, cap, causal)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask, checks=names)
+        result = attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask, checks=names, **declared)
     return result, [str(w.message) for w in caught]
 
 

@@ -114,6 +114,31 @@ class NoAttentionError(UnsupportedModelError):
     ``hint`` names the arguments that would find some (``modules=``)."""
 
 
+class DeclarationError(AttnprobeError, TypeError, ValueError):
+    """A declaration given to ``check`` (``documents=``, ``sliding_window=``, ``mask_fn=``, ...) of the wrong type,
+    shape or range, refused before any check runs. A ``TypeError`` and a ``ValueError`` alike.
+
+    ``declaration``: the argument's name (``"documents"``); ``expected``: what it takes, in words; ``layer``: the
+    layer of a ``{layer: value}`` declaration, None for one given for every layer.
+    """
+
+    declaration: str | None = None
+    expected: str | None = None
+    layer: int | None = None
+
+    def __init__(
+        self,
+        *args: object,
+        declaration: str | None = None,
+        expected: str | None = None,
+        layer: int | None = None,
+        problem: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(*args, problem=problem, hint=hint)
+        self.declaration, self.expected, self.layer = declaration, expected, layer
+
+
 class AttnprobeWarning(UserWarning):
     """A capture or check result that may not mean what it seems (missing fields, dropout, ...)."""
 

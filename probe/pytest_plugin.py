@@ -84,9 +84,11 @@ def attnprobe_capture() -> CaptureFixture:
 
 @pytest.fixture
 def assert_attention(request):
-    """``assert_attention(cap=None, *, causal=None, attention_mask=None, checks=None, atol=None, rtol=None)``:
-    fail the test with the violation table when an attention invariant is broken (or nothing could be
-    verified). Without ``cap``, checks every capture taken with ``attnprobe_capture`` in this test."""
+    """``assert_attention(cap=None, *, causal=None, attention_mask=None, checks=None, atol=None, rtol=None)``, and
+    the declarations of ``attnprobe.check`` (``documents=``, ``prefix_length=``, ``bidirectional=``,
+    ``sliding_window=``, ``chunk_size=``, ``mask_fn=``, ``scale=``): fail the test with the violation table when an
+    attention invariant is broken (or nothing could be verified). Without ``cap``, checks every capture taken with
+    ``attnprobe_capture`` in this test."""
 
     def assert_attention_(cap=None, **options):
         __tracebackhide__ = True

@@ -162,7 +162,7 @@ def test_forgotten_causal_mask_fails_without_declaring_causal():
     assert causal and all(v.caused_by == "lint_unread_mask_buffer" for v in causal)
     assert f"causal as declared by buffer 'bias' registered at {WHERE}" in causal[0].message
     assert result.declarations == (f"causal (declared by buffer 'bias' registered at {WHERE}) in layer(s) 0 (<root>)",)
-    assert f"from the model's code: causal (declared by buffer 'bias' registered at {WHERE})" in result.table()
+    assert f"the model declares: causal (declared by buffer 'bias' registered at {WHERE})" in result.table()
 
 
 def test_correct_nanogpt_is_verified_causal_from_its_buffer():

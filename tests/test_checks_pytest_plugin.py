@@ -172,3 +172,17 @@ def test_plugin_loads_from_the_entry_point_in_a_fresh_process(pytester):
     result.assert_outcomes(passed=2)
     disabled = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:attnprobe")
     disabled.stdout.fnmatch_lines(["*fixture 'attnprobe_capture' not found*"])
+
+
+def test_assert_attention_takes_the_declarations(attnprobe_capture, assert_attention):
+    """issue 33: the fixture passes documents=, sliding_window=, ... on to the checks."""
+    import torch
+
+    import attnprobe
+
+    attn = attnprobe.MultiHeadAttention(8, num_heads=2, causal=True)
+    with attnprobe_capture(attn):
+        attn(torch.randn(1, 6, 8))
+    assert assert_attention(sliding_window=6, prefix_length=1).ok
+    with pytest.raises(attnprobe.InvariantError, match="declared documents="):
+        assert_attention(documents=torch.tensor([[0, 0, 0, 1, 1, 1]]))

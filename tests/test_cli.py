@@ -123,6 +123,24 @@ def test_check_violations_exit_one_with_table_and_json(cli):
     assert first["check"] == "causal" and first["layer"] == 0 and first["keys"]
 
 
+def test_check_takes_what_the_attention_should_be(cli):
+    """--sliding-window, --prefix-length, --chunk-size, --scale declare the issue-33 shorthands to ``check``."""
+
+    def found(*options):
+        result = cli("check", TINY, "--ids", "1 2 3 4 5 6", *options, "--format", "json")
+        data = json.loads(result.output)
+        assert result.exit_code == (0 if data["ok"] else 1), result.output
+        return {(v["check"], v["severity"]) for v in data["violations"] if v["severity"] == "error"}
+
+    assert found("--causal", "--sliding-window", "6", "--chunk-size", "6", "--prefix-length", "0") == set()
+    assert found("--sliding-window", "2") == {("declared", "error")}  # the tiny decoder sees all its past
+    assert found("--chunk-size", "3") == {("declared", "error")}
+    assert found("--prefix-length", "3", "--checks", "reach") == {("reach", "error")}  # its prefix is causal
+    assert ("scale", "error") in found("--scale", "0.01", "--checks", "scale")
+    refused = cli("check", TINY, *IDS, "--sliding-window", "0")  # click's usage error, before any capture
+    assert refused.exit_code == 2 and "'--sliding-window': 0 is not in the range x>=1" in refused.stderr
+
+
 def test_layers_count_from_the_end(cli):
     from attnprobe.probe.commandline.loading import parse_int_list
 

@@ -1531,6 +1531,11 @@ def sweep(name: str) -> dict:
     checked = attnprobe.check(cap, causal=causal, attention_mask=mask or None)
     result["check_ok"] = checked.ok
     result["violations"] = [str(v) for v in checked.errors][:3]
+    # what the model declares itself (config, inputs) is checked unasked: it must find nothing in a correct model,
+    # with the sweep's declarations and without any
+    unasked = ("declared", "reach", "scale")
+    bare = attnprobe.check(cap, checks=unasked)
+    result["unasked_findings"] = [str(v) for v in (*checked.violations, *bare.violations) if v.check in unasked][:3]
     return result
 
 
@@ -1664,6 +1669,7 @@ def test_family(name):
         assert not result["uncompared"] and result["max_error"] is not None, result
     assert result["max_error"] is None or result["max_error"] <= 1e-5, result
     assert result["check_ok"], result["violations"]
+    assert not result["unasked_findings"], result["unasked_findings"]
 
 
 def test_head_counts_ignore_kv_heads_that_do_not_group_the_query_heads():

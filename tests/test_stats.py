@@ -70,6 +70,9 @@ def test_engine_equals_the_statistics_of_the_full_weights(additive, sinks, block
     )
     assert_stats_equal(got, want)
     assert got["allowed_keys"][0, 0, :5].eq(0).all() and got["finite"].all()
+    # the span of allowed keys: none (-1) for the rows the padding empties, then from the first real key to the query
+    assert got["first_allowed"][0, 0].tolist() == [-1] * 5 + [5] * (T - 5)
+    assert got["last_allowed"][0, 0].tolist() == [-1] * 5 + list(range(5, T))
     assert (got["output_error"] > 5e-4).all()  # the 1e-3 noise added to the output is seen
 
 
@@ -186,6 +189,7 @@ def test_engine_causal_counts_and_positions():
     s = attention_stats(AttentionCall(q, k, scaling=1.0, causal=True), diag_offset=0)
     assert s["first_key"][0, 0].tolist() == [0, 0, 0, 0] and s["last_key"][0, 0].tolist() == [0, 1, 2, 3]
     assert s["allowed_keys"][0, 0].tolist() == [1, 2, 3, 4] and s["diagonal_allowed"].all()
+    assert s["first_allowed"][0, 0].tolist() == [0, 0, 0, 0] and s["last_allowed"][0, 0].tolist() == [0, 1, 2, 3]
     assert torch.allclose(s["entropy"][0, 0], torch.log(torch.arange(1.0, 5.0)))
     assert torch.allclose(
         s["key_weight"][0, 0], torch.tensor([1 + 1 / 2 + 1 / 3 + 1 / 4, 1 / 2 + 1 / 3 + 1 / 4, 1 / 3 + 1 / 4, 1 / 4])

@@ -39,6 +39,7 @@ from . import dispatch as hf_dispatch
 from . import kernels
 from .context import KindProbe, Surroundings, call_kind, head_counts, parents_of, static_kind
 from .dispatch import NUMBER_ARGS, TENSOR_ARGS, Dispatch, class_info
+from .expects import Projections, config_expects, inputs_expects, scale_expects
 from .recompute import MaskInfo, MaskMemo, Recompute
 from .source import record_dtype, softmax_dtype
 
@@ -235,6 +236,8 @@ class _Recorder:
         if part is not None:
             meta["stack"] = part
         self.meta = meta
+        self.expects = config_expects(module, part)  # what the config declares (record.meta["expects"])
+        self.projections = None if session.compiled else Projections(module, stack)  # q and k before the kernel
         # many eager functions run their softmax in float32 whatever the model's dtype: the weights of a
         # float64 model are then only float32-accurate, and the record says so (checks use its dtype)
         self.softmax_dtype = softmax_dtype(route.function) if route.kernel == "eager" else None
@@ -587,7 +590,20 @@ class _Recorder:
             meta = {**meta, "module_scaling": float(module_scaling)}  # e.g. Whisper scales q before the call
         if dtype != call.q.dtype:
             meta = {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
-        return meta
+        return self._declared(meta, call, where)
+
+    def _declared(self, meta: dict, call: _Call, where: _Where) -> dict:
+        """``meta`` with what the config and the inputs declare (``expects``), the inputs ``check`` may read
+        (``inputs``) and the factor q and k got after their projections (``projection_scale``)."""
+        expects, inputs = inputs_expects(self.state, self.module, where.kind)
+        expects = {**self.expects, **expects}
+        measured = self.projections.measure(call.q, call.k) if self.projections is not None else None
+        if measured is not None:
+            meta = {**meta, "projection_scale": measured}
+            expects.update(scale_expects(self.module, measured, call.q.shape[-1]))
+        if expects:
+            meta = {**meta, "expects": expects}
+        return {**meta, "inputs": inputs} if inputs else meta
 
     def _scores_trusted(self, rec: Recompute, observed, kwargs: dict) -> bool:
         """Whether attnprobe's formula is what the backend computed.

@@ -20,9 +20,12 @@ from torch import nn
 
 from ...probe.threads import current, elsewhere
 from ...probe.walk import walk_of
-from ..deliver import deliver, listen, number
+from ..deliver import deliver, listen, number, value_of
 from . import compat as hf_compat
 
+#: inputs a stack's call may carry that say what the attention should be (image blocks, packed documents): read with
+#: the mask, kept for the call's records (``StackState.input_of``)
+DECLARING_INPUTS = ("token_type_ids", "mm_token_type_ids", "position_ids")
 INPUT_NAMES = ("input_ids", "inputs_embeds", "input_features", "pixel_values", "input_values", "decoder_input_ids")
 CROSS_NAMES = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
 #: forwards that take queries and keys separately (fsmt, sam, ...): cross when the keys are another tensor
@@ -179,6 +182,9 @@ class StackState:
 
     def __init__(self, module: nn.Module, stack: ExitStack) -> None:
         self.padding: torch.Tensor | None = None  # (batch, positions) True = padding
+        self.inputs: dict[str, torch.Tensor] = {}  # DECLARING_INPUTS this call received, (batch, positions) each
+        self.cached = False  # the call runs with a cache (given, or made inside: use_cache)
+        self.cls = type(module)
         self.built_mask = False  # the call received a mask that is no 2-D padding mask (a 4-D one built above)
         self.outer: StackState | None = None  # the next stack above, whose 2-D mask this one's was built from
         self.step: int | None = None
@@ -188,6 +194,7 @@ class StackState:
         self._run_step = 0
         self._cache_type = hf_compat.cache_class()
         self._name = type(module).__name__
+        self._config = getattr(module, "config", None)
         self.reordered = False  # beam search reordered the cache's batch rows since the previous step
         self._reorder_seen = False
         self._watched: list = []  # (cache, its own reorder_cache attribute or None, the wrapper)
@@ -203,6 +210,8 @@ class StackState:
             if cache is None:
                 unknown = next((v for v in (*kwargs.values(), *args) if hf_compat.looks_like_cache(v)), None)
             compiling = torch.compiler.is_compiling()  # a compiled graph hands over tensors only
+            declaring = [argument(params, n, args, kwargs) for n in DECLARING_INPUTS]
+            use_cache = argument(params, "use_cache", args, kwargs)
             deliver(
                 token,
                 "before",
@@ -210,8 +219,14 @@ class StackState:
                     mask if isinstance(mask, torch.Tensor) else None,
                     None if compiling else cache,
                     None if compiling else unknown,
+                    *(t if isinstance(t, torch.Tensor) else None for t in declaring),
                 ],
-                [number(_built_mask(mask)), number(cache is not None), number(unknown is not None)],
+                [
+                    number(_built_mask(mask)),
+                    number(cache is not None),
+                    number(unknown is not None),
+                    number(use_cache if isinstance(use_cache, bool) else None),
+                ],
             )
 
         def after(module, args, output):
@@ -231,7 +246,15 @@ class StackState:
         if elsewhere(self._owner):
             return
         if event == "before":
-            self._before(*tensors, built=bool(numbers[0]), has_cache=bool(numbers[1]), has_unknown=bool(numbers[2]))
+            mask, cache, unknown, *declaring = tensors
+            self.inputs = {n: t for n, t in zip(DECLARING_INPUTS, declaring) if isinstance(t, torch.Tensor)}
+            use_cache = value_of(numbers[3])
+            self.cached = bool(numbers[1]) or bool(
+                getattr(self._config, "use_cache", False) if use_cache is None else use_cache
+            )
+            self._before(
+                mask, cache, unknown, built=bool(numbers[0]), has_cache=bool(numbers[1]), has_unknown=bool(numbers[2])
+            )
         else:
             self._after()
 
@@ -267,6 +290,23 @@ class StackState:
     def _after(self) -> None:
         # a module called on its own later must not see this call's state
         self.padding, self.step, self.position, self.built_mask, self.reordered = None, None, 0, False, False
+        self.inputs, self.cached = {}, False
+
+    def input_of(self, name: str) -> tuple[torch.Tensor, StackState] | None:
+        """``(tensor, the stack that received it)``: input ``name`` (one of ``DECLARING_INPUTS``) of this call, or of
+        the nearest stack above that received it (Gemma 3's language model gets its token_type_ids from the model)."""
+        state: StackState | None = self
+        while state is not None:
+            t = state.inputs.get(name)
+            if t is not None:
+                return t, state
+            state = state.outer
+        return None
+
+    @property
+    def config(self):
+        """The stack module's config (None without one)."""
+        return self._config
 
     def _watch_reorder(self, cache) -> None:
         """Note when beam search reorders ``cache``'s batch rows (``generate`` calls ``reorder_cache`` between

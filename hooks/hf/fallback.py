@@ -20,6 +20,7 @@ from ...probe.threads import current, elsewhere
 from ..functional import code_reaches_sdpa
 from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
+from .expects import config_expects
 from .source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
@@ -320,6 +321,9 @@ class _FallbackSite:
         part = surroundings.part_of(module)
         if part is not None:
             self.meta["stack"] = part
+        expects = config_expects(module, part, getattr(self.state, "config", None))  # what the config declares
+        if expects:
+            self.meta["expects"] = expects
         self.softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the dtype
         self.time_first = type(module).__name__ in _TIME_FIRST
         self.pre_softmax = type(module).__name__ in _PRE_SOFTMAX

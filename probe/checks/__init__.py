@@ -47,7 +47,7 @@ from ..errors import SelectionError, warn_user
 from ..record import AttentionRecord
 from . import builtin as _builtin  # registers the built-in checks
 from .blocks import RecordFacts, RowBlock, record_shapes
-from .declarations import declared_layers_exist, mask_tensor, validate_declarations
+from .declarations import declarations_fit, declared_layers_exist, mask_tensor, validate_declarations
 from .findings import MAX_GROUPS, CheckRun, records_of
 from .lint import attribute_causes
 from .registry import REGISTRY, CheckSpec, register
@@ -82,7 +82,22 @@ def _lint(run: CheckRun, rec: AttentionRecord, index: int) -> None:
 
 
 # --------------------------------------------------------------------------- public API
-def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, atol=None, rtol=None) -> CheckResult:
+def check(
+    capture_or_record,
+    *,
+    causal=None,
+    attention_mask=None,
+    documents=None,
+    prefix_length=None,
+    bidirectional=None,
+    sliding_window=None,
+    chunk_size=None,
+    mask_fn=None,
+    scale=None,
+    checks=None,
+    atol=None,
+    rtol=None,
+) -> CheckResult:
     """Check attention invariants on a ``Capture``, one ``AttentionRecord`` or a list of records.
 
     ``causal``: declare the self-attention causal (True) or bidirectional (False), for every layer
@@ -92,7 +107,16 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
     layers). For a capture of ``generate``, declare the mask of the whole sequence (the prompt's mask
     followed by ones for the generated tokens): each KV-cache step reads the positions of its own keys,
     also when a sliding-window cache kept only the latest ones. Without declarations each record's own
-    mask is the reference. Reported key positions are positions in the sequence, not cache slots. ``checks``: names from
+    mask is the reference. Reported key positions are positions in the sequence, not cache slots.
+
+    What the attention should be, each a shorthand for one FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``,
+    for every layer or as ``{layer: value}`` (see ``attnprobe.probe.checks.declarations``): ``documents`` (per-token
+    document ids ``(batch, seq)``, or ``"position_ids"``), ``prefix_length`` (prefix-LM), ``bidirectional`` (block
+    ids ``(batch, seq)``, 0 = none, or ``[(start, end), ...]``), ``sliding_window`` (``q - kv < W``),
+    ``chunk_size``, ``mask_fn`` (any ``mask_mod``) and ``scale`` (the softmax scale). ``declared`` reports weight
+    where they forbid, ``reach`` keys they allow that the record masked; ``scale`` compares the effective scale.
+    What the model declares itself (its config's layer types and windows, the inputs' image blocks and packed
+    position ids) is checked unasked and listed in ``CheckResult.declarations``. ``checks``: names from
     ``CHECKS``, ``"lint"`` or ``lint_*`` names (None = all). ``atol``/``rtol`` override the dtype
     defaults (``DEFAULT_TOLERANCES``).
 
@@ -106,11 +130,22 @@ def check(capture_or_record, *, causal=None, attention_mask=None, checks=None, a
         >>> result.ok, len(result.errors)
         (True, 0)
     """
-    validate_declarations(causal, attention_mask)
+    declared = validate_declarations(
+        causal,
+        attention_mask,
+        documents=documents,
+        prefix_length=prefix_length,
+        bidirectional=bidirectional,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        mask_fn=mask_fn,
+        scale=scale,
+    )
     _check_tolerances(atol=atol, rtol=rtol)
     records, keep = records_of(capture_or_record)
-    declared_layers_exist(causal, attention_mask, records)
-    run = CheckRun(causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
+    declarations_fit(declared, records)
+    declared_layers_exist(declared, records)
+    run = CheckRun(declared=declared, checks=checks, atol=atol, rtol=rtol)
     weightless: dict[int, str] = {}  # layer -> backend of records asked for weights that came without
     prepared = 0
     with torch.no_grad():
@@ -243,11 +278,10 @@ def _warn(run: CheckRun, records: list[AttentionRecord], weightless: dict[int, s
         )
 
 
-def assert_invariants(
-    capture_or_record, *, causal=None, attention_mask=None, checks=None, atol=None, rtol=None
-) -> CheckResult:
+def assert_invariants(capture_or_record, **options) -> CheckResult:
     """``check`` and raise ``InvariantError`` (an AssertionError whose message is the violation table)
-    when an invariant is broken, or when nothing at all could be verified. Returns the result.
+    when an invariant is broken, or when nothing at all could be verified. Returns the result. ``options``: those
+    of ``check`` (``causal=``, ``attention_mask=``, ``documents=``, ..., ``checks=``, ``atol=``, ``rtol=``).
 
     Example::
 
@@ -259,7 +293,7 @@ def assert_invariants(
         True
     """
     __tracebackhide__ = True  # pytest shows the caller's line
-    result = check(capture_or_record, causal=causal, attention_mask=attention_mask, checks=checks, atol=atol, rtol=rtol)
+    result = check(capture_or_record, **options)
     return result.raise_if_failed()
 
 

@@ -10,6 +10,7 @@ import torch
 from ..engine.stats import KEY_STATS, ROW_STATS
 from ..record import AttentionRecord
 from .declarations import declared_for, mask_tensor
+from .predicate import RecordDeclaration, expected
 from .tolerances import tolerance
 
 #: Where a record's key padding came from (``RecordFacts.key_pad_source``).
@@ -128,7 +129,12 @@ class RecordFacts:
         self.causal_declared = self.causal is not None
         self.causal_source = f"declared causal={self.causal}"
         intent = rec.meta.get("declared_causal")  # what the module's own code declares (probe/intent.py)
-        if self.causal is None and intent and rec.kind == "self":
+        unasked = expected(rec.meta, "causal") if rec.kind == "self" else None  # what the model's config says
+        if self.causal is None and unasked is not None:
+            self.causal, self.causal_declared = bool(unasked[0]), True
+            self.causal_source = f"causal={self.causal} from {unasked[1]}"
+            run.declarations.setdefault(f"causal={self.causal} ({unasked[1]})", {})[rec.layer] = rec.name or "<root>"
+        elif self.causal is None and intent and rec.kind == "self":
             self.causal, self.causal_declared = True, True
             self.causal_source = f"causal as declared by {intent}"
             run.declarations.setdefault(f"causal (declared by {intent})", {})[rec.layer] = rec.name or "<root>"
@@ -142,6 +148,18 @@ class RecordFacts:
             query_pad = declared_query_pad if query_pad is None else query_pad | declared_query_pad
         self.query_pad = query_pad  # (B, Tq) or None
         self.own, self.own_excused = self._own_position()
+        self.decl = RecordDeclaration(run.declared, self)  # documents, blocks, windows, chunks, mask_fn, scale
+        opens = [o.name for o in self.decl.openings if o.user]
+        if opens and declared_for(run.causal, rec) is None:
+            # a prefix or blocks declared: the rest is causal (prefix-LM, Gemma 3's images), whatever the module says
+            self.causal, self.causal_declared = True, True
+            self.causal_source = f"causal outside what {opens[0]}= opens"
+            self.decl.make_causal(self.causal_source)
+        for name, source in self.decl.notes:
+            run.declarations.setdefault(f"{name} ({source})", {})[rec.layer] = rec.name or "<root>"
+        for name, reason in self.decl.problems:
+            for check in ("declared", "reach"):
+                run.skip(check, f"{name} could not be applied: {reason}", self)
 
     def _own_position(self):
         """(may each query attend its own position, is that position a padded key): ``(B, 1 or H, Tq)`` each,
@@ -262,6 +280,7 @@ class RowBlock:
         self.diag = None if facts.diag is None else facts.diag[a:b]
         self.kpos = facts.kpos
         self.own = None if facts.own is None else facts.own[:, :, a:b]
+        self.decl: RecordDeclaration = facts.decl
         self.own_excused = None if facts.own_excused is None else facts.own_excused[:, :, a:b]
 
         def rows(t):
@@ -314,14 +333,23 @@ class RowBlock:
         return self.diag
 
     def future(self) -> torch.Tensor:
-        """(Tq, Tk) bool: key index after the query's own key index."""
+        """(Tq, Tk) bool: key index after the query's own key index; ``(batch or 1, 1, Tq, Tk)`` after the last key a
+        declared opening lets the row see (its bidirectional block, the prefix) where the record has openings."""
         keys = torch.arange(self.Tk, device=self.device)
+        if self.decl.opened():
+            return (keys > self.ahead()[..., None])[:, None]
         return keys[None, :] > self.own_keys()[:, None]
 
+    def ahead(self) -> torch.Tensor:
+        """``(batch or 1, Tq)``: the last key index causality and the declared openings let each row attend."""
+        self.own_keys()
+        return self.decl.ahead()[:, self.start : self.start + self.Tq]
+
     def outside_window(self) -> torch.Tensor | None:
-        """(Tq, Tk) bool: keys older than a causal sliding window (the window includes the query)."""
+        """(Tq, Tk) bool: keys older than a causal sliding window (the window includes the query); None without one,
+        or where a declared window (``declared`` reports it, naming where it comes from) replaces the record's."""
         window = self.rec.sliding_window
-        if not window:
+        if not window or any(b.name == "sliding_window" for b in self.decl.bounds):
             return None
         keys = torch.arange(self.Tk, device=self.device)
         return keys[None, :] <= self.own_keys()[:, None] - window

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from ..engine.sinks import sink_mass
+from . import shaped
 from .blocks import RowBlock, all_finite
 from .declarations import declared_for
 from .findings import CheckRun
@@ -254,8 +255,8 @@ def _causal_cells(run: CheckRun, p: RowBlock) -> None:
             "future",
             (p.w > thr) & future & rows,
             lambda n, worst: (
-                f"weight on {n} key(s) after the query's position (max {_fmt(worst)}; {source}): the causal mask is "
-                "missing or shifted"
+                f"weight on {n} key(s) after the query's position{_opened(p)} (max {_fmt(worst)}; {source}): the "
+                "causal mask is missing or shifted"
             ),
             values=p.w,
         )
@@ -292,6 +293,13 @@ def _causal_cells(run: CheckRun, p: RowBlock) -> None:
             )
 
 
+def _opened(p: RowBlock) -> str:
+    """How far the declared openings let rows see ahead, for the messages of ``causal``."""
+    if not p.decl.opened():
+        return ""
+    return " and past what " + " and ".join(f"{o.name} ({o.source})" for o in p.decl.openings) + " opens"
+
+
 def _causal_own(run: CheckRun, p: RowBlock) -> None:
     if p.own is not None and p.own_excused is not None:  # a causal mask lets every real query attend its own position
         bad = ~p.own & ~p.own_excused & p.checked
@@ -315,6 +323,7 @@ def _causal_from_stats(
     counts as weight)."""
     rec, diag = p.rec, own.view(1, 1, -1)
     first, last = st["first_key"], st["last_key"]  # (B, H, rows)
+    limit = p.ahead()[:, None, :] if p.decl.opened() else diag  # (B or 1, 1, rows): the last key a row may see
     if not p.causal:  # declared bidirectional: some query must attend some later real key
         later = (p.Tk - 1 - own).clamp(min=0).view(1, 1, -1).to(torch.long)  # later keys per row
         if p.key_pad is not None:
@@ -329,10 +338,10 @@ def _causal_from_stats(
         p,
         "causal",
         "future",
-        (last > diag) & p.checked,
+        (last > limit) & p.checked,
         lambda n, _: (
-            f"{n} query row(s) put weight on keys after their position ({source}): the causal mask is missing or "
-            "shifted"
+            f"{n} query row(s) put weight on keys after their position{_opened(p)} ({source}): the causal mask is "
+            "missing or shifted"
         ),
     )
     if rec.sliding_window:
@@ -458,6 +467,25 @@ def _score_slack(p: RowBlock) -> torch.Tensor | float:
     return torch.expm1(2 * p.tol.eps * s.amax(-1, keepdim=True))
 
 
+@register(
+    "declared",
+    severity="error",
+    doc="no weight outside what documents=, sliding_window=, chunk_size= and mask_fn= allow (declared, or by the "
+    "model's config and inputs)",
+)
+def check_declared(run: CheckRun, p: RowBlock) -> None:
+    shaped.declared(run, p)
+
+
+@register(
+    "reach",
+    severity="error",
+    doc="keys the declarations allow are not masked (nor given exactly zero weight the scores cannot explain)",
+)
+def check_reach(run: CheckRun, p: RowBlock) -> None:
+    shaped.reach(run, p)
+
+
 @register("softmax_match", severity="error", doc="weights equal the softmax of the masked scores")
 def check_softmax_match(run: CheckRun, p: RowBlock) -> None:
     if p.st is not None:
@@ -558,6 +586,16 @@ def check_output_match(run: CheckRun, p: RowBlock) -> None:
         ),
         values=diff.amax(-1),
     )
+
+
+@register(
+    "scale",
+    severity="error",
+    doc="the effective softmax scale (the kernel's, times any factor q and k got after their projections) is the "
+    "declared one (a warning where only the config says so)",
+)
+def check_scale(run: CheckRun, p: RowBlock) -> None:
+    shaped.scale(run, p)
 
 
 @register(

@@ -10,6 +10,7 @@ import torch
 
 from ..record import AttentionRecord
 from .blocks import RowBlock
+from .declarations import Declared
 from .registry import REGISTRY
 from .violations import MAX_POSITIONS, Severity, Violation
 
@@ -78,9 +79,10 @@ class _Finding:
 
 
 class CheckRun:
-    def __init__(self, *, causal, attention_mask, checks, atol, rtol) -> None:
-        self.causal = causal
-        self.attention_mask = attention_mask
+    def __init__(self, *, declared: Declared, checks, atol, rtol) -> None:
+        self.declared = declared
+        self.causal = declared.causal
+        self.attention_mask = declared.attention_mask
         self.atol, self.rtol = atol, rtol
         self.selected, self.lint_names = select_checks(checks)
         self.findings: dict[tuple, _Finding] = {}
@@ -92,6 +94,7 @@ class CheckRun:
         self.dropout_layers: dict[int, float] = {}
         self.declarations: dict[str, dict[int, str]] = {}  # what a module declared -> {layer: name} held to it
         self.mask_fitted = False
+        self.extra: list[Violation] = []  # findings about a whole record (scale)
 
     def skip(self, check: str, reason: str, where) -> None:
         """Say that ``check`` could not run on the record of ``where`` (anything with ``index`` and ``rec``)."""
@@ -195,6 +198,7 @@ class CheckRun:
                         key_count=key_count,
                     )
                 )
+        out.extend(self.extra)
         for rec, later, attended in self.bidirectional.values():
             if later and not attended:
                 out.append(

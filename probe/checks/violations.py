@@ -176,8 +176,10 @@ class CheckResult:
     coverage: Mapping[str, int] = field(default_factory=dict)
     """Check name -> number of records it ran on (0 = it never ran)."""
     declarations: tuple[str, ...] = ()
-    """What the model's own code declared and ``check`` held it to without being told, one line per record
-    (e.g. causality from a registered triangular mask buffer, with the line that registers it)."""
+    """What the model declared and ``check`` held it to without being told, one line per declaration with its
+    source and the layers it concerned: causality from a registered triangular mask buffer (with the line that
+    registers it), a config's sliding windows and layer types, image blocks from the inputs' token_type_ids, packed
+    documents from restarting position_ids, ... (a user's declaration of the same name replaces it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.coverage, MappingProxyType):
@@ -315,7 +317,7 @@ class CheckResult:
                 + (f", caused by {' / '.join(causes)}" if causes else "")
             )
         for note in self.declarations:
-            lines.append(f"  from the model's code: {note}")
+            lines.append(f"  the model declares: {note}")
         if self.violations:
             order = {s: i for i, s in enumerate(SEVERITIES)}
             # each cause, then the failures it explains (indented); then the rest, errors first

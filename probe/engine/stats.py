@@ -27,7 +27,10 @@ Per ``(batch, head, query)`` (``ROW_STATS``):
 - ``first_key``, ``last_key``: the first and last key index whose weight exceeds ``WEIGHT_THRESHOLD``
   (-1 when none: what causal and sliding-window verdicts need);
 - ``allowed_keys``: how many keys the call's mask lets the row attend (0 = an empty row);
-- ``diagonal_allowed``: whether the mask lets the query attend its own key.
+- ``diagonal_allowed``: whether the mask lets the query attend its own key;
+- ``first_allowed``, ``last_allowed``: the first and last key index the mask lets the row attend (-1 when none):
+  with ``allowed_keys`` and ``key_allowed`` they say which keys a row may attend wherever its mask is one span less
+  keys no query attends (what the checks of declarations read, ``probe/checks/intervals.py``).
 
 With ``key_set`` ``(batch, key)`` bool (a subset of the keys, e.g. a picture's patch tokens): ``key_set_mass``
 ``(batch, head, query)``, each row's weight on those keys, summed block by block like the other masses
@@ -76,6 +79,8 @@ ROW_STATS: tuple[str, ...] = (
     "last_key",
     "allowed_keys",
     "diagonal_allowed",
+    "first_allowed",
+    "last_allowed",
 )
 #: Statistics with one value per (batch, head, key).
 KEY_STATS: tuple[str, ...] = ("key_weight", "key_allowed")
@@ -275,6 +280,10 @@ class _RowSums:
     """long: the keys the call's mask lets the row attend."""
     diag_allowed: torch.Tensor
     """bool: whether the mask lets the row attend its own key."""
+    first_allowed: torch.Tensor
+    """long: the first key the mask lets the row attend (the key count: none yet)."""
+    last_allowed: torch.Tensor
+    """long: the last such key (-1: none yet)."""
     out: torch.Tensor | None = None
     """``(batch, head, query, d_head)``: ``sum e * v`` (None without an observed output)."""
     scale: torch.Tensor | None = None
@@ -303,6 +312,8 @@ class _RowSums:
             last=torch.full(shape, -1, dtype=torch.long, device=device),
             allowed_keys=torch.zeros(shape, dtype=torch.long, device=device),
             diag_allowed=torch.zeros(shape, dtype=torch.bool, device=device),
+            first_allowed=torch.full(shape, keys, dtype=torch.long, device=device),
+            last_allowed=torch.full(shape, -1, dtype=torch.long, device=device),
             out=None if d_v is None else torch.zeros(*shape, d_v, device=device, dtype=dtype),
             scale=None if d_v is None else torch.zeros_like(zeros),
         )
@@ -613,12 +624,21 @@ class _Engine:
             # (query,): the first key each row may not attend
             limit = rows.positions + call.causal_offset + 1 if call.causal else torch.full_like(rows.positions, d)
             sums.allowed_keys += (limit.clamp(c, d) - c).view(1, 1, -1)
+            some = (limit > c).view(1, 1, -1)  # (1, 1, query): the row may attend keys from c on
+            sums.first_allowed = torch.where(some, torch.clamp(sums.first_allowed, max=c), sums.first_allowed)
+            last = (limit.clamp(max=d) - 1).view(1, 1, -1)  # (1, 1, query)
+            sums.last_allowed = torch.where(some, torch.maximum(sums.last_allowed, last), sums.last_allowed)
             reach = min(d, call.key_limit(rows.b)) if call.causal else d
             self.key_allowed[..., c : max(c, reach)] = True
             if rows.diag is not None:
                 sums.diag_allowed |= ((rows.diag >= c) & (rows.diag < d) & (rows.diag < limit)).view(1, 1, -1)
             return
         sums.allowed_keys += allowed.sum(-1, dtype=torch.long).expand(B, h, n)
+        some = allowed.any(-1)  # (batch or 1, 1 or head, query)
+        first = torch.where(some, _first_true(allowed) + c, self.Tk).expand(B, h, n)
+        last = torch.where(some, _last_true(allowed) + c, -1).expand(B, h, n)
+        sums.first_allowed = torch.minimum(sums.first_allowed, first)
+        sums.last_allowed = torch.maximum(sums.last_allowed, last)
         self.key_allowed[..., c:d] |= allowed.any(-2).expand(B, h, d - c)
         if rows.diag is not None:
             # (batch or 1, 1 or head, query, key): a mask the same for every query, as a view
@@ -670,6 +690,8 @@ class _Engine:
             "last_key": sums.last,
             "allowed_keys": sums.allowed_keys,
             "diagonal_allowed": sums.diag_allowed,
+            "first_allowed": torch.where(sums.first_allowed >= self.Tk, -1, sums.first_allowed),
+            "last_allowed": sums.last_allowed,
         }
         if self.key_set is not None:  # (batch, head, query): no key of the set in reach sums to 0
             stats[KEY_SET_STAT] = (torch.zeros_like(m) if sums.set_e is None else sums.set_e) * inv
@@ -880,6 +902,8 @@ class _Rows:
         self.first = torch.full((B, h, n), Tk, dtype=torch.long, device=device)
         self.last = torch.full((B, h, n), -1, dtype=torch.long, device=device)
         self.allowed_keys = torch.zeros(B, h, n, dtype=torch.long, device=device)
+        self.first_allowed = torch.full((B, h, n), Tk, dtype=torch.long, device=device)
+        self.last_allowed = torch.full((B, h, n), -1, dtype=torch.long, device=device)
         nan = torch.full_like(z, math.nan)
         self.first_mass, self.diag_mass, self.prev_mass = nan.clone(), nan.clone(), nan.clone()
         self.diag_allowed = torch.zeros(B, h, n, dtype=torch.bool, device=device)
@@ -922,11 +946,17 @@ class _Rows:
             _gather(w, self.diag - 1, c, d, self.prev_mass)
         if allowed is None:
             self.allowed_keys += d - c
+            self.first_allowed.clamp_(max=c)
+            self.last_allowed.clamp_(min=d - 1)
             if self.diag is not None:
                 self.diag_allowed |= ((self.diag >= c) & (self.diag < d)).view(1, 1, -1)
         else:
             allowed = allowed.expand(*w.shape[:2], *allowed.shape[2:]) if allowed.shape[1] != w.shape[1] else allowed
             self.allowed_keys += allowed.sum(-1).expand_as(self.allowed_keys)
+            index = torch.where(allowed, keys, self.Tk).amin(-1).expand_as(self.first_allowed)  # (batch, head, query)
+            self.first_allowed = torch.minimum(self.first_allowed, index)
+            index = torch.where(allowed, keys, -1).amax(-1).expand_as(self.last_allowed)  # (batch, head, query)
+            self.last_allowed = torch.maximum(self.last_allowed, index)
             if self.diag is not None:
                 got = torch.zeros_like(self.diag_allowed)
                 _gather(allowed.expand(*w.shape), self.diag, c, d, got)
@@ -975,6 +1005,8 @@ class _Rows:
             "last_key": self.last,
             "allowed_keys": self.allowed_keys,
             "diagonal_allowed": self.diag_allowed,
+            "first_allowed": torch.where(self.first_allowed >= self.Tk, -1, self.first_allowed),
+            "last_allowed": self.last_allowed,
         }
         if output is not None and self.out is not None and self.scale is not None:
             obs = output[:, :, self.a : self.b].to(self.out.dtype)  # (batch, head, query, d_head)

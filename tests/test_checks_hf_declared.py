@@ -1,0 +1,383 @@
+"""Shipped attention bugs, reproduced with tiny models, and the declarations that catch them (issue 33).
+
+Each bug is planted by re-introducing its fix's reverse in the installed transformers: the function's own source,
+edited back (``reverse_fix``), or the one attribute a fix changed. The declaration a user would naturally write catches
+it and the fixed model passes under the same declaration; the model's own declarations (config, inputs) catch it
+with nothing declared where the issue asks so (packed documents, image blocks).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+
+import pytest
+import torch
+from hf_helpers import transformers
+
+import attnprobe
+
+TEXT = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    vocab_size=120,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+VISION = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    intermediate_size=64,
+    image_size=16,
+    patch_size=4,
+    num_channels=3,
+    model_type="siglip_vision_model",
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reverse_fix(monkeypatch, owner, name: str, fixed: str, broken: str) -> None:
+    """Replace ``owner.name`` (a function of a module, or a method) with its own source where the fix's text
+    ``fixed`` reads ``broken`` again: the bug as it shipped, everything else as installed."""
+    fn = inspect.unwrap(getattr(owner, name))
+    source = textwrap.dedent(inspect.getsource(fn))
+    # @auto_docstring only writes documentation, and it cannot read a method outside its class
+    source = "\n".join(line for line in source.splitlines() if line.strip() != "@auto_docstring")
+    assert fixed in source, f"the installed {fn.__qualname__} no longer reads {fixed!r}: update the test"
+    module = sys.modules[fn.__module__]
+    namespace = dict(vars(module))
+    exec(compile(source.replace(fixed, broken), module.__file__ or "<reverse>", "exec"), namespace)
+    monkeypatch.setattr(owner, name, namespace[name])
+
+
+def errors_of(result, check: str) -> list:
+    return [v for v in result.errors if v.check == check]
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 3 images
+def gemma3():
+    torch.manual_seed(0)
+    text = dict(TEXT, num_key_value_heads=2, head_dim=8, model_type="gemma3_text", sliding_window=3)
+    config = transformers.Gemma3Config(
+        text_config=dict(text, query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=VISION,
+        image_token_index=110,
+        mm_tokens_per_image=4,
+        boi_token_index=111,
+        eoi_token_index=112,
+    )
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+#: two images of 4 tokens each, between text: token_type_ids 1 on the image tokens
+GEMMA_IDS = torch.tensor([[5, 6, 111, 110, 110, 110, 110, 112, 7, 111, 110, 110, 110, 110, 112, 8]])
+TOKEN_TYPES = (GEMMA_IDS == 110).long()
+
+
+def text_layers(cap) -> list[int]:
+    """The language model's layers (the vision tower's come first)."""
+    return sorted(r.layer for r in cap if "language_model" in r.name)
+
+
+def gemma3_capture(model, *, keep=None):
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    options = {} if keep is None else {"keep": keep}
+    with torch.no_grad(), attnprobe.capture(model, **options) as cap:
+        model(input_ids=GEMMA_IDS, pixel_values=pixels, token_type_ids=TOKEN_TYPES)
+    return cap
+
+
+def test_a_correct_gemma3_with_images_passes_with_nothing_declared():
+    """Its image blocks are bidirectional: causal=True read alone failed it with 8 errors; the inputs' token_type_ids
+    declare the blocks, the config the sliding window of layer 0."""
+    cap = gemma3_capture(gemma3())
+    result = attnprobe.check(cap)
+    assert result.ok and result.verified, result.table()
+    said = "\n".join(result.declarations)
+    assert "token_type_ids passed to Gemma3" in said and "sliding_window=3" in said, said
+    assert result.coverage["reach"] == 2 and result.coverage["declared"] == 1, dict(result.coverage)
+    declared = attnprobe.check(cap, bidirectional=TOKEN_TYPES)  # what a user would write: the same verdict
+    assert declared.ok and declared.coverage["reach"] == 2
+
+
+def test_images_attending_the_next_image_are_caught(monkeypatch):
+    """transformers #38053, fixed by #38080: every image token in one block, so an image sees the next one."""
+    from transformers.models.gemma3 import modeling_gemma3 as g
+
+    model = gemma3()
+    reverse_fix(
+        monkeypatch,
+        g,
+        "get_block_sequence_ids_for_mask",
+        "block_sequence_ids = torch.where(is_image, group_ids, -1)",
+        "block_sequence_ids = torch.where(is_image, 0, -1)",
+    )
+    cap = gemma3_capture(model)
+    for result in (attnprobe.check(cap), attnprobe.check(cap, bidirectional=TOKEN_TYPES)):
+        found = errors_of(result, "causal")
+        assert found and {v.layer for v in found} == set(text_layers(cap)), result.table()
+        assert all(set(v.queries) <= {3, 4, 5, 6} and set(v.keys) <= {10, 11, 12, 13} for v in found), result.table()
+        assert "bidirectional" in found[0].message
+
+
+def test_an_image_block_ignoring_the_sliding_window_is_caught(monkeypatch):
+    """transformers #46711, fixed by #46850: on sliding layers the block was OR-ed after the window, so the last
+    token of a 4-token image saw its first one, 3 positions back, through a window of 3."""
+    from transformers.models.gemma3 import modeling_gemma3 as g
+
+    model = gemma3()
+    # before the fix (as #46711 describes it): sliding_attention = sliding_causal OR blockwise
+    reverse_fix(
+        monkeypatch,
+        g,
+        "create_masks_for_vision_model",
+        "    sliding_mask = create_causal_mask(\n"
+        "        **mask_kwargs,\n"
+        "        or_mask_function=blockwise_overlay(padded_block_sequence_ids),\n"
+        "        and_mask_function=sliding_window_overlay(config.sliding_window),\n",
+        "    sliding_mask = create_sliding_window_causal_mask(\n"
+        "        **mask_kwargs,\n"
+        "        block_sequence_ids=block_sequence_ids,\n",
+    )
+    cap = gemma3_capture(model)
+    sliding = {text_layers(cap)[0]: 3}
+    for result in (attnprobe.check(cap), attnprobe.check(cap, bidirectional=TOKEN_TYPES, sliding_window=sliding)):
+        found = errors_of(result, "declared")
+        assert found and {v.layer for v in found} == {text_layers(cap)[0]}, result.table()
+        # the last token of each image (6, 13) saw the first (3, 10), 3 positions back
+        assert all(set(v.queries) == {6, 13} and set(v.keys) == {3, 10} for v in found), result.table()
+        assert "sliding window" in found[0].message
+
+
+def test_a_bidirectional_mask_that_never_reaches_attention_is_caught(monkeypatch):
+    """transformers #39389: the mask reaching attention was purely causal; ``reach`` reports the image keys ahead
+    that the blocks open and the record masked."""
+    from transformers.models.gemma3 import modeling_gemma3 as g
+
+    model = gemma3()
+    monkeypatch.setattr(
+        g, "create_masks_for_vision_model", lambda block_sequence_ids, **kwargs: g.create_masks_for_generate(**kwargs)
+    )
+    cap = gemma3_capture(model)
+    for result in (attnprobe.check(cap), attnprobe.check(cap, bidirectional=TOKEN_TYPES)):
+        found = errors_of(result, "reach")
+        assert found and {v.layer for v in found} == set(text_layers(cap)), result.table()
+        assert set(found[0].keys) <= {4, 5, 6, 11, 12, 13} and "masked" in found[0].message
+
+
+# ------------------------------------------------------------------------------------------------ packed documents
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**dict(TEXT, num_key_value_heads=2, head_dim=8))
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+PACKED = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])  # three documents in one row
+PACKED_DOCS = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2]])
+
+
+def packed_capture(model, **inputs):
+    ids = torch.arange(3, 15).unsqueeze(0)
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model(input_ids=ids, position_ids=PACKED, use_cache=False, **inputs)
+    return cap
+
+
+def test_packed_documents_attending_across_are_caught(monkeypatch):
+    """axolotl PR #3796, transformers PR #46634: with a 2-D all-ones mask, transformers' packed-sequence detection is
+    off and every document attends the ones packed before it. The fix (the detection gate without
+    ``attention_mask is None``) is applied to the installed transformers for the fixed run."""
+    from transformers import masking_utils
+
+    model = llama()
+    broken = packed_capture(model, attention_mask=torch.ones(1, 12, dtype=torch.long))
+    for result in (
+        attnprobe.check(broken),
+        attnprobe.check(broken, documents=PACKED_DOCS),
+        attnprobe.check(broken, documents="position_ids"),
+    ):
+        found = errors_of(result, "declared")
+        assert found and {v.layer for v in found} == {0, 1}, result.table()
+        assert "document" in found[0].message and set(found[0].queries) >= {4, 7}, result.table()
+    assert any("position_ids passed to LlamaModel restart" in d for d in attnprobe.check(broken).declarations)
+    reverse_fix(
+        monkeypatch,
+        masking_utils,
+        "_preprocess_mask_arguments",
+        "if position_ids is not None and attention_mask is None and cache is None:",
+        "if position_ids is not None and cache is None:",
+    )
+    fixed = packed_capture(model, attention_mask=torch.ones(1, 12, dtype=torch.long))
+    for declared in ({}, {"documents": PACKED_DOCS}, {"documents": "position_ids"}):
+        result = attnprobe.check(fixed, **declared)
+        assert result.ok and result.coverage["declared"] == 2, result.table()
+
+
+# ------------------------------------------------------------------------------------------------------ the scale
+def test_a_prescaled_query_scaled_again_is_caught(monkeypatch):
+    """OPT applied its attention scaling twice (transformers #38277, fixed by #38290): q = q_proj(x) * scaling and
+    the kernel scaled again. The record's scaling reads a plausible 1/sqrt(d); the projections' outputs show the
+    factor q got before the kernel."""
+    from transformers.models.opt import modeling_opt as opt
+
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(
+        hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, vocab_size=120, word_embed_proj_dim=32
+    )
+    model = transformers.OPTForCausalLM(config).eval()
+    ids = torch.arange(3, 11).unsqueeze(0)
+    with torch.no_grad(), attnprobe.capture(model) as fixed:
+        model(input_ids=ids)
+    reverse_fix(monkeypatch, opt.OPTAttention, "forward", "scaling=1.0,", "scaling=self.scaling,")
+    with torch.no_grad(), attnprobe.capture(model) as broken:
+        model(input_ids=ids)
+    assert broken[0].scaling == pytest.approx(8**-0.5)  # self-consistent: the kernel's scaling looks right
+    user = attnprobe.check(broken, scale=8**-0.5)
+    found = errors_of(user, "scale")
+    assert len(found) == 2 and "q was multiplied by 0.3536" in found[0].message, user.table()
+    unasked = attnprobe.check(broken)  # the model's own scaling, a warning: a correct model may mean another
+    assert unasked.ok and [v.severity for v in unasked.violations if v.check == "scale"] == ["warning"] * 2
+    for result in (attnprobe.check(fixed, scale=8**-0.5), attnprobe.check(fixed)):
+        assert result.ok and not result.violations and result.coverage["scale"] == 2, result.table()
+
+
+# ----------------------------------------------------------------------------------------- causal and bidirectional
+def test_a_decoder_given_a_bidirectional_mask_is_caught(monkeypatch):
+    """transformers #48745 (fixed by #48760): RoFormerForCausalLM (is_decoder=True) built a bidirectional mask; the
+    config's is_decoder declares causality unasked, and causal=True, the natural declaration, catches it too."""
+    from transformers.models.roformer import modeling_roformer as roformer
+
+    torch.manual_seed(0)
+    config = transformers.RoFormerConfig(**dict(TEXT, embedding_size=32), is_decoder=True)
+    model = transformers.RoFormerForCausalLM(config).eval()
+    ids = torch.arange(3, 11).unsqueeze(0)
+    with torch.no_grad(), attnprobe.capture(model) as fixed:
+        model(input_ids=ids)
+    reverse_fix(
+        monkeypatch,
+        roformer.RoFormerModel,
+        "forward",
+        "mask_function = create_causal_mask if self.config.is_decoder else create_bidirectional_mask",
+        "mask_function = create_bidirectional_mask",
+    )
+    with torch.no_grad(), attnprobe.capture(model) as broken:
+        model(input_ids=ids)
+    for declared in ({}, {"causal": True}):
+        found = errors_of(attnprobe.check(broken, **declared), "causal")
+        assert {v.layer for v in found} == {0, 1}, found
+        assert attnprobe.check(fixed, **declared).ok
+    assert any("is_decoder=True" in d for d in attnprobe.check(broken).declarations)
+
+
+def test_a_causal_encoder_is_flagged_on_its_own_layers(monkeypatch):
+    """transformers PR #42820: T5Gemma2's encoder attention had is_causal=True, so sdpa's causal shortcut made the
+    encoder causal. The encoder is bidirectional by what the model is: its layers, and only those, are reported."""
+    torch.manual_seed(0)
+    text = dict(TEXT, num_key_value_heads=2, head_dim=8, model_type="t5gemma2_text", sliding_window=4)
+    full = dict(text, layer_types=["full_attention", "full_attention"])  # no mask built: sdpa's is_causal decides
+    config = transformers.T5Gemma2Config(
+        encoder=dict(text_config=full, vision_config=VISION, model_type="t5gemma2_encoder"),
+        decoder=dict(text, model_type="t5gemma2_decoder"),
+    )
+    model = transformers.T5Gemma2ForConditionalGeneration(config).eval()
+    inputs = {"input_ids": torch.arange(3, 11).unsqueeze(0), "decoder_input_ids": torch.arange(3, 9).unsqueeze(0)}
+    with torch.no_grad(), attnprobe.capture(model) as fixed:
+        model(**inputs)
+    encoder = [m for n, m in model.named_modules() if n.startswith("model.encoder.text_model") and n.endswith("attn")]
+    assert encoder
+    for module in encoder:
+        monkeypatch.setattr(module, "is_causal", True)  # the flag the fix turned off
+    with torch.no_grad(), attnprobe.capture(model) as broken:
+        model(**inputs)
+    layers = {r.layer for r in broken if r.meta.get("stack") == "encoder" and r.kind == "self"}
+    found = errors_of(attnprobe.check(broken), "causal")
+    assert found and {v.layer for v in found} == layers, attnprobe.check(broken).table()
+    assert "no query attends any later key" in found[0].message
+    assert attnprobe.check(fixed).ok
+
+
+# ------------------------------------------------------------------------------------------------------ a prefix
+def test_a_prefix_made_causal_is_caught(monkeypatch):
+    """PaliGemma's prefix (the image and the prompt, token_type_ids 0) is bidirectional, the suffix causal. Planted:
+    the prefix made causal (the line that opens it removed). ``reach`` reports the prefix keys the record masked,
+    under prefix_length=, the natural declaration, and unasked from the token_type_ids."""
+    from transformers.models.paligemma import modeling_paligemma as pg
+
+    torch.manual_seed(0)
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(TEXT, num_key_value_heads=2, head_dim=8, model_type="gemma"),
+        vision_config=VISION,
+        image_token_index=110,
+        projection_dim=32,
+    )
+    model = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    ids = torch.tensor([[110] * 16 + [5, 6, 7, 8, 9, 10, 11]])
+    types = torch.tensor([[0] * 19 + [1] * 4])  # prefix: 16 image tokens and 3 prompt tokens
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        with torch.no_grad(), attnprobe.capture(model) as cap:
+            model(input_ids=ids, pixel_values=pixels, token_type_ids=types)
+        return cap
+
+    fixed = run()
+    reverse_fix(
+        monkeypatch,
+        pg.PaliGemmaModel,
+        "forward",
+        'mask_kwargs["block_sequence_ids"] = torch.where(token_type_ids == 0, 0, -1)',
+        'mask_kwargs["block_sequence_ids"] = torch.where(token_type_ids == 0, -1, -1)',  # no block: all causal
+    )
+    broken = run()
+    text = sorted(r.layer for r in broken if "language_model" in r.name)
+    for declared in ({}, {"prefix_length": dict.fromkeys(text, 19)}):
+        found = errors_of(attnprobe.check(broken, **declared), "reach")
+        assert {v.layer for v in found} == set(text), attnprobe.check(broken, **declared).table()
+        assert max(found[0].keys) <= 18 and "masked" in found[0].message
+        result = attnprobe.check(fixed, **declared)
+        assert result.ok and result.coverage["reach"] == len(text), result.table()
+
+
+# ------------------------------------------------------------------------------------------------ statistics mode
+def _verdicts(result) -> set:
+    return {(v.check, v.severity, v.layer, v.batch, v.queries, v.query_count) for v in result.violations}
+
+
+def test_statistics_captures_get_the_same_verdicts_from_what_the_model_declares(monkeypatch):
+    """The unasked declarations (image blocks from token_type_ids, the config's sliding window, packed position_ids)
+    on statistics captures: the verdicts of the full capture, for the correct Gemma 3, #39389 planted, and packed
+    documents attending across (#46634)."""
+    from transformers.models.gemma3 import modeling_gemma3 as g
+
+    def same(full, stats, ok: bool) -> None:
+        on_full, on_stats = attnprobe.check(full), attnprobe.check(stats)
+        assert on_full.ok == ok and on_full.verified, on_full.table()
+        assert _verdicts(on_stats) == _verdicts(on_full), (on_full.table(), on_stats.table())
+        assert on_stats.declarations == on_full.declarations
+
+    model = gemma3()
+    same(gemma3_capture(model), gemma3_capture(model, keep=("stats",)), ok=True)
+    monkeypatch.setattr(
+        g, "create_masks_for_vision_model", lambda block_sequence_ids, **kwargs: g.create_masks_for_generate(**kwargs)
+    )
+    same(gemma3_capture(model), gemma3_capture(model, keep=("stats",)), ok=False)
+    llama_model, ids, ones = llama(), torch.arange(3, 15).unsqueeze(0), torch.ones(1, 12, dtype=torch.long)
+    caps = []
+    for keep in (None, ("stats",)):
+        with torch.no_grad(), attnprobe.capture(llama_model, **({} if keep is None else {"keep": keep})) as cap:
+            llama_model(input_ids=ids, position_ids=PACKED, use_cache=False, attention_mask=ones)
+        caps.append(cap)
+    same(*caps, ok=False)
