@@ -1,4 +1,4 @@
-"""Long-context head roles: ``retrieval``, ``streaming``, ``local`` and ``sink`` (labels of ``attnprobe.heads.classify``).
+"""Long-context head roles: ``retrieval``, ``streaming``, ``local``, ``sink`` (labels of ``attnprobe.heads.classify``).
 
 =============  ====================================  ============================================================
 label          score (default threshold)             meaning
