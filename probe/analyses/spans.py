@@ -219,7 +219,7 @@ def attention(cap, spans: SpanSet, *, level: str = "head"):
         >>> with attnprobe.capture(attn, keep=("weights",)) as cap:
         ...     _ = attn(torch.randn(1, 6, 8))
         >>> table = attention(cap, ranges({"a": (0, 3), "b": (3, 6)}))
-        >>> float(table.query("head == 0 and query_span == 'a' and key_span == 'a'")["mass"].iloc[0])
+        >>> round(float(table.query("head == 0 and query_span == 'a' and key_span == 'a'")["mass"].iloc[0]), 6)
         1.0
     """
     if not isinstance(spans, SpanSet):
