@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .attention_math import AttentionCall, sink_logsumexp
+from .attention_math import AttentionCall
 
 #: The eviction policies, in the order the profile lists them.
 POLICIES: tuple[str, ...] = ("streaming", "h2o", "snapkv", "oracle")
@@ -115,39 +115,68 @@ class EvictionState:
     keep: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+_LOG2E = 1.4426950408889634
+
+
 class CallRows:
     """Exact weights of blocks of query rows of an ``AttentionCall`` (the call's own logits, mask, softcapping and
-    sinks; an empty row is zero, or uniform under an additive mask, as the statistics engine has it)."""
+    sinks; an empty row is zero, or uniform under an additive mask, as the statistics engine has it). A block comes as
+    ``e`` and a per-row ``scale`` (the weights are ``e * scale``), over the keys the rows can reach."""
 
     def __init__(self, call: AttentionCall) -> None:
         self.call = call
         self.shape = call.shape  # (batch, head, query, key)
-        self.sinks = None if call.sinks is None else call.sinks.to(call.q.device, call.compute_dtype)
+        self.sinks = None if call.sinks is None else call.sinks.to(call.q.device, call.compute_dtype).view(1, -1, 1)
+        self._buffer: torch.Tensor | None = None  # the logits of one block, reused block after block
 
     def take(self, rows: torch.Tensor) -> CallRows:
         return CallRows(self.call.take_rows(rows))
 
-    def block(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(weights, allowed)``: ``(batch, head, b - a, key)`` weights and the mask ``(batch or 1, head or 1,
-        b - a, key)`` (None: every key allowed) of rows ``a:b``."""
+    def _scratch(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A ``shape`` view of one buffer kept for every block: fresh memory for each block costs page faults (a
+        32 MiB block's logits took 4x as long to fill in new memory as in reused memory)."""
+        need = math.prod(shape)
+        if self._buffer is None or self._buffer.numel() < need:
+            self._buffer = torch.empty(need, dtype=self.call.compute_dtype, device=self.call.q.device)
+        return self._buffer[:need].view(shape)
+
+    def block(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(e, scale, allowed)`` of rows ``a:b``: ``e`` ``(batch, head, b - a, K)`` over keys ``0:K`` (every later key
+        weighs 0: a causal call's rows cannot reach them), ``scale`` ``(batch, head, b - a)`` float64 (weights = ``e *
+        scale``), ``allowed`` the mask ``(batch or 1, head or 1, b - a, K)`` (None: every key, or causality alone)."""
         call, Tk = self.call, self.shape[3]
-        z = call.logits(a, b, 0, Tk)  # (B, h, n, Tk)
-        allowed = call.allowed(a, b, 0, Tk)
-        if allowed is not None:
-            z = z.masked_fill(~allowed, -math.inf)
-        lse = torch.logsumexp(z, -1)  # (B, h, n)
-        empty = torch.isneginf(lse)
-        total = sink_logsumexp(lse, self.sinks)
-        w = torch.exp(z - torch.where(torch.isneginf(total), 0.0, total)[..., None])
-        w = torch.where(torch.isneginf(total)[..., None], 0.0, w)
-        if call.additive and self.sinks is None and bool(empty.any()):
-            w = torch.where(empty[..., None], 1.0 / Tk, w)
-        return w, allowed
+        empty_uniform = call.additive and self.sinks is None
+        K = Tk if (empty_uniform and call.mask is not None) else call.key_limit(b)
+        B, h = self.shape[:2]
+        s = call.logits(a, b, 0, K, times=_LOG2E, out=self._scratch((B, h, b - a, K)))  # (B, h, n, K): base 2, ours
+        allowed = None
+        if call.mask is not None:
+            allowed = call.allowed(a, b, 0, K)
+            s = s.masked_fill_(~allowed, -math.inf)
+        elif call.causal:  # only the keys past the block's first row can be later than some row
+            positions = call.row_positions(a, b)
+            lo = min(max(int(positions[0]) + call.causal_offset + 1, 0), K)
+            if lo < K:
+                later = torch.arange(lo, K, device=s.device)[None, :] > (positions[:, None] + call.causal_offset)
+                s[..., lo:].masked_fill_(later, -math.inf)
+        m = s.amax(-1)  # (B, h, n); -inf: no key allowed
+        shift = torch.where(torch.isfinite(m), m, 0.0)
+        e = s.sub_(shift[..., None]).exp2_()  # in place: e = 2^(s - max)
+        total = e.sum(-1).double()  # (a float64 sum would first copy the block to float64: 20x the time)
+        if self.sinks is not None:
+            total = total + torch.exp2(self.sinks * _LOG2E - shift).double()
+        scale = torch.where(total > 0, 1.0 / total, 0.0)
+        if empty_uniform:
+            empty = torch.isneginf(m)
+            if bool(empty.any()):  # an additive mask's empty row is uniform over every key
+                e = torch.where(empty[..., None], 1.0, e)
+                scale = torch.where(empty, 1.0 / Tk, scale)
+        return e, scale, allowed
 
 
 class TensorRows:
     """Blocks of query rows of full ``weights`` ``(batch, head, query, key)`` (and ``allowed``, which may
-    broadcast)."""
+    broadcast), in the form of ``CallRows.block`` (``scale`` 1)."""
 
     def __init__(self, weights: torch.Tensor, allowed: torch.Tensor | None = None) -> None:
         self.weights, self.allowed = weights, allowed
@@ -159,16 +188,26 @@ class TensorRows:
             allowed = allowed.index_select(2, rows.to(allowed.device))
         return TensorRows(self.weights.index_select(2, rows.to(self.weights.device)), allowed)
 
-    def block(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def block(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         allowed = self.allowed
         if allowed is not None and allowed.shape[2] > 1:
             allowed = allowed[:, :, a:b]
-        return self.weights[:, :, a:b], None if allowed is None else allowed.bool()
+        w = self.weights[:, :, a:b]
+        scale = torch.ones(w.shape[:3], dtype=torch.float64)
+        return w, scale, None if allowed is None else allowed.bool()
+
+
+def _weights(source, a: int, b: int) -> torch.Tensor:
+    """``(batch, head, b - a, key)`` float64 weights of rows ``a:b`` over every key (for few rows: evaluated ones)."""
+    e, scale, _ = source.block(a, b)
+    w = torch.zeros(*e.shape[:3], source.shape[3], dtype=torch.float64)
+    w[..., : e.shape[-1]] = e.detach().cpu().double() * scale.cpu()[..., None]
+    return w
 
 
 def _blocks(shape, start: int, stop: int, block_bytes: int):
     B, h, _, Tk = shape
-    step = max(1, block_bytes // max(1, B * h * Tk * 8))
+    step = max(1, block_bytes // max(1, B * h * Tk * 4))
     for a in range(start, stop, step):
         yield a, min(a + step, stop)
 
@@ -193,24 +232,24 @@ def eviction_state(
     first = 0 if need_h2o else max(0, before - plan.window)
     if not (need_h2o or need_snap or "streaming" in plan.policies):
         first = before  # the oracle needs no rows before the split
-    accumulated = torch.zeros(B, h, P, dtype=torch.float64)
+    accumulated = torch.zeros(B, h, P, dtype=torch.float64)  # attention each key before the split received
     window = torch.zeros(B, h, P, dtype=torch.float64)
     seen = torch.zeros(B, P, dtype=torch.bool)
     for a, b in _blocks(source.shape, first, before, block_bytes):
-        w, allowed = source.block(a, b)
-        w = w[..., :P].double().cpu()  # (B, h, n, P): the weights on keys before the split
-        if counted is not None:
-            w = w * counted[:, None, a:b, None].to(w)
-        accumulated += w.sum(2)
+        e, scale, allowed = source.block(a, b)  # (B, h, n, K), (B, h, n)
+        K = min(e.shape[-1], P)
+        real = torch.ones(B, b - a, dtype=torch.bool) if counted is None else counted[:, a:b].bool().cpu()
+        coef = (scale.cpu() * real[:, None, :]).to(e.dtype)  # (B, h, n): each row's weight scale, 0 for padding
+        if need_h2o:
+            accumulated[..., :K] += (coef[:, :, None, :] @ e[..., :K]).squeeze(2).double()  # (B, h, 1, n) x (n, K)
         lo = max(a, before - plan.window)
         if lo < b:
-            window += w[:, :, lo - a :].sum(2)
-        real = torch.ones(B, b - a, dtype=torch.bool) if counted is None else counted[:, a:b].bool().cpu()
+            window[..., :K] += (coef[:, :, None, lo - a :] @ e[:, :, lo - a :, :K]).squeeze(2).double()
         if allowed is None:
             seen |= real.any(1, keepdim=True).expand(B, P) if b > a else seen
         else:
-            row_allowed = allowed[..., :P].any(1).cpu().expand(B, b - a, P)  # (B, n, P) any head
-            seen |= (row_allowed & real[:, :, None]).any(1)
+            row_allowed = allowed[..., :K].any(1).cpu().expand(B, b - a, K)  # (B, n, K) any head
+            seen[:, :K] |= (row_allowed & real[:, :, None]).any(1)
     start = torch.where(seen.any(1), seen.to(torch.uint8).argmax(1), 0)  # (B,): the first key a row may attend
     rows_in_window = min(plan.window, before)
     state = EvictionState(split=P)
@@ -293,8 +332,10 @@ def kept_fractions(
     P = state.split
     out = {p: torch.empty(B, h, n, len(plan.budgets), dtype=torch.float64) for p in plan.policies}
     budgets = torch.tensor(plan.budgets)
-    for a, b in _blocks(source.shape, 0, n, block_bytes):
-        w = source.block(a, b)[0].double().cpu()  # (B, h, rows, Tk)
+    keeps = {p: k.to(torch.float64).transpose(-1, -2) for p, k in state.keep.items()}  # (B, h or 1, P, budget)
+    # float64 rows and a sorted copy for the oracle: a quarter of the target per block keeps the peak near it
+    for a, b in _blocks(source.shape, 0, n, block_bytes // 4):
+        w = _weights(source, a, b)  # (B, h, rows, Tk) float64
         total = w.sum(-1, keepdim=True)  # (B, h, rows, 1)
         after = w[..., P:].sum(-1, keepdim=True)  # every key from the split on is kept
         before = w[..., :P]
@@ -305,8 +346,7 @@ def kept_fractions(
                 sums = torch.cat([torch.zeros_like(total), top.cumsum(-1)], dim=-1)  # (B, h, rows, 1 + kmax)
                 kept = sums[..., budgets.clamp(max=top.shape[-1])]
             else:
-                keep = state.keep[policy].to(torch.float64)  # (B, h or 1, budget, P)
-                kept = before @ keep.transpose(-1, -2)  # (B, h, rows, P) x (B, h, P, budget)
+                kept = before @ keeps[policy]  # (B, h, rows, P) x (B, h or 1, P, budget)
             out[policy][:, :, a:b] = (kept + after) * scale
     return out
 
@@ -321,8 +361,10 @@ def span_mass(source, span_ids: torch.Tensor, spans: int, *, block_bytes: int = 
     onehot = onehot[..., :spans]  # (B, Tk, S)
     out = torch.empty(B, h, n, spans, dtype=torch.float64)
     for a, b in _blocks(source.shape, 0, n, block_bytes):
-        w = source.block(a, b)[0].double().cpu()  # (B, h, rows, Tk)
-        out[:, :, a:b] = w @ onehot[:, None]  # (B, h, rows, Tk) x (B, 1, Tk, S)
+        e, scale, _ = source.block(a, b)  # (B, h, rows, K), (B, h, rows)
+        K = e.shape[-1]
+        sums = e.detach().cpu().double() @ onehot[:, None, :K]  # (B, h, rows, K) x (B, 1, K, S)
+        out[:, :, a:b] = sums * scale.cpu()[..., None]
     return out
 
 
