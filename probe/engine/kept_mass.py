@@ -151,8 +151,9 @@ class CallRows:
         s = call.logits(a, b, 0, K, times=_LOG2E, out=self._scratch((B, h, b - a, K)))  # (B, h, n, K): base 2, ours
         allowed = None
         if call.mask is not None:
-            allowed = call.allowed(a, b, 0, K)
-            s = s.masked_fill_(~allowed, -math.inf)
+            allowed = call.allowed(a, b, 0, K)  # never None with a mask
+            if allowed is not None:
+                s = s.masked_fill_(~allowed, -math.inf)
         elif call.causal:  # only the keys past the block's first row can be later than some row
             positions = call.row_positions(a, b)
             lo = min(max(int(positions[0]) + call.causal_offset + 1, 0), K)
