@@ -95,7 +95,9 @@ def row_selection(rows) -> RowSelection | None:
         if not m or (m.group(1) is not None and int(m.group(1)) < 1):
             raise SelectionError(
                 f"rows={rows!r} is not a row selection: give 'last', 'last:N' (N >= 1), 'generated', row numbers "
-                "or a slice"
+                "or a slice",
+                argument="rows",
+                value=rows,
             )
         return RowSelection(last=int(m.group(1) or 1))
     if isinstance(rows, slice):
@@ -103,21 +105,29 @@ def row_selection(rows) -> RowSelection | None:
         for name in ("start", "stop", "step"):
             value = getattr(rows, name)
             if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
-                raise SelectionError(f"rows= slice {name} must be a whole number or None, got {value!r}")
+                raise SelectionError(
+                    f"rows= slice {name} must be a whole number or None, got {value!r}", argument="rows", value=rows
+                )
             parts.append(None if value is None else operator.index(value))
         if parts[2] == 0:
-            raise SelectionError("rows= slice step cannot be zero")
+            raise SelectionError("rows= slice step cannot be zero", argument="rows", value=rows)
         return RowSelection(window=(parts[0], parts[1], parts[2]))
     items = [rows] if hasattr(rows, "__index__") and not isinstance(rows, Iterable) else rows
     if isinstance(rows, bool) or not isinstance(items, Iterable):
-        raise SelectionError(f"rows= takes row numbers, a slice, 'last', 'last:N' or 'generated', got {rows!r}")
+        raise SelectionError(
+            f"rows= takes row numbers, a slice, 'last', 'last:N' or 'generated', got {rows!r}",
+            argument="rows",
+            value=rows,
+        )
     values = []
     for item in items:
         if isinstance(item, bool) or not hasattr(item, "__index__"):
-            raise SelectionError(f"rows= row numbers must be integers, got {item!r} in {rows!r}")
+            raise SelectionError(
+                f"rows= row numbers must be integers, got {item!r} in {rows!r}", argument="rows", value=item
+            )
         values.append(operator.index(item))
     if not values:
-        raise SelectionError("rows=[] selects no row; leave rows out to keep every row")
+        raise SelectionError("rows=[] selects no row; leave rows out to keep every row", argument="rows", value=rows)
     return RowSelection(indices=tuple(dict.fromkeys(values)))
 
 

@@ -10,7 +10,33 @@ from typing import Any
 import torch
 
 from ..engine.kept_mass import EvictionPlan, EvictionState, evaluate_call, span_mass
+from ..errors import SelectionError
 from .spans import SpanSet
+
+
+def eviction_of(eviction) -> EvictionPlan | None:
+    """``capture(eviction=)``: None, True (the default plan) or an ``EvictionPlan``."""
+    if eviction is None or eviction is False:
+        return None
+    plan = EvictionPlan() if eviction is True else eviction
+    if not isinstance(plan, EvictionPlan):
+        raise SelectionError(
+            f"eviction= takes an attnprobe.EvictionPlan (or True for the default one), got {eviction!r}",
+            argument="eviction",
+            value=eviction,
+        )
+    return plan
+
+
+def spans_of(spans) -> SpanSet | None:
+    """``capture(spans=)``: None or declared spans (``attnprobe.spans``)."""
+    if spans is not None and not isinstance(spans, SpanSet):
+        raise SelectionError(
+            "spans= takes declared spans (attnprobe.spans.ranges, sentences, chat_turns or labels), "
+            f"got {type(spans).__name__}",
+            argument="spans",
+        )
+    return spans
 
 
 class CaptureExtras:

@@ -425,3 +425,21 @@ def evaluate_call(
     state = eviction_state(source, plan, before=first, split=first, counted=counted, block_bytes=block_bytes)
     fractions = kept_fractions(source.take(evaluated), plan, state, block_bytes=block_bytes)
     return fractions, {**meta, "split": first, "rows": evaluated.tolist()}, None
+
+
+def rows_weights(call: AttentionCall, a: int, b: int, *, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
+    """``(batch, head, b - a, key)`` in the call's compute dtype: the exact weights of query rows ``a:b`` alone (what a
+    capture with ``rows=`` keeps instead of recomputing every row), block by block."""
+    source = CallRows(call.take_rows(torch.arange(a, b, device=call.q.device)))
+    B, h, n, Tk = source.shape
+    out = torch.zeros(B, h, n, Tk, dtype=call.compute_dtype, device=call.q.device)
+    for c, d in _blocks(source.shape, 0, n, block_bytes):
+        e, scale, _ = source.block(c, d)  # (B, h, rows, K), (B, h, rows)
+        out[:, :, c:d, : e.shape[-1]] = e * scale[..., None].to(e.dtype)
+    return out
+
+
+def rows_scores(call: AttentionCall, a: int, b: int) -> torch.Tensor:
+    """``(batch, head, b - a, key)``: the logits of query rows ``a:b`` before the mask (``AttentionCall.logits``)."""
+    sub = call.take_rows(torch.arange(a, b, device=call.q.device))
+    return sub.logits(0, b - a, 0, call.shape[3])
