@@ -139,3 +139,23 @@ def test_bad_arguments_say_what_to_do():
         retrieval_scores(attnprobe.capture, model, vocab_size=V, needle=1)
     with pytest.raises(RoleError, match="at least 2 positions back"):
         role_scores([], local=1)
+
+
+def test_classify_labels_the_planted_roles_from_a_statistics_capture():
+    model = Planted().eval()
+    ids = inputs()
+    plan = attnprobe.EvictionPlan(budgets=(16,), observe=32)
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",), eviction=plan) as cap:
+        model(ids)
+    special = (ids == SEP) | (ids == BOS)
+    table = attnprobe.heads.classify(
+        cap, model=model, probe="retrieval", vocab_size=V, special=special, probe_length=150
+    )
+    got = {(r.layer, r.head): r.labels for r in table.itertuples()}
+    # the uniform head of layer 1 is broad (a label of its own), and no role
+    assert got == {key: PLANTED.get(key, "broad" if key == (1, 3) else "") for key in got}, table.to_string()
+    assert set(ROLE_THRESHOLDS) <= set(table.attrs["thresholds"])
+    # without the probe, the special tokens or an eviction plan, those roles are not scored: no label for them
+    bare = attnprobe.heads.classify(cap)
+    assert {"retrieval", "sink_mass"}.isdisjoint(bare.columns)
+    assert dict(zip(zip(bare.layer, bare["head"]), bare.labels))[(0, 1)] == "local"

@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..engine.kept_mass import EvictionPlan
-from ..errors import AttnprobeError
-from .eviction import eviction_parts
+from ..errors import AttnprobeError, warn_user
+from .eviction import EvictionError, eviction_parts
 
 ROLE_THRESHOLDS: Mapping[str, float] = {"retrieval": 0.1, "streaming": 0.9, "local": 0.5, "sink": 0.5}
 ROLE_SCORES: Mapping[str, str] = {
@@ -137,7 +137,11 @@ def role_scores(
             acc = sums.setdefault((r.layer, int(head)), {"module": r.name})
             for name, values in scores.items():
                 acc[name] = acc.get(name, 0.0) + float(values[i])
-    streaming = _streaming(cap, budget, plan)
+    try:
+        streaming = _streaming(cap, budget, plan)
+    except EvictionError as exc:
+        warn_user(f"no streaming score: {exc}")
+        streaming = None
     rows = []
     for (layer, head), acc in sorted(sums.items()):
         n = acc.pop("rows")
