@@ -64,6 +64,7 @@ def attribution_part(attribution, *, tokens=None, batch: int = 0) -> dict[str, A
         ]
         return {
             "kind": "matrix",
+            "anchor": attribution.method,
             "title": title,
             "note": note,
             "columns": [_token(tokens, j) for j in range(T)],
@@ -79,6 +80,7 @@ def attribution_part(attribution, *, tokens=None, batch: int = 0) -> dict[str, A
     ]
     return {
         "kind": "top",
+        "anchor": attribution.method,
         "title": title,
         "note": note + f" ({T} tokens: each token's three heaviest inputs)",
         "rows": rows,
@@ -109,6 +111,7 @@ def value_norm_part(norms, *, tokens=None, batch: int = 0) -> dict[str, Any]:
         layers.append({"layer": r.layer, "call": r.call, "projected": r.summed is not None, "cells": cells})
     return {
         "kind": "norms",
+        "anchor": "norms",
         "title": "Value-weighted norms (Kobayashi et al., 2020)",
         "note": "each key token's share of the attention weight and of the norm ||sum_h a v W_O|| it contributes "
         "(without the output projection, ||a v|| of the heads side by side, where the layer says so)",
@@ -139,9 +142,10 @@ def span_part(table, *, batch: int = 0) -> dict[str, Any]:
             }
             for q in queries
         ]
-        layers.append({"layer": int(layer), "keys": keys, "rows": grid})
+        layers.append({"layer": int(layer), "key_spans": keys, "rows": grid})
     return {
         "kind": "spans",
+        "anchor": "spans",
         "title": "Attention between spans",
         "note": "mean over the query span's rows of the weight on the key span's keys (heads averaged)",
         "layers": layers,
@@ -153,12 +157,12 @@ def eviction_part(profile, *, width: int = 520, height: int = 240) -> dict[str, 
     budgets = sorted({int(b) for b in profile["budget"]})
     means = profile.groupby(["policy", "budget"])["kept"].mean()
     worst = profile.groupby(["policy", "budget"])["kept"].min()
-    pad = 40
+    pad, legend = 40, 90  # the plot's margin, and the room on the right for the policies' names
     logs = [math.log2(b) for b in budgets]
     lo, hi = min(logs), max(logs)
 
     def x(b: int) -> float:
-        return pad + (width - 2 * pad) * ((math.log2(b) - lo) / (hi - lo) if hi > lo else 0.5)
+        return pad + (width - 2 * pad - legend) * ((math.log2(b) - lo) / (hi - lo) if hi > lo else 0.5)
 
     def y(v: float) -> float:
         return height - pad - (height - 2 * pad) * v
@@ -184,12 +188,14 @@ def eviction_part(profile, *, width: int = 520, height: int = 240) -> dict[str, 
     grid = [{"y": y(v), "label": f"{v:.1f}"} for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
     return {
         "kind": "eviction",
+        "anchor": "eviction",
         "title": "KV-cache eviction profile",
         "note": "attention kept at each budget (keys kept before the split), mean over layers and heads; the table "
         "adds the smallest head's",
         "width": width,
         "height": height,
         "pad": pad,
+        "right": width - pad - legend,
         "lines": lines,
         "ticks": ticks,
         "grid": grid,
