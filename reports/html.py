@@ -744,7 +744,7 @@ def _analysis_context(plan: PagePlan, data, analyses, spans) -> dict[str, Any]:
         if not isinstance(spans, SpanSet):
             raise TypeError(f"spans= takes declared spans (attnprobe.spans.ranges, sentences, ...), not {spans!r}")
         legend = [(label, SPAN_COLORS[i % len(SPAN_COLORS)]) for i, label in enumerate(spans.labels)]
-        length = max((m["queryOffset"] + m["tq"] for m in data.meta["records"]), default=0)
+        length = max((r.query_offset + (r.query_len or 0) for r in plan.records), default=0)
         data.meta["spans"] = {
             "labels": list(spans.labels),
             "colors": [color for _, color in legend],
