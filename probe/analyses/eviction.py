@@ -147,7 +147,7 @@ def eviction_profile(cap, policies=None, budgets=None, *, plan: EvictionPlan | N
         >>> with attnprobe.capture(attn, keep=("weights",)) as cap:
         ...     _ = attn(torch.randn(1, 40, 8))
         >>> profile = attnprobe.eviction_profile(cap, budgets=[4, 16], plan=attnprobe.EvictionPlan(observe=8))
-        >>> sorted(profile["policy"].unique()), sorted(profile["budget"].unique())
+        >>> sorted(profile["policy"].unique()), sorted(profile["budget"].unique().tolist())
         (['h2o', 'oracle', 'snapkv', 'streaming'], [4, 16])
     """
     import pandas as pd
