@@ -185,7 +185,7 @@ def eviction_part(profile, *, width: int = 520, height: int = 240) -> dict[str, 
             }
         )
     ticks = [{"x": x(b), "label": str(b)} for b in budgets]
-    grid = [{"y": y(v), "label": f"{v:.1f}"} for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    grid = [{"y": y(v), "label": f"{v:g}"} for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
     return {
         "kind": "eviction",
         "anchor": "eviction",
