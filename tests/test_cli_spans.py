@@ -34,10 +34,7 @@ def test_token_ranges_in_a_statistics_report(tmp_path):
     assert 'data-mode="long"' in html and 'id="analyses-spans"' in html and ">rest<" in html
 
 
-@pytest.mark.parametrize(
-    ("spec", "message"),
-    [("a=0:2,b=", "give 'sentences' or token ranges"), ("a=0:4,b=2:6", "overlaps an earlier span")],
-)
-def test_bad_spans_are_one_line(tmp_path, spec, message):
-    result = run(tmp_path, "--text", "The cat sat.", "--spans", spec)
+def test_bad_spans_are_one_line(tmp_path):
+    result = run(tmp_path, "--text", "The cat sat.", "--spans", "a=0:2,b=")
+    message = "give 'sentences' or token ranges"
     assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
