@@ -56,10 +56,14 @@ _EXPORTS = {
     "locate_image_tokens": ".probe.outputs.image_tokens",
     "image_attention": ".probe.analyses.image_attention",
     "image_mass": ".probe.analyses.image_attention",
+    "rollout": ".probe.analyses.rollout",
+    "value_norms": ".probe.analyses.value_norms",
+    "eviction_profile": ".probe.analyses.eviction",
+    "EvictionPlan": ".probe.engine.kept_mass",
 }
 _SUBPACKAGES = ("reports",)
 #: public modules whose code lives in a room: attnprobe.heads is hooks/heads.py
-_MODULES = {"heads": ".hooks.heads", "integrations": ".hooks.integrations"}
+_MODULES = {"heads": ".hooks.heads", "integrations": ".hooks.integrations", "spans": ".probe.analyses.spans"}
 
 __all__ = sorted(_EXPORTS)
 
@@ -70,10 +74,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .hooks.ray_scan import ScanBatches
     from .hooks.scan_api import scan
     from .probe.analyses.compare import Comparison
+    from .probe.analyses.eviction import eviction_profile
     from .probe.analyses.image_attention import image_attention, image_mass
+    from .probe.analyses.rollout import rollout
+    from .probe.analyses.value_norms import value_norms
     from .probe.capture import AttentionModule, Capture, load
     from .probe.checks import CHECKS, assert_invariants, check
     from .probe.checks.violations import CheckResult, InvariantError, Violation
+    from .probe.engine.kept_mass import EvictionPlan
     from .probe.errors import (
         AttnprobeError,
         AttnprobeWarning,

@@ -275,12 +275,14 @@ def run_capture(
     overview=None,
     found=None,
     image_grid=None,
+    spans=None,
 ):
     """Capture the workload. ``stats``: True = statistics mode (``keep=("stats",)``, nothing grows as query x key),
     None = switch to it by itself (one line on stderr) when a full capture cannot fit --max-bytes (or the memory
     available), False = never. ``overview``: the ``Overview`` a statistics report also keeps. ``found``: the
     attention modules found before the run, when the caller has asked already (``attnprobe.attention_modules``).
-    ``image_grid``: the image tokens of a workload with pictures (``capture(image_grid=)``)."""
+    ``image_grid``: the image tokens of a workload with pictures (``capture(image_grid=)``).
+    ``spans``: declared spans whose masses a statistics capture computes during the forward."""
     import attnprobe
 
     from .probe.commandline import memory_plan
@@ -297,6 +299,8 @@ def run_capture(
         options["keep"] = ("stats",)
         if overview is not None:
             options["overview"] = overview
+        if spans is not None:
+            options["spans"] = spans
     memory_plan.check_input_size(work, options, max_bytes, found)
     progress.stage("capturing attention")
     cap = capture_workload(work, options, max_bytes)
@@ -626,6 +630,13 @@ def export(
     help="A picture for a vision model or a vision-language model (repeatable; MODEL's folder holds its processor; "
     "--text is the prompt): the report's Image section draws attention over it.",
 )
+@click.option(
+    "--spans",
+    "span_spec",
+    metavar="SPEC",
+    help="Declare spans: 'sentences' (each input text's sentences) or token ranges 'NAME=START:STOP,...'. The "
+    "report marks each token's span and adds the span x span attention of every layer.",
+)
 @handle_errors
 def report(
     model,
@@ -651,6 +662,7 @@ def report(
     windows,
     cells,
     images,
+    span_spec,
 ):
     """Capture MODEL on the input and write an HTML report and/or PNG heatmaps.
 
@@ -663,6 +675,7 @@ def report(
       attnprobe report mypkg.models:tiny --ids "1 5 9 2" --out heads.png   # the format from the suffix
       attnprobe report ./my-llama --file long.txt --stats --window 4000:4100,0:200 --format all
       attnprobe report ./my-llava --image photo.png --text "What is she wearing?"   # attention over the picture
+      attnprobe report --text "The cat sat. It was tired." --spans sentences
 
     A long input (or --stats) gives a statistics report: per head the weights pooled to at most --cells cells,
     per-row statistics along the sequence, and the exact weights of the --window choices.
@@ -688,20 +701,25 @@ def report(
         n_rows = len(next(iter(work.inputs.values())))
         if batch is not None and not 0 <= batch < n_rows:
             raise UsageProblem(f"--batch {batch} is out of range: the input has {n_rows} row(s)")
-        cap = report_capture(work, layers, heads, max_bytes, progress, modules, stats, windows, cells)
+        from .probe.commandline.span_options import parse_spans
+
+        spans = parse_spans(span_spec, work)
+        cap = report_capture(work, layers, heads, max_bytes, progress, modules, stats, windows, cells, spans)
         progress.stage("checking")
         checks = report_checks(work, cap)
         progress.stage("writing report")
-        written = write_reports(cap, planned, work, checks, batch=batch, precision=precision, overwrite=overwrite)
+        written = write_reports(
+            cap, planned, work, checks, batch=batch, precision=precision, overwrite=overwrite, spans=spans
+        )
     finally:
         progress.close()
     for path in written:
         click.echo(f"wrote {path}")
 
 
-def report_capture(work, layers, heads, max_bytes, progress, modules, stats, windows, cells):
+def report_capture(work, layers, heads, max_bytes, progress, modules, stats, windows, cells, spans=None):
     """The capture a report draws: full, or statistics with the overview of --cells and --window (which imply
-    --stats); refused when no attention call was captured."""
+    --stats) and the masses of the --spans; refused when no attention call was captured."""
     import attnprobe
 
     from .probe.commandline import memory_plan
@@ -721,6 +739,7 @@ def report_capture(work, layers, heads, max_bytes, progress, modules, stats, win
         overview=overview,
         found=found,
         image_grid=getattr(work, "image_tokens", None),
+        spans=spans,
     )
     if len(cap) == 0:
         raise UsageProblem("the model ran but no attention call was captured; see `attnprobe info` for what was found")
@@ -776,9 +795,13 @@ def report_checks(work, cap):
         return attnprobe.check(cap, causal=declared_causal, attention_mask=declared_mask)
 
 
-def write_reports(cap, planned: dict[str, Path], work, checks, *, batch, precision, overwrite) -> list[Path]:
+def write_reports(
+    cap, planned: dict[str, Path], work, checks, *, batch, precision, overwrite, spans=None
+) -> list[Path]:
     """Write what ``targets.report_targets`` planned (the HTML report, the PNG grid, the summary plot); their
-    paths."""
+    paths. ``spans``: marked in the HTML report, with every layer's span x span attention."""
+    import attnprobe
+
     from . import reports
 
     for target in planned.values():
@@ -802,6 +825,8 @@ def write_reports(cap, planned: dict[str, Path], work, checks, *, batch, precisi
                 overwrite=overwrite,
                 title=title,
                 image=report_pictures(work, cap),
+                spans=spans,
+                analyses=None if spans is None else [attnprobe.spans.attention(cap, spans, level="layer")],
             )
         )
     if "grid" in planned:

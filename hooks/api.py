@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..probe.analyses.extras import eviction_of, spans_of
 from ..probe.capture import AttentionModule, Capture, CaptureSession
 from ..probe.errors import SelectionError
 from ..probe.interface import Adapter
@@ -65,6 +66,15 @@ class capture:
     ``stats_rows`` (with ``"stats"``): the statistics of at most that many query rows per call, evenly spaced from
     the first row to the last (``probe.selection.sampled_rows``), as ``attnprobe.monitor(rows=)`` samples them;
     ``record.meta["stats_rows"]`` lists their positions (see the docs' "Watch attention while a model trains").
+    ``rows``: only these query rows of each call: row numbers (negative from the end), a slice, ``"last"``,
+    ``"last:N"`` or ``"generated"`` (the rows of ``generate``'s steps after the prompt; see ``probe/rows.py``). A
+    capture that keeps (query x key) tensors stores one record per run of consecutive rows, placed by
+    ``query_offset`` (memory grows as rows x keys); a statistics capture computes those rows' statistics only.
+    ``eviction`` (with ``"stats"``): an ``attnprobe.EvictionPlan`` (or True): the kept fractions of KV-cache
+    eviction policies, computed during the forward for the evaluated rows (``rows=``, else the plan's last
+    ``observe`` rows; under ``generate`` the generated tokens), read with ``attnprobe.eviction_profile``.
+    ``spans`` (with ``"stats"``): declared spans (``attnprobe.spans``) whose per-row masses are computed during the
+    forward, read with ``attnprobe.spans.attention``.
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
@@ -119,6 +129,9 @@ class capture:
         stats_rows=None,
         gather=False,
         image_grid=None,
+        rows=None,
+        eviction=None,
+        spans=None,
     ):
         from .hf.sharding import shard_layout
 
@@ -138,6 +151,9 @@ class capture:
                 block_bytes=block_bytes,
                 overview=overview,
                 stats_rows=stats_rows,
+                rows=rows,
+                eviction=eviction_of(eviction),
+                spans=spans_of(spans),
             ),
             default_adapters(modules=modules),
             store=store,

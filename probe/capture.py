@@ -20,6 +20,7 @@ from .intent import Intent, module_intent
 from .interface import Adapter, Lazy, Site
 from .outputs.image_tokens import as_image_tokens
 from .record import KEEP_NAMES, TENSOR_FIELDS, AttentionRecord, RecordKind
+from .rows import runs
 from .selection import Selection, Store, index_heads, int_list, kv_heads_for, kv_of_heads, sampled_rows
 from .walk import ModuleWalk
 
@@ -309,6 +310,7 @@ class CaptureSession:
         self.model_class = type(model).__name__
         self.stats_missing: list[int] = []  # layers whose statistics could not be computed (keep=("stats",))
         self._workspace: dict = {}  # the statistics engine's block buffers, reused by every record; freed on exit
+        self._extras_state: Any = None  # capture(eviction=, spans=): the plan, the spans and each layer's prompt state
         self._model: nn.Module | None = model  # dropped on exit; the Capture never holds it
         self._compiled: list[str] = []  # read from the walk when the capture opens
         self.selection = selection
@@ -539,7 +541,11 @@ class CaptureSession:
 
     # -- recording -------------------------------------------------------------------------
     def wants(self, site, field: str | None = None) -> bool:
-        """Whether ``site`` is selected (and, with ``field``, whether that tensor is kept)."""
+        """Whether ``site`` is selected (and, with ``field``, whether that tensor is kept). ``"stats"``: whether the
+        adapter's ``AttentionCall`` is wanted: for the statistics, and for a full capture of selected rows, whose
+        scores and weights are computed from it for those rows alone."""
+        if field == "stats" and self.selection.rows is not None and {"scores", "weights"} & self.selection.keep:
+            return site.selected
         return site.selected and (field is None or field in self.selection.keep)
 
     def emit(
@@ -578,9 +584,67 @@ class CaptureSession:
         adapter_allowed = masks["allowed"]
         if self.stats_only:  # (batch, head, query, key): what a statistics capture never holds; stats hold its facts
             masks["allowed"] = None
+        rows = self._selected_rows(tensors, masks, stats_call, values)
+        extras = self._extras(site, layout, kind, stats_call, tensors, values, masks["query_padding"], rows)
+        if rows is not None and not self.stats_only:  # a full capture: one record per run of selected rows
+            record = None
+            for a, b in runs(rows):
+                part = _cut_rows(tensors, masks, values, stats_call, a, b)
+                record = self._store_record(
+                    site,
+                    call,
+                    layout,
+                    part,
+                    kind=kind,
+                    identified=identified,
+                    preselected=set(preselected),
+                    stats_call=stats_call,
+                    stats_rows=torch.arange(a, b),
+                    adapter_allowed=adapter_allowed,
+                    extras=extras,
+                    call_context=(values.get("query_offset", 0), masks["query_padding"]),
+                )
+            return record
+        if rows is not None and rows.numel() == 0:
+            return None  # none of this call's rows is selected (the prompt of rows="generated"): no record
+        part = (tensors, masks, values)
+        return self._store_record(
+            site,
+            call,
+            layout,
+            part,
+            kind=kind,
+            identified=identified,
+            preselected=set(preselected),
+            stats_call=stats_call,
+            stats_rows=rows,
+            adapter_allowed=adapter_allowed,
+            extras=extras,
+            call_context=(values.get("query_offset", 0), masks["query_padding"]),
+        )
 
+    def _store_record(
+        self,
+        site: Site,
+        call: int,
+        layout: _Heads,
+        part: tuple[dict[str, Any], dict[str, Any], dict[str, Any]],
+        *,
+        kind: str,
+        identified,
+        preselected: set[str],
+        stats_call,
+        stats_rows: torch.Tensor | None,
+        adapter_allowed,
+        extras: tuple[dict, dict],
+        call_context: tuple[int, Any],
+    ) -> AttentionRecord:
+        """Plan, budget and copy one record's tensors (every row, or one run of selected rows), with its statistics.
+        ``stats_rows``: the call's rows the statistics describe (None: every row); ``call_context``: the whole call's
+        query offset and query padding (a run's own are cut)."""
+        tensors, masks, values = part
         # plan every copy first, with its exact stored size, so the budget fails before any memory is spent
-        plan = self._plan(site, tensors, masks, set(preselected))
+        plan = self._plan(site, tensors, masks, preselected)
         self._reserve(site, call, plan, tensors, values.get("step"))
         stored = self._copy(site, call, plan)
         if "stats" in self.selection.keep:
@@ -596,8 +660,25 @@ class CaptureSession:
                 query_padding=masks["query_padding"],
                 allowed=adapter_allowed,
                 sinks=masks["sinks"],
+                rows=stats_rows,
+                extras=extras,
+                call_context=call_context,
             )
         return self._record(site, call, layout, kind=kind, identified=identified, stored=stored, values=values)
+
+    def _selected_rows(self, tensors, masks, stats_call, values) -> torch.Tensor | None:
+        """The call's query rows ``capture(rows=)`` selects (ascending), or None for every row."""
+        selection = self.selection.rows
+        if selection is None:
+            return None
+        if stats_call is not None:
+            q_len = stats_call.shape[2]
+        else:
+            shaped = [t for f in ("weights", "scores", "q", "output") if (t := tensors.get(f)) is not None]
+            if not shaped and masks.get("query_padding") is None:
+                return None
+            q_len = int(shaped[0].shape[2]) if shaped else int(masks["query_padding"].shape[1])
+        return selection.resolve(q_len, step=values.get("step"))
 
     def _plan(
         self, site: Site, tensors: dict[str, Any], masks: dict[str, Any], preselected: set[str]
@@ -698,38 +779,56 @@ class CaptureSession:
         query_padding,
         allowed,
         sinks,
+        rows: torch.Tensor | None = None,
+        extras: tuple[dict, dict] = ({}, {}),
+        call_context: tuple[int, Any] = (0, None),
     ) -> dict[str, torch.Tensor] | None:
         """The per-row statistics of one record: blockwise from the adapter's ``AttentionCall`` (q, k and the
         call's own mask, bias, softcapping, sinks and scaling), or, from an adapter that hands over only full
-        weights, from those (said in ``meta["stats_source"]``). None when neither exists."""
+        weights, from those (said in ``meta["stats_source"]``). None when neither exists. ``rows``: the call's rows
+        they describe (``capture(rows=)``; None: every row, or ``stats_rows=``'s sample); ``extras``: what
+        ``eviction=``/``spans=`` computed for the call (added as they are)."""
+        own_rows = rows is not None and not self.stats_only  # a run of a full capture: the record's own rows
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            image_keys = functools.partial(self._image_keys, site.name, call, kind, values.get("query_offset", 0))
             if stats_call is not None:
-                got = self._stats_blockwise(stats_call, kind, values, query_padding, image_keys)
+                offset, padding = call_context
+                image_keys = functools.partial(self._image_keys, site.name, call, kind, offset)
+                got = self._stats_blockwise(stats_call, kind, offset, padding, rows, image_keys)
             else:
+                image_keys = functools.partial(self._image_keys, site.name, call, kind, values.get("query_offset", 0))
                 got = self._stats_of_weights(
-                    layout, tensors, stored, kind, values, query_padding, allowed, sinks, image_keys
+                    layout,
+                    tensors,
+                    stored,
+                    kind,
+                    values,
+                    query_padding,
+                    allowed,
+                    sinks,
+                    None if own_rows else rows,
+                    image_keys,
                 )
         meta = dict(values.get("meta") or {})
         if got is None:
             values["meta"] = {**meta, "stats_source": "none"}
             self.stats_missing.append(site.layer)
             return None
-        stats, source, rows, (q_len, k_len) = got
+        stats, source, described, (q_len, k_len) = got
         from .engine.stats import KEY_SET_STAT
 
         if KEY_SET_STAT in stats:  # each row's weight on the image patches
             stats = {("image_mass" if name == KEY_SET_STAT else name): t for name, t in stats.items()}
         meta["stats_source"] = source
-        if rows is not None:  # statistics of a sample of query rows: the record says which, and of how many
-            meta.update(stats_rows=rows.tolist(), stats_query_len=q_len)
+        if described is not None and not own_rows:  # statistics of some of the call's rows: which, and of how many
+            meta.update(stats_rows=described.tolist(), stats_query_len=q_len)
         overview = self.selection.overview
         if overview is not None and overview.windows:
             clip = [
                 [min(q0, q_len), min(q1, q_len), min(k0, k_len), min(k1, k_len)] for q0, q1, k0, k1 in overview.windows
             ]
             meta["stats_windows"] = clip
-        values["meta"] = meta
+        stats = {**stats, **extras[0]}
+        values["meta"] = {**meta, **extras[1]}
         nbytes = sum(t.numel() * self.store.target_dtype(t.dtype).itemsize for t in stats.values())
         self.store.reserve(nbytes, f"layer {site.layer}, call {call}: stats")
         return {name: t.to(self.selection.device) for name, t in stats.items()}
@@ -743,17 +842,18 @@ class CaptureSession:
         key_start = max(query_offset + q_len - k_len, 0) if kind == "self" and k_len >= q_len else 0  # record.key_start
         return self.image_tokens.key_mask(name, call, batch, k_len, key_start)
 
-    def _stats_blockwise(self, stats_call, kind: str, values, query_padding, image_keys) -> _Stats:
-        """The engine's statistics of the adapter's ``AttentionCall``, block by block (``image_keys(shape)``: the
-        image patches among the keys, for ``image_mass``)."""
+    def _stats_blockwise(self, stats_call, kind: str, offset: int, query_padding, rows, image_keys) -> _Stats:
+        """The engine's statistics of the adapter's ``AttentionCall``, block by block (``rows``: of those only; None:
+        every row, or ``stats_rows=``'s sample; ``image_keys(shape)``: the image patches among the keys, for
+        ``image_mass``)."""
         from .engine.stats import attention_stats
 
         _, _, q_len, k_len = stats_call.shape
         kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
-        rows = sampled_rows(q_len, self.selection.stats_rows)
+        rows = sampled_rows(q_len, self.selection.stats_rows) if rows is None else rows
         stats = attention_stats(
             stats_call,
-            diag_offset=_diag_offset(kind, values.get("query_offset", 0), q_len, k_len),
+            diag_offset=_diag_offset(kind, offset, q_len, k_len),
             query_padding=query_padding,
             overview=self.selection.overview,
             rows=rows,
@@ -764,36 +864,26 @@ class CaptureSession:
         return stats, "blockwise", rows, (q_len, k_len)
 
     def _stats_of_weights(
-        self, layout: _Heads, tensors, stored, kind: str, values, query_padding, allowed, sinks, image_keys
+        self, layout: _Heads, tensors, stored, kind: str, values, query_padding, allowed, sinks, rows, image_keys
     ):
         """The statistics of the full weights an adapter handed over (stored, given, or computed now from a
-        ``Lazy``); None without weights."""
+        ``Lazy``); None without weights. ``rows``: of those rows only (None: every row, or ``stats_rows=``'s)."""
         from .engine.pooling import pool_weights
         from .engine.stats import stats_from_weights
 
-        def selected(name, index):
-            t = stored.get(name) if name != "v" else None  # a stored v is per kv head
-            if t is None:
-                t = tensors.get(name)
-                if isinstance(t, Lazy):
-                    t = t.fn()
-                elif t is not None:
-                    t = index_heads(t.detach(), index)[0]
-            return t
-
         heads = layout.heads
-        weights = selected("weights", heads)  # (batch, head, query, key)
+        weights = _selected(tensors, stored, "weights", heads)  # (batch, head, query, key)
         if weights is None:
             return None
         _, _, q_len, k_len = weights.shape
         al = allowed if allowed is None or allowed.shape[1] == 1 else index_heads(allowed, heads)[0]
         v_heads = kv_of_heads(heads, layout.num_heads, layout.num_kv_heads)
-        v = selected("v", v_heads) if tensors.get("v") is not None else None
-        output = selected("output", heads)
-        rows = sampled_rows(q_len, self.selection.stats_rows)
+        v = _selected(tensors, stored, "v", v_heads) if tensors.get("v") is not None else None
+        output = _selected(tensors, stored, "output", heads)
+        rows = sampled_rows(q_len, self.selection.stats_rows) if rows is None else rows
         stats = stats_from_weights(
             weights,
-            scores=selected("scores", heads),
+            scores=_selected(tensors, stored, "scores", heads),
             allowed=al,
             v=v,
             output=None if v is None else output,
@@ -806,6 +896,87 @@ class CaptureSession:
         if self.selection.overview is not None:
             stats = MappingProxyType({**stats, **pool_weights(weights, self.selection.overview)})
         return stats, "weights", rows, (q_len, k_len)
+
+    def _extras(self, site: Site, layout: _Heads, kind: str, stats_call, tensors, values, query_padding, rows):
+        """``(stats, meta)`` of ``capture(eviction=, spans=)`` for one call (empty without them)."""
+        if self.selection.eviction is None and self.selection.spans is None:
+            return {}, {}
+        from .analyses.extras import CaptureExtras
+        from .engine.kept_mass import CallRows, TensorRows
+
+        if self._extras_state is None:
+            self._extras_state = CaptureExtras(self.selection.eviction, self.selection.spans)
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if stats_call is not None:
+                source: Any = CallRows(stats_call)
+            else:
+                weights = _selected(tensors, {}, "weights", layout.heads)
+                if weights is None:
+                    return {}, {"eviction": {"skipped": "the adapter handed over neither q and k nor weights"}}
+                source = TensorRows(weights)
+            return self._extras_state.compute(
+                site.layer,
+                source,
+                kind=kind,
+                step=values.get("step"),
+                query_offset=values.get("query_offset", 0),
+                rows=rows,
+                query_padding=query_padding,
+                reordered=bool((values.get("meta") or {}).get("reordered_rows")),
+            )
+
+
+def _selected(tensors, stored, name: str, index):
+    """Tensor ``name`` of the selected heads ``index``: the stored copy, or the adapter's (a ``Lazy`` computed now)."""
+    t = stored.get(name) if name != "v" else None  # a stored v is per kv head
+    if t is None:
+        t = tensors.get(name)
+        if isinstance(t, Lazy):
+            t = t.fn()
+        elif t is not None:
+            t = index_heads(t.detach(), index)[0]
+    return t
+
+
+#: Fields with a query axis, and that axis (``query_padding`` is ``(batch, query)``).
+QUERY_AXIS = {"q": 2, "scores": 2, "weights": 2, "output": 2, "allowed": 2, "query_padding": 1}
+
+
+def cut_rows(t, a: int, b: int, axis: int):
+    """Rows ``a:b`` along ``axis`` of a tensor (a view), of a ``Lazy`` (computed whole, then cut: the record keeps a
+    copy of the rows), or None; a tensor of size 1 along the axis (a mask the same for every row) as it is."""
+    if t is None:
+        return None
+    if isinstance(t, Lazy):
+        shape = list(t.shape)
+        shape[axis] = b - a
+        whole = t.fn
+        return Lazy(tuple(shape), t.dtype, lambda: whole().narrow(axis, a, b - a))
+    return t if t.shape[axis] == 1 else t.narrow(axis, a, b - a)
+
+
+def from_call(call, field: str, a: int, b: int, dtype: torch.dtype) -> Lazy:
+    """``scores`` or ``weights`` of rows ``a:b`` as a ``Lazy`` computed from the adapter's ``AttentionCall`` for
+    those rows alone: memory grows as rows x keys, not as the whole matrix."""
+    from .engine.kept_mass import rows_scores, rows_weights
+
+    B, h, _, Tk = call.shape
+    fn = rows_weights if field == "weights" else rows_scores
+    return Lazy((B, h, b - a, Tk), dtype, lambda: fn(call, a, b).to(dtype))
+
+
+def _cut_rows(tensors, masks, values, stats_call, a: int, b: int):
+    """``(tensors, masks, values)`` of query rows ``a:b`` of one call: every field with a query axis cut (recomputed
+    scores and weights computed for those rows alone from the adapter's ``AttentionCall``), the record placed at
+    ``query_offset + a``."""
+    cut_tensors = {}
+    for f, t in tensors.items():
+        if f in QUERY_AXIS and isinstance(t, Lazy) and stats_call is not None and f in ("scores", "weights"):
+            cut_tensors[f] = from_call(stats_call, f, a, b, t.dtype)
+        else:
+            cut_tensors[f] = cut_rows(t, a, b, QUERY_AXIS[f]) if f in QUERY_AXIS else t
+    cut_masks = {f: cut_rows(t, a, b, QUERY_AXIS[f]) if f in QUERY_AXIS else t for f, t in masks.items()}
+    return cut_tensors, cut_masks, {**values, "query_offset": values.get("query_offset", 0) + a}
 
 
 class _Heads(NamedTuple):

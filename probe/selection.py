@@ -13,8 +13,8 @@ import math
 import operator
 import re
 from collections.abc import Iterable, Mapping, Sized
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,7 @@ from .record import KEEP_NAMES, TENSOR_FIELDS
 
 if TYPE_CHECKING:
     from .engine.pooling import Overview
+    from .rows import RowSelection
 
 
 def _as_int(item, what: str, value) -> int:
@@ -194,6 +195,40 @@ def stats_rows_of(stats_rows, keep, overview) -> int | None:
     return operator.index(stats_rows)
 
 
+def rows_of(rows, keep, overview, stats_rows) -> RowSelection | None:
+    """``capture(rows=)`` (see ``probe/rows.py``): not with ``stats_rows=`` (one way to choose rows) nor with an
+    overview (which pools every row)."""
+    from .rows import row_selection
+
+    selection = row_selection(rows)
+    if selection is not None and stats_rows is not None:
+        raise SelectionError(
+            "give stats_rows= or rows=, not both: stats_rows samples evenly, rows names the rows",
+            argument="rows",
+            value=rows,
+        )
+    if selection is not None and overview is not None:
+        raise SelectionError(
+            "rows= cannot be combined with overview=: an overview pools every query row; leave one of them out",
+            argument="rows",
+            value=rows,
+        )
+    return selection
+
+
+def _needs_stats(value, name: str, keep) -> Any:
+    """``value`` (None or an object ``probe.analyses.extras`` validated) when ``"stats"`` is kept, else an error: what
+    the statistics pass computes beside the statistics."""
+    if value is not None and "stats" not in keep:
+        raise SelectionError(
+            f'{name}= is computed during the forward by a statistics capture: add "stats" to keep= (from a capture '
+            f"that keeps the weights, attnprobe.{'eviction_profile' if name == 'eviction' else 'spans.attention'} "
+            "computes it afterwards)",
+            argument=name,
+        )
+    return value
+
+
 def sampled_rows(length: int, count: int | None) -> torch.Tensor | None:
     """The query rows ``stats_rows=count`` samples from a call of ``length`` rows: ``count`` positions evenly spaced
     from the first row to the last (both included), the same ones for the same length; None (every row) when
@@ -304,6 +339,14 @@ class Selection:
     stats_rows: int | None = None
     """Statistics of at most this many query rows per call (``sampled_rows``: evenly spaced, the last one
     included); None = every row."""
+    rows: RowSelection | None = None
+    """The query rows kept (``probe/rows.py``); None = every row."""
+    eviction: Any = None
+    """An ``EvictionPlan``: KV-cache eviction fractions computed during the forward (``probe/engine/kept_mass.py``;
+    validated by ``probe.analyses.extras.eviction_of``); None = none."""
+    spans: Any = None
+    """A ``SpanSet``: declared spans whose per-row masses are computed during the forward (validated by
+    ``probe.analyses.extras.spans_of``); None = none."""
 
     @classmethod
     def build(
@@ -318,6 +361,9 @@ class Selection:
         block_bytes=None,
         overview=None,
         stats_rows=None,
+        rows=None,
+        eviction=None,
+        spans=None,
     ) -> Selection:
         # each argument checked in the order of the signature, so that the first wrong one is the one reported
         layer_tuple = None if layers is None else int_list(layers, "layers")
@@ -334,7 +380,19 @@ class Selection:
         overview = overview_of(overview, keep_set)
         stats_rows = stats_rows_of(stats_rows, keep_set, overview)
         return cls(
-            layer_tuple, head_tuple, by_layer, keep_set, dev, dtype, max_bytes, block_bytes, overview, stats_rows
+            layer_tuple,
+            head_tuple,
+            by_layer,
+            keep_set,
+            dev,
+            dtype,
+            max_bytes,
+            block_bytes,
+            overview,
+            stats_rows,
+            rows_of(rows, keep_set, overview, stats_rows),
+            _needs_stats(eviction, "eviction", keep_set),
+            _needs_stats(spans, "spans", keep_set),
         )
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> Selection:
@@ -382,18 +440,7 @@ class Selection:
                     f"heads={{...}} names layer(s) {unselected} that layers={list(self.layers)} does not select; "
                     "add them to layers=, or leave layers out (the keys of heads={...} then choose the layers)"
                 )
-        return Selection(
-            resolved,
-            self.heads,
-            by_layer,
-            self.keep,
-            self.device,
-            self.dtype,
-            self.max_bytes,
-            self.block_bytes,
-            self.overview,
-            self.stats_rows,
-        )
+        return replace(self, layers=resolved, heads_by_layer=by_layer)
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers

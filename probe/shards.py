@@ -352,17 +352,18 @@ def join_records(parts: Sequence[AttentionRecord]) -> AttentionRecord:
     parts = sorted(parts, key=lambda r: r.heads[0] if r.heads else -1)
     first = parts[0]
     for r in parts[1:]:
-        if (r.name, r.layer, r.call, r.step, r.num_heads, r.num_kv_heads) != (
+        if (r.name, r.layer, r.call, r.step, r.query_offset, r.num_heads, r.num_kv_heads) != (
             first.name,
             first.layer,
             first.call,
             first.step,
+            first.query_offset,
             first.num_heads,
             first.num_kv_heads,
         ):
             raise ShardLayoutError(
-                f"cannot join {r!r} with {first!r}: shards of one call share the module, layer, call, step and "
-                "head counts"
+                f"cannot join {r!r} with {first!r}: shards of one call share the module, layer, call, step, "
+                "query_offset (the run of rows of capture(rows=)) and head counts"
             )
     heads = [h for r in parts for h in r.heads]
     if len(set(heads)) != len(heads):
@@ -406,15 +407,16 @@ def join_capture_records(per_rank: Sequence[Sequence[AttentionRecord]]) -> list[
     """Whole records from the records of every process: the shards of each call joined (``join_records``), the
     layers of every pipeline stage side by side. Processes that made the same calls in the same order keep that
     order; otherwise records are ordered by call, then layer."""
-    keys = [[(r.layer, r.call, r.step) for r in records] for records in per_rank]
+    # a call's runs of selected rows (capture(rows=)) are records of their own, told apart by query_offset
+    keys = [[(r.layer, r.call, r.step, r.query_offset) for r in records] for records in per_rank]
     groups: dict[tuple, list[AttentionRecord]] = {}
     for records in per_rank:
         for r in records:
-            groups.setdefault((r.layer, r.call, r.step), []).append(r)
+            groups.setdefault((r.layer, r.call, r.step, r.query_offset), []).append(r)
     if all(k == keys[0] for k in keys):
         order = keys[0]
     else:
-        order = sorted(groups, key=lambda k: (k[1], -1 if k[2] is None else k[2], k[0]))
+        order = sorted(groups, key=lambda k: (k[1], -1 if k[2] is None else k[2], k[0], k[3]))
     return [join_records(groups[k]) for k in order]
 
 

@@ -13,6 +13,7 @@ matplotlib, pandas and jinja2 are imported inside the functions that use them.
 
 from __future__ import annotations
 
+from .analysis_plots import attribution_plot, eviction_plot, span_plot
 from .diff import compare, diff_html
 from .html import to_html
 from .inline import view
@@ -21,8 +22,10 @@ from .overlay import overlay, save_overlay
 from .png import head_grid, heatmap, save_grid, save_heatmap, save_summary, summary_plot
 
 __all__ = [
+    "attribution_plot",
     "compare",
     "diff_html",
+    "eviction_plot",
     "head_grid",
     "heatmap",
     "monitor_html",
@@ -32,6 +35,7 @@ __all__ = [
     "save_heatmap",
     "save_overlay",
     "save_summary",
+    "span_plot",
     "summary_plot",
     "to_html",
     "view",

@@ -698,24 +698,67 @@ def _long_data(plan: PagePlan, checks: CheckResult | None) -> PageData:
     return PageData(meta, ids, context)
 
 
-def render_plan(plan: PagePlan, *, title: str | None = None, monitor=None, started: float | None = None):
+def render_plan(
+    plan: PagePlan,
+    *,
+    title: str | None = None,
+    monitor=None,
+    started: float | None = None,
+    analyses=None,
+    spans=None,
+):
     """The page of ``plan`` as text chunks (see ``render``): its data built once (``page_data``), rendered in one
     pass. ``monitor``: the Monitor section (``monitor_section``); ``started``: when the work began (the page says
-    how long it took)."""
+    how long it took); ``analyses``, ``spans``: see ``to_html``."""
     started = time.perf_counter() if started is None else started
     data = page_data(plan)
     model = plan.capture.info.get("model_class", "model")
+    context = dict(data.context)
+    context.update(_analysis_context(plan, data, analyses, spans))
     return render(
         "long.html.j2" if plan.layout == "long" else "report.html.j2",
         script_name="long.js" if plan.layout == "long" else "report.js",
         title=title or f"attnprobe report: {model}",
-        **data.context,
+        **context,
         monitor=monitor,
         page_scripts=("monitor.js",) * bool(monitor) + ("image.js",) * bool(data.context.get("image")),
         meta_json=script_json(data.meta),
         blobs=data.blobs,
         elapsed=time.perf_counter() - started,
     )
+
+
+def _analysis_context(plan: PagePlan, data, analyses, spans) -> dict[str, Any]:
+    """The Analyses section's parts (``reports.analysis_sections``) and the declared spans: a legend, each shown
+    row's tokens marked by span (the overview's token lists; the token view reads ``meta["spans"]``)."""
+    from .analysis_sections import SPAN_COLORS, analysis_context, span_tokens
+
+    batch = plan.rows[0]
+    rows = (data.context.get("input") or {}).get("rows") or []
+    first = next((row["query_tokens"] for row in rows if row["batch"] == batch), None)
+    parts = analysis_context(analyses or (), tokens=first, batch=batch)
+    legend = []
+    if spans is not None:
+        from ..probe.analyses.spans import SpanSet
+
+        if not isinstance(spans, SpanSet):
+            raise TypeError(f"spans= takes declared spans (attnprobe.spans.ranges, sentences, ...), not {spans!r}")
+        legend = [(label, SPAN_COLORS[i % len(SPAN_COLORS)]) for i, label in enumerate(spans.labels)]
+        length = max((r.query_offset + (r.query_len or 0) for r in plan.records), default=0)
+        data.meta["spans"] = {
+            "labels": list(spans.labels),
+            "colors": [color for _, color in legend],
+            "rows": {
+                str(b): spans.for_keys(1, length)[0].tolist()
+                if spans.ids.shape[0] == 1
+                else spans.for_keys(spans.ids.shape[0], length)[min(b, spans.ids.shape[0] - 1)].tolist()
+                for b in plan.rows
+            },
+        }
+        for row in rows:
+            tokens = row.get("query_tokens")
+            row["span_marks"] = None if tokens is None else span_tokens(spans, row["batch"], len(tokens))
+    return {"analyses": parts, "span_legend": legend}
 
 
 def to_html(
@@ -736,6 +779,8 @@ def to_html(
     monitor_stats=None,
     image=None,
     image_grid=None,
+    analyses=None,
+    spans=None,
 ):
     """Write one self-contained HTML report of ``capture``; return the document when ``path`` is None.
 
@@ -759,6 +804,10 @@ def to_html(
     an Image section when the capture holds image tokens (``cap.image_tokens()``, or ``image_grid=`` here): each
     picture drawn from its own pixels (no request), a layer and head choice, pointing at a token tints the patches
     it attends to, pointing at a patch shades the tokens by their weight on it (see ``reports.image_section``).
+    ``analyses``: results to show in an Analyses section (drawn on the server, no script needed): attention
+    rollout or flow (``attnprobe.rollout``), value-weighted norms (``attnprobe.value_norms``), span x span attention
+    (``attnprobe.spans.attention``), an eviction profile (``attnprobe.eviction_profile``). ``spans``: declared spans
+    (``attnprobe.spans``): the token lists and the token view mark each token's span.
 
     Records captured under ``generate`` (with ``step``) are shown stitched (``attnprobe.stitch``).
     A statistics-only capture (``keep=("stats",)``, long inputs) gets the long-input page of ``reports.long``:
@@ -789,5 +838,5 @@ def to_html(
         image=image,
         image_grid=image_grid,
     )
-    chunks = render_plan(plan, title=title, monitor=monitor_part, started=started)
+    chunks = render_plan(plan, title=title, monitor=monitor_part, started=started, analyses=analyses, spans=spans)
     return write_or_return(chunks, path, overwrite)

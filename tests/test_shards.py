@@ -62,7 +62,7 @@ def test_layout_ranks_along_model_and_data_dimensions():
     assert layout.rank_meta() == {"rank": 5, "tp_rank": 1, "pp_rank": 1, "dp_rank": 0}
 
 
-def _gqa_capture(keep=("q", "k", "v", "weights", "output", "stats")):
+def _gqa_capture(keep=("q", "k", "v", "weights", "output", "stats"), rows=None):
     from transformers import LlamaConfig, LlamaModel
 
     config = LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
@@ -71,7 +71,7 @@ def _gqa_capture(keep=("q", "k", "v", "weights", "output", "stats")):
     ids = torch.randint(0, 50, (2, 7))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, :2] = 0
-    _, cap = attnprobe.run(model, {"input_ids": ids, "attention_mask": mask}, keep=keep)
+    _, cap = attnprobe.run(model, {"input_ids": ids, "attention_mask": mask}, keep=keep, rows=rows)
     return cap
 
 
@@ -87,6 +87,15 @@ def test_join_of_uneven_head_shards_is_the_whole_record():
         for n in want.stats:  # NaN where a statistic is undefined (previous_mass of the first row)
             torch.testing.assert_close(got.stats[n], want.stats[n], rtol=0, atol=0, equal_nan=True)
     assert attnprobe.check(whole).ok
+
+
+def test_join_keeps_each_run_of_selected_rows_apart():
+    cap = _gqa_capture(keep=("weights",), rows=[1, 2, 5])  # two runs per call: rows 1-2 and row 5
+    assert [r.query_offset for r in cap] == [1, 5, 1, 5]
+    whole = join([cap.select(heads=[3, 4, 5]), cap.select(heads=[0, 1, 2])])
+    assert [(r.layer, r.query_offset, r.heads) for r in whole] == [(r.layer, r.query_offset, r.heads) for r in cap]
+    for got, want in zip(whole, cap):
+        assert torch.equal(got.weights, want.weights)
 
 
 def test_join_keeps_a_key_value_head_shared_by_two_shards_once():

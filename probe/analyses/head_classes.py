@@ -15,7 +15,13 @@ label          score                            meaning
                                                 learning and induction heads"); only with ``probe="induction"``
 =============  ===============================  ================================================================
 
-A head may get several labels (a first-token head of a one-token input is also a self head) or none.
+Four long-context roles come beside them (``probe/analyses/head_roles.py`` defines their scores): ``retrieval``
+(the needle probe, ``probe="retrieval"``), ``streaming`` (little lost with sinks + a recent window; needs a capture
+made with ``eviction=``, or one that kept the weights), ``local`` (the heaviest key 2 to ``local`` positions back)
+and ``sink`` (most weight on the special tokens ``special=`` names, the first key aside).
+
+A head may get several labels (a first-token head of a one-token input is also a self head) or none;
+``streaming`` only where no more specific label (first, previous, self, local, sink) explains the head.
 """
 
 from __future__ import annotations
@@ -27,15 +33,26 @@ from pathlib import Path
 import torch
 
 from ..errors import AttnprobeError
+from .head_roles import ROLE_SCORES, ROLE_THRESHOLDS, retrieval_scores, role_labels, role_scores
 
-THRESHOLDS: Mapping[str, float] = {"previous": 0.5, "first": 0.5, "self": 0.5, "broad": 0.9, "induction": 0.4}
+THRESHOLDS: Mapping[str, float] = {
+    "previous": 0.5,
+    "first": 0.5,
+    "self": 0.5,
+    "broad": 0.9,
+    "induction": 0.4,
+    **ROLE_THRESHOLDS,
+}
 SCORES: Mapping[str, str] = {
     "previous": "previous_mass",
     "first": "first_key_mass",
     "self": "diagonal_mass",
     "broad": "entropy_ratio",
     "induction": "induction",
+    **ROLE_SCORES,
 }
+#: What ``classify(probe=...)`` runs: each probe runs the model once.
+PROBES = ("induction", "retrieval")
 
 
 class ClassifyError(AttnprobeError, ValueError):
@@ -51,9 +68,11 @@ def entropy_ratio(entropy: torch.Tensor, allowed_keys: torch.Tensor) -> torch.Te
 
 def head_means(cap) -> list[dict]:
     """One dict per (layer, head) of a statistics capture: the statistics' means over real query rows."""
+    from ..engine.stats import record_stats
+
     rows = []
     for rec in cap:
-        stats = getattr(rec, "stats", None)
+        stats = getattr(rec, "stats", None) or (record_stats(rec) if rec.weights is not None else None)
         if not stats:
             raise ClassifyError(f"{rec.name} has no statistics: capture with keep=('stats',) (or scan a data set)")
         real = rec.stats_real_rows  # every query row the statistics describe, less padding
@@ -117,53 +136,83 @@ def classify(
     *,
     capture: Callable | None = None,
     model=None,
-    probe: str | None = None,
+    probe=None,
     thresholds: Mapping[str, float] | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
+    special=None,
+    local: int = 8,
+    budget: int | None = None,
+    probe_length: int | None = None,
 ):
     """A DataFrame, one row per (layer, head): each label's score, and ``labels`` (those reaching their
-    threshold, comma-separated). ``source``: a scan folder (``attnprobe.scan``) or a statistics capture.
-    ``probe="induction"`` with ``model=`` adds the induction score (runs the model once on repeated
-    random tokens)."""
+    threshold, comma-separated). ``source``: a scan folder (``attnprobe.scan``) or a capture (statistics, or
+    weights). ``probe``: ``"induction"``, ``"retrieval"`` or both (a list), with ``model=``: runs the model on
+    that probe's random tokens (``probe_length``: each induction copy's tokens, the retrieval haystack's; None: the
+    probe's default). ``special`` (positions or a bool mask of the captured tokens), ``local`` and
+    ``budget``: the long-context roles' (``head_roles.role_scores``)."""
     import pandas as pd
 
-    limits = dict(THRESHOLDS)
-    for name, value in (thresholds or {}).items():
-        if name not in THRESHOLDS:
-            raise ClassifyError(f"no label {name!r}; the labels are {', '.join(THRESHOLDS)}")
-        limits[name] = float(value)
-    if probe not in (None, "induction"):
-        raise ClassifyError(f"probe must be 'induction' or None, not {probe!r}")
-    if probe is not None and model is None:
-        raise ClassifyError("probe='induction' runs the model: pass model=")
-    if probe is not None and capture is None:
-        raise ClassifyError("probe='induction' runs the model under a capture: pass capture= (attnprobe.capture)")
-    if source is None and model is None:
-        raise ClassifyError("give a scan folder or a statistics capture, and/or model= with probe='induction'")
+    limits = _limits(thresholds)
+    probes = _probes(probe, model, capture, source)
     if isinstance(source, (str, Path)):
         frame = _from_scan(Path(source))
     elif source is not None:
         frame = pd.DataFrame(head_means(source))
+        roles = pd.DataFrame(role_scores(source, special=special, local=local, budget=budget))
+        frame = frame.merge(roles.drop(columns=["module"]), on=["layer", "head"], how="left")
     else:
         frame = None
-    if probe == "induction" and capture is not None:
-        found = induction_scores(capture, model, vocab_size=vocab_size, seed=seed)
-        induction = pd.DataFrame(
-            [{"layer": layer, "head": h, "induction": s} for (layer, h), s in sorted(found.items())]
+    for name in probes:
+        assert capture is not None  # _probes refused probes without it
+        options = {} if probe_length is None else {"length": probe_length}
+        found = (induction_scores if name == "induction" else retrieval_scores)(
+            capture, model, vocab_size=vocab_size, seed=seed, **options
         )
-        frame = induction if frame is None else frame.merge(induction, on=["layer", "head"], how="left")
+        scores = pd.DataFrame([{"layer": layer, "head": h, name: s} for (layer, h), s in sorted(found.items())])
+        frame = scores if frame is None else frame.merge(scores, on=["layer", "head"], how="left")
+    assert frame is not None  # _probes refused a call with neither a source nor a probe
+    roles = set(ROLE_THRESHOLDS)
     scored = [label for label in THRESHOLDS if SCORES[label] in frame.columns]
 
     def labels(row) -> str:
-        return ",".join(
-            label for label in scored if not math.isnan(row[SCORES[label]]) and row[SCORES[label]] >= limits[label]
-        )
+        found = [
+            label
+            for label in scored
+            if label not in roles and not math.isnan(row[SCORES[label]]) and row[SCORES[label]] >= limits[label]
+        ]
+        return ",".join(found + role_labels(row, limits, ",".join(found)))
 
     frame = frame.sort_values(["layer", "head"]).reset_index(drop=True)
     frame["labels"] = frame.apply(labels, axis=1) if len(frame) else []
     frame.attrs["thresholds"] = {label: limits[label] for label in scored}
     return frame
+
+
+def _limits(thresholds: Mapping[str, float] | None) -> dict[str, float]:
+    limits = dict(THRESHOLDS)
+    for name, value in (thresholds or {}).items():
+        if name not in THRESHOLDS:
+            raise ClassifyError(f"no label {name!r}; the labels are {', '.join(THRESHOLDS)}")
+        limits[name] = float(value)
+    return limits
+
+
+def _probes(probe, model, capture, source) -> tuple[str, ...]:
+    """``probe=`` as a tuple of ``PROBES``, checked against what running them needs."""
+    probes = () if probe is None else (probe,) if isinstance(probe, str) else tuple(probe)
+    unknown = [p for p in probes if p not in PROBES]
+    if unknown:
+        raise ClassifyError(f"probe must be one of {PROBES}, a list of them, or None, not {probe!r}")
+    if probes and model is None:
+        raise ClassifyError(f"probe={probe!r} runs the model: pass model=")
+    if probes and capture is None:
+        raise ClassifyError(f"probe={probe!r} runs the model under a capture: pass capture= (attnprobe.capture)")
+    if source is None and not probes:
+        raise ClassifyError(
+            "give a scan folder or a capture, and/or model= with probe='induction' or probe='retrieval'"
+        )
+    return probes
 
 
 def _from_scan(folder: Path):

@@ -933,6 +933,14 @@
     tv.heads = heads;
     const labels = labelsOf(r);
     const pad = new Set(r.sources[0].padding);
+    // declared spans (to_html(spans=)): a bar in the span's colour, the span named in the title
+    const markSpan = (t, pos, other) => {
+      const ids = META.spans && !other ? META.spans.rows[String(META.batch)] : null;
+      const s = ids && pos < ids.length ? ids[pos] : -1;
+      if (s < 0) return;
+      t.style.boxShadow = "inset 4px 0 0 " + META.spans.colors[s];
+      t.title += " \u00b7 span " + META.spans.labels[s];
+    };
     const column = (side, count) => {
       const col = el("div", "tv-col " + side);
       col.appendChild(el("div", "vtitle", side === "q" ? "queries" : r.kind === "cross" ? "keys (context)" : "keys"));
@@ -946,6 +954,7 @@
         if (side === "q" && pad.has(i)) t.classList.add("pad");
         t.dataset.i = i;
         t.title = (side === "q" ? "query " : "key ") + pos + (has ? " " + JSON.stringify(text) : "");
+        markSpan(t, pos, side === "k" && r.kind === "cross");
         t.addEventListener("mouseenter", () => tvPoint(side, i));
         t.addEventListener("click", () => tvClick(side, i));
         col.appendChild(t);
