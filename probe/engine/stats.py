@@ -211,6 +211,26 @@ def attention_stats(
     return engine.result()
 
 
+def attendable_keys(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key_allowed, first)``: ``(batch, head, key)`` bool, whether some query of ``call`` may attend each key
+    (``KEY_STATS``' ``key_allowed``), and ``(batch, head, 1)`` long, the first such key (what ``first_key_mass``
+    reads; 0 when there is none), read from the call's mask a block of rows at a time."""
+    B, h, Tq, Tk = call.shape
+    device = call.q.device
+    if call.mask is None:
+        seen = torch.ones(B, h, Tk, dtype=torch.bool, device=device)  # (batch, head, key)
+        if call.causal:
+            seen[..., call.key_limit(Tq) if Tq else 0 :] = False
+        return seen, torch.zeros(B, h, 1, dtype=torch.long, device=device)
+    seen = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)  # (batch, head, key)
+    step = max(1, (1 << 24) // max(1, B * h * Tk))
+    for a in range(0, Tq, step):
+        allowed = call.allowed(a, min(a + step, Tq), 0, Tk)  # (batch or 1, 1 or head, query, key)
+        if allowed is not None:  # never None: the call has a mask
+            seen |= allowed.any(-2).expand(B, h, Tk)
+    return seen, seen.to(torch.uint8).argmax(-1, keepdim=True)
+
+
 @dataclass(frozen=True)
 class _RowBlock:
     """Query rows ``a:b`` of the call: what every key block of theirs reads."""
@@ -426,12 +446,14 @@ class _Engine:
         # (1, head, 1): the sink logits
         self.sinks = None if call.sinks is None else call.sinks.to(self.device, self.dtype).view(1, -1, 1)
         self.observed = _Observed.of(call, self.dtype)
-        # (batch, head, query): the kernel's normaliser in base 2 (0 where it is not finite: rows with no allowed key)
         # an overview's pooled weights cannot be taken back when a row block falls back to the other path
         usable = call.lse is not None and call.sinks is None and overview is None
-        self.lse = _base2(call.lse.to(self.device, self.dtype)) if usable and call.lse is not None else None
-        # (batch, head, query): 1 where the kernel's lse is finite (rows with an allowed key and finite logits)
-        self.trusted = None if self.lse is None or call.lse is None else call.lse.isfinite().to(self.device, self.dtype)
+        self.lse: torch.Tensor | None = None  # (batch, head, query): the kernel's lse in base 2, 0 where not finite
+        self.trusted: torch.Tensor | None = None  # (batch, head, query): 1 where it is finite, else 0
+        if usable and call.lse is not None:
+            lse2 = call.lse.to(self.device, self.dtype) * _LOG2E  # finfo.min (an additive mask's empty row) -> -inf
+            finite = torch.isfinite(lse2)
+            self.lse, self.trusted = torch.where(finite, lse2, 0.0), finite.to(self.dtype)
         per_key = (self.B, self.h, self.Tk)  # (batch, head, key)
         self.key_weight = torch.zeros(per_key, device=self.device, dtype=self.dtype)
         self.key_allowed = torch.zeros(per_key, dtype=torch.bool, device=self.device)
@@ -455,18 +477,10 @@ class _Engine:
         return buf[:need].view(shape)
 
     def _first_attendable(self) -> torch.Tensor:
-        """``(batch, head, 1)`` the first key some query may attend (0 under a causal mask alone), read from the mask
-        a block of rows at a time."""
-        B, h, Tq, Tk, call = self.B, self.h, self.Tq, self.Tk, self.call
-        if call.mask is None:
-            return torch.zeros(B, h, 1, dtype=torch.long, device=self.device)
-        seen = torch.zeros(B, h, Tk, dtype=torch.bool, device=self.device)  # (batch, head, key)
-        step = max(1, (1 << 24) // max(1, B * h * Tk))
-        for a in range(0, Tq, step):
-            allowed = call.allowed(a, min(a + step, Tq), 0, Tk)  # (batch or 1, 1 or head, query, key)
-            if allowed is not None:  # never None: the call has a mask
-                seen |= allowed.any(-2).expand(B, h, Tk)
-        return seen.to(torch.uint8).argmax(-1, keepdim=True)
+        """``(batch, head, 1)`` the first key some query may attend (0 under a causal mask alone)."""
+        if self.call.mask is None:
+            return torch.zeros(self.B, self.h, 1, dtype=torch.long, device=self.device)
+        return attendable_keys(self.call)[1]
 
     def rows(self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor) -> None:
         """The statistics of query rows ``a:b`` over the key blocks ``blocks`` (``(c, d)``: keys ``c:d``; none when
@@ -942,12 +956,6 @@ def _hits(
     values, keys = _inside(e, _last_true(in_chunk))  # (..., _CHUNK) each: the last chunk with a hit
     last = keys.gather(-1, _last_true((values > threshold) & (keys < K)).unsqueeze(-1)).squeeze(-1)  # (...)
     return torch.where(some, first, -1), torch.where(some, last, -1)
-
-
-def _base2(lse: torch.Tensor) -> torch.Tensor:
-    """A kernel's logsumexp ``(batch, head, query)`` in base 2, 0 where it is not finite (a row with no allowed key:
-    kernels write 0, -inf or +inf there; its weights are 0 whatever the shift)."""
-    return torch.where(torch.isfinite(lse), lse * _LOG2E, 0.0)
 
 
 def _inverse(total: torch.Tensor) -> torch.Tensor:
