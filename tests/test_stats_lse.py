@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from test_stats_oracle import BLOCK_BYTES, DTYPES, MASKS, _case
 
+import attnprobe
 from attnprobe.probe.engine import kernel_lse
 from attnprobe.probe.engine import stats as engine
 from attnprobe.probe.engine.kernel_lse import sdpa_with_lse
@@ -169,3 +170,73 @@ def test_a_kernel_whose_output_differs_from_sdpas_is_never_read_again(monkeypatc
         out, lse = sdpa_with_lse(q, k, v)
     assert lse is None and torch.equal(out, F.scaled_dot_product_attention(q, k, v))
     assert sdpa_with_lse(q, k, v)[1] is None
+
+
+# ------------------------------------------------------------------------------------------------------ captures
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the sdpa calls answered with an lse (the adapters' ``sdpa_with_lse``)."""
+    calls = {"lse": 0}
+    real = kernel_lse.sdpa_with_lse
+
+    def counting(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        calls["lse"] += lse is not None
+        return out, lse
+
+    from attnprobe.hooks import functional, sdpa_lse
+
+    monkeypatch.setattr(sdpa_lse, "sdpa_with_lse", counting)
+    monkeypatch.setattr(functional, "sdpa_with_lse", counting)
+    return calls
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_a_hugging_face_statistics_capture_reads_the_kernels_lse(padding, kernel_calls, monkeypatch):
+    """Llama on sdpa (grouped heads, a padding mask): every layer's sdpa call answered with its lse, the model's
+    outputs bitwise the uncaptured ones, the statistics those of the capture that does not read the lse."""
+    hf_helpers = pytest.importorskip("hf_helpers")
+    model, batch = hf_helpers.build("llama", "sdpa"), hf_helpers.inputs("llama", padding)
+    with torch.no_grad():
+        plain = model(**batch).logits
+        with attnprobe.capture(model, keep=("stats",)) as cap:
+            captured = model(**batch).logits
+    assert torch.equal(plain, captured) and kernel_calls["lse"] == len(cap) > 0
+    from attnprobe.hooks.hf import adapter
+
+    monkeypatch.setattr(adapter, "wants_lse", lambda module: False)
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as without:
+        model(**batch)
+    assert kernel_calls["lse"] == len(cap)  # no more
+    for a, b in zip(cap, without):
+        assert_close_to(a.stats, b.stats, atol=1e-5)
+
+
+def test_weights_recomputed_with_the_kernels_lse_are_the_eager_models(kernel_calls):
+    """A weights-only capture of Llama on sdpa: one exp per weight with the kernel's lse, within 1e-6 of the eager
+    model's own output_attentions."""
+    hf_helpers = pytest.importorskip("hf_helpers")
+    model, batch = hf_helpers.build("llama", "sdpa"), hf_helpers.inputs("llama", "right", length=24)
+    with torch.no_grad(), attnprobe.capture(model, keep=("weights",)) as cap:
+        model(**batch)
+    assert kernel_calls["lse"] == len(cap) > 0
+    eager = hf_helpers.eager_attentions(model, batch)[(None, "self")]
+    for record, want in zip(cap, eager):
+        assert hf_helpers.max_error_on_real_rows(record, want) <= 1e-6
+
+
+def test_direct_sdpa_calls_hand_the_kernels_lse_to_the_engine(kernel_calls):
+    """A module calling sdpa itself: its statistics capture reads the lse, the output unchanged."""
+
+    class Attention(torch.nn.Module):
+        def forward(self, x):
+            q, k, v = x.view(2, 9, 3, 2, 8).permute(2, 0, 3, 1, 4)  # (batch, head, query, d_head) each
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model, x = Attention(), torch.randn(2, 9, 48)
+    with torch.no_grad():
+        plain = model(x)
+        with attnprobe.capture(model, keep=("stats",)) as cap:
+            captured = model(x)
+    assert torch.equal(plain, captured) and kernel_calls["lse"] == len(cap) == 1
+    assert float(cap[0].stats["row_sum_error"].max()) < 1e-5
