@@ -68,6 +68,19 @@ def test_the_kernels_other_ways_give_the_same_statistics(way):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_row_statistics_alone_and_a_nan_in_the_observed_output():
+    """``key_sums=False`` (what benchmarks/gpu.py times as per-row statistics): the row statistics as with the sums,
+    ``key_weight`` NaN; a NaN in the observed output makes its row not finite, as in the eager engine."""
+    call, diag, padding = _case("causal", "plain", torch.float32, heads=(0, 2))  # a NaN at output[1, 0, 2]
+    want = attention_stats(call, diag_offset=diag, query_padding=padding)
+    assert not bool(want["finite"][1, 0, 2])
+    assert_close_to(_kernel(call, diag, padding), want, atol=1e-5)
+    rows_only = _kernel(call, diag, padding, key_sums=False)
+    assert rows_only is not None and bool(rows_only["key_weight"].isnan().all())
+    assert_close_to({**rows_only, "key_weight": want["key_weight"]}, want, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_the_kernel_against_a_float64_reference():
     """The statistics of the exact weights, computed in float64 from a full softmax: within float32 rounding."""
     call, diag, padding = _case("padding", "plain", torch.float32, heads=(0, 3))

@@ -22,6 +22,7 @@ additive mask that attend no key (uniform over every key). Correctness is tested
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -231,7 +232,7 @@ def _rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_LSE: tl.constexpr, HAS_OUT: tl.constexpr,
-    ATOMIC_COLS: tl.constexpr, UPCAST: tl.constexpr,
+    ATOMIC_COLS: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """One block of query rows of one (batch, head): every row statistic, and its weights summed per key (atomics;
     else the base-2 lse and each row's weight in ``key_weight`` go to ``LSE_OUT``/``W_OUT`` for ``_keys_kernel``)."""
@@ -256,7 +257,7 @@ def _rows_kernel(
     valid = row_ok & (tl.abs(lse2) < float("inf"))  # rows with a finite lse: the others add nothing per key
     lse2 = tl.where(valid, lse2, 0.0)
     weight = tl.where(valid, tl.load(COUNTED + b * Tq + rows, mask=row_ok, other=0.0), 0.0)
-    if not ATOMIC_COLS:
+    if STORE_LSE:
         tl.store(LSE_OUT + bh * Tq + rows, lse2, mask=row_ok)
         tl.store(W_OUT + bh * Tq + rows, weight, mask=row_ok)
     first_key = tl.load(FIRST + bh)
@@ -283,9 +284,10 @@ def _rows_kernel(
         o_at = OUT + b * sob + h * soh + rows[:, None] * som + dv[None, :] * sod
         seen = tl.load(o_at, mask=row_ok[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
         error = tl.max(tl.where((dv < DV)[None, :], tl.abs(out * inv[:, None] - seen), 0.0), axis=1)
-        bad = tl.max(tl.where((dv < DV)[None, :] & ~(tl.abs(seen) < float("inf")), 1, 0), axis=1) > 0
+        odd = (tl.abs(seen) == float("inf")) | (seen != seen)  # a NaN or inf in the observed output
+        bad = tl.max(tl.where((dv < DV)[None, :] & odd, 1, 0), axis=1) > 0
         error = tl.where(bad, nan, error)
-        finite = finite & ~bad & (tl.abs(error) < float("inf"))
+        finite = finite & (bad == 0) & (tl.abs(error) < float("inf"))
         tl.store(at + 10 * plane, error, mask=row_ok)
         tl.store(at + 11 * plane, out_scale * inv, mask=row_ok)
     else:
@@ -382,13 +384,16 @@ def triton_attention_stats(
     rows: torch.Tensor | None = None,
     deterministic: bool | None = None,
     block: tuple[int, int] | None = None,
+    key_sums: bool = True,
     key_set: torch.Tensor | None = None,
 ) -> Mapping[str, torch.Tensor] | None:
     """The statistics ``attention_stats(call, ...)`` computes (``ROW_STATS`` ``(batch, head, query)``, ``KEY_STATS``
     ``(batch, head, key)``, float32), from the kernel; None where the answer is the eager engine's to give (see the
     module's docstring: the caller then runs it). ``deterministic``: per-key sums without atomics (None: as
     ``torch.are_deterministic_algorithms_enabled()``). ``block``: ``(block_m, block_n)``, powers of two, >= 16.
-    ``key_set``: as ``attention_stats``'s; the kernel does not compute ``key_set_mass``, so None with one."""
+    ``key_sums=False``: the row statistics alone (``key_weight`` NaN), what ``benchmarks/gpu.py`` times as "per-row
+    statistics". ``key_set``: as ``attention_stats``'s; the kernel does not compute ``key_set_mass``, so None with
+    one."""
     if unsupported(call, key_set) is not None:
         return None
     if rows is not None:
@@ -397,14 +402,16 @@ def triton_attention_stats(
             query_padding = query_padding.index_select(1, rows.to(query_padding.device, torch.long))
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    stats, logits_finite = _launch(call, diag_offset, query_padding, bool(deterministic), _blocks(call, block))
+    sums = ("deterministic" if deterministic else "atomic") if key_sums else "none"
+    stats, logits_finite = _launch(call, diag_offset, query_padding, sums, _blocks(call, block))
     if not bool(logits_finite.all()) or (call.additive and bool((stats["allowed_keys"] == 0).any())):
         return None  # rows the eager engine describes: a NaN or inf logit, or made uniform by an additive mask
     return stats
 
 
-def _launch(call: AttentionCall, diag_offset, query_padding, deterministic: bool, block: tuple[int, int]):
-    """Both kernels run on ``call``: the statistics, unpacked."""
+def _launch(call: AttentionCall, diag_offset, query_padding, sums: str, block: tuple[int, int]):
+    """The kernels run on ``call``: the statistics, unpacked, and which rows had finite logits. ``sums``: how the
+    weights are summed per key, ``"atomic"``, ``"deterministic"`` or ``"none"`` (``key_weight`` NaN)."""
     B, H, Tq, Tk = call.shape
     q, k, device = call.q, call.k, call.q.device
     block_m, block_n = block
@@ -426,7 +433,8 @@ def _launch(call: AttentionCall, diag_offset, query_padding, deterministic: bool
     v_max = torch.maximum(v.amax(-1), v.amin(-1).neg()).float().contiguous() if observed else counted  # (b, h, key)
     lse = call.lse.to(device, torch.float32).contiguous() if call.lse is not None else counted
     planes = torch.empty(len(_PLANES), B * H * Tq, device=device, dtype=torch.float32)
-    key_weight = torch.zeros(B * H * Tk, device=device, dtype=torch.float32)
+    key_weight = torch.full((B * H * Tk,), 0.0 if sums != "none" else math.nan, device=device, dtype=torch.float32)
+    deterministic = sums == "deterministic"
     lse_out = torch.empty(B * H * Tq if deterministic else 1, device=device, dtype=torch.float32)
     w_out = torch.empty_like(lse_out)
     flags = dict(
@@ -449,8 +457,8 @@ def _launch(call: AttentionCall, diag_offset, query_padding, deterministic: bool
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, *bias_strides,
         H, Tq, Tk, q.shape[-1], v.shape[-1], B * H * Tq, diag_offset=-(1 << 30) if no_diag else int(diag_offset),
         threshold=WEIGHT_THRESHOLD, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_DIAG=not no_diag, HAS_LSE=call.lse is not None, HAS_OUT=observed, ATOMIC_COLS=not deterministic,
-        **flags, **numbers,
+        HAS_DIAG=not no_diag, HAS_LSE=call.lse is not None, HAS_OUT=observed, ATOMIC_COLS=sums == "atomic",
+        STORE_LSE=deterministic, **flags, **numbers,
     )  # fmt: skip
     if deterministic:
         _keys_kernel[(triton.cdiv(Tk, block_n), B * H)](
