@@ -77,6 +77,25 @@ def test_one_sweep_with_the_lse_gives_the_statistics_of_two_passes(mask, dtype):
         assert_close_to(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("mask", ["causal", "padding", "additive"])
+def test_the_lse_sweep_gives_the_key_set_mass_of_two_passes(mask):
+    """``key_set=`` (a capture's ``image_mass``) with the kernel's lse: the one sweep sums the weight on the set as the
+    two passes do, one block or keys in blocks (a rebase once left the sweep without it: every row's mass 0)."""
+    call, diag, padding = _case(mask, "plain", torch.float32)
+    keys = torch.zeros(call.shape[0], call.shape[3], dtype=torch.bool)  # (batch, key)
+    keys[:, 3:9] = True
+    keys[1, 0] = True
+    with_lse = replace(call, lse=exact_lse(call))
+    for block_bytes in BLOCK_BYTES.values():
+        want = attention_stats(call, diag_offset=diag, query_padding=padding, block_bytes=block_bytes, key_set=keys)
+        with only_the_lse_sweep():
+            got = attention_stats(
+                with_lse, diag_offset=diag, query_padding=padding, block_bytes=block_bytes, key_set=keys
+            )
+        assert bool((want["key_set_mass"] > 0.1).any())
+        torch.testing.assert_close(got["key_set_mass"], want["key_set_mass"], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("block_bytes", BLOCK_BYTES.values(), ids=BLOCK_BYTES)
 def test_an_lse_that_is_not_the_logits_is_not_used(block_bytes):
     """A kernel lse off by 0.01 (the logits of another call): the engine's own paths, bit for bit."""
@@ -202,9 +221,9 @@ def test_a_hugging_face_statistics_capture_reads_the_kernels_lse(padding, kernel
         with attnprobe.capture(model, keep=("stats",)) as cap:
             captured = model(**batch).logits
     assert torch.equal(plain, captured) and kernel_calls["lse"] == len(cap) > 0
-    from attnprobe.hooks.hf import adapter
+    from attnprobe.hooks.hf import dispatch
 
-    monkeypatch.setattr(adapter, "wants_lse", lambda module: False)
+    monkeypatch.setattr(dispatch, "wants_lse", lambda module: False)  # the wrapper's check (hooks/hf/dispatch.py)
     with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as without:
         model(**batch)
     assert kernel_calls["lse"] == len(cap)  # no more

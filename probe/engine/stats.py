@@ -594,9 +594,7 @@ class _Engine:
             sums.sum_e += e.sum(-1)  # (batch, head, query)
             sums.min_e = torch.minimum(sums.min_e, e.amin(-1))  # (batch, head, query)
             self._gather_masses(sums, e, rows, c, d)
-            block_set = self._set_e(e, c, d)
-            if block_set is not None:
-                sums.set_e = block_set if sums.set_e is None else sums.set_e + block_set
+            self._add_set_e(sums, e, c, d)
             self._count_allowed(sums, rows, c, d, allowed)
             if self.observed is not None and sums.out is not None and sums.scale is not None:
                 out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
@@ -682,6 +680,7 @@ class _Engine:
         sums.dot = sums.dot + x.mul_(e).sum(-1)  # (batch, head, query): sum e * log2(e); x is scratch from here
         self._fold_hits(sums, e, c, norm, scratch=x)
         self._gather_masses(sums, e, rows, c, d)
+        self._add_set_e(sums, e, c, d)
         self._count_allowed(sums, rows, c, d, mask.allowed)
         self._add_weights(e, rows, c, norm)
         if self.observed is not None and sums.out is not None and sums.scale is not None:
@@ -757,6 +756,12 @@ class _Engine:
             return None
         # (batch, head, query, key) x (batch, 1, key, 1) -> (batch, head, query, 1)
         return e.matmul(self.key_set[:, :, c:d]).squeeze(-1)
+
+    def _add_set_e(self, sums: _RowSums, e: torch.Tensor, c: int, d: int) -> None:
+        """Keys ``c:d``'s ``sum e`` over the key set into ``sums.set_e`` (every sweep that runs over blocks of keys)."""
+        block_set = self._set_e(e, c, d)
+        if block_set is not None:
+            sums.set_e = block_set if sums.set_e is None else sums.set_e + block_set
 
     def _count_allowed(self, sums: _RowSums, rows: _RowBlock, c: int, d: int, allowed: torch.Tensor | None) -> None:
         """The keys ``c:d`` the rows may attend: ``allowed_keys`` and ``diag_allowed`` per row, ``key_allowed`` per

@@ -416,6 +416,7 @@ def _launch(call: AttentionCall, diag_offset, query_padding, sums: str, block: t
     q, k, device = call.q, call.k, call.q.device
     block_m, block_n = block
     shape = (B, H, Tq, Tk)
+    assert not callable(call.mask), "a mask of blocks is the eager engine's (unsupported)"
     mask, mask_strides = _dense(call.mask, shape)
     bias, bias_strides = _dense(call.bias, shape)
     float_mask = mask is not None and mask.dtype.is_floating_point
