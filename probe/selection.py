@@ -183,7 +183,8 @@ STATS_ENGINES: tuple[str, ...] = ("auto", "torch", "triton")
 
 def stats_engine_of(engine) -> str:
     """``capture(stats_engine=)`` checked: one of ``STATS_ENGINES``; ``"triton"`` only where triton (and the numpy
-    its interpreter needs) is installed."""
+    its interpreter needs) is installed, at least the release the kernel is proven on
+    (``engine.triton_release.TRITON_MIN``)."""
     if engine not in STATS_ENGINES:
         raise SelectionError(
             f"stats_engine must be one of {', '.join(repr(e) for e in STATS_ENGINES)}, got {engine!r}",
@@ -197,6 +198,18 @@ def stats_engine_of(engine) -> str:
             argument="stats_engine",
             value=engine,
         )
+    if engine == "triton":
+        from .engine.triton_release import TRITON_MIN, installed_triton, triton_release_proven
+
+        version = installed_triton()
+        if version is not None and not triton_release_proven(version):
+            raise SelectionError(
+                f"stats_engine='triton' needs triton>={TRITON_MIN}, the oldest release the kernel is tested on; "
+                f"triton {version} is installed. Upgrade it (pip install 'attnprobe[triton]') or use "
+                "stats_engine='torch'",
+                argument="stats_engine",
+                value=engine,
+            )
     return engine
 
 

@@ -20,7 +20,14 @@ import torch
 
 # Triton reads TRITON_INTERPRET when a kernel is defined (@triton.jit): before attnprobe's kernel module is imported
 os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="the Triton kernel's tests need triton (pip install 'attnprobe[triton]')")
+from attnprobe.probe.engine.triton_release import TRITON_MIN
+
+pytest.importorskip(
+    "triton",
+    minversion=TRITON_MIN,
+    reason=f"the Triton kernel's tests need triton>={TRITON_MIN} (pip install 'attnprobe[triton]'); older releases' "
+    "interpreter stops on the kernel",
+)
 pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
 
 from test_stats_lse import assert_close_to, exact_lse
@@ -192,3 +199,55 @@ def test_auto_runs_the_eager_engine_on_cpu(monkeypatch):
     _, engine = engines.statistics(call, engine="auto", diag_offset=diag, query_padding=padding)
     assert engine == "torch"
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_calls_the_kernel_does_not_compute_go_to_the_eager_engine(monkeypatch):
+    """A flex ``score_mod``, a mask given as a function of blocks and a key set (``key_set_mass``, a capture's
+    ``image_mass``) are the eager engine's: ``unsupported`` names each, the kernel hands them back, and
+    ``stats_engine="triton"`` gets the eager engine's statistics, ``key_set_mass`` included."""
+    from attnprobe.probe.engine import engines
+    from attnprobe.probe.engine.triton_stats import unsupported
+
+    call, diag, padding = _case("causal", "plain", torch.float32, heads=(0, 3))
+    assert unsupported(call) is None
+    doubled = replace(call, score_mod=lambda s, rows, c, d: s * 2)
+    assert "score_mod" in unsupported(doubled)
+    everything = replace(call, mask=lambda rows, c, d: torch.ones(1, 1, len(rows), d - c, dtype=torch.bool))
+    assert "function of blocks" in unsupported(everything)
+    keys = torch.zeros(2, call.k.shape[2], dtype=torch.bool)
+    keys[:, 2:6] = True
+    assert "key set" in unsupported(call, keys)
+    assert _kernel(doubled, diag, padding) is None and _kernel(call, diag, padding, key_set=keys) is None
+    monkeypatch.setattr(engines, "_WARNED", set())  # each reason is warned once a process
+    with pytest.warns(UserWarning, match="key set"):
+        got, engine = engines.statistics(call, engine="triton", diag_offset=diag, query_padding=padding, key_set=keys)
+    assert engine == "torch"
+    want = attention_stats(call, diag_offset=diag, query_padding=padding, key_set=keys)
+    assert "key_set_mass" in got
+    assert_close_to(got, want, atol=0)
+    got, engine = engines.statistics(doubled, engine="triton", diag_offset=diag, query_padding=padding)
+    assert engine == "torch"
+    assert_close_to(got, attention_stats(doubled, diag_offset=diag, query_padding=padding), atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_triton_capture_with_image_grid_keeps_image_mass(monkeypatch):
+    from attnprobe.probe.engine import engines
+
+    """``capture(image_grid=, stats_engine="triton")``: every record whose keys include image patches (here all of
+    them: the vision tower's keys are all patches, the language model's include them) still has ``image_mass``, from
+    the eager engine (no ``meta["stats_engine"]``), equal to a ``stats_engine="torch"`` capture's; the hand-back is
+    warned about. (Without image_grid= the kernel computes such records: ``test_a_capture_with_the_triton_engine``.)"""
+    image_helpers = pytest.importorskip("image_helpers")
+    built, tokens, _ = image_helpers.located("llava")
+    monkeypatch.setattr(engines, "_WARNED", set())
+    with pytest.warns(UserWarning, match="key set"):
+        _, kernel = attnprobe.run(built.model, dict(built.inputs), keep=("stats",), image_grid=tokens,
+                                  stats_engine="triton")  # fmt: skip
+    _, eager = attnprobe.run(built.model, dict(built.inputs), keep=("stats",), image_grid=tokens, stats_engine="torch")
+    with_images = [i for i, r in enumerate(eager) if "image_mass" in r.stats]
+    assert with_images and len(kernel) == len(eager)
+    for i in with_images:
+        assert "image_mass" in kernel[i].stats and kernel[i].meta.get("stats_engine") != "triton"
+        torch.testing.assert_close(kernel[i].stats["image_mass"], eager[i].stats["image_mass"], atol=0, rtol=0)
+    assert len(with_images) == len(eager)

@@ -4,9 +4,11 @@
   oracle the others are tested against.
 - ``"triton"``: the Triton kernel (``probe/engine/triton_stats.py``: every statistic in one launch per call); calls it
   does not take (attention sinks, a flex ``score_mod`` or block-function mask, a key set (``image_mass``), overviews,
-  float64, tensors on CPU, rows with a NaN or inf logit, additive rows that attend no key) go to the eager engine, and the first of each reason is warned about. Needs ``triton``
-  (``pip install "attnprobe[triton]"``).
-- ``"auto"`` (the default): the Triton kernel for calls on CUDA when ``triton`` imports, else the eager engine.
+  float64, tensors on CPU, rows with a NaN or inf logit, additive rows that attend no key) go to the eager engine,
+  and the first of each reason is warned about. Needs ``triton`` ``>= TRITON_MIN`` (``pip install
+  "attnprobe[triton]"``).
+- ``"auto"`` (the default): the Triton kernel for calls on CUDA when a ``triton`` of at least ``TRITON_MIN`` imports,
+  else the eager engine. An older triton (torch 2.6 brings 3.2, which the kernel's tests fail on) is never picked.
 
 A record whose statistics came from the kernel says so: ``record.meta["stats_engine"] == "triton"``.
 """
@@ -22,13 +24,17 @@ from ..errors import warn_user
 from .attention_math import AttentionCall
 from .pooling import Overview
 from .stats import DEFAULT_BLOCK_BYTES, attention_stats
+from .triton_release import installed_triton, triton_release_proven
 
 _WARNED: set[str] = set()
 
 
 @functools.cache
 def triton_available() -> bool:
-    """Whether the Triton kernel imports here (``triton`` installed, with numpy)."""
+    """Whether the Triton kernel imports here: ``triton`` of at least ``TRITON_MIN`` installed, with numpy."""
+    version = installed_triton()
+    if version is None or not triton_release_proven(version):
+        return False
     try:
         from . import triton_stats  # noqa: F401
     except ImportError:
