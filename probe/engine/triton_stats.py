@@ -52,9 +52,11 @@ _PLANES = (
     "last_key",
     "allowed_keys",
     "diagonal_allowed",
+    "first_allowed",
+    "last_allowed",
     "logits_finite",  # not a statistic: no NaN or inf logit at an allowed key (else the eager engine answers)
 )
-_INTEGERS = ("argmax_key", "first_key", "last_key", "allowed_keys")
+_INTEGERS = ("argmax_key", "first_key", "last_key", "allowed_keys", "first_allowed", "last_allowed")
 _FLAGS = ("finite", "diagonal_allowed")
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -154,6 +156,8 @@ def _sweep(
     first = tl.full((BLOCK_M,), Tk, tl.int32)
     last = tl.full((BLOCK_M,), -1, tl.int32)
     count = tl.zeros((BLOCK_M,), tl.int32)
+    first_ok = tl.full((BLOCK_M,), Tk, tl.int32)  # the first and last key the mask lets the row attend
+    last_ok = tl.full((BLOCK_M,), -1, tl.int32)
     first_p = tl.zeros((BLOCK_M,), tl.float32)
     diag_p = tl.zeros((BLOCK_M,), tl.float32)
     prev_p = tl.zeros((BLOCK_M,), tl.float32)
@@ -177,6 +181,8 @@ def _sweep(
         dot += tl.sum(tl.where(allowed, p * x, 0.0), axis=1)
         smallest = tl.minimum(smallest, tl.min(tl.where(allowed, p, float("inf")), axis=1))
         count += tl.sum(allowed.to(tl.int32), axis=1)
+        first_ok = tl.minimum(first_ok, tl.min(tl.where(allowed, cols[None, :], Tk), axis=1))
+        last_ok = tl.maximum(last_ok, tl.max(tl.where(allowed, cols[None, :], -1), axis=1))
         hit = p > threshold
         first = tl.minimum(first, tl.min(tl.where(hit, cols[None, :], Tk), axis=1))
         last = tl.maximum(last, tl.max(tl.where(hit, cols[None, :], -1), axis=1))
@@ -196,13 +202,16 @@ def _sweep(
         if ATOMIC_COLS:
             kept = tl.where(weight[:, None] > 0, p, 0.0) * weight[:, None]  # (a row not finite: not even NaN * 0)
             tl.atomic_add(KW + bh * Tk + cols, tl.sum(kept, axis=0), mask=col_ok)
-    return total, dot, smallest, best, best_key, first, last, count, first_p, diag_p, prev_p, diag_ok, out, out_scale
+    return (
+        total, dot, smallest, best, best_key, first, last, count, first_ok, last_ok, first_p, diag_p, prev_p, diag_ok,
+        out, out_scale,
+    )  # fmt: skip
 
 
 @triton.jit
 def _store_rows(
-    at, plane, row_ok, Tk, inv, total, dot, smallest, best, best_key, first, last, count, first_p, diag_p, prev_p,
-    diag_ok, diag, lse2,
+    at, plane, row_ok, Tk, inv, total, dot, smallest, best, best_key, first, last, count, first_ok, last_ok, first_p,
+    diag_p, prev_p, diag_ok, diag, lse2,
 ):  # fmt: skip
     """The row statistics but the output check's, each into its plane (``_PLANES``), from the sweep's sums."""
     empty = best == float("-inf")
@@ -221,6 +230,8 @@ def _store_rows(
     tl.store(at + 13 * plane, last.to(tl.float32), mask=row_ok)
     tl.store(at + 14 * plane, count.to(tl.float32), mask=row_ok)
     tl.store(at + 15 * plane, (diag_ok > 0).to(tl.float32), mask=row_ok)
+    tl.store(at + 16 * plane, tl.where(first_ok >= Tk, -1, first_ok).to(tl.float32), mask=row_ok)
+    tl.store(at + 17 * plane, last_ok.to(tl.float32), mask=row_ok)
 
 
 @triton.jit
@@ -262,7 +273,10 @@ def _rows_kernel(
         tl.store(W_OUT + bh * Tq + rows, weight, mask=row_ok)
     first_key = tl.load(FIRST + bh)
     diag = pos + diag_offset
-    total, dot, smallest, best, best_key, first, last, count, first_p, diag_p, prev_p, diag_ok, out, out_scale = _sweep(
+    (
+        total, dot, smallest, best, best_key, first, last, count, first_ok, last_ok, first_p, diag_p, prev_p, diag_ok,
+        out, out_scale,
+    ) = _sweep(
         q, K, V, MASK, BIAS, VMAX, KW, k_base, m_base, b_base, b * svb + h * svh, bh, rows, pos, row_ok, lse2, weight,
         first_key, diag, n_end, Tk, D, DV, scale, softcap, masked_at, causal_offset, threshold,
         skn, skd, smm, smn, sbm, sbn, svn, svd,
@@ -272,8 +286,8 @@ def _rows_kernel(
     inv = tl.where(total > 0, 1.0 / total, 0.0)
     at = STATS + bh * Tq + rows
     _store_rows(
-        at, plane, row_ok, Tk, inv, total, dot, smallest, best, best_key, first, last, count, first_p, diag_p, prev_p,
-        diag_ok, diag, lse2,
+        at, plane, row_ok, Tk, inv, total, dot, smallest, best, best_key, first, last, count, first_ok, last_ok,
+        first_p, diag_p, prev_p, diag_ok, diag, lse2,
     )  # fmt: skip
     empty = best == float("-inf")
     nan = float("nan")
@@ -294,7 +308,7 @@ def _rows_kernel(
         tl.store(at + 10 * plane, tl.full((BLOCK_M,), nan, tl.float32), mask=row_ok)
         tl.store(at + 11 * plane, tl.full((BLOCK_M,), nan, tl.float32), mask=row_ok)
     tl.store(at + 9 * plane, finite.to(tl.float32), mask=row_ok)
-    tl.store(at + 16 * plane, logits_finite.to(tl.float32), mask=row_ok)
+    tl.store(at + 18 * plane, logits_finite.to(tl.float32), mask=row_ok)
 
 
 @triton.jit
