@@ -75,6 +75,9 @@ class capture:
     ``observe`` rows; under ``generate`` the generated tokens), read with ``attnprobe.eviction_profile``.
     ``spans`` (with ``"stats"``): declared spans (``attnprobe.spans``) whose per-row masses are computed during the
     forward, read with ``attnprobe.spans.attention``.
+    ``stats_engine`` (with ``"stats"``): ``"auto"`` (the Triton kernel for calls on CUDA when ``triton`` imports,
+    else the eager engine), ``"torch"`` (the eager engine) or ``"triton"`` (the kernel wherever it takes the call;
+    see ``probe.engine.engines`` and the docs' "Long contexts").
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size
@@ -132,6 +135,7 @@ class capture:
         rows=None,
         eviction=None,
         spans=None,
+        stats_engine="auto",
     ):
         from .hf.sharding import shard_layout
 
@@ -154,6 +158,7 @@ class capture:
                 rows=rows,
                 eviction=eviction_of(eviction),
                 spans=spans_of(spans),
+                stats_engine=stats_engine,
             ),
             default_adapters(modules=modules),
             store=store,

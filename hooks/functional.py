@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..probe.checks.lint import LINT_SAME_KV, LINT_UNREAD_MASK_BUFFER, lint_violation
 from ..probe.engine.attention_math import AttentionCall, attention_logits, mask_allows
+from ..probe.engine.kernel_lse import sdpa_with_lse
 from ..probe.errors import AttnprobeError, SelectionError, warn_user
 from ..probe.intent import Intent, module_intent
 from ..probe.threads import elsewhere
@@ -63,20 +64,28 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 class _CaptureMode(TorchFunctionMode):
     """Sees every torch call while a capture is open; returns each call's own result."""
 
-    def __init__(self, on_sdpa, tracer: Tracer | None) -> None:
+    def __init__(self, on_sdpa, tracer: Tracer | None, *, kernel_lse: bool = False) -> None:
         super().__init__()
         self.on_sdpa = on_sdpa
         self.tracer = tracer
+        #: answer sdpa calls with ``sdpa_with_lse`` (sdpa's own kernel, bit for bit) and hand the lse on: a capture
+        #: that keeps statistics then needs no pass to find each row's normaliser
+        self.kernel_lse = kernel_lse
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
         tracer = self.tracer
         before = tracer.before_op(func, args, kwargs) if tracer is not None else None
-        out = func(*args, **kwargs)
+        bound = _bind_sdpa(args, kwargs) if func is _SDPA and self.kernel_lse and self.on_sdpa is not None else None
+        lse = None
+        if bound is not None:
+            out, lse = sdpa_with_lse(**bound)
+        else:
+            out = func(*args, **kwargs)
         if func is _SDPA:
             if self.on_sdpa is not None:
-                self.on_sdpa(args, kwargs, out)
+                self.on_sdpa(args, kwargs, out, lse)
         elif tracer is not None:
             tracer.on_op(func, args, kwargs, out, before)
         return out
@@ -416,6 +425,7 @@ class _SdpaCall:
     v: torch.Tensor  # (batch, kv_head, key, d_v)
     output: torch.Tensor | None  # (batch, head, query, d_v): what sdpa returned
     full: tuple[int, ...]  # (*lead, query, key): the shape sdpa broadcasts the mask to
+    lse: torch.Tensor | None = None  # (batch, head, query): each row's logsumexp from sdpa's own kernel, if read
 
     @classmethod
     def of(cls, module: nn.Module, site_key: tuple, bound: dict, out) -> _SdpaCall:
@@ -518,6 +528,7 @@ def _sdpa_stats(call: _SdpaCall, heads: tuple[int, ...]) -> AttentionCall:
         causal=call.causal,
         scaling=float(call.scale),
         output=call.output,
+        lse=call.lse if call.lse is not None and call.lse.shape == call.q.shape[:3] else None,
     )
 
 
@@ -559,7 +570,7 @@ class _Run:
             seen: set[int] = set()
             for root in roots:
                 self._hook_tree(root, stack, seen)
-        mode = _CaptureMode(self._on_sdpa, self.tracer)
+        mode = _CaptureMode(self._on_sdpa, self.tracer, kernel_lse="stats" in self.session.selection.keep)
         mode.__enter__()
         stack.callback(exit_mode, mode, dispatch=False)  # ours, also when it is no longer on top of the stack
         stack.push(self._close)
@@ -602,10 +613,10 @@ class _Run:
             warn_user(message)
 
     # -- direct scaled_dot_product_attention calls --------------------------------------------
-    def _on_sdpa(self, args, kwargs, out) -> None:
+    def _on_sdpa(self, args, kwargs, out, lse=None) -> None:
         try:
             with torch._C.DisableTorchFunction():
-                self._record_sdpa(args, kwargs, out)
+                self._record_sdpa(args, kwargs, out, lse)
         except AttnprobeError:
             raise
         except Exception as exc:  # never break the model's forward over a reading problem
@@ -640,10 +651,11 @@ class _Run:
             return None
         return module, (id(module), tuple(chain))
 
-    def _record_sdpa(self, args, kwargs, out) -> None:
+    def _record_sdpa(self, args, kwargs, out, lse=None) -> None:
         call = self._read_sdpa(args, kwargs, out)
         if call is None:
             return
+        call.lse = lse
         site = self._sdpa_site(call)
         if site.selected:
             self._emit_sdpa(call, site)

@@ -793,7 +793,7 @@ class CaptureSession:
             if stats_call is not None:
                 offset, padding = call_context
                 image_keys = functools.partial(self._image_keys, site.name, call, kind, offset)
-                got = self._stats_blockwise(stats_call, kind, offset, padding, rows, image_keys)
+                got = self._stats_blockwise(stats_call, kind, offset, padding, rows, image_keys, values)
             else:
                 image_keys = functools.partial(self._image_keys, site.name, call, kind, values.get("query_offset", 0))
                 got = self._stats_of_weights(
@@ -842,17 +842,19 @@ class CaptureSession:
         key_start = max(query_offset + q_len - k_len, 0) if kind == "self" and k_len >= q_len else 0  # record.key_start
         return self.image_tokens.key_mask(name, call, batch, k_len, key_start)
 
-    def _stats_blockwise(self, stats_call, kind: str, offset: int, query_padding, rows, image_keys) -> _Stats:
-        """The engine's statistics of the adapter's ``AttentionCall``, block by block (``rows``: of those only; None:
-        every row, or ``stats_rows=``'s sample; ``image_keys(shape)``: the image patches among the keys, for
-        ``image_mass``)."""
-        from .engine.stats import attention_stats
+    def _stats_blockwise(self, stats_call, kind: str, offset: int, query_padding, rows, image_keys, values) -> _Stats:
+        """The engine's statistics of the adapter's ``AttentionCall`` (``capture(stats_engine=)`` picks it: the eager
+        engine block by block, or the Triton kernel, said in ``values["meta"]["stats_engine"]``; ``rows``: of those
+        only; None: every row, or ``stats_rows=``'s sample; ``image_keys(shape)``: the image patches among the keys,
+        for ``image_mass``)."""
+        from .engine.engines import statistics
 
         _, _, q_len, k_len = stats_call.shape
         kwargs = {} if self.selection.block_bytes is None else {"block_bytes": self.selection.block_bytes}
         rows = sampled_rows(q_len, self.selection.stats_rows) if rows is None else rows
-        stats = attention_stats(
+        stats, engine = statistics(
             stats_call,
+            engine=self.selection.stats_engine,
             diag_offset=_diag_offset(kind, offset, q_len, k_len),
             query_padding=query_padding,
             overview=self.selection.overview,
@@ -861,6 +863,8 @@ class CaptureSession:
             key_set=image_keys(stats_call.shape),
             **kwargs,
         )
+        if engine == "triton":
+            values["meta"] = {**(values.get("meta") or {}), "stats_engine": "triton"}
         return stats, "blockwise", rows, (q_len, k_len)
 
     def _stats_of_weights(

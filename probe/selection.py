@@ -8,6 +8,7 @@ the one copy that lands in a record. The budget is checked on the planned size, 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import math
 import operator
@@ -174,6 +175,42 @@ def overview_of(overview, keep) -> Overview | None:
     if "stats" not in keep:
         raise SelectionError('overview= is computed by the statistics engine: add "stats" to keep=')
     return overview
+
+
+#: The statistics engines ``capture(stats_engine=...)`` names (``probe.engine.engines``).
+STATS_ENGINES: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+def stats_engine_of(engine) -> str:
+    """``capture(stats_engine=)`` checked: one of ``STATS_ENGINES``; ``"triton"`` only where triton (and the numpy
+    its interpreter needs) is installed, at least the release the kernel is proven on
+    (``engine.triton_release.TRITON_MIN``)."""
+    if engine not in STATS_ENGINES:
+        raise SelectionError(
+            f"stats_engine must be one of {', '.join(repr(e) for e in STATS_ENGINES)}, got {engine!r}",
+            argument="stats_engine",
+            value=engine,
+        )
+    if engine == "triton" and any(importlib.util.find_spec(name) is None for name in ("triton", "numpy")):
+        raise SelectionError(
+            "stats_engine='triton' needs triton, which is not installed here; install it with "
+            "pip install 'attnprobe[triton]', or use stats_engine='torch'",
+            argument="stats_engine",
+            value=engine,
+        )
+    if engine == "triton":
+        from .engine.triton_release import TRITON_MIN, installed_triton, triton_release_proven
+
+        version = installed_triton()
+        if version is not None and not triton_release_proven(version):
+            raise SelectionError(
+                f"stats_engine='triton' needs triton>={TRITON_MIN}, the oldest release the kernel is tested on; "
+                f"triton {version} is installed. Upgrade it (pip install 'attnprobe[triton]') or use "
+                "stats_engine='torch'",
+                argument="stats_engine",
+                value=engine,
+            )
+    return engine
 
 
 def stats_rows_of(stats_rows, keep, overview) -> int | None:
@@ -347,6 +384,8 @@ class Selection:
     spans: Any = None
     """A ``SpanSet``: declared spans whose per-row masses are computed during the forward (validated by
     ``probe.analyses.extras.spans_of``); None = none."""
+    stats_engine: str = "auto"
+    """Which engine computes statistics (``probe.engine.engines``): ``"auto"``, ``"torch"`` or ``"triton"``."""
 
     @classmethod
     def build(
@@ -364,6 +403,7 @@ class Selection:
         rows=None,
         eviction=None,
         spans=None,
+        stats_engine="auto",
     ) -> Selection:
         # each argument checked in the order of the signature, so that the first wrong one is the one reported
         layer_tuple = None if layers is None else int_list(layers, "layers")
@@ -393,6 +433,7 @@ class Selection:
             rows_of(rows, keep_set, overview, stats_rows),
             _needs_stats(eviction, "eviction", keep_set),
             _needs_stats(spans, "spans", keep_set),
+            stats_engine_of(stats_engine),
         )
 
     def resolve_layers(self, n_layers: int, *, may_grow: bool = False) -> Selection:

@@ -34,6 +34,7 @@ from ...probe.threads import elsewhere
 from ..base import Adapter, Lazy, Site, selected_heads
 from ..deliver import held, listen, value_of
 from ..masks import compress_heads
+from ..sdpa_lse import want_lse
 from . import compat as hf_compat
 from . import dispatch as hf_dispatch
 from . import kernels
@@ -123,17 +124,18 @@ class _Call:
     weights: torch.Tensor | None  # its second result: the weights (eager), flex's logsumexp on GPUs, or None
     kwargs: dict  # the keyword arguments the record reads, those that were given
     mask_hidden: bool  # the mask was an object a compiled graph could not hand over (a flex BlockMask)
+    lse: torch.Tensor | None = None  # (batch, head, query): each row's logsumexp from sdpa's own kernel, if read
 
     @classmethod
     def read(cls, tensors: list, numbers: list) -> _Call:
-        q, k, v, mask, out, weights, *extra = tensors
+        q, k, v, mask, out, weights, *extra, lse = tensors
         given, hidden = int(numbers[-2]), bool(value_of(numbers[-1]))
         names = NUMBER_ARGS + TENSOR_ARGS
         values = [value_of(x) for x in numbers[: len(NUMBER_ARGS)]] + extra
         kwargs = {name: value for i, (name, value) in enumerate(zip(names, values)) if given >> i & 1}
         if "is_causal" in kwargs:
             kwargs["is_causal"] = bool(kwargs["is_causal"])
-        return cls(q, k, v, mask, out, weights, kwargs, hidden)
+        return cls(q, k, v, mask, out, weights, kwargs, hidden, lse)
 
     @property
     def mask_tensor(self) -> torch.Tensor | None:
@@ -494,6 +496,7 @@ class _Recorder:
             score_mod=semantics.score_mod,
             scores_wanted=wants(site, "scores"),
             keep_q=keep_q,
+            lse=None if call.lse is None else index_heads(call.lse, heads)[0],
         )
         values: dict = {}
         if keep_q:  # (batch, head, query, d_head)
@@ -525,6 +528,7 @@ class _Recorder:
             softcap=semantics.softcap,
             sinks=semantics.sinks,
             output=output,
+            lse=call.lse,
             scaling=semantics.scaling,
             additive=self._additive(call, semantics),
             score_mod=semantics.score_mod,
@@ -740,6 +744,8 @@ class HuggingFaceAdapter(Adapter):
         masks = MaskMemo()
         stack.callback(masks.clear)
         for site in selected:
+            if routes[id(site)].kernel == "sdpa" and ({"stats", "weights"} & session.selection.keep):
+                want_lse(site.module, stack)  # the lse of sdpa's own kernel: one pass less for statistics and weights
             recorder = _Recorder(session, site, routes[id(site)], surroundings, masks, stack)
             listen(site.module, "hf-call", recorder.receive, stack, shared=True)  # the one wrapper serves every capture
 

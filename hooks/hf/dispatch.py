@@ -35,6 +35,7 @@ from torch import nn
 from ...probe.errors import UnsupportedModelError
 from .. import slots
 from ..deliver import deliver, listening, number
+from ..sdpa_lse import call_with_lse, wants_lse
 from ..slots import Slot
 from . import compat as hf_compat
 
@@ -192,10 +193,14 @@ def hold(slot: Slot, stack: ExitStack) -> None:
 
 def _interface_wrapper(fn: Callable) -> Callable:
     def attnprobe_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
-        result = fn(module, query, key, value, attention_mask, *args, **kwargs)
+        lse = None  # the lse of sdpa's own kernel, where a capture asked for it (``want_lse``; eager forwards only)
+        if wants_lse(module) and fn is hf_compat.sdpa_forward():
+            result, lse = call_with_lse(fn, module, query, key, value, attention_mask, *args, **kwargs)
+        else:
+            result = fn(module, query, key, value, attention_mask, *args, **kwargs)
         token = id(module)  # the token of `listen(module, "hf-call", ..., shared=True)`: channel 0, slot 0
         if listening(token):
-            deliver(token, "call", *call_payload(fn, query, key, value, attention_mask, args, kwargs, result))
+            deliver(token, "call", *call_payload(fn, query, key, value, attention_mask, args, kwargs, result, lse))
         return result
 
     attnprobe_wrapper.__qualname__ = attnprobe_wrapper.__name__ = f"attnprobe_over_{getattr(fn, '__name__', 'fn')}"
@@ -224,10 +229,11 @@ TENSOR_ARGS = ("position_bias", "s_aux", "position_ids", "cu_seq_lens_q", "cu_se
 _PARAMS: dict[Callable, tuple[str, ...]] = {}  # attention function -> names of its parameters after the mask
 
 
-def call_payload(fn, q, k, v, mask, args: tuple, kwargs: dict, result) -> tuple[list, list]:
+def call_payload(fn, q, k, v, mask, args: tuple, kwargs: dict, result, lse=None) -> tuple[list, list]:
     """What one attention call hands to its recorders: traceable (no inspection, no branch on tensor values).
 
-    tensors: q, k, v, the mask, the output and second result the function returned, then ``TENSOR_ARGS``;
+    tensors: q, k, v, the mask, the output and second result the function returned, then ``TENSOR_ARGS``, then the
+    lse of sdpa's own kernel (``hooks/sdpa_lse.py``; None where not read);
     numbers: the values of ``NUMBER_ARGS`` (nan: not given), a bit per argument name that was given, and whether
     the mask was an object a compiled graph cannot hand over (a flex ``BlockMask``: None is sent instead).
     """
@@ -248,5 +254,6 @@ def call_payload(fn, q, k, v, mask, args: tuple, kwargs: dict, result) -> tuple[
         out if isinstance(out, torch.Tensor) else None,
         second if isinstance(second, torch.Tensor) else None,
         *(kwargs.get(n) if isinstance(kwargs.get(n), torch.Tensor) else None for n in TENSOR_ARGS),
+        lse,
     ]
     return tensors, [*(number(kwargs.get(n)) for n in NUMBER_ARGS), float(given), number(hidden)]

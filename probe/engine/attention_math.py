@@ -126,7 +126,8 @@ class AttentionCall:
     attend), or float (added to the logits; entries at or below ``masked_at`` mask), broadcastable to
     ``(batch, 1 or head, query, key)``. ``causal``: query ``i`` may also only attend keys ``<= i + causal_offset``
     (sdpa's ``is_causal`` is upper-left aligned: offset 0). ``bias``: a position bias added to the logits.
-    ``output``: what the function returned per head ``(batch, head, query, d_v)``, or None.
+    ``output``: what the function returned per head ``(batch, head, query, d_v)``, or None. ``lse``: each row's
+    logsumexp as the model's own kernel computed it (``probe.engine.kernel_lse``), or None.
     """
 
     q: torch.Tensor
@@ -147,9 +148,13 @@ class AttentionCall:
     """``(query,)`` long, ascending: each q row's position among the call's queries (what ``causal`` and the
     diagonal are counted from); None = ``0 .. query - 1``. Set by ``take_rows`` for a sample of rows."""
     score_mod: ScoreBlocks | None = None
+    lse: torch.Tensor | None = None
+    """``(batch, head, query)`` float: each row's log-normaliser ``logsumexp(logits)`` over its allowed keys, in
+    natural units, as the model's attention kernel returned it beside its output (None: not known). With it the
+    statistics engine needs no pass to find each row's normaliser (see ``probe/engine/stats.py``)."""
 
     @classmethod
-    def for_heads(cls, q, k, v=None, *, heads, kv_heads, mask=None, bias=None, sinks=None, output=None, **kw):
+    def for_heads(cls, q, k, v=None, *, heads, kv_heads, mask=None, bias=None, sinks=None, output=None, lse=None, **kw):
         """From full-head tensors: pick the selected heads (and the kv head each reads), detached."""
 
         def pick(t, index, axis=1):
@@ -169,6 +174,7 @@ class AttentionCall:
             bias=per_head(bias),
             sinks=pick(sinks, heads, 0) if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 else None,
             output=pick(output, heads),
+            lse=pick(lse, heads),
             **kw,
         )
 
@@ -192,6 +198,7 @@ class AttentionCall:
             mask=cut(self.mask),
             bias=cut(self.bias),
             output=None if self.output is None else self.output.index_select(2, rows),
+            lse=None if self.lse is None else self.lse.index_select(2, rows.to(self.lse.device)),
             positions=positions,
         )
 

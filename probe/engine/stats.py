@@ -211,6 +211,26 @@ def attention_stats(
     return engine.result()
 
 
+def attendable_keys(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key_allowed, first)``: ``(batch, head, key)`` bool, whether some query of ``call`` may attend each key
+    (``KEY_STATS``' ``key_allowed``), and ``(batch, head, 1)`` long, the first such key (what ``first_key_mass``
+    reads; 0 when there is none), read from the call's mask a block of rows at a time."""
+    B, h, Tq, Tk = call.shape
+    device = call.q.device
+    if call.mask is None:
+        seen = torch.ones(B, h, Tk, dtype=torch.bool, device=device)  # (batch, head, key)
+        if call.causal:
+            seen[..., call.key_limit(Tq) if Tq else 0 :] = False
+        return seen, torch.zeros(B, h, 1, dtype=torch.long, device=device)
+    seen = torch.zeros(B, h, Tk, dtype=torch.bool, device=device)  # (batch, head, key)
+    step = max(1, (1 << 24) // max(1, B * h * Tk))
+    for a in range(0, Tq, step):
+        allowed = call.allowed(a, min(a + step, Tq), 0, Tk)  # (batch or 1, 1 or head, query, key)
+        if allowed is not None:  # never None: the call has a mask
+            seen |= allowed.any(-2).expand(B, h, Tk)
+    return seen, seen.to(torch.uint8).argmax(-1, keepdim=True)
+
+
 @dataclass(frozen=True)
 class _RowBlock:
     """Query rows ``a:b`` of the call: what every key block of theirs reads."""
@@ -372,6 +392,29 @@ class _Forbidden(NamedTuple):
     """The first key (block-relative) ``forbidden`` covers: a causal mask alone masks only the tile of late keys."""
 
 
+@dataclass
+class _Sweep:
+    """What the one sweep of rows whose normaliser the kernel gave carries from key block to key block
+    (``_Engine._with_lse``); each tensor ``(batch, head, query)``."""
+
+    lse2: torch.Tensor
+    """The kernel's lse in base 2 (0 where it is not finite)."""
+    sums: _RowSums
+    best: torch.Tensor
+    """The largest logit so far, base 2 (``-inf``: none allowed yet)."""
+    best_key: torch.Tensor
+    """long: its key."""
+    whole: bool
+    """Every key of the rows in one block."""
+    norm: _Normaliser
+    """The normaliser the weights are summed per key with until the rows' sums are known."""
+
+
+#: Largest ``|sum e - 1|`` of a row whose weights were taken with the kernel's lse (``_Engine._with_lse``): kernels
+#: compute it within 1e-6 (float32) to 1e-4 (half precision) of the logits' own; further off, it is not theirs.
+_LSE_FIT = 1e-3
+
+
 class _Engine:
     """The statistics of one call, a block of query rows at a time (``rows``).
 
@@ -403,6 +446,14 @@ class _Engine:
         # (1, head, 1): the sink logits
         self.sinks = None if call.sinks is None else call.sinks.to(self.device, self.dtype).view(1, -1, 1)
         self.observed = _Observed.of(call, self.dtype)
+        # an overview's pooled weights cannot be taken back when a row block falls back to the other path
+        usable = call.lse is not None and call.sinks is None and overview is None
+        self.lse: torch.Tensor | None = None  # (batch, head, query): the kernel's lse in base 2, 0 where not finite
+        self.trusted: torch.Tensor | None = None  # (batch, head, query): 1 where it is finite, else 0
+        if usable and call.lse is not None:
+            lse2 = call.lse.to(self.device, self.dtype) * _LOG2E  # finfo.min (an additive mask's empty row) -> -inf
+            finite = torch.isfinite(lse2)
+            self.lse, self.trusted = torch.where(finite, lse2, 0.0), finite.to(self.dtype)
         per_key = (self.B, self.h, self.Tk)  # (batch, head, key)
         self.key_weight = torch.zeros(per_key, device=self.device, dtype=self.dtype)
         self.key_allowed = torch.zeros(per_key, dtype=torch.bool, device=self.device)
@@ -412,31 +463,24 @@ class _Engine:
         # (batch, 1, key, 1): the key set as a column to multiply the weights by (None: no key set)
         self.key_set = None if key_set is None else key_set.to(self.device, self.dtype).view(self.B, 1, self.Tk, 1)
 
-    def _scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _scratch(self, name: str, shape: tuple[int, ...], *, every_key: bool = True) -> torch.Tensor:
         """A ``shape`` view of buffer ``name``, made once at the size of the largest block (the first block of rows
-        against every key) and reused by every block: blocks of many sizes would otherwise fragment the heap
-        (resident memory 2.5x the plain forward at 16k tokens) and page in fresh memory each time."""
+        against every key; ``every_key=False``: the block's own size, when keys come in blocks) and reused by every
+        block: blocks of many sizes would otherwise fragment the heap (resident memory 2.5x the plain forward at 16k
+        tokens) and page in fresh memory each time."""
         need = math.prod(shape)
         key = (name, self.dtype, self.device)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < need:
-            size = max(need, math.prod(shape[:-1]) * self.Tk)
+            size = max(need, math.prod(shape[:-1]) * self.Tk) if every_key else need
             buf = self._buffers[key] = torch.empty(size, dtype=self.dtype, device=self.device)
         return buf[:need].view(shape)
 
     def _first_attendable(self) -> torch.Tensor:
-        """``(batch, head, 1)`` the first key some query may attend (0 under a causal mask alone), read from the mask
-        a block of rows at a time."""
-        B, h, Tq, Tk, call = self.B, self.h, self.Tq, self.Tk, self.call
-        if call.mask is None:
-            return torch.zeros(B, h, 1, dtype=torch.long, device=self.device)
-        seen = torch.zeros(B, h, Tk, dtype=torch.bool, device=self.device)  # (batch, head, key)
-        step = max(1, (1 << 24) // max(1, B * h * Tk))
-        for a in range(0, Tq, step):
-            allowed = call.allowed(a, min(a + step, Tq), 0, Tk)  # (batch or 1, 1 or head, query, key)
-            if allowed is not None:  # never None: the call has a mask
-                seen |= allowed.any(-2).expand(B, h, Tk)
-        return seen.to(torch.uint8).argmax(-1, keepdim=True)
+        """``(batch, head, 1)`` the first key some query may attend (0 under a causal mask alone)."""
+        if self.call.mask is None:
+            return torch.zeros(self.B, self.h, 1, dtype=torch.long, device=self.device)
+        return attendable_keys(self.call)[1]
 
     def rows(self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor) -> None:
         """The statistics of query rows ``a:b`` over the key blocks ``blocks`` (``(c, d)``: keys ``c:d``; none when
@@ -444,6 +488,8 @@ class _Engine:
         positions = self.call.row_positions(a, b)  # (query,)
         diag = None if self.diag_offset is None else positions + self.diag_offset  # (query,)
         block = _RowBlock(a=a, b=b, positions=positions, diag=diag, counted=counted)
+        if self.lse is not None and self._with_lse(block, blocks):
+            return
         if len(blocks) == 1:
             self._one_block(block, *blocks[0])
         else:
@@ -548,9 +594,7 @@ class _Engine:
             sums.sum_e += e.sum(-1)  # (batch, head, query)
             sums.min_e = torch.minimum(sums.min_e, e.amin(-1))  # (batch, head, query)
             self._gather_masses(sums, e, rows, c, d)
-            block_set = self._set_e(e, c, d)
-            if block_set is not None:
-                sums.set_e = block_set if sums.set_e is None else sums.set_e + block_set
+            self._add_set_e(sums, e, c, d)
             self._count_allowed(sums, rows, c, d, allowed)
             if self.observed is not None and sums.out is not None and sums.scale is not None:
                 out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
@@ -564,6 +608,104 @@ class _Engine:
         if not blocks or blocks[-1][1] < self.Tk:  # keys this block of rows cannot reach weigh 0
             sums.min_e.clamp_(max=0.0)
         self.parts.append(self._finish(rows, norm, sums))
+
+    # ------------------------------------------------------------------------- the kernel's normaliser: one sweep
+    def _with_lse(self, rows: _RowBlock, blocks: list[tuple[int, int]]) -> bool:
+        """Rows whose log-normaliser the model's kernel returned (``call.lse``): one sweep over the key blocks, with no
+        max to find first and nothing to rescale. Each block's ``e = exp(logit - lse)`` are the weights already; the
+        sweep finds each row's largest logit and its key on the way (``_max_key``), and ``_finish`` divides the sums by
+        ``sum e``, so the statistics stay normalised exactly whatever the kernel's rounding (its lse is within about
+        1e-6 of the logits' in float32, 6e-5 in bfloat16 on CPUs). Only ``key_weight`` of rows longer than one block
+        takes the kernel's normaliser as it is (the row's sum is known after its keys are summed into it).
+
+        False, with nothing added, where some row's ``sum e`` is off 1 by more than ``_LSE_FIT``: the kernel's lse
+        does not describe these logits (the caller takes the other path)."""
+        assert self.lse is not None and self.trusted is not None
+        B, h, n, a, b = self.B, self.h, rows.b - rows.a, rows.a, rows.b
+        d_v = None if self.observed is None else self.observed.v.shape[-1]
+        best = torch.full((B, h, n), -math.inf, device=self.device, dtype=self.dtype)
+        best_key = torch.zeros((B, h, n), dtype=torch.long, device=self.device)
+        ones, trusted = torch.ones_like(best), self.trusted[:, :, a:b]  # (batch, head, query) each
+        sweep = _Sweep(
+            lse2=self.lse[:, :, a:b],  # (batch, head, query), base 2
+            sums=_RowSums.start((B, h, n), self.Tk, d_v, device=self.device, dtype=self.dtype),
+            best=best,
+            best_key=best_key,
+            whole=len(blocks) == 1,
+            # until the rows' sums are known their weights are e, and rows without a finite kernel lse add nothing
+            norm=_Normaliser(best, best_key, ones, ones, ones, trusted, torch.zeros_like(best, dtype=torch.bool)),
+        )
+        key_weight, self.key_weight = self.key_weight, torch.zeros_like(self.key_weight)  # kept apart until it fits
+        try:
+            for c, d in blocks:
+                self._lse_block(rows, c, d, sweep)
+        finally:
+            added, self.key_weight = self.key_weight, key_weight
+        sums, total = sweep.sums, sweep.sums.sum_e  # (batch, head, query)
+        if bool(
+            ((total - 1.0).abs() > _LSE_FIT).logical_and_(sums.allowed_keys > 0).logical_and_(total.isfinite()).any()
+        ):
+            return False
+        self.key_weight += added
+        if not blocks or blocks[-1][1] < self.Tk or blocks[0][0] > 0:  # keys these rows cannot reach weigh 0
+            sums.min_e.clamp_(max=0.0)
+        # sum e * (logit - lse), natural units: the entropy is log(sum e) less it over sum e
+        sums.dot, sums.dot_shifted = sums.dot.mul_(_LN2), True
+        max_score = sweep.best * _LN2  # (batch, head, query)
+        lse = sweep.lse2 * _LN2  # (batch, head, query)
+        norm = _Normaliser(max_score, sweep.best_key, lse, total, total, _inverse(total), torch.isneginf(max_score))
+        self.parts.append(self._finish(rows, norm, sums))
+        return True
+
+    def _lse_block(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep) -> None:
+        """Keys ``c:d`` of the rows into ``sweep``: ``e = exp(logit - lse)`` and every sum of ``_RowSums``."""
+        shape, sums = (self.B, self.h, rows.b - rows.a, d - c), sweep.sums
+        mask = self._forbidden(rows, c, d)
+        s, block_max, block_key = self._logits_and_max(rows, c, d, mask, every_key=sweep.whole)  # base 2
+        sweep.best_key = torch.where(block_max > sweep.best, block_key + c, sweep.best_key)  # strict: first key on ties
+        sweep.best = torch.maximum(sweep.best, block_max)  # NaN propagates
+        x = s.sub_(sweep.lse2.unsqueeze(-1))  # (batch, head, query, key): log2 of the weights, -inf where forbidden
+        e = torch.exp2(x, out=self._scratch("weights", shape, every_key=sweep.whole))  # the weights
+        block_sum = e.sum(-1)  # (batch, head, query)
+        sums.sum_e = sums.sum_e + block_sum
+        sums.min_e = torch.minimum(sums.min_e, e.amin(-1))
+        norm = sweep.norm
+        if sweep.whole:  # the row's sum is known before its weights are summed per key: exact key_weight
+            norm = _Normaliser(
+                norm.max_score, norm.argmax, norm.shift, block_sum, block_sum, _inverse(block_sum), norm.empty
+            )
+        if mask.forbidden is not None:  # e * x must be 0 there, not 0 * -inf
+            cut = mask.cut  # (batch, head, query, key - cut) below
+            torch.maximum(x[..., cut:], _bound(mask.forbidden, 0.0, -math.inf, self.dtype), out=x[..., cut:])
+        sums.dot = sums.dot + x.mul_(e).sum(-1)  # (batch, head, query): sum e * log2(e); x is scratch from here
+        self._fold_hits(sums, e, c, norm, scratch=x)
+        self._gather_masses(sums, e, rows, c, d)
+        self._add_set_e(sums, e, c, d)
+        self._count_allowed(sums, rows, c, d, mask.allowed)
+        self._add_weights(e, rows, c, norm)
+        if self.observed is not None and sums.out is not None and sums.scale is not None:
+            out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
+            sums.out += out
+            sums.scale += scale
+
+    def _logits_and_max(
+        self, rows: _RowBlock, c: int, d: int, mask: _Forbidden, *, every_key: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(s, max, key)``: the block's logits in base 2 with ``-inf`` where the row may not attend (``(batch,
+        head, query, key)``, in the logits buffer), each row's largest and its key in the block (``(batch, head,
+        query)`` each, ``_max_key``); the weights buffer is scratch here. A NaN logit at a forbidden key does not
+        count (see ``_logits_less_max``)."""
+        shape, forbidden, cut = (self.B, self.h, rows.b - rows.a, d - c), mask.forbidden, mask.cut
+        logits, weights = (self._scratch(n, shape, every_key=every_key) for n in ("logits", "weights"))
+        s = self.call.logits(rows.a, rows.b, c, d, out=logits, times=_LOG2E)
+        if forbidden is not None:
+            torch.minimum(s[..., cut:], _bound(forbidden, -math.inf, math.inf, self.dtype), out=s[..., cut:])
+        block_max, key = _max_key(s, scratch=weights)
+        if forbidden is not None and bool(torch.isnan(block_max).any()):
+            s = self.call.logits(rows.a, rows.b, c, d, out=logits, times=_LOG2E)
+            s[..., cut:].masked_fill_(forbidden, -math.inf)
+            block_max, key = _max_key(s, scratch=weights)
+        return s, block_max, key
 
     def _running_max(self, rows: _RowBlock, blocks: list[tuple[int, int]]) -> _Normaliser:
         """Pass 1: each row's largest logit ``m``, its key and ``l = sum exp(z - m)``, block by block: the sum so far
@@ -614,6 +756,12 @@ class _Engine:
             return None
         # (batch, head, query, key) x (batch, 1, key, 1) -> (batch, head, query, 1)
         return e.matmul(self.key_set[:, :, c:d]).squeeze(-1)
+
+    def _add_set_e(self, sums: _RowSums, e: torch.Tensor, c: int, d: int) -> None:
+        """Keys ``c:d``'s ``sum e`` over the key set into ``sums.set_e`` (every sweep that runs over blocks of keys)."""
+        block_set = self._set_e(e, c, d)
+        if block_set is not None:
+            sums.set_e = block_set if sums.set_e is None else sums.set_e + block_set
 
     def _count_allowed(self, sums: _RowSums, rows: _RowBlock, c: int, d: int, allowed: torch.Tensor | None) -> None:
         """The keys ``c:d`` the rows may attend: ``allowed_keys`` and ``diag_allowed`` per row, ``key_allowed`` per
@@ -815,6 +963,39 @@ def _hits(
     return torch.where(some, first, -1), torch.where(some, last, -1)
 
 
+def _inverse(total: torch.Tensor) -> torch.Tensor:
+    """``1 / total``, 0 where ``total`` is 0 (a row with no allowed key)."""
+    return torch.where(total > 0, 1.0 / total, 0.0)
+
+
+def _long_row_max(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, key)`` ``(...)`` of each row of ``s`` ``(..., K)``, ``K >= _LONG_ROW``, by chunk maxima: the first chunk
+    that holds the max, then inside it (NaN and +inf rows: see ``_row_max``)."""
+    K = s.shape[-1]
+    chunks = _chunk_max(s)  # (..., chunks)
+    m = chunks.amax(-1)  # (...)
+    values, keys = _inside(s, _first_true(chunks == m.unsqueeze(-1)))  # (..., _CHUNK) each
+    arg = keys.gather(-1, _first_true((values == m.unsqueeze(-1)) & (keys < K)).unsqueeze(-1)).squeeze(-1)
+    return m, arg
+
+
+def _max_key(s: torch.Tensor, *, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max, key)`` ``(...)`` of each row of ``s`` ``(..., K)`` as ``_row_max`` finds them, leaving ``s`` as it is
+    (short rows work in ``scratch``, a buffer of ``s``'s shape)."""
+    K = s.shape[-1]
+    if K >= _LONG_ROW:
+        m, arg = _long_row_max(s)
+    else:
+        m = s.amax(-1)  # (...)
+        down = K - torch.arange(K, device=s.device, dtype=s.dtype)  # (K,): K..1
+        shifted = torch.sub(s, torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1), out=scratch)  # (..., K)
+        arg = K - shifted.sign_().add_(1.0).mul_(down).amax(-1).nan_to_num_(0.0, 0.0, 0.0).long()
+    odd = torch.isnan(m) | torch.isposinf(m)  # (...): rare, a NaN or +inf logit
+    if bool(odd.any()):
+        arg = torch.where(odd, s.max(-1)[1], arg)
+    return m, arg.clamp_(0, K - 1)
+
+
 def _row_max(s: torch.Tensor, *, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(max, key)`` ``(...)`` of each row of ``s`` ``(..., K)``, the key of the first max as a max with indices gives
     it (costs ten times an ``amax`` on CPUs); and ``s`` minus its row's max, in place (rows whose max is not finite
@@ -824,10 +1005,7 @@ def _row_max(s: torch.Tensor, *, scratch: torch.Tensor | None = None) -> tuple[t
     rows with no allowed key (max ``-inf``) get some key, which callers replace."""
     K = s.shape[-1]
     if K >= _LONG_ROW:
-        chunks = _chunk_max(s)  # (..., chunks)
-        m = chunks.amax(-1)  # (...)
-        values, keys = _inside(s, _first_true(chunks == m.unsqueeze(-1)))  # (..., _CHUNK) each
-        arg = keys.gather(-1, _first_true((values == m.unsqueeze(-1)) & (keys < K)).unsqueeze(-1)).squeeze(-1)
+        m, arg = _long_row_max(s)
     else:
         m, arg = s.amax(-1), None  # (...)
     odd = torch.isnan(m) | torch.isposinf(m)  # (...)
