@@ -24,6 +24,7 @@ The projections are read by forward hooks on ``q_proj``/``k_proj`` (or ``query``
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack
 
 import torch
@@ -248,6 +249,8 @@ def _factor(projected: torch.Tensor, kernel: torch.Tensor) -> float | None:
             return None
         ratio = a[ok] / b[ok]
         mid = float(ratio.median())
+        if not mid > 0 or not math.isfinite(mid):  # e.g. a static cache: this call's rows are not the last ones
+            return None
         spread = float(ratio.max() - ratio.min()) / max(abs(mid), 1e-30)
         tolerance = 1e-3 if kernel.dtype in (torch.float32, torch.float64) else 2e-2
         return mid if spread <= tolerance else None

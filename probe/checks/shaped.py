@@ -264,8 +264,11 @@ def scale(run: CheckRun, p: RowBlock) -> None:
     if rec.scaling is None:
         run.skip("scale", "the record does not say the scaling its kernel applied", p)
         return
-    run.ran("scale", p)
     effective, how = effective_scale(rec)
+    if not effective > 0 or not math.isfinite(effective):
+        run.skip("scale", f"the effective scale could not be measured ({how})", p)
+        return
+    run.ran("scale", p)
     if any(math.isclose(effective, v, rel_tol=1e-3) for v in values):
         return
     value = min(values, key=lambda v: abs(math.log(v / effective)))
