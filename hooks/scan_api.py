@@ -37,11 +37,12 @@ def scan(
     over its real query rows, and the row-level extremes (``entropy_min``, ``max_score_max``, ...).
     ``modules``: hand-written attention to read, as ``capture(modules=...)`` takes it (names from
     ``named_modules()``, the modules themselves, or ``"auto"``); the frame's layers are those they resolve to.
-    The token ids go to the model as the command line gives them: by the name its forward takes them under, or
-    positionally (nanoGPT's ``forward(idx, targets=None)``); a forward that takes no ``attention_mask`` runs
-    each input of a padded batch alone, so padding never reaches it unmasked.
+    The token ids go to the model as the command line gives them: by the name its forward gives its first parameter
+    (nanoGPT's ``forward(idx, targets=None)`` gets ``idx=``), or as its one argument (``forward(ids, /)``); a forward
+    that takes no ``attention_mask`` runs each input of a padded batch alone, so padding never reaches it unmasked.
     ``out/part-NNNNN.parquet`` holds ``chunk_size`` inputs each; ``resume=True`` skips chunks already
-    written. Under ``accelerate launch`` / ``torchrun`` each process scans its own chunks; a model split across
+    written; a scan that fails before its first chunk is written removes the folder it made. Under
+    ``accelerate launch`` / ``torchrun`` each process scans its own chunks; a model split across
     processes (tensor or pipeline parallelism) is fed the same inputs on the processes that hold its parts, and the
     first of them writes the rows of all its heads and layers.
     ``engine="ray"``: the chunks run on a Ray cluster (``pip install 'attnprobe[ray]'``), one task per chunk on

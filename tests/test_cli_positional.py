@@ -191,6 +191,9 @@ def test_scan_says_what_a_factory_without_a_tokenizer_or_modules_needs(cli, gpt_
     assert "has no tokenizer" in line and "return (model, tokenizer)" in line
     line = one_line_error(cli("scan", f"{gpt_file}:gpt_and_tokenizer", "--data", "d.txt", "--out", "s", "-q"))
     assert "no attention found" in line and "--modules h.0.attn,h.1.attn or --modules auto" in line
+    assert not (tmp_path / "s").exists()  # the failed scan leaves no folder to be "another scan" for the advised one
+    result = cli("scan", f"{gpt_file}:gpt_and_tokenizer", "--data", "d.txt", "--out", "s", "--modules", "auto", "-q")
+    assert result.exit_code == 0, result.output
 
 
 def test_python_scan_reads_the_modules_given_and_ray_refuses_module_objects(gpt_file, tmp_path, monkeypatch):

@@ -520,6 +520,7 @@ def run_scan(
     }
     processes = _processes(layout)
     processes.agree(config)
+    opened = not out.exists()
     _open_folder(out, config, resume=resume, processes=processes)
     todo = [c for c in range(plan.chunks) if not (resume and (out / part_name(c)).exists())]
     mine = processes.share(todo)
@@ -543,6 +544,10 @@ def run_scan(
             processes.idle_batches(lambda share: sum(math.ceil(len(plan.span(c)) / batch_size) for c in share))
         ):
             run.rows(list(range(min(batch_size, len(texts)))))
+    except BaseException:
+        if processes.main and opened:
+            _remove_unwritten(out)
+        raise
     finally:
         bar.close()
         model.train(was_training)
@@ -550,6 +555,15 @@ def run_scan(
     if processes.main:
         _write_manifest(out, plan, config)
     return ScanResult(out=out, inputs=len(texts), chunks_written=len(mine), chunks_skipped=plan.chunks - len(todo))
+
+
+def _remove_unwritten(out: Path) -> None:
+    """The folder a failed scan made, removed when it holds only the scan's ``_scan.json`` (the first forward failed,
+    e.g. on a model with no attention found): the same command with the option it lacked (``--modules``) then runs
+    where it was asked to, instead of finding "another scan" there."""
+    if sorted(p.name for p in out.iterdir()) == [CONFIG]:
+        (out / CONFIG).unlink()
+        out.rmdir()
 
 
 def _check_sizes(tokenizer, *, batch_size: int, chunk_size: int, max_length: int | None) -> None:
@@ -620,8 +634,9 @@ def scan_batch(
         if "attention_mask" in batch
         else [batch["input_ids"].shape[-1]] * len(texts)
     )
-    # fed as the command line feeds a model: the ids by the name its forward gives them, or positionally
-    # (nanoGPT's forward(idx, targets=None)); what the forward does not take (token types, an unpadded mask) left out
+    # fed as the command line feeds a model: the ids by the name its forward gives them (nanoGPT's forward(idx,
+    # targets=None): idx=), or as its one argument (forward(ids, /)); token types and an unpadded mask it does not
+    # take are left out
     work = Workload(model=model, source=type(model).__name__, tokenizer=tokenizer, inputs=dict(batch))
     fit_forward(work)
     with torch.no_grad(), capture(model, keep=("stats",), **(options or {})) as cap:
