@@ -1168,6 +1168,7 @@ def compare_workloads(reference, candidate, o, progress):
 @click.option("--max-length", type=click.IntRange(min=1), help="Truncate inputs to this many tokens.")
 @click.option("--layers", help="Attention layers, e.g. 0-3,7 (default: all).")
 @click.option("--heads", help="Heads, e.g. 0,5 (default: all).")
+@modules_option
 @click.option("--limit", type=click.IntRange(min=1), help="Scan only the first N inputs.")
 @click.option(
     "--chunk-size",
@@ -1198,6 +1199,7 @@ def scan(
     max_length,
     layers,
     heads,
+    modules,
     limit,
     chunk_size,
     resume,
@@ -1215,48 +1217,69 @@ def scan(
     and `torchrun` (each process scans its own chunks; a model split across processes by tensor or pipeline
     parallelism is fed the same inputs on the processes that hold it), or on a Ray cluster with --engine ray.
 
+    MODEL is a model folder with its tokenizer, or a factory returning (model, tokenizer); a model whose forward
+    takes the token ids positionally (nanoGPT's forward(idx, targets=None)) is fed them so, and hand-written
+    attention is read with --modules (as in check).
+
     \b
     Examples:
       attnprobe scan --data sentences.txt --out scan/
       attnprobe scan ./my-bert --data data.jsonl --engine ray --concurrency 4 --out scan/
       attnprobe scan ./my-bert --data data.jsonl --field text --batch-size 32 --max-length 128 --out scan/
+      attnprobe scan mypkg.models:nanogpt --data data.txt --modules auto --out scan/
       duckdb -c "SELECT layer, head, avg(entropy) FROM 'scan/*.parquet' GROUP BY ALL"
     """
-    import attnprobe
-
     from .probe.commandline import loading
 
+    if engine != "ray" and (concurrency is not None or num_gpus is not None):
+        raise UsageProblem("--concurrency and --num-gpus place Ray actors: they go with --engine ray")
+    options = {
+        "field": field,
+        "batch_size": batch_size,
+        "max_length": max_length,
+        "layers": loading.parse_int_list(layers, "layers"),
+        "heads": loading.parse_int_list(heads, "heads"),
+        "modules": loading.parse_modules(modules),
+        "limit": limit,
+        "resume": resume,
+        "chunk_size": chunk_size,
+        "progress": not quiet,
+    }
     if engine == "ray":  # every actor loads the model itself, from the folder or factory named here
-        net, tokenizer = model or str(loading.bundled_model_path()), None
+        options.update(engine="ray", concurrency=concurrency, num_gpus=num_gpus)
+        result = scan_model(model or str(loading.bundled_model_path()), None, data, out, options)
     else:
         net, tokenizer, source = loading.load_model(model)
         if tokenizer is None:
             raise UsageProblem(
-                f"{source} has no tokenizer: a scan reads texts (give a model folder with its tokenizer)"
+                f"{source} has no tokenizer and a scan reads texts: make the factory return (model, tokenizer), "
+                "or give a model folder with its tokenizer"
             )
-    if engine != "ray" and (concurrency is not None or num_gpus is not None):
-        raise UsageProblem("--concurrency and --num-gpus place Ray actors: they go with --engine ray")
-    ray_options = {"engine": "ray", "concurrency": concurrency, "num_gpus": num_gpus} if engine == "ray" else {}
-    result = attnprobe.scan(
-        net,
-        data,
-        out,
-        tokenizer=tokenizer,
-        field=field,
-        batch_size=batch_size,
-        max_length=max_length,
-        layers=loading.parse_int_list(layers, "layers"),
-        heads=loading.parse_int_list(heads, "heads"),
-        limit=limit,
-        resume=resume,
-        chunk_size=chunk_size,
-        progress=not quiet,
-        **ray_options,
-    )
+        result = scan_model(net, tokenizer, data, out, options, source=source)
     skipped = f", {result.chunks_skipped} chunk(s) already there" if result.chunks_skipped else ""
     click.echo(
         f"scanned {result.inputs} input(s) into {result.out}/ ({result.chunks_written} chunk(s) written{skipped})"
     )
+
+
+def scan_model(net, tokenizer, data, out, options: dict, source: str | None = None):
+    """``attnprobe.scan`` for the ``scan`` command; the library's errors on the model's attention (none found,
+    --modules naming what is not there) said in command-line words (``probe.commandline.messages``)."""
+    import attnprobe
+
+    from .probe.commandline import messages
+    from .probe.errors import NoAttentionError, SelectionError
+
+    try:
+        return attnprobe.scan(net, data, out, tokenizer=tokenizer, **options)
+    except NoAttentionError:
+        if isinstance(net, str):
+            raise
+        raise UsageProblem(messages.no_attention_advice(net, source or type(net).__name__)) from None
+    except SelectionError as exc:
+        if isinstance(net, str):
+            raise
+        raise UsageProblem(messages.selection_message(exc, net)) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

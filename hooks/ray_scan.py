@@ -32,6 +32,7 @@ from ..probe.analyses.scan import (
     ScanError,
     ScanResult,
     model_description,
+    modules_json,
     part_name,
     prepare_folder,
     read_inputs,
@@ -73,7 +74,7 @@ class ScanBatches:
     ``model``: a model folder (or ``module:function`` factory) as the ``attnprobe`` command takes it, a
     zero-argument function returning ``(model, tokenizer)``, or a model object (Ray copies it to every actor).
     ``tokenizer``: when ``model`` does not bring one. ``text`` / ``index``: the batch's column of texts and of input
-    numbers (written to the ``input`` column). ``max_length``, ``layers``, ``heads``, ``block_bytes``: as
+    numbers (written to the ``input`` column). ``max_length``, ``layers``, ``heads``, ``modules``, ``block_bytes``: as
     ``attnprobe.scan``'s. ``device``: where the actor runs the model (default: ``cuda`` when the actor has a GPU).
 
     Pass the class, not an instance, so Ray builds one per actor and the model is loaded once there:
@@ -92,6 +93,7 @@ class ScanBatches:
         max_length: int | None = None,
         layers=None,
         heads=None,
+        modules=None,
         block_bytes: int | None = None,
         device=None,
     ) -> None:
@@ -105,7 +107,7 @@ class ScanBatches:
         if device is not None:
             self.model = self.model.to(device)
         self.text, self.index, self.max_length = text, index, max_length
-        self.options: dict[str, Any] = {"layers": layers, "heads": heads}
+        self.options: dict[str, Any] = {"layers": layers, "heads": heads, "modules": modules}
         if block_bytes is not None:
             self.options["block_bytes"] = block_bytes
         self.capture = capture
@@ -178,6 +180,7 @@ def run_ray_scan(
     max_length: int | None = None,
     layers=None,
     heads=None,
+    modules=None,
     limit: int | None = None,
     resume: bool = False,
     chunk_size: int = 256,
@@ -189,23 +192,29 @@ def run_ray_scan(
 ) -> ScanResult:
     """``attnprobe.scan(..., engine="ray")``: the chunks of the scan as Ray tasks on ``concurrency`` actors (each
     with ``num_gpus`` GPUs), on the cluster ``ray.init()`` connects to (a local one when none is running)."""
-    ray = _ray()
     for name, value in (("batch_size", batch_size), ("chunk_size", chunk_size)):
         if not isinstance(value, int) or value < 1:
             raise ScanError(f"{name} must be a positive whole number, not {value!r}")
+    if modules is not None and not isinstance(modules, str) and not all(isinstance(m, str) for m in modules):
+        raise ScanError(
+            "engine='ray' takes modules= as names from named_modules() or 'auto': each actor loads its own model, "
+            "so module objects of this one cannot name its modules"
+        )
+    ray = _ray()
     texts = list(data) if not isinstance(data, (str, os.PathLike)) else read_inputs(data, field=field, limit=limit)
     texts = texts[:limit] if limit is not None else texts
     if not texts:
         raise ScanError("no input to scan")
     out = Path(out)
     plan = Plan(len(texts), chunk_size)
-    config = _config(model, source, data, texts, field, chunk_size, max_length, layers, heads)
+    config = _config(model, source, data, texts, field, chunk_size, max_length, layers, heads, modules)
     prepare_folder(out, config, resume=resume, main=True)
     todo = [c for c in range(plan.chunks) if not (resume and (out / part_name(c)).exists())]
     if todo:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
-        options = {"max_length": max_length, "layers": layers, "heads": heads, "block_bytes": block_bytes}
+        options = {"max_length": max_length, "layers": layers, "heads": heads, "modules": modules}
+        options["block_bytes"] = block_bytes
         _run_chunks(ray, model, tokenizer, plan, texts, todo, out, config, batch_size, concurrency, num_gpus, progress,
                     options)  # fmt: skip
     parts = sorted(p.name for p in out.glob("part-*.parquet"))
@@ -215,7 +224,7 @@ def run_ray_scan(
     return ScanResult(out=out, inputs=len(texts), chunks_written=len(todo), chunks_skipped=plan.chunks - len(todo))
 
 
-def _config(model, source, data, texts, field, chunk_size, max_length, layers, heads) -> dict:
+def _config(model, source, data, texts, field, chunk_size, max_length, layers, heads, modules) -> dict:
     """``_scan.json``: the same description ``attnprobe.scan`` writes, so either engine resumes the other's folder."""
     if isinstance(model, (str, os.PathLike)):
         described = source or str(model)
@@ -233,6 +242,7 @@ def _config(model, source, data, texts, field, chunk_size, max_length, layers, h
         "max_length": max_length,
         "layers": None if layers is None else list(layers),
         "heads": _heads_json(heads),
+        "modules": modules_json(modules),
     }
 
 

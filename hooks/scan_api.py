@@ -18,6 +18,7 @@ def scan(
     max_length: int | None = None,
     layers=None,
     heads=None,
+    modules=None,
     limit: int | None = None,
     resume: bool = False,
     chunk_size: int = 256,
@@ -34,8 +35,14 @@ def scan(
     and run under ``capture(keep=("stats",))``: memory stays flat in the number of inputs, and no
     (query x key) tensor is stored. Each input gets one row per (layer, head): the mean of every statistic
     over its real query rows, and the row-level extremes (``entropy_min``, ``max_score_max``, ...).
+    ``modules``: hand-written attention to read, as ``capture(modules=...)`` takes it (names from
+    ``named_modules()``, the modules themselves, or ``"auto"``); the frame's layers are those they resolve to.
+    The token ids go to the model as the command line gives them: by the name its forward gives its first parameter
+    (nanoGPT's ``forward(idx, targets=None)`` gets ``idx=``), or as its one argument (``forward(ids, /)``); a forward
+    that takes no ``attention_mask`` runs each input of a padded batch alone, so padding never reaches it unmasked.
     ``out/part-NNNNN.parquet`` holds ``chunk_size`` inputs each; ``resume=True`` skips chunks already
-    written. Under ``accelerate launch`` / ``torchrun`` each process scans its own chunks; a model split across
+    written; a scan that fails before its first chunk is written removes the folder it made. Under
+    ``accelerate launch`` / ``torchrun`` each process scans its own chunks; a model split across
     processes (tensor or pipeline parallelism) is fed the same inputs on the processes that hold its parts, and the
     first of them writes the rows of all its heads and layers.
     ``engine="ray"``: the chunks run on a Ray cluster (``pip install 'attnprobe[ray]'``), one task per chunk on
@@ -46,6 +53,7 @@ def scan(
         from .ray_scan import run_ray_scan
 
         options = dict(field=field, batch_size=batch_size, max_length=max_length, layers=layers, heads=heads)
+        options.update(modules=modules)
         options.update(limit=limit, resume=resume, chunk_size=chunk_size, progress=progress)
         return run_ray_scan(
             model, data, out, tokenizer=tokenizer, concurrency=concurrency, num_gpus=num_gpus, **options
@@ -68,6 +76,7 @@ def scan(
         max_length=max_length,
         layers=layers,
         heads=heads,
+        modules=modules,
         limit=limit,
         resume=resume,
         chunk_size=chunk_size,

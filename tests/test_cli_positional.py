@@ -10,6 +10,7 @@ fix (the mask always applied).
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pandas as pd
@@ -90,6 +91,17 @@ def gpt():
 def gpt_prefill_skips_mask():
     torch.manual_seed(0)
     return GPT(masks_only_without_cache=True)
+
+
+def gpt_and_tokenizer():
+    # a word-level tokenizer built here (no download): ids 0 to 9 of the model's 50
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return gpt(), PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
 """
 
 IDS = ["--ids", "1 2 3 4 5 6"]
@@ -146,3 +158,53 @@ def test_a_forward_that_takes_no_ids_is_refused_in_one_line(cli, tmp_path):
     )
     line = one_line_error(cli("check", "takes_nothing:make", *IDS, "-q"))
     assert "M.forward takes no token ids" in line and "forward(idx, targets=None)" in line
+
+
+SCAN_TEXTS = ["the cat sat on a mat", "a dog ran", "the dog sat on the cat", "a cat"]  # 6, 3, 6, 2 tokens
+
+
+def test_scan_feeds_positional_ids_and_reads_the_modules_given(cli, gpt_file, tmp_path):
+    (tmp_path / "d.txt").write_text("\n".join(SCAN_TEXTS) + "\n")
+    factory = f"{gpt_file}:gpt_and_tokenizer"
+    result = cli("scan", factory, "--data", "d.txt", "--modules", "auto", "--batch-size", "2", "--out", "all", "-q")
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "all")
+    assert len(frame) == 4 * 2 * 2  # input x layer x head
+    assert sorted(frame.layer.unique()) == [0, 1] and set(frame.module) == {"h.0.attn", "h.1.attn"}
+    tokens = frame.groupby("input").tokens.first().tolist()
+    assert tokens == [6, 3, 6, 2] and (frame.rows == frame.tokens).all()  # no padding row counted or fed
+    # the forward takes no attention_mask: a padded batch runs input by input, as batches of one do
+    result = cli("scan", factory, "--data", "d.txt", "--modules", "h.1.attn", "--batch-size", "1", "--out", "one")
+    assert result.exit_code == 0, result.output
+    one = pd.read_parquet(tmp_path / "one")
+    assert set(one.module) == {"h.1.attn"} and len(one) == 4 * 2  # one layer: the one module named (layer 0)
+    both = frame[frame.module == "h.1.attn"].sort_values(["input", "head"]).reset_index(drop=True)
+    one = one.sort_values(["input", "head"]).reset_index(drop=True)
+    pd.testing.assert_series_equal(both.entropy, one.entropy)
+    # causal attention: the first query row attends to itself alone, so its entropy is 0
+    assert (frame.entropy_min.abs() < 1e-6).all()
+
+
+def test_scan_says_what_a_factory_without_a_tokenizer_or_modules_needs(cli, gpt_file, tmp_path):
+    (tmp_path / "d.txt").write_text("\n".join(SCAN_TEXTS) + "\n")
+    line = one_line_error(cli("scan", f"{gpt_file}:gpt", "--data", "d.txt", "--out", "s", "-q"))
+    assert "has no tokenizer" in line and "return (model, tokenizer)" in line
+    line = one_line_error(cli("scan", f"{gpt_file}:gpt_and_tokenizer", "--data", "d.txt", "--out", "s", "-q"))
+    assert "no attention found" in line and "--modules h.0.attn,h.1.attn or --modules auto" in line
+    assert not (tmp_path / "s").exists()  # the failed scan leaves no folder to be "another scan" for the advised one
+    result = cli("scan", f"{gpt_file}:gpt_and_tokenizer", "--data", "d.txt", "--out", "s", "--modules", "auto", "-q")
+    assert result.exit_code == 0, result.output
+
+
+def test_python_scan_reads_the_modules_given_and_ray_refuses_module_objects(gpt_file, tmp_path, monkeypatch):
+    import attnprobe
+    from attnprobe.probe.analyses.scan import ScanError
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, tokenizer = importlib.import_module(gpt_file).gpt_and_tokenizer()
+    result = attnprobe.scan(model, SCAN_TEXTS[:2], tmp_path / "s", tokenizer=tokenizer, modules=[model.h[0].attn])
+    frame = result.to_frame()
+    assert set(frame.module) == {"h.0.attn"} and len(frame) == 2 * 2  # input x head of the one module
+    assert json.loads((tmp_path / "s" / "_scan.json").read_text())["modules"] == ["h.0.attn"]  # what resumes it
+    with pytest.raises(ScanError, match="names from named_modules"):
+        attnprobe.scan(model, SCAN_TEXTS, tmp_path / "r", tokenizer=tokenizer, modules=[model.h[0].attn], engine="ray")

@@ -492,6 +492,7 @@ def run_scan(
     max_length: int | None = None,
     layers=None,
     heads=None,
+    modules=None,
     limit: int | None = None,
     resume: bool = False,
     chunk_size: int = 256,
@@ -515,13 +516,15 @@ def run_scan(
         "max_length": max_length,
         "layers": None if layers is None else list(layers),
         "heads": _jsonable(heads),
+        "modules": modules_json(modules, model),
     }
     processes = _processes(layout)
     processes.agree(config)
+    opened = not out.exists()
     _open_folder(out, config, resume=resume, processes=processes)
     todo = [c for c in range(plan.chunks) if not (resume and (out / part_name(c)).exists())]
     mine = processes.share(todo)
-    options: dict = {"layers": layers, "heads": heads}
+    options: dict = {"layers": layers, "heads": heads, "modules": modules}
     if block_bytes is not None:
         options["block_bytes"] = block_bytes
     run = _BatchRun(capture, model, tokenizer, texts, batch_size=batch_size, max_length=max_length, options=options)
@@ -541,6 +544,10 @@ def run_scan(
             processes.idle_batches(lambda share: sum(math.ceil(len(plan.span(c)) / batch_size) for c in share))
         ):
             run.rows(list(range(min(batch_size, len(texts)))))
+    except BaseException:
+        if processes.main and opened:
+            _remove_unwritten(out)
+        raise
     finally:
         bar.close()
         model.train(was_training)
@@ -548,6 +555,15 @@ def run_scan(
     if processes.main:
         _write_manifest(out, plan, config)
     return ScanResult(out=out, inputs=len(texts), chunks_written=len(mine), chunks_skipped=plan.chunks - len(todo))
+
+
+def _remove_unwritten(out: Path) -> None:
+    """The folder a failed scan made, removed when it holds only the scan's ``_scan.json`` (the first forward failed,
+    e.g. on a model with no attention found): the same command with the option it lacked (``--modules``) then runs
+    where it was asked to, instead of finding "another scan" there."""
+    if sorted(p.name for p in out.iterdir()) == [CONFIG]:
+        (out / CONFIG).unlink()
+        out.rmdir()
 
 
 def _check_sizes(tokenizer, *, batch_size: int, chunk_size: int, max_length: int | None) -> None:
@@ -602,7 +618,15 @@ def scan_batch(
     """The scan rows of ``texts`` (input numbers ``indexes``): one padded forward of ``model`` under
     ``capture(model, keep=("stats",), **options)``, aggregated by ``aggregate``. ``attnprobe.scan`` runs it batch
     after batch; the Ray Data engine (``hooks/ray_scan.py``) inside its actors."""
+    from ..commandline.loading import Workload, fit_forward
+
     batch = tokenizer(list(texts), **_tokenizer_options(max_length), return_tensors="pt")
+    if len(texts) > 1 and _padding_cannot_reach(model, batch):  # one unpadded forward per input instead
+        rows = [
+            scan_batch(capture, model, tokenizer, [t], [i], max_length=max_length, options=options, device=device)
+            for t, i in zip(texts, indexes)
+        ]
+        return {name: [v for row in rows for v in row[name]] for name in rows[0]}
     device = model_device(model) if device is None else device
     batch = {k: v.to(device) for k, v in batch.items()}
     counts = (
@@ -610,9 +634,25 @@ def scan_batch(
         if "attention_mask" in batch
         else [batch["input_ids"].shape[-1]] * len(texts)
     )
+    # fed as the command line feeds a model: the ids by the name its forward gives them (nanoGPT's forward(idx,
+    # targets=None): idx=), or as its one argument (forward(ids, /)); token types and an unpadded mask it does not
+    # take are left out
+    work = Workload(model=model, source=type(model).__name__, tokenizer=tokenizer, inputs=dict(batch))
+    fit_forward(work)
     with torch.no_grad(), capture(model, keep=("stats",), **(options or {})) as cap:
-        model(**batch)
+        work.forward()
     return aggregate(cap, indexes, counts)
+
+
+def _padding_cannot_reach(model, batch) -> bool:
+    """Whether ``batch`` is padded and ``model.forward`` takes no ``attention_mask`` (nor ``**kwargs``) to be told."""
+    import inspect
+
+    mask = batch.get("attention_mask")
+    if mask is None or bool(mask.all()):
+        return False
+    params = inspect.signature(model.forward).parameters
+    return "attention_mask" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 @dataclass
@@ -663,6 +703,15 @@ def _write_manifest(out: Path, plan: Plan, config: dict) -> None:
     missing = [part_name(c) for c in range(plan.chunks) if part_name(c) not in parts]
     manifest = {**config, "parts": parts, "complete": not missing, "missing": missing}
     _write_text(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def modules_json(modules, model=None):
+    """``modules=`` as ``_scan.json`` records it: None, ``"auto"`` or the list of names (a module given as an object
+    by its name in ``model``, else by its class)."""
+    if modules is None or isinstance(modules, str):
+        return modules
+    names = {id(m): n for n, m in model.named_modules()} if isinstance(model, torch.nn.Module) else {}
+    return [m if isinstance(m, str) else names.get(id(m), type(m).__name__) for m in modules]
 
 
 def _jsonable(heads):
