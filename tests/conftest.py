@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
+
+# Triton reads TRITON_INTERPRET when a kernel is defined (@triton.jit), and any test may import the kernel module
+# first (probe/engine/engines.py does when it asks whether triton is usable): without CUDA the kernel can only run
+# under the interpreter, so it is set for the whole session, in every pytest-xdist worker, before any test runs
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def hooks_on(model: nn.Module) -> list[str]:

@@ -102,7 +102,8 @@ def test_report_image_errors_are_one_line(folder, tmp_path):
     from attnprobe.cli import main
 
     vit = str(saved("vit", folder))
-    result = CliRunner().invoke(main, ["report", vit, "--image", str(tmp_path / "missing.png"), "-q"])
+    out = str(tmp_path / "report.html")  # not the working directory's attnprobe-report.html (`make report` writes one)
+    result = CliRunner().invoke(main, ["report", vit, "--image", str(tmp_path / "missing.png"), "--out", out, "-q"])
     assert result.exit_code == 2 and "does not exist" in result.output and len(result.output.strip().splitlines()) == 1
-    result = CliRunner().invoke(main, ["report", vit, "--image", PICTURE_PATH, "--ids", "1 2", "-q"])
+    result = CliRunner().invoke(main, ["report", vit, "--image", PICTURE_PATH, "--ids", "1 2", "--out", out, "-q"])
     assert result.exit_code == 2 and "--image takes the prompt as --text" in result.output
