@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (README, "Two commands"):
 #   make report   set up .venv, then write attnprobe-report.html from the bundled all-MiniLM-L6-v2
-#   make test     the same set-up, Chromium for the browser tests, then the whole suite (one worker per core)
+#   make test     the same set-up, Chromium for the browser tests, then the whole suite, slow tests included (one worker per core)
 # The set-up runs once: it installs a CPU torch, attnprobe (editable, with its test tools) and the bundled
 # model at the releases pinned in .ci/constraints.txt (what CI last proved green), and is redone only when
 # pyproject.toml or the pins change. Elsewhere than this project's machines, a CPU torch comes from
@@ -32,7 +32,7 @@ chromium:
 	@bash .ci/chromium.sh
 
 test: $(SETUP) chromium
-	$(BIN)/python -m pytest -q -n auto --dist loadgroup
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup -m "not distributed"
 
 # refresh the pins to today's newest releases (then prove them: make test, and CI)
 lock:
