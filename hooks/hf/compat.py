@@ -3,9 +3,10 @@
 transformers releases often and moves internals: 5.24 renamed the models' forward argument
 ``past_key_values`` to ``cache`` and moved gptj, codegen and layoutlmv3 onto the attention interface.
 Each item below says what attnprobe uses, which releases behave how (checked by running code on the
-releases CI installs: the oldest declared, 5.16, the latest patch of every minor release after it, and the
-newest; the ranges that name 5.0 were read on 5.0 before 5.16 became the oldest declared), and what happens
-when a release no longer matches. Where a name can be avoided it is: the cache is found among a call's arguments by
+releases CI installs: the oldest declared, the latest patch of every minor release after it, and the newest;
+the ranges that name 5.0 were read on 5.0, those from 5.16 on 5.16 to 5.24, while CI tested them; the range
+declared today is 5.24 and later, see pyproject.toml), and what happens when a release no longer matches.
+Where a name can be avoided it is: the cache is found among a call's arguments by
 its type, never by its keyword. When something is not recognised attnprobe warns once, naming the
 installed release (``warn_unrecognised``), instead of writing records that look complete.
 
