@@ -16,6 +16,8 @@ from hf_helpers import build, max_error_on_real_rows, twin
 
 import attnprobe
 
+pytestmark = flex_helpers.FLEX_SKIP
+
 pytest.importorskip("torch.nn.attention.flex_attention")
 
 

@@ -141,6 +141,8 @@ def _sdpa_cases():
 
 @pytest.mark.parametrize("name,args,kwargs", _sdpa_cases(), ids=[c[0] for c in _sdpa_cases()])
 def test_the_kernel_gives_sdpas_output_bit_for_bit_and_the_logits_lse(name, args, kwargs):
+    if name == "grouped" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 7):
+        pytest.skip("torch 2.6's CPU flash kernel gives no lse for grouped heads (sdpa_with_lse falls back to sdpa)")
     out, lse = sdpa_with_lse(*args, **kwargs)
     want = F.scaled_dot_product_attention(*args, **kwargs)
     assert out.dtype == want.dtype and torch.equal(kernel_lse._bits(out), kernel_lse._bits(want))

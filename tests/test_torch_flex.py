@@ -11,6 +11,8 @@ from torch import nn
 
 import attnprobe
 
+pytestmark = flex_helpers.FLEX_SKIP
+
 flex_attention_module = pytest.importorskip("torch.nn.attention.flex_attention")
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention  # noqa: E402
 
