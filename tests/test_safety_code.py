@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from attnprobe.cli import main
