@@ -17,10 +17,11 @@ import torch
 def with_attention(model, name: str, fn):
     """A deep copy of ``model`` whose attention function is ``fn``, registered as ``name`` with sdpa's mask
     function (so it receives the masks sdpa would)."""
-    from attnprobe.hooks.hf import compat as hf_compat
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    hf_compat.register_attention(name, fn)
-    hf_compat.register_mask(name, hf_compat.mask_registry()["sdpa"])
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
     copied = copy.deepcopy(model)
     copied.set_attn_implementation(name)
     return copied
