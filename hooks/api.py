@@ -75,9 +75,11 @@ class capture:
     ``observe`` rows; under ``generate`` the generated tokens), read with ``attnprobe.eviction_profile``.
     ``spans`` (with ``"stats"``): declared spans (``attnprobe.spans``) whose per-row masses are computed during the
     forward, read with ``attnprobe.spans.attention``.
-    ``stats_engine`` (with ``"stats"``): ``"auto"`` (the Triton kernel for calls on CUDA when ``triton`` imports,
-    else the eager engine), ``"torch"`` (the eager engine) or ``"triton"`` (the kernel wherever it takes the call;
-    see ``probe.engine.engines`` and the docs' "Long contexts").
+    ``stats_engine`` (with ``"stats"``): ``"auto"`` (the Triton kernel for calls on CUDA when ``triton`` imports;
+    on CPUs the eager engine with the native row pass where a C compiler builds it; else the eager engine),
+    ``"torch"`` (the eager engine, torch's ops alone), ``"triton"`` (the kernel wherever it takes the call) or
+    ``"native"`` (the row pass, refused where it cannot be built; see ``probe.engine.engines`` and the docs'
+    "Long contexts").
     ``device``/``dtype``: where and as what to store (default: CPU, the dtype attention ran in, e.g. bfloat16
     under autocast; ``dtype`` may be named, e.g. ``"bfloat16"``).
     ``max_bytes``: fail with ``CaptureBudgetError`` before storing more than this many bytes (an int, or a size

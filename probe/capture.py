@@ -844,9 +844,9 @@ class CaptureSession:
 
     def _stats_blockwise(self, stats_call, kind: str, offset: int, query_padding, rows, image_keys, values) -> _Stats:
         """The engine's statistics of the adapter's ``AttentionCall`` (``capture(stats_engine=)`` picks it: the eager
-        engine block by block, or the Triton kernel, said in ``values["meta"]["stats_engine"]``; ``rows``: of those
-        only; None: every row, or ``stats_rows=``'s sample; ``image_keys(shape)``: the image patches among the keys,
-        for ``image_mass``)."""
+        engine block by block, its native row pass, or the Triton kernel, said in ``values["meta"]["stats_engine"]``;
+        ``rows``: of those only; None: every row, or ``stats_rows=``'s sample; ``image_keys(shape)``: the image
+        patches among the keys, for ``image_mass``)."""
         from .engine.engines import statistics
 
         _, _, q_len, k_len = stats_call.shape
@@ -863,8 +863,8 @@ class CaptureSession:
             key_set=image_keys(stats_call.shape),
             **kwargs,
         )
-        if engine == "triton":
-            values["meta"] = {**(values.get("meta") or {}), "stats_engine": "triton"}
+        if engine != "torch":
+            values["meta"] = {**(values.get("meta") or {}), "stats_engine": engine}
         return stats, "blockwise", rows, (q_len, k_len)
 
     def _stats_of_weights(

@@ -178,13 +178,14 @@ def overview_of(overview, keep) -> Overview | None:
 
 
 #: The statistics engines ``capture(stats_engine=...)`` names (``probe.engine.engines``).
-STATS_ENGINES: tuple[str, ...] = ("auto", "torch", "triton")
+STATS_ENGINES: tuple[str, ...] = ("auto", "torch", "triton", "native")
 
 
 def stats_engine_of(engine) -> str:
     """``capture(stats_engine=)`` checked: one of ``STATS_ENGINES``; ``"triton"`` only where triton (and the numpy
     its interpreter needs) is installed, at least the release the kernel is proven on
-    (``engine.triton_release.TRITON_MIN``)."""
+    (``engine.triton_release.TRITON_MIN``); ``"native"`` only where the native row pass builds
+    (``engine.native_rows``)."""
     if engine not in STATS_ENGINES:
         raise SelectionError(
             f"stats_engine must be one of {', '.join(repr(e) for e in STATS_ENGINES)}, got {engine!r}",
@@ -198,6 +199,17 @@ def stats_engine_of(engine) -> str:
             argument="stats_engine",
             value=engine,
         )
+    if engine == "native":
+        from .engine import native_rows
+
+        why = native_rows.why_unavailable()
+        if why is not None:
+            raise SelectionError(
+                f"stats_engine='native' needs the native row pass, which cannot be used here: {why}. Use "
+                "stats_engine='torch' (the same statistics with torch's ops alone)",
+                argument="stats_engine",
+                value=engine,
+            )
     if engine == "triton":
         from .engine.triton_release import TRITON_MIN, installed_triton, triton_release_proven
 

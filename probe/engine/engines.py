@@ -7,10 +7,16 @@
   float64, tensors on CPU, rows with a NaN or inf logit, additive rows that attend no key) go to the eager engine,
   and the first of each reason is warned about. Needs ``triton`` ``>= TRITON_MIN`` (``pip install
   "attnprobe[triton]"``).
-- ``"auto"`` (the default): the Triton kernel for calls on CUDA when a ``triton`` of at least ``TRITON_MIN`` imports,
-  else the eager engine. An older triton (torch 2.6 brings 3.2, which the kernel's tests fail on) is never picked.
+- ``"native"``: the eager engine with its per-element work in the native row pass on CPUs
+  (``probe/engine/native_rows.py``: one C loop per row, compiled on first use with the C compiler on the path);
+  float32 blocks on the CPU without attention sinks take it, the others, and rows with a NaN or +inf logit, torch's
+  ops. Refused in one line where it cannot be built here.
+- ``"auto"`` (the default): the Triton kernel for calls on CUDA when a ``triton`` of at least ``TRITON_MIN`` imports;
+  on CPUs the native row pass where it builds; else the eager engine. An older triton (torch 2.6 brings 3.2, which
+  the kernel's tests fail on) is never picked.
 
-A record whose statistics came from the kernel says so: ``record.meta["stats_engine"] == "triton"``.
+A record whose statistics came from the kernel or the row pass says so: ``record.meta["stats_engine"]`` is
+``"triton"`` or ``"native"``.
 """
 
 from __future__ import annotations
@@ -55,12 +61,14 @@ def statistics(
     key_set: torch.Tensor | None = None,
 ) -> tuple[Mapping[str, torch.Tensor], str]:
     """``(statistics, engine)``: ``attention_stats(call, ...)``'s statistics from the engine ``engine`` picks (see
-    the module's docstring), and the engine that computed them (``"triton"`` or ``"torch"``)."""
+    the module's docstring), and the engine that computed them (``"triton"``, ``"native"`` (some block took the row
+    pass) or ``"torch"``)."""
     forced = engine == "triton"
     if engine != "torch" and (forced or call.q.device.type == "cuda") and triton_available():
         got = _from_kernel(call, forced, diag_offset, query_padding, overview, rows, key_set)
         if got is not None:
             return got, "triton"
+    report: dict = {}
     got = attention_stats(
         call,
         diag_offset=diag_offset,
@@ -70,8 +78,10 @@ def statistics(
         rows=rows,
         workspace=workspace,
         key_set=key_set,
+        native=engine in ("auto", "native"),
+        report=report,
     )
-    return got, "torch"
+    return got, "native" if report["native_blocks"] else "torch"
 
 
 def _from_kernel(

@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import native_rows
 from .attention_math import AttentionCall, sink_logsumexp
 from .pooling import Overview, Pooler
 
@@ -166,6 +167,8 @@ def attention_stats(
     rows: torch.Tensor | None = None,
     workspace: dict | None = None,
     key_set: torch.Tensor | None = None,
+    native: bool = False,
+    report: dict | None = None,
 ) -> Mapping[str, torch.Tensor]:
     """Every statistic of ``call`` (``ROW_STATS`` ``(batch, head, query)``, ``KEY_STATS`` ``(batch, head, key)``),
     exact, without a tensor larger than ``block_bytes`` (a few of them at once).
@@ -179,6 +182,9 @@ def attention_stats(
     per capture: fresh buffers for every layer cost page faults, about a fifth of the engine's time at 8 x 128
     tokens). Without it, they are made for this call and freed after it.
     ``key_set`` ``(batch, key)`` bool: also ``key_set_mass``, each row's weight on those keys.
+    ``native``: float32 blocks on the CPU take their per-element work through the native row pass
+    (``probe/engine/native_rows.py``) where it is built; ``report``: a dict that gets ``"native_blocks"``, how many
+    blocks did (0: torch's ops alone).
 
     Example::
 
@@ -202,12 +208,14 @@ def attention_stats(
     rows_step, key_block = _block_plan(B, h, Tq, Tk, torch.finfo(dtype).bits // 8, block_bytes)
     counted = _counted_rows(query_padding, B, Tq, device).to(dtype)  # (batch, query)
     buffers = {} if workspace is None else workspace
-    engine = _Engine(call, diag_offset=diag_offset, buffers=buffers, overview=overview, key_set=key_set)
+    engine = _Engine(call, diag_offset=diag_offset, buffers=buffers, overview=overview, key_set=key_set, native=native)
     with torch.no_grad():
         for a in range(0, Tq, rows_step):
             b = min(a + rows_step, Tq)
             reach = call.key_limit(b)
             engine.rows(a, b, [(c, min(c + key_block, reach)) for c in range(0, reach, key_block)], counted[:, a:b])
+    if report is not None:
+        report["native_blocks"] = engine.native_blocks
     return engine.result()
 
 
@@ -439,8 +447,13 @@ class _Engine:
         buffers: dict,
         overview: Overview | None,
         key_set: torch.Tensor | None = None,
+        native: bool = False,
     ) -> None:
         self.call, self.diag_offset, self._buffers = call, diag_offset, buffers
+        # the native row pass: float32 on the CPU, without sinks (whose share of the normaliser it does not take)
+        self.native = native and call.sinks is None and call.compute_dtype == torch.float32
+        self.native = self.native and call.q.device.type == "cpu" and native_rows.available()
+        self.native_blocks = 0
         self.B, self.h, self.Tq, self.Tk = call.shape
         self.dtype, self.device = call.compute_dtype, call.q.device
         # (1, head, 1): the sink logits
@@ -515,6 +528,8 @@ class _Engine:
         two buffers reused by every block (``_scratch``)."""
         shape = (self.B, self.h, rows.b - rows.a, d - c)
         mask = self._forbidden(rows, c, d)
+        if self.native and self._one_block_native(rows, c, d, mask):
+            return
         s, max2, argmax = self._logits_less_max(rows, c, d, mask)  # (batch, head, query, key), base 2
         e = torch.exp2(s, out=self._scratch("weights", shape))  # (batch, head, query, key): exp(logit - max)
         # (batch, head, query) each: the natural logit's max and its key; e = exp(logits - shift) to float rounding
@@ -537,6 +552,53 @@ class _Engine:
         if self.observed is not None:
             sums.out, sums.scale = self.observed.products(e, c, d)
         self.parts.append(self._finish(rows, norm, sums))
+
+    def _one_block_native(self, rows: _RowBlock, c: int, d: int, mask: _Forbidden) -> bool:
+        """``_one_block`` with the per-element work in the native row pass (False, nothing added: a row with a NaN or
+        +inf logit, which torch's ops take)."""
+        got, e = self._native_pass(rows, c, d, mask, None, every_key=True)
+        if got is None:
+            return False
+        norm = self._normaliser(got.max * _LN2, got.arg + c, got.sum)
+        sums = _RowSums.start((self.B, self.h, rows.b - rows.a), self.Tk, None, device=self.device, dtype=self.dtype)
+        sums.sum_e, sums.min_e = norm.sum_e, got.min
+        dot = self._native_counts(sums, rows, c, d, mask, got)  # (batch, head, query), base 2
+        sums.dot, sums.dot_shifted = dot.mul_(_LN2), True
+        self._fold_found(sums, got.first, got.last, c)
+        self._gather_masses(sums, e, rows, c, d)
+        sums.set_e = self._set_e(e, c, d)
+        if d < self.Tk or c > 0:  # keys this block of rows cannot reach weigh 0
+            sums.min_e.clamp_(max=0.0)
+        self._add_weights(e, rows, c, norm)
+        if self.observed is not None:
+            sums.out, sums.scale = self.observed.products(e, c, d)
+        self.parts.append(self._finish(rows, norm, sums))
+        return True
+
+    def _native_pass(
+        self, rows: _RowBlock, c: int, d: int, mask: _Forbidden, shift: torch.Tensor | None, *, every_key: bool
+    ) -> tuple[native_rows.RowPass | None, torch.Tensor]:
+        """The block's base-2 logits (``-inf`` where forbidden) through the native row pass: its row sums, and ``e``
+        (``(batch, head, query, key)``, in the weights buffer); None where torch's ops must take the block."""
+        shape, forbidden, cut = (self.B, self.h, rows.b - rows.a, d - c), mask.forbidden, mask.cut
+        logits, weights = (self._scratch(n, shape, every_key=every_key) for n in ("logits", "weights"))
+        s = self.call.logits(rows.a, rows.b, c, d, out=logits, times=_LOG2E)  # (batch, head, query, key)
+        if forbidden is not None:
+            torch.minimum(s[..., cut:], _bound(forbidden, -math.inf, math.inf, self.dtype), out=s[..., cut:])
+        relative = shift is None or every_key  # the threshold times the row's sum where the sum is the row's own
+        got = native_rows.row_pass(s, weights, shift, WEIGHT_THRESHOLD, relative=relative)
+        self.native_blocks += got is not None
+        return got, weights
+
+    def _native_counts(
+        self, sums: _RowSums, rows: _RowBlock, c: int, d: int, mask: _Forbidden, got: native_rows.RowPass
+    ) -> torch.Tensor:
+        """``_count_allowed`` for the block, and the row pass's entropy sum, NaN in rows where an allowed key's logit
+        is ``-inf`` (as torch's ops give it: ``-inf * 0``; such a row is not finite)."""
+        before = sums.allowed_keys.clone()  # (batch, head, query)
+        self._count_allowed(sums, rows, c, d, mask.allowed)
+        hidden = (sums.allowed_keys - before) != got.finite  # (batch, head, query)
+        return torch.where(hidden, math.nan, got.dot)
 
     def _forbidden(self, rows: _RowBlock, c: int, d: int) -> _Forbidden:
         """Where rows may not attend among keys ``c:d``: the call's mask, or the tile of keys later than some row's
@@ -661,6 +723,8 @@ class _Engine:
         """Keys ``c:d`` of the rows into ``sweep``: ``e = exp(logit - lse)`` and every sum of ``_RowSums``."""
         shape, sums = (self.B, self.h, rows.b - rows.a, d - c), sweep.sums
         mask = self._forbidden(rows, c, d)
+        if self.native and self._lse_block_native(rows, c, d, sweep, mask):
+            return
         s, block_max, block_key = self._logits_and_max(rows, c, d, mask, every_key=sweep.whole)  # base 2
         sweep.best_key = torch.where(block_max > sweep.best, block_key + c, sweep.best_key)  # strict: first key on ties
         sweep.best = torch.maximum(sweep.best, block_max)  # NaN propagates
@@ -687,6 +751,31 @@ class _Engine:
             out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
             sums.out += out
             sums.scale += scale
+
+    def _lse_block_native(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep, mask: _Forbidden) -> bool:
+        """``_lse_block`` with the per-element work in the native row pass (False, nothing added: a row with a NaN
+        or +inf logit, which torch's ops take)."""
+        got, e = self._native_pass(rows, c, d, mask, sweep.lse2, every_key=sweep.whole)
+        if got is None:
+            return False
+        sums = sweep.sums
+        sweep.best_key = torch.where(got.max > sweep.best, got.arg + c, sweep.best_key)  # strict: first key on ties
+        sweep.best = torch.maximum(sweep.best, got.max)
+        sums.sum_e = sums.sum_e + got.sum
+        sums.min_e = torch.minimum(sums.min_e, got.min)
+        norm = sweep.norm
+        if sweep.whole:  # the row's sum is known before its weights are summed per key: exact key_weight
+            norm = _Normaliser(norm.max_score, norm.argmax, norm.shift, got.sum, got.sum, _inverse(got.sum), norm.empty)
+        sums.dot = sums.dot + self._native_counts(sums, rows, c, d, mask, got)
+        self._fold_found(sums, got.first, got.last, c)
+        self._gather_masses(sums, e, rows, c, d)
+        self._add_set_e(sums, e, c, d)
+        self._add_weights(e, rows, c, norm)
+        if self.observed is not None and sums.out is not None and sums.scale is not None:
+            out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
+            sums.out += out
+            sums.scale += scale
+        return True
 
     def _logits_and_max(
         self, rows: _RowBlock, c: int, d: int, mask: _Forbidden, *, every_key: bool
@@ -801,6 +890,12 @@ class _Engine:
         """The first and last key of ``c:`` whose weight exceeds ``WEIGHT_THRESHOLD`` (``e`` undivided, the
         threshold times the normaliser), folded into ``first`` and ``last``."""
         first, last = _hits(e, WEIGHT_THRESHOLD * norm.total, scratch=scratch)  # (batch, head, query), -1: none
+        self._fold_found(sums, first, last, c)
+
+    @staticmethod
+    def _fold_found(sums: _RowSums, first: torch.Tensor, last: torch.Tensor, c: int) -> None:
+        """The first and last hit of a block of keys from ``c`` on (``(batch, head, query)``, -1: none) into
+        ``sums``."""
         sums.first = torch.where(first >= 0, torch.minimum(sums.first, first + c), sums.first)
         sums.last = torch.where(last >= 0, torch.maximum(sums.last, last + c), sums.last)
 

@@ -1,0 +1,163 @@
+"""The native row pass (``probe/engine/native_rows.py``): the eager engine with its per-element work in one C loop
+per row gives the statistics of torch's ops alone, on the oracle's cases (every mask, NaN and inf logits, keys in
+blocks, the kernel's lse or not), on a ``-inf`` logit at an allowed key, with two threads; ``capture(stats_engine=)``
+says which engine ran and refuses ``"native"`` where the row pass cannot be built, naming why; the library is
+compiled once into the user's cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from test_stats_lse import assert_close_to, exact_lse
+from test_stats_oracle import BLOCK_BYTES, MASKS, _case
+
+import attnprobe
+from attnprobe.probe.engine import native_rows
+from attnprobe.probe.engine.stats import attention_stats
+from attnprobe.probe.errors import SelectionError
+
+pytestmark = pytest.mark.skipif(
+    not native_rows.available(), reason=f"the native row pass is not built here: {native_rows.why_unavailable()}"
+)
+
+
+def _both(call, diag, padding, **kw):
+    """``(native, torch's ops, blocks the row pass took)`` for one call."""
+    report: dict = {}
+    got = attention_stats(call, diag_offset=diag, query_padding=padding, native=True, report=report, **kw)
+    want = attention_stats(call, diag_offset=diag, query_padding=padding, **kw)
+    return got, want, report["native_blocks"]
+
+
+@pytest.mark.parametrize("lse", [False, True], ids=["own-max", "kernel-lse"])
+@pytest.mark.parametrize("block_bytes", BLOCK_BYTES.values(), ids=BLOCK_BYTES.keys())
+@pytest.mark.parametrize("mask", MASKS)
+def test_the_row_pass_gives_the_statistics_of_torchs_ops(mask, block_bytes, lse):
+    call, diag, padding = _case(mask, "plain", torch.float32)
+    if lse:
+        call = replace(call, lse=exact_lse(call))
+    got, want, blocks = _both(call, diag, padding, block_bytes=block_bytes)
+    assert_close_to(got, want, atol=1e-5)
+    # keys in blocks without the lse take two passes, with torch's ops
+    if mask != "nan" and (lse or block_bytes == BLOCK_BYTES["one-block"]):
+        assert blocks > 0
+
+
+def test_a_nan_or_inf_logit_sends_its_block_to_torchs_ops():
+    call, diag, padding = _case("nan", "plain", torch.float32)
+    got, want, blocks = _both(call, diag, padding, block_bytes=1 << 20)
+    assert blocks == 0  # one block, holding the NaN rows: torch's ops took it whole
+    assert_close_to(got, want, atol=1e-5)
+    assert not bool(want["finite"].all())
+
+
+def test_a_minus_inf_logit_at_an_allowed_key_makes_its_row_not_finite():
+    """An overflowing query (``q = inf`` against keys whose first feature is negative): every logit of the row is
+    ``-inf`` at keys the mask allows. torch's ops give its entropy ``-inf * 0 = NaN``; so must the row pass."""
+    call, diag, padding = _case("causal", "plain", torch.float32)
+    k = call.k.clone()
+    k[..., 0] = -k[..., 0].abs() - 0.5
+    q = call.q.clone()
+    q[1, 0, 6] = 0.0
+    q[1, 0, 6, 0] = math.inf
+    call = replace(call, q=q, k=k)
+    for lse in (None, exact_lse(call)):
+        got, want, blocks = _both(replace(call, lse=lse), diag, padding)
+        assert blocks > 0
+        assert_close_to(got, want, atol=1e-5)
+        assert not bool(got["finite"][1, 0, 6])
+
+
+def test_the_row_pass_with_two_threads():
+    call, diag, padding = _case("padding", "plain", torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want, blocks = _both(call, diag, padding, block_bytes=4000)
+    finally:
+        torch.set_num_threads(threads)
+    assert blocks > 0
+    assert_close_to(got, want, atol=1e-5)
+
+
+def test_calls_the_row_pass_does_not_take_go_to_torchs_ops():
+    """Attention sinks (their share of the normaliser) and float64: torch's ops alone, bit for bit."""
+    sinks, diag, padding = _case("padding", "bias-softcap-sinks", torch.float32)
+    double, _, _ = _case("padding", "plain", torch.float64)
+    for call in (sinks, double):
+        got, want, blocks = _both(call, diag, padding)
+        assert blocks == 0
+        for name, value in want.items():
+            assert torch.equal(got[name].nan_to_num(-7.0), value.nan_to_num(-7.0)), name
+
+
+def _tiny_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    return transformers.LlamaModel._from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_capture_says_the_row_pass_ran_and_gives_torchs_statistics():
+    model, ids = _tiny_llama(), torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids=ids).last_hidden_state
+        caps = {}
+        for engine in ("native", "torch", "auto"):
+            with attnprobe.capture(model, keep=("stats",), stats_engine=engine) as cap:
+                out = model(input_ids=ids).last_hidden_state
+            assert torch.equal(out, plain)
+            caps[engine] = cap
+    assert [r.meta.get("stats_engine") for r in caps["native"]] == ["native", "native"]
+    assert [r.meta.get("stats_engine") for r in caps["auto"]] == ["native", "native"]
+    assert [r.meta.get("stats_engine") for r in caps["torch"]] == [None, None]
+    for got, want in zip(caps["native"], caps["torch"]):
+        assert_close_to(got.stats, want.stats, atol=1e-5)
+
+
+def test_native_is_refused_where_the_row_pass_cannot_be_built(monkeypatch):
+    monkeypatch.setattr(native_rows, "_library", lambda: "no C compiler on the path (set CC, or install gcc)")
+    with pytest.raises(SelectionError, match=r"no C compiler on the path.*stats_engine='torch'"):
+        attnprobe.capture(_tiny_llama(), keep=("stats",), stats_engine="native")
+    model, ids = _tiny_llama(), torch.randint(0, 100, (1, 12))
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as cap:  # auto: torch's ops, nothing said
+        model(input_ids=ids)
+    assert [r.meta.get("stats_engine") for r in cap] == [None, None]
+
+
+def test_the_library_is_built_once_into_the_users_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native_rows._library.cache_clear()
+    try:
+        assert native_rows.available()
+        built = list((tmp_path / "attnprobe" / "native").glob("native_rows-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        native_rows._library.cache_clear()
+        assert native_rows.available()  # a new process loads the cached library, builds nothing
+        assert built[0].stat().st_mtime_ns == stamp
+        assert [p.name for p in (tmp_path / "attnprobe" / "native").iterdir()] == [built[0].name]  # no leftovers
+    finally:
+        native_rows._library.cache_clear()
+
+
+def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # /bin/false: every build fails
+    native_rows._library.cache_clear()
+    try:
+        assert not native_rows.available()
+        assert "could not build native_rows.c" in str(native_rows.why_unavailable())
+    finally:
+        native_rows._library.cache_clear()
