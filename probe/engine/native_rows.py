@@ -32,23 +32,27 @@ import torch
 _SOURCE = Path(__file__).with_name("native_rows.c")
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _LONG = ctypes.c_void_p, ctypes.c_long
-#: s, e, R, K, shift, thr, relative, the eight outputs, threads
-_ARGTYPES: list = [_P, _P, _LONG, _LONG, _P, ctypes.c_float, ctypes.c_int, *([_P] * 8), ctypes.c_int]
+#: s, e, R, K, n, shift, thr, whole, vmax, vstride, rw, col, cstride, the nine outputs, threads
+_ARGTYPES: list = [_P, _P, _LONG, _LONG, _LONG, _P, ctypes.c_float, ctypes.c_int, _P, _LONG, _P, _P, _LONG]
+_ARGTYPES += [*([_P] * 9), ctypes.c_int]
 
 
 @dataclass
 class RowPass:
     """What ``row_pass`` found for each row, ``(...)`` each: base-2 max and its key, ``sum e``, ``min e``, the
-    entropy's base-2 ``sum e * (s - shift)``, the keys above ``-inf``, the first and last key above the threshold."""
+    entropy's base-2 ``sum e * (s - shift)``, ``sum e * vmax``, the keys above ``-inf``, the first and last key above
+    the threshold; and ``col`` ``(heads, K)``, the per-key sums of the weighted rows (None without row weights)."""
 
     max: torch.Tensor
     arg: torch.Tensor
     sum: torch.Tensor
     min: torch.Tensor
     dot: torch.Tensor
+    scale: torch.Tensor
     finite: torch.Tensor
     first: torch.Tensor
     last: torch.Tensor
+    col: torch.Tensor | None
 
 
 class NativeUnavailable(RuntimeError):
@@ -127,28 +131,61 @@ def why_unavailable() -> str | None:
 
 
 def row_pass(
-    s: torch.Tensor, e: torch.Tensor, shift: torch.Tensor | None, threshold: float, *, relative: bool
+    s: torch.Tensor,
+    e: torch.Tensor,
+    shift: torch.Tensor | None,
+    threshold: float,
+    *,
+    whole: bool,
+    vmax: torch.Tensor | None = None,
+    row_weight: torch.Tensor | None = None,
 ) -> RowPass | None:
-    """One call over ``s`` ``(..., K)`` float32 contiguous on the CPU (base-2 logits, ``-inf`` where forbidden):
-    writes ``e = exp2(s - shift)`` into ``e`` (same shape) and returns the rows' sums; ``shift`` ``(...)`` or None
-    (each row's max). ``threshold``: a key is a hit where ``e > threshold`` (times ``sum e`` when ``relative``).
-    None where a row holds a NaN or +inf logit (nothing the caller may use was written), or without the library."""
+    """One call over ``s`` ``(heads..., n, K)`` float32 contiguous on the CPU (base-2 logits, ``-inf`` where
+    forbidden): writes ``e = exp2(s - shift)`` into ``e`` (same shape) and returns the rows' sums; ``shift``
+    ``(heads..., n)`` or None (each row's max). ``whole``: the rows' keys are all here, so a key is a hit where
+    ``e > threshold * sum e`` and the per-key sums take ``e / sum e`` (else ``e > threshold`` and ``e``). ``vmax``
+    ``(heads..., K)``: each key's largest ``|v|`` (a view with unit stride along keys). ``row_weight`` ``(heads...,
+    n)``: what each row's weights count for in the per-key sums. None where a row holds a NaN or +inf logit (nothing
+    the caller may use was written), or without the library."""
     lib = _library()
     if isinstance(lib, str):
         return None
-    rows_shape, K = s.shape[:-1], s.shape[-1]
-    R = s.numel() // max(K, 1)
-    f32 = [torch.empty(rows_shape, dtype=torch.float32) for _ in range(4)]  # max, sum, min, dot
+    *heads_shape, n, K = s.shape
+    rows_shape, R = s.shape[:-1], s.numel() // max(K, 1)
+    f32 = [torch.empty(rows_shape, dtype=torch.float32) for _ in range(5)]  # max, sum, min, dot, scale
     i64 = [torch.empty(rows_shape, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
-    ptrs = [t.data_ptr() for t in (f32[0], i64[0], f32[1], f32[2], f32[3], i64[1], i64[2], i64[3])]
-    shift = None if shift is None else shift.to(torch.float32).contiguous()  # (...), alive through the call
-    shift_ptr = None if shift is None else shift.data_ptr()
+    shift = None if shift is None else shift.to(torch.float32).contiguous()  # alive through the call
+    rw = None if row_weight is None else row_weight.to(torch.float32).expand(rows_shape).contiguous()
+    col = None if rw is None else torch.zeros((*heads_shape, K), dtype=torch.float32)  # (heads..., K)
+    vstride = 0
+    if vmax is not None:
+        vmax = vmax.expand((*heads_shape, vmax.shape[-1]))
+        assert vmax.stride(-1) == 1 and vmax.shape[-1] == K
+        vstride = vmax.stride(-2) if vmax.dim() > 1 else 0
     odd = lib.attnprobe_row_pass(
-        s.data_ptr(), e.data_ptr(), R, K, shift_ptr, threshold, int(relative), *ptrs, torch.get_num_threads()
+        *(s.data_ptr(), e.data_ptr(), R, K, max(n, 1), _ptr(shift), threshold, int(whole), _ptr(vmax), vstride),
+        *(_ptr(rw), _ptr(col), K),
+        *(t.data_ptr() for t in (f32[0], i64[0], f32[1], f32[2], f32[3], f32[4], i64[1], i64[2], i64[3])),
+        torch.get_num_threads(),
     )
     if odd:
         return None
-    return RowPass(max=f32[0], arg=i64[0], sum=f32[1], min=f32[2], dot=f32[3], finite=i64[1], first=i64[2], last=i64[3])
+    return RowPass(
+        max=f32[0],
+        arg=i64[0],
+        sum=f32[1],
+        min=f32[2],
+        dot=f32[3],
+        scale=f32[4],
+        finite=i64[1],
+        first=i64[2],
+        last=i64[3],
+        col=col,
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def usable(s: torch.Tensor, e: torch.Tensor) -> bool:
@@ -159,23 +196,28 @@ def usable(s: torch.Tensor, e: torch.Tensor) -> bool:
 def _self_check(lib: ctypes.CDLL) -> None:
     """The library against torch's ops on a small block with forbidden keys and a given shift."""
     g = torch.Generator().manual_seed(0)
-    s = torch.randn(3, 5, 300, generator=g) * 4  # (rows..., key)
+    s = torch.randn(3, 5, 300, generator=g) * 4  # (head, query, key)
     s[..., 250:] = -torch.inf
-    shift = torch.logsumexp(s * 0.6931471805599453, -1) * 1.4426950408889634  # (rows...) base 2
+    shift = torch.logsumexp(s * 0.6931471805599453, -1) * 1.4426950408889634  # (head, query), base 2
     e = torch.empty_like(s)
-    rows = s.numel() // s.shape[-1]
-    outs = [torch.empty(s.shape[:-1], dtype=t) for t in [torch.float32, torch.int64, *[torch.float32] * 3]]
-    outs += [torch.empty(s.shape[:-1], dtype=torch.int64) for _ in range(3)]
+    f32 = [torch.zeros(3, 5) for _ in range(5)]  # max, sum, min, dot, scale
+    i64 = [torch.zeros(3, 5, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
+    vmax, rw, col = torch.rand(3, 300, generator=g), torch.rand(3, 5, generator=g), torch.zeros(3, 300)
     lib.attnprobe_row_pass(
-        s.data_ptr(), e.data_ptr(), rows, s.shape[-1], shift.data_ptr(), 1e-3, 1, *[o.data_ptr() for o in outs], 1
+        *(s.data_ptr(), e.data_ptr(), 15, 300, 5, shift.data_ptr(), 1e-3, 1, vmax.data_ptr(), 300),
+        *(rw.data_ptr(), col.data_ptr(), 300),
+        *(t.data_ptr() for t in (f32[0], i64[0], f32[1], f32[2], f32[3], f32[4], i64[1], i64[2], i64[3])),
+        1,
     )
-    want = torch.exp2(s - shift[..., None])  # (rows..., key)
+    want = torch.exp2(s - shift[..., None])  # (head, query, key)
     agree = (
         torch.allclose(e, want, rtol=1e-5, atol=1e-7)
-        and torch.equal(outs[0], s.amax(-1))
-        and torch.equal(outs[1], s.argmax(-1))
-        and torch.allclose(outs[2], want.sum(-1), rtol=1e-5)
-        and bool((outs[5] == 250).all())
+        and torch.equal(f32[0], s.amax(-1))
+        and torch.equal(i64[0], s.argmax(-1))
+        and torch.allclose(f32[1], want.sum(-1), rtol=1e-5)
+        and torch.allclose(f32[4], (want * vmax[:, None]).sum(-1), rtol=1e-5)
+        and torch.allclose(col, (want / want.sum(-1, keepdim=True) * rw[..., None]).sum(-2), rtol=1e-5, atol=1e-7)
+        and bool((i64[1] == 250).all())
     )
     if not agree:
         raise NativeUnavailable("the compiled row pass disagreed with torch's ops on its check (a miscompile)")

@@ -556,7 +556,8 @@ class _Engine:
     def _one_block_native(self, rows: _RowBlock, c: int, d: int, mask: _Forbidden) -> bool:
         """``_one_block`` with the per-element work in the native row pass (False, nothing added: a row with a NaN or
         +inf logit, which torch's ops take)."""
-        got, e = self._native_pass(rows, c, d, mask, None, every_key=True)
+        real = rows.counted.view(self.B, 1, -1)  # (batch, 1, query): rows with no allowed key add 0 (sum e = 0)
+        got, e = self._native_pass(rows, c, d, mask, None, every_key=True, row_weight=real)
         if got is None:
             return False
         norm = self._normaliser(got.max * _LN2, got.arg + c, got.sum)
@@ -569,24 +570,43 @@ class _Engine:
         sums.set_e = self._set_e(e, c, d)
         if d < self.Tk or c > 0:  # keys this block of rows cannot reach weigh 0
             sums.min_e.clamp_(max=0.0)
-        self._add_weights(e, rows, c, norm)
+        self._add_native_weights(got, e, rows, c, norm)
         if self.observed is not None:
-            sums.out, sums.scale = self.observed.products(e, c, d)
+            sums.out, sums.scale = e @ self.observed.v[:, :, c:d], got.scale  # (batch, head, query, d_head)
         self.parts.append(self._finish(rows, norm, sums))
         return True
 
+    def _add_native_weights(
+        self, got: native_rows.RowPass, e: torch.Tensor, rows: _RowBlock, c: int, norm: _Normaliser
+    ) -> None:
+        """``_add_weights`` from the row pass's per-key sums."""
+        assert got.col is not None
+        self.key_weight[..., c : c + e.shape[-1]] += got.col
+        if self.pool is not None:
+            self.pool.add(e, rows.a, c, row_scale=norm.inv)
+
     def _native_pass(
-        self, rows: _RowBlock, c: int, d: int, mask: _Forbidden, shift: torch.Tensor | None, *, every_key: bool
+        self,
+        rows: _RowBlock,
+        c: int,
+        d: int,
+        mask: _Forbidden,
+        shift: torch.Tensor | None,
+        *,
+        every_key: bool,
+        row_weight: torch.Tensor,
     ) -> tuple[native_rows.RowPass | None, torch.Tensor]:
-        """The block's base-2 logits (``-inf`` where forbidden) through the native row pass: its row sums, and ``e``
-        (``(batch, head, query, key)``, in the weights buffer); None where torch's ops must take the block."""
+        """The block's base-2 logits (``-inf`` where forbidden) through the native row pass: its row sums, the
+        output's scale, the per-key sums of the weights times ``row_weight`` (``(batch, 1 or head, query)``), and
+        ``e`` (``(batch, head, query, key)``, in the weights buffer); None where torch's ops must take the block."""
         shape, forbidden, cut = (self.B, self.h, rows.b - rows.a, d - c), mask.forbidden, mask.cut
         logits, weights = (self._scratch(n, shape, every_key=every_key) for n in ("logits", "weights"))
         s = self.call.logits(rows.a, rows.b, c, d, out=logits, times=_LOG2E)  # (batch, head, query, key)
         if forbidden is not None:
             torch.minimum(s[..., cut:], _bound(forbidden, -math.inf, math.inf, self.dtype), out=s[..., cut:])
-        relative = shift is None or every_key  # the threshold times the row's sum where the sum is the row's own
-        got = native_rows.row_pass(s, weights, shift, WEIGHT_THRESHOLD, relative=relative)
+        whole = shift is None or every_key  # the row's own sum normalises it (else the kernel's lse did)
+        vmax = None if self.observed is None else self.observed.v_max[:, :, c:d].contiguous()  # (batch, head, key)
+        got = native_rows.row_pass(s, weights, shift, WEIGHT_THRESHOLD, whole=whole, vmax=vmax, row_weight=row_weight)
         self.native_blocks += got is not None
         return got, weights
 
@@ -755,7 +775,9 @@ class _Engine:
     def _lse_block_native(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep, mask: _Forbidden) -> bool:
         """``_lse_block`` with the per-element work in the native row pass (False, nothing added: a row with a NaN
         or +inf logit, which torch's ops take)."""
-        got, e = self._native_pass(rows, c, d, mask, sweep.lse2, every_key=sweep.whole)
+        real = rows.counted.view(self.B, 1, -1)  # (batch, 1, query): the rows that count in key_weight
+        real = real if sweep.whole else real * sweep.norm.inv  # rows without a finite kernel lse add nothing
+        got, e = self._native_pass(rows, c, d, mask, sweep.lse2, every_key=sweep.whole, row_weight=real)
         if got is None:
             return False
         sums = sweep.sums
@@ -770,11 +792,10 @@ class _Engine:
         self._fold_found(sums, got.first, got.last, c)
         self._gather_masses(sums, e, rows, c, d)
         self._add_set_e(sums, e, c, d)
-        self._add_weights(e, rows, c, norm)
+        self._add_native_weights(got, e, rows, c, norm)
         if self.observed is not None and sums.out is not None and sums.scale is not None:
-            out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
-            sums.out += out
-            sums.scale += scale
+            sums.out += e @ self.observed.v[:, :, c:d]  # (batch, head, query, d_head)
+            sums.scale += got.scale
         return True
 
     def _logits_and_max(
