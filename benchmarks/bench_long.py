@@ -15,7 +15,9 @@ run's own):
    difference from the observed output: entropy, max_weight, row_sum_error, max_score and output_error, and
    nothing else). No implementation of the whole list on torch's ops can cost less than this floor.
 
-Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5] [--threads N]``. Timings are
+Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5] [--threads N] [--engine E]``
+(``--engine``: the captures' ``stats_engine``, ``auto`` by default; ``torch`` for torch's ops alone, ``native`` for
+the native row pass). Timings are
 noisy on a shared machine: compare only the ratios of one run. On a machine others are using, ``--threads 1`` keeps
 torch's thread pool from waiting on busy cores (every op of the engine would pay for it); CPU seconds are printed
 beside wall seconds.
@@ -51,6 +53,10 @@ def _llama(T: int):
     return model, ids
 
 
+#: The captures' ``stats_engine`` (``--engine``).
+ENGINE = "auto"
+
+
 def one(mode: str, T: int, threads: int | None = None) -> dict:
     """One measurement in this process: the forward (plain) or capture + check (stats)."""
     import resource
@@ -68,7 +74,7 @@ def one(mode: str, T: int, threads: int | None = None) -> dict:
             model(input_ids=ids)
             verdict = None
         else:
-            with attnprobe.capture(model, keep=("stats",)) as cap:
+            with attnprobe.capture(model, keep=("stats",), stats_engine=ENGINE) as cap:
                 model(input_ids=ids)
             result = attnprobe.check(cap, causal=True)
             verdict = {
@@ -84,7 +90,8 @@ def one(mode: str, T: int, threads: int | None = None) -> dict:
 
 def measure(mode: str, T: int, threads: int | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--one", mode, str(T), *(["--threads", str(threads)] if threads else [])],
+        [sys.executable, __file__, "--one", mode, str(T), "--engine", ENGINE]
+        + (["--threads", str(threads)] if threads else []),
         capture_output=True,
         text=True,
         check=True,
@@ -154,7 +161,7 @@ def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
             return model(**batch)
 
     def stats():
-        with torch.no_grad(), attnprobe.capture(model, keep=("stats",)):
+        with torch.no_grad(), attnprobe.capture(model, keep=("stats",), stats_engine=ENGINE):
             model(**batch)
 
     def floor():
@@ -166,7 +173,8 @@ def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
             raise AssertionError("the floor's outputs differ from the plain model's: it must run sdpa's own kernel")
     kept = floor()
     floor_error = max(float(layer[-1].max()) for layer in kept)
-    with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as cap:  # the floor's numbers are the engine's
+    # the floor's numbers against the engine's
+    with torch.no_grad(), attnprobe.capture(model, keep=("stats",), stats_engine=ENGINE) as cap:
         model(**batch)
     agree = max(
         max(
@@ -198,7 +206,10 @@ def main() -> None:
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--skip-minilm", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--engine", default="auto", choices=["auto", "torch", "native"], help="the stats_engine")
     args = parser.parse_args()
+    global ENGINE
+    ENGINE = args.engine
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]), args.threads)))
         return
@@ -212,7 +223,10 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; the machine may be shared: compare ratios "
         "of this run only"
     )
-    print("tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads), batch 1, each run in its own process")
+    print(
+        "tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads), batch 1, each run in its own process; "
+        f"stats_engine={ENGINE!r}"
+    )
     print(
         f"{'T':>6}  {'plain s':>8}  {'stats s':>8}  {'time x':>6}  {'cpu x':>6}  {'plain RSS':>10}  "
         f"{'stats RSS':>10}  {'RSS x':>5}  verdict"
