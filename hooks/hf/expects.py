@@ -238,12 +238,13 @@ def _factor(projected: torch.Tensor, kernel: torch.Tensor) -> float | None:
         tokens = projected.numel() // (B * H * D)
         if tokens > T or projected.shape[0] != B:
             return None
+        # norms in the tensors' own layouts (a norm over a transposed view costs four times as much), then the
+        # (batch, tokens, head) norms transposed
         if projected.dim() == 4 and tuple(projected.shape) == (B, H, tokens, D):  # normed after the heads' transpose
-            mine = projected.detach().float()  # (batch, head, tokens, d)
+            b = projected.detach().float().norm(dim=-1)  # (batch, head, tokens)
         else:  # (batch, tokens, heads * d) or (batch, tokens, heads, d)
-            mine = projected.detach().reshape(B, tokens, H, D).transpose(1, 2).float()  # (batch, head, tokens, d)
-        theirs = kernel.detach()[:, :, T - tokens :].float()  # (batch, head, tokens, d): this call's rows
-        a, b = theirs.norm(dim=-1), mine.norm(dim=-1)  # (batch, head, tokens) each
+            b = projected.detach().reshape(B, tokens, H, D).float().norm(dim=-1).transpose(1, 2)  # (b, h, tokens)
+        a = kernel.detach()[:, :, T - tokens :].float().norm(dim=-1)  # (batch, head, tokens): this call's rows
         ok = b > 1e-6 * float(b.max()) if b.numel() else b
         if not bool(ok.any()):
             return None
