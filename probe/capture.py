@@ -586,42 +586,32 @@ class CaptureSession:
             masks["allowed"] = None
         rows = self._selected_rows(tensors, masks, stats_call, values)
         extras = self._extras(site, layout, kind, stats_call, tensors, values, masks["query_padding"], rows)
-        if rows is not None and not self.stats_only:  # a full capture: one record per run of selected rows
-            record = None
-            for a, b in runs(rows):
-                part = _cut_rows(tensors, masks, values, stats_call, a, b)
-                record = self._store_record(
-                    site,
-                    call,
-                    layout,
-                    part,
-                    kind=kind,
-                    identified=identified,
-                    preselected=set(preselected),
-                    stats_call=stats_call,
-                    stats_rows=torch.arange(a, b),
-                    adapter_allowed=adapter_allowed,
-                    extras=extras,
-                    call_context=(values.get("query_offset", 0), masks["query_padding"]),
-                )
-            return record
-        if rows is not None and rows.numel() == 0:
+        if rows is not None and self.stats_only and rows.numel() == 0:
             return None  # none of this call's rows is selected (the prompt of rows="generated"): no record
-        part = (tensors, masks, values)
-        return self._store_record(
-            site,
-            call,
-            layout,
-            part,
-            kind=kind,
-            identified=identified,
-            preselected=set(preselected),
-            stats_call=stats_call,
-            stats_rows=rows,
-            adapter_allowed=adapter_allowed,
-            extras=extras,
-            call_context=(values.get("query_offset", 0), masks["query_padding"]),
-        )
+        if rows is not None and not self.stats_only:  # a full capture: one record per run of selected rows
+            # cut one run at a time, as it is stored
+            parts: Iterable = (
+                (_cut_rows(tensors, masks, values, stats_call, a, b), torch.arange(a, b)) for a, b in runs(rows)
+            )
+        else:
+            parts = [((tensors, masks, values), rows)]
+        record = None
+        for part, stats_rows in parts:
+            record = self._store_record(
+                site,
+                call,
+                layout,
+                part,
+                kind=kind,
+                identified=identified,
+                preselected=set(preselected),
+                stats_call=stats_call,
+                stats_rows=stats_rows,
+                adapter_allowed=adapter_allowed,
+                extras=extras,
+                call_context=(values.get("query_offset", 0), masks["query_padding"]),
+            )
+        return record
 
     def _store_record(
         self,
