@@ -253,3 +253,15 @@ def test_a_triton_capture_with_image_grid_keeps_image_mass(monkeypatch):
         assert "image_mass" in kernel[i].stats and kernel[i].meta.get("stats_engine") != "triton"
         torch.testing.assert_close(kernel[i].stats["image_mass"], eager[i].stats["image_mass"], atol=0, rtol=0)
     assert len(with_images) == len(eager)
+
+
+def test_the_kernels_planes_are_the_engines_row_statistics():
+    """The kernel writes one plane per row statistic in an order of its own (``_PLANES``): every statistic of
+    ``ROW_STATS`` but the two it knows are 0 (mass on keys the call's own mask forbids), and nothing else but its
+    NaN/inf flag. A statistic added to the engine and not to the kernel fails here, not in a user's capture."""
+    from attnprobe.probe.engine import stats, triton_stats
+
+    planes = set(triton_stats._PLANES) - {"logits_finite"}
+    assert len(planes) == len(triton_stats._PLANES) - 1
+    assert planes == set(stats.ROW_STATS) - {"masked_mass", "masked_max"}
+    assert set(triton_stats._INTEGERS) | set(triton_stats._FLAGS) <= planes
