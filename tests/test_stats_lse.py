@@ -193,6 +193,31 @@ def test_a_kernel_whose_output_differs_from_sdpas_is_never_read_again(monkeypatc
     assert sdpa_with_lse(q, k, v)[1] is None
 
 
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_long_calls_kind_is_checked_on_its_first_rows(monkeypatch, mask, causal):
+    """A call of more than 64 query rows is compared with sdpa on its first 64 (the kernel and sdpa both, every key,
+    the mask's rows cut too): the check costs a sliver of the call. It passes on sdpa's own kernel, and a kernel that
+    differs is still caught there."""
+    monkeypatch.setattr(kernel_lse, "_VERDICTS", {})
+    q, k, v = torch.randn(1, 2, 200, 8), torch.randn(1, 2, 230, 8), torch.randn(1, 2, 230, 8)
+    attn = None if mask is None else torch.rand(1, 1, 200, 230) > 0.3
+    attn = attn if mask != "float" else torch.zeros(1, 1, 200, 230).masked_fill(~attn, -1e4)
+    seen = []
+    real_sdpa = kernel_lse._sdpa
+    monkeypatch.setattr(kernel_lse, "_sdpa", lambda *a: seen.append(a[0].shape[-2]) or real_sdpa(*a))
+    out, lse = sdpa_with_lse(q, k, v, attn, is_causal=causal and mask is None)
+    assert seen == [64] and lse is not None
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn, is_causal=causal and mask is None))
+
+    monkeypatch.setattr(kernel_lse, "_VERDICTS", {})
+    real = kernel_lse._run
+    monkeypatch.setattr(kernel_lse, "_run", lambda *a: (real(*a)[0] + 1e-7, real(*a)[1]))
+    with pytest.warns(UserWarning, match="differs from scaled_dot_product_attention"):
+        out, lse = sdpa_with_lse(q, k, v, attn, is_causal=causal and mask is None)
+    assert lse is None
+
+
 # ------------------------------------------------------------------------------------------------------ captures
 @pytest.fixture
 def kernel_calls(monkeypatch):
