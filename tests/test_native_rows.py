@@ -16,6 +16,7 @@ from test_stats_oracle import BLOCK_BYTES, MASKS, _case
 
 import attnprobe
 from attnprobe.probe.engine import native_rows
+from attnprobe.probe.engine.attention_math import AttentionCall
 from attnprobe.probe.engine.stats import attention_stats
 from attnprobe.probe.errors import SelectionError
 
@@ -161,3 +162,63 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
         assert "could not build native_rows.c" in str(native_rows.why_unavailable())
     finally:
         native_rows._library.cache_clear()
+
+
+def _larger_call(*, causal: bool, lse: bool, seed: int = 0, d_head: int = 40, d_v: int = 48, keys: int = 300):
+    """2 x 3 heads reading 1 kv head, 70 queries, ``keys`` keys: tiles of 512 keys and their tails, vectors of 64
+    keys and of 32 of v's columns and their tails."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, Tq = 2, 3, 70
+    q, k = torch.randn(B, H, Tq, d_head, generator=g), torch.randn(B, 1, keys, d_head, generator=g)
+    v = torch.randn(B, 1, keys, d_v, generator=g)
+    call = AttentionCall.for_heads(
+        q, k, v, heads=(0, 1, 2), kv_heads=(0, 0, 0), scaling=0.4, causal=causal, causal_offset=keys - Tq
+    )
+    logits = call.logits(0, Tq, 0, keys).double()  # (batch, head, query, key)
+    if causal:
+        later = torch.arange(keys)[None, :] > torch.arange(Tq)[:, None] + keys - Tq
+        logits = logits.masked_fill(later, -math.inf)
+    weights = torch.softmax(logits, -1)
+    output = (weights @ call.v.double()).float()  # (batch, head, query, d_v): what the kernel returned
+    call = replace(call, output=output, lse=torch.logsumexp(logits, -1).float() if lse else None)
+    return call, keys - Tq
+
+
+@pytest.mark.parametrize("keys", [300, 1100])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no-mask"])
+def test_the_fused_pass_gives_the_statistics_of_torchs_ops(causal, keys, monkeypatch):
+    """With the kernel's lse, no mask but a causal one and every key in one block, the fused pass takes every block
+    (the other native path fails if taken), and its statistics are torch's ops'."""
+    from attnprobe.probe.engine import stats as engine
+
+    call, diag = _larger_call(causal=causal, lse=True, keys=keys)
+    want = attention_stats(call, diag_offset=diag)
+
+    def taken(*args, **kwargs):
+        raise AssertionError("the fused pass did not take the block")
+
+    monkeypatch.setattr(engine._Engine, "_lse_block_native", taken)
+    for threads in (1, 2):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            report: dict = {}
+            got = attention_stats(call, diag_offset=diag, native=True, report=report, block_bytes=1 << 22)
+        finally:
+            torch.set_num_threads(previous)
+        assert report["native_blocks"] > 0
+        assert_close_to(got, want, atol=1e-5)
+        assert bool(got["finite"].all())
+
+
+def test_a_nan_logit_sends_the_fused_block_to_torchs_ops():
+    call, diag = _larger_call(causal=True, lse=True)
+    q = call.q.clone()
+    q[1, 2, 40, 3] = math.nan
+    call = replace(call, q=q)
+    report: dict = {}
+    got = attention_stats(call, diag_offset=diag, native=True, report=report)
+    want = attention_stats(call, diag_offset=diag)
+    assert report["native_blocks"] == 0
+    assert_close_to(got, want, atol=1e-5)
+    assert not bool(got["finite"][1, 2, 40])

@@ -14,6 +14,7 @@
    caller computes such blocks with torch's ops, which give those values their meaning (probe/engine/stats.py). */
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 
 #ifdef ATTNPROBE_MVEC
 /* glibc's vectorised exp2f (libmvec), declared as glibc's math-vector.h declares it under -ffast-math: the loops
@@ -128,6 +129,184 @@ long attnprobe_row_pass(const float *restrict s, float *restrict e, long R, long
         odd += head_rows(s + r * K, e + r * K, n, K, shift ? shift + r : 0, thr, whole, vmax ? vmax + g * vstride : 0,
                          rw ? rw + r : 0, col ? col + g * cstride : 0, max_out + r, arg_out + r, sum_out + r,
                          min_out + r, dot_out + r, scale_out + r, finite_out + r, first_out + r, last_out + r);
+    }
+    return odd;
+}
+
+/* ------------------------------------------------------------------------------------------------------------------
+   The fused pass: q @ k, the row pass and e @ v over tiles of keys that stay in the cache, for rows whose normaliser
+   the model's kernel gave (the lse) and whose keys are all here, masked by a causal limit at most. No (query x key)
+   block is written to memory but E, the weights of RB rows (RB x K floats), which the threshold hits and the per-key
+   sums read once each row's sum is known. */
+typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
+
+#define RB 4
+#define TK 512
+
+struct fused_args {
+    const float *q;           /* G x n x D: the rows' q, times the scaling and log2(e) */
+    const float *kT;          /* G x D x Tk: the keys, transposed */
+    const float *v;           /* G x Tk x Dv, or NULL (no output check) */
+    const float *vmax;        /* G x Tk: each key's largest |v|, or NULL */
+    const float *shift;       /* G x n: the kernel's lse, base 2 */
+    const int64_t *limit;     /* n: the first key each row may not attend, or NULL: every key below K */
+    const int64_t *diag;      /* n: each row's own key, or NULL */
+    const int64_t *firstkey;  /* G: the first key any row may attend */
+    const float *rw;          /* G x n: what each row's weights count for in the per-key sums */
+    long G, n, D, Dv, Tk, K;  /* heads, rows per head, head sizes, keys of k, keys of this block (0..K) */
+    float thr;                /* a key is a hit where e > thr * sum e */
+    float *max, *sum, *min, *dot, *scale, *diag_e, *prev_e, *first_e; /* G x n */
+    int64_t *arg, *finite, *first, *last;                               /* G x n */
+    float *out;               /* G x n x Dv: sum e * v (zeroed here) */
+    float *col;               /* G x K: the per-key sums, added to */
+    float *work;              /* threads x RB x K floats */
+    int threads;
+};
+
+/* S[r][0:w] = q[r] . kT[:, 0:w] for RB rows (rows past rb repeat the last: they are computed, never read) */
+static void qk_tile(const float *q, long D, long rb, const float *kT, long Tk, long w, float S[RB][TK]) {
+    const float *qr[RB];
+    for (int r = 0; r < RB; r++) qr[r] = q + (r < rb ? r : rb - 1) * D;
+    long j = 0;
+    for (; j + 64 <= w; j += 64) {
+        vf acc[RB][4];
+        for (int r = 0; r < RB; r++)
+            for (int t = 0; t < 4; t++) acc[r][t] = (vf){0};
+        for (long dd = 0; dd < D; dd++) {
+            const float *kr = kT + dd * Tk + j;
+            vf k0 = *(const vf *)kr, k1 = *(const vf *)(kr + 16), k2 = *(const vf *)(kr + 32),
+               k3 = *(const vf *)(kr + 48);
+            for (int r = 0; r < RB; r++) {
+                float x = qr[r][dd];
+                acc[r][0] += x * k0;
+                acc[r][1] += x * k1;
+                acc[r][2] += x * k2;
+                acc[r][3] += x * k3;
+            }
+        }
+        for (int r = 0; r < RB; r++)
+            for (int t = 0; t < 4; t++) *(vf *)(S[r] + j + 16 * t) = acc[r][t];
+    }
+    for (int r = 0; r < RB; r++)
+        for (long jj = j; jj < w; jj++) {
+            float x = 0.0f;
+            for (long dd = 0; dd < D; dd++) x += qr[r][dd] * kT[dd * Tk + jj];
+            S[r][jj] = x;
+        }
+}
+
+/* out[r] += E[r][0:w] @ v[0:w] for rb rows, 32 of v's columns at a time */
+static void ev_tile(const float *E, long K, long rb, const float *v, long Dv, long w, float *out) {
+    long c = 0;
+    for (; c + 32 <= Dv; c += 32) {
+        vf acc[RB][2];
+        for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = (vf){0};
+        for (long j = 0; j < w; j++) {
+            const float *vr = v + j * Dv + c;
+            vf v0 = *(const vf *)vr, v1 = *(const vf *)(vr + 16);
+            for (int r = 0; r < RB; r++) {
+                float x = r < rb ? E[r * K + j] : 0.0f;
+                acc[r][0] += x * v0;
+                acc[r][1] += x * v1;
+            }
+        }
+        for (long r = 0; r < rb; r++) {
+            *(vf *)(out + r * Dv + c) += acc[r][0];
+            *(vf *)(out + r * Dv + c + 16) += acc[r][1];
+        }
+    }
+    for (long r = 0; r < rb; r++)
+        for (long cc = c; cc < Dv; cc++) {
+            float x = 0.0f;
+            for (long j = 0; j < w; j++) x += E[r * K + j] * v[j * Dv + cc];
+            out[r * Dv + cc] += x;
+        }
+}
+
+/* One tile's row pass for row r: e into Er, the sums, the tile's max (bad: a NaN or +inf logit) */
+static float tile_rows(const float *restrict x, float *restrict Er, long w, float base, const float *vmax, float *sum,
+                       float *mn, float *dot, float *sc, long *fin, int *bad) {
+    float m = -INFINITY, s = 0.0f, lo = INFINITY, d = 0.0f, scale = 0.0f;
+    long f = 0;
+    int b = 0;
+#pragma omp simd reduction(+ : s, d, f, scale) reduction(min : lo) reduction(max : m) reduction(| : b)
+    for (long k = 0; k < w; k++) {
+        float u = x[k], y = u - base, v = exp2f(y);
+        Er[k] = v;
+        s += v;
+        lo = v < lo ? v : lo;
+        d += v > 0.0f ? v * y : 0.0f;
+        f += u > -INFINITY;
+        b |= (u != u) | (u == INFINITY);
+        m = u > m ? u : m;
+        scale += vmax ? v * vmax[k] : 0.0f;
+    }
+    *sum += s;
+    *mn = lo < *mn ? lo : *mn;
+    *dot += d;
+    *sc += scale;
+    *fin += f;
+    *bad |= b;
+    return m;
+}
+
+static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E) {
+    const float *q = a->q + (g * a->n + i0) * a->D, *kT = a->kT + g * a->D * a->Tk;
+    const float *v = a->v ? a->v + g * a->Tk * a->Dv : 0, *vmax = a->vmax ? a->vmax + g * a->Tk : 0;
+    long K = a->K, lim[RB], kmax = 0, arg[RB], fin[RB], row0 = g * a->n + i0;
+    float m[RB], sum[RB], mn[RB], dot[RB], sc[RB];
+    int bad = 0;
+    for (long r = 0; r < rb; r++) {
+        long l = a->limit ? a->limit[i0 + r] : K;
+        lim[r] = l < 0 ? 0 : (l > K ? K : l);
+        kmax = lim[r] > kmax ? lim[r] : kmax;
+        m[r] = -INFINITY, sum[r] = 0.0f, mn[r] = INFINITY, dot[r] = 0.0f, sc[r] = 0.0f, arg[r] = 0, fin[r] = 0;
+        if (a->out)
+            for (long c = 0; c < a->Dv; c++) a->out[(row0 + r) * a->Dv + c] = 0.0f;
+    }
+    float S[RB][TK];
+    for (long j0 = 0; j0 < kmax; j0 += TK) {
+        long w = kmax - j0 < TK ? kmax - j0 : TK;
+        qk_tile(q, a->D, rb, kT + j0, a->Tk, w, S);
+        for (long r = 0; r < rb; r++) {
+            for (long j = lim[r] - j0 < 0 ? 0 : lim[r] - j0; j < w; j++) S[r][j] = -INFINITY;
+            float tm = tile_rows(S[r], E + r * K + j0, w, a->shift[row0 + r], vmax ? vmax + j0 : 0, sum + r, mn + r,
+                                 dot + r, sc + r, fin + r, &bad);
+            if (tm > m[r]) {
+                m[r] = tm;
+                arg[r] = j0 + first_equal(S[r], w, tm);
+            }
+        }
+        if (bad) return 1;
+        if (v) ev_tile(E + j0, K, rb, v + j0 * a->Dv, a->Dv, w, a->out + row0 * a->Dv);
+    }
+    for (long r = 0; r < rb; r++) {
+        long i = row0 + r, L = lim[r];
+        const float *Er = E + r * K;
+        a->max[i] = m[r], a->arg[i] = arg[r], a->sum[i] = sum[r], a->dot[i] = dot[r], a->scale[i] = sc[r];
+        a->min[i] = L < K ? 0.0f : mn[r];
+        a->finite[i] = fin[r];
+        hits(Er, L, a->thr * sum[r], a->first + i, a->last + i);
+        float f = a->rw[i] * (sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f);
+        float *col = a->col + g * K;
+#pragma omp simd
+        for (long k = 0; k < L; k++) col[k] += Er[k] * f;
+        long dg = a->diag ? a->diag[i0 + r] : -1, fk = a->firstkey[g];
+        if (dg >= 0 && dg < K) a->diag_e[i] = dg < L ? Er[dg] : 0.0f;
+        if (dg >= 1 && dg - 1 < K) a->prev_e[i] = dg - 1 < L ? Er[dg - 1] : 0.0f;
+        if (fk >= 0 && fk < K) a->first_e[i] = fk < L ? Er[fk] : 0.0f;
+    }
+    return 0;
+}
+
+/* Every head's rows, RB at a time; the heads are shared out among the threads (each head's per-key sums are one
+   thread's). Returns the rows' groups that held a NaN or +inf logit (nothing may be used then). */
+long attnprobe_fused(const struct fused_args *a) {
+    long odd = 0;
+#pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd)
+    for (long g = 0; g < a->G; g++) {
+        float *E = a->work + (long)omp_get_thread_num() * RB * a->K;
+        for (long i0 = 0; i0 < a->n; i0 += RB) odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E);
     }
     return odd;
 }

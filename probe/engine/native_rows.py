@@ -3,9 +3,10 @@
 The eager engine (``probe/engine/stats.py``) takes each block of logits through a dozen of torch's ops (the max and
 its key, ``exp2``, the sums, the smallest weight, the entropy's sum, the first and last key above the threshold),
 each a full pass over the block. ``native_rows.c`` does them in one call, row by row while the row is in the cache,
-with glibc's vectorised ``exp2f`` where it links; torch still does the products (``q @ k``, ``e @ v``, the per-key
-sums). On a 2-core CPU that makes the statistics of a tiny Llama at 4k tokens about twice as fast
-(``benchmarks/bench_long.py``; docs/long-context.md has the figures).
+with glibc's vectorised ``exp2f`` where it links, and the output's scale and the per-key sums with them; torch still
+does the products ``q @ k`` and ``e @ v``. Blocks whose rows have the model kernel's lse and no mask but a causal one
+take ``fused`` instead: the products too, in tiles of keys that stay in the cache, so that no block of logits or
+weights is written to memory (``benchmarks/bench_long.py``; docs/long-context.md has the figures).
 
 It is compiled on first use with the C compiler on the path (``$CC``, else ``cc``/``gcc``), into the user's cache
 (``$XDG_CACHE_HOME/attnprobe/native``, else ``~/.cache/attnprobe/native``), keyed by the source, the flags, the
@@ -114,6 +115,8 @@ def _library() -> ctypes.CDLL | str:
         lib = ctypes.CDLL(str(path))
         lib.attnprobe_row_pass.restype = _LONG
         lib.attnprobe_row_pass.argtypes = _ARGTYPES
+        lib.attnprobe_fused.restype = _LONG
+        lib.attnprobe_fused.argtypes = [ctypes.POINTER(_FusedArgs)]
         _self_check(lib)
     except (NativeUnavailable, OSError) as err:
         return str(err)
@@ -219,5 +222,120 @@ def _self_check(lib: ctypes.CDLL) -> None:
         and torch.allclose(col, (want / want.sum(-1, keepdim=True) * rw[..., None]).sum(-2), rtol=1e-5, atol=1e-7)
         and bool((i64[1] == 250).all())
     )
-    if not agree:
+    if not agree or not _fused_agrees(lib):
         raise NativeUnavailable("the compiled row pass disagreed with torch's ops on its check (a miscompile)")
+
+
+def _fused_agrees(lib: ctypes.CDLL) -> bool:
+    """The fused pass against torch's ops: 2 heads of 6 causal rows over 150 keys (vectors and their tails)."""
+    g = torch.Generator().manual_seed(1)
+    G, n, D, K, Dv = 2, 6, 20, 150, 40
+    q, k, v = torch.randn(G, n, D, generator=g), torch.randn(G, K, D, generator=g), torch.randn(G, K, Dv, generator=g)
+    limit = torch.arange(n) + K - n + 1  # (query,): causal, the last rows
+    s = (q @ k.transpose(1, 2)).masked_fill(torch.arange(K) >= limit[:, None], -torch.inf)  # (head, query, key)
+    shift = torch.logsumexp(s * 0.6931471805599453, -1) * 1.4426950408889634  # (head, query) base 2
+    keys = FusedKeys(kT=k.transpose(1, 2).contiguous(), v=v, vmax=v.abs().amax(-1), first_key=torch.zeros(G).long())
+    gathered = (torch.zeros(G, n), torch.zeros(G, n), torch.zeros(G, n))
+    got = _run_fused(
+        lib, q, keys, shift, limit=limit, diag=None, row_weight=torch.ones(G, n), K=K, threshold=1e-3, gathered=gathered
+    )
+    if got is None:
+        return False
+    rows, out = got
+    want = torch.exp2(s - shift[..., None])  # (head, query, key)
+    return (
+        out is not None
+        and torch.allclose(out, want @ v, rtol=1e-4, atol=1e-5)
+        and torch.allclose(rows.sum, want.sum(-1), rtol=1e-5)
+        and torch.equal(rows.arg, s.argmax(-1))
+        and rows.col is not None
+        and torch.allclose(rows.col, (want / want.sum(-1, keepdim=True)).sum(1), rtol=1e-5, atol=1e-6)
+    )
+
+
+class _FusedArgs(ctypes.Structure):
+    """``struct fused_args`` of ``native_rows.c``."""
+
+    _fields_ = [
+        *((name, _P) for name in ("q", "kT", "v", "vmax", "shift", "limit", "diag", "firstkey", "rw")),
+        *((name, _LONG) for name in ("G", "n", "D", "Dv", "Tk", "K")),
+        ("thr", ctypes.c_float),
+        *((name, _P) for name in ("max", "sum", "min", "dot", "scale", "diag_e", "prev_e", "first_e")),
+        *((name, _P) for name in ("arg", "finite", "first", "last", "out", "col", "work")),
+        ("threads", ctypes.c_int),
+    ]
+
+
+@dataclass
+class FusedKeys:
+    """What the fused pass reads of a call's keys, made once per call: ``kT`` ``(heads, d, keys)`` the keys
+    transposed, ``v`` ``(heads, keys, d_v)`` and ``vmax`` ``(heads, keys)`` (None without an output check), and
+    ``first_key`` ``(heads,)`` the first key any row may attend; float32, contiguous."""
+
+    kT: torch.Tensor
+    v: torch.Tensor | None
+    vmax: torch.Tensor | None
+    first_key: torch.Tensor
+
+
+def fused(
+    q: torch.Tensor,
+    keys: FusedKeys,
+    shift: torch.Tensor,
+    *,
+    limit: torch.Tensor | None,
+    diag: torch.Tensor | None,
+    row_weight: torch.Tensor,
+    K: int,
+    threshold: float,
+    gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[RowPass, torch.Tensor | None] | None:
+    """``q @ k``, the row pass and ``e @ v`` of rows ``q`` ``(heads, n, d)`` (times the scaling and log2(e)) over
+    keys ``0:K``, in tiles that stay in the cache; ``shift`` ``(heads, n)`` the kernel's lse (base 2); ``limit``
+    ``(n,)`` the first key each row may not attend (None: none); ``diag`` ``(n,)`` each row's own key (None: none).
+    Writes ``e`` at the row's own key, the one before it and the first key into ``gathered`` (``(heads, n)`` each,
+    where those keys lie below ``K``). Returns the row sums (the threshold times each row's sum; per-key sums of
+    ``e / sum e`` times ``row_weight``) and ``sum e * v`` ``(heads, n, d_v)``; None where a row holds a NaN or +inf
+    logit, or without the library."""
+    lib = _library()
+    if isinstance(lib, str):
+        return None
+    return _run_fused(
+        lib, q, keys, shift, limit=limit, diag=diag, row_weight=row_weight, K=K, threshold=threshold, gathered=gathered
+    )
+
+
+def _run_fused(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    keys: FusedKeys,
+    shift: torch.Tensor,
+    *,
+    limit: torch.Tensor | None,
+    diag: torch.Tensor | None,
+    row_weight: torch.Tensor,
+    K: int,
+    threshold: float,
+    gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[RowPass, torch.Tensor | None] | None:
+    G, n, D = q.shape
+    f32 = [torch.empty(G, n) for _ in range(5)]  # max, sum, min, dot, scale
+    i64 = [torch.empty(G, n, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
+    out = None if keys.v is None else torch.empty(G, n, keys.v.shape[-1])  # (heads, n, d_v)
+    col = torch.zeros(G, K)  # (heads, key)
+    threads = torch.get_num_threads()
+    work = torch.empty(threads * 4 * max(K, 1))  # RB rows of weights per thread
+    rw = row_weight.to(torch.float32).contiguous()
+    args = _FusedArgs(
+        *(_ptr(t) for t in (q, keys.kT, keys.v, keys.vmax, shift, limit, diag, keys.first_key, rw)),
+        G, n, D, 0 if keys.v is None else keys.v.shape[-1], keys.kT.shape[-1], K, threshold,
+        *(t.data_ptr() for t in (f32[0], f32[1], f32[2], f32[3], f32[4], *gathered)),
+        *(t.data_ptr() for t in i64), _ptr(out), col.data_ptr(), work.data_ptr(), threads,
+    )  # fmt: skip
+    if lib.attnprobe_fused(ctypes.byref(args)):
+        return None
+    got = RowPass(
+        max=f32[0], arg=i64[0], sum=f32[1], min=f32[2], dot=f32[3], scale=f32[4], finite=i64[1], first=i64[2],
+        last=i64[3], col=col,
+    )  # fmt: skip
+    return got, out

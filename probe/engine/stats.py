@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -110,6 +110,10 @@ _TEMPORARIES = 4
 #: 8 x 12 heads x 128 keys: one block per layer, not two).
 _CACHE_BYTES = 8 << 20
 _MIN_ROWS = 64
+
+#: Rows a block needs for the fused pass (``native_rows.fused``), which computes four rows at a time: a decoding step's
+#: single row would cost four.
+_FUSED_ROWS = 4
 
 #: ``exp(x) = exp2(x * log2(e))`` (``_exp``), and back: a max found in base 2 times ln 2 is the natural one.
 _LOG2E = 1.4426950408889634
@@ -454,6 +458,7 @@ class _Engine:
         self.native = native and call.sinks is None and call.compute_dtype == torch.float32
         self.native = self.native and call.q.device.type == "cpu" and native_rows.available()
         self.native_blocks = 0
+        self._fused_keys: native_rows.FusedKeys | None = None  # made on the first block the fused pass takes
         self.B, self.h, self.Tq, self.Tk = call.shape
         self.dtype, self.device = call.compute_dtype, call.q.device
         # (1, head, 1): the sink logits
@@ -742,6 +747,9 @@ class _Engine:
     def _lse_block(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep) -> None:
         """Keys ``c:d`` of the rows into ``sweep``: ``e = exp(logit - lse)`` and every sum of ``_RowSums``."""
         shape, sums = (self.B, self.h, rows.b - rows.a, d - c), sweep.sums
+        fusable = self.native and sweep.whole and c == 0 and rows.b - rows.a >= _FUSED_ROWS and self._fusable()
+        if fusable and self._lse_block_fused(rows, d, sweep):
+            return
         mask = self._forbidden(rows, c, d)
         if self.native and self._lse_block_native(rows, c, d, sweep, mask):
             return
@@ -796,6 +804,63 @@ class _Engine:
         if self.observed is not None and sums.out is not None and sums.scale is not None:
             sums.out += e @ self.observed.v[:, :, c:d]  # (batch, head, query, d_head)
             sums.scale += got.scale
+        return True
+
+    def _fusable(self) -> bool:
+        """Whether the fused pass takes this call's blocks: plain logits (no mask but a causal one, no bias,
+        softcapping or score_mod), no overview, no key set."""
+        call = self.call
+        plain = call.mask is None and call.bias is None and call.softcap is None and call.score_mod is None
+        return plain and self.pool is None and self.key_set is None
+
+    def _fused_keys_of(self) -> native_rows.FusedKeys:
+        if self._fused_keys is None:
+            G, f32 = self.B * self.h, torch.float32
+            k = self.call.k.to(f32)  # (batch, head, key, d)
+            obs = self.observed
+            self._fused_keys = native_rows.FusedKeys(
+                kT=k.transpose(-1, -2).reshape(G, k.shape[-1], self.Tk).contiguous(),  # (heads, d, key)
+                v=None if obs is None else obs.v.to(f32).reshape(G, self.Tk, -1).contiguous(),  # (heads, key, d_v)
+                vmax=None if obs is None else obs.v_max.to(f32).reshape(G, self.Tk).contiguous(),  # (heads, key)
+                first_key=self.first_key.expand(self.B, self.h, 1).reshape(G).contiguous(),  # (heads,)
+            )
+        return self._fused_keys
+
+    def _lse_block_fused(self, rows: _RowBlock, d: int, sweep: _Sweep) -> bool:
+        """``_lse_block`` of rows whose keys ``0:d`` are all here, in the fused pass (``native_rows.fused``: ``q @ k``,
+        the row pass and ``e @ v`` in tiles of keys that stay in the cache). False, nothing added: a row with a NaN or
+        +inf logit, which torch's ops take."""
+        call, sums, (B, h, n) = self.call, sweep.sums, sweep.best.shape
+        q = call.q[:, :, rows.a : rows.b].to(torch.float32) * (call.scaling * _LOG2E)  # (batch, head, query, d)
+        limit = rows.positions + call.causal_offset + 1 if call.causal else None  # (query,)
+        real = rows.counted.view(B, 1, n).expand(B, h, n)  # (batch, head, query): the rows that count in key_weight
+        gathered = (sums.diag_e, sums.prev_e, sums.first_e)  # (batch, head, query) each, written where in reach
+        got = native_rows.fused(
+            q.reshape(B * h, n, -1).contiguous(),
+            self._fused_keys_of(),
+            sweep.lse2.reshape(B * h, n).contiguous(),
+            limit=None if limit is None else limit.to(torch.int64).contiguous(),
+            diag=None if rows.diag is None else rows.diag.to(torch.int64).contiguous(),
+            row_weight=real.reshape(B * h, n),
+            K=d,
+            threshold=WEIGHT_THRESHOLD,
+            gathered=tuple(t.view(B * h, n) for t in gathered),  # type: ignore[arg-type]
+        )
+        if got is None:
+            return False
+        found, out = got
+        view = {name: getattr(found, name).view(B, h, n) for name in ("max", "arg", "sum", "min", "dot", "finite")}
+        self.native_blocks += 1
+        sweep.best_key, sweep.best = view["arg"], view["max"]
+        sums.sum_e, sums.min_e = view["sum"], view["min"]
+        finite = replace(found, finite=view["finite"], dot=view["dot"])
+        sums.dot = self._native_counts(sums, rows, 0, d, _Forbidden(allowed=None, forbidden=None, cut=0), finite)
+        self._fold_found(sums, found.first.view(B, h, n), found.last.view(B, h, n), 0)
+        assert found.col is not None
+        self.key_weight[..., :d] += found.col.view(B, h, d)
+        if self.observed is not None and sums.out is not None and sums.scale is not None and out is not None:
+            sums.out += out.view(B, h, n, -1)
+            sums.scale += found.scale.view(B, h, n)
         return True
 
     def _logits_and_max(
