@@ -834,7 +834,9 @@ class _Engine:
         q = call.q[:, :, rows.a : rows.b].to(torch.float32) * (call.scaling * _LOG2E)  # (batch, head, query, d)
         limit = rows.positions + call.causal_offset + 1 if call.causal else None  # (query,)
         real = rows.counted.view(B, 1, n).expand(B, h, n)  # (batch, head, query): the rows that count in key_weight
-        gathered = (sums.diag_e, sums.prev_e, sums.first_e)  # (batch, head, query) each, written where in reach
+        # (heads, query) each: e at the row's own key, the one before it and the first key, where in reach; copies, so
+        # that a refused block adds nothing
+        gathered = tuple(t.reshape(B * h, n).clone() for t in (sums.diag_e, sums.prev_e, sums.first_e))
         got = native_rows.fused(
             q.reshape(B * h, n, -1).contiguous(),
             self._fused_keys_of(),
@@ -844,10 +846,12 @@ class _Engine:
             row_weight=real.reshape(B * h, n),
             K=d,
             threshold=WEIGHT_THRESHOLD,
-            gathered=tuple(t.view(B * h, n) for t in gathered),  # type: ignore[arg-type]
+            gathered=gathered,  # type: ignore[arg-type]
         )
         if got is None:
             return False
+        for into, value in zip((sums.diag_e, sums.prev_e, sums.first_e), gathered):
+            into.copy_(value.view(B, h, n))
         found, out = got
         view = {name: getattr(found, name).view(B, h, n) for name in ("max", "arg", "sum", "min", "dot", "finite")}
         self.native_blocks += 1
