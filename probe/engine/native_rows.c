@@ -59,6 +59,34 @@ static void hits(const float *restrict w, long K, float t, int64_t *first_out, i
     *last_out = last;
 }
 
+/* One row's keys (or a tile of them): e into Er, the sums added to, the keys' max returned (bad: a NaN or +inf
+   logit) */
+static float tile_rows(const float *restrict x, float *restrict Er, long w, float base, const float *vmax, float *sum,
+                       float *mn, float *dot, float *sc, long *fin, int *bad) {
+    float m = -INFINITY, s = 0.0f, lo = INFINITY, d = 0.0f, scale = 0.0f;
+    long f = 0;
+    int b = 0;
+#pragma omp simd reduction(+ : s, d, f, scale) reduction(min : lo) reduction(max : m) reduction(| : b)
+    for (long k = 0; k < w; k++) {
+        float u = x[k], y = u - base, v = exp2f(y);
+        Er[k] = v;
+        s += v;
+        lo = v < lo ? v : lo;
+        d += v > 0.0f ? v * y : 0.0f;
+        f += u > -INFINITY;
+        b |= (u != u) | (u == INFINITY);
+        m = u > m ? u : m;
+        scale += vmax ? v * vmax[k] : 0.0f;
+    }
+    *sum += s;
+    *mn = lo < *mn ? lo : *mn;
+    *dot += d;
+    *sc += scale;
+    *fin += f;
+    *bad |= b;
+    return m;
+}
+
 /* The rows of one head (n of them, contiguous): every row's statistics, its e * vmax (the output's scale) and its
    weights times rw[r] (divided by sum e when whole) added into col, the head's per-key sums. */
 static long head_rows(const float *restrict s, float *restrict e, long n, long K, const float *restrict shift,
@@ -81,18 +109,7 @@ static long head_rows(const float *restrict s, float *restrict e, long n, long K
         }
         long fin = 0;
         int bad = 0;
-#pragma omp simd reduction(+ : sum, dot, fin, sc) reduction(min : mn) reduction(max : m) reduction(| : bad)
-        for (long k = 0; k < K; k++) {
-            float u = x[k], y = u - base, v = exp2f(y);
-            w[k] = v;
-            sum += v;
-            mn = v < mn ? v : mn;
-            dot += v > 0.0f ? v * y : 0.0f;
-            fin += u > -INFINITY;
-            bad |= (u != u) | (u == INFINITY);
-            m = u > m ? u : m;
-            sc += vmax ? v * vmax[k] : 0.0f;
-        }
+        m = tile_rows(x, w, K, base, vmax, &sum, &mn, &dot, &sc, &fin, &bad);
         if (bad) {
             odd++;
             continue;
@@ -221,33 +238,6 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long Dv, lo
             for (long j = 0; j < w; j++) x += E[r * K + j] * v[j * Dv + cc];
             out[r * Dv + cc] += x;
         }
-}
-
-/* One tile's row pass for row r: e into Er, the sums, the tile's max (bad: a NaN or +inf logit) */
-static float tile_rows(const float *restrict x, float *restrict Er, long w, float base, const float *vmax, float *sum,
-                       float *mn, float *dot, float *sc, long *fin, int *bad) {
-    float m = -INFINITY, s = 0.0f, lo = INFINITY, d = 0.0f, scale = 0.0f;
-    long f = 0;
-    int b = 0;
-#pragma omp simd reduction(+ : s, d, f, scale) reduction(min : lo) reduction(max : m) reduction(| : b)
-    for (long k = 0; k < w; k++) {
-        float u = x[k], y = u - base, v = exp2f(y);
-        Er[k] = v;
-        s += v;
-        lo = v < lo ? v : lo;
-        d += v > 0.0f ? v * y : 0.0f;
-        f += u > -INFINITY;
-        b |= (u != u) | (u == INFINITY);
-        m = u > m ? u : m;
-        scale += vmax ? v * vmax[k] : 0.0f;
-    }
-    *sum += s;
-    *mn = lo < *mn ? lo : *mn;
-    *dot += d;
-    *sc += scale;
-    *fin += f;
-    *bad |= b;
-    return m;
 }
 
 static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E) {

@@ -278,7 +278,14 @@ class FusedKeys:
     first_key: torch.Tensor
 
 
-def fused(
+def fused(*args, **kwargs) -> tuple[RowPass, torch.Tensor | None] | None:
+    """``_run_fused`` with the library (its arguments after ``lib``); None without the library."""
+    lib = _library()
+    return None if isinstance(lib, str) else _run_fused(lib, *args, **kwargs)
+
+
+def _run_fused(
+    lib: ctypes.CDLL,
     q: torch.Tensor,
     keys: FusedKeys,
     shift: torch.Tensor,
@@ -296,28 +303,7 @@ def fused(
     Writes ``e`` at the row's own key, the one before it and the first key into ``gathered`` (``(heads, n)`` each,
     where those keys lie below ``K``). Returns the row sums (the threshold times each row's sum; per-key sums of
     ``e / sum e`` times ``row_weight``) and ``sum e * v`` ``(heads, n, d_v)``; None where a row holds a NaN or +inf
-    logit, or without the library."""
-    lib = _library()
-    if isinstance(lib, str):
-        return None
-    return _run_fused(
-        lib, q, keys, shift, limit=limit, diag=diag, row_weight=row_weight, K=K, threshold=threshold, gathered=gathered
-    )
-
-
-def _run_fused(
-    lib: ctypes.CDLL,
-    q: torch.Tensor,
-    keys: FusedKeys,
-    shift: torch.Tensor,
-    *,
-    limit: torch.Tensor | None,
-    diag: torch.Tensor | None,
-    row_weight: torch.Tensor,
-    K: int,
-    threshold: float,
-    gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[RowPass, torch.Tensor | None] | None:
+    logit."""
     G, n, D = q.shape
     f32 = [torch.empty(G, n) for _ in range(5)]  # max, sum, min, dot, scale
     i64 = [torch.empty(G, n, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last

@@ -846,7 +846,7 @@ class _Engine:
             row_weight=real.reshape(B * h, n),
             K=d,
             threshold=WEIGHT_THRESHOLD,
-            gathered=gathered,  # type: ignore[arg-type]
+            gathered=gathered,
         )
         if got is None:
             return False
