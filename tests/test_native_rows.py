@@ -222,3 +222,19 @@ def test_a_nan_logit_sends_the_fused_block_to_torchs_ops():
     assert report["native_blocks"] == 0
     assert_close_to(got, want, atol=1e-5)
     assert not bool(got["finite"][1, 2, 40])
+
+
+def test_logits_in_a_layout_of_their_own_go_to_torchs_ops(monkeypatch):
+    """The row pass reads raw memory: logits that come back as a non-contiguous tensor (a float mask or a score_mod
+    may make a tensor of their own) are not handed to it; torch's ops take the block."""
+    call, diag, padding = _case("padding", "plain", torch.float32)
+    real = AttentionCall.logits
+
+    def strided(self, *args, **kwargs):
+        s = real(self, *args, **kwargs)
+        return s.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, not contiguous
+
+    monkeypatch.setattr(AttentionCall, "logits", strided)
+    got, want, blocks = _both(call, diag, padding)
+    assert blocks == 0
+    assert_close_to(got, want, atol=1e-5)

@@ -609,6 +609,8 @@ class _Engine:
         s = self.call.logits(rows.a, rows.b, c, d, out=logits, times=_LOG2E)  # (batch, head, query, key)
         if forbidden is not None:
             torch.minimum(s[..., cut:], _bound(forbidden, -math.inf, math.inf, self.dtype), out=s[..., cut:])
+        if not native_rows.usable(s, weights):  # a float mask or score_mod may hand back a tensor of its own layout
+            return None, weights
         whole = shift is None or every_key  # the row's own sum normalises it (else the kernel's lse did)
         vmax = None if self.observed is None else self.observed.v_max[:, :, c:d].contiguous()  # (batch, head, key)
         got = native_rows.row_pass(s, weights, shift, WEIGHT_THRESHOLD, whole=whole, vmax=vmax, row_weight=row_weight)
