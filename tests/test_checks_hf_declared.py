@@ -254,6 +254,24 @@ def test_a_prescaled_query_scaled_again_is_caught(monkeypatch):
         assert result.ok and not result.violations and result.coverage["scale"] == 2, result.table()
 
 
+def test_the_projection_factor_is_read_on_a_sample_of_rows():
+    """``expects._factor``: the one factor between a projection's output and the kernel's rows, read on every head at
+    up to 16 tokens of the first sequence (this call's rows after a cache); a per-row norm is no factor, and rows
+    of zeros in the projection are left out."""
+    from attnprobe.hooks.hf.expects import _factor
+
+    torch.manual_seed(0)
+    projected = torch.randn(3, 40, 4 * 8)  # (batch, tokens, heads * d)
+    kernel = (projected * 0.25).view(3, 40, 4, 8).transpose(1, 2)  # (batch, head, tokens, d)
+    assert _factor(projected, kernel) == pytest.approx(0.25)
+    cached = torch.cat([torch.randn(3, 4, 5, 8), kernel], dim=2)  # 5 cached rows before this call's
+    assert _factor(projected, cached) == pytest.approx(0.25)
+    assert _factor(projected, torch.nn.functional.normalize(kernel, dim=-1)) is None  # a norm: no one factor
+    projected[0, 0].zero_()  # a row of zeros (its kernel row is 0 too) says nothing and is left out
+    assert _factor(projected, (projected * 0.25).view(3, 40, 4, 8).transpose(1, 2)) == pytest.approx(0.25)
+    assert _factor(projected, kernel[:, :, :, :4]) is None  # another layout
+
+
 # ----------------------------------------------------------------------------------------- causal and bidirectional
 def test_a_decoder_given_a_bidirectional_mask_is_caught(monkeypatch):
     """transformers #48745 (fixed by #48760): RoFormerForCausalLM (is_decoder=True) built a bidirectional mask; the
