@@ -68,6 +68,30 @@ def test_outputs_unchanged_and_weights_equal_eager(models, name, padding, assert
     assert cap.info["adapters"] == ("huggingface",)
 
 
+@pytest.mark.parametrize("padding", PADDINGS)
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "bart"])
+def test_weights_only_are_eagers_to_the_bit(models, name, padding, monkeypatch):
+    """keep=("weights",) on sdpa: the weights are torch's softmax of eager's own logits, equal to eager's
+    output_attentions bit for bit on every real row of the first layer (later layers read the sdpa model's hidden
+    states, a last bit away from the eager model's: within 1e-6 there); sdpa runs as it would (the kernel's lse is
+    read for statistics only: ``want_lse`` is not called)."""
+    from attnprobe.hooks.hf import adapter
+
+    asked = []
+    monkeypatch.setattr(adapter, "want_lse", lambda *args: asked.append(args))
+    model = models(name)
+    batch = inputs(name, padding)
+    with torch.no_grad():
+        plain = model(**batch)
+        with attnprobe.capture(model, keep=["weights"]) as cap:
+            captured = model(**batch)
+    assert torch.equal(_main_output(plain), _main_output(captured)) and not asked
+    reference = eager_attentions(model, batch)
+    for key, records in group_records(cap).items():
+        for i, (record, weights) in enumerate(zip(records, reference[key], strict=True)):
+            assert max_error_on_real_rows(record, weights) <= (0.0 if i == 0 else 1e-6), (key, record.name)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "whisper", "vit"])
 def test_eager_models_keep_their_own_weights(models, name):
     """Over eager, the weights are the function's own (observed) and the recomputed scores agree."""

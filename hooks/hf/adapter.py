@@ -496,7 +496,6 @@ class _Recorder:
             score_mod=semantics.score_mod,
             scores_wanted=wants(site, "scores"),
             keep_q=keep_q,
-            lse=None if call.lse is None else index_heads(call.lse, heads)[0],
         )
         values: dict = {}
         if keep_q:  # (batch, head, query, d_head)
@@ -744,8 +743,8 @@ class HuggingFaceAdapter(Adapter):
         masks = MaskMemo()
         stack.callback(masks.clear)
         for site in selected:
-            if routes[id(site)].kernel == "sdpa" and ({"stats", "weights"} & session.selection.keep):
-                want_lse(site.module, stack)  # the lse of sdpa's own kernel: one pass less for statistics and weights
+            if routes[id(site)].kernel == "sdpa" and "stats" in session.selection.keep:
+                want_lse(site.module, stack)  # the lse of sdpa's own kernel: one pass less for the statistics
             recorder = _Recorder(session, site, routes[id(site)], surroundings, masks, stack)
             listen(site.module, "hf-call", recorder.receive, stack, shared=True)  # the one wrapper serves every capture
 

@@ -128,7 +128,7 @@ def _float_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Ten
     """A bool mask as sdpa hands it to its fused kernels: 0 where True, ``-inf`` where False, in the query's dtype."""
     if attn_mask is None or attn_mask.dtype != torch.bool:
         return attn_mask
-    return torch.zeros_like(attn_mask, dtype=dtype).masked_fill_(attn_mask.logical_not(), -math.inf)
+    return torch.full_like(attn_mask, -math.inf, dtype=dtype).masked_fill_(attn_mask, 0.0)
 
 
 def _run(
