@@ -9,8 +9,10 @@ from other processes hits both sides of a ratio alike:
     idle capture (layers=[])/ plain forward                                             target <= 1.02
     one selected layer      / plain sdpa forward                                        (reported)
     floor weights           / eager + output_attentions=True                            (reported)
+    floor weights (lse)     / eager + output_attentions=True                            (reported)
     floor six               / eager + output_attentions=True                            (reported)
-    weights-only / floor weights, full capture / floor six: what the tool itself costs (reported)
+    weights-only / floor weights (and / floor weights (lse)), full capture / floor six: what the tool itself costs
+                                                                                        (reported)
     weights-only capture of the eager model / eager + output_attentions=True        (reported)
 
 The floor (benchmarks/floors.py) is the sdpa model with an attention function that runs sdpa's own kernel (its
@@ -82,10 +84,16 @@ def load():
 
 
 def variants(sdpa, eager, batch):
-    from floors import run, weights_floor, with_attention  # this folder is on the path when run as a script
+    from floors import (
+        lse_weights_floor,
+        run,
+        weights_floor,
+        with_attention,
+    )  # this folder is on the path when run as a script
 
-    floor_fn, six_fn = weights_floor(), weights_floor(six=True)
+    floor_fn, six_fn, lse_fn = weights_floor(), weights_floor(six=True), lse_weights_floor()
     floor_model = with_attention(sdpa, "bench_hf_capture_floor", floor_fn)
+    lse_model = with_attention(sdpa, "bench_hf_capture_floor_lse", lse_fn)
     six_model = with_attention(sdpa, "bench_hf_capture_floor_six", six_fn)
 
     def plain():
@@ -95,6 +103,11 @@ def variants(sdpa, eager, batch):
         return run(floor_model, floor_fn, **batch)
 
     floor.model = floor_model
+
+    def floor_lse():
+        return run(lse_model, lse_fn, **batch)
+
+    floor_lse.model = lse_model
 
     def floor_six():
         return run(six_model, six_fn, **batch)
@@ -121,6 +134,7 @@ def variants(sdpa, eager, batch):
         "one layer": capture(layers=[3]),
         "eager model weights": capture(eager, keep=["weights"]),
         "floor weights": floor,
+        "floor weights (lse)": floor_lse,
         "floor six": floor_six,
     }
 
@@ -161,11 +175,13 @@ def main() -> None:
     runs = variants(sdpa, eager, batch)
     with torch.no_grad():
         plain = runs["plain"]().last_hidden_state
-        for key in ("floor weights", "floor six"):
+        for key in ("floor weights", "floor weights (lse)", "floor six"):
             if not torch.equal(plain, runs[key].model(**batch).last_hidden_state):
                 raise SystemExit(f"the {key} floor's outputs differ from the sdpa model's: it must run sdpa's kernel")
         reference = runs["eager+output_attentions"]().attentions
         floor_error = max(float((w - r).abs().max()) for w, r in zip(runs["floor weights"](), reference, strict=True))
+        lse_floor = runs["floor weights (lse)"]()
+        lse_error = max(float((w - r).abs().max()) for w, r in zip(lse_floor, reference, strict=True))
         six_error = max(float((six[4] - r).abs().max()) for six, r in zip(runs["floor six"](), reference, strict=True))
     times = measure(runs, args.rounds)
     print(
@@ -185,7 +201,13 @@ def main() -> None:
         ("one selected layer / plain sdpa forward", ratio(times, "one layer", "plain"), None),
         ("floor weights / eager+output_attentions", ratio(times, "floor weights", "eager+output_attentions"), None),
         ("floor six / eager+output_attentions", ratio(times, "floor six", "eager+output_attentions"), None),
+        (
+            "floor weights (lse) / eager+output_attentions",
+            ratio(times, "floor weights (lse)", "eager+output_attentions"),
+            None,
+        ),
         ("weights-only / floor weights", ratio(times, "weights", "floor weights"), None),
+        ("weights-only / floor weights (lse)", ratio(times, "weights", "floor weights (lse)"), None),
         (
             "eager model weights / eager+output_attentions",
             ratio(times, "eager model weights", "eager+output_attentions"),
@@ -197,12 +219,13 @@ def main() -> None:
     for label, value, target in rows:
         verdict = "" if target is None else ("  ok" if value <= target else "  MISSED") + f" (target <= {target:.2f})"
         print(f"  {label:<48} {value:5.3f}x{verdict}")
-    for target, key, error in (("weights", "floor weights", floor_error), ("full", "floor six", six_error)):
+    floors = (("weights", "floor weights", floor_error), ("weights", "floor weights (lse)", lse_error))
+    for target, key, error in (*floors, ("full", "floor six", six_error)):
         floor = ratio(times, key, "eager+output_attentions")
         print(
             f"the {target} target ({TARGETS[target]:.2f}) is "
             + ("below" if floor > TARGETS[target] else "above")
-            + f" the floor of keeping sdpa's kernel ({floor:.3f}; its weights within {error:.1e} of eager's)"
+            + f" the {key} of keeping sdpa's kernel ({floor:.3f}; its weights within {error:.1e} of eager's)"
         )
     on_eager = ratio(times, "eager model weights", "eager+output_attentions")
     print(

@@ -83,6 +83,52 @@ def weights_floor(*, six: bool = False):
     return attention
 
 
+def lse_weights_floor():
+    """An attention function: sdpa's CPU flash kernel called for its logsumexp too (the kernel sdpa itself runs on
+    these calls; each benchmark checks the outputs bitwise), then the weights as the lse allows, in the fewest torch
+    ops: ``2^(log2(e) * (q @ k * scaling - lse))`` from one batched product (the scaling and the lse in its
+    epilogue), the mask added, one ``exp2``. The least a weights-only capture that keeps sdpa's kernel can run.
+    Each call appends the weights to ``fn.kept``. CPU only; written for models without a position bias or grouped
+    heads."""
+    from attnprobe.hooks.hf import compat as hf_compat
+
+    sdpa_forward, log2e = hf_compat.sdpa_forward(), math.log2(math.e)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        # sdpa's own conversion of a bool mask for its fused kernels: 0 where True, -inf where False
+        mask = (
+            None
+            if attn_mask is None
+            else torch.full_like(attn_mask, -math.inf, dtype=q.dtype).masked_fill_(attn_mask, 0.0)
+        )
+        out, lse = flash(q, k, v, dropout_p, is_causal, attn_mask=mask, scale=scale)
+        b, h, n, d = q.shape
+        scaling = scale if scale is not None else d**-0.5
+        with torch.no_grad():
+            weights = q.new_empty(b, h, n, k.shape[2])  # (batch, head, query, key), base 2 until the exp2
+            shift = lse.mul(-log2e).reshape(b * h, n, 1)
+            kt = k.reshape(b * h, k.shape[2], d).transpose(1, 2)
+            torch.baddbmm(shift, q.reshape(b * h, n, d), kt, alpha=scaling * log2e, out=weights.view(b * h, n, -1))
+            if mask is not None:
+                weights.add_(mask)
+            elif is_causal:
+                weights.add_(torch.full((n, k.shape[2]), -math.inf).triu_(1))
+            attention.kept.append(weights.exp2_())
+        return out
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        real = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = kernel
+        try:
+            return sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs)
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = real
+
+    attention.kept = []
+    return attention
+
+
 def stats_floor():
     """An attention function: sdpa's own kernel, then the least that five of the statistics take on torch's ops
     (entropy, max_weight, row_sum_error, max_score, output_error): the scaled ``q @ k`` in base 2 (the scaling folded
