@@ -258,17 +258,17 @@ def test_a_hugging_face_statistics_capture_reads_the_kernels_lse(padding, kernel
         assert_close_to(a.stats, b.stats, atol=1e-5)
 
 
-def test_weights_recomputed_with_the_kernels_lse_are_the_eager_models(kernel_calls):
-    """A weights-only capture of Llama on sdpa: one exp per weight with the kernel's lse, within 1e-6 of the eager
-    model's own output_attentions."""
+def test_weights_only_captures_leave_the_lse_alone(kernel_calls):
+    """A weights-only capture of Llama on sdpa: sdpa runs as it would (no call for the lse: torch's softmax of eager's
+    own logits is as fast on CPU and exact), the weights eager's to the bit on the first layer, within 1e-6 after."""
     hf_helpers = pytest.importorskip("hf_helpers")
     model, batch = hf_helpers.build("llama", "sdpa"), hf_helpers.inputs("llama", "right", length=24)
     with torch.no_grad(), attnprobe.capture(model, keep=("weights",)) as cap:
         model(**batch)
-    assert kernel_calls["lse"] == len(cap) > 0
+    assert kernel_calls["lse"] == 0 and len(cap) > 1
     eager = hf_helpers.eager_attentions(model, batch)[(None, "self")]
-    for record, want in zip(cap, eager):
-        assert hf_helpers.max_error_on_real_rows(record, want) <= 1e-6
+    for layer, (record, want) in enumerate(zip(cap, eager, strict=True)):
+        assert hf_helpers.max_error_on_real_rows(record, want) <= (0.0 if layer == 0 else 1e-6)
 
 
 def test_direct_sdpa_calls_hand_the_kernels_lse_to_the_engine(kernel_calls):
