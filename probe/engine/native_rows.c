@@ -14,14 +14,28 @@
    caller computes such blocks with torch's ops, which give those values their meaning (probe/engine/stats.py). */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #include <omp.h>
 
-#ifdef ATTNPROBE_MVEC
-/* glibc's vectorised exp2f (libmvec), declared as glibc's math-vector.h declares it under -ffast-math: the loops
-   below keep IEEE semantics for -inf (exp2(-inf) = 0) and NaN, which -ffast-math would give up */
-#pragma omp declare simd notinbranch
-float exp2f(float);
-#endif
+/* 2^y, written out so that the compiler vectorises it inline on every C library (glibc's vector exp2f, libmvec,
+   exists on glibc's x86-64 builds only; elsewhere the loops called the scalar exp2f): 2^round(y) from the exponent
+   bits times a degree-6 polynomial for 2^f, |f| <= 1/2 (Cephes' exp2f coefficients), within 1.7 ulp over [-126, 0]
+   (torch's exp2: 1.2 ulp). 0 below -126 and for -inf: a weight under 2^-126 of its row's normaliser; clamped at 127
+   above (a logit that far above the kernel's lse makes its row's sum far from 1, which the engine refuses). */
+static inline float pow2(float y) {
+    float c = y < -127.0f ? -127.0f : (y > 127.0f ? 127.0f : y); /* (NaN: its row is refused, whatever comes) */
+    float n = (c + 12582912.0f) - 12582912.0f, f = c - n; /* n = round(c): 1.5 * 2^23 drops the fraction */
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);  /* the bits of 2^n */
+    return y < -126.0f ? 0.0f : (1.0f + f * p) * scale;
+}
 
 static long row_bad(const float *restrict x, long K, float *m_out) {
     float m = -INFINITY;
@@ -60,15 +74,18 @@ static void hits(const float *restrict w, long K, float t, int64_t *first_out, i
 }
 
 /* One row's keys (or a tile of them): e into Er, the sums added to, the keys' max returned (bad: a NaN or +inf
-   logit) */
-static float tile_rows(const float *restrict x, float *restrict Er, long w, float base, const float *vmax, float *sum,
-                       float *mn, float *dot, float *sc, long *fin, int *bad) {
+   logit). with_scale is a constant at each call of tile_rows below: a test of vmax inside the loop kept it from
+   being vectorised (2.3x slower without an output check). */
+static inline __attribute__((always_inline)) float tile_rows_(const float *restrict x, float *restrict Er, long w,
+                                                              float base, const float *vmax, const int with_scale,
+                                                              float *sum, float *mn, float *dot, float *sc, long *fin,
+                                                              int *bad) {
     float m = -INFINITY, s = 0.0f, lo = INFINITY, d = 0.0f, scale = 0.0f;
-    long f = 0;
+    int32_t f = 0; /* (32 bits: 16 lanes a vector, where 64 took two) */
     int b = 0;
 #pragma omp simd reduction(+ : s, d, f, scale) reduction(min : lo) reduction(max : m) reduction(| : b)
     for (long k = 0; k < w; k++) {
-        float u = x[k], y = u - base, v = exp2f(y);
+        float u = x[k], y = u - base, v = pow2(y);
         Er[k] = v;
         s += v;
         lo = v < lo ? v : lo;
@@ -76,7 +93,7 @@ static float tile_rows(const float *restrict x, float *restrict Er, long w, floa
         f += u > -INFINITY;
         b |= (u != u) | (u == INFINITY);
         m = u > m ? u : m;
-        scale += vmax ? v * vmax[k] : 0.0f;
+        scale += with_scale ? v * vmax[k] : 0.0f;
     }
     *sum += s;
     *mn = lo < *mn ? lo : *mn;
@@ -85,6 +102,12 @@ static float tile_rows(const float *restrict x, float *restrict Er, long w, floa
     *fin += f;
     *bad |= b;
     return m;
+}
+
+static float tile_rows(const float *restrict x, float *restrict Er, long w, float base, const float *vmax, float *sum,
+                       float *mn, float *dot, float *sc, long *fin, int *bad) {
+    return vmax ? tile_rows_(x, Er, w, base, vmax, 1, sum, mn, dot, sc, fin, bad)
+                : tile_rows_(x, Er, w, base, vmax, 0, sum, mn, dot, sc, fin, bad);
 }
 
 /* The rows of one head (n of them, contiguous): every row's statistics, its e * vmax (the output's scale) and its
@@ -158,11 +181,12 @@ long attnprobe_row_pass(const float *restrict s, float *restrict e, long R, long
 typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
 
 #define RB 4
-#define TK 512
+#define TK 512    /* keys per tile: a multiple of PANEL */
+#define PANEL 64  /* keys per panel of kP (native_rows.py's _PANEL) */
 
 struct fused_args {
     const float *q;           /* G x n x D: the rows' q, times the scaling and log2(e) */
-    const float *kT;          /* G x D x Tk: the keys, transposed */
+    const float *kP;          /* G x P x D x 64: the keys in panels of 64, each transposed (zeros past Tk) */
     const float *v;           /* G x Tk x Dv, or NULL (no output check) */
     const float *vmax;        /* G x Tk: each key's largest |v|, or NULL */
     const float *shift;       /* G x n: the kernel's lse, base 2 */
@@ -180,17 +204,20 @@ struct fused_args {
     int threads;
 };
 
-/* S[r][0:w] = q[r] . kT[:, 0:w] for RB rows (rows past rb repeat the last: they are computed, never read) */
-static void qk_tile(const float *q, long D, long rb, const float *kT, long Tk, long w, float S[RB][TK]) {
+/* S[r][0:w] = q[r] . k[0:w] for RB rows (rows past rb repeat the last: they are computed, never read), from the
+   panels of 64 keys that start the tile: each panel's D x 64 floats are read in order, so that the loads stream (a
+   (D x Tk) layout read 64 keys from D rows Tk floats apart: a third slower at 32k keys). A panel's keys past w are
+   computed too (zeros, or the next tile's keys) and never read. */
+static void qk_tile(const float *q, long D, long rb, const float *kP, long w, float S[RB][TK]) {
     const float *qr[RB];
     for (int r = 0; r < RB; r++) qr[r] = q + (r < rb ? r : rb - 1) * D;
-    long j = 0;
-    for (; j + 64 <= w; j += 64) {
+    for (long j = 0; j < w; j += PANEL) {
+        const float *panel = kP + (j / PANEL) * D * PANEL;
         vf acc[RB][4];
         for (int r = 0; r < RB; r++)
             for (int t = 0; t < 4; t++) acc[r][t] = (vf){0};
         for (long dd = 0; dd < D; dd++) {
-            const float *kr = kT + dd * Tk + j;
+            const float *kr = panel + dd * PANEL;
             vf k0 = *(const vf *)kr, k1 = *(const vf *)(kr + 16), k2 = *(const vf *)(kr + 32),
                k3 = *(const vf *)(kr + 48);
             for (int r = 0; r < RB; r++) {
@@ -204,15 +231,9 @@ static void qk_tile(const float *q, long D, long rb, const float *kT, long Tk, l
         for (int r = 0; r < RB; r++)
             for (int t = 0; t < 4; t++) *(vf *)(S[r] + j + 16 * t) = acc[r][t];
     }
-    for (int r = 0; r < RB; r++)
-        for (long jj = j; jj < w; jj++) {
-            float x = 0.0f;
-            for (long dd = 0; dd < D; dd++) x += qr[r][dd] * kT[dd * Tk + jj];
-            S[r][jj] = x;
-        }
 }
 
-/* out[r] += E[r][0:w] @ v[0:w] for rb rows, 32 of v's columns at a time */
+/* out[r] += E[r][0:w] @ v[0:w] for rb rows, 32 of v's columns at a time, then 16, then one by one */
 static void ev_tile(const float *E, long K, long rb, const float *v, long Dv, long w, float *out) {
     long c = 0;
     for (; c + 32 <= Dv; c += 32) {
@@ -232,6 +253,15 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long Dv, lo
             *(vf *)(out + r * Dv + c + 16) += acc[r][1];
         }
     }
+    for (; c + 16 <= Dv; c += 16) { /* head sizes 16, 48, 80, 112: their last 16 columns */
+        vf acc[RB];
+        for (int r = 0; r < RB; r++) acc[r] = (vf){0};
+        for (long j = 0; j < w; j++) {
+            vf v0 = *(const vf *)(v + j * Dv + c);
+            for (int r = 0; r < RB; r++) acc[r] += (r < rb ? E[r * K + j] : 0.0f) * v0;
+        }
+        for (long r = 0; r < rb; r++) *(vf *)(out + r * Dv + c) += acc[r];
+    }
     for (long r = 0; r < rb; r++)
         for (long cc = c; cc < Dv; cc++) {
             float x = 0.0f;
@@ -241,7 +271,8 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long Dv, lo
 }
 
 static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E) {
-    const float *q = a->q + (g * a->n + i0) * a->D, *kT = a->kT + g * a->D * a->Tk;
+    const float *q = a->q + (g * a->n + i0) * a->D;
+    const float *kP = a->kP + g * ((a->Tk + PANEL - 1) / PANEL) * a->D * PANEL;
     const float *v = a->v ? a->v + g * a->Tk * a->Dv : 0, *vmax = a->vmax ? a->vmax + g * a->Tk : 0;
     long K = a->K, lim[RB], kmax = 0, arg[RB], fin[RB], row0 = g * a->n + i0;
     float m[RB], sum[RB], mn[RB], dot[RB], sc[RB];
@@ -257,7 +288,7 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
     float S[RB][TK];
     for (long j0 = 0; j0 < kmax; j0 += TK) {
         long w = kmax - j0 < TK ? kmax - j0 : TK;
-        qk_tile(q, a->D, rb, kT + j0, a->Tk, w, S);
+        qk_tile(q, a->D, rb, kP + (j0 / PANEL) * a->D * PANEL, w, S);
         for (long r = 0; r < rb; r++) {
             for (long j = lim[r] - j0 < 0 ? 0 : lim[r] - j0; j < w; j++) S[r][j] = -INFINITY;
             float tm = tile_rows(S[r], E + r * K + j0, w, a->shift[row0 + r], vmax ? vmax + j0 : 0, sum + r, mn + r,

@@ -83,19 +83,15 @@ def _compiler() -> str:
 
 
 def _compile(cc: str, out: Path) -> None:
-    """``native_rows.c`` into ``out``: with glibc's vector ``exp2f`` (libmvec) where it links, else without."""
+    """``native_rows.c`` into ``out``, atomically: processes building at once each put a whole library."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for extra in (("-DATTNPROBE_MVEC", "-lmvec", "-lm"), ("-lm",)):
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            built = Path(tmp) / out.name
-            cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(built), *extra]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode == 0:
-                os.replace(built, out)  # atomic: processes building at once each put a whole library
-                return
-            errors.append(done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"])
-    raise NativeUnavailable(f"{cc} could not build {_SOURCE.name}: {errors[-1][0]}")
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        done = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            last = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            raise NativeUnavailable(f"{cc} could not build {_SOURCE.name}: {last[0]}")
+        os.replace(built, out)
 
 
 def _library_path(cc: str) -> Path:
@@ -234,7 +230,7 @@ def _fused_agrees(lib: ctypes.CDLL) -> bool:
     limit = torch.arange(n) + K - n + 1  # (query,): causal, the last rows
     s = (q @ k.transpose(1, 2)).masked_fill(torch.arange(K) >= limit[:, None], -torch.inf)  # (head, query, key)
     shift = torch.logsumexp(s * 0.6931471805599453, -1) * 1.4426950408889634  # (head, query) base 2
-    keys = FusedKeys(kT=k.transpose(1, 2).contiguous(), v=v, vmax=v.abs().amax(-1), first_key=torch.zeros(G).long())
+    keys = FusedKeys.of(k, v=v, vmax=v.abs().amax(-1), first_key=torch.zeros(G).long())
     gathered = (torch.zeros(G, n), torch.zeros(G, n), torch.zeros(G, n))
     got = _run_fused(
         lib, q, keys, shift, limit=limit, diag=None, row_weight=torch.ones(G, n), K=K, threshold=1e-3, gathered=gathered
@@ -257,7 +253,7 @@ class _FusedArgs(ctypes.Structure):
     """``struct fused_args`` of ``native_rows.c``."""
 
     _fields_ = [
-        *((name, _P) for name in ("q", "kT", "v", "vmax", "shift", "limit", "diag", "firstkey", "rw")),
+        *((name, _P) for name in ("q", "kP", "v", "vmax", "shift", "limit", "diag", "firstkey", "rw")),
         *((name, _LONG) for name in ("G", "n", "D", "Dv", "Tk", "K")),
         ("thr", ctypes.c_float),
         *((name, _P) for name in ("max", "sum", "min", "dot", "scale", "diag_e", "prev_e", "first_e")),
@@ -266,16 +262,32 @@ class _FusedArgs(ctypes.Structure):
     ]
 
 
+_PANEL = 64  # keys per panel of the fused pass's keys (``PANEL`` of native_rows.c)
+
+
 @dataclass
 class FusedKeys:
-    """What the fused pass reads of a call's keys, made once per call: ``kT`` ``(heads, d, keys)`` the keys
-    transposed, ``v`` ``(heads, keys, d_v)`` and ``vmax`` ``(heads, keys)`` (None without an output check), and
-    ``first_key`` ``(heads,)`` the first key any row may attend; float32, contiguous."""
+    """What the fused pass reads of a call's keys, made once per call (``of``): ``panels`` ``(heads, panels, d, 64)``
+    the keys in panels of 64, each transposed (zeros past the last key), ``keys`` how many there are, ``v``
+    ``(heads, keys, d_v)`` and ``vmax`` ``(heads, keys)`` (None without an output check), and ``first_key``
+    ``(heads,)`` the first key any row may attend; float32, contiguous."""
 
-    kT: torch.Tensor
+    panels: torch.Tensor
+    keys: int
     v: torch.Tensor | None
     vmax: torch.Tensor | None
     first_key: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, k: torch.Tensor, *, v: torch.Tensor | None, vmax: torch.Tensor | None, first_key: torch.Tensor
+    ) -> FusedKeys:
+        """From ``k`` ``(heads, keys, d)``."""
+        G, Tk, D = k.shape
+        P = -(-Tk // _PANEL)
+        padded = torch.nn.functional.pad(k.to(torch.float32), (0, 0, 0, P * _PANEL - Tk))  # (heads, P * 64, d)
+        panels = padded.view(G, P, _PANEL, D).transpose(-1, -2).contiguous()  # (heads, P, d, 64)
+        return cls(panels=panels, keys=Tk, v=v, vmax=vmax, first_key=first_key)
 
 
 def fused(*args, **kwargs) -> tuple[RowPass, torch.Tensor | None] | None:
@@ -313,8 +325,8 @@ def _run_fused(
     work = torch.empty(threads * 4 * max(K, 1))  # RB rows of weights per thread
     rw = row_weight.to(torch.float32).contiguous()
     args = _FusedArgs(
-        *(_ptr(t) for t in (q, keys.kT, keys.v, keys.vmax, shift, limit, diag, keys.first_key, rw)),
-        G, n, D, 0 if keys.v is None else keys.v.shape[-1], keys.kT.shape[-1], K, threshold,
+        *(_ptr(t) for t in (q, keys.panels, keys.v, keys.vmax, shift, limit, diag, keys.first_key, rw)),
+        G, n, D, 0 if keys.v is None else keys.v.shape[-1], keys.keys, K, threshold,
         *(t.data_ptr() for t in (f32[0], f32[1], f32[2], f32[3], f32[4], *gathered)),
         *(t.data_ptr() for t in i64), _ptr(out), col.data_ptr(), work.data_ptr(), threads,
     )  # fmt: skip

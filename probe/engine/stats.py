@@ -818,10 +818,9 @@ class _Engine:
     def _fused_keys_of(self) -> native_rows.FusedKeys:
         if self._fused_keys is None:
             G, f32 = self.B * self.h, torch.float32
-            k = self.call.k.to(f32)  # (batch, head, key, d)
             obs = self.observed
-            self._fused_keys = native_rows.FusedKeys(
-                kT=k.transpose(-1, -2).reshape(G, k.shape[-1], self.Tk).contiguous(),  # (heads, d, key)
+            self._fused_keys = native_rows.FusedKeys.of(
+                self.call.k.reshape(G, self.Tk, -1),  # (heads, key, d)
                 v=None if obs is None else obs.v.to(f32).reshape(G, self.Tk, -1).contiguous(),  # (heads, key, d_v)
                 vmax=None if obs is None else obs.v_max.to(f32).reshape(G, self.Tk).contiguous(),  # (heads, key)
                 first_key=self.first_key.expand(self.B, self.h, 1).reshape(G).contiguous(),  # (heads,)
