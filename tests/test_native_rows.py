@@ -164,40 +164,72 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
         native_rows._library.cache_clear()
 
 
-def _larger_call(*, causal: bool, lse: bool, seed: int = 0, d_head: int = 40, d_v: int = 48, keys: int = 300):
+def _mask(kind: str, B: int, Tq: int, keys: int) -> torch.Tensor | None:
+    """``(batch, 1, query, key)`` bool, as transformers' sdpa masks come: key padding (the first item's last 30 keys,
+    the second's first 20), alone or with the causal triangle folded in; or an irregular one (one item's row cut
+    short where the other's is not), which is not of the fused pass's form."""
+    if kind in ("none", "causal"):
+        return None
+    keep = torch.ones(B, keys, dtype=torch.bool)
+    keep[0, -30:], keep[1, :20] = False, False
+    allowed = keep[:, None, None, :].expand(B, 1, Tq, keys).clone()
+    if kind == "causal+padding":
+        allowed &= torch.arange(keys)[None, :] <= torch.arange(Tq)[:, None] + keys - Tq
+    if kind == "irregular":
+        allowed[0, 0, 5, 100:] = False
+    return allowed
+
+
+def _larger_call(
+    *, causal: bool, lse: bool, seed: int = 0, d_head: int = 40, d_v: int = 48, keys: int = 300, mask: str = "none"
+):
     """2 x 3 heads reading 1 kv head, 70 queries, ``keys`` keys: tiles of 512 keys and their tails, vectors of 64
-    keys and of 32 of v's columns and their tails."""
+    keys and of 32 and 16 of v's columns; ``mask`` one of ``_mask``'s."""
     g = torch.Generator().manual_seed(seed)
     B, H, Tq = 2, 3, 70
     q, k = torch.randn(B, H, Tq, d_head, generator=g), torch.randn(B, 1, keys, d_head, generator=g)
     v = torch.randn(B, 1, keys, d_v, generator=g)
+    allowed = _mask(mask, B, Tq, keys)
     call = AttentionCall.for_heads(
-        q, k, v, heads=(0, 1, 2), kv_heads=(0, 0, 0), scaling=0.4, causal=causal, causal_offset=keys - Tq
+        q, k, v, heads=(0, 1, 2), kv_heads=(0, 0, 0), scaling=0.4, causal=causal, causal_offset=keys - Tq, mask=allowed
     )
     logits = call.logits(0, Tq, 0, keys).double()  # (batch, head, query, key)
     if causal:
         later = torch.arange(keys)[None, :] > torch.arange(Tq)[:, None] + keys - Tq
         logits = logits.masked_fill(later, -math.inf)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -math.inf)
     weights = torch.softmax(logits, -1)
     output = (weights @ call.v.double()).float()  # (batch, head, query, d_v): what the kernel returned
     call = replace(call, output=output, lse=torch.logsumexp(logits, -1).float() if lse else None)
     return call, keys - Tq
 
 
-@pytest.mark.parametrize("keys", [300, 1100])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no-mask"])
-def test_the_fused_pass_gives_the_statistics_of_torchs_ops(causal, keys, monkeypatch):
-    """With the kernel's lse, no mask but a causal one and every key in one block, the fused pass takes every block
-    (the other native path fails if taken), and its statistics are torch's ops'."""
+def _only(monkeypatch, fused: bool) -> None:
+    """The native path of a block with the kernel's lse that must not run fails if it does: the row pass and the
+    engine's own paths, which a block whose sums do not fit the lse falls back to (``fused``), or the fused pass's C
+    loop."""
     from attnprobe.probe.engine import stats as engine
 
-    call, diag = _larger_call(causal=causal, lse=True, keys=keys)
-    want = attention_stats(call, diag_offset=diag)
-
     def taken(*args, **kwargs):
-        raise AssertionError("the fused pass did not take the block")
+        raise AssertionError("the fused pass " + ("did not take" if fused else "took") + " the block")
 
-    monkeypatch.setattr(engine._Engine, "_lse_block_native", taken)
+    if fused:
+        for path in ("_lse_block_native", "_one_block", "_two_passes"):
+            monkeypatch.setattr(engine._Engine, path, taken)
+    else:
+        monkeypatch.setattr(engine.native_rows, "fused", taken)
+
+
+@pytest.mark.parametrize("keys", [300, 1100])
+@pytest.mark.parametrize("mask", ["causal", "none", "padding", "causal+padding"])
+def test_the_fused_pass_gives_the_statistics_of_torchs_ops(mask, keys, monkeypatch):
+    """With the kernel's lse, every key in one block and no mask but a causal limit per row and keys no row of a
+    batch item may attend (padding), the fused pass takes every block (the other native path fails if taken), and
+    its statistics are torch's ops', on one and two threads."""
+    call, diag = _larger_call(causal=mask == "causal", lse=True, keys=keys, mask=mask)
+    want = attention_stats(call, diag_offset=diag)
+    _only(monkeypatch, fused=True)
     for threads in (1, 2):
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -209,6 +241,18 @@ def test_the_fused_pass_gives_the_statistics_of_torchs_ops(causal, keys, monkeyp
         assert report["native_blocks"] > 0
         assert_close_to(got, want, atol=1e-5)
         assert bool(got["finite"].all())
+
+
+def test_a_mask_of_another_form_goes_to_the_row_pass(monkeypatch):
+    """A mask that cuts one item's row where the other's is not cut is no causal limit and key padding: the fused
+    pass refuses it (it would fail if it took the block) and the row pass gives torch's ops' statistics."""
+    call, diag = _larger_call(causal=False, lse=True, mask="irregular")
+    want = attention_stats(call, diag_offset=diag)
+    _only(monkeypatch, fused=False)
+    report: dict = {}
+    got = attention_stats(call, diag_offset=diag, native=True, report=report, block_bytes=1 << 22)
+    assert report["native_blocks"] > 0
+    assert_close_to(got, want, atol=1e-5)
 
 
 def test_a_nan_logit_sends_the_fused_block_to_torchs_ops():

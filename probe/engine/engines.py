@@ -9,7 +9,7 @@
   "attnprobe[triton]"``).
 - ``"native"``: the eager engine with its per-element work in the native row pass on CPUs
   (``probe/engine/native_rows.py``: one C loop per row, compiled on first use with the C compiler on the path; with
-  the kernel's lse and no mask but a causal one, the products too, fused in cache-sized tiles);
+  the kernel's lse and no mask but a causal limit and padding, the products too, fused in cache-sized tiles);
   float32 blocks on the CPU without attention sinks take it, the others, and rows with a NaN or +inf logit, torch's
   ops. Refused in one line where it cannot be built here.
 - ``"auto"`` (the default): the Triton kernel for calls on CUDA when a ``triton`` of at least ``TRITON_MIN`` imports;

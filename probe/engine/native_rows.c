@@ -175,7 +175,8 @@ long attnprobe_row_pass(const float *restrict s, float *restrict e, long R, long
 
 /* ------------------------------------------------------------------------------------------------------------------
    The fused pass: q @ k, the row pass and e @ v over tiles of keys that stay in the cache, for rows whose normaliser
-   the model's kernel gave (the lse) and whose keys are all here, masked by a causal limit at most. No (query x key)
+   the model's kernel gave (the lse) and whose keys are all here, masked by a limit per row (causal) and keys no row of
+   a batch item may attend (padding) at most. No (query x key)
    block is written to memory but E, the weights of RB rows (RB x K floats), which the threshold hits and the per-key
    sums read once each row's sum is known. */
 typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
@@ -191,6 +192,8 @@ struct fused_args {
     const float *vmax;        /* G x Tk: each key's largest |v|, or NULL */
     const float *shift;       /* G x n: the kernel's lse, base 2 */
     const int64_t *limit;     /* n: the first key each row may not attend, or NULL: every key below K */
+    const uint8_t *keep;      /* (G / H) x K, 0 where no row of the head's batch item may attend the key, or NULL */
+    long H, keep_stride;      /* heads per batch item; keep's stride between batch items (0: one row for all) */
     const int64_t *diag;      /* n: each row's own key, or NULL */
     const int64_t *firstkey;  /* G: the first key any row may attend */
     const float *rw;          /* G x n: what each row's weights count for in the per-key sums */
@@ -274,6 +277,7 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
     const float *q = a->q + (g * a->n + i0) * a->D;
     const float *kP = a->kP + g * ((a->Tk + PANEL - 1) / PANEL) * a->D * PANEL;
     const float *v = a->v ? a->v + g * a->Tk * a->Dv : 0, *vmax = a->vmax ? a->vmax + g * a->Tk : 0;
+    const uint8_t *keep = a->keep ? a->keep + (g / a->H) * a->keep_stride : 0;
     long K = a->K, lim[RB], kmax = 0, arg[RB], fin[RB], row0 = g * a->n + i0;
     float m[RB], sum[RB], mn[RB], dot[RB], sc[RB];
     int bad = 0;
@@ -291,6 +295,8 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
         qk_tile(q, a->D, rb, kP + (j0 / PANEL) * a->D * PANEL, w, S);
         for (long r = 0; r < rb; r++) {
             for (long j = lim[r] - j0 < 0 ? 0 : lim[r] - j0; j < w; j++) S[r][j] = -INFINITY;
+            if (keep)
+                for (long j = 0; j < w; j++) S[r][j] = keep[j0 + j] ? S[r][j] : -INFINITY;
             float tm = tile_rows(S[r], E + r * K + j0, w, a->shift[row0 + r], vmax ? vmax + j0 : 0, sum + r, mn + r,
                                  dot + r, sc + r, fin + r, &bad);
             if (tm > m[r]) {

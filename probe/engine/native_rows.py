@@ -3,10 +3,10 @@
 The eager engine (``probe/engine/stats.py``) takes each block of logits through a dozen of torch's ops (the max and
 its key, ``exp2``, the sums, the smallest weight, the entropy's sum, the first and last key above the threshold),
 each a full pass over the block. ``native_rows.c`` does them in one call, row by row while the row is in the cache,
-with glibc's vectorised ``exp2f`` where it links, and the output's scale and the per-key sums with them; torch still
-does the products ``q @ k`` and ``e @ v``. Blocks whose rows have the model kernel's lse and no mask but a causal one
-take ``fused`` instead: the products too, in tiles of keys that stay in the cache, so that no block of logits or
-weights is written to memory (``benchmarks/bench_long.py``; docs/long-context.md has the figures).
+with an ``exp2`` the compiler vectorises inline, and the output's scale and the per-key sums with them; torch still
+does the products ``q @ k`` and ``e @ v``. Blocks whose rows have the model kernel's lse and no mask but a causal limit
+per row and padding take ``fused`` instead: the products too, in tiles of keys that stay in the cache, so that no
+block of logits or weights is written to memory (``benchmarks/bench_long.py``; docs/long-context.md has the figures).
 
 It is compiled on first use with the C compiler on the path (``$CC``, else ``cc``/``gcc``), into the user's cache
 (``$XDG_CACHE_HOME/attnprobe/native``, else ``~/.cache/attnprobe/native``), keyed by the source, the flags, the
@@ -253,7 +253,9 @@ class _FusedArgs(ctypes.Structure):
     """``struct fused_args`` of ``native_rows.c``."""
 
     _fields_ = [
-        *((name, _P) for name in ("q", "kP", "v", "vmax", "shift", "limit", "diag", "firstkey", "rw")),
+        *((name, _P) for name in ("q", "kP", "v", "vmax", "shift", "limit", "keep")),
+        *((name, _LONG) for name in ("H", "keep_stride")),
+        *((name, _P) for name in ("diag", "firstkey", "rw")),
         *((name, _LONG) for name in ("G", "n", "D", "Dv", "Tk", "K")),
         ("thr", ctypes.c_float),
         *((name, _P) for name in ("max", "sum", "min", "dot", "scale", "diag_e", "prev_e", "first_e")),
@@ -308,10 +310,13 @@ def _run_fused(
     K: int,
     threshold: float,
     gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    keep: torch.Tensor | None = None,
 ) -> tuple[RowPass, torch.Tensor | None] | None:
     """``q @ k``, the row pass and ``e @ v`` of rows ``q`` ``(heads, n, d)`` (times the scaling and log2(e)) over
     keys ``0:K``, in tiles that stay in the cache; ``shift`` ``(heads, n)`` the kernel's lse (base 2); ``limit``
-    ``(n,)`` the first key each row may not attend (None: none); ``diag`` ``(n,)`` each row's own key (None: none).
+    ``(n,)`` the first key each row may not attend (None: none); ``diag`` ``(n,)`` each row's own key (None: none);
+    ``keep`` ``(1 or batch, K)`` bool, False at keys no row of the batch item may attend (padding; None: none), the
+    heads of ``q`` being ``batch x heads``.
     Writes ``e`` at the row's own key, the one before it and the first key into ``gathered`` (``(heads, n)`` each,
     where those keys lie below ``K``). Returns the row sums (the threshold times each row's sum; per-key sums of
     ``e / sum e`` times ``row_weight``) and ``sum e * v`` ``(heads, n, d_v)``; None where a row holds a NaN or +inf
@@ -324,8 +329,11 @@ def _run_fused(
     threads = torch.get_num_threads()
     work = torch.empty(threads * 4 * max(K, 1))  # RB rows of weights per thread
     rw = row_weight.to(torch.float32).contiguous()
+    keep8 = None if keep is None else keep.to(torch.uint8).contiguous()  # (1 or batch, K)
+    H = G if keep8 is None else G // keep8.shape[0]  # heads per batch item (all of them: one row for every item)
     args = _FusedArgs(
-        *(_ptr(t) for t in (q, keys.panels, keys.v, keys.vmax, shift, limit, diag, keys.first_key, rw)),
+        *(_ptr(t) for t in (q, keys.panels, keys.v, keys.vmax, shift, limit, keep8)), H, K,
+        *(_ptr(t) for t in (diag, keys.first_key, rw)),
         G, n, D, 0 if keys.v is None else keys.v.shape[-1], keys.keys, K, threshold,
         *(t.data_ptr() for t in (f32[0], f32[1], f32[2], f32[3], f32[4], *gathered)),
         *(t.data_ptr() for t in i64), _ptr(out), col.data_ptr(), work.data_ptr(), threads,

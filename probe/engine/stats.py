@@ -809,11 +809,36 @@ class _Engine:
         return True
 
     def _fusable(self) -> bool:
-        """Whether the fused pass takes this call's blocks: plain logits (no mask but a causal one, no bias,
-        softcapping or score_mod), no overview, no key set."""
+        """Whether the fused pass may take this call's blocks: plain logits (no bias, softcapping or score_mod; no
+        mask but a causal one or a boolean one, whose form each block checks: ``_fused_mask``), no overview, no key
+        set."""
         call = self.call
-        plain = call.mask is None and call.bias is None and call.softcap is None and call.score_mod is None
+        masked = call.mask is not None and not (isinstance(call.mask, torch.Tensor) and call.mask.dtype == torch.bool)
+        plain = not masked and call.bias is None and call.softcap is None and call.score_mod is None
         return plain and self.pool is None and self.key_set is None
+
+    def _fused_mask(
+        self, rows: _RowBlock, d: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
+        """The block's mask as the fused pass takes it, ``(limit, keep, allowed)``: ``limit`` ``(query,)`` the first
+        key each row may not attend (None: every key), ``keep`` ``(batch or 1, key)`` the keys some row of each batch
+        item may attend (None: every key), ``allowed`` the block's mask, for the counts (None: the causal limit alone).
+        None where the call's boolean mask is not of that form (a mask per head, rows of one item cut where another
+        item's are not): it is compared whole with the form before the pass takes it."""
+        call = self.call
+        if call.mask is None:
+            return (rows.positions + call.causal_offset + 1 if call.causal else None), None, None
+        allowed = call.allowed(rows.a, rows.b, 0, d)  # (batch or 1, 1 or head, query, key)
+        if allowed is None or allowed.shape[1] != 1:
+            return None
+        a = allowed[:, 0]  # (batch or 1, query, key)
+        keep = a.any(1)  # (batch or 1, key)
+        reach = a.any(0)  # (query, key): keys the row may attend in some item
+        limit = torch.where(reach.any(-1), _last_true(reach) + 1, 0)  # (query,)
+        keys = torch.arange(d, device=self.device)
+        if not torch.equal(keep[:, None, :] & (keys < limit[:, None]), a):  # (batch or 1, query, key)
+            return None
+        return limit, keep, allowed
 
     def _fused_keys_of(self) -> native_rows.FusedKeys:
         if self._fused_keys is None:
@@ -832,8 +857,11 @@ class _Engine:
         the row pass and ``e @ v`` in tiles of keys that stay in the cache). False, nothing added: a row with a NaN or
         +inf logit, which torch's ops take."""
         call, sums, (B, h, n) = self.call, sweep.sums, sweep.best.shape
+        masked = self._fused_mask(rows, d)
+        if masked is None:
+            return False
+        limit, keep, allowed = masked  # (query,), (batch or 1, key), (batch or 1, 1, query, key)
         q = call.q[:, :, rows.a : rows.b].to(torch.float32) * (call.scaling * _LOG2E)  # (batch, head, query, d)
-        limit = rows.positions + call.causal_offset + 1 if call.causal else None  # (query,)
         real = rows.counted.view(B, 1, n).expand(B, h, n)  # (batch, head, query): the rows that count in key_weight
         # (heads, query) each: e at the row's own key, the one before it and the first key, where in reach; copies, so
         # that a refused block adds nothing
@@ -848,6 +876,7 @@ class _Engine:
             K=d,
             threshold=WEIGHT_THRESHOLD,
             gathered=gathered,
+            keep=keep,
         )
         if got is None:
             return False
@@ -859,7 +888,7 @@ class _Engine:
         sweep.best_key, sweep.best = view["arg"], view["max"]
         sums.sum_e, sums.min_e = view["sum"], view["min"]
         finite = replace(found, finite=view["finite"], dot=view["dot"])
-        sums.dot = self._native_counts(sums, rows, 0, d, _Forbidden(allowed=None, forbidden=None, cut=0), finite)
+        sums.dot = self._native_counts(sums, rows, 0, d, _Forbidden(allowed=allowed, forbidden=None, cut=0), finite)
         self._fold_found(sums, found.first.view(B, h, n), found.last.view(B, h, n), 0)
         assert found.col is not None
         self.key_weight[..., :d] += found.col.view(B, h, d)
