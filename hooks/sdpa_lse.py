@@ -4,7 +4,8 @@ A model's attention function (transformers' ``sdpa_attention_forward``) calls ``
 once. ``call_with_lse(fn, ...)`` runs the function with a torch function mode that answers that call with
 ``probe.engine.kernel_lse.sdpa_with_lse``: the same kernel sdpa would run, called as sdpa calls it, so the output is
 sdpa's bit for bit; each row's lse comes back beside the function's result. The statistics engine then needs no pass
-to find each row's normaliser, and recomputed weights are one ``exp`` per element (``AttentionCall.lse``).
+to find each row's normaliser (``AttentionCall.lse``). Statistics captures only: recomputed weights stay torch's
+softmax of eager's logits (as fast on CPU, and eager's to the bit; ``hooks/hf/recompute.py``).
 
 Only for the modules a capture asked it for (``want_lse``), outside compiled graphs (a mode inside a traced forward
 would change its graph), and only when the function calls sdpa exactly once.

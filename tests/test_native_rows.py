@@ -166,12 +166,14 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
 
 def _mask(kind: str, B: int, Tq: int, keys: int) -> torch.Tensor | None:
     """``(batch, 1, query, key)`` bool, as transformers' sdpa masks come: key padding (the first item's last 30 keys,
-    the second's first 20), alone or with the causal triangle folded in; or an irregular one (one item's row cut
-    short where the other's is not), which is not of the fused pass's form."""
+    the second's first 20), alone (also as one row for every query) or with the causal triangle folded in; or an
+    irregular one (one item's row cut short where the other's is not), which is not of the fused pass's form."""
     if kind in ("none", "causal"):
         return None
     keep = torch.ones(B, keys, dtype=torch.bool)
     keep[0, -30:], keep[1, :20] = False, False
+    if kind == "padding-one-row":  # (batch, 1, 1, key): one row for every query
+        return keep[:, None, None, :]
     allowed = keep[:, None, None, :].expand(B, 1, Tq, keys).clone()
     if kind == "causal+padding":
         allowed &= torch.arange(keys)[None, :] <= torch.arange(Tq)[:, None] + keys - Tq
@@ -222,7 +224,7 @@ def _only(monkeypatch, fused: bool) -> None:
 
 
 @pytest.mark.parametrize("keys", [300, 1100])
-@pytest.mark.parametrize("mask", ["causal", "none", "padding", "causal+padding"])
+@pytest.mark.parametrize("mask", ["causal", "none", "padding", "padding-one-row", "causal+padding"])
 def test_the_fused_pass_gives_the_statistics_of_torchs_ops(mask, keys, monkeypatch):
     """With the kernel's lse, every key in one block and no mask but a causal limit per row and keys no row of a
     batch item may attend (padding), the fused pass takes every block (the other native path fails if taken), and

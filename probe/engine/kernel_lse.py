@@ -4,8 +4,7 @@
 compute each row's log-normaliser ``lse = logsumexp(logits)`` anyway, and sdpa drops it. ``sdpa_with_lse`` makes the
 same choice and calls the same kernel the way sdpa does (the same mask conversion, padding and arguments), keeping
 the lse: the output is sdpa's, bitwise. With the lse known every weight is ``exp(logit - lse)``, so the statistics
-engine (``probe/engine/stats.py``) needs no pass to find each row's normaliser, and a weights-only capture needs one
-``exp`` per element (``AttentionCall.lse``).
+engine (``probe/engine/stats.py``) needs no pass to find each row's normaliser (``AttentionCall.lse``).
 
 Where sdpa's own kernel is one that returns the lse:
 

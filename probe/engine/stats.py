@@ -831,7 +831,7 @@ class _Engine:
         allowed = call.allowed(rows.a, rows.b, 0, d)  # (batch or 1, 1 or head, query, key)
         if allowed is None or allowed.shape[1] != 1:
             return None
-        a = allowed[:, 0]  # (batch or 1, query, key)
+        a = allowed[:, 0].expand(allowed.shape[0], rows.b - rows.a, d)  # (batch or 1, query, key): a row for each
         keep = a.any(1)  # (batch or 1, key)
         reach = a.any(0)  # (query, key): keys the row may attend in some item
         limit = torch.where(reach.any(-1), _last_true(reach) + 1, 0)  # (query,)
