@@ -255,7 +255,8 @@ def _factor(projected: torch.Tensor, kernel: torch.Tensor) -> float | None:
 def _one_ratio(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float | None:
     """The middle of ``a / b`` when every ratio is within the dtype's tolerance of it, None otherwise; rows where
     ``b`` is (nearly) 0 left out. One host read where no row is (the usual case), two where some are."""
-    b_max, b_min, high, low = torch.stack([b.amax(), b.amin(), (a / b).amax(), (a / b).amin()]).tolist()
+    ratio = a / b  # (head, sampled tokens)
+    b_max, b_min, high, low = torch.stack([b.amax(), b.amin(), ratio.amax(), ratio.amin()]).tolist()
     if not b_min > 1e-6 * b_max:  # some row of the projection is (nearly) 0: its ratio says nothing
         ok = b > 1e-6 * b_max  # (head, sampled tokens)
         if not bool(ok.any()):

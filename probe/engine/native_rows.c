@@ -176,9 +176,8 @@ long attnprobe_row_pass(const float *restrict s, float *restrict e, long R, long
 /* ------------------------------------------------------------------------------------------------------------------
    The fused pass: q @ k, the row pass and e @ v over tiles of keys that stay in the cache, for rows whose normaliser
    the model's kernel gave (the lse) and whose keys are all here, masked by a limit per row (causal) and keys no row of
-   a batch item may attend (padding) at most. No (query x key)
-   block is written to memory but E, the weights of RB rows (RB x K floats), which the threshold hits and the per-key
-   sums read once each row's sum is known. */
+   a batch item may attend (padding) at most. No (query x key) block is written to memory but E, the weights of RB
+   rows (RB x K floats), which the threshold hits and the per-key sums read once each row's sum is known. */
 typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
 
 #define RB 4
@@ -193,7 +192,7 @@ struct fused_args {
     const float *shift;       /* G x n: the kernel's lse, base 2 */
     const int64_t *limit;     /* n: the first key each row may not attend, or NULL: every key below K */
     const uint8_t *keep;      /* (G / H) x K, 0 where no row of the head's batch item may attend the key, or NULL */
-    long H, keep_stride;      /* heads per batch item; keep's stride between batch items (0: one row for all) */
+    long H, keep_stride;      /* heads per batch item (G: one row of keep for all); keep's stride between items */
     const int64_t *diag;      /* n: each row's own key, or NULL */
     const int64_t *firstkey;  /* G: the first key any row may attend */
     const float *rw;          /* G x n: what each row's weights count for in the per-key sums */
