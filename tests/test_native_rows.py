@@ -166,8 +166,10 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
 
 def _mask(kind: str, B: int, Tq: int, keys: int) -> torch.Tensor | None:
     """``(batch, 1, query, key)`` bool, as transformers' sdpa masks come: key padding (the first item's last 30 keys,
-    the second's first 20), alone (also as one row for every query) or with the causal triangle folded in; or an
-    irregular one (one item's row cut short where the other's is not), which is not of the fused pass's form."""
+    the second's first 20), alone (also as one row for every query) or with the causal triangle folded in; a causal
+    sliding window of 48 keys (with the padding too); packed documents, causal inside each and cut elsewhere in each
+    item; or an irregular one (one row of one item with a hole its item's other rows attend), which is not of the
+    fused pass's form. Query ``i`` sits at key ``i + keys - Tq``."""
     if kind in ("none", "causal"):
         return None
     keep = torch.ones(B, keys, dtype=torch.bool)
@@ -175,11 +177,33 @@ def _mask(kind: str, B: int, Tq: int, keys: int) -> torch.Tensor | None:
     if kind == "padding-one-row":  # (batch, 1, 1, key): one row for every query
         return keep[:, None, None, :]
     allowed = keep[:, None, None, :].expand(B, 1, Tq, keys).clone()
-    if kind == "causal+padding":
-        allowed &= torch.arange(keys)[None, :] <= torch.arange(Tq)[:, None] + keys - Tq
+    key, own = torch.arange(keys)[None, :], torch.arange(Tq)[:, None] + keys - Tq  # (1, key), (query, 1)
+    if kind in ("causal+padding", "window", "window+padding"):
+        allowed &= key <= own
+    if kind == "window":
+        return (key <= own) & (key > own - 48)[None, None].expand(B, 1, Tq, keys)
+    if kind == "window+padding":
+        allowed &= key > own - 48
+    if kind == "documents":  # (item 0: documents from keys 0, 120 and 200 on; item 1: 0 and 90)
+        starts = [torch.tensor([0, 120, 200]), torch.tensor([0, 90])]
+        document = [torch.bucketize(torch.arange(keys), b, right=True) for b in starts]  # (key,) each
+        same = torch.stack([doc[own.squeeze(1)][:, None] == doc[None, :] for doc in document])  # (batch, query, key)
+        allowed = (same & (key <= own))[:, None]
     if kind == "irregular":
-        allowed[0, 0, 5, 100:] = False
+        allowed[0, 0, 5, 100:110] = False
     return allowed
+
+
+FUSED_MASKS = [
+    "causal",
+    "none",
+    "padding",
+    "padding-one-row",
+    "causal+padding",
+    "window",
+    "window+padding",
+    "documents",
+]
 
 
 def _larger_call(
@@ -224,11 +248,12 @@ def _only(monkeypatch, fused: bool) -> None:
 
 
 @pytest.mark.parametrize("keys", [300, 1100])
-@pytest.mark.parametrize("mask", ["causal", "none", "padding", "padding-one-row", "causal+padding"])
+@pytest.mark.parametrize("mask", FUSED_MASKS)
 def test_the_fused_pass_gives_the_statistics_of_torchs_ops(mask, keys, monkeypatch):
-    """With the kernel's lse, every key in one block and no mask but a causal limit per row and keys no row of a
-    batch item may attend (padding), the fused pass takes every block (the other native path fails if taken), and
-    its statistics are torch's ops', on one and two threads."""
+    """With the kernel's lse, every key in one block and no mask but an interval of keys per row and batch item
+    (causal, a sliding window, documents) and keys no row of a batch item may attend (padding), the fused pass takes
+    every block (the other native path fails if taken), and its statistics are torch's ops', on one and two
+    threads."""
     call, diag = _larger_call(causal=mask == "causal", lse=True, keys=keys, mask=mask)
     want = attention_stats(call, diag_offset=diag)
     _only(monkeypatch, fused=True)
@@ -246,8 +271,9 @@ def test_the_fused_pass_gives_the_statistics_of_torchs_ops(mask, keys, monkeypat
 
 
 def test_a_mask_of_another_form_goes_to_the_row_pass(monkeypatch):
-    """A mask that cuts one item's row where the other's is not cut is no causal limit and key padding: the fused
-    pass refuses it (it would fail if it took the block) and the row pass gives torch's ops' statistics."""
+    """A mask with a hole inside one row's keys that the item's other rows attend is no interval of keys per row and
+    key padding: the fused pass refuses it (it would fail if it took the block) and the row pass gives torch's ops'
+    statistics."""
     call, diag = _larger_call(causal=False, lse=True, mask="irregular")
     want = attention_stats(call, diag_offset=diag)
     _only(monkeypatch, fused=False)
@@ -284,3 +310,61 @@ def test_logits_in_a_layout_of_their_own_go_to_torchs_ops(monkeypatch):
     got, want, blocks = _both(call, diag, padding)
     assert blocks == 0
     assert_close_to(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_mask_scan_reads_each_rows_interval_and_the_kept_keys(seed):
+    """``native_rows.intervals`` against torch's ops on random masks of the fused pass's form (a window per row,
+    cut at random, padding at random keys of each item) and on the same masks with one hole more: the first and last
+    allowed key, the count, the kept keys, and whether the mask has the form, also for a mask repeated along the
+    rows (stride 0) and keys that are not contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    items, n, d = 2, 37, 1000 + 97 * seed
+    start = torch.randint(0, d, (items, n, 1), generator=g)
+    limit = start + torch.randint(0, 600, (items, n, 1), generator=g)
+    keep = torch.rand(items, 1, d, generator=g) > 0.2
+    key = torch.arange(d)
+    allowed = (key >= start) & (key < limit) & keep  # (item, query, key)
+    for form in (allowed, allowed[:, :1].expand(items, n, d), allowed.transpose(1, 2).contiguous().transpose(1, 2)):
+        got = native_rows.intervals(form)
+        assert got is not None and got.fits
+        some = form.any(-1)  # (item, query)
+        assert torch.equal(got.start, torch.where(some, form.to(torch.uint8).argmax(-1), d))
+        assert torch.equal(got.limit, torch.where(some, d - form.flip(-1).to(torch.uint8).argmax(-1), d))
+        assert torch.equal(got.counts, form.sum(-1))
+        assert torch.equal(got.keep, form.any(1))
+    row = int(torch.nonzero(allowed.sum(-1)[0] > 2)[0, 0])  # a row of item 0 with keys inside its interval
+    keys = torch.nonzero(allowed[0, row]).flatten()
+    holed = allowed.clone()
+    holed[0, row, keys[1]] = False  # its second allowed key, which item 0 keeps
+    assert bool(holed[0, :, keys[1]].any())  # another row still attends it: a hole
+    got = native_rows.intervals(holed)
+    assert got is not None and not got.fits
+
+
+def test_a_sliding_window_model_takes_the_fused_pass_on_every_layer(monkeypatch):
+    """A Mistral with a sliding window of 16 keys over a left-padded batch of 100 tokens (transformers' sdpa passes
+    the window and the padding as one boolean mask): every layer takes the fused pass (the other paths fail if
+    taken) and its statistics are the torch engine's; the outputs are the uncaptured run's."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, sliding_window=16,
+    )  # fmt: skip
+    model = transformers.MistralModel._from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 100, (2, 100), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(2, 100, dtype=torch.long)
+    padding[1, :13] = 0
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=padding).last_hidden_state
+        with attnprobe.capture(model, keep=("stats",), stats_engine="torch") as want:
+            model(input_ids=ids, attention_mask=padding)
+        _only(monkeypatch, fused=True)
+        with attnprobe.capture(model, keep=("stats",), stats_engine="native") as got:
+            out = model(input_ids=ids, attention_mask=padding).last_hidden_state
+    assert torch.equal(out, plain)
+    assert [r.meta.get("stats_engine") for r in got] == ["native", "native"]
+    for a, b in zip(got, want):
+        assert_close_to(a.stats, b.stats, atol=1e-5)

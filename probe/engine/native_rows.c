@@ -175,24 +175,29 @@ long attnprobe_row_pass(const float *restrict s, float *restrict e, long R, long
 
 /* ------------------------------------------------------------------------------------------------------------------
    The fused pass: q @ k, the row pass and e @ v over tiles of keys that stay in the cache, for rows whose normaliser
-   the model's kernel gave (the lse) and whose keys are all here, masked by a limit per row (causal) and keys no row of
-   a batch item may attend (padding) at most. No (query x key) block is written to memory but E, the weights of RB
+   the model's kernel gave (the lse) and whose keys are all here, masked by an interval of keys per row and batch item
+   (causal, a sliding window, packed documents) and keys no row of a batch item may attend (padding) at most. Tiles
+   below every row's first key are not computed (a window's cost is the window's). No (query x key) block is written to memory but E, the weights of RB
    rows (RB x K floats), which the threshold hits and the per-key sums read once each row's sum is known. */
 typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
 
 #define RB 4
 #define TK 512    /* keys per tile: a multiple of PANEL */
-#define PANEL 64  /* keys per panel of kP (native_rows.py's _PANEL) */
+#define PANEL 64  /* keys per panel (native_rows.py's _PANEL) */
 
 struct fused_args {
-    const float *q;           /* G x n x D: the rows' q, times the scaling and log2(e) */
-    const float *kP;          /* G x P x D x 64: the keys in panels of 64, each transposed (zeros past Tk) */
-    const float *v;           /* G x Tk x Dv, or NULL (no output check) */
+    const float *q;           /* the rows' q: row i of head g at g / h * q_sb + g % h * q_sh + i * q_st, d contiguous */
+    const float *k;           /* the keys, the same way (Tk of them a head) */
+    const float *v;           /* the values, the same way, or NULL (no output check) */
+    long q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, h; /* strides; heads per batch item */
+    float q_scale;            /* q times it: the scaling and log2(e) */
     const float *vmax;        /* G x Tk: each key's largest |v|, or NULL */
     const float *shift;       /* G x n: the kernel's lse, base 2 */
-    const int64_t *limit;     /* n: the first key each row may not attend, or NULL: every key below K */
+    const int64_t *start;     /* (G / H) x n: the first key each row may attend, or NULL: key 0 */
+    const int64_t *limit;     /* (G / H) x n: the first key past those each row may attend, or NULL: K */
     const uint8_t *keep;      /* (G / H) x K, 0 where no row of the head's batch item may attend the key, or NULL */
-    long H, keep_stride;      /* heads per batch item (G: one row of keep for all); keep's stride between items */
+    long H, keep_stride;      /* heads per item of the mask; keep's stride between items (0: one row for every item) */
+    long row_stride;          /* start's and limit's stride between items (0: one set of rows for every item) */
     const int64_t *diag;      /* n: each row's own key, or NULL */
     const int64_t *firstkey;  /* G: the first key any row may attend */
     const float *rw;          /* G x n: what each row's weights count for in the per-key sums */
@@ -202,17 +207,37 @@ struct fused_args {
     int64_t *arg, *finite, *first, *last;                               /* G x n */
     float *out;               /* G x n x Dv: sum e * v (zeroed here) */
     float *col;               /* G x K: the per-key sums, added to */
-    float *work;              /* threads x RB x K floats */
+    float *work;              /* threads x work_floats: E (RB x K), q (RB x D), the head's panels (P x D x 64) and
+                                 values (K x Dv) */
+    long work_floats;
     int threads;
 };
+
+#define HEAD(a, t, g) ((a)->t + (g) / (a)->h * (a)->t##_sb + (g) % (a)->h * (a)->t##_sh)
+
+/* The head's keys from..K in panels of 64 (P x D x 64), each transposed: panel p holds keys 64p..64p+63 as D rows of
+   64 (zeros past K), so that q @ k reads each panel in order. Made by each thread for the head it takes (the key
+   tensor is read through its strides: no copy of the call's keys). */
+static void make_panels(const float *k, long st, long D, long from, long K, float *panels) {
+    for (long p = from / PANEL; p * PANEL < K; p++) {
+        float *panel = panels + p * D * PANEL;
+        for (long j = 0; j < PANEL; j++) {
+            const float *kr = k + (p * PANEL + j) * st;
+            if (p * PANEL + j < K)
+                for (long dd = 0; dd < D; dd++) panel[dd * PANEL + j] = kr[dd];
+            else
+                for (long dd = 0; dd < D; dd++) panel[dd * PANEL + j] = 0.0f;
+        }
+    }
+}
 
 /* S[r][0:w] = q[r] . k[0:w] for RB rows (rows past rb repeat the last: they are computed, never read), from the
    panels of 64 keys that start the tile: each panel's D x 64 floats are read in order, so that the loads stream (a
    (D x Tk) layout read 64 keys from D rows Tk floats apart: a third slower at 32k keys). A panel's keys past w are
    computed too (zeros, or the next tile's keys) and never read. */
-static void qk_tile(const float *q, long D, long rb, const float *kP, long w, float S[RB][TK]) {
+static void qk_tile(const float *q, long D, const float *kP, long w, float S[RB][TK]) {
     const float *qr[RB];
-    for (int r = 0; r < RB; r++) qr[r] = q + (r < rb ? r : rb - 1) * D;
+    for (int r = 0; r < RB; r++) qr[r] = q + r * D;
     for (long j = 0; j < w; j += PANEL) {
         const float *panel = kP + (j / PANEL) * D * PANEL;
         vf acc[RB][4];
@@ -235,14 +260,15 @@ static void qk_tile(const float *q, long D, long rb, const float *kP, long w, fl
     }
 }
 
-/* out[r] += E[r][0:w] @ v[0:w] for rb rows, 32 of v's columns at a time, then 16, then one by one */
-static void ev_tile(const float *E, long K, long rb, const float *v, long Dv, long w, float *out) {
+/* out[r] += E[r][0:w] @ v[0:w] for rb rows (v's keys vs apart), 32 of v's columns at a time, then 16, then one by
+   one */
+static void ev_tile(const float *E, long K, long rb, const float *v, long vs, long Dv, long w, float *out) {
     long c = 0;
     for (; c + 32 <= Dv; c += 32) {
         vf acc[RB][2];
         for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = (vf){0};
         for (long j = 0; j < w; j++) {
-            const float *vr = v + j * Dv + c;
+            const float *vr = v + j * vs + c;
             vf v0 = *(const vf *)vr, v1 = *(const vf *)(vr + 16);
             for (int r = 0; r < RB; r++) {
                 float x = r < rb ? E[r * K + j] : 0.0f;
@@ -259,7 +285,7 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long Dv, lo
         vf acc[RB];
         for (int r = 0; r < RB; r++) acc[r] = (vf){0};
         for (long j = 0; j < w; j++) {
-            vf v0 = *(const vf *)(v + j * Dv + c);
+            vf v0 = *(const vf *)(v + j * vs + c);
             for (int r = 0; r < RB; r++) acc[r] += (r < rb ? E[r * K + j] : 0.0f) * v0;
         }
         for (long r = 0; r < rb; r++) *(vf *)(out + r * Dv + c) += acc[r];
@@ -267,32 +293,70 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long Dv, lo
     for (long r = 0; r < rb; r++)
         for (long cc = c; cc < Dv; cc++) {
             float x = 0.0f;
-            for (long j = 0; j < w; j++) x += E[r * K + j] * v[j * Dv + cc];
+            for (long j = 0; j < w; j++) x += E[r * K + j] * v[j * vs + cc];
             out[r * Dv + cc] += x;
         }
 }
 
-static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E) {
-    const float *q = a->q + (g * a->n + i0) * a->D;
-    const float *kP = a->kP + g * ((a->Tk + PANEL - 1) / PANEL) * a->D * PANEL;
-    const float *v = a->v ? a->v + g * a->Tk * a->Dv : 0, *vmax = a->vmax ? a->vmax + g * a->Tk : 0;
+/* The keys [lo[r], lim[r]) each of the rb rows may attend (an empty row: lo = lim), and the first tile's key: the
+   first key of some row, down to a panel's start. */
+static long row_keys(const struct fused_args *a, long g, long i0, long rb, long lo[RB], long lim[RB], long *kmax) {
+    long K = a->K, item = (g / a->H) * a->row_stride, kmin = K;
+    *kmax = 0;
+    for (long r = 0; r < rb; r++) {
+        long s = a->start ? a->start[item + i0 + r] : 0, l = a->limit ? a->limit[item + i0 + r] : K;
+        lo[r] = s < 0 ? 0 : (s > K ? K : s);
+        lim[r] = l < lo[r] ? lo[r] : (l > K ? K : l);
+        if (lim[r] > lo[r]) {
+            kmin = lo[r] < kmin ? lo[r] : kmin;
+            *kmax = lim[r] > *kmax ? lim[r] : *kmax;
+        }
+    }
+    return kmin >= *kmax ? *kmax : kmin - kmin % PANEL;
+}
+
+/* One row's results, its hits and per-key sums once its sum is known: from E's keys lo..L of the row. */
+static void finish_row(const struct fused_args *a, long g, long i0, long r, const float *Er, long lo, long L, float m,
+                       long arg, float sum, float mn, float dot, float sc, long fin) {
+    long i = g * a->n + i0 + r, K = a->K;
+    a->max[i] = m, a->arg[i] = arg, a->sum[i] = sum, a->dot[i] = dot, a->scale[i] = sc;
+    a->min[i] = L < K || lo > 0 ? 0.0f : mn; /* keys out of the row's reach weigh 0 */
+    a->finite[i] = fin;
+    hits(Er + lo, L - lo, a->thr * sum, a->first + i, a->last + i);
+    if (a->first[i] >= 0) a->first[i] += lo, a->last[i] += lo;
+    float f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f);
+    float *col = a->col + g * K;
+#pragma omp simd
+    for (long k = lo; k < L; k++) col[k] += Er[k] * f;
+    long dg = a->diag ? a->diag[i0 + r] : -1, fk = a->firstkey[g];
+    if (dg >= 0 && dg < K) a->diag_e[i] = dg >= lo && dg < L ? Er[dg] : 0.0f;
+    if (dg >= 1 && dg - 1 < K) a->prev_e[i] = dg - 1 >= lo && dg - 1 < L ? Er[dg - 1] : 0.0f;
+    if (fk >= 0 && fk < K) a->first_e[i] = fk >= lo && fk < L ? Er[fk] : 0.0f;
+}
+
+static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E, float *q, const float *kP,
+                        const float *v) {
+    const float *vmax = a->vmax ? a->vmax + g * a->Tk : 0;
+    for (long r = 0; r < RB; r++) { /* the rows times q_scale; those past rb repeat the last (computed, never read) */
+        const float *qr = HEAD(a, q, g) + (i0 + (r < rb ? r : rb - 1)) * a->q_st;
+        for (long dd = 0; dd < a->D; dd++) q[r * a->D + dd] = qr[dd] * a->q_scale;
+    }
     const uint8_t *keep = a->keep ? a->keep + (g / a->H) * a->keep_stride : 0;
-    long K = a->K, lim[RB], kmax = 0, arg[RB], fin[RB], row0 = g * a->n + i0;
+    long K = a->K, lo[RB], lim[RB], kmax, arg[RB], fin[RB], row0 = g * a->n + i0;
+    long kmin = row_keys(a, g, i0, rb, lo, lim, &kmax);
     float m[RB], sum[RB], mn[RB], dot[RB], sc[RB];
     int bad = 0;
     for (long r = 0; r < rb; r++) {
-        long l = a->limit ? a->limit[i0 + r] : K;
-        lim[r] = l < 0 ? 0 : (l > K ? K : l);
-        kmax = lim[r] > kmax ? lim[r] : kmax;
         m[r] = -INFINITY, sum[r] = 0.0f, mn[r] = INFINITY, dot[r] = 0.0f, sc[r] = 0.0f, arg[r] = 0, fin[r] = 0;
         if (a->out)
             for (long c = 0; c < a->Dv; c++) a->out[(row0 + r) * a->Dv + c] = 0.0f;
     }
     float S[RB][TK];
-    for (long j0 = 0; j0 < kmax; j0 += TK) {
+    for (long j0 = kmin; j0 < kmax; j0 += TK) {
         long w = kmax - j0 < TK ? kmax - j0 : TK;
-        qk_tile(q, a->D, rb, kP + (j0 / PANEL) * a->D * PANEL, w, S);
+        qk_tile(q, a->D, kP + (j0 / PANEL) * a->D * PANEL, w, S);
         for (long r = 0; r < rb; r++) {
+            for (long j = 0; j < w && j0 + j < lo[r]; j++) S[r][j] = -INFINITY;
             for (long j = lim[r] - j0 < 0 ? 0 : lim[r] - j0; j < w; j++) S[r][j] = -INFINITY;
             if (keep)
                 for (long j = 0; j < w; j++) S[r][j] = keep[j0 + j] ? S[r][j] : -INFINITY;
@@ -304,24 +368,10 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
             }
         }
         if (bad) return 1;
-        if (v) ev_tile(E + j0, K, rb, v + j0 * a->Dv, a->Dv, w, a->out + row0 * a->Dv);
+        if (v) ev_tile(E + j0, K, rb, v + j0 * a->Dv, a->Dv, a->Dv, w, a->out + row0 * a->Dv);
     }
-    for (long r = 0; r < rb; r++) {
-        long i = row0 + r, L = lim[r];
-        const float *Er = E + r * K;
-        a->max[i] = m[r], a->arg[i] = arg[r], a->sum[i] = sum[r], a->dot[i] = dot[r], a->scale[i] = sc[r];
-        a->min[i] = L < K ? 0.0f : mn[r];
-        a->finite[i] = fin[r];
-        hits(Er, L, a->thr * sum[r], a->first + i, a->last + i);
-        float f = a->rw[i] * (sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f);
-        float *col = a->col + g * K;
-#pragma omp simd
-        for (long k = 0; k < L; k++) col[k] += Er[k] * f;
-        long dg = a->diag ? a->diag[i0 + r] : -1, fk = a->firstkey[g];
-        if (dg >= 0 && dg < K) a->diag_e[i] = dg < L ? Er[dg] : 0.0f;
-        if (dg >= 1 && dg - 1 < K) a->prev_e[i] = dg - 1 < L ? Er[dg - 1] : 0.0f;
-        if (fk >= 0 && fk < K) a->first_e[i] = fk < L ? Er[fk] : 0.0f;
-    }
+    for (long r = 0; r < rb; r++)
+        finish_row(a, g, i0, r, E + r * K, lo[r], lim[r], m[r], arg[r], sum[r], mn[r], dot[r], sc[r], fin[r]);
     return 0;
 }
 
@@ -331,8 +381,76 @@ long attnprobe_fused(const struct fused_args *a) {
     long odd = 0;
 #pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd)
     for (long g = 0; g < a->G; g++) {
-        float *E = a->work + (long)omp_get_thread_num() * RB * a->K;
-        for (long i0 = 0; i0 < a->n; i0 += RB) odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E);
+        float *E = a->work + (long)omp_get_thread_num() * a->work_floats, *q = E + RB * a->K, *kP = q + RB * a->D;
+        float *V = a->v ? kP + (a->K + PANEL - 1) / PANEL * PANEL * a->D : 0;
+        long from = a->K, item = (g / a->H) * a->row_stride;
+        for (long i = 0; i < a->n; i++) { /* the first key any row of the head may attend */
+            long s = a->start ? a->start[item + i] : 0;
+            from = s < from ? (s < 0 ? 0 : s) : from;
+        }
+        make_panels(HEAD(a, k, g), a->k_st, a->D, from, a->K, kP);
+        /* the head's values in a block of their own, from the first tile's key (E is 0 below a row's keys, and 0 times
+           an unwritten value may be NaN): rows a projection's stride apart (a multiple of 512 bytes, say) fall into a
+           few of L1's sets, and every group of rows reads them again */
+        for (long j = from - from % PANEL; V && j < a->K; j++) memcpy(V + j * a->Dv, HEAD(a, v, g) + j * a->v_st, a->Dv * 4);
+        for (long i0 = 0; i0 < a->n; i0 += RB)
+            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, kP, V);
     }
     return odd;
+}
+
+/* ------------------------------------------------------------------------------------------------------------------
+   A boolean mask's form, for the fused pass: rows of d bools (0/1 bytes; row r of item b at mask + b * s_item +
+   r * s_row, the keys contiguous; a stride of 0 repeats one row or item). Writes each row's first allowed key
+   (start), the key past its last (limit; d and d for a row that allows none), how many it allows (count), and keep,
+   the keys some row of the item allows. Returns 1 where every row allows exactly the keys of keep in [start, limit),
+   else 0 (start, limit, count and keep are written either way). */
+static void one_row(const uint8_t *restrict x, long d, int64_t *start, int64_t *limit, int64_t *count) {
+    long first = d, last = -1;
+    int32_t c = 0;
+#pragma omp simd reduction(min : first) reduction(max : last) reduction(+ : c)
+    for (long k = 0; k < d; k++) {
+        int on = x[k] != 0;
+        long f = on ? k : d, l = on ? k : -1;
+        first = f < first ? f : first;
+        last = l > last ? l : last;
+        c += on;
+    }
+    *start = last < 0 ? d : first;
+    *limit = last < 0 ? d : last + 1;
+    *count = c;
+}
+
+static int row_fits(const uint8_t *restrict x, const uint8_t *restrict keep, long d, long s, long l) {
+    int ok = 1;
+#pragma omp simd reduction(& : ok)
+    for (long k = 0; k < d; k++) ok &= (x[k] != 0) == ((keep[k] != 0) & (k >= s) & (k < l));
+    return ok;
+}
+
+long attnprobe_intervals(const uint8_t *mask, long items, long n, long d, long s_item, long s_row, int64_t *start,
+                         int64_t *limit, int64_t *count, uint8_t *keep, int threads) {
+    long fits = 1;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long i = 0; i < items * n; i++)
+            one_row(mask + (i / n) * s_item + (i % n) * s_row, d, start + i, limit + i, count + i);
+        long chunks = (d + 4095) / 4096;
+#pragma omp for schedule(static)
+        for (long t = 0; t < items * chunks; t++) { /* keep: the rows OR'ed (one row, where they all are one) */
+            long b = t / chunks, k0 = (t % chunks) * 4096, k1 = k0 + 4096 < d ? k0 + 4096 : d;
+            uint8_t *kb = keep + b * d;
+            memset(kb + k0, 0, k1 - k0);
+            for (long r = 0; r < (s_row ? n : 1); r++) {
+                const uint8_t *x = mask + b * s_item + r * s_row;
+#pragma omp simd
+                for (long k = k0; k < k1; k++) kb[k] |= x[k] != 0;
+            }
+        }
+#pragma omp for schedule(static) reduction(& : fits)
+        for (long i = 0; i < items * n; i++)
+            fits &= row_fits(mask + (i / n) * s_item + (i % n) * s_row, keep + (i / n) * d, d, start[i], limit[i]);
+    }
+    return fits;
 }

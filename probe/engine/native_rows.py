@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -27,6 +28,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -113,6 +115,8 @@ def _library() -> ctypes.CDLL | str:
         lib.attnprobe_row_pass.argtypes = _ARGTYPES
         lib.attnprobe_fused.restype = _LONG
         lib.attnprobe_fused.argtypes = [ctypes.POINTER(_FusedArgs)]
+        lib.attnprobe_intervals.restype = _LONG
+        lib.attnprobe_intervals.argtypes = [_P, *([_LONG] * 5), *([_P] * 4), ctypes.c_int]
         _self_check(lib)
     except (NativeUnavailable, OSError) as err:
         return str(err)
@@ -218,23 +222,52 @@ def _self_check(lib: ctypes.CDLL) -> None:
         and torch.allclose(col, (want / want.sum(-1, keepdim=True) * rw[..., None]).sum(-2), rtol=1e-5, atol=1e-7)
         and bool((i64[1] == 250).all())
     )
-    if not agree or not _fused_agrees(lib):
+    if not agree or not _fused_agrees(lib) or not _intervals_agree(lib):
         raise NativeUnavailable("the compiled row pass disagreed with torch's ops on its check (a miscompile)")
 
 
+def _intervals_agree(lib: ctypes.CDLL) -> bool:
+    """The mask scan against torch's ops: two items of 70 causal rows over 5,000 keys (chunks of keys and their tail)
+    in a window of 300, the second item's first 20 keys padding, 5 more cut from every row and one row empty; then a
+    hole in one row."""
+    key, own = torch.arange(5000), torch.arange(4930, 5000)[:, None]  # (key,), (query, 1)
+    allowed = ((key <= own) & (key > own - 300)).expand(2, 70, 5000).clone()  # (item, query, key)
+    allowed[1, :, :20], allowed[1, :, 4900:4905], allowed[1, 3] = False, False, False  # padding, a gap, an empty row
+    got = _intervals(lib, allowed)
+    some = allowed.any(-1)  # (item, query)
+    start = torch.where(some, allowed.to(torch.uint8).argmax(-1), 5000)
+    agree = (
+        got.fits
+        and torch.equal(got.start, start)
+        and torch.equal(got.limit, torch.where(some, own.view(1, 70) + 1, 5000))
+        and torch.equal(got.counts, allowed.sum(-1))
+        and torch.equal(got.keep, allowed.any(1))
+    )
+    allowed[0, 5, 4800] = False
+    return agree and not _intervals(lib, allowed).fits
+
+
 def _fused_agrees(lib: ctypes.CDLL) -> bool:
-    """The fused pass against torch's ops: 2 heads of 6 causal rows over 150 keys (vectors and their tails)."""
+    """The fused pass against torch's ops: 2 heads of 6 causal rows over 150 keys (vectors and their tails), in a
+    window of 40 keys (the tiles below it left out) with 5 keys of the second head's item padding."""
     g = torch.Generator().manual_seed(1)
     G, n, D, K, Dv = 2, 6, 20, 150, 40
     q, k, v = torch.randn(G, n, D, generator=g), torch.randn(G, K, D, generator=g), torch.randn(G, K, Dv, generator=g)
     limit = torch.arange(n) + K - n + 1  # (query,): causal, the last rows
-    s = (q @ k.transpose(1, 2)).masked_fill(torch.arange(K) >= limit[:, None], -torch.inf)  # (head, query, key)
+    keep = torch.ones(G, K, dtype=torch.bool)  # (item, key): one head per item
+    keep[1, 120:125] = False
+    key = torch.arange(K)
+    allowed = (key >= limit[:, None] - 40) & (key < limit[:, None]) & keep[:, None, :]  # (head, query, key)
+    s = (q @ k.transpose(1, 2)).masked_fill(~allowed, -torch.inf)  # (head, query, key)
     shift = torch.logsumexp(s * 0.6931471805599453, -1) * 1.4426950408889634  # (head, query) base 2
-    keys = FusedKeys.of(k, v=v, vmax=v.abs().amax(-1), first_key=torch.zeros(G).long())
+    # (item, head, key, d): the keys and values strided as a (key, head, d) projection's are
+    kv = torch.stack([k, v[..., :D]], 2).view(G, 1, K, 2, D)[..., 0, :]
+    keys = FusedKeys.of(kv, v=v.view(G, 1, K, Dv), vmax=v.abs().amax(-1), first_key=torch.zeros(G).long())
     gathered = (torch.zeros(G, n), torch.zeros(G, n), torch.zeros(G, n))
     got = _run_fused(
-        lib, q, keys, shift, limit=limit, diag=None, row_weight=torch.ones(G, n), K=K, threshold=1e-3, gathered=gathered
-    )
+        *(lib, (q / 2).view(G, 1, n, D), keys, shift), q_scale=2.0, start=limit - 40, limit=limit, keep=keep,
+        diag=None, row_weight=torch.ones(G, n), K=K, threshold=1e-3, gathered=gathered, poison=True,
+    )  # fmt: skip
     if got is None:
         return False
     rows, out = got
@@ -253,13 +286,17 @@ class _FusedArgs(ctypes.Structure):
     """``struct fused_args`` of ``native_rows.c``."""
 
     _fields_ = [
-        *((name, _P) for name in ("q", "kP", "v", "vmax", "shift", "limit", "keep")),
-        *((name, _LONG) for name in ("H", "keep_stride")),
+        *((name, _P) for name in ("q", "k", "v")),
+        *((name, _LONG) for name in ("q_sb", "q_sh", "q_st", "k_sb", "k_sh", "k_st", "v_sb", "v_sh", "v_st", "h")),
+        ("q_scale", ctypes.c_float),
+        *((name, _P) for name in ("vmax", "shift", "start", "limit", "keep")),
+        *((name, _LONG) for name in ("H", "keep_stride", "row_stride")),
         *((name, _P) for name in ("diag", "firstkey", "rw")),
         *((name, _LONG) for name in ("G", "n", "D", "Dv", "Tk", "K")),
         ("thr", ctypes.c_float),
         *((name, _P) for name in ("max", "sum", "min", "dot", "scale", "diag_e", "prev_e", "first_e")),
         *((name, _P) for name in ("arg", "finite", "first", "last", "out", "col", "work")),
+        ("work_floats", _LONG),
         ("threads", ctypes.c_int),
     ]
 
@@ -269,13 +306,13 @@ _PANEL = 64  # keys per panel of the fused pass's keys (``PANEL`` of native_rows
 
 @dataclass
 class FusedKeys:
-    """What the fused pass reads of a call's keys, made once per call (``of``): ``panels`` ``(heads, panels, d, 64)``
-    the keys in panels of 64, each transposed (zeros past the last key), ``keys`` how many there are, ``v``
-    ``(heads, keys, d_v)`` and ``vmax`` ``(heads, keys)`` (None without an output check), and ``first_key``
-    ``(heads,)`` the first key any row may attend; float32, contiguous."""
+    """What the fused pass reads of a call's keys, made once per call (``of``): ``k`` ``(batch, heads, keys, d)`` and
+    ``v`` ``(batch, heads, keys, d_v)`` (None without an output check), float32 with their last axis contiguous (the C
+    loop reads them through their strides, and each thread lays out the keys of the head it takes in panels of 64);
+    ``vmax`` ``(batch x heads, keys)`` (None without an output check) and ``first_key`` ``(batch x heads,)`` the first
+    key any row may attend, contiguous."""
 
-    panels: torch.Tensor
-    keys: int
+    k: torch.Tensor
     v: torch.Tensor | None
     vmax: torch.Tensor | None
     first_key: torch.Tensor
@@ -284,12 +321,52 @@ class FusedKeys:
     def of(
         cls, k: torch.Tensor, *, v: torch.Tensor | None, vmax: torch.Tensor | None, first_key: torch.Tensor
     ) -> FusedKeys:
-        """From ``k`` ``(heads, keys, d)``."""
-        G, Tk, D = k.shape
-        P = -(-Tk // _PANEL)
-        padded = torch.nn.functional.pad(k.to(torch.float32), (0, 0, 0, P * _PANEL - Tk))  # (heads, P * 64, d)
-        panels = padded.view(G, P, _PANEL, D).transpose(-1, -2).contiguous()  # (heads, P, d, 64)
-        return cls(panels=panels, keys=Tk, v=v, vmax=vmax, first_key=first_key)
+        """From ``k`` and ``v`` as they are (a copy only where not float32 or the last axis is strided)."""
+        return cls(k=_rows_of(k), v=None if v is None else _rows_of(v), vmax=vmax, first_key=first_key)
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(batch, heads, n, d)`` in float32 with ``d`` contiguous (a copy only where needed)."""
+    t = t.to(torch.float32)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: torch.Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if t is None else (t.stride(0), t.stride(1), t.stride(2))
+
+
+class Intervals(NamedTuple):
+    """A boolean mask ``(items, n, d)`` read row by row (``intervals``): ``start`` and ``limit`` ``(items, n)`` each
+    row's first allowed key and the key past its last (``d`` and ``d``: a row that allows none), ``counts`` ``(items,
+    n)`` how many keys it allows, ``keep`` ``(items, d)`` the keys some row of the item allows, and ``fits``: whether
+    every row allows exactly the keys of ``keep`` in ``[start, limit)``."""
+
+    start: torch.Tensor
+    limit: torch.Tensor
+    counts: torch.Tensor
+    keep: torch.Tensor
+    fits: bool
+
+
+def intervals(allowed: torch.Tensor) -> Intervals | None:
+    """``allowed`` ``(items, n, d)`` bool (any strides; a copy where the keys are not contiguous) in two passes of one
+    C loop per row; None without the library."""
+    lib = _library()
+    return None if isinstance(lib, str) else _intervals(lib, allowed)
+
+
+def _intervals(lib: ctypes.CDLL, allowed: torch.Tensor) -> Intervals:
+    if allowed.stride(-1) != 1:
+        allowed = allowed.contiguous()
+    items, n, d = allowed.shape
+    start, limit, count = (torch.empty(items, n, dtype=torch.int64) for _ in range(3))
+    keep = torch.empty(items, d, dtype=torch.bool)
+    fits = lib.attnprobe_intervals(
+        *(allowed.data_ptr(), items, n, d, allowed.stride(0), allowed.stride(1)),
+        *(t.data_ptr() for t in (start, limit, count, keep)),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return Intervals(start, limit, count, keep, bool(fits))
 
 
 def fused(*args, **kwargs) -> tuple[RowPass, torch.Tensor | None] | None:
@@ -304,6 +381,7 @@ def _run_fused(
     keys: FusedKeys,
     shift: torch.Tensor,
     *,
+    q_scale: float,
     limit: torch.Tensor | None,
     diag: torch.Tensor | None,
     row_weight: torch.Tensor,
@@ -311,32 +389,44 @@ def _run_fused(
     threshold: float,
     gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     keep: torch.Tensor | None = None,
+    start: torch.Tensor | None = None,
+    poison: bool = False,
 ) -> tuple[RowPass, torch.Tensor | None] | None:
-    """``q @ k``, the row pass and ``e @ v`` of rows ``q`` ``(heads, n, d)`` (times the scaling and log2(e)) over
-    keys ``0:K``, in tiles that stay in the cache; ``shift`` ``(heads, n)`` the kernel's lse (base 2); ``limit``
-    ``(n,)`` the first key each row may not attend (None: none); ``diag`` ``(n,)`` each row's own key (None: none);
-    ``keep`` ``(1 or batch, K)`` bool, False at keys no row of the batch item may attend (padding; None: none), the
-    heads of ``q`` being ``batch x heads``.
-    Writes ``e`` at the row's own key, the one before it and the first key into ``gathered`` (``(heads, n)`` each,
-    where those keys lie below ``K``). Returns the row sums (the threshold times each row's sum; per-key sums of
-    ``e / sum e`` times ``row_weight``) and ``sum e * v`` ``(heads, n, d_v)``; None where a row holds a NaN or +inf
-    logit."""
-    G, n, D = q.shape
+    """``q @ k``, the row pass and ``e @ v`` of rows ``q`` ``(batch, heads, n, d)`` (times ``q_scale``: the scaling
+    and log2(e)) over keys ``0:K``, in tiles that stay in the cache; ``shift`` ``(batch x heads, n)`` the kernel's lse
+    (base 2); ``start`` and ``limit`` ``(n,)`` or ``(batch, n)`` (both the same), the first key each row may attend
+    and the first past those (None: 0, K); ``diag`` ``(n,)`` each row's own key (None: none); ``keep`` ``(1 or
+    batch, K)`` bool, False at keys no row of the batch item may attend (padding; None: none).
+    Writes ``e`` at the row's own key, the one before it and the first key into ``gathered`` (``(batch x heads, n)``
+    each, where those keys lie below ``K``). Returns the row sums (the threshold times each row's sum; per-key sums of
+    ``e / sum e`` times ``row_weight``) and ``sum e * v`` ``(batch x heads, n, d_v)``; None where a row holds a NaN or
+    +inf logit. ``poison``: the C loop's scratch memory starts as NaN (the self-check: nothing unwritten is read)."""
+    q = _rows_of(q)
+    B, h, n, D = q.shape
+    G, Tk, Dv = B * h, keys.k.shape[2], 0 if keys.v is None else keys.v.shape[-1]
     f32 = [torch.empty(G, n) for _ in range(5)]  # max, sum, min, dot, scale
     i64 = [torch.empty(G, n, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
-    out = None if keys.v is None else torch.empty(G, n, keys.v.shape[-1])  # (heads, n, d_v)
-    col = torch.zeros(G, K)  # (heads, key)
+    out = None if keys.v is None else torch.empty(G, n, Dv)  # (batch x heads, n, d_v)
+    col = torch.zeros(G, K)  # (batch x heads, key)
     threads = torch.get_num_threads()
-    work = torch.empty(threads * 4 * max(K, 1))  # RB rows of weights per thread
+    # E, q (RB = 4 rows), the head's panels and values
+    per_thread = 4 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + K * Dv
+    work = torch.full((threads * per_thread,), math.nan) if poison else torch.empty(threads * per_thread)
     rw = row_weight.to(torch.float32).contiguous()
     keep8 = None if keep is None else keep.to(torch.uint8).contiguous()  # (1 or batch, K)
-    H = G if keep8 is None else G // keep8.shape[0]  # heads per batch item (all of them: one row for every item)
+    start, limit = (None if t is None else t.to(torch.int64).contiguous() for t in (start, limit))  # (1 or batch, n)
+    per_item = any(t is not None and t.numel() > n for t in (start, limit))  # else one set of rows for every item
+    items = max([1] + [t.numel() // m for t, m in ((keep8, K), (start, n), (limit, n)) if t is not None])
+    assert G % items == 0, (G, items)
     args = _FusedArgs(
-        *(_ptr(t) for t in (q, keys.panels, keys.v, keys.vmax, shift, limit, keep8)), H, K,
+        *(_ptr(t) for t in (q, keys.k, keys.v)),
+        *_strides(q), *_strides(keys.k), *_strides(keys.v), h, q_scale,
+        *(_ptr(t) for t in (keys.vmax, shift, start, limit, keep8)),
+        G // items, 0 if keep8 is None or keep8.shape[0] == 1 else K, n if per_item else 0,
         *(_ptr(t) for t in (diag, keys.first_key, rw)),
-        G, n, D, 0 if keys.v is None else keys.v.shape[-1], keys.keys, K, threshold,
+        G, n, D, Dv, Tk, K, threshold,
         *(t.data_ptr() for t in (f32[0], f32[1], f32[2], f32[3], f32[4], *gathered)),
-        *(t.data_ptr() for t in i64), _ptr(out), col.data_ptr(), work.data_ptr(), threads,
+        *(t.data_ptr() for t in i64), _ptr(out), col.data_ptr(), work.data_ptr(), per_thread, threads,
     )  # fmt: skip
     if lib.attnprobe_fused(ctypes.byref(args)):
         return None

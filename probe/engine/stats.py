@@ -243,6 +243,20 @@ def attendable_keys(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     return seen, seen.to(torch.uint8).argmax(-1, keepdim=True)
 
 
+class _FusedMask(NamedTuple):
+    """A block's mask as the fused pass takes it: ``start`` and ``limit`` ``(batch or 1, query)`` (``limit`` also
+    ``(query,)``: a causal mask alone), the first key each row may attend and the first past those (None: 0, every
+    key); ``keep`` ``(batch or 1, key)`` the keys some row of each batch item may attend (None: every key);
+    ``allowed`` the block's mask (None: the causal limit alone)."""
+
+    start: torch.Tensor | None
+    limit: torch.Tensor | None
+    keep: torch.Tensor | None
+    allowed: torch.Tensor | None
+    read: native_rows.Intervals | None
+    """The mask read row by row (None: no mask)."""
+
+
 @dataclass(frozen=True)
 class _RowBlock:
     """Query rows ``a:b`` of the call: what every key block of theirs reads."""
@@ -627,6 +641,24 @@ class _Engine:
         hidden = (sums.allowed_keys - before) != got.finite  # (batch, head, query)
         return torch.where(hidden, math.nan, got.dot)
 
+    def _count_intervals(self, sums: _RowSums, rows: _RowBlock, d: int, read: native_rows.Intervals) -> torch.Tensor:
+        """``_count_allowed`` for keys ``0:d`` from the mask as ``native_rows.intervals`` read it (each row's first and
+        last allowed key and their count; ``keep``, what some row of the item allows); returns the counts, ``(batch or
+        1, 1, query)``."""
+        n = rows.b - rows.a
+        count = read.counts.view(-1, 1, n)  # (batch or 1, 1, query)
+        sums.allowed_keys += count
+        some = count > 0
+        sums.first_allowed = torch.minimum(sums.first_allowed, torch.where(some, read.start.view(-1, 1, n), self.Tk))
+        sums.last_allowed = torch.maximum(sums.last_allowed, torch.where(some, read.limit.view(-1, 1, n) - 1, -1))
+        self.key_allowed[..., :d] |= read.keep.view(-1, 1, d)
+        if rows.diag is not None:  # (query,): the row's own key, allowed where inside its interval and kept
+            diag = rows.diag.view(1, n)
+            kept = read.keep.gather(1, diag.clamp(0, d - 1).expand(read.keep.shape[0], n))  # (batch or 1, query)
+            own = kept & (diag >= read.start) & (diag < read.limit) & (diag >= 0) & (diag < d)
+            sums.diag_allowed |= own.view(-1, 1, n)
+        return count
+
     def _forbidden(self, rows: _RowBlock, c: int, d: int) -> _Forbidden:
         """Where rows may not attend among keys ``c:d``: the call's mask, or the tile of keys later than some row's
         own position (a causal mask alone), or nowhere."""
@@ -817,36 +849,34 @@ class _Engine:
         plain = not masked and call.bias is None and call.softcap is None and call.score_mod is None
         return plain and self.pool is None and self.key_set is None
 
-    def _fused_mask(
-        self, rows: _RowBlock, d: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None:
-        """The block's mask as the fused pass takes it, ``(limit, keep, allowed)``: ``limit`` ``(query,)`` the first
-        key each row may not attend (None: every key), ``keep`` ``(batch or 1, key)`` the keys some row of each batch
-        item may attend (None: every key), ``allowed`` the block's mask, for the counts (None: the causal limit alone).
-        None where the call's boolean mask is not of that form (a mask per head, rows of one item cut where another
-        item's are not): it is compared whole with the form before the pass takes it."""
+    def _fused_mask(self, rows: _RowBlock, d: int) -> _FusedMask | None:
+        """The block's mask as the fused pass takes it (``_FusedMask``): an interval of keys for each row of each
+        batch item (causal, a sliding window, packed documents) and keys no row of the item may attend (padding).
+        None where the call's boolean mask is not of that form (a mask per head, a hole inside one row's interval
+        that other rows of its item attend): every row is compared whole with the form before the pass takes it
+        (``native_rows.intervals``: two passes of one C loop a row over the mask, the counts of ``_count_allowed``
+        on the way)."""
         call = self.call
         if call.mask is None:
-            return (rows.positions + call.causal_offset + 1 if call.causal else None), None, None
+            return _FusedMask(None, rows.positions + call.causal_offset + 1 if call.causal else None, None, None, None)
         allowed = call.allowed(rows.a, rows.b, 0, d)  # (batch or 1, 1 or head, query, key)
         if allowed is None or allowed.shape[1] != 1:
             return None
         a = allowed[:, 0].expand(allowed.shape[0], rows.b - rows.a, d)  # (batch or 1, query, key): a row for each
-        keep = a.any(1)  # (batch or 1, key)
-        reach = a.any(0)  # (query, key): keys the row may attend in some item
-        limit = torch.where(reach.any(-1), _last_true(reach) + 1, 0)  # (query,)
-        keys = torch.arange(d, device=self.device)
-        if not torch.equal(keep[:, None, :] & (keys < limit[:, None]), a):  # (batch or 1, query, key)
+        got = native_rows.intervals(a)
+        if got is None or not got.fits:
             return None
-        return limit, keep, allowed
+        # the intervals alone where no key inside one is cut (padding at either end is one)
+        inner = bool((got.counts == got.limit - got.start).all())
+        return _FusedMask(got.start, got.limit, None if inner else got.keep, allowed, got)
 
     def _fused_keys_of(self) -> native_rows.FusedKeys:
         if self._fused_keys is None:
             G, f32 = self.B * self.h, torch.float32
             obs = self.observed
             self._fused_keys = native_rows.FusedKeys.of(
-                self.call.k.reshape(G, self.Tk, -1),  # (heads, key, d)
-                v=None if obs is None else obs.v.to(f32).reshape(G, self.Tk, -1).contiguous(),  # (heads, key, d_v)
+                self.call.k,  # (batch, head, key, d): read through its strides
+                v=None if obs is None else obs.v,  # (batch, head, key, d_v)
                 vmax=None if obs is None else obs.v_max.to(f32).reshape(G, self.Tk).contiguous(),  # (heads, key)
                 first_key=self.first_key.expand(self.B, self.h, 1).reshape(G).contiguous(),  # (heads,)
             )
@@ -860,23 +890,23 @@ class _Engine:
         masked = self._fused_mask(rows, d)
         if masked is None:
             return False
-        limit, keep, allowed = masked  # (query,), (batch or 1, key), (batch or 1, 1, query, key)
-        q = call.q[:, :, rows.a : rows.b].to(torch.float32) * (call.scaling * _LOG2E)  # (batch, head, query, d)
         real = rows.counted.view(B, 1, n).expand(B, h, n)  # (batch, head, query): the rows that count in key_weight
         # (heads, query) each: e at the row's own key, the one before it and the first key, where in reach; copies, so
         # that a refused block adds nothing
         gathered = tuple(t.reshape(B * h, n).clone() for t in (sums.diag_e, sums.prev_e, sums.first_e))
         got = native_rows.fused(
-            q.reshape(B * h, n, -1).contiguous(),
+            call.q[:, :, rows.a : rows.b],  # (batch, head, query, d): read through its strides
             self._fused_keys_of(),
             sweep.lse2.reshape(B * h, n).contiguous(),
-            limit=None if limit is None else limit.to(torch.int64).contiguous(),
+            q_scale=call.scaling * _LOG2E,
+            start=masked.start,
+            limit=masked.limit,
             diag=None if rows.diag is None else rows.diag.to(torch.int64).contiguous(),
             row_weight=real.reshape(B * h, n),
             K=d,
             threshold=WEIGHT_THRESHOLD,
             gathered=gathered,
-            keep=keep,
+            keep=masked.keep,
         )
         if got is None:
             return False
@@ -888,7 +918,12 @@ class _Engine:
         sweep.best_key, sweep.best = view["arg"], view["max"]
         sums.sum_e, sums.min_e = view["sum"], view["min"]
         finite = replace(found, finite=view["finite"], dot=view["dot"])
-        sums.dot = self._native_counts(sums, rows, 0, d, _Forbidden(allowed=allowed, forbidden=None, cut=0), finite)
+        if masked.read is None:
+            forbidden = _Forbidden(allowed=masked.allowed, forbidden=None, cut=0)
+            sums.dot = self._native_counts(sums, rows, 0, d, forbidden, finite)
+        else:
+            count = self._count_intervals(sums, rows, d, masked.read)  # (batch or 1, 1, query)
+            sums.dot = torch.where(count != finite.finite, math.nan, finite.dot)  # as _native_counts
         self._fold_found(sums, found.first.view(B, h, n), found.last.view(B, h, n), 0)
         assert found.col is not None
         self.key_weight[..., :d] += found.col.view(B, h, d)
