@@ -15,9 +15,10 @@ run's own):
    difference from the observed output: entropy, max_weight, row_sum_error, max_score and output_error, and
    nothing else). No implementation of the whole list on torch's ops can cost less than this floor.
 
-Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5] [--threads N] [--engine E]``
-(``--engine``: the captures' ``stats_engine``, ``auto`` by default; ``torch`` for torch's ops alone, ``native`` for
-the native row pass). Timings are
+Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5] [--threads N] [--engine E]
+[--window W]`` (``--engine``: the captures' ``stats_engine``, ``auto`` by default; ``torch`` for torch's ops alone,
+``native`` for the native row pass; ``--window``: the long runs on a Mistral of the same shapes attending a sliding
+window of ``W`` keys, which transformers' sdpa passes as a boolean mask). Timings are
 noisy on a shared machine: compare only the ratios of one run. On a machine others are using, ``--threads 1`` keeps
 torch's thread pool from waiting on busy cores (every op of the engine would pay for it); CPU seconds are printed
 beside wall seconds.
@@ -34,12 +35,14 @@ import sys
 import time
 
 
-def _llama(T: int):
+def _llama(T: int, window: int | None = None):
+    """The tiny Llama, or with ``window`` the same shapes as a Mistral attending a sliding window of that many keys
+    (transformers' sdpa then passes a (query x key) boolean mask)."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    shapes = dict(
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=4,
@@ -48,13 +51,20 @@ def _llama(T: int):
         vocab_size=1000,
         max_position_embeddings=max(T, 2048),
     )
-    model = transformers.LlamaModel._from_config(config, attn_implementation="sdpa").eval()
+    if window:
+        config = transformers.MistralConfig(**shapes, sliding_window=window)
+        model = transformers.MistralModel._from_config(config, attn_implementation="sdpa").eval()
+    else:
+        model = transformers.LlamaModel._from_config(transformers.LlamaConfig(**shapes), attn_implementation="sdpa")
+    model = model.eval()
     ids = torch.randint(0, 1000, (1, T), generator=torch.Generator().manual_seed(1))
     return model, ids
 
 
 #: The captures' ``stats_engine`` (``--engine``).
 ENGINE = "auto"
+#: The sliding window (``--window``; None: none).
+WINDOW: int | None = None
 
 
 def one(mode: str, T: int, threads: int | None = None) -> dict:
@@ -67,7 +77,7 @@ def one(mode: str, T: int, threads: int | None = None) -> dict:
 
     if threads:
         torch.set_num_threads(threads)
-    model, ids = _llama(T)
+    model, ids = _llama(T, WINDOW)
     start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         if mode == "plain":
@@ -91,7 +101,8 @@ def one(mode: str, T: int, threads: int | None = None) -> dict:
 def measure(mode: str, T: int, threads: int | None = None) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--one", mode, str(T), "--engine", ENGINE]
-        + (["--threads", str(threads)] if threads else []),
+        + (["--threads", str(threads)] if threads else [])
+        + (["--window", str(WINDOW)] if WINDOW else []),
         capture_output=True,
         text=True,
         check=True,
@@ -207,9 +218,12 @@ def main() -> None:
     parser.add_argument("--skip-minilm", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--engine", default="auto", choices=["auto", "torch", "native"], help="the stats_engine")
+    parser.add_argument(
+        "--window", type=int, default=None, help="a Mistral of the same shapes with this sliding window (the long runs)"
+    )
     args = parser.parse_args()
-    global ENGINE
-    ENGINE = args.engine
+    global ENGINE, WINDOW
+    ENGINE, WINDOW = args.engine, args.window
     if args.one:
         print(json.dumps(one(args.one[0], int(args.one[1]), args.threads)))
         return
@@ -225,7 +239,7 @@ def main() -> None:
     )
     print(
         "tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads), batch 1, each run in its own process; "
-        f"stats_engine={ENGINE!r}"
+        f"stats_engine={ENGINE!r}" + (f"; as a Mistral with a sliding window of {WINDOW} keys" if WINDOW else "")
     )
     print(
         f"{'T':>6}  {'plain s':>8}  {'stats s':>8}  {'time x':>6}  {'cpu x':>6}  {'plain RSS':>10}  "
