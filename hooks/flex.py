@@ -11,7 +11,10 @@ kernel applies it (``hooks/hf/kernels.py``: full blocks whole, partial blocks wh
 at all; no mask: every key); the scores from q and k, scaled, then changed by its ``score_mod``, which attnprobe
 calls under ``torch.vmap`` on the recomputed logits, as flex does. A ``score_mod`` that cannot be called so (it reads
 tensor values on the host, say) leaves the record without scores and weights, and ``meta["scores_unavailable"]``
-and a warning say why. Statistics (``keep=("stats",)``) read the mask and the scores block by block.
+and a warning say why. Statistics (``keep=("stats",)``) read the mask and the scores block by block; where the model
+asked flex for each row's logsumexp (``return_lse=True``, or ``return_aux=AuxRequest(lse=True)``), they take it
+(``AttentionCall.lse``) and need no pass to find each row's normaliser. attnprobe never asks for it itself: the call
+runs as the model wrote it.
 
 Read in eager code only: a module compiled with ``torch.compile`` is named in a warning and left out (capture
 ``compiled._orig_mod``).
@@ -101,12 +104,23 @@ def _wrapper(fn: Callable) -> Callable:
         if running:
             token = shared_token(running[-1], "flex-call")
             if listening(token):
-                out = result[0] if isinstance(result, tuple) else result
-                deliver(token, "call", [query, key, value, out, block_mask, score_mod], [number(scale)])
+                out, lse = _output_and_lse(result)
+                deliver(token, "call", [query, key, value, out, block_mask, score_mod, lse], [number(scale)])
         return result
 
     attnprobe_flex.__wrapped__ = fn  # type: ignore[attr-defined]
     return attnprobe_flex
+
+
+def _output_and_lse(result) -> tuple:
+    """The output of a flex call and each row's logsumexp where the caller asked for it (``return_lse=True``: the
+    tuple's second tensor; ``return_aux=AuxRequest(lse=True)``: its ``lse``), else None: read from what the call
+    returned, never asked for."""
+    if not isinstance(result, tuple):
+        return result, None
+    extra = result[1] if len(result) > 1 else None
+    lse = extra if isinstance(extra, torch.Tensor) else getattr(extra, "lse", None)
+    return result[0], lse if isinstance(lse, torch.Tensor) else None
 
 
 class FlexAdapter(Adapter):
@@ -161,7 +175,8 @@ def _leave(module: nn.Module, args, output) -> None:
 @dataclass(frozen=True)
 class _FlexCall:
     """One flex call: q ``(batch, head, query, d)``, k/v ``(batch, kv_head, key, d)``, its output ``(batch, head,
-    query, d_v)``, BlockMask and score_mod (None: none given), and the scale (None: ``1 / sqrt(d)``)."""
+    query, d_v)``, BlockMask and score_mod (None: none given), the scale (None: ``1 / sqrt(d)``), and each row's
+    logsumexp ``(batch, head, query)`` where the caller asked flex for it (None: not asked)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -170,6 +185,7 @@ class _FlexCall:
     block_mask: object
     score_mod: Callable | None
     scale: float
+    lse: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -185,10 +201,12 @@ class _Recorder:
     def receive(self, event: str, tensors: list, numbers: list) -> None:
         if not self.site.selected or elsewhere(self.session.thread):
             return
-        q, k, v, out, block_mask, score_mod = tensors
+        q, k, v, out, block_mask, score_mod, lse = tensors
         scale = value_of(numbers[0])
         scale = q.shape[-1] ** -0.5 if scale is None else scale  # flex's default
-        call = _FlexCall(q, k, v, out if isinstance(out, torch.Tensor) else None, block_mask, score_mod, float(scale))
+        out = out if isinstance(out, torch.Tensor) else None
+        lse = lse if isinstance(lse, torch.Tensor) and lse.shape == q.shape[:3] else None  # (batch, head, query)
+        call = _FlexCall(q, k, v, out, block_mask, score_mod, float(scale), lse)
         site = self.site
         if site.num_heads != q.shape[1] or site.num_kv_heads != k.shape[1]:
             site.num_heads, site.num_kv_heads = q.shape[1], k.shape[1]
@@ -226,6 +244,7 @@ class _Recorder:
                     mask=mask,
                     score_mod=scores,
                     output=call.out,
+                    lse=call.lse,
                     scaling=call.scale,
                 )
         identified = {"q", "k", "v", "allowed"} | ({"output"} if call.out is not None else set())

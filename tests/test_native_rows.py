@@ -167,8 +167,8 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
 def _mask(kind: str, B: int, Tq: int, keys: int) -> torch.Tensor | None:
     """``(batch, 1, query, key)`` bool, as transformers' sdpa masks come: key padding (the first item's last 30 keys,
     the second's first 20), alone (also as one row for every query) or with the causal triangle folded in; a causal
-    sliding window of 48 keys (with the padding too); packed documents, causal inside each and cut elsewhere in each
-    item; or an irregular one (one row of one item with a hole its item's other rows attend), which is not of the
+    sliding window of 48 keys (with the padding too), or of another size in each of the 3 heads; packed documents,
+    causal inside each and cut elsewhere in each item; or an irregular one (one row of one item with a hole its item's other rows attend), which is not of the
     fused pass's form. Query ``i`` sits at key ``i + keys - Tq``."""
     if kind in ("none", "causal"):
         return None
@@ -189,6 +189,9 @@ def _mask(kind: str, B: int, Tq: int, keys: int) -> torch.Tensor | None:
         document = [torch.bucketize(torch.arange(keys), b, right=True) for b in starts]  # (key,) each
         same = torch.stack([doc[own.squeeze(1)][:, None] == doc[None, :] for doc in document])  # (batch, query, key)
         allowed = (same & (key <= own))[:, None]
+    if kind == "window-per-head":  # head i: a causal window of 16 (i + 2) keys, and the padding
+        windows = torch.tensor([32, 48, 64]).view(1, 3, 1, 1)
+        return allowed & (key <= own) & (key > own - windows)  # (batch, head, query, key)
     if kind == "irregular":
         allowed[0, 0, 5, 100:110] = False
     return allowed
@@ -203,6 +206,7 @@ FUSED_MASKS = [
     "window",
     "window+padding",
     "documents",
+    "window-per-head",
 ]
 
 

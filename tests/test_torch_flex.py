@@ -7,9 +7,11 @@ from __future__ import annotations
 import flex_helpers
 import pytest
 import torch
+from test_stats_lse import assert_close_to
 from torch import nn
 
 import attnprobe
+from attnprobe.probe.engine import native_rows
 
 pytestmark = flex_helpers.FLEX_SKIP
 
@@ -147,3 +149,64 @@ def test_a_score_mod_attnprobe_cannot_call_leaves_no_scores_and_says_why(monkeyp
     r = cap[0]
     assert torch.equal(plain, out) and r.weights is None and r.scores is None and r.weights_source == "none"
     assert "host" in r.meta["scores_unavailable"] and r.allowed is not None and r.output is not None
+
+
+class AsksForTheLse(nn.Module):
+    """One flex call that asks for each row's logsumexp (``return_lse=True``, or ``return_aux=AuxRequest(lse=True)``
+    on torches that have it) and uses it, as a model that adds attention sinks would; ``ask=None``: asks nothing."""
+
+    def __init__(self, ask: str | None) -> None:
+        super().__init__()
+        self.qkv, self.ask = nn.Linear(16, 3 * H * D), ask
+
+    def forward(self, x, block_mask=None):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, D).permute(2, 0, 3, 1, 4)  # (batch, head, query, d) each
+        if self.ask is None:
+            return flex_attention(q, k, v, block_mask=block_mask), None
+        if self.ask == "return_lse":
+            out, lse = flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+        else:
+            out, aux = flex_attention(
+                q, k, v, block_mask=block_mask, return_aux=flex_attention_module.AuxRequest(lse=True)
+            )
+            lse = aux.lse
+        return out, lse
+
+
+@pytest.mark.filterwarnings("ignore:return_lse is deprecated:FutureWarning")
+@pytest.mark.parametrize("ask", ["return_lse", "return_aux"])
+def test_the_lse_a_model_asks_flex_for_serves_the_statistics(ask, monkeypatch, assert_no_hooks):
+    """A model that asks flex for the lse: the statistics take it (one sweep, no pass for each row's normaliser; the
+    fused pass, where it is built, reading the BlockMask's rows as intervals) and equal those of the same call
+    without it; the outputs and the lse the model gets are the uncaptured run's. A
+    model that does not ask gets no lse from attnprobe: its call runs as written."""
+    if ask == "return_aux" and not hasattr(flex_attention_module, "AuxRequest"):
+        pytest.skip("this torch's flex_attention has no return_aux")
+    from attnprobe.probe.engine import stats as engine
+
+    swept, fused = [], []
+    real, real_fused = engine._Engine._with_lse, engine._Engine._lse_block_fused
+    monkeypatch.setattr(engine._Engine, "_with_lse", lambda self, *a: swept.append(1) or real(self, *a))
+
+    def counted(self, *args):
+        fused.append(real_fused(self, *args))
+        return fused[-1]
+
+    monkeypatch.setattr(engine._Engine, "_lse_block_fused", counted)
+    torch.manual_seed(0)
+    model, x = AsksForTheLse(ask).eval(), torch.randn(B, T, 16)
+    causal = create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device="cpu", BLOCK_SIZE=4, _compile=False)
+    with torch.no_grad():
+        plain = model(x, causal)
+        with attnprobe.capture(model, keep=("stats",)) as cap:
+            got = model(x, causal)
+        assert len(swept) == 1 and all(torch.equal(a, b) for a, b in zip(plain, got))
+        assert fused == ([True] if native_rows.available() else [])  # the BlockMask read as intervals: the fused pass
+        model.ask = None
+        with attnprobe.capture(model, keep=("stats",)) as without:
+            model(x, causal)
+    assert len(swept) == 1  # no lse asked for: none taken
+    assert_close_to(cap[0].stats, without[0].stats, atol=1e-5)
+    assert float(cap[0].stats["row_sum_error"].max()) < 1e-5
+    assert_no_hooks(model)

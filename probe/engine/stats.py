@@ -244,9 +244,10 @@ def attendable_keys(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _FusedMask(NamedTuple):
-    """A block's mask as the fused pass takes it: ``start`` and ``limit`` ``(batch or 1, query)`` (``limit`` also
+    """A block's mask as the fused pass takes it: ``start`` and ``limit`` ``(items, query)`` (``limit`` also
     ``(query,)``: a causal mask alone), the first key each row may attend and the first past those (None: 0, every
-    key); ``keep`` ``(batch or 1, key)`` the keys some row of each batch item may attend (None: every key);
+    key), items being the batch items (or one for all), or the batch items' heads (a mask per head); ``keep``
+    ``(items, key)`` the keys some row of each item may attend (None: every key);
     ``allowed`` the block's mask (None: the causal limit alone)."""
 
     start: torch.Tensor | None
@@ -643,20 +644,22 @@ class _Engine:
 
     def _count_intervals(self, sums: _RowSums, rows: _RowBlock, d: int, read: native_rows.Intervals) -> torch.Tensor:
         """``_count_allowed`` for keys ``0:d`` from the mask as ``native_rows.intervals`` read it (each row's first and
-        last allowed key and their count; ``keep``, what some row of the item allows); returns the counts, ``(batch or
-        1, 1, query)``."""
-        n = rows.b - rows.a
-        count = read.counts.view(-1, 1, n)  # (batch or 1, 1, query)
+        last allowed key and their count; ``keep``, what some row of the item allows; items of a batch item each, or of
+        a batch item and head each); returns the counts, ``(batch or 1, 1 or head, query)``."""
+        n, items = rows.b - rows.a, read.counts.shape[0]
+        heads = self.h if items == self.B * self.h and items > self.B else 1  # a mask per head: (batch x head) items
+        count = read.counts.view(-1, heads, n)  # (batch or 1, 1 or head, query)
         sums.allowed_keys += count
         some = count > 0
-        sums.first_allowed = torch.minimum(sums.first_allowed, torch.where(some, read.start.view(-1, 1, n), self.Tk))
-        sums.last_allowed = torch.maximum(sums.last_allowed, torch.where(some, read.limit.view(-1, 1, n) - 1, -1))
-        self.key_allowed[..., :d] |= read.keep.view(-1, 1, d)
+        start, limit = read.start.view(-1, heads, n), read.limit.view(-1, heads, n)
+        sums.first_allowed = torch.minimum(sums.first_allowed, torch.where(some, start, self.Tk))
+        sums.last_allowed = torch.maximum(sums.last_allowed, torch.where(some, limit - 1, -1))
+        self.key_allowed[..., :d] |= read.keep.view(-1, heads, d)
         if rows.diag is not None:  # (query,): the row's own key, allowed where inside its interval and kept
             diag = rows.diag.view(1, n)
-            kept = read.keep.gather(1, diag.clamp(0, d - 1).expand(read.keep.shape[0], n))  # (batch or 1, query)
+            kept = read.keep.gather(1, diag.clamp(0, d - 1).expand(items, n))  # (items, query)
             own = kept & (diag >= read.start) & (diag < read.limit) & (diag >= 0) & (diag < d)
-            sums.diag_allowed |= own.view(-1, 1, n)
+            sums.diag_allowed |= own.view(-1, heads, n)
         return count
 
     def _forbidden(self, rows: _RowBlock, c: int, d: int) -> _Forbidden:
@@ -842,27 +845,32 @@ class _Engine:
 
     def _fusable(self) -> bool:
         """Whether the fused pass may take this call's blocks: plain logits (no bias, softcapping or score_mod; no
-        mask but a causal one or a boolean one, whose form each block checks: ``_fused_mask``), no overview, no key
-        set."""
-        call = self.call
-        masked = call.mask is not None and not (isinstance(call.mask, torch.Tensor) and call.mask.dtype == torch.bool)
-        plain = not masked and call.bias is None and call.softcap is None and call.score_mod is None
+        mask but a causal one, a boolean one or a mask function such as flex's BlockMask, whose form each block checks:
+        ``_fused_mask``), no overview, no key set."""
+        call, mask = self.call, self.call.mask
+        boolean = mask is None or callable(mask) or (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool)
+        plain = boolean and call.bias is None and call.softcap is None and call.score_mod is None
         return plain and self.pool is None and self.key_set is None
 
     def _fused_mask(self, rows: _RowBlock, d: int) -> _FusedMask | None:
         """The block's mask as the fused pass takes it (``_FusedMask``): an interval of keys for each row of each
         batch item (causal, a sliding window, packed documents) and keys no row of the item may attend (padding).
-        None where the call's boolean mask is not of that form (a mask per head, a hole inside one row's interval
-        that other rows of its item attend): every row is compared whole with the form before the pass takes it
+        A mask per head is read per batch item and head. None where the call's boolean mask is not of that form (a
+        hole inside one row's interval that other rows of its item attend): every row is compared whole with the
+        form before the pass takes it
         (``native_rows.intervals``: two passes of one C loop a row over the mask, the counts of ``_count_allowed``
         on the way)."""
         call = self.call
         if call.mask is None:
             return _FusedMask(None, rows.positions + call.causal_offset + 1 if call.causal else None, None, None, None)
         allowed = call.allowed(rows.a, rows.b, 0, d)  # (batch or 1, 1 or head, query, key)
-        if allowed is None or allowed.shape[1] != 1:
+        if allowed is None:
             return None
-        a = allowed[:, 0].expand(allowed.shape[0], rows.b - rows.a, d)  # (batch or 1, query, key): a row for each
+        n, per_head = rows.b - rows.a, allowed.shape[1] > 1
+        if per_head:  # (batch x head, query, key): a mask per head is one per batch item and head (a copy if need be)
+            a = allowed.expand(self.B, self.h, n, d).reshape(self.B * self.h, n, d)
+        else:  # (batch or 1, query, key): a row for each
+            a = allowed[:, 0].expand(allowed.shape[0], n, d)
         got = native_rows.intervals(a)
         if got is None or not got.fits:
             return None
