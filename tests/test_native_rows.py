@@ -168,8 +168,8 @@ def _mask(kind: str, B: int, Tq: int, keys: int) -> torch.Tensor | None:
     """``(batch, 1, query, key)`` bool, as transformers' sdpa masks come: key padding (the first item's last 30 keys,
     the second's first 20), alone (also as one row for every query) or with the causal triangle folded in; a causal
     sliding window of 48 keys (with the padding too), or of another size in each of the 3 heads; packed documents,
-    causal inside each and cut elsewhere in each item; or an irregular one (one row of one item with a hole its item's other rows attend), which is not of the
-    fused pass's form. Query ``i`` sits at key ``i + keys - Tq``."""
+    causal inside each and cut elsewhere in each item; or an irregular one (one row of one item with a hole its
+    item's other rows attend), which is not of the fused pass's form. Query ``i`` sits at key ``i + keys - Tq``."""
     if kind in ("none", "causal"):
         return None
     keep = torch.ones(B, keys, dtype=torch.bool)
