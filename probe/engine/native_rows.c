@@ -261,7 +261,8 @@ static void qk_tile(const float *q, long D, const float *kP, long w, float S[RB]
 }
 
 /* out[r] += E[r][0:w] @ v[0:w] for rb rows (v's keys vs apart), 32 of v's columns at a time, then 16, then one by
-   one */
+   one. All RB rows of E are read (those past rb hold an earlier group's weights, or anything: their sums are never
+   stored), so that the inner loop has no test. */
 static void ev_tile(const float *E, long K, long rb, const float *v, long vs, long Dv, long w, float *out) {
     long c = 0;
     for (; c + 32 <= Dv; c += 32) {
@@ -271,7 +272,7 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long vs, lo
             const float *vr = v + j * vs + c;
             vf v0 = *(const vf *)vr, v1 = *(const vf *)(vr + 16);
             for (int r = 0; r < RB; r++) {
-                float x = r < rb ? E[r * K + j] : 0.0f;
+                float x = E[r * K + j];
                 acc[r][0] += x * v0;
                 acc[r][1] += x * v1;
             }
@@ -286,7 +287,7 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long vs, lo
         for (int r = 0; r < RB; r++) acc[r] = (vf){0};
         for (long j = 0; j < w; j++) {
             vf v0 = *(const vf *)(v + j * vs + c);
-            for (int r = 0; r < RB; r++) acc[r] += (r < rb ? E[r * K + j] : 0.0f) * v0;
+            for (int r = 0; r < RB; r++) acc[r] += E[r * K + j] * v0;
         }
         for (long r = 0; r < rb; r++) *(vf *)(out + r * Dv + c) += acc[r];
     }
