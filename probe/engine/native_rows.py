@@ -350,9 +350,9 @@ class Intervals(NamedTuple):
 
 def intervals(allowed: torch.Tensor) -> Intervals | None:
     """``allowed`` ``(items, n, d)`` bool (any strides; a copy where the keys are not contiguous) in two passes of one
-    C loop per row; None without the library."""
+    C loop per row; None without the library or off the CPU."""
     lib = _library()
-    return None if isinstance(lib, str) else _intervals(lib, allowed)
+    return None if isinstance(lib, str) or allowed.device.type != "cpu" else _intervals(lib, allowed.to(torch.bool))
 
 
 def _intervals(lib: ctypes.CDLL, allowed: torch.Tensor) -> Intervals:

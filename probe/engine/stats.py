@@ -256,6 +256,8 @@ class _FusedMask(NamedTuple):
     allowed: torch.Tensor | None
     read: native_rows.Intervals | None
     """The mask read row by row (None: no mask)."""
+    heads: int = 1
+    """1, or the heads of a mask per head (its items are the batch items' heads)."""
 
 
 @dataclass(frozen=True)
@@ -642,12 +644,13 @@ class _Engine:
         hidden = (sums.allowed_keys - before) != got.finite  # (batch, head, query)
         return torch.where(hidden, math.nan, got.dot)
 
-    def _count_intervals(self, sums: _RowSums, rows: _RowBlock, d: int, read: native_rows.Intervals) -> torch.Tensor:
+    def _count_intervals(
+        self, sums: _RowSums, rows: _RowBlock, d: int, read: native_rows.Intervals, heads: int
+    ) -> torch.Tensor:
         """``_count_allowed`` for keys ``0:d`` from the mask as ``native_rows.intervals`` read it (each row's first and
         last allowed key and their count; ``keep``, what some row of the item allows; items of a batch item each, or of
-        a batch item and head each); returns the counts, ``(batch or 1, 1 or head, query)``."""
+        a batch item and head each: ``heads`` > 1); returns the counts, ``(batch or 1, 1 or head, query)``."""
         n, items = rows.b - rows.a, read.counts.shape[0]
-        heads = self.h if items == self.B * self.h and items > self.B else 1  # a mask per head: (batch x head) items
         count = read.counts.view(-1, heads, n)  # (batch or 1, 1 or head, query)
         sums.allowed_keys += count
         some = count > 0
@@ -857,9 +860,8 @@ class _Engine:
         batch item (causal, a sliding window, packed documents) and keys no row of the item may attend (padding).
         A mask per head is read per batch item and head. None where the call's boolean mask is not of that form (a
         hole inside one row's interval that other rows of its item attend): every row is compared whole with the
-        form before the pass takes it
-        (``native_rows.intervals``: two passes of one C loop a row over the mask, the counts of ``_count_allowed``
-        on the way)."""
+        form before the pass takes it (``native_rows.intervals``: two passes of one C loop a row over the mask, the
+        counts of ``_count_allowed`` on the way)."""
         call = self.call
         if call.mask is None:
             return _FusedMask(None, rows.positions + call.causal_offset + 1 if call.causal else None, None, None, None)
@@ -876,7 +878,7 @@ class _Engine:
             return None
         # the intervals alone where no key inside one is cut (padding at either end is one)
         inner = bool((got.counts == got.limit - got.start).all())
-        return _FusedMask(got.start, got.limit, None if inner else got.keep, allowed, got)
+        return _FusedMask(got.start, got.limit, None if inner else got.keep, allowed, got, self.h if per_head else 1)
 
     def _fused_keys_of(self) -> native_rows.FusedKeys:
         if self._fused_keys is None:
@@ -930,7 +932,7 @@ class _Engine:
             forbidden = _Forbidden(allowed=masked.allowed, forbidden=None, cut=0)
             sums.dot = self._native_counts(sums, rows, 0, d, forbidden, finite)
         else:
-            count = self._count_intervals(sums, rows, d, masked.read)  # (batch or 1, 1, query)
+            count = self._count_intervals(sums, rows, d, masked.read, masked.heads)  # (batch or 1, 1 or head, query)
             sums.dot = torch.where(count != finite.finite, math.nan, finite.dot)  # as _native_counts
         self._fold_found(sums, found.first.view(B, h, n), found.last.view(B, h, n), 0)
         assert found.col is not None
