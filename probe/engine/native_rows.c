@@ -23,7 +23,7 @@
    (torch's exp2: 1.2 ulp). 0 below -126 and for -inf: a weight under 2^-126 of its row's normaliser; clamped at 127
    above (a logit that far above the kernel's lse makes its row's sum far from 1, which the engine refuses). */
 static inline float pow2(float y) {
-    float c = y < -127.0f ? -127.0f : (y > 127.0f ? 127.0f : y); /* (NaN: its row is refused, whatever comes) */
+    float c = y < -127.0f ? -127.0f : (y > 127.0f ? 127.0f : y); /* NaN stays NaN, and so does f: NaN comes out */
     float n = (c + 12582912.0f) - 12582912.0f, f = c - n; /* n = round(c): 1.5 * 2^23 drops the fraction */
     float p = 1.535336188319500e-4f;
     p = p * f + 1.339887440266574e-3f;
@@ -82,16 +82,14 @@ static inline __attribute__((always_inline)) float tile_rows_(const float *restr
                                                               int *bad) {
     float m = -INFINITY, s = 0.0f, lo = INFINITY, d = 0.0f, scale = 0.0f;
     int32_t f = 0; /* (32 bits: 16 lanes a vector, where 64 took two) */
-    int b = 0;
-#pragma omp simd reduction(+ : s, d, f, scale) reduction(min : lo) reduction(max : m) reduction(| : b)
+#pragma omp simd reduction(+ : s, d, f, scale) reduction(min : lo) reduction(max : m)
     for (long k = 0; k < w; k++) {
         float u = x[k], y = u - base, v = pow2(y);
         Er[k] = v;
         s += v;
         lo = v < lo ? v : lo;
-        d += v > 0.0f ? v * y : 0.0f;
+        d += v * (y > -127.0f ? y : -127.0f); /* e = 0 below -126 (and at -inf): it adds 0 */
         f += u > -INFINITY;
-        b |= (u != u) | (u == INFINITY);
         m = u > m ? u : m;
         scale += with_scale ? v * vmax[k] : 0.0f;
     }
@@ -100,7 +98,7 @@ static inline __attribute__((always_inline)) float tile_rows_(const float *restr
     *dot += d;
     *sc += scale;
     *fin += f;
-    *bad |= b;
+    *bad |= (s != s) | (m == INFINITY); /* a NaN logit makes its e NaN, and so the sum; +inf is the max */
     return m;
 }
 

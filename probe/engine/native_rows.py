@@ -197,7 +197,8 @@ def usable(s: torch.Tensor, e: torch.Tensor) -> bool:
 
 
 def _self_check(lib: ctypes.CDLL) -> None:
-    """The library against torch's ops on a small block with forbidden keys and a given shift."""
+    """The library against torch's ops on a small block with forbidden keys and a given shift, and its refusal of a
+    row with a NaN or +inf logit."""
     g = torch.Generator().manual_seed(0)
     s = torch.randn(3, 5, 300, generator=g) * 4  # (head, query, key)
     s[..., 250:] = -torch.inf
@@ -206,15 +207,28 @@ def _self_check(lib: ctypes.CDLL) -> None:
     f32 = [torch.zeros(3, 5) for _ in range(5)]  # max, sum, min, dot, scale
     i64 = [torch.zeros(3, 5, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
     vmax, rw, col = torch.rand(3, 300, generator=g), torch.rand(3, 5, generator=g), torch.zeros(3, 300)
-    lib.attnprobe_row_pass(
-        *(s.data_ptr(), e.data_ptr(), 15, 300, 5, shift.data_ptr(), 1e-3, 1, vmax.data_ptr(), 300),
-        *(rw.data_ptr(), col.data_ptr(), 300),
-        *(t.data_ptr() for t in (f32[0], i64[0], f32[1], f32[2], f32[3], f32[4], i64[1], i64[2], i64[3])),
-        1,
-    )
+
+    def run(s: torch.Tensor) -> int:
+        return lib.attnprobe_row_pass(
+            *(s.data_ptr(), e.data_ptr(), 15, 300, 5, shift.data_ptr(), 1e-3, 1, vmax.data_ptr(), 300),
+            *(rw.data_ptr(), col.data_ptr(), 300),
+            *(t.data_ptr() for t in (f32[0], i64[0], f32[1], f32[2], f32[3], f32[4], i64[1], i64[2], i64[3])),
+            1,
+        )
+
+    odd = []
+    for bad in (math.nan, math.inf):
+        hit = s.clone()
+        hit[1, 2, 7] = bad
+        odd.append(run(hit))
+    col.zero_()
+    refused = odd == [1, 1] and run(s) == 0  # a row with a NaN or +inf logit is refused (and only it)
     want = torch.exp2(s - shift[..., None])  # (head, query, key)
+    dot = torch.where(want > 0, want * (s - shift[..., None]), 0.0).sum(-1)  # (head, query)
     agree = (
-        torch.allclose(e, want, rtol=1e-5, atol=1e-7)
+        refused
+        and torch.allclose(f32[3], dot, rtol=1e-4, atol=1e-5)
+        and torch.allclose(e, want, rtol=1e-5, atol=1e-7)
         and torch.equal(f32[0], s.amax(-1))
         and torch.equal(i64[0], s.argmax(-1))
         and torch.allclose(f32[1], want.sum(-1), rtol=1e-5)
