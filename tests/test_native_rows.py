@@ -372,3 +372,23 @@ def test_a_sliding_window_model_takes_the_fused_pass_on_every_layer(monkeypatch)
     assert [r.meta.get("stats_engine") for r in got] == ["native", "native"]
     for a, b in zip(got, want):
         assert_close_to(a.stats, b.stats, atol=1e-5)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(batch, head, n, d)`` with the strides of a ``(batch, n, head, d)`` projection's view (the same
+    values)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_q_k_and_v_strided_as_a_projections_give_the_same_statistics(monkeypatch):
+    """The fused pass reads q, k and v through their strides (values whose rows are not ``d_v`` apart are copied per
+    head first): the statistics of the strided call equal those of the contiguous one, on the fused pass."""
+    call, diag = _larger_call(causal=False, lse=True, keys=700, mask="window+padding")
+    strided = replace(call, q=_strided(call.q), k=_strided(call.k), v=_strided(call.v))
+    assert strided.v is not None and strided.v.stride(2) != strided.v.shape[-1]
+    want = attention_stats(call, diag_offset=diag)
+    _only(monkeypatch, fused=True)
+    report: dict = {}
+    got = attention_stats(strided, diag_offset=diag, native=True, report=report, block_bytes=1 << 22)
+    assert report["native_blocks"] > 0
+    assert_close_to(got, want, atol=1e-5)

@@ -381,7 +381,7 @@ long attnprobe_fused(const struct fused_args *a) {
 #pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd)
     for (long g = 0; g < a->G; g++) {
         float *E = a->work + (long)omp_get_thread_num() * a->work_floats, *q = E + RB * a->K, *kP = q + RB * a->D;
-        float *V = a->v ? kP + (a->K + PANEL - 1) / PANEL * PANEL * a->D : 0;
+        float *V = a->v && a->v_st != a->Dv ? kP + (a->K + PANEL - 1) / PANEL * PANEL * a->D : 0;
         long from = a->K, item = (g / a->H) * a->row_stride;
         for (long i = 0; i < a->n; i++) { /* the first key any row of the head may attend */
             long s = a->start ? a->start[item + i] : 0;
@@ -392,8 +392,9 @@ long attnprobe_fused(const struct fused_args *a) {
            an unwritten value may be NaN): rows a projection's stride apart (a multiple of 512 bytes, say) fall into a
            few of L1's sets, and every group of rows reads them again */
         for (long j = from - from % PANEL; V && j < a->K; j++) memcpy(V + j * a->Dv, HEAD(a, v, g) + j * a->v_st, a->Dv * 4);
+        const float *vh = V ? V : a->v ? HEAD(a, v, g) : 0; /* values with rows Dv apart: read where they are */
         for (long i0 = 0; i0 < a->n; i0 += RB)
-            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, kP, V);
+            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, kP, vh);
     }
     return odd;
 }

@@ -275,8 +275,9 @@ def _fused_agrees(lib: ctypes.CDLL) -> bool:
     s = (q @ k.transpose(1, 2)).masked_fill(~allowed, -torch.inf)  # (head, query, key)
     shift = torch.logsumexp(s * 0.6931471805599453, -1) * 1.4426950408889634  # (head, query) base 2
     # (item, head, key, d): the keys and values strided as a (key, head, d) projection's are
-    kv = torch.stack([k, v[..., :D]], 2).view(G, 1, K, 2, D)[..., 0, :]
-    keys = FusedKeys.of(kv, v=v.view(G, 1, K, Dv), vmax=v.abs().amax(-1), first_key=torch.zeros(G).long())
+    strided_k = torch.stack([k, k], 2).view(G, 1, K, 2, D)[..., 0, :]
+    strided_v = torch.stack([v, v], 2).view(G, 1, K, 2, Dv)[..., 0, :]
+    keys = FusedKeys.of(strided_k, v=strided_v, vmax=v.abs().amax(-1), first_key=torch.zeros(G).long())
     gathered = (torch.zeros(G, n), torch.zeros(G, n), torch.zeros(G, n))
     got = _run_fused(
         *(lib, (q / 2).view(G, 1, n, D), keys, shift), q_scale=2.0, start=limit - 40, limit=limit, keep=keep,
@@ -423,8 +424,9 @@ def _run_fused(
     out = None if keys.v is None else torch.empty(G, n, Dv)  # (batch x heads, n, d_v)
     col = torch.zeros(G, K)  # (batch x heads, key)
     threads = torch.get_num_threads()
-    # E, q (RB = 4 rows), the head's panels and values
-    per_thread = 4 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + K * Dv
+    # E, q (RB = 4 rows), the head's panels, and its values where their rows are not Dv apart
+    copied = keys.v is not None and keys.v.stride(2) != Dv
+    per_thread = 4 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + (K * Dv if copied else 0)
     work = torch.full((threads * per_thread,), math.nan) if poison else torch.empty(threads * per_thread)
     rw = row_weight.to(torch.float32).contiguous()
     keep8 = None if keep is None else keep.to(torch.uint8).contiguous()  # (1 or batch, K)
