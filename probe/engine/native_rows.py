@@ -423,7 +423,7 @@ def _run_fused(
     i64 = [torch.empty(G, n, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
     out = None if keys.v is None else torch.empty(G, n, Dv)  # (batch x heads, n, d_v)
     col = torch.zeros(G, K)  # (batch x heads, key)
-    threads = torch.get_num_threads()
+    threads = min(torch.get_num_threads(), G)  # a thread takes whole heads: scratch for no more threads than heads
     # E, q (RB = 4 rows), the head's panels, and its values where their rows are not Dv apart
     copied = keys.v is not None and keys.v.stride(2) != Dv
     per_thread = 4 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + (K * Dv if copied else 0)
