@@ -4,9 +4,10 @@ The eager engine (``probe/engine/stats.py``) takes each block of logits through 
 its key, ``exp2``, the sums, the smallest weight, the entropy's sum, the first and last key above the threshold),
 each a full pass over the block. ``native_rows.c`` does them in one call, row by row while the row is in the cache,
 with an ``exp2`` the compiler vectorises inline, and the output's scale and the per-key sums with them; torch still
-does the products ``q @ k`` and ``e @ v``. Blocks whose rows have the model kernel's lse and no mask but a causal limit
-per row and padding take ``fused`` instead: the products too, in tiles of keys that stay in the cache, so that no
-block of logits or weights is written to memory (``benchmarks/bench_long.py``; docs/long-context.md has the figures).
+does the products ``q @ k`` and ``e @ v``. Blocks whose rows have the model kernel's lse and no mask but an interval
+of keys per row (causal, a sliding window, packed documents) and padding take ``fused`` instead: the products too, in
+tiles of keys that stay in the cache, so that no block of logits or weights is written to memory; ``intervals`` reads
+a boolean mask's rows in that form (``benchmarks/bench_long.py``; docs/long-context.md has the figures).
 
 It is compiled on first use with the C compiler on the path (``$CC``, else ``cc``/``gcc``), into the user's cache
 (``$XDG_CACHE_HOME/attnprobe/native``, else ``~/.cache/attnprobe/native``), keyed by the source, the flags, the
