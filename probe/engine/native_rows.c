@@ -175,8 +175,9 @@ long attnprobe_row_pass(const float *restrict s, float *restrict e, long R, long
    The fused pass: q @ k, the row pass and e @ v over tiles of keys that stay in the cache, for rows whose normaliser
    the model's kernel gave (the lse) and whose keys are all here, masked by an interval of keys per row and batch item
    (causal, a sliding window, packed documents) and keys no row of a batch item may attend (padding) at most. Tiles
-   below every row's first key are not computed (a window's cost is the window's). No (query x key) block is written to memory but E, the weights of RB
-   rows (RB x K floats), which the threshold hits and the per-key sums read once each row's sum is known. */
+   below every row's first key are not computed (a window's cost is the window's). No (query x key) block is written
+   to memory but E, the weights of RB rows (RB x K floats), which the threshold hits and the per-key sums read once
+   each row's sum is known. */
 typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
 
 #define RB 4
@@ -205,8 +206,8 @@ struct fused_args {
     int64_t *arg, *finite, *first, *last;                               /* G x n */
     float *out;               /* G x n x Dv: sum e * v (zeroed here) */
     float *col;               /* G x K: the per-key sums, added to */
-    float *work;              /* threads x work_floats: E (RB x K), q (RB x D), the head's panels (P x D x 64) and
-                                 values (K x Dv) */
+    float *work;              /* threads x work_floats: E (RB x K), q (RB x D), the head's panels (P x D x 64) and,
+                                 where v's rows are not Dv apart, its values (K x Dv) */
     long work_floats;
     int threads;
 };

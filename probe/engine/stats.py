@@ -247,13 +247,11 @@ class _FusedMask(NamedTuple):
     """A block's mask as the fused pass takes it: ``start`` and ``limit`` ``(items, query)`` (``limit`` also
     ``(query,)``: a causal mask alone), the first key each row may attend and the first past those (None: 0, every
     key), items being the batch items (or one for all), or the batch items' heads (a mask per head); ``keep``
-    ``(items, key)`` the keys some row of each item may attend (None: every key);
-    ``allowed`` the block's mask (None: the causal limit alone)."""
+    ``(items, key)`` the keys some row of each item may attend (None: every key)."""
 
     start: torch.Tensor | None
     limit: torch.Tensor | None
     keep: torch.Tensor | None
-    allowed: torch.Tensor | None
     read: native_rows.Intervals | None
     """The mask read row by row (None: no mask)."""
     heads: int = 1
@@ -864,7 +862,7 @@ class _Engine:
         counts of ``_count_allowed`` on the way)."""
         call = self.call
         if call.mask is None:
-            return _FusedMask(None, rows.positions + call.causal_offset + 1 if call.causal else None, None, None, None)
+            return _FusedMask(None, rows.positions + call.causal_offset + 1 if call.causal else None, None, None)
         allowed = call.allowed(rows.a, rows.b, 0, d)  # (batch or 1, 1 or head, query, key)
         if allowed is None:
             return None
@@ -878,7 +876,7 @@ class _Engine:
             return None
         # the intervals alone where no key inside one is cut (padding at either end is one)
         inner = bool((got.counts == got.limit - got.start).all())
-        return _FusedMask(got.start, got.limit, None if inner else got.keep, allowed, got, self.h if per_head else 1)
+        return _FusedMask(got.start, got.limit, None if inner else got.keep, got, self.h if per_head else 1)
 
     def _fused_keys_of(self) -> native_rows.FusedKeys:
         if self._fused_keys is None:
@@ -928,9 +926,8 @@ class _Engine:
         sweep.best_key, sweep.best = view["arg"], view["max"]
         sums.sum_e, sums.min_e = view["sum"], view["min"]
         finite = replace(found, finite=view["finite"], dot=view["dot"])
-        if masked.read is None:
-            forbidden = _Forbidden(allowed=masked.allowed, forbidden=None, cut=0)
-            sums.dot = self._native_counts(sums, rows, 0, d, forbidden, finite)
+        if masked.read is None:  # no mask: a causal limit at most, counted from the rows' positions
+            sums.dot = self._native_counts(sums, rows, 0, d, _Forbidden(allowed=None, forbidden=None, cut=0), finite)
         else:
             count = self._count_intervals(sums, rows, d, masked.read, masked.heads)  # (batch or 1, 1 or head, query)
             sums.dot = torch.where(count != finite.finite, math.nan, finite.dot)  # as _native_counts
