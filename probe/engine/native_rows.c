@@ -217,11 +217,21 @@ struct fused_args {
 /* The head's keys from..K in panels of 64 (P x D x 64), each transposed: panel p holds keys 64p..64p+63 as D rows of
    64 (zeros past K), so that q @ k reads each panel in order. Made by each thread for the head it takes (the key
    tensor is read through its strides: no copy of the call's keys). */
+/* The row of D floats at x into the cache, ahead of its use: rows a projection's stride apart (a page or more) are
+   not fetched by the hardware's prefetchers, and each one's first load waited on memory. */
+static inline void prefetch_row(const float *x, long D) {
+    for (long dd = 0; dd < D; dd += 16) __builtin_prefetch(x + dd);
+}
+
+#define AHEAD 16 /* rows fetched ahead */
+
 static void make_panels(const float *k, long st, long D, long from, long K, float *panels) {
+    for (long j = from - from % PANEL; j < K && j < from - from % PANEL + AHEAD; j++) prefetch_row(k + j * st, D);
     for (long p = from / PANEL; p * PANEL < K; p++) {
         float *panel = panels + p * D * PANEL;
         for (long j = 0; j < PANEL; j++) {
             const float *kr = k + (p * PANEL + j) * st;
+            if (p * PANEL + j + AHEAD < K) prefetch_row(kr + AHEAD * st, D);
             if (p * PANEL + j < K)
                 for (long dd = 0; dd < D; dd++) panel[dd * PANEL + j] = kr[dd];
             else
@@ -340,6 +350,7 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
     for (long r = 0; r < RB; r++) { /* the rows times q_scale; those past rb repeat the last (computed, never read) */
         const float *qr = HEAD(a, q, g) + (i0 + (r < rb ? r : rb - 1)) * a->q_st;
         for (long dd = 0; dd < a->D; dd++) q[r * a->D + dd] = qr[dd] * a->q_scale;
+        if (i0 + RB + r < a->n) prefetch_row(qr + RB * a->q_st, a->D); /* the next group's rows */
     }
     const uint8_t *keep = a->keep ? a->keep + (g / a->H) * a->keep_stride : 0;
     long K = a->K, lo[RB], lim[RB], kmax, arg[RB], fin[RB], row0 = g * a->n + i0;
@@ -388,11 +399,16 @@ long attnprobe_fused(const struct fused_args *a) {
             long s = a->start ? a->start[item + i] : 0;
             from = s < from ? (s < 0 ? 0 : s) : from;
         }
+        for (long i = 0; i < RB && i < a->n; i++) /* the first group's rows */
+            prefetch_row(HEAD(a, q, g) + i * a->q_st, a->D);
         make_panels(HEAD(a, k, g), a->k_st, a->D, from, a->K, kP);
         /* the head's values in a block of their own, from the first tile's key (E is 0 below a row's keys, and 0 times
            an unwritten value may be NaN): rows a projection's stride apart (a multiple of 512 bytes, say) fall into a
            few of L1's sets, and every group of rows reads them again */
-        for (long j = from - from % PANEL; V && j < a->K; j++) memcpy(V + j * a->Dv, HEAD(a, v, g) + j * a->v_st, a->Dv * 4);
+        for (long j = from - from % PANEL; V && j < a->K; j++) {
+            if (j + AHEAD < a->K) prefetch_row(HEAD(a, v, g) + (j + AHEAD) * a->v_st, a->Dv);
+            memcpy(V + j * a->Dv, HEAD(a, v, g) + j * a->v_st, a->Dv * 4);
+        }
         const float *vh = V ? V : a->v ? HEAD(a, v, g) : 0; /* values with rows Dv apart: read where they are */
         for (long i0 = 0; i0 < a->n; i0 += RB)
             odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, kP, vh);
