@@ -305,6 +305,25 @@ def test_a_nan_logit_sends_the_fused_block_to_torchs_ops():
     assert not bool(got["finite"][1, 2, 40])
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_nan_or_inf_value_reaches_the_fused_pass_output_check_as_torchs_ops(bad, monkeypatch):
+    """The fused pass takes each key's largest |v| itself, head by head: a NaN or inf value at a key every row
+    attends makes every row's output check of that item what torch's ops make it (not finite), and leaves the other
+    item's rows finite."""
+    call, diag = _larger_call(causal=True, lse=True)
+    v = call.v.clone()
+    v[1, :, 10, 7] = bad  # (batch, head, key, d_v): a key every row of the second item attends
+    call = replace(call, v=v)
+    want = attention_stats(call, diag_offset=diag)
+    _only(monkeypatch, fused=True)
+    report: dict = {}
+    got = attention_stats(call, diag_offset=diag, native=True, report=report)
+    assert report["native_blocks"] > 0
+    assert_close_to(got, want, atol=1e-5)
+    assert not bool(got["finite"][1].any()) and bool(got["finite"][0].all())
+    assert not bool(got["output_scale"][1].isfinite().any()) and bool(got["output_scale"][0].isfinite().all())
+
+
 def test_logits_in_a_layout_of_their_own_go_to_torchs_ops(monkeypatch):
     """The row pass reads raw memory: logits that come back as a non-contiguous tensor (a float mask or a score_mod
     may make a tensor of their own) are not handed to it; torch's ops take the block."""

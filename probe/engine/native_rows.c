@@ -187,10 +187,10 @@ typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any
 struct fused_args {
     const float *q;           /* the rows' q: row i of head g at g / h * q_sb + g % h * q_sh + i * q_st, d contiguous */
     const float *k;           /* the keys, the same way (Tk of them a head) */
-    const float *v;           /* the values, the same way, or NULL (no output check) */
+    const float *v;           /* the values, the same way, or NULL (no output check; else each key's largest |v|, the
+                                 output's scale, is taken per head in the work space) */
     long q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, h; /* strides; heads per batch item */
     float q_scale;            /* q times it: the scaling and log2(e) */
-    const float *vmax;        /* G x Tk: each key's largest |v|, or NULL */
     const float *shift;       /* G x n: the kernel's lse, base 2 */
     const int64_t *start;     /* (G / H) x n: the first key each row may attend, or NULL: key 0 */
     const int64_t *limit;     /* (G / H) x n: the first key past those each row may attend, or NULL: K */
@@ -206,8 +206,9 @@ struct fused_args {
     int64_t *arg, *finite, *first, *last;                               /* G x n */
     float *out;               /* G x n x Dv: sum e * v (zeroed here) */
     float *col;               /* G x K: the per-key sums, added to */
-    float *work;              /* threads x work_floats: E (RB x K), q (RB x D), the head's panels (P x D x 64) and,
-                                 where v's rows are not Dv apart, its values (K x Dv) */
+    float *work;              /* threads x work_floats: E (RB x K), q (RB x D), the head's panels (P x D x 64), each
+                                 key's largest |v| (K, with v) and, where v's rows are not Dv apart, its values
+                                 (K x Dv) */
     long work_floats;
     int threads;
 };
@@ -237,6 +238,27 @@ static void make_panels(const float *k, long st, long D, long from, long K, floa
             else
                 for (long dd = 0; dd < D; dd++) panel[dd * PANEL + j] = 0.0f;
         }
+    }
+}
+
+/* The head's values from key `from` on: each key's largest |v| into vmax (the output's scale) and, with V, the values
+   in a block of their own (rows a projection's stride apart, a multiple of 512 bytes say, fall into a few of L1's
+   sets, and every group of rows reads them again). Keys below `from` are never read (E is 0 there, and 0 times an
+   unwritten value may be NaN: the tiles start at `from`). */
+static void head_values(const float *v, long st, long Dv, long from, long K, float *V, float *vmax) {
+    for (long j = from; j < K; j++) {
+        if (j + AHEAD < K) prefetch_row(v + (j + AHEAD) * st, Dv);
+        const float *vr = v + j * st;
+        if (V) vr = memcpy(V + j * Dv, vr, Dv * sizeof *vr);
+        float m = 0.0f;
+        int32_t nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (long c = 0; c < Dv; c++) {
+            float x = vr[c] < 0.0f ? -vr[c] : vr[c];
+            m = x > m ? x : m;
+            nan |= x != x;
+        }
+        vmax[j] = nan ? NAN : m; /* as torch's max: a NaN value makes the key's scale NaN */
     }
 }
 
@@ -345,8 +367,7 @@ static void finish_row(const struct fused_args *a, long g, long i0, long r, cons
 }
 
 static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E, float *q, const float *kP,
-                        const float *v) {
-    const float *vmax = a->vmax ? a->vmax + g * a->Tk : 0;
+                        const float *v, const float *vmax) {
     for (long r = 0; r < RB; r++) { /* the rows times q_scale; those past rb repeat the last (computed, never read) */
         const float *qr = HEAD(a, q, g) + (i0 + (r < rb ? r : rb - 1)) * a->q_st;
         for (long dd = 0; dd < a->D; dd++) q[r * a->D + dd] = qr[dd] * a->q_scale;
@@ -389,11 +410,11 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
 /* Every head's rows, RB at a time; the heads are shared out among the threads (each head's per-key sums are one
    thread's). Returns the rows' groups that held a NaN or +inf logit (nothing may be used then). */
 long attnprobe_fused(const struct fused_args *a) {
-    long odd = 0;
+    long odd = 0, panels = (a->K + PANEL - 1) / PANEL * PANEL * a->D;
 #pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd)
     for (long g = 0; g < a->G; g++) {
         float *E = a->work + (long)omp_get_thread_num() * a->work_floats, *q = E + RB * a->K, *kP = q + RB * a->D;
-        float *V = a->v && a->v_st != a->Dv ? kP + (a->K + PANEL - 1) / PANEL * PANEL * a->D : 0;
+        float *vmax = a->v ? kP + panels : 0, *V = a->v && a->v_st != a->Dv ? vmax + a->K : 0;
         long from = a->K, item = (g / a->H) * a->row_stride;
         for (long i = 0; i < a->n; i++) { /* the first key any row of the head may attend */
             long s = a->start ? a->start[item + i] : 0;
@@ -402,16 +423,10 @@ long attnprobe_fused(const struct fused_args *a) {
         for (long i = 0; i < RB && i < a->n; i++) /* the first group's rows */
             prefetch_row(HEAD(a, q, g) + i * a->q_st, a->D);
         make_panels(HEAD(a, k, g), a->k_st, a->D, from, a->K, kP);
-        /* the head's values in a block of their own, from the first tile's key (E is 0 below a row's keys, and 0 times
-           an unwritten value may be NaN): rows a projection's stride apart (a multiple of 512 bytes, say) fall into a
-           few of L1's sets, and every group of rows reads them again */
-        for (long j = from - from % PANEL; V && j < a->K; j++) {
-            if (j + AHEAD < a->K) prefetch_row(HEAD(a, v, g) + (j + AHEAD) * a->v_st, a->Dv);
-            memcpy(V + j * a->Dv, HEAD(a, v, g) + j * a->v_st, a->Dv * 4);
-        }
+        if (a->v) head_values(HEAD(a, v, g), a->v_st, a->Dv, from - from % PANEL, a->K, V, vmax);
         const float *vh = V ? V : a->v ? HEAD(a, v, g) : 0; /* values with rows Dv apart: read where they are */
         for (long i0 = 0; i0 < a->n; i0 += RB)
-            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, kP, vh);
+            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, kP, vh, vmax);
     }
     return odd;
 }

@@ -278,7 +278,7 @@ def _fused_agrees(lib: ctypes.CDLL) -> bool:
     # (item, head, key, d): the keys and values strided as a (key, head, d) projection's are
     strided_k = torch.stack([k, k], 2).view(G, 1, K, 2, D)[..., 0, :]
     strided_v = torch.stack([v, v], 2).view(G, 1, K, 2, Dv)[..., 0, :]
-    keys = FusedKeys.of(strided_k, v=strided_v, vmax=v.abs().amax(-1), first_key=torch.zeros(G).long())
+    keys = FusedKeys.of(strided_k, v=strided_v, first_key=torch.zeros(G).long())
     gathered = (torch.zeros(G, n), torch.zeros(G, n), torch.zeros(G, n))
     got = _run_fused(
         *(lib, (q / 2).view(G, 1, n, D), keys, shift), q_scale=2.0, start=limit - 40, limit=limit, keep=keep,
@@ -305,7 +305,7 @@ class _FusedArgs(ctypes.Structure):
         *((name, _P) for name in ("q", "k", "v")),
         *((name, _LONG) for name in ("q_sb", "q_sh", "q_st", "k_sb", "k_sh", "k_st", "v_sb", "v_sh", "v_st", "h")),
         ("q_scale", ctypes.c_float),
-        *((name, _P) for name in ("vmax", "shift", "start", "limit", "keep")),
+        *((name, _P) for name in ("shift", "start", "limit", "keep")),
         *((name, _LONG) for name in ("H", "keep_stride", "row_stride")),
         *((name, _P) for name in ("diag", "firstkey", "rw")),
         *((name, _LONG) for name in ("G", "n", "D", "Dv", "Tk", "K")),
@@ -324,21 +324,18 @@ _PANEL = 64  # keys per panel of the fused pass's keys (``PANEL`` of native_rows
 class FusedKeys:
     """What the fused pass reads of a call's keys, made once per call (``of``): ``k`` ``(batch, heads, keys, d)`` and
     ``v`` ``(batch, heads, keys, d_v)`` (None without an output check), float32 with their last axis contiguous (the C
-    loop reads them through their strides, and each thread lays out the keys of the head it takes in panels of 64);
-    ``vmax`` ``(batch x heads, keys)`` (None without an output check) and ``first_key`` ``(batch x heads,)`` the first
-    key any row may attend, contiguous."""
+    loop reads them through their strides, and each thread lays out the keys of the head it takes in panels of 64, and
+    takes each key's largest ``|v|``); ``first_key`` ``(batch x heads,)`` the first key any row may attend,
+    contiguous."""
 
     k: torch.Tensor
     v: torch.Tensor | None
-    vmax: torch.Tensor | None
     first_key: torch.Tensor
 
     @classmethod
-    def of(
-        cls, k: torch.Tensor, *, v: torch.Tensor | None, vmax: torch.Tensor | None, first_key: torch.Tensor
-    ) -> FusedKeys:
+    def of(cls, k: torch.Tensor, *, v: torch.Tensor | None, first_key: torch.Tensor) -> FusedKeys:
         """From ``k`` and ``v`` as they are (a copy only where not float32 or the last axis is strided)."""
-        return cls(k=_rows_of(k), v=None if v is None else _rows_of(v), vmax=vmax, first_key=first_key)
+        return cls(k=_rows_of(k), v=None if v is None else _rows_of(v), first_key=first_key)
 
 
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
@@ -425,9 +422,10 @@ def _run_fused(
     out = None if keys.v is None else torch.empty(G, n, Dv)  # (batch x heads, n, d_v)
     col = torch.zeros(G, K)  # (batch x heads, key)
     threads = min(torch.get_num_threads(), G)  # a thread takes whole heads: scratch for no more threads than heads
-    # E, q (RB = 4 rows), the head's panels, and its values where their rows are not Dv apart
+    # E, q (RB = 4 rows), the head's panels, each key's largest |v|, and the values where their rows are not Dv apart
     copied = keys.v is not None and keys.v.stride(2) != Dv
-    per_thread = 4 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + (K * Dv if copied else 0)
+    values = 0 if keys.v is None else K + (K * Dv if copied else 0)
+    per_thread = 4 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + values
     work = torch.full((threads * per_thread,), math.nan) if poison else torch.empty(threads * per_thread)
     rw = row_weight.to(torch.float32).contiguous()
     keep8 = None if keep is None else keep.to(torch.uint8).contiguous()  # (1 or batch, K)
@@ -438,7 +436,7 @@ def _run_fused(
     args = _FusedArgs(
         *(_ptr(t) for t in (q, keys.k, keys.v)),
         *_strides(q), *_strides(keys.k), *_strides(keys.v), h, q_scale,
-        *(_ptr(t) for t in (keys.vmax, shift, start, limit, keep8)),
+        *(_ptr(t) for t in (shift, start, limit, keep8)),
         G // items, 0 if keep8 is None or keep8.shape[0] == 1 else K, n if per_item else 0,
         *(_ptr(t) for t in (diag, keys.first_key, rw)),
         G, n, D, Dv, Tk, K, threshold,

@@ -48,6 +48,7 @@ block's rows and ``key`` its keys.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -372,18 +373,21 @@ class _Observed:
 
     v: torch.Tensor
     """``(batch, head, key, d_head)``: each selected query head's kv head."""
-    v_max: torch.Tensor
-    """``(batch, head, key)``: each key's largest ``|v|``: ``e @ v_max`` bounds ``max_d (e @ |v|)_d``, what the
-    output's rounding error scales with (the larger of the max and minus the min: two reductions, no ``|v|``)."""
     output: torch.Tensor
     """``(batch, head, query, d_head)``: what the attention returned."""
+
+    @functools.cached_property
+    def v_max(self) -> torch.Tensor:
+        """``(batch, head, key)``: each key's largest ``|v|``: ``e @ v_max`` bounds ``max_d (e @ |v|)_d``, what the
+        output's rounding error scales with (the larger of the max and minus the min: two reductions, no ``|v|``).
+        Taken where a path reads it: the fused pass takes its own, head by head."""
+        return torch.maximum(self.v.amax(-1), self.v.amin(-1).neg_())
 
     @classmethod
     def of(cls, call: AttentionCall, dtype: torch.dtype) -> _Observed | None:
         if call.output is None or call.v is None:
             return None
-        v = call.v.to(dtype)
-        return cls(v=v, v_max=torch.maximum(v.amax(-1), v.amin(-1).neg_()), output=call.output)
+        return cls(v=call.v.to(dtype), output=call.output)
 
     def products(self, e: torch.Tensor, c: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(e @ v, e @ max|v|)`` over keys ``c:d``, each undivided by the normaliser: the output (a new tensor) and
@@ -880,12 +884,10 @@ class _Engine:
 
     def _fused_keys_of(self) -> native_rows.FusedKeys:
         if self._fused_keys is None:
-            G, f32 = self.B * self.h, torch.float32
-            obs = self.observed
+            G, obs = self.B * self.h, self.observed
             self._fused_keys = native_rows.FusedKeys.of(
                 self.call.k,  # (batch, head, key, d): read through its strides
                 v=None if obs is None else obs.v,  # (batch, head, key, d_v)
-                vmax=None if obs is None else obs.v_max.to(f32).reshape(G, self.Tk).contiguous(),  # (heads, key)
                 first_key=self.first_key.expand(self.B, self.h, 1).reshape(G).contiguous(),  # (heads,)
             )
         return self._fused_keys
