@@ -204,11 +204,13 @@ struct fused_args {
     float thr;                /* a key is a hit where e > thr * sum e */
     float *max, *sum, *min, *dot, *scale, *diag_e, *prev_e, *first_e; /* G x n */
     int64_t *arg, *finite, *first, *last;                               /* G x n */
-    float *out;               /* G x n x Dv: sum e * v (zeroed here) */
+    const float *o;           /* the output the call returned (with v): row i of head g as q's, o_* its strides */
+    long o_sb, o_sh, o_st;
+    float *err;               /* G x n: the output check, max over the columns of |sum e * v / sum e - o| (with v) */
     float *col;               /* G x K: the per-key sums, added to */
-    float *work;              /* threads x work_floats: E (RB x K), q (RB x D), the head's panels (P x D x 64), each
-                                 key's largest |v| (K, with v) and, where v's rows are not Dv apart, its values
-                                 (K x Dv) */
+    float *work;              /* threads x work_floats: E (RB x K), q (RB x D), the rows' sum e * v (RB x Dv), the
+                                 head's panels (P x D x 64), each key's largest |v| (K, with v) and, where v's rows
+                                 are not Dv apart, its values (K x Dv) */
     long work_floats;
     int threads;
 };
@@ -347,6 +349,22 @@ static long row_keys(const struct fused_args *a, long g, long i0, long rb, long 
     return kmin >= *kmax ? *kmax : kmin - kmin % PANEL;
 }
 
+/* The output check of row i0 + r of head g: the largest difference between its sum e * v over sum e (out, Dv
+   floats) and the output the call returned, as torch's ops take it (1 / sum, 0 for an empty row; NaN comes out). */
+static float output_error(const struct fused_args *a, long g, long i0, long r, const float *out, float sum) {
+    const float *o = HEAD(a, o, g) + (i0 + r) * a->o_st;
+    float inv = sum > 0.0f ? 1.0f / sum : 0.0f, e = 0.0f;
+    int32_t nan = 0;
+#pragma omp simd reduction(max : e) reduction(| : nan)
+    for (long c = 0; c < a->Dv; c++) {
+        float d = out[c] * inv - o[c];
+        d = d < 0.0f ? -d : d;
+        e = d > e ? d : e;
+        nan |= d != d;
+    }
+    return nan ? NAN : e;
+}
+
 /* One row's results, its hits and per-key sums once its sum is known: from E's keys lo..L of the row. */
 static void finish_row(const struct fused_args *a, long g, long i0, long r, const float *Er, long lo, long L, float m,
                        long arg, float sum, float mn, float dot, float sc, long fin) {
@@ -366,8 +384,8 @@ static void finish_row(const struct fused_args *a, long g, long i0, long r, cons
     if (fk >= 0 && fk < K) a->first_e[i] = fk >= lo && fk < L ? Er[fk] : 0.0f;
 }
 
-static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E, float *q, const float *kP,
-                        const float *v, const float *vmax) {
+static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E, float *q, float *out,
+                        const float *kP, const float *v, const float *vmax) {
     for (long r = 0; r < RB; r++) { /* the rows times q_scale; those past rb repeat the last (computed, never read) */
         const float *qr = HEAD(a, q, g) + (i0 + (r < rb ? r : rb - 1)) * a->q_st;
         for (long dd = 0; dd < a->D; dd++) q[r * a->D + dd] = qr[dd] * a->q_scale;
@@ -380,8 +398,8 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
     int bad = 0;
     for (long r = 0; r < rb; r++) {
         m[r] = -INFINITY, sum[r] = 0.0f, mn[r] = INFINITY, dot[r] = 0.0f, sc[r] = 0.0f, arg[r] = 0, fin[r] = 0;
-        if (a->out)
-            for (long c = 0; c < a->Dv; c++) a->out[(row0 + r) * a->Dv + c] = 0.0f;
+        for (long c = 0; v && c < a->Dv; c++) out[r * a->Dv + c] = 0.0f;
+        if (v) prefetch_row(HEAD(a, o, g) + (i0 + r) * a->o_st, a->Dv); /* read once the row's sum is known */
     }
     float S[RB][TK];
     for (long j0 = kmin; j0 < kmax; j0 += TK) {
@@ -400,10 +418,12 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
             }
         }
         if (bad) return 1;
-        if (v) ev_tile(E + j0, K, rb, v + j0 * a->Dv, a->Dv, a->Dv, w, a->out + row0 * a->Dv);
+        if (v) ev_tile(E + j0, K, rb, v + j0 * a->Dv, a->Dv, a->Dv, w, out);
     }
-    for (long r = 0; r < rb; r++)
+    for (long r = 0; r < rb; r++) {
         finish_row(a, g, i0, r, E + r * K, lo[r], lim[r], m[r], arg[r], sum[r], mn[r], dot[r], sc[r], fin[r]);
+        if (v) a->err[row0 + r] = output_error(a, g, i0, r, out + r * a->Dv, sum[r]);
+    }
     return 0;
 }
 
@@ -413,7 +433,8 @@ long attnprobe_fused(const struct fused_args *a) {
     long odd = 0, panels = (a->K + PANEL - 1) / PANEL * PANEL * a->D;
 #pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd)
     for (long g = 0; g < a->G; g++) {
-        float *E = a->work + (long)omp_get_thread_num() * a->work_floats, *q = E + RB * a->K, *kP = q + RB * a->D;
+        float *E = a->work + (long)omp_get_thread_num() * a->work_floats, *q = E + RB * a->K, *out = q + RB * a->D;
+        float *kP = out + (a->v ? RB * a->Dv : 0);
         float *vmax = a->v ? kP + panels : 0, *V = a->v && a->v_st != a->Dv ? vmax + a->K : 0;
         long from = a->K, item = (g / a->H) * a->row_stride;
         for (long i = 0; i < a->n; i++) { /* the first key any row of the head may attend */
@@ -426,7 +447,7 @@ long attnprobe_fused(const struct fused_args *a) {
         if (a->v) head_values(HEAD(a, v, g), a->v_st, a->Dv, from - from % PANEL, a->K, V, vmax);
         const float *vh = V ? V : a->v ? HEAD(a, v, g) : 0; /* values with rows Dv apart: read where they are */
         for (long i0 = 0; i0 < a->n; i0 += RB)
-            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, kP, vh, vmax);
+            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, out, kP, vh, vmax);
     }
     return odd;
 }

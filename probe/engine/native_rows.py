@@ -280,17 +280,22 @@ def _fused_agrees(lib: ctypes.CDLL) -> bool:
     strided_v = torch.stack([v, v], 2).view(G, 1, K, 2, Dv)[..., 0, :]
     keys = FusedKeys.of(strided_k, v=strided_v, first_key=torch.zeros(G).long())
     gathered = (torch.zeros(G, n), torch.zeros(G, n), torch.zeros(G, n))
+    want = torch.exp2(s - shift[..., None])  # (head, query, key)
+    output = want @ v / want.sum(-1, keepdim=True)  # (head, query, d_v)
+    output[1, 3, 7] += 0.5  # one row's output off by 0.5
     got = _run_fused(
         *(lib, (q / 2).view(G, 1, n, D), keys, shift), q_scale=2.0, start=limit - 40, limit=limit, keep=keep,
         diag=None, row_weight=torch.ones(G, n), K=K, threshold=1e-3, gathered=gathered, poison=True,
+        output=torch.stack([output, output], 2).view(G, 1, n, 2, Dv)[..., 0, :],
     )  # fmt: skip
     if got is None:
         return False
-    rows, out = got
-    want = torch.exp2(s - shift[..., None])  # (head, query, key)
+    rows, err = got
+    off = torch.zeros(G, n)
+    off[1, 3] = 0.5
     return (
-        out is not None
-        and torch.allclose(out, want @ v, rtol=1e-4, atol=1e-5)
+        err is not None
+        and torch.allclose(err, off, atol=1e-5)
         and torch.allclose(rows.sum, want.sum(-1), rtol=1e-5)
         and torch.equal(rows.arg, s.argmax(-1))
         and rows.col is not None
@@ -311,7 +316,9 @@ class _FusedArgs(ctypes.Structure):
         *((name, _LONG) for name in ("G", "n", "D", "Dv", "Tk", "K")),
         ("thr", ctypes.c_float),
         *((name, _P) for name in ("max", "sum", "min", "dot", "scale", "diag_e", "prev_e", "first_e")),
-        *((name, _P) for name in ("arg", "finite", "first", "last", "out", "col", "work")),
+        *((name, _P) for name in ("arg", "finite", "first", "last", "o")),
+        *((name, _LONG) for name in ("o_sb", "o_sh", "o_st")),
+        *((name, _P) for name in ("err", "col", "work")),
         ("work_floats", _LONG),
         ("threads", ctypes.c_int),
     ]
@@ -403,6 +410,7 @@ def _run_fused(
     gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     keep: torch.Tensor | None = None,
     start: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
     poison: bool = False,
 ) -> tuple[RowPass, torch.Tensor | None] | None:
     """``q @ k``, the row pass and ``e @ v`` of rows ``q`` ``(batch, heads, n, d)`` (times ``q_scale``: the scaling
@@ -411,20 +419,27 @@ def _run_fused(
     and the first past those (None: 0, K); ``diag`` ``(n,)`` each row's own key (None: none); ``keep`` ``(1 or
     batch, K)`` bool, False at keys no row of the batch item may attend (padding; None: none).
     Writes ``e`` at the row's own key, the one before it and the first key into ``gathered`` (``(batch x heads, n)``
-    each, where those keys lie below ``K``). Returns the row sums (the threshold times each row's sum; per-key sums of
-    ``e / sum e`` times ``row_weight``) and ``sum e * v`` ``(batch x heads, n, d_v)``; None where a row holds a NaN or
-    +inf logit. ``poison``: the C loop's scratch memory starts as NaN (the self-check: nothing unwritten is read)."""
+    each, where those keys lie below ``K``). ``output`` ``(batch, heads, n, d_v)``: what the call returned for the
+    rows (required with ``keys.v``). Returns the row sums (the threshold times each row's sum; per-key sums of
+    ``e / sum e`` times ``row_weight``) and the output check, ``(batch x heads, n)`` the largest difference of each
+    row's ``sum e * v / sum e`` from ``output`` (None without ``keys.v``; no ``(n, d_v)`` block of its own is written);
+    None where a row holds a NaN or +inf logit. ``poison``: the C loop's scratch memory starts as NaN (the
+    self-check: nothing unwritten is read)."""
     q = _rows_of(q)
     B, h, n, D = q.shape
     G, Tk, Dv = B * h, keys.k.shape[2], 0 if keys.v is None else keys.v.shape[-1]
     f32 = [torch.empty(G, n) for _ in range(5)]  # max, sum, min, dot, scale
     i64 = [torch.empty(G, n, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
-    out = None if keys.v is None else torch.empty(G, n, Dv)  # (batch x heads, n, d_v)
+    if keys.v is not None and output is None:
+        raise ValueError("the fused pass checks the output against the call's: pass output= with keys.v")
+    obs = None if keys.v is None or output is None else _rows_of(output)  # (batch, heads, n, d_v)
+    err = None if obs is None else torch.empty(G, n)  # (batch x heads, n)
     col = torch.zeros(G, K)  # (batch x heads, key)
     threads = min(torch.get_num_threads(), G)  # a thread takes whole heads: scratch for no more threads than heads
-    # E, q (RB = 4 rows), the head's panels, each key's largest |v|, and the values where their rows are not Dv apart
+    # E, q (RB = 4 rows), their sum e * v, the head's panels, each key's largest |v|, and the values where their rows
+    # are not Dv apart
     copied = keys.v is not None and keys.v.stride(2) != Dv
-    values = 0 if keys.v is None else K + (K * Dv if copied else 0)
+    values = 0 if keys.v is None else 4 * Dv + K + (K * Dv if copied else 0)
     per_thread = 4 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + values
     work = torch.full((threads * per_thread,), math.nan) if poison else torch.empty(threads * per_thread)
     rw = row_weight.to(torch.float32).contiguous()
@@ -441,7 +456,8 @@ def _run_fused(
         *(_ptr(t) for t in (diag, keys.first_key, rw)),
         G, n, D, Dv, Tk, K, threshold,
         *(t.data_ptr() for t in (f32[0], f32[1], f32[2], f32[3], f32[4], *gathered)),
-        *(t.data_ptr() for t in i64), _ptr(out), col.data_ptr(), work.data_ptr(), per_thread, threads,
+        *(t.data_ptr() for t in i64), _ptr(obs), *_strides(obs), _ptr(err), col.data_ptr(), work.data_ptr(),
+        per_thread, threads,
     )  # fmt: skip
     if lib.attnprobe_fused(ctypes.byref(args)):
         return None
@@ -449,4 +465,4 @@ def _run_fused(
         max=f32[0], arg=i64[0], sum=f32[1], min=f32[2], dot=f32[3], scale=f32[4], finite=i64[1], first=i64[2],
         last=i64[3], col=col,
     )  # fmt: skip
-    return got, out
+    return got, err

@@ -333,9 +333,13 @@ class _RowSums:
     last_allowed: torch.Tensor
     """long: the last such key (-1: none yet)."""
     out: torch.Tensor | None = None
-    """``(batch, head, query, d_head)``: ``sum e * v`` (None without an observed output)."""
+    """``(batch, head, query, d_head)``: ``sum e * v`` (None without an observed output, or before a block adds to it:
+    ``add_out``)."""
     scale: torch.Tensor | None = None
     """``sum e * max|v|``: what the output's rounding error scales with (None without an observed output)."""
+    error: torch.Tensor | None = None
+    """The output check as the fused pass took it, each row's largest ``|out / sum e - output|`` (``out`` then stays
+    unused); None: ``_finish`` takes it from ``out``."""
     set_e: torch.Tensor | None = None
     """``sum e`` over the keys of the call's key set (``key_set_mass``; None without one)."""
     dot_shifted: bool = False
@@ -362,9 +366,13 @@ class _RowSums:
             diag_allowed=torch.zeros(shape, dtype=torch.bool, device=device),
             first_allowed=torch.full(shape, keys, dtype=torch.long, device=device),
             last_allowed=torch.full(shape, -1, dtype=torch.long, device=device),
-            out=None if d_v is None else torch.zeros(*shape, d_v, device=device, dtype=dtype),
             scale=None if d_v is None else torch.zeros_like(zeros),
         )
+
+    def add_out(self, out: torch.Tensor) -> None:
+        """A block's ``sum e * v`` ``(batch, head, query, d_head)``, a tensor of its own, added to ``out`` (the first
+        block's is kept as it is: no zeros to add to)."""
+        self.out = out if self.out is None else self.out.add_(out)
 
 
 @dataclass(frozen=True)
@@ -725,9 +733,9 @@ class _Engine:
             self._gather_masses(sums, e, rows, c, d)
             self._add_set_e(sums, e, c, d)
             self._count_allowed(sums, rows, c, d, allowed)
-            if self.observed is not None and sums.out is not None and sums.scale is not None:
+            if self.observed is not None and sums.scale is not None:
                 out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
-                sums.out += out
+                sums.add_out(out)
                 sums.scale += scale
             # (batch, head, query): the entropy needs sum e * z over the allowed keys: s (zero at forbidden keys)
             # times e, in place in s, which nothing reads again
@@ -817,9 +825,9 @@ class _Engine:
         self._add_set_e(sums, e, c, d)
         self._count_allowed(sums, rows, c, d, mask.allowed)
         self._add_weights(e, rows, c, norm)
-        if self.observed is not None and sums.out is not None and sums.scale is not None:
+        if self.observed is not None and sums.scale is not None:
             out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
-            sums.out += out
+            sums.add_out(out)
             sums.scale += scale
 
     def _lse_block_native(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep, mask: _Forbidden) -> bool:
@@ -843,8 +851,8 @@ class _Engine:
         self._gather_masses(sums, e, rows, c, d)
         self._add_set_e(sums, e, c, d)
         self._add_native_weights(got, e, rows, c, norm)
-        if self.observed is not None and sums.out is not None and sums.scale is not None:
-            sums.out += e @ self.observed.v[:, :, c:d]  # (batch, head, query, d_head)
+        if self.observed is not None and sums.scale is not None:
+            sums.add_out(e @ self.observed.v[:, :, c:d])  # (batch, head, query, d_head)
             sums.scale += got.scale
         return True
 
@@ -917,12 +925,13 @@ class _Engine:
             threshold=WEIGHT_THRESHOLD,
             gathered=gathered,
             keep=masked.keep,
+            output=None if self.observed is None else self.observed.output[:, :, rows.a : rows.b],
         )
         if got is None:
             return False
         for into, value in zip((sums.diag_e, sums.prev_e, sums.first_e), gathered):
             into.copy_(value.view(B, h, n))
-        found, out = got
+        found, error = got
         view = {name: getattr(found, name).view(B, h, n) for name in ("max", "arg", "sum", "min", "dot", "finite")}
         self.native_blocks += 1
         sweep.best_key, sweep.best = view["arg"], view["max"]
@@ -936,8 +945,8 @@ class _Engine:
         self._fold_found(sums, found.first.view(B, h, n), found.last.view(B, h, n), 0)
         assert found.col is not None
         self.key_weight[..., :d] += found.col.view(B, h, d)
-        if self.observed is not None and sums.out is not None and sums.scale is not None and out is not None:
-            sums.out += out.view(B, h, n, -1)
+        if self.observed is not None and sums.scale is not None and error is not None:
+            sums.error = error.view(B, h, n)  # (batch, head, query): the output check, taken in the pass
             sums.scale += found.scale.view(B, h, n)
         return True
 
@@ -1104,9 +1113,13 @@ class _Engine:
             stats[KEY_SET_STAT] = (torch.zeros_like(m) if sums.set_e is None else sums.set_e) * inv
         finite = torch.isfinite(sums.dot) & torch.isfinite(norm.total) & ~torch.isnan(m)  # (batch, head, query)
         finite = finite | (empty & (sums.dot == 0))
-        if self.observed is not None and sums.out is not None and sums.scale is not None:
+        error = sums.error
+        if error is None and self.observed is not None and sums.scale is not None:
             obs = self.observed.output[:, :, rows.a : rows.b].to(self.dtype)  # (batch, head, query, d_head)
-            stats["output_error"] = sums.out.mul_(inv[..., None]).sub_(obs).abs_().amax(-1)  # out is ours
+            out = torch.zeros_like(obs) if sums.out is None else sums.out  # ours (no block: nothing added)
+            error = out.mul_(inv[..., None]).sub_(obs).abs_().amax(-1)
+        if error is not None and sums.scale is not None:
+            stats["output_error"] = error
             stats["output_scale"] = sums.scale * inv
             finite &= torch.isfinite(stats["output_error"])  # NaN/inf in the observed row (or in v) reaches it
         else:
