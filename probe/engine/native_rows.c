@@ -372,12 +372,17 @@ static void finish_row(const struct fused_args *a, long g, long i0, long r, cons
     a->max[i] = m, a->arg[i] = arg, a->sum[i] = sum, a->dot[i] = dot, a->scale[i] = sc;
     a->min[i] = L < K || lo > 0 ? 0.0f : mn; /* keys out of the row's reach weigh 0 */
     a->finite[i] = fin;
-    hits(Er + lo, L - lo, a->thr * sum, a->first + i, a->last + i);
-    if (a->first[i] >= 0) a->first[i] += lo, a->last[i] += lo;
-    float f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f);
-    float *col = a->col + g * K;
-#pragma omp simd
-    for (long k = lo; k < L; k++) col[k] += Er[k] * f;
+    float f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f), t = a->thr * sum, *col = a->col + g * K;
+    long first = K, last = -1;
+#pragma omp simd reduction(min : first) reduction(max : last)
+    for (long k = lo; k < L; k++) { /* the hits and the per-key sums in one read of the row */
+        float x = Er[k];
+        col[k] += x * f;
+        long h = x > t ? k : K, l = x > t ? k : -1;
+        first = h < first ? h : first;
+        last = l > last ? l : last;
+    }
+    a->first[i] = first == K ? -1 : first, a->last[i] = last;
     long dg = a->diag ? a->diag[i0 + r] : -1, fk = a->firstkey[g];
     if (dg >= 0 && dg < K) a->diag_e[i] = dg >= lo && dg < L ? Er[dg] : 0.0f;
     if (dg >= 1 && dg - 1 < K) a->prev_e[i] = dg - 1 >= lo && dg - 1 < L ? Er[dg - 1] : 0.0f;
