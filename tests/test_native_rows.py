@@ -211,12 +211,20 @@ FUSED_MASKS = [
 
 
 def _larger_call(
-    *, causal: bool, lse: bool, seed: int = 0, d_head: int = 40, d_v: int = 48, keys: int = 300, mask: str = "none"
+    *,
+    causal: bool,
+    lse: bool,
+    seed: int = 0,
+    d_head: int = 40,
+    d_v: int = 48,
+    keys: int = 300,
+    mask: str = "none",
+    queries: int = 70,
 ):
-    """2 x 3 heads reading 1 kv head, 70 queries, ``keys`` keys: tiles of 512 keys and their tails, vectors of 64
-    keys and of 32 and 16 of v's columns; ``mask`` one of ``_mask``'s."""
+    """2 x 3 heads reading 1 kv head, ``queries`` queries (the last of the keys), ``keys`` keys: tiles of 512 keys and
+    their tails, vectors of 64 keys and of 32 and 16 of v's columns; ``mask`` one of ``_mask``'s."""
     g = torch.Generator().manual_seed(seed)
-    B, H, Tq = 2, 3, 70
+    B, H, Tq = 2, 3, queries
     q, k = torch.randn(B, H, Tq, d_head, generator=g), torch.randn(B, 1, keys, d_head, generator=g)
     v = torch.randn(B, 1, keys, d_v, generator=g)
     allowed = _mask(mask, B, Tq, keys)
@@ -303,6 +311,57 @@ def test_a_nan_logit_sends_the_fused_block_to_torchs_ops():
     assert report["native_blocks"] == 0
     assert_close_to(got, want, atol=1e-5)
     assert not bool(got["finite"][1, 2, 40])
+
+
+#: 64 rows a block of the engine's own at 2 x 3 heads and 300 keys (two (rows x keys) float buffers), where the fused
+#: pass, which holds no such block (only the mask's bools and the rows' statistics), takes every one of 300 rows
+_SMALL_BLOCKS = 64 * 2 * (2 * 3 * 300 * 4)
+
+
+def _count_fused(monkeypatch) -> list:
+    """The fused pass's calls, each ``(rows, refused)``, as ``native_rows.fused`` gets them."""
+    calls: list = []
+    run = native_rows.fused
+
+    def counted(q, *args, **kwargs):
+        got = run(q, *args, **kwargs)
+        calls.append((q.shape[2], got is None))
+        return got
+
+    monkeypatch.setattr(native_rows, "fused", counted)
+    return calls
+
+
+@pytest.mark.parametrize("mask", ["causal", "window+padding"])
+def test_the_fused_pass_takes_more_rows_a_block_than_the_engines_own_blocks(mask, monkeypatch):
+    """Where the fused pass may take a call, a block is as many rows as the mask's bools fit in the block budget (it
+    holds no (rows x keys) block): 300 rows in one call where the engine's own blocks take 64; the statistics are
+    torch's ops'."""
+    call, diag = _larger_call(causal=mask == "causal", lse=True, queries=300, mask=mask)
+    want = attention_stats(call, diag_offset=diag, block_bytes=_SMALL_BLOCKS)
+    calls = _count_fused(monkeypatch)
+    report: dict = {}
+    got = attention_stats(call, diag_offset=diag, native=True, report=report, block_bytes=_SMALL_BLOCKS)
+    assert calls == [(300, False)] and report["native_blocks"] == 1
+    assert_close_to(got, want, atol=1e-5)
+
+
+def test_a_fused_block_refused_whole_is_taken_in_the_engines_own_blocks(monkeypatch):
+    """A NaN logit in one row makes the fused pass refuse the whole block of 300 rows; the rows are then taken in the
+    engine's blocks of 64: the fused pass takes the four without the NaN, torch's ops the one with it, and the
+    statistics are torch's ops' (the row with the NaN not finite)."""
+    call, diag = _larger_call(causal=True, lse=True, queries=300)
+    q = call.q.clone()
+    q[1, 2, 140, 3] = math.nan
+    call = replace(call, q=q)
+    want = attention_stats(call, diag_offset=diag, block_bytes=_SMALL_BLOCKS)
+    calls = _count_fused(monkeypatch)
+    report: dict = {}
+    got = attention_stats(call, diag_offset=diag, native=True, report=report, block_bytes=_SMALL_BLOCKS)
+    assert calls == [(300, True), (64, False), (64, False), (64, True), (64, False), (44, False)]
+    assert report["native_blocks"] == 4
+    assert_close_to(got, want, atol=1e-5)
+    assert not bool(got["finite"][1, 2, 140]) and bool(got["finite"][0].all())
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

@@ -187,7 +187,7 @@ def test_the_lse_a_model_asks_flex_for_serves_the_statistics(ask, monkeypatch, a
 
     swept, fused = [], []
     real, real_fused = engine._Engine._with_lse, engine._Engine._lse_block_fused
-    monkeypatch.setattr(engine._Engine, "_with_lse", lambda self, *a: swept.append(1) or real(self, *a))
+    monkeypatch.setattr(engine._Engine, "_with_lse", lambda self, *a, **k: swept.append(1) or real(self, *a, **k))
 
     def counted(self, *args):
         fused.append(real_fused(self, *args))

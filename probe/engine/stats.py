@@ -116,6 +116,9 @@ _MIN_ROWS = 64
 #: single row would cost four.
 _FUSED_ROWS = 4
 
+#: What the fused pass's block holds a row and head, statistics and their temporaries (``_Engine.fused_step``).
+_FUSED_ROW_BYTES = 256
+
 #: ``exp(x) = exp2(x * log2(e))`` (``_exp``), and back: a max found in base 2 times ln 2 is the natural one.
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -188,8 +191,10 @@ def attention_stats(
     tokens). Without it, they are made for this call and freed after it.
     ``key_set`` ``(batch, key)`` bool: also ``key_set_mass``, each row's weight on those keys.
     ``native``: float32 blocks on the CPU take their per-element work through the native row pass
-    (``probe/engine/native_rows.py``) where it is built; ``report``: a dict that gets ``"native_blocks"``, how many
-    blocks did (0: torch's ops alone).
+    (``probe/engine/native_rows.py``) where it is built; a call its fused pass may take comes in blocks of as many
+    rows as its mask's bools and the rows' statistics fit in ``block_bytes`` (``_Engine.fused_step``; a block it
+    refuses is taken again in the engine's own blocks). ``report``: a dict that gets ``"native_blocks"``, how many
+    blocks the native path took (0: torch's ops alone).
 
     Example::
 
@@ -214,11 +219,20 @@ def attention_stats(
     counted = _counted_rows(query_padding, B, Tq, device).to(dtype)  # (batch, query)
     buffers = {} if workspace is None else workspace
     engine = _Engine(call, diag_offset=diag_offset, buffers=buffers, overview=overview, key_set=key_set, native=native)
+
+    def take(a: int, b: int, *, fused_only: bool = False) -> bool:  # query rows a:b against every key they reach
+        reach = call.key_limit(b)
+        blocks = [(c, min(c + key_block, reach)) for c in range(0, reach, key_block)]
+        return engine.rows(a, b, blocks, counted[:, a:b], fused_only=fused_only)
+
+    step = engine.fused_step(rows_step, key_block, block_bytes)
     with torch.no_grad():
-        for a in range(0, Tq, rows_step):
-            b = min(a + rows_step, Tq)
-            reach = call.key_limit(b)
-            engine.rows(a, b, [(c, min(c + key_block, reach)) for c in range(0, reach, key_block)], counted[:, a:b])
+        for a in range(0, Tq, step):
+            b = min(a + step, Tq)
+            if step > rows_step and take(a, b, fused_only=True):
+                continue
+            for a_small in range(a, b, rows_step):  # the engine's own blocks (and the fused pass's, refused whole)
+                take(a_small, min(a_small + rows_step, b))
     if report is not None:
         report["native_blocks"] = engine.native_blocks
     return engine.result()
@@ -527,18 +541,41 @@ class _Engine:
             return torch.zeros(self.B, self.h, 1, dtype=torch.long, device=self.device)
         return attendable_keys(self.call)[1]
 
-    def rows(self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor) -> None:
+    def fused_step(self, rows_step: int, key_block: int, block_bytes: int) -> int:
+        """Rows of a block when the fused pass may take the call (``_fusable``, the kernel's lse, every key in one
+        block): it holds no (rows x keys) block, only the mask's bools (one a row and key of each of the mask's items)
+        and the rows' statistics, so as many rows as those fit in ``block_bytes`` (each block lays out its heads' keys
+        again and costs a few hundred small ops: at 32k tokens, blocks of 64 rows took a tenth of the pass); else
+        ``rows_step``."""
+        if not (self.native and self.lse is not None and key_block >= self.Tk and self._fusable()):
+            return rows_step
+        mask, B, h = self.call.mask, self.B, self.h
+        per_row = B * h * _FUSED_ROW_BYTES  # the rows' statistics
+        if isinstance(mask, torch.Tensor):  # (..., query, key): a mask per head is read per batch item and head
+            per_row += (B * h if mask.dim() == 4 and mask.shape[1] > 1 else math.prod(mask.shape[:-2])) * self.Tk
+        elif mask is not None:  # a mask function, evaluated per batch item and head at most
+            per_row += B * h * self.Tk
+        return max(rows_step, min(self.Tq, block_bytes // per_row))
+
+    def rows(
+        self, a: int, b: int, blocks: list[tuple[int, int]], counted: torch.Tensor, *, fused_only: bool = False
+    ) -> bool:
         """The statistics of query rows ``a:b`` over the key blocks ``blocks`` (``(c, d)``: keys ``c:d``; none when
-        the rows reach no key); ``counted`` ``(batch, query)``: the rows that count in ``key_weight``."""
+        the rows reach no key); ``counted`` ``(batch, query)``: the rows that count in ``key_weight``.
+        ``fused_only``: the fused pass or nothing (False, nothing added: the caller splits the rows into the engine's
+        own blocks, whose (rows x keys) buffers this block's rows would not fit)."""
         positions = self.call.row_positions(a, b)  # (query,)
         diag = None if self.diag_offset is None else positions + self.diag_offset  # (query,)
         block = _RowBlock(a=a, b=b, positions=positions, diag=diag, counted=counted)
-        if self.lse is not None and self._with_lse(block, blocks):
-            return
+        if self.lse is not None and self._with_lse(block, blocks, fused_only=fused_only):
+            return True
+        if fused_only:
+            return False
         if len(blocks) == 1:
             self._one_block(block, *blocks[0])
         else:
             self._two_passes(block, blocks)
+        return True
 
     def _normaliser(self, max_score: torch.Tensor, argmax: torch.Tensor, sum_e: torch.Tensor) -> _Normaliser:
         """The normaliser of rows whose ``e`` were taken less their largest logit ``max_score``."""
@@ -747,7 +784,7 @@ class _Engine:
         self.parts.append(self._finish(rows, norm, sums))
 
     # ------------------------------------------------------------------------- the kernel's normaliser: one sweep
-    def _with_lse(self, rows: _RowBlock, blocks: list[tuple[int, int]]) -> bool:
+    def _with_lse(self, rows: _RowBlock, blocks: list[tuple[int, int]], *, fused_only: bool = False) -> bool:
         """Rows whose log-normaliser the model's kernel returned (``call.lse``): one sweep over the key blocks, with no
         max to find first and nothing to rescale. Each block's ``e = exp(logit - lse)`` are the weights already; the
         sweep finds each row's largest logit and its key on the way (``_max_key``), and ``_finish`` divides the sums by
@@ -756,7 +793,8 @@ class _Engine:
         takes the kernel's normaliser as it is (the row's sum is known after its keys are summed into it).
 
         False, with nothing added, where some row's ``sum e`` is off 1 by more than ``_LSE_FIT``: the kernel's lse
-        does not describe these logits (the caller takes the other path)."""
+        does not describe these logits (the caller takes the other path); also, with ``fused_only``, where the fused
+        pass does not take the block."""
         assert self.lse is not None and self.trusted is not None
         B, h, n, a, b = self.B, self.h, rows.b - rows.a, rows.a, rows.b
         d_v = None if self.observed is None else self.observed.v.shape[-1]
@@ -775,7 +813,8 @@ class _Engine:
         key_weight, self.key_weight = self.key_weight, torch.zeros_like(self.key_weight)  # kept apart until it fits
         try:
             for c, d in blocks:
-                self._lse_block(rows, c, d, sweep)
+                if not self._lse_block(rows, c, d, sweep, fused_only=fused_only):
+                    return False
         finally:
             added, self.key_weight = self.key_weight, key_weight
         sums, total = sweep.sums, sweep.sums.sum_e  # (batch, head, query)
@@ -794,15 +833,18 @@ class _Engine:
         self.parts.append(self._finish(rows, norm, sums))
         return True
 
-    def _lse_block(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep) -> None:
-        """Keys ``c:d`` of the rows into ``sweep``: ``e = exp(logit - lse)`` and every sum of ``_RowSums``."""
+    def _lse_block(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep, *, fused_only: bool = False) -> bool:
+        """Keys ``c:d`` of the rows into ``sweep``: ``e = exp(logit - lse)`` and every sum of ``_RowSums`` (False,
+        nothing added: ``fused_only`` and the fused pass did not take the block)."""
         shape, sums = (self.B, self.h, rows.b - rows.a, d - c), sweep.sums
         fusable = self.native and sweep.whole and c == 0 and rows.b - rows.a >= _FUSED_ROWS and self._fusable()
         if fusable and self._lse_block_fused(rows, d, sweep):
-            return
+            return True
+        if fused_only:
+            return False
         mask = self._forbidden(rows, c, d)
         if self.native and self._lse_block_native(rows, c, d, sweep, mask):
-            return
+            return True
         s, block_max, block_key = self._logits_and_max(rows, c, d, mask, every_key=sweep.whole)  # base 2
         sweep.best_key = torch.where(block_max > sweep.best, block_key + c, sweep.best_key)  # strict: first key on ties
         sweep.best = torch.maximum(sweep.best, block_max)  # NaN propagates
@@ -829,6 +871,7 @@ class _Engine:
             out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
             sums.add_out(out)
             sums.scale += scale
+        return True
 
     def _lse_block_native(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep, mask: _Forbidden) -> bool:
         """``_lse_block`` with the per-element work in the native row pass (False, nothing added: a row with a NaN
