@@ -183,6 +183,7 @@ typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any
 #define RB 4
 #define TK 512    /* keys per tile: a multiple of PANEL */
 #define PANEL 64  /* keys per panel (native_rows.py's _PANEL) */
+#define ROWS_SUMMED 64 /* rows whose per-key sums are added up apart (a multiple of RB) */
 
 struct fused_args {
     const float *q;           /* the rows' q: row i of head g at g / h * q_sb + g % h * q_sh + i * q_st, d contiguous */
@@ -208,9 +209,10 @@ struct fused_args {
     long o_sb, o_sh, o_st;
     float *err;               /* G x n: the output check, max over the columns of |sum e * v / sum e - o| (with v) */
     float *col;               /* G x K: the per-key sums, added to */
-    float *work;              /* threads x work_floats: E (RB x K), q (RB x D), the rows' sum e * v (RB x Dv), the
-                                 head's panels (P x D x 64), each key's largest |v| (K, with v) and, where v's rows
-                                 are not Dv apart, its values (K x Dv) */
+    float *work;              /* threads x work_floats (even): the per-key sums in double (K), E (RB x K), the per-key
+                                 sums of a few rows (K), q (RB x D), the rows' sum e * v (RB x Dv), the head's panels
+                                 (P x D x 64), each key's largest |v| (K, with v) and, where v's rows are not Dv
+                                 apart, its values (K x Dv) */
     long work_floats;
     int threads;
 };
@@ -367,12 +369,12 @@ static float output_error(const struct fused_args *a, long g, long i0, long r, c
 
 /* One row's results, its hits and per-key sums once its sum is known: from E's keys lo..L of the row. */
 static void finish_row(const struct fused_args *a, long g, long i0, long r, const float *Er, long lo, long L, float m,
-                       long arg, float sum, float mn, float dot, float sc, long fin) {
+                       long arg, float sum, float mn, float dot, float sc, long fin, float *restrict col) {
     long i = g * a->n + i0 + r, K = a->K;
     a->max[i] = m, a->arg[i] = arg, a->sum[i] = sum, a->dot[i] = dot, a->scale[i] = sc;
     a->min[i] = L < K || lo > 0 ? 0.0f : mn; /* keys out of the row's reach weigh 0 */
     a->finite[i] = fin;
-    float f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f), t = a->thr * sum, *col = a->col + g * K;
+    float f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f), t = a->thr * sum;
     long first = K, last = -1;
 #pragma omp simd reduction(min : first) reduction(max : last)
     for (long k = lo; k < L; k++) { /* the hits and the per-key sums in one read of the row */
@@ -390,7 +392,7 @@ static void finish_row(const struct fused_args *a, long g, long i0, long r, cons
 }
 
 static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E, float *q, float *out,
-                        const float *kP, const float *v, const float *vmax) {
+                        const float *kP, const float *v, const float *vmax, float *col, long *hi) {
     for (long r = 0; r < RB; r++) { /* the rows times q_scale; those past rb repeat the last (computed, never read) */
         const float *qr = HEAD(a, q, g) + (i0 + (r < rb ? r : rb - 1)) * a->q_st;
         for (long dd = 0; dd < a->D; dd++) q[r * a->D + dd] = qr[dd] * a->q_scale;
@@ -407,6 +409,7 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
         if (v) prefetch_row(HEAD(a, o, g) + (i0 + r) * a->o_st, a->Dv); /* read once the row's sum is known */
     }
     float S[RB][TK];
+    *hi = kmax > *hi ? kmax : *hi;
     for (long j0 = kmin; j0 < kmax; j0 += TK) {
         long w = kmax - j0 < TK ? kmax - j0 : TK;
         qk_tile(q, a->D, kP + (j0 / PANEL) * a->D * PANEL, w, S);
@@ -426,7 +429,7 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
         if (v) ev_tile(E + j0, K, rb, v + j0 * a->Dv, a->Dv, a->Dv, w, out);
     }
     for (long r = 0; r < rb; r++) {
-        finish_row(a, g, i0, r, E + r * K, lo[r], lim[r], m[r], arg[r], sum[r], mn[r], dot[r], sc[r], fin[r]);
+        finish_row(a, g, i0, r, E + r * K, lo[r], lim[r], m[r], arg[r], sum[r], mn[r], dot[r], sc[r], fin[r], col);
         if (v) a->err[row0 + r] = output_error(a, g, i0, r, out + r * a->Dv, sum[r]);
     }
     return 0;
@@ -438,7 +441,8 @@ long attnprobe_fused(const struct fused_args *a) {
     long odd = 0, panels = (a->K + PANEL - 1) / PANEL * PANEL * a->D;
 #pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd)
     for (long g = 0; g < a->G; g++) {
-        float *E = a->work + (long)omp_get_thread_num() * a->work_floats, *q = E + RB * a->K, *out = q + RB * a->D;
+        double *acc = (double *)(a->work + (long)omp_get_thread_num() * a->work_floats); /* work_floats is even */
+        float *E = (float *)(acc + a->K), *part = E + RB * a->K, *q = part + a->K, *out = q + RB * a->D;
         float *kP = out + (a->v ? RB * a->Dv : 0);
         float *vmax = a->v ? kP + panels : 0, *V = a->v && a->v_st != a->Dv ? vmax + a->K : 0;
         long from = a->K, item = (g / a->H) * a->row_stride;
@@ -451,8 +455,22 @@ long attnprobe_fused(const struct fused_args *a) {
         make_panels(HEAD(a, k, g), a->k_st, a->D, from, a->K, kP);
         if (a->v) head_values(HEAD(a, v, g), a->v_st, a->Dv, from - from % PANEL, a->K, V, vmax);
         const float *vh = V ? V : a->v ? HEAD(a, v, g) : 0; /* values with rows Dv apart: read where they are */
-        for (long i0 = 0; i0 < a->n; i0 += RB)
-            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, out, kP, vh, vmax);
+        /* the per-key sums of ROWS_SUMMED rows at a time in part, then added up in double: one by one, the float
+           sums of thousands of rows lost digits (1e-5 of a key's weight of 7.6 at 1,024 rows) */
+        long base = from - from % PANEL, hi = base;
+        memset(part + base, 0, (a->K - base) * sizeof *part);
+        memset(acc + base, 0, (a->K - base) * sizeof *acc);
+        for (long i0 = 0; i0 < a->n; i0 += RB) {
+            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, out, kP, vh, vmax, part, &hi);
+            if ((i0 + RB) % ROWS_SUMMED == 0 || i0 + RB >= a->n) {
+#pragma omp simd
+                for (long k = base; k < hi; k++) acc[k] += part[k], part[k] = 0.0f;
+                hi = base;
+            }
+        }
+        float *col = a->col + g * a->K; /* the head's per-key sums: added to */
+#pragma omp simd
+        for (long k = base; k < a->K; k++) col[k] += (float)acc[k];
     }
     return odd;
 }

@@ -436,11 +436,12 @@ def _run_fused(
     err = None if obs is None else torch.empty(G, n)  # (batch x heads, n)
     col = torch.zeros(G, K)  # (batch x heads, key)
     threads = min(torch.get_num_threads(), G)  # a thread takes whole heads: scratch for no more threads than heads
-    # E, q (RB = 4 rows), their sum e * v, the head's panels, each key's largest |v|, and the values where their rows
-    # are not Dv apart
+    # the per-key sums in double, E, those of a few rows, q (RB = 4 rows), their sum e * v, the head's panels, each
+    # key's largest |v|, and the values where their rows are not Dv apart
     copied = keys.v is not None and keys.v.stride(2) != Dv
     values = 0 if keys.v is None else 4 * Dv + K + (K * Dv if copied else 0)
-    per_thread = 4 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + values
+    per_thread = 7 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + values
+    per_thread += per_thread % 2  # even: each thread's space starts with K doubles
     work = torch.full((threads * per_thread,), math.nan) if poison else torch.empty(threads * per_thread)
     rw = row_weight.to(torch.float32).contiguous()
     keep8 = None if keep is None else keep.to(torch.uint8).contiguous()  # (1 or batch, K)
