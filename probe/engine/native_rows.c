@@ -219,9 +219,6 @@ struct fused_args {
 
 #define HEAD(a, t, g) ((a)->t + (g) / (a)->h * (a)->t##_sb + (g) % (a)->h * (a)->t##_sh)
 
-/* The head's keys from..K in panels of 64 (P x D x 64), each transposed: panel p holds keys 64p..64p+63 as D rows of
-   64 (zeros past K), so that q @ k reads each panel in order. Made by each thread for the head it takes (the key
-   tensor is read through its strides: no copy of the call's keys). */
 /* The row of D floats at x into the cache, ahead of its use: rows a projection's stride apart (a page or more) are
    not fetched by the hardware's prefetchers, and each one's first load waited on memory. */
 static inline void prefetch_row(const float *x, long D) {
@@ -230,6 +227,9 @@ static inline void prefetch_row(const float *x, long D) {
 
 #define AHEAD 16 /* rows fetched ahead */
 
+/* The head's keys from..K in panels of 64 (P x D x 64), each transposed: panel p holds keys 64p..64p+63 as D rows of
+   64 (zeros past K), so that q @ k reads each panel in order. Made by each thread for the head it takes (the key
+   tensor is read through its strides: no copy of the call's keys). */
 static void make_panels(const float *k, long st, long D, long from, long K, float *panels) {
     for (long j = from - from % PANEL; j < K && j < from - from % PANEL + AHEAD; j++) prefetch_row(k + j * st, D);
     for (long p = from / PANEL; p * PANEL < K; p++) {
