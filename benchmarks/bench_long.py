@@ -14,14 +14,18 @@ run's own):
    ``q @ k`` in base 2, its row max, one ``exp2``, the row sums, the entropy's sum, ``e @ v`` and its largest
    difference from the observed output: entropy, max_weight, row_sum_error, max_score and output_error, and
    nothing else). No implementation of the whole list on torch's ops can cost less than this floor.
+4. Decoding: the tiny Llama generating ``--decode`` tokens (greedy) after a prompt of 256, ``keep=("stats",)`` vs a
+   plain ``generate``, interleaved rounds, medians; the time the capture adds per attention call beside what one
+   call of the model's attention layer takes uncaptured (each decoding step is one query row: a fixed cost per call
+   is most of it).
 
 Usage: ``python benchmarks/bench_long.py [--lengths 4096 16384 32768] [--rounds 5] [--threads N] [--engine E]
-[--window W]`` (``--engine``: the captures' ``stats_engine``, ``auto`` by default; ``torch`` for torch's ops alone,
-``native`` for the native row pass; ``--window``: the long runs on a Mistral of the same shapes attending a sliding
-window of ``W`` keys, which transformers' sdpa passes as a boolean mask). Timings are
-noisy on a shared machine: compare only the ratios of one run. On a machine others are using, ``--threads 1`` keeps
-torch's thread pool from waiting on busy cores (every op of the engine would pay for it); CPU seconds are printed
-beside wall seconds.
+[--window W] [--decode N]`` (``--engine``: the captures' ``stats_engine``, ``auto`` by default; ``torch`` for
+torch's ops alone, ``native`` for the native row pass; ``--window``: the long runs on a Mistral of the same shapes
+attending a sliding window of ``W`` keys, which transformers' sdpa passes as a boolean mask; ``--lengths`` with no
+length skips the long runs, ``--decode 0`` the decoding line). Timings are noisy on a shared machine: compare only
+the ratios of one run. On a machine others are using, ``--threads 1`` keeps torch's thread pool from waiting on busy
+cores (every op of the engine would pay for it); CPU seconds are printed beside wall seconds.
 """
 
 from __future__ import annotations
@@ -209,13 +213,49 @@ def minilm(rounds: int) -> tuple[float, float, float, float, float] | None:
     return p, s, f, floor_error, agree
 
 
+def decode(prompt: int, new: int, rounds: int) -> tuple[float, float, int]:
+    """(plain, stats) medians of seconds for ``generate`` of ``new`` tokens after ``prompt`` and the attention calls
+    one generation makes."""
+    import torch
+    import transformers
+
+    import attnprobe
+
+    model, ids = _llama(prompt + new)
+    lm = transformers.LlamaForCausalLM(model.config).eval()
+    lm.model = model  # the benchmark's weights, with a head to generate from
+    ids = ids[:, :prompt]
+    args = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    def plain():
+        with torch.no_grad():
+            return lm.generate(ids, **args)
+
+    def stats():
+        with torch.no_grad(), attnprobe.capture(lm, keep=("stats",), stats_engine=ENGINE) as cap:
+            out = lm.generate(ids, **args)
+        stats.calls = len(cap)
+        return out
+
+    if not torch.equal(plain(), stats()):
+        raise AssertionError("the captured generation differs from the plain one")
+    times: dict[str, list[float]] = {"plain": [], "stats": []}
+    for _ in range(rounds):
+        for name, fn in random.sample([("plain", plain), ("stats", stats)], 2):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return statistics.median(times["plain"]), statistics.median(times["stats"]), stats.calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--one", nargs=2, metavar=("MODE", "T"), help=argparse.SUPPRESS)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768], help="none: skip the long runs")
     parser.add_argument("--rounds", type=int, default=5, help="MiniLM rounds (interleaved, shuffled)")
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--skip-minilm", action="store_true")
+    parser.add_argument("--decode", type=int, default=128, help="tokens generated after a prompt of 256 (0: skip)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--engine", default="auto", choices=["auto", "torch", "native"], help="the stats_engine")
     parser.add_argument(
@@ -279,6 +319,13 @@ def main() -> None:
                 f"its entropy and max score within {agree:.1e} of the capture's; "
                 + ("the target is below it" if f / p > 1.10 else "the target is above it")
             )
+    if args.decode:
+        p, s, calls = decode(256, args.decode, args.rounds)
+        print(
+            f"decoding: tiny Llama, {args.decode} tokens after 256, greedy: plain {p:.2f} s, keep=('stats',) "
+            f"{s:.2f} s: {s / p:.2f}x; {(s - p) / calls * 1e6:.0f} us added per attention call ({calls} calls), "
+            f"against {p / calls * 1e6:.0f} us of the plain generation per call"
+        )
 
 
 if __name__ == "__main__":

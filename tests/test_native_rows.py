@@ -364,6 +364,35 @@ def test_a_fused_block_refused_whole_is_taken_in_the_engines_own_blocks(monkeypa
     assert not bool(got["finite"][1, 2, 140]) and bool(got["finite"][0].all())
 
 
+@pytest.mark.parametrize("mask", ["causal", "window+padding"])
+@pytest.mark.parametrize("queries", [1, 2, 3])
+def test_decoding_rows_take_the_fused_pass_where_the_keys_are_few(queries, mask, monkeypatch):
+    """A decoding step's one to three rows: the fused pass computes four (the rows past them repeat the last, never
+    read) where a head's keys times its size are few (300 x 40), and its statistics are torch's ops'."""
+    call, diag = _larger_call(causal=mask == "causal", lse=True, queries=queries, mask=mask)
+    want = attention_stats(call, diag_offset=diag)
+    calls = _count_fused(monkeypatch)
+    got = attention_stats(call, diag_offset=diag, native=True)
+    assert calls == [(queries, False)]
+    assert_close_to(got, want, atol=1e-5)
+
+
+def test_a_decoding_row_among_many_keys_takes_the_row_pass(monkeypatch):
+    """Past ``_FUSED_FEW_KEYS`` (here lowered below 300 keys x 40) one row takes the row pass, not four rows of the
+    fused pass and a copy of every key; four rows still take the fused pass."""
+    from attnprobe.probe.engine import stats as engine
+
+    monkeypatch.setattr(engine, "_FUSED_FEW_KEYS", 300 * 40 - 1)
+    calls = _count_fused(monkeypatch)
+    for queries, fused in ((1, False), (4, True)):
+        call, diag = _larger_call(causal=True, lse=True, queries=queries)
+        report: dict = {}
+        got = attention_stats(call, diag_offset=diag, native=True, report=report)
+        assert (calls.pop() if calls else None) == ((queries, False) if fused else None)
+        assert report["native_blocks"] == 1  # the row pass's, or the fused pass's
+        assert_close_to(got, attention_stats(call, diag_offset=diag), atol=1e-5)
+
+
 def test_the_per_key_sums_of_thousands_of_rows_keep_their_digits():
     """The fused pass takes every row of a 4,096-token causal call in one block; each key's summed weight (up to 8.5)
     stays within 5e-6 of the float64 sum of the exact weights (added one row after another in float32, the sums of

@@ -112,9 +112,14 @@ _TEMPORARIES = 4
 _CACHE_BYTES = 8 << 20
 _MIN_ROWS = 64
 
-#: Rows a block needs for the fused pass (``native_rows.fused``), which computes four rows at a time: a decoding step's
-#: single row would cost four.
+#: Rows a block needs for the fused pass (``native_rows.fused``), which computes four rows at a time, unless a head's
+#: keys times its size are at most ``_FUSED_FEW_KEYS``. A decoding step's single row then costs four rows' arithmetic
+#: and a copy of each head's keys and values (the pass lays them out), which is less than what the row pass adds
+#: (its logits and weights tensors, ``e @ v`` and each key's largest ``|v|`` in torch's ops: 0.2-0.3 ms a call at
+#: 128-1k keys, 8 heads of 64; ``benchmarks/bench_long.py --decode``). Past it the copies cost more: one row at 16k
+#: keys of 64 took 1.3x the row pass's time, at 8k keys 0.96x (32 heads of 128 at 8k keys: 0.78x).
 _FUSED_ROWS = 4
+_FUSED_FEW_KEYS = 1 << 19
 
 #: What the fused pass's block holds a row and head, statistics and their temporaries (``_Engine.fused_step``).
 _FUSED_ROW_BYTES = 256
@@ -837,7 +842,8 @@ class _Engine:
         """Keys ``c:d`` of the rows into ``sweep``: ``e = exp(logit - lse)`` and every sum of ``_RowSums`` (False,
         nothing added: ``fused_only`` and the fused pass did not take the block)."""
         shape, sums = (self.B, self.h, rows.b - rows.a, d - c), sweep.sums
-        fusable = self.native and sweep.whole and c == 0 and rows.b - rows.a >= _FUSED_ROWS and self._fusable()
+        enough = rows.b - rows.a >= _FUSED_ROWS or d * self.call.q.shape[-1] <= _FUSED_FEW_KEYS  # rows, or few keys
+        fusable = self.native and sweep.whole and c == 0 and enough and self._fusable()
         if fusable and self._lse_block_fused(rows, d, sweep):
             return True
         if fused_only:
