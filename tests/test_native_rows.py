@@ -505,9 +505,10 @@ def test_a_sliding_window_model_takes_the_fused_pass_on_every_layer(monkeypatch)
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``(batch, head, n, d)`` with the strides of a ``(batch, n, head, d)`` projection's view (the same
-    values)."""
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
+    """``t`` ``(batch, head, n, d)`` with the strides of a ``(batch, n, head, d)`` projection's view among as many
+    other heads (the same values): rows ``2 x head x d`` apart, also for a call's single kv head."""
+    wide = torch.cat([t, torch.zeros_like(t)], 1)  # (batch, 2 head, n, d)
+    return wide.transpose(1, 2).contiguous().transpose(1, 2)[:, : t.shape[1]]
 
 
 def test_q_k_and_v_strided_as_a_projections_give_the_same_statistics(monkeypatch):

@@ -46,10 +46,11 @@ def assert_bitwise(got, want):
         assert torch.equal(a, b), (name, a, b)
 
 
-def _case(mask: str, extras: str, dtype: torch.dtype, *, heads=(0, 1, 2, 3), seed: int = 0):
+def _case(mask: str, extras: str, dtype: torch.dtype, *, heads=(0, 1, 2, 3), seed: int = 0, grouped: bool = False):
     """``(call, diag_offset, query_padding)``: 2 batch rows, 4 query heads reading 2 kv heads, 13 queries (3 for
     ``decode``: the last queries of 40 keys, causal with an offset; ``shifted``: 13 queries, 10 keys, causal with
-    offset -3, so that the first 3 rows may attend no key)."""
+    offset -3, so that the first 3 rows may attend no key). k and v for every head (``AttentionCall.ungrouped``);
+    ``grouped``: as ``AttentionCall.for_heads`` keeps them, one per kv head where the heads read them in groups."""
     torch.manual_seed(seed)
     B, H, KV, D = 2, 4, 2, 8
     Tq, Tk = {"decode": (3, 40), "shifted": (13, 10), "cross": (13, 11)}.get(mask, (13, 13))
@@ -80,7 +81,9 @@ def _case(mask: str, extras: str, dtype: torch.dtype, *, heads=(0, 1, 2, 3), see
     kv_heads = tuple(h * KV // H for h in heads)
     call = AttentionCall.for_heads(q, k, v, heads=heads, kv_heads=kv_heads, output=output, scaling=0.3, **kw)
     diag = None if mask in ("cross", "shifted") else Tk - Tq
-    return call, diag, (pad[:, -Tq:] if Tk >= Tq else None)
+    # k and v for every head, as the frozen engine reads them (today's engine takes grouped k and v as they are,
+    # one product per kv head: the same numbers but for the products' rounding, tests/test_kv_groups.py)
+    return call if grouped else call.ungrouped(), diag, (pad[:, -Tq:] if Tk >= Tq else None)
 
 
 @pytest.mark.parametrize("block_bytes", BLOCK_BYTES.values(), ids=BLOCK_BYTES.keys())

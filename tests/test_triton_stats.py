@@ -54,6 +54,19 @@ def test_the_kernel_gives_the_eager_engines_statistics(mask):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_the_kernel_reads_each_kv_head_for_its_group(deterministic):
+    """A call whose 4 heads read 2 kv heads in groups (``kv_group`` 2: k and v as the model holds them, no copy per
+    head): the statistics of the same call with k and v repeated per head, with per-key sums by atomics and in a
+    fixed order (the second kernel reads the keys too)."""
+    call, diag, padding = _case("padding", "plain", torch.float32, grouped=True)
+    assert call.kv_group == 2 and call.k.shape[1] == 2
+    got = _kernel(call, diag, padding, deterministic=deterministic)
+    assert got is not None
+    assert_close_to(got, attention_stats(call.ungrouped(), diag_offset=diag, query_padding=padding), atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("way", ["kernel-lse", "deterministic", "sampled-rows", "bias-softcap"])
 def test_the_kernels_other_ways_give_the_same_statistics(way):
     """The model kernel's lse (one sweep), per-key sums without atomics, a sample of rows, a position bias with

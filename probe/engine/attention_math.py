@@ -38,17 +38,19 @@ def attention_logits(
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    group: int = 1,
 ) -> torch.Tensor:
-    """``(batch, head, rows, d) x (batch, head, keys, d) -> (batch, head, rows, keys)``: ``q @ k^T * scaling``,
-    plus ``bias`` (a position bias), softcapped (``tanh(s / cap) * cap``). A new tensor in ``q``'s dtype, or
-    written into ``out`` (contiguous, of that shape: a buffer the caller reuses block after block).
+    """``(batch, head, rows, d) x (batch, head / group, keys, d) -> (batch, head, rows, keys)``: ``q @ k^T *
+    scaling``, plus ``bias`` (a position bias), softcapped (``tanh(s / cap) * cap``). A new tensor in ``q``'s dtype,
+    or written into ``out`` (contiguous, of that shape: a buffer the caller reuses block after block). ``group``:
+    each head of ``k`` serves that many consecutive heads of ``q`` (grouped-query attention, ``grouped_matmul``).
 
     Example::
 
         >>> attention_logits(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 2, 4), scaling=0.5).tolist()
         [[[[2.0, 2.0]]]]
     """
-    logits = torch.matmul(q, k.transpose(-1, -2)) if out is None else torch.matmul(q, k.transpose(-1, -2), out=out)
+    logits = grouped_matmul(q, k.transpose(-1, -2), group, out=out)
     if scaling != 1.0:
         logits.mul_(scaling)
     if bias is not None:
@@ -56,6 +58,46 @@ def attention_logits(
     if softcap is not None:
         logits.div_(softcap).tanh_().mul_(softcap)
     return logits
+
+
+def grouped_matmul(x: torch.Tensor, y: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` ``(batch, head, m, n)`` times ``y`` ``(batch, head / group, n, p)``: ``(batch, head, m, p)``, head ``i``
+    of ``x`` times head ``i // group`` of ``y`` (grouped-query attention: k and v as the model holds them, never
+    repeated per head). The ``group`` heads of ``x`` that share a head of ``y`` go in as one matrix of ``group x m``
+    rows (a copy of ``x`` only where its rows cannot be viewed so, e.g. a block of rows cut from each head).
+    ``out``: contiguous ``(batch, head, m, p)``.
+
+    Example::
+
+        >>> x, y = torch.ones(1, 4, 2, 3), torch.arange(6.0).view(1, 2, 3, 1)  # 4 heads of x, 2 of y
+        >>> grouped_matmul(x, y, 2)[0, :, 0, 0].tolist()
+        [3.0, 3.0, 12.0, 12.0]
+    """
+    if group == 1:
+        return torch.matmul(x, y) if out is None else torch.matmul(x, y, out=out)
+    B, H, m, n = x.shape
+    folded = x.reshape(B, H // group, group * m, n)  # (batch, head / group, group x m, n)
+    if out is None:
+        return torch.matmul(folded, y).view(B, H, m, y.shape[-1])
+    torch.matmul(folded, y, out=out.view(B, H // group, group * m, y.shape[-1]))
+    return out
+
+
+def kv_grouping(kv_heads: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """``(group, kv)``: the key/value head each selected head reads, ``kv_heads``, as the heads ``kv`` each repeated
+    ``group`` times in a row (grouped-query attention); ``(1, kv_heads)`` where they are not of that form.
+
+    Example::
+
+        >>> kv_grouping((0, 0, 0, 1, 1, 1)), kv_grouping((0, 1, 0, 1))
+        ((3, (0, 1)), (1, (0, 1, 0, 1)))
+    """
+    n = len(kv_heads)
+    group = next((i for i, x in enumerate(kv_heads) if x != kv_heads[0]), n) if n else 1
+    kv = kv_heads[::group] if group > 1 else kv_heads
+    if group > 1 and n % group == 0 and tuple(x for x in kv for _ in range(group)) == kv_heads:
+        return group, kv
+    return 1, kv_heads
 
 
 def softmax_with_sinks(z: torch.Tensor, sinks: torch.Tensor | None, heads=None) -> torch.Tensor:
@@ -121,8 +163,10 @@ def _rows(t: torch.Tensor, a: int, b: int, c: int, d: int) -> torch.Tensor:
 class AttentionCall:
     """One attention call as the function received it, for the selected heads.
 
-    ``q`` ``(batch, head, query, d)`` and ``k``/``v`` ``(batch, head, key, d)`` are already restricted to the
-    selected query heads (each selected head's kv head repeated beside it). ``mask``: None, bool (True =
+    ``q`` ``(batch, head, query, d)`` and ``k``/``v`` ``(batch, head / kv_group, key, d)`` are already restricted to
+    the selected query heads: head ``i`` of q reads head ``i // kv_group`` of k and v (``for_heads`` keeps k and v
+    as the model holds them where the selected heads read them in groups, grouped-query attention, else repeats each
+    selected head's kv head beside it, ``kv_group`` 1). ``mask``: None, bool (True =
     attend), or float (added to the logits; entries at or below ``masked_at`` mask), broadcastable to
     ``(batch, 1 or head, query, key)``. ``causal``: query ``i`` may also only attend keys ``<= i + causal_offset``
     (sdpa's ``is_causal`` is upper-left aligned: offset 0). ``bias``: a position bias added to the logits.
@@ -152,10 +196,14 @@ class AttentionCall:
     """``(batch, head, query)`` float: each row's log-normaliser ``logsumexp(logits)`` over its allowed keys, in
     natural units, as the model's attention kernel returned it beside its output (None: not known). With it the
     statistics engine needs no pass to find each row's normaliser (see ``probe/engine/stats.py``)."""
+    kv_group: int = 1
+    """Heads of q that read each head of k and v, consecutive ones (1: a head of k and v for every head of q)."""
 
     @classmethod
     def for_heads(cls, q, k, v=None, *, heads, kv_heads, mask=None, bias=None, sinks=None, output=None, lse=None, **kw):
-        """From full-head tensors: pick the selected heads (and the kv head each reads), detached."""
+        """From full-head tensors: pick the selected heads (and the kv head each reads), detached. Where the selected
+        heads read their kv heads in groups (``kv_grouping``), k and v keep one head per group (``kv_group``): no
+        copy of the keys and values for every head (at 32 heads on 8 kv heads, four times the model's cache)."""
 
         def pick(t, index, axis=1):
             return None if t is None else index_heads(t.detach(), tuple(index), axis)[0]
@@ -166,17 +214,30 @@ class AttentionCall:
             t = _as_4d(t.detach())
             return t if t.shape[1] == 1 else pick(t, heads)
 
+        group, kv = kv_grouping(tuple(kv_heads))
         return cls(
             q=pick(q, heads),
-            k=pick(k, kv_heads),
-            v=pick(v, kv_heads),
+            k=pick(k, kv),
+            v=pick(v, kv),
             mask=per_head(mask),
             bias=per_head(bias),
             sinks=pick(sinks, heads, 0) if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 else None,
             output=pick(output, heads),
             lse=pick(lse, heads),
+            kv_group=group,
             **kw,
         )
+
+    def ungrouped(self) -> AttentionCall:
+        """The same call with k and v repeated for every head of q (``kv_group`` 1): copies, ``kv_group`` times the
+        size, for readers that index k and v by q's heads."""
+        if self.kv_group == 1:
+            return self
+
+        def repeat(t):
+            return None if t is None else t.repeat_interleave(self.kv_group, 1)
+
+        return dataclasses.replace(self, k=repeat(self.k), v=repeat(self.v), kv_group=1)
 
     def take_rows(self, rows: torch.Tensor) -> AttentionCall:
         """The same call for the query rows ``rows`` only (``(n,)`` long, ascending, unique): q, the mask, the bias
@@ -258,10 +319,11 @@ class AttentionCall:
         mask = self.mask
         float_mask = mask if isinstance(mask, torch.Tensor) and mask.dtype.is_floating_point else None
         plain = self.bias is None and self.softcap is None and float_mask is None and self.score_mod is None
+        group = self.kv_group
         if plain and (times != 1.0 or self.scaling != 1.0):
-            return attention_logits(q * (self.scaling * times), k, scaling=1.0, out=out)
+            return attention_logits(q * (self.scaling * times), k, scaling=1.0, out=out, group=group)
         bias = None if self.bias is None else _rows(_as_4d(self.bias), a, b, c, d)
-        s = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap, out=out)
+        s = attention_logits(q, k, scaling=self.scaling, bias=bias, softcap=self.softcap, out=out, group=group)
         if self.score_mod is not None:
             s = self.score_mod(s, self.row_positions(a, b), c, d)
         if float_mask is not None:

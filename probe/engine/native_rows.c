@@ -187,10 +187,11 @@ typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any
 
 struct fused_args {
     const float *q;           /* the rows' q: row i of head g at g / h * q_sb + g % h * q_sh + i * q_st, d contiguous */
-    const float *k;           /* the keys, the same way (Tk of them a head) */
+    const float *k;           /* the keys, the same way (Tk of them a head; heads of k: see kv_group) */
     const float *v;           /* the values, the same way, or NULL (no output check; else each key's largest |v|, the
                                  output's scale, is taken per head in the work space) */
     long q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, h; /* strides; heads per batch item */
+    long kv_group;            /* heads of q that read each head of k and v: head g % h reads g % h / kv_group */
     float q_scale;            /* q times it: the scaling and log2(e) */
     const float *shift;       /* G x n: the kernel's lse, base 2 */
     const int64_t *start;     /* (G / H) x n: the first key each row may attend, or NULL: key 0 */
@@ -218,6 +219,8 @@ struct fused_args {
 };
 
 #define HEAD(a, t, g) ((a)->t + (g) / (a)->h * (a)->t##_sb + (g) % (a)->h * (a)->t##_sh)
+/* k's or v's head that head g of q reads */
+#define KV_HEAD(a, t, g) ((a)->t + (g) / (a)->h * (a)->t##_sb + (g) % (a)->h / (a)->kv_group * (a)->t##_sh)
 
 /* The row of D floats at x into the cache, ahead of its use: rows a projection's stride apart (a page or more) are
    not fetched by the hardware's prefetchers, and each one's first load waited on memory. */
@@ -452,9 +455,9 @@ long attnprobe_fused(const struct fused_args *a) {
         }
         for (long i = 0; i < RB && i < a->n; i++) /* the first group's rows */
             prefetch_row(HEAD(a, q, g) + i * a->q_st, a->D);
-        make_panels(HEAD(a, k, g), a->k_st, a->D, from, a->K, kP);
-        if (a->v) head_values(HEAD(a, v, g), a->v_st, a->Dv, from - from % PANEL, a->K, V, vmax);
-        const float *vh = V ? V : a->v ? HEAD(a, v, g) : 0; /* values with rows Dv apart: read where they are */
+        make_panels(KV_HEAD(a, k, g), a->k_st, a->D, from, a->K, kP);
+        if (a->v) head_values(KV_HEAD(a, v, g), a->v_st, a->Dv, from - from % PANEL, a->K, V, vmax);
+        const float *vh = V ? V : a->v ? KV_HEAD(a, v, g) : 0; /* values with rows Dv apart: read where they are */
         /* the per-key sums of ROWS_SUMMED rows at a time in part, then added up in double: one by one, the float
            sums of thousands of rows lost digits (1e-5 of a key's weight of 7.6 at 1,024 rows) */
         long base = from - from % PANEL, hi = base;

@@ -309,6 +309,7 @@ class _FusedArgs(ctypes.Structure):
     _fields_ = [
         *((name, _P) for name in ("q", "k", "v")),
         *((name, _LONG) for name in ("q_sb", "q_sh", "q_st", "k_sb", "k_sh", "k_st", "v_sb", "v_sh", "v_st", "h")),
+        ("kv_group", _LONG),
         ("q_scale", ctypes.c_float),
         *((name, _P) for name in ("shift", "start", "limit", "keep")),
         *((name, _LONG) for name in ("H", "keep_stride", "row_stride")),
@@ -329,20 +330,21 @@ _PANEL = 64  # keys per panel of the fused pass's keys (``PANEL`` of native_rows
 
 @dataclass
 class FusedKeys:
-    """What the fused pass reads of a call's keys, made once per call (``of``): ``k`` ``(batch, heads, keys, d)`` and
-    ``v`` ``(batch, heads, keys, d_v)`` (None without an output check), float32 with their last axis contiguous (the C
-    loop reads them through their strides, and each thread lays out the keys of the head it takes in panels of 64, and
-    takes each key's largest ``|v|``); ``first_key`` ``(batch x heads,)`` the first key any row may attend,
-    contiguous."""
+    """What the fused pass reads of a call's keys, made once per call (``of``): ``k`` ``(batch, heads / group, keys,
+    d)`` and ``v`` ``(batch, heads / group, keys, d_v)`` (None without an output check), float32 with their last axis
+    contiguous (the C loop reads them through their strides, and each thread lays out the keys of the head it takes in
+    panels of 64, and takes each key's largest ``|v|``); head ``i`` of q reads head ``i // group`` of them;
+    ``first_key`` ``(batch x heads,)`` the first key any row may attend, contiguous."""
 
     k: torch.Tensor
     v: torch.Tensor | None
     first_key: torch.Tensor
+    group: int = 1
 
     @classmethod
-    def of(cls, k: torch.Tensor, *, v: torch.Tensor | None, first_key: torch.Tensor) -> FusedKeys:
+    def of(cls, k: torch.Tensor, *, v: torch.Tensor | None, first_key: torch.Tensor, group: int = 1) -> FusedKeys:
         """From ``k`` and ``v`` as they are (a copy only where not float32 or the last axis is strided)."""
-        return cls(k=_rows_of(k), v=None if v is None else _rows_of(v), first_key=first_key)
+        return cls(k=_rows_of(k), v=None if v is None else _rows_of(v), first_key=first_key, group=group)
 
 
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
@@ -428,6 +430,8 @@ def _run_fused(
     q = _rows_of(q)
     B, h, n, D = q.shape
     G, Tk, Dv = B * h, keys.k.shape[2], 0 if keys.v is None else keys.v.shape[-1]
+    if keys.k.shape[1] * keys.group != h:
+        raise ValueError(f"{h} heads of q read {keys.k.shape[1]} heads of k in groups of {keys.group}: not one each")
     f32 = [torch.empty(G, n) for _ in range(5)]  # max, sum, min, dot, scale
     i64 = [torch.empty(G, n, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
     if keys.v is not None and output is None:
@@ -451,7 +455,7 @@ def _run_fused(
     assert G % items == 0, (G, items)
     args = _FusedArgs(
         *(_ptr(t) for t in (q, keys.k, keys.v)),
-        *_strides(q), *_strides(keys.k), *_strides(keys.v), h, q_scale,
+        *_strides(q), *_strides(keys.k), *_strides(keys.v), h, keys.group, q_scale,
         *(_ptr(t) for t in (shift, start, limit, keep8)),
         G // items, 0 if keep8 is None or keep8.shape[0] == 1 else K, n if per_item else 0,
         *(_ptr(t) for t in (diag, keys.first_key, rw)),

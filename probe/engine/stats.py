@@ -58,7 +58,7 @@ from typing import NamedTuple
 import torch
 
 from . import native_rows
-from .attention_math import AttentionCall, sink_logsumexp
+from .attention_math import AttentionCall, grouped_matmul, sink_logsumexp
 from .pooling import Overview, Pooler
 
 #: Statistics with one value per (batch, head, query), in order.
@@ -399,22 +399,32 @@ class _Observed:
     """What the output check reads, in the compute dtype: the values and the output the call returned."""
 
     v: torch.Tensor
-    """``(batch, head, key, d_head)``: each selected query head's kv head."""
+    """``(batch, head / group, key, d_head)``: the selected query heads' kv heads (``AttentionCall.kv_group``)."""
     output: torch.Tensor
     """``(batch, head, query, d_head)``: what the attention returned."""
+    group: int = 1
+    """Heads that read each head of ``v``, consecutive ones."""
 
     @functools.cached_property
     def v_max(self) -> torch.Tensor:
         """``(batch, head, key)``: each key's largest ``|v|``: ``e @ v_max`` bounds ``max_d (e @ |v|)_d``, what the
         output's rounding error scales with (the larger of the max and minus the min: two reductions, no ``|v|``).
         Taken where a path reads it: the fused pass takes its own, head by head."""
-        return torch.maximum(self.v.amax(-1), self.v.amin(-1).neg_())
+        return self.per_head(torch.maximum(self.v.amax(-1), self.v.amin(-1).neg_()))
+
+    def per_head(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` ``(batch, head / group, ...)``, a value per kv head, repeated for each head that reads it."""
+        return t if self.group == 1 else t.repeat_interleave(self.group, 1)
 
     @classmethod
     def of(cls, call: AttentionCall, dtype: torch.dtype) -> _Observed | None:
         if call.output is None or call.v is None:
             return None
-        return cls(v=call.v.to(dtype), output=call.output)
+        return cls(v=call.v.to(dtype), output=call.output, group=call.kv_group)
+
+    def times_v(self, e: torch.Tensor, c: int, d: int) -> torch.Tensor:
+        """``e @ v`` over keys ``c:d``: ``(batch, head, query, key) x (batch, head / group, key, d_head)``."""
+        return grouped_matmul(e, self.v[:, :, c:d], self.group)
 
     def products(self, e: torch.Tensor, c: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(e @ v, e @ max|v|)`` over keys ``c:d``, each undivided by the normaliser: the output (a new tensor) and
@@ -422,7 +432,7 @@ class _Observed:
         memory speed (``e @ max|v|`` costs as much as ``e @ v``)."""
         # (batch, head, 1, key) x (batch, head, key, query) -> (batch, head, query)
         scale = torch.matmul(self.v_max[:, :, None, c:d], e.transpose(-1, -2)).squeeze(-2)
-        return e @ self.v[:, :, c:d], scale  # (batch, head, query, key) x (batch, head, key, d_head)
+        return self.times_v(e, c, d), scale  # (batch, head, query, d_head)
 
 
 class _Logits(NamedTuple):
@@ -646,7 +656,7 @@ class _Engine:
             sums.min_e.clamp_(max=0.0)
         self._add_native_weights(got, e, rows, c, norm)
         if self.observed is not None:
-            sums.out, sums.scale = e @ self.observed.v[:, :, c:d], got.scale  # (batch, head, query, d_head)
+            sums.out, sums.scale = self.observed.times_v(e, c, d), got.scale  # (batch, head, query, d_head)
         self.parts.append(self._finish(rows, norm, sums))
         return True
 
@@ -901,7 +911,7 @@ class _Engine:
         self._add_set_e(sums, e, c, d)
         self._add_native_weights(got, e, rows, c, norm)
         if self.observed is not None and sums.scale is not None:
-            sums.add_out(e @ self.observed.v[:, :, c:d])  # (batch, head, query, d_head)
+            sums.add_out(self.observed.times_v(e, c, d))  # (batch, head, query, d_head)
             sums.scale += got.scale
         return True
 
@@ -943,8 +953,9 @@ class _Engine:
         if self._fused_keys is None:
             G, obs = self.B * self.h, self.observed
             self._fused_keys = native_rows.FusedKeys.of(
-                self.call.k,  # (batch, head, key, d): read through its strides
-                v=None if obs is None else obs.v,  # (batch, head, key, d_v)
+                self.call.k,  # (batch, head / group, key, d): read through its strides
+                v=None if obs is None else obs.v,  # (batch, head / group, key, d_v)
+                group=self.call.kv_group,
                 first_key=self.first_key.expand(self.B, self.h, 1).reshape(G).contiguous(),  # (heads,)
             )
         return self._fused_keys
@@ -1204,7 +1215,7 @@ class _Engine:
             out["diagonal_mass"] = torch.where(empty & (diag < Tk), u, stats["diagonal_mass"])
             out["previous_mass"] = torch.where(empty & (diag >= 1) & (diag - 1 < Tk), u, stats["previous_mass"])
         if self.observed is not None:
-            mean = self.observed.v.mean(-2, keepdim=True)  # (batch, head, 1, d_head): the output of a uniform row
+            mean = self.observed.per_head(self.observed.v.mean(-2, keepdim=True))  # (batch, head, 1, d_head)
             obs = self.observed.output[:, :, rows.a : rows.b].to(self.dtype)  # (batch, head, query, d_head)
             err = (mean - obs).abs().amax(-1)  # (batch, head, query)
             out["output_error"] = torch.where(empty, err, stats["output_error"])

@@ -239,7 +239,7 @@ def _rows_kernel(
     Q, K, V, OUT, MASK, BIAS, LSE, POS, FIRST, COUNTED, VMAX, STATS, KW, LSE_OUT, W_OUT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    H, Tq, Tk, D, DV, plane, scale, softcap, masked_at, causal_offset, diag_offset, threshold,
+    H, GROUP, Tq, Tk, D, DV, plane, scale, softcap, masked_at, causal_offset, diag_offset, threshold,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_LSE: tl.constexpr, HAS_OUT: tl.constexpr,
@@ -253,7 +253,7 @@ def _rows_kernel(
     row_ok = rows < Tq
     pos = tl.load(POS + rows, mask=row_ok, other=0)
     q = _query(Q, b * sqb + h * sqh, rows, row_ok, sqm, sqd, D, BLOCK_D, UPCAST)
-    k_base, m_base, b_base = b * skb + h * skh, b * smb + h * smh, b * sbb + h * sbh
+    k_base, m_base, b_base = b * skb + h // GROUP * skh, b * smb + h * smh, b * sbb + h * sbh  # GROUP: heads a kv head
     n_end = Tk
     if CAUSAL:
         n_end = tl.minimum(Tk, tl.max(tl.where(row_ok, pos, -1)) + causal_offset + 1)
@@ -277,7 +277,8 @@ def _rows_kernel(
         total, dot, smallest, best, best_key, first, last, count, first_ok, last_ok, first_p, diag_p, prev_p, diag_ok,
         out, out_scale,
     ) = _sweep(
-        q, K, V, MASK, BIAS, VMAX, KW, k_base, m_base, b_base, b * svb + h * svh, bh, rows, pos, row_ok, lse2, weight,
+        q, K, V, MASK, BIAS, VMAX, KW, k_base, m_base, b_base, b * svb + h // GROUP * svh, bh, rows, pos, row_ok,
+        lse2, weight,
         first_key, diag, n_end, Tk, D, DV, scale, softcap, masked_at, causal_offset, threshold,
         skn, skd, smm, smn, sbm, sbn, svn, svd,
         BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HAS_MASK, MASK_FLOAT, HAS_BIAS, HAS_SOFTCAP, CAUSAL, HAS_DIAG, HAS_OUT,
@@ -315,7 +316,7 @@ def _rows_kernel(
 def _keys_kernel(
     Q, K, MASK, BIAS, LSE2, POS, WEIGHT, KW,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, smb, smh, smm, smn, sbb, sbh, sbm, sbn,
-    H, Tq, Tk, D, scale, softcap, masked_at, causal_offset,
+    H, GROUP, Tq, Tk, D, scale, softcap, masked_at, causal_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -325,7 +326,7 @@ def _keys_kernel(
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     start_n = tl.program_id(0) * BLOCK_N
-    k_base, m_base, b_base = b * skb + h * skh, b * smb + h * smh, b * sbb + h * sbh
+    k_base, m_base, b_base = b * skb + h // GROUP * skh, b * smb + h * smh, b * sbb + h * sbh  # GROUP: heads a kv head
     sums = tl.zeros((BLOCK_N,), tl.float32)
     for start_m in range(0, Tq, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -445,7 +446,9 @@ def _launch(call: AttentionCall, diag_offset, query_padding, sums: str, block: t
     observed = call.output is not None and call.v is not None
     v = call.v if observed and call.v is not None else k
     out = call.output if observed and call.output is not None else q
-    v_max = torch.maximum(v.amax(-1), v.amin(-1).neg()).float().contiguous() if observed else counted  # (b, h, key)
+    v_max = counted
+    if observed:  # (batch, head, key): each key's largest |v|, taken per kv head, repeated for the heads reading it
+        v_max = torch.maximum(v.amax(-1), v.amin(-1).neg()).float().repeat_interleave(call.kv_group, 1).contiguous()
     lse = call.lse.to(device, torch.float32).contiguous() if call.lse is not None else counted
     planes = torch.empty(len(_PLANES), B * H * Tq, device=device, dtype=torch.float32)
     key_weight = torch.full((B * H * Tk,), 0.0 if sums != "none" else math.nan, device=device, dtype=torch.float32)
@@ -470,7 +473,8 @@ def _launch(call: AttentionCall, diag_offset, query_padding, sums: str, block: t
         q, k, v, out, q if mask is None else mask, q if bias is None else bias, lse, positions,
         first.to(torch.int32).contiguous(), counted.contiguous(), v_max, planes, key_weight, lse_out, w_out,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mask_strides, *bias_strides,
-        H, Tq, Tk, q.shape[-1], v.shape[-1], B * H * Tq, diag_offset=-(1 << 30) if no_diag else int(diag_offset),
+        H, call.kv_group, Tq, Tk, q.shape[-1], v.shape[-1], B * H * Tq,
+        diag_offset=-(1 << 30) if no_diag else int(diag_offset),
         threshold=WEIGHT_THRESHOLD, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_DIAG=not no_diag, HAS_LSE=call.lse is not None, HAS_OUT=observed, ATOMIC_COLS=sums == "atomic",
         STORE_LSE=deterministic, **flags, **numbers,
@@ -478,7 +482,7 @@ def _launch(call: AttentionCall, diag_offset, query_padding, sums: str, block: t
     if deterministic:
         _keys_kernel[(triton.cdiv(Tk, block_n), B * H)](
             q, k, q if mask is None else mask, q if bias is None else bias, lse_out, positions, w_out, key_weight,
-            *q.stride(), *k.stride(), *mask_strides, *bias_strides, H, Tq, Tk, q.shape[-1],
+            *q.stride(), *k.stride(), *mask_strides, *bias_strides, H, call.kv_group, Tq, Tk, q.shape[-1],
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **flags, **numbers,
         )  # fmt: skip
     planes = planes.view(len(_PLANES), B, H, Tq)
