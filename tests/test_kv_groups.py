@@ -108,3 +108,34 @@ def test_a_capture_of_a_grouped_model_copies_no_keys_for_its_statistics():
         with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as cap:
             model(input_ids=ids)
     assert seen == [2, 2] and len(cap) == 2
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "threads"),
+    [((0, 0, 1, 1), 1), ((0, 0, 1, 1), 2), ((0, 0, 0, 0), 1), ((0, 0, 0, 0), 2)],
+    ids=["pairs-1-thread", "pairs-2-threads", "four-1-thread", "four-2-threads"],
+)
+def test_the_fused_pass_lays_out_a_kv_head_once_or_per_head_with_the_same_numbers(kv_heads, threads, monkeypatch):
+    """One batch item of 4 heads: where there are as many groups of heads reading one kv head as threads, each group
+    shares its kv head's layout (pairs at one or two threads, one group of four at one thread); else each head lays
+    out its own (one group of four at two threads). Either way, the statistics of k and v repeated per head."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, n, 8, generator=g) for h, n in ((4, 9), (2, 30), (2, 30)))
+    call = AttentionCall.for_heads(
+        q, k, v, heads=(0, 1, 2, 3), kv_heads=kv_heads, scaling=0.4, causal=True, causal_offset=21
+    )
+    full = call.ungrouped()
+    assert call.kv_group == 4 // len(set(kv_heads)) and full.v is not None
+    allowed = full.allowed(0, 9, 0, 30)  # (1, 1, query, key)
+    assert allowed is not None
+    weights = torch.softmax(full.logits(0, 9, 0, 30).masked_fill(~allowed, -torch.inf), -1)
+    call = replace(call, output=weights @ full.v, lse=exact_lse(call))
+    calls = _count_fused(monkeypatch)
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = attention_stats(call, diag_offset=21, native=True)
+    finally:
+        torch.set_num_threads(was)
+    assert calls == [(9, False)]
+    assert_close_to(got, attention_stats(call.ungrouped(), diag_offset=21), atol=1e-5)

@@ -438,42 +438,59 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
     return 0;
 }
 
+/* One head's rows over keys laid out from base on (kP, vh, vmax): the rows RB at a time, the per-key sums of
+   ROWS_SUMMED rows at a time in part, then added up in double (one by one, the float sums of thousands of rows lost
+   digits: 1e-5 of a key's weight of 7.6 at 1,024 rows), then into the head's col. */
+static long head_rows_fused(const struct fused_args *a, long g, int later, long base, float *E, float *q, float *out,
+                            const float *kP, const float *vh, const float *vmax, float *part, double *acc) {
+    long odd = 0, hi = base;
+    memset(part + base, 0, (a->K - base) * sizeof *part);
+    memset(acc + base, 0, (a->K - base) * sizeof *acc);
+    if (later) /* a later head of a shared layout: its first rows (the first head's were fetched before the layout) */
+        for (long i = 0; i < RB && i < a->n; i++) prefetch_row(HEAD(a, q, g) + i * a->q_st, a->D);
+    for (long i0 = 0; i0 < a->n; i0 += RB) {
+        odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, out, kP, vh, vmax, part, &hi);
+        if ((i0 + RB) % ROWS_SUMMED == 0 || i0 + RB >= a->n) {
+#pragma omp simd
+            for (long k = base; k < hi; k++) acc[k] += part[k], part[k] = 0.0f;
+            hi = base;
+        }
+    }
+    float *col = a->col + g * a->K; /* the head's per-key sums: added to */
+#pragma omp simd
+    for (long k = base; k < a->K; k++) col[k] += (float)acc[k];
+    return odd;
+}
+
 /* Every head's rows, RB at a time; the heads are shared out among the threads (each head's per-key sums are one
-   thread's). Returns the rows' groups that held a NaN or +inf logit (nothing may be used then). */
+   thread's), the heads that read one kv head (kv_group) together where there are as many such groups as threads:
+   their kv head's keys are laid out once. Returns the rows' groups that held a NaN or +inf logit (nothing may be used
+   then). */
 long attnprobe_fused(const struct fused_args *a) {
     long odd = 0, panels = (a->K + PANEL - 1) / PANEL * PANEL * a->D;
+    long per = a->kv_group > 1 && a->G / a->kv_group >= a->threads ? a->kv_group : 1; /* heads sharing a layout */
 #pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd)
-    for (long g = 0; g < a->G; g++) {
+    for (long g0 = 0; g0 < a->G; g0 += per) {
         double *acc = (double *)(a->work + (long)omp_get_thread_num() * a->work_floats); /* work_floats is even */
         float *E = (float *)(acc + a->K), *part = E + RB * a->K, *q = part + a->K, *out = q + RB * a->D;
         float *kP = out + (a->v ? RB * a->Dv : 0);
         float *vmax = a->v ? kP + panels : 0, *V = a->v && a->v_st != a->Dv ? vmax + a->K : 0;
-        long from = a->K, item = (g / a->H) * a->row_stride;
-        for (long i = 0; i < a->n; i++) { /* the first key any row of the head may attend */
-            long s = a->start ? a->start[item + i] : 0;
-            from = s < from ? (s < 0 ? 0 : s) : from;
-        }
-        for (long i = 0; i < RB && i < a->n; i++) /* the first group's rows */
-            prefetch_row(HEAD(a, q, g) + i * a->q_st, a->D);
-        make_panels(KV_HEAD(a, k, g), a->k_st, a->D, from, a->K, kP);
-        if (a->v) head_values(KV_HEAD(a, v, g), a->v_st, a->Dv, from - from % PANEL, a->K, V, vmax);
-        const float *vh = V ? V : a->v ? KV_HEAD(a, v, g) : 0; /* values with rows Dv apart: read where they are */
-        /* the per-key sums of ROWS_SUMMED rows at a time in part, then added up in double: one by one, the float
-           sums of thousands of rows lost digits (1e-5 of a key's weight of 7.6 at 1,024 rows) */
-        long base = from - from % PANEL, hi = base;
-        memset(part + base, 0, (a->K - base) * sizeof *part);
-        memset(acc + base, 0, (a->K - base) * sizeof *acc);
-        for (long i0 = 0; i0 < a->n; i0 += RB) {
-            odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, out, kP, vh, vmax, part, &hi);
-            if ((i0 + RB) % ROWS_SUMMED == 0 || i0 + RB >= a->n) {
-#pragma omp simd
-                for (long k = base; k < hi; k++) acc[k] += part[k], part[k] = 0.0f;
-                hi = base;
+        long from = a->K;
+        for (long g = g0; g < g0 + per; g++) { /* the first key any row of the heads may attend */
+            long item = (g / a->H) * a->row_stride;
+            for (long i = 0; i < a->n; i++) {
+                long s = a->start ? a->start[item + i] : 0;
+                from = s < from ? (s < 0 ? 0 : s) : from;
             }
         }
-        float *col = a->col + g * a->K; /* the head's per-key sums: added to */
-#pragma omp simd
-        for (long k = base; k < a->K; k++) col[k] += (float)acc[k];
+        for (long i = 0; i < RB && i < a->n; i++) /* the first group's rows */
+            prefetch_row(HEAD(a, q, g0) + i * a->q_st, a->D);
+        make_panels(KV_HEAD(a, k, g0), a->k_st, a->D, from, a->K, kP);
+        if (a->v) head_values(KV_HEAD(a, v, g0), a->v_st, a->Dv, from - from % PANEL, a->K, V, vmax);
+        const float *vh = V ? V : a->v ? KV_HEAD(a, v, g0) : 0; /* values with rows Dv apart: read where they are */
+        long base = from - from % PANEL;
+        for (long g = g0; g < g0 + per; g++)
+            odd += head_rows_fused(a, g, g != g0, base, E, q, out, kP, vh, vmax, part, acc);
     }
     return odd;
 }
