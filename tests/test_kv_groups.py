@@ -15,7 +15,7 @@ from test_stats_oracle import MASKS, _case
 
 import attnprobe
 from attnprobe.probe.engine.attention_math import AttentionCall, grouped_matmul
-from attnprobe.probe.engine.stats import attention_stats
+from attnprobe.probe.engine.stats import KEY_STATS, ROW_STATS, attention_stats
 
 
 @pytest.mark.parametrize(
@@ -66,6 +66,30 @@ def test_grouped_calls_give_the_statistics_of_keys_for_every_head(mask, path):
     got = attention_stats(call, report=report, **kw)
     assert_close_to(got, attention_stats(call.ungrouped(), **kw), atol=1e-5)
     assert (report["native_blocks"] > 0) == (path != "torch")
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_grouped_calls_with_sampled_rows_an_overview_and_a_key_set(native):
+    """The engine's other inputs on a grouped call: a sample of rows, an overview (pooled weights and exact windows)
+    and a key set (``key_set_mass``) give what they give on the call with k and v repeated per head."""
+    from attnprobe.probe.engine.pooling import Overview
+
+    call, diag, padding = _case("padding", "plain", torch.float32, grouped=True)
+    full = call.ungrouped()
+    kw: dict = dict(diag_offset=diag, query_padding=padding, native=native)
+    rows = torch.tensor([0, 3, 4, 11, 12])
+    assert_close_to(attention_stats(call, rows=rows, **kw), attention_stats(full, rows=rows, **kw), atol=1e-5)
+    overview = Overview(cells=4, windows=((0, 2, 0, 7), (1, 3, 2, 11)))
+    got, want = (attention_stats(c, overview=overview, **kw) for c in (call, full))
+    assert_close_to(got, want, atol=1e-5)
+    pooled = set(got) - {*ROW_STATS, *KEY_STATS}  # the overview's pooled weights and windows
+    assert pooled == set(want) - {*ROW_STATS, *KEY_STATS} and len(pooled) == 4
+    for name in pooled:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0)
+    key_set = torch.zeros(2, 13, dtype=torch.bool)
+    key_set[:, 5:9] = True
+    got, want = (attention_stats(c, key_set=key_set, **kw) for c in (call, full))
+    torch.testing.assert_close(got["key_set_mass"], want["key_set_mass"], atol=1e-5, rtol=0, equal_nan=True)
 
 
 def test_the_fused_pass_reads_each_kv_head_for_its_group(monkeypatch):
