@@ -83,6 +83,12 @@ def grouped_matmul(x: torch.Tensor, y: torch.Tensor, group: int, out: torch.Tens
     return out
 
 
+def per_query_head(t: torch.Tensor, group: int) -> torch.Tensor:
+    """``t`` ``(batch, kv head, ...)`` repeated for each of the ``group`` consecutive query heads that read a kv
+    head: ``(batch, kv head x group, ...)`` (a copy; ``t`` itself for groups of one)."""
+    return t if group == 1 else t.repeat_interleave(group, 1)
+
+
 def kv_grouping(kv_heads: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """``(group, kv)``: the key/value head each selected head reads, ``kv_heads``, as the heads ``kv`` each repeated
     ``group`` times in a row (grouped-query attention); ``(1, kv_heads)`` where they are not of that form.
@@ -233,11 +239,8 @@ class AttentionCall:
         size, for readers that index k and v by q's heads."""
         if self.kv_group == 1:
             return self
-
-        def repeat(t):
-            return None if t is None else t.repeat_interleave(self.kv_group, 1)
-
-        return dataclasses.replace(self, k=repeat(self.k), v=repeat(self.v), kv_group=1)
+        v = None if self.v is None else per_query_head(self.v, self.kv_group)
+        return dataclasses.replace(self, k=per_query_head(self.k, self.kv_group), v=v, kv_group=1)
 
     def take_rows(self, rows: torch.Tensor) -> AttentionCall:
         """The same call for the query rows ``rows`` only (``(n,)`` long, ascending, unique): q, the mask, the bias

@@ -58,7 +58,7 @@ from typing import NamedTuple
 import torch
 
 from . import native_rows
-from .attention_math import AttentionCall, grouped_matmul, sink_logsumexp
+from .attention_math import AttentionCall, grouped_matmul, per_query_head, sink_logsumexp
 from .pooling import Overview, Pooler
 
 #: Statistics with one value per (batch, head, query), in order.
@@ -414,7 +414,7 @@ class _Observed:
 
     def per_head(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` ``(batch, head / group, ...)``, a value per kv head, repeated for each head that reads it."""
-        return t if self.group == 1 else t.repeat_interleave(self.group, 1)
+        return per_query_head(t, self.group)
 
     @classmethod
     def of(cls, call: AttentionCall, dtype: torch.dtype) -> _Observed | None:

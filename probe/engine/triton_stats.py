@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_math import AttentionCall
+from .attention_math import AttentionCall, per_query_head
 from .stats import KEY_STATS, ROW_STATS, WEIGHT_THRESHOLD, attendable_keys
 
 #: The row statistics in the order the kernel writes them (one float32 plane each; integers are exact below 2^24).
@@ -448,7 +448,7 @@ def _launch(call: AttentionCall, diag_offset, query_padding, sums: str, block: t
     out = call.output if observed and call.output is not None else q
     v_max = counted
     if observed:  # (batch, head, key): each key's largest |v|, taken per kv head, repeated for the heads reading it
-        v_max = torch.maximum(v.amax(-1), v.amin(-1).neg()).float().repeat_interleave(call.kv_group, 1).contiguous()
+        v_max = per_query_head(torch.maximum(v.amax(-1), v.amin(-1).neg()).float(), call.kv_group).contiguous()
     lse = call.lse.to(device, torch.float32).contiguous() if call.lse is not None else counted
     planes = torch.empty(len(_PLANES), B * H * Tq, device=device, dtype=torch.float32)
     key_weight = torch.full((B * H * Tk,), 0.0 if sums != "none" else math.nan, device=device, dtype=torch.float32)
