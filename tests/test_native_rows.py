@@ -17,7 +17,7 @@ from test_stats_oracle import BLOCK_BYTES, MASKS, _case
 import attnprobe
 from attnprobe.probe.engine import native_rows
 from attnprobe.probe.engine.attention_math import AttentionCall
-from attnprobe.probe.engine.stats import attention_stats
+from attnprobe.probe.engine.stats import ROW_STATS, attention_stats
 from attnprobe.probe.errors import SelectionError
 
 pytestmark = pytest.mark.skipif(
@@ -280,6 +280,41 @@ def test_the_fused_pass_gives_the_statistics_of_torchs_ops(mask, keys, monkeypat
         assert report["native_blocks"] > 0
         assert_close_to(got, want, atol=1e-5)
         assert bool(got["finite"].all())
+
+
+def test_the_fused_pass_writes_every_statistic_as_the_engine_gives_it(monkeypatch):
+    """The fused pass writes each row's statistics itself (``native_rows.FinalStats``): every one of ``ROW_STATS``,
+    with the engine's dtypes and shapes, equal to torch's ops' in every row, also where a row attends no key (the
+    padded item's first rows under a window) or its own key is not allowed."""
+    call, diag = _larger_call(causal=False, lse=True, mask="window+padding")
+    allowed = call.mask.clone()
+    for row in range(10, 14):  # rows 10-13 attend the keys before their own (their interval ends there)
+        allowed[0, 0, row, diag + row :] = False
+    allowed[1, 0, 60:63] = False  # rows that attend no key
+    call = replace(call, mask=allowed)
+    call = replace(call, lse=exact_lse(call))
+    names = native_rows.FINAL_FLOATS + native_rows.FINAL_LONGS + native_rows.FINAL_BOOLS
+    assert sorted(names) == sorted(ROW_STATS)
+    want = attention_stats(call, diag_offset=diag)
+    _only(monkeypatch, fused=True)
+    got = attention_stats(call, diag_offset=diag, native=True)
+    assert list(got) == list(want)
+    for name in want:
+        assert (got[name].dtype, got[name].shape) == (want[name].dtype, want[name].shape), name
+    assert not bool(want["diagonal_allowed"][0, :, 10:14].any()) and bool(want["diagonal_allowed"][0, :, 14:40].all())
+    assert int((want["allowed_keys"] == 0).sum()) == 3 * 3
+    assert_close_to(got, want, atol=1e-5)
+
+
+def test_an_lse_that_is_not_the_logits_is_refused_by_the_fused_pass(monkeypatch):
+    """A kernel lse off by 0.01: the fused pass refuses the block (each row's ``sum e`` is off 1 by 1%), nothing of it
+    is kept, and the statistics are those of the engine's own paths."""
+    call, diag = _larger_call(causal=True, lse=True, mask="causal+padding")
+    want = attention_stats(replace(call, lse=None), diag_offset=diag)
+    calls = _count_fused(monkeypatch)
+    got = attention_stats(replace(call, lse=call.lse + 0.01), diag_offset=diag, native=True)
+    assert calls == [(70, True)]
+    assert_close_to(got, want, atol=1e-5)
 
 
 def test_a_mask_of_another_form_goes_to_the_row_pass(monkeypatch):

@@ -204,7 +204,7 @@ struct fused_args {
     const float *rw;          /* G x n: what each row's weights count for in the per-key sums */
     long G, n, D, Dv, Tk, K;  /* heads, rows per head, head sizes, keys of k, keys of this block (0..K) */
     float thr;                /* a key is a hit where e > thr * sum e */
-    float *max, *sum, *min, *dot, *scale, *diag_e, *prev_e, *first_e; /* G x n */
+    float *max, *sum, *min, *dot, *scale, *diag_e, *prev_e, *first_e; /* G x n (diag_e, prev_e, first_e: or NULL) */
     int64_t *arg, *finite, *first, *last;                               /* G x n */
     const float *o;           /* the output the call returned (with v): row i of head g as q's, o_* its strides */
     long o_sb, o_sh, o_st;
@@ -216,7 +216,22 @@ struct fused_args {
                                  apart, its values (K x Dv) */
     long work_floats;
     int threads;
+    /* The rows' statistics as the engine gives them (stats.py's ROW_STATS; NULL: the sums above alone), each
+       FINAL_* x G x n in the order of the enums below: the sums divided by sum e, the max in natural units, the keys
+       each row may attend counted from its interval (and keep), finite. A row whose sum e is off 1 by more than fit
+       (the lse is not these logits') makes the call return a negative count. */
+    float *final_f;
+    int64_t *final_i;
+    uint8_t *final_b;
+    const int64_t *count; /* as start: the keys each row may attend (keep's keys in its interval), or NULL: limit -
+                             start */
+    float fit;
 };
+
+enum { F_ENTROPY, F_MAX_WEIGHT, F_MIN_WEIGHT, F_FIRST_KEY_MASS, F_DIAGONAL_MASS, F_PREVIOUS_MASS, F_MASKED_MASS,
+       F_MASKED_MAX, F_ROW_SUM_ERROR, F_MAX_SCORE, F_OUTPUT_ERROR, F_OUTPUT_SCALE, FINAL_F };
+enum { I_ARGMAX_KEY, I_FIRST_KEY, I_LAST_KEY, I_ALLOWED_KEYS, I_FIRST_ALLOWED, I_LAST_ALLOWED, FINAL_I };
+enum { B_FINITE, B_DIAGONAL_ALLOWED, FINAL_B };
 
 #define HEAD(a, t, g) ((a)->t + (g) / (a)->h * (a)->t##_sb + (g) % (a)->h * (a)->t##_sh)
 /* k's or v's head that head g of q reads */
@@ -370,28 +385,78 @@ static float output_error(const struct fused_args *a, long g, long i0, long r, c
     return nan ? NAN : e;
 }
 
-/* One row's results, its hits and per-key sums once its sum is known: from E's keys lo..L of the row. */
-static void finish_row(const struct fused_args *a, long g, long i0, long r, const float *Er, long lo, long L, float m,
-                       long arg, float sum, float mn, float dot, float sc, long fin, float *restrict col) {
+/* What one row of the fused pass summed (base 2: the max, and the entropy's sum, of the logits less the kernel's lse). */
+struct row_sums {
+    float m, sum, min, dot, scale, err; /* err: the output check (NaN without v) */
+    long arg, fin;
+};
+
+#define LN2F 0.6931471805599453f
+
+/* The row's statistics as stats.py's _Engine._finish gives them for rows whose normaliser is the kernel's lse (one
+   block of every key they reach, a boolean mask or none): into final_*, at row i of G x n. Returns 1 where the row's
+   sum e is off 1 by more than fit (the lse is not these logits'). de, pe, fe: e at the row's own key, the one before
+   it and the first key (NaN, NaN, 0 where the key does not exist). */
+static long final_row(const struct fused_args *a, long i, long item, long lo, long L, const uint8_t *keep, long dg,
+                      const struct row_sums *x, long first, long last, float de, float pe, float fe) {
+    long GN = a->G * a->n, count = a->count ? a->count[item] : L - lo;
+    float sum = x->sum, inv = sum > 0.0f ? 1.0f / sum : 0.0f, ms = x->m * LN2F, lse = a->shift[i] * LN2F;
+    float dot = count != x->fin ? NAN : x->dot * LN2F; /* an allowed key at -inf: not finite (torch's -inf * 0) */
+    int empty = ms == -INFINITY, has_v = a->v != 0;
+    float *f = a->final_f + i;
+    f[F_ENTROPY * GN] = sum > 0.0f ? logf(sum) * (sum * inv) - dot * inv : 0.0f;
+    f[F_MAX_WEIGHT * GN] = empty ? 0.0f : expf(ms - lse) * inv;
+    f[F_MIN_WEIGHT * GN] = (L < a->K || lo > 0 || a->K < a->Tk ? 0.0f : x->min) * inv; /* keys out of reach weigh 0 */
+    f[F_FIRST_KEY_MASS * GN] = fe * inv;
+    f[F_DIAGONAL_MASS * GN] = de * inv;
+    f[F_PREVIOUS_MASS * GN] = pe * inv;
+    f[F_MASKED_MASS * GN] = f[F_MASKED_MAX * GN] = 0.0f;
+    f[F_ROW_SUM_ERROR * GN] = fabsf(sum * inv - 1.0f);
+    f[F_MAX_SCORE * GN] = ms;
+    f[F_OUTPUT_ERROR * GN] = has_v ? x->err : NAN;
+    f[F_OUTPUT_SCALE * GN] = has_v ? x->scale * inv : NAN;
+    int64_t *n = a->final_i + i;
+    n[I_ARGMAX_KEY * GN] = empty ? 0 : x->arg;
+    n[I_FIRST_KEY * GN] = first, n[I_LAST_KEY * GN] = last;
+    n[I_ALLOWED_KEYS * GN] = count;
+    n[I_FIRST_ALLOWED * GN] = count > 0 ? lo : -1, n[I_LAST_ALLOWED * GN] = count > 0 ? L - 1 : -1;
+    int finite = (isfinite(dot) && isfinite(sum) && !isnan(ms)) || (empty && dot == 0.0f);
+    a->final_b[B_FINITE * GN + i] = finite && (!has_v || isfinite(x->err));
+    a->final_b[B_DIAGONAL_ALLOWED * GN + i] = dg >= lo && dg < L && (!keep || keep[dg]);
+    return count > 0 && isfinite(sum) && fabsf(sum - 1.0f) > a->fit;
+}
+
+/* One row's results, its hits and per-key sums once its sum is known: from E's keys lo..L of the row (its final
+   statistics too, with final_f: final_row's return). */
+static long finish_row(const struct fused_args *a, long g, long i0, long r, const float *Er, long lo, long L,
+                       const uint8_t *keep, const struct row_sums *x, float *restrict col) {
     long i = g * a->n + i0 + r, K = a->K;
-    a->max[i] = m, a->arg[i] = arg, a->sum[i] = sum, a->dot[i] = dot, a->scale[i] = sc;
-    a->min[i] = L < K || lo > 0 ? 0.0f : mn; /* keys out of the row's reach weigh 0 */
-    a->finite[i] = fin;
-    float f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f), t = a->thr * sum;
+    float sum = x->sum, f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f), t = a->thr * sum;
     long first = K, last = -1;
 #pragma omp simd reduction(min : first) reduction(max : last)
     for (long k = lo; k < L; k++) { /* the hits and the per-key sums in one read of the row */
-        float x = Er[k];
-        col[k] += x * f;
-        long h = x > t ? k : K, l = x > t ? k : -1;
+        float e = Er[k];
+        col[k] += e * f;
+        long h = e > t ? k : K, l = e > t ? k : -1;
         first = h < first ? h : first;
         last = l > last ? l : last;
     }
-    a->first[i] = first == K ? -1 : first, a->last[i] = last;
+    first = first == K ? -1 : first;
     long dg = a->diag ? a->diag[i0 + r] : -1, fk = a->firstkey[g];
-    if (dg >= 0 && dg < K) a->diag_e[i] = dg >= lo && dg < L ? Er[dg] : 0.0f;
-    if (dg >= 1 && dg - 1 < K) a->prev_e[i] = dg - 1 >= lo && dg - 1 < L ? Er[dg - 1] : 0.0f;
-    if (fk >= 0 && fk < K) a->first_e[i] = fk >= lo && fk < L ? Er[fk] : 0.0f;
+    float de = dg >= 0 && dg < K ? (dg >= lo && dg < L ? Er[dg] : 0.0f) : NAN;
+    float pe = dg >= 1 && dg - 1 < K ? (dg - 1 >= lo && dg - 1 < L ? Er[dg - 1] : 0.0f) : NAN;
+    float fe = fk >= 0 && fk < K ? (fk >= lo && fk < L ? Er[fk] : 0.0f) : 0.0f;
+    a->max[i] = x->m, a->arg[i] = x->arg, a->sum[i] = sum, a->dot[i] = x->dot, a->scale[i] = x->scale;
+    a->min[i] = L < K || lo > 0 ? 0.0f : x->min; /* keys out of the row's reach weigh 0 */
+    a->finite[i] = x->fin;
+    a->first[i] = first, a->last[i] = last;
+    if (a->err) a->err[i] = x->err;
+    if (a->diag_e && dg >= 0 && dg < K) a->diag_e[i] = de; /* (gathered: where the key exists) */
+    if (a->prev_e && dg >= 1 && dg - 1 < K) a->prev_e[i] = pe;
+    if (a->first_e && fk >= 0 && fk < K) a->first_e[i] = fe;
+    if (!a->final_f) return 0;
+    long item = (g / a->H) * a->row_stride + i0 + r;
+    return final_row(a, i, item, lo, L, keep, dg, x, first, last, de, pe, fe);
 }
 
 static long fused_group(const struct fused_args *a, long g, long i0, long rb, float *E, float *q, float *out,
@@ -431,25 +496,29 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
         if (bad) return 1;
         if (v) ev_tile(E + j0, K, rb, v + j0 * a->Dv, a->Dv, a->Dv, w, out);
     }
+    long misfit = 0;
     for (long r = 0; r < rb; r++) {
-        finish_row(a, g, i0, r, E + r * K, lo[r], lim[r], m[r], arg[r], sum[r], mn[r], dot[r], sc[r], fin[r], col);
-        if (v) a->err[row0 + r] = output_error(a, g, i0, r, out + r * a->Dv, sum[r]);
+        struct row_sums x = {m[r], sum[r], mn[r], dot[r], sc[r], v ? output_error(a, g, i0, r, out + r * a->Dv, sum[r])
+                                                                      : NAN, arg[r], fin[r]};
+        misfit += finish_row(a, g, i0, r, E + r * K, lo[r], lim[r], keep, &x, col);
     }
-    return 0;
+    return -misfit;
 }
 
 /* One head's rows over keys laid out from base on (kP, vh, vmax): the rows RB at a time, the per-key sums of
    ROWS_SUMMED rows at a time in part, then added up in double (one by one, the float sums of thousands of rows lost
    digits: 1e-5 of a key's weight of 7.6 at 1,024 rows), then into the head's col. */
 static long head_rows_fused(const struct fused_args *a, long g, int later, long base, float *E, float *q, float *out,
-                            const float *kP, const float *vh, const float *vmax, float *part, double *acc) {
+                            const float *kP, const float *vh, const float *vmax, float *part, double *acc,
+                            long *misfit) {
     long odd = 0, hi = base;
     memset(part + base, 0, (a->K - base) * sizeof *part);
     memset(acc + base, 0, (a->K - base) * sizeof *acc);
     if (later) /* a later head of a shared layout: its first rows (the first head's were fetched before the layout) */
         for (long i = 0; i < RB && i < a->n; i++) prefetch_row(HEAD(a, q, g) + i * a->q_st, a->D);
     for (long i0 = 0; i0 < a->n; i0 += RB) {
-        odd += fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, out, kP, vh, vmax, part, &hi);
+        long got = fused_group(a, g, i0, a->n - i0 < RB ? a->n - i0 : RB, E, q, out, kP, vh, vmax, part, &hi);
+        odd += got > 0 ? got : 0, *misfit -= got < 0 ? got : 0;
         if ((i0 + RB) % ROWS_SUMMED == 0 || i0 + RB >= a->n) {
 #pragma omp simd
             for (long k = base; k < hi; k++) acc[k] += part[k], part[k] = 0.0f;
@@ -465,11 +534,12 @@ static long head_rows_fused(const struct fused_args *a, long g, int later, long 
 /* Every head's rows, RB at a time; the heads are shared out among the threads (each head's per-key sums are one
    thread's), the heads that read one kv head (kv_group) together where there are as many such groups as threads:
    their kv head's keys are laid out once. Returns the rows' groups that held a NaN or +inf logit (nothing may be used
-   then). */
+   then), else minus the rows whose sum e is off 1 by more than fit (with final_f; nothing may be used then either),
+   else 0. */
 long attnprobe_fused(const struct fused_args *a) {
-    long odd = 0, panels = (a->K + PANEL - 1) / PANEL * PANEL * a->D;
+    long odd = 0, misfit = 0, panels = (a->K + PANEL - 1) / PANEL * PANEL * a->D;
     long per = a->kv_group > 1 && a->G / a->kv_group >= a->threads ? a->kv_group : 1; /* heads sharing a layout */
-#pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd)
+#pragma omp parallel for schedule(static) num_threads(a->threads) reduction(+ : odd, misfit)
     for (long g0 = 0; g0 < a->G; g0 += per) {
         double *acc = (double *)(a->work + (long)omp_get_thread_num() * a->work_floats); /* work_floats is even */
         float *E = (float *)(acc + a->K), *part = E + RB * a->K, *q = part + a->K, *out = q + RB * a->D;
@@ -490,9 +560,9 @@ long attnprobe_fused(const struct fused_args *a) {
         const float *vh = V ? V : a->v ? KV_HEAD(a, v, g0) : 0; /* values with rows Dv apart: read where they are */
         long base = from - from % PANEL;
         for (long g = g0; g < g0 + per; g++)
-            odd += head_rows_fused(a, g, g != g0, base, E, q, out, kP, vh, vmax, part, acc);
+            odd += head_rows_fused(a, g, g != g0, base, E, q, out, kP, vh, vmax, part, acc, &misfit);
     }
-    return odd;
+    return odd ? odd : -misfit;
 }
 
 /* ------------------------------------------------------------------------------------------------------------------

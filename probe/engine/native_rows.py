@@ -322,7 +322,42 @@ class _FusedArgs(ctypes.Structure):
         *((name, _P) for name in ("err", "col", "work")),
         ("work_floats", _LONG),
         ("threads", ctypes.c_int),
+        *((name, _P) for name in ("final_f", "final_i", "final_b", "count")),
+        ("fit", ctypes.c_float),
     ]
+
+
+#: The rows' statistics the fused pass writes with ``final=`` (``FinalStats``), in the order of native_rows.c's enums
+#: (float32, int64, bool).
+FINAL_FLOATS = (
+    "entropy", "max_weight", "min_weight", "first_key_mass", "diagonal_mass", "previous_mass", "masked_mass",
+    "masked_max", "row_sum_error", "max_score", "output_error", "output_scale",
+)  # fmt: skip
+FINAL_LONGS = ("argmax_key", "first_key", "last_key", "allowed_keys", "first_allowed", "last_allowed")
+FINAL_BOOLS = ("finite", "diagonal_allowed")
+
+
+class FinalStats(NamedTuple):
+    """Where the fused pass writes each row's statistics as the statistics engine gives them (``fused(...,
+    final=)``): ``floats`` ``(FINAL_FLOATS, heads, n)``, ``longs`` ``(FINAL_LONGS, heads, n)``, ``bools``
+    ``(FINAL_BOOLS, heads, n)``."""
+
+    floats: torch.Tensor
+    longs: torch.Tensor
+    bools: torch.Tensor
+
+    @classmethod
+    def empty(cls, heads: int, n: int) -> FinalStats:
+        return cls(
+            torch.empty(len(FINAL_FLOATS), heads, n),
+            torch.empty(len(FINAL_LONGS), heads, n, dtype=torch.int64),
+            torch.empty(len(FINAL_BOOLS), heads, n, dtype=torch.bool),
+        )
+
+    def named(self, *shape: int) -> dict[str, torch.Tensor]:
+        """Each statistic by name, a view of ``shape`` (the heads and rows, e.g. ``(batch, head, query)``)."""
+        blocks = ((FINAL_FLOATS, self.floats), (FINAL_LONGS, self.longs), (FINAL_BOOLS, self.bools))
+        return {name: t.view(shape) for names, block in blocks for name, t in zip(names, block.unbind(0), strict=True)}
 
 
 _PANEL = 64  # keys per panel of the fused pass's keys (``PANEL`` of native_rows.c)
@@ -397,6 +432,17 @@ def fused(*args, **kwargs) -> tuple[RowPass, torch.Tensor | None] | None:
     return None if isinstance(lib, str) else _run_fused(lib, *args, **kwargs)
 
 
+def _work_floats(keys: FusedKeys, K: int, D: int) -> int:
+    """The fused pass's work space a thread, in floats (even: each thread's space starts with K doubles): the per-key
+    sums in double, E, those of a few rows, q (RB = 4 rows), their sum e * v, the head's panels, each key's largest
+    ``|v|``, and the values where their rows are not ``d_v`` apart."""
+    Dv = 0 if keys.v is None else keys.v.shape[-1]
+    copied = keys.v is not None and keys.v.stride(2) != Dv
+    values = 0 if keys.v is None else 4 * Dv + K + (K * Dv if copied else 0)
+    floats = 7 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + values
+    return floats + floats % 2
+
+
 def _run_fused(
     lib: ctypes.CDLL,
     q: torch.Tensor,
@@ -409,10 +455,13 @@ def _run_fused(
     row_weight: torch.Tensor,
     K: int,
     threshold: float,
-    gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     keep: torch.Tensor | None = None,
     start: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    final: FinalStats | None = None,
+    fit: float = math.inf,
     poison: bool = False,
 ) -> tuple[RowPass, torch.Tensor | None] | None:
     """``q @ k``, the row pass and ``e @ v`` of rows ``q`` ``(batch, heads, n, d)`` (times ``q_scale``: the scaling
@@ -421,7 +470,10 @@ def _run_fused(
     and the first past those (None: 0, K); ``diag`` ``(n,)`` each row's own key (None: none); ``keep`` ``(1 or
     batch, K)`` bool, False at keys no row of the batch item may attend (padding; None: none).
     Writes ``e`` at the row's own key, the one before it and the first key into ``gathered`` (``(batch x heads, n)``
-    each, where those keys lie below ``K``). ``output`` ``(batch, heads, n, d_v)``: what the call returned for the
+    each, where those keys lie below ``K``; None: not written). ``final``: also every row's statistics as the engine
+    gives them (``FinalStats``), the keys each row may attend counted from ``start`` and ``limit`` (and ``keep``:
+    ``counts``, as ``start``, how many it allows); None is returned then where some row's ``sum e`` is off 1 by more
+    than ``fit`` (the lse is not these logits'). ``output`` ``(batch, heads, n, d_v)``: what the call returned for the
     rows (required with ``keys.v``). Returns the row sums (the threshold times each row's sum; per-key sums of
     ``e / sum e`` times ``row_weight``) and the output check, ``(batch x heads, n)`` the largest difference of each
     row's ``sum e * v / sum e`` from ``output`` (None without ``keys.v``; no ``(n, d_v)`` block of its own is written);
@@ -432,25 +484,21 @@ def _run_fused(
     G, Tk, Dv = B * h, keys.k.shape[2], 0 if keys.v is None else keys.v.shape[-1]
     if keys.k.shape[1] * keys.group != h:
         raise ValueError(f"{h} heads of q read {keys.k.shape[1]} heads of k in groups of {keys.group}: not one each")
-    f32 = [torch.empty(G, n) for _ in range(5)]  # max, sum, min, dot, scale
-    i64 = [torch.empty(G, n, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
+    f32 = torch.empty(5, G, n).unbind(0)  # max, sum, min, dot, scale
+    i64 = torch.empty(4, G, n, dtype=torch.int64).unbind(0)  # arg, finite, first, last
     if keys.v is not None and output is None:
         raise ValueError("the fused pass checks the output against the call's: pass output= with keys.v")
     obs = None if keys.v is None or output is None else _rows_of(output)  # (batch, heads, n, d_v)
     err = None if obs is None else torch.empty(G, n)  # (batch x heads, n)
     col = torch.zeros(G, K)  # (batch x heads, key)
     threads = min(torch.get_num_threads(), G)  # a thread takes whole heads: scratch for no more threads than heads
-    # the per-key sums in double, E, those of a few rows, q (RB = 4 rows), their sum e * v, the head's panels, each
-    # key's largest |v|, and the values where their rows are not Dv apart
-    copied = keys.v is not None and keys.v.stride(2) != Dv
-    values = 0 if keys.v is None else 4 * Dv + K + (K * Dv if copied else 0)
-    per_thread = 7 * max(K, 1) + 4 * D + -(-max(K, 1) // _PANEL) * _PANEL * D + values
-    per_thread += per_thread % 2  # even: each thread's space starts with K doubles
+    per_thread = _work_floats(keys, K, D)
     work = torch.full((threads * per_thread,), math.nan) if poison else torch.empty(threads * per_thread)
     rw = row_weight.to(torch.float32).contiguous()
     keep8 = None if keep is None else keep.to(torch.uint8).contiguous()  # (1 or batch, K)
-    start, limit = (None if t is None else t.to(torch.int64).contiguous() for t in (start, limit))  # (1 or batch, n)
-    per_item = any(t is not None and t.numel() > n for t in (start, limit))  # else one set of rows for every item
+    # (1 or batch, n) each
+    start, limit, counts = (None if t is None else t.to(torch.int64).contiguous() for t in (start, limit, counts))
+    per_item = any(t is not None and t.numel() > n for t in (start, limit, counts))  # else one set for every item
     items = max([1] + [t.numel() // m for t, m in ((keep8, K), (start, n), (limit, n)) if t is not None])
     assert G % items == 0, (G, items)
     args = _FusedArgs(
@@ -460,9 +508,9 @@ def _run_fused(
         G // items, 0 if keep8 is None or keep8.shape[0] == 1 else K, n if per_item else 0,
         *(_ptr(t) for t in (diag, keys.first_key, rw)),
         G, n, D, Dv, Tk, K, threshold,
-        *(t.data_ptr() for t in (f32[0], f32[1], f32[2], f32[3], f32[4], *gathered)),
+        *(t.data_ptr() for t in f32), *(_ptr(t) for t in (gathered or (None, None, None))),
         *(t.data_ptr() for t in i64), _ptr(obs), *_strides(obs), _ptr(err), col.data_ptr(), work.data_ptr(),
-        per_thread, threads,
+        per_thread, threads, *(_ptr(t) for t in (final or (None, None, None))), _ptr(counts), fit,
     )  # fmt: skip
     if lib.attnprobe_fused(ctypes.byref(args)):
         return None

@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -356,9 +356,6 @@ class _RowSums:
     ``add_out``)."""
     scale: torch.Tensor | None = None
     """``sum e * max|v|``: what the output's rounding error scales with (None without an observed output)."""
-    error: torch.Tensor | None = None
-    """The output check as the fused pass took it, each row's largest ``|out / sum e - output|`` (``out`` then stays
-    unused); None: ``_finish`` takes it from ``out``."""
     set_e: torch.Tensor | None = None
     """``sum e`` over the keys of the call's key set (``key_set_mass``; None without one)."""
     dot_shifted: bool = False
@@ -706,27 +703,6 @@ class _Engine:
         hidden = (sums.allowed_keys - before) != got.finite  # (batch, head, query)
         return torch.where(hidden, math.nan, got.dot)
 
-    def _count_intervals(
-        self, sums: _RowSums, rows: _RowBlock, d: int, read: native_rows.Intervals, heads: int
-    ) -> torch.Tensor:
-        """``_count_allowed`` for keys ``0:d`` from the mask as ``native_rows.intervals`` read it (each row's first and
-        last allowed key and their count; ``keep``, what some row of the item allows; items of a batch item each, or of
-        a batch item and head each: ``heads`` > 1); returns the counts, ``(batch or 1, 1 or head, query)``."""
-        n, items = rows.b - rows.a, read.counts.shape[0]
-        count = read.counts.view(-1, heads, n)  # (batch or 1, 1 or head, query)
-        sums.allowed_keys += count
-        some = count > 0
-        start, limit = read.start.view(-1, heads, n), read.limit.view(-1, heads, n)
-        sums.first_allowed = torch.minimum(sums.first_allowed, torch.where(some, start, self.Tk))
-        sums.last_allowed = torch.maximum(sums.last_allowed, torch.where(some, limit - 1, -1))
-        self.key_allowed[..., :d] |= read.keep.view(-1, heads, d)
-        if rows.diag is not None:  # (query,): the row's own key, allowed where inside its interval and kept
-            diag = rows.diag.view(1, n)
-            kept = read.keep.gather(1, diag.clamp(0, d - 1).expand(items, n))  # (items, query)
-            own = kept & (diag >= read.start) & (diag < read.limit) & (diag >= 0) & (diag < d)
-            sums.diag_allowed |= own.view(-1, heads, n)
-        return count
-
     def _forbidden(self, rows: _RowBlock, c: int, d: int) -> _Forbidden:
         """Where rows may not attend among keys ``c:d``: the call's mask, or the tile of keys later than some row's
         own position (a causal mask alone), or nowhere."""
@@ -807,10 +783,16 @@ class _Engine:
         1e-6 of the logits' in float32, 6e-5 in bfloat16 on CPUs). Only ``key_weight`` of rows longer than one block
         takes the kernel's normaliser as it is (the row's sum is known after its keys are summed into it).
 
+        Rows the fused pass may take (``_fused_takes``) go there first, with no sweep (``_lse_block_fused``).
+
         False, with nothing added, where some row's ``sum e`` is off 1 by more than ``_LSE_FIT``: the kernel's lse
         does not describe these logits (the caller takes the other path); also, with ``fused_only``, where the fused
         pass does not take the block."""
         assert self.lse is not None and self.trusted is not None
+        if self._fused_takes(rows, blocks) and self._lse_block_fused(rows, blocks[0][1]):
+            return True
+        if fused_only:
+            return False
         B, h, n, a, b = self.B, self.h, rows.b - rows.a, rows.a, rows.b
         d_v = None if self.observed is None else self.observed.v.shape[-1]
         best = torch.full((B, h, n), -math.inf, device=self.device, dtype=self.dtype)
@@ -828,8 +810,7 @@ class _Engine:
         key_weight, self.key_weight = self.key_weight, torch.zeros_like(self.key_weight)  # kept apart until it fits
         try:
             for c, d in blocks:
-                if not self._lse_block(rows, c, d, sweep, fused_only=fused_only):
-                    return False
+                self._lse_block(rows, c, d, sweep)
         finally:
             added, self.key_weight = self.key_weight, key_weight
         sums, total = sweep.sums, sweep.sums.sum_e  # (batch, head, query)
@@ -848,19 +829,19 @@ class _Engine:
         self.parts.append(self._finish(rows, norm, sums))
         return True
 
-    def _lse_block(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep, *, fused_only: bool = False) -> bool:
-        """Keys ``c:d`` of the rows into ``sweep``: ``e = exp(logit - lse)`` and every sum of ``_RowSums`` (False,
-        nothing added: ``fused_only`` and the fused pass did not take the block)."""
-        shape, sums = (self.B, self.h, rows.b - rows.a, d - c), sweep.sums
-        enough = rows.b - rows.a >= _FUSED_ROWS or d * self.call.q.shape[-1] <= _FUSED_FEW_KEYS  # rows, or few keys
-        fusable = self.native and sweep.whole and c == 0 and enough and self._fusable()
-        if fusable and self._lse_block_fused(rows, d, sweep):
-            return True
-        if fused_only:
+    def _fused_takes(self, rows: _RowBlock, blocks: list[tuple[int, int]]) -> bool:
+        """Whether the fused pass may take the rows: every key they reach in one block, a call it takes
+        (``_fusable``), and ``_FUSED_ROWS`` rows at least (it computes four at a time) or few keys (a decoding step)."""
+        if not (self.native and len(blocks) == 1 and blocks[0][0] == 0 and self._fusable()):
             return False
+        return rows.b - rows.a >= _FUSED_ROWS or blocks[0][1] * self.call.q.shape[-1] <= _FUSED_FEW_KEYS
+
+    def _lse_block(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep) -> None:
+        """Keys ``c:d`` of the rows into ``sweep``: ``e = exp(logit - lse)`` and every sum of ``_RowSums``."""
+        shape, sums = (self.B, self.h, rows.b - rows.a, d - c), sweep.sums
         mask = self._forbidden(rows, c, d)
         if self.native and self._lse_block_native(rows, c, d, sweep, mask):
-            return True
+            return
         s, block_max, block_key = self._logits_and_max(rows, c, d, mask, every_key=sweep.whole)  # base 2
         sweep.best_key = torch.where(block_max > sweep.best, block_key + c, sweep.best_key)  # strict: first key on ties
         sweep.best = torch.maximum(sweep.best, block_max)  # NaN propagates
@@ -887,7 +868,6 @@ class _Engine:
             out, scale = self.observed.products(e, c, d)  # (batch, head, query, d_head), (batch, head, query)
             sums.add_out(out)
             sums.scale += scale
-        return True
 
     def _lse_block_native(self, rows: _RowBlock, c: int, d: int, sweep: _Sweep, mask: _Forbidden) -> bool:
         """``_lse_block`` with the per-element work in the native row pass (False, nothing added: a row with a NaN
@@ -960,54 +940,47 @@ class _Engine:
             )
         return self._fused_keys
 
-    def _lse_block_fused(self, rows: _RowBlock, d: int, sweep: _Sweep) -> bool:
-        """``_lse_block`` of rows whose keys ``0:d`` are all here, in the fused pass (``native_rows.fused``: ``q @ k``,
-        the row pass and ``e @ v`` in tiles of keys that stay in the cache). False, nothing added: a row with a NaN or
-        +inf logit, which torch's ops take."""
-        call, sums, (B, h, n) = self.call, sweep.sums, sweep.best.shape
+    def _lse_block_fused(self, rows: _RowBlock, d: int) -> bool:
+        """Every statistic of rows whose keys ``0:d`` are one block, in the fused pass (``native_rows.fused``: ``q @
+        k``, the row pass and ``e @ v`` in tiles of keys that stay in the cache), its last step too: the pass writes
+        each row's statistics as ``_finish`` gives them (``native_rows.FinalStats``), so that a call of short rows
+        costs a few torch ops, not a hundred (8 x 128 tokens of MiniLM: about 2 ms a layer went to ``(batch, head,
+        query)`` ops of 10-30 us each). False, nothing added: a row with a NaN or +inf logit (torch's ops take it), or
+        a row whose ``sum e`` is off 1 by more than ``_LSE_FIT`` (the sweep finds it again and refuses the lse)."""
+        assert self.lse is not None
         masked = self._fused_mask(rows, d)
         if masked is None:
             return False
-        real = rows.counted.view(B, 1, n).expand(B, h, n)  # (batch, head, query): the rows that count in key_weight
-        # (heads, query) each: e at the row's own key, the one before it and the first key, where in reach; copies, so
-        # that a refused block adds nothing
-        gathered = tuple(t.reshape(B * h, n).clone() for t in (sums.diag_e, sums.prev_e, sums.first_e))
+        call, B, h, n = self.call, self.B, self.h, rows.b - rows.a
+        final = native_rows.FinalStats.empty(B * h, n)
         got = native_rows.fused(
             call.q[:, :, rows.a : rows.b],  # (batch, head, query, d): read through its strides
             self._fused_keys_of(),
-            sweep.lse2.reshape(B * h, n).contiguous(),
+            self.lse[:, :, rows.a : rows.b].reshape(B * h, n).contiguous(),  # (heads, query), base 2
             q_scale=call.scaling * _LOG2E,
             start=masked.start,
             limit=masked.limit,
+            counts=None if masked.read is None else masked.read.counts,
             diag=None if rows.diag is None else rows.diag.to(torch.int64).contiguous(),
-            row_weight=real.reshape(B * h, n),
+            # (heads, query): the rows that count in key_weight
+            row_weight=rows.counted.view(B, 1, n).expand(B, h, n).reshape(B * h, n),
             K=d,
             threshold=WEIGHT_THRESHOLD,
-            gathered=gathered,
             keep=masked.keep,
             output=None if self.observed is None else self.observed.output[:, :, rows.a : rows.b],
+            final=final,
+            fit=_LSE_FIT,
         )
         if got is None:
             return False
-        for into, value in zip((sums.diag_e, sums.prev_e, sums.first_e), gathered):
-            into.copy_(value.view(B, h, n))
-        found, error = got
-        view = {name: getattr(found, name).view(B, h, n) for name in ("max", "arg", "sum", "min", "dot", "finite")}
         self.native_blocks += 1
-        sweep.best_key, sweep.best = view["arg"], view["max"]
-        sums.sum_e, sums.min_e = view["sum"], view["min"]
-        finite = replace(found, finite=view["finite"], dot=view["dot"])
-        if masked.read is None:  # no mask: a causal limit at most, counted from the rows' positions
-            sums.dot = self._native_counts(sums, rows, 0, d, _Forbidden(allowed=None, forbidden=None, cut=0), finite)
-        else:
-            count = self._count_intervals(sums, rows, d, masked.read, masked.heads)  # (batch or 1, 1 or head, query)
-            sums.dot = torch.where(count != finite.finite, math.nan, finite.dot)  # as _native_counts
-        self._fold_found(sums, found.first.view(B, h, n), found.last.view(B, h, n), 0)
-        assert found.col is not None
-        self.key_weight[..., :d] += found.col.view(B, h, d)
-        if self.observed is not None and sums.scale is not None and error is not None:
-            sums.error = error.view(B, h, n)  # (batch, head, query): the output check, taken in the pass
-            sums.scale += found.scale.view(B, h, n)
+        assert got[0].col is not None
+        self.key_weight[..., :d] += got[0].col.view(B, h, d)
+        if masked.read is not None:  # keys some row of the item may attend
+            self.key_allowed[..., :d] |= masked.read.keep.view(-1, masked.heads, d)
+        else:  # every key, or those a causal mask lets some row see
+            self.key_allowed[..., : min(d, call.key_limit(rows.b)) if call.causal else d] = True
+        self.parts.append(final.named(B, h, n))
         return True
 
     def _logits_and_max(
@@ -1173,8 +1146,8 @@ class _Engine:
             stats[KEY_SET_STAT] = (torch.zeros_like(m) if sums.set_e is None else sums.set_e) * inv
         finite = torch.isfinite(sums.dot) & torch.isfinite(norm.total) & ~torch.isnan(m)  # (batch, head, query)
         finite = finite | (empty & (sums.dot == 0))
-        error = sums.error
-        if error is None and self.observed is not None and sums.scale is not None:
+        error = None
+        if self.observed is not None and sums.scale is not None:
             obs = self.observed.output[:, :, rows.a : rows.b].to(self.dtype)  # (batch, head, query, d_head)
             out = torch.zeros_like(obs) if sums.out is None else sums.out  # ours (no block: nothing added)
             error = out.mul_(inv[..., None]).sub_(obs).abs_().amax(-1)
