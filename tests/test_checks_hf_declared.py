@@ -255,10 +255,13 @@ def test_a_prescaled_query_scaled_again_is_caught(monkeypatch):
 
 
 def test_the_projection_factor_is_read_on_a_sample_of_rows():
-    """``expects._factor``: the one factor between a projection's output and the kernel's rows, read on every head at
-    up to 16 tokens of the first sequence (this call's rows after a cache); a per-row norm is no factor, and rows
-    of zeros in the projection are left out."""
-    from attnprobe.hooks.hf.expects import _factor
+    """``expects._factors``: the one factor between a projection's output and the kernel's rows, read on every head
+    at up to 16 tokens of the first sequence (this call's rows after a cache); a per-row norm is no factor, and rows
+    of zeros in the projection are left out; several pairs at once (q's and k's) each get their own."""
+    from attnprobe.hooks.hf.expects import _factors
+
+    def _factor(projected, kernel):
+        return _factors([(projected, kernel)])[0]
 
     torch.manual_seed(0)
     projected = torch.randn(3, 40, 4 * 8)  # (batch, tokens, heads * d)
@@ -270,6 +273,9 @@ def test_the_projection_factor_is_read_on_a_sample_of_rows():
     projected[0, 0].zero_()  # a row of zeros (its kernel row is 0 too) says nothing and is left out
     assert _factor(projected, (projected * 0.25).view(3, 40, 4, 8).transpose(1, 2)) == pytest.approx(0.25)
     assert _factor(projected, kernel[:, :, :, :4]) is None  # another layout
+    halved = (projected * 0.5).view(3, 40, 4, 8).transpose(1, 2)
+    pairs = [(projected, kernel[:, :, :, :4]), (projected, halved), (projected, torch.randn(3, 4, 40, 8))]
+    assert _factors(pairs) == [None, pytest.approx(0.5), None]
 
 
 # ----------------------------------------------------------------------------------------- causal and bidirectional

@@ -222,7 +222,7 @@ class Projections:
         if self.names is None or "q" not in self.out or "k" not in self.out:
             self.out.clear()
             return None
-        got = {"q": _factor(self.out["q"], q), "k": _factor(self.out["k"], k)}
+        got = dict(zip("qk", _factors([(self.out["q"], q), (self.out["k"], k)]), strict=True))
         self.out.clear()
         return {**got, "q_proj": self.names[0], "k_proj": self.names[1]}
 
@@ -230,12 +230,24 @@ class Projections:
 _SAMPLED_TOKENS = 16  # the factor is one number: its rows are read at up to this many tokens of the first sequence
 
 
-def _factor(projected: torch.Tensor, kernel: torch.Tensor) -> float | None:
+def _factors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float | None]:
     """The one factor between each row of the projection's output ``(batch, tokens, heads * d)`` (or ``(batch,
     tokens, heads, d)``) and the kernel's ``(batch, heads, tokens + cached, d)`` rows, by their norms (a rotary
-    embedding keeps them); None when the ratio is not one number (a norm, another layout). The rows compared are every
-    head's at up to ``_SAMPLED_TOKENS`` tokens spread over the first sequence of this call: a factor is the same on
-    every row, and reading every row cost about 1 ms a layer at 8 x 128 tokens."""
+    embedding keeps them), for each ``(projection, kernel)`` pair; None when the ratio is not one number (a norm,
+    another layout). The rows compared are every head's at up to ``_SAMPLED_TOKENS`` tokens spread over the first
+    sequence of this call: a factor is the same on every row, and reading every row cost about 1 ms a layer at 8 x 128
+    tokens. One host read for every pair where no row of a projection is (nearly) 0 (the usual case)."""
+    norms = [_norms(projected, kernel) for projected, kernel in pairs]
+    read = [(a / b, b) for a, b in (n for n in norms if n is not None)]  # (head, sampled tokens) each
+    ends = [t for ratio, b in read for t in (b.amax(), b.amin(), ratio.amax(), ratio.amin())]
+    found = iter(torch.stack(ends).view(-1, 4).tolist() if ends else [])
+    kinds = (kernel.dtype for _, kernel in pairs)
+    return [None if n is None else _one_ratio(*n, dtype, next(found)) for n, dtype in zip(norms, kinds, strict=True)]
+
+
+def _norms(projected: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(kernel's, projection's)`` row norms ``(head, sampled tokens)`` each (``_factors``), None where the shapes
+    do not pair up."""
     B, H, T, D = kernel.shape
     with torch.no_grad():
         if projected.numel() < B * H * D or projected.numel() % (B * H * D):
@@ -249,14 +261,14 @@ def _factor(projected: torch.Tensor, kernel: torch.Tensor) -> float | None:
         else:  # (batch, tokens, heads * d) or (batch, tokens, heads, d)
             b = projected.detach()[0].reshape(tokens, H, D)[::step].float().norm(dim=-1).T  # (head, sampled tokens)
         a = kernel.detach()[0, :, T - tokens :: step].float().norm(dim=-1)  # (head, sampled tokens): this call's rows
-        return _one_ratio(a, b, kernel.dtype)
+        return a, b
 
 
-def _one_ratio(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float | None:
+def _one_ratio(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, ends: list[float]) -> float | None:
     """The middle of ``a / b`` when every ratio is within the dtype's tolerance of it, None otherwise; rows where
-    ``b`` is (nearly) 0 left out. One host read where no row is (the usual case), two where some are."""
-    ratio = a / b  # (head, sampled tokens)
-    b_max, b_min, high, low = torch.stack([b.amax(), b.amin(), ratio.amax(), ratio.amin()]).tolist()
+    ``b`` is (nearly) 0 left out. ``ends``: ``[max b, min b, max a / b, min a / b]``, read already; a second read
+    where some row is (nearly) 0."""
+    b_max, b_min, high, low = ends
     if not b_min > 1e-6 * b_max:  # some row of the projection is (nearly) 0: its ratio says nothing
         ok = b > 1e-6 * b_max  # (head, sampled tokens)
         if not bool(ok.any()):

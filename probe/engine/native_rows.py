@@ -356,8 +356,10 @@ class FinalStats(NamedTuple):
 
     def named(self, *shape: int) -> dict[str, torch.Tensor]:
         """Each statistic by name, a view of ``shape`` (the heads and rows, e.g. ``(batch, head, query)``)."""
-        blocks = ((FINAL_FLOATS, self.floats), (FINAL_LONGS, self.longs), (FINAL_BOOLS, self.bools))
-        return {name: t.view(shape) for names, block in blocks for name, t in zip(names, block.unbind(0), strict=True)}
+        named: dict[str, torch.Tensor] = {}
+        for names, block in ((FINAL_FLOATS, self.floats), (FINAL_LONGS, self.longs), (FINAL_BOOLS, self.bools)):
+            named.update(zip(names, block.view(len(names), *shape).unbind(0), strict=True))
+        return named
 
 
 _PANEL = 64  # keys per panel of the fused pass's keys (``PANEL`` of native_rows.c)

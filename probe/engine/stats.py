@@ -520,11 +520,9 @@ class _Engine:
         # an overview's pooled weights cannot be taken back when a row block falls back to the other path
         usable = call.lse is not None and call.sinks is None and overview is None
         self.lse: torch.Tensor | None = None  # (batch, head, query): the kernel's lse in base 2, 0 where not finite
-        self.trusted: torch.Tensor | None = None  # (batch, head, query): 1 where it is finite, else 0
         if usable and call.lse is not None:
             lse2 = call.lse.to(self.device, self.dtype) * _LOG2E  # finfo.min (an additive mask's empty row) -> -inf
-            finite = torch.isfinite(lse2)
-            self.lse, self.trusted = torch.where(finite, lse2, 0.0), finite.to(self.dtype)
+            self.lse = lse2.nan_to_num_(0.0, posinf=0.0, neginf=0.0)
         per_key = (self.B, self.h, self.Tk)  # (batch, head, key)
         self.key_weight = torch.zeros(per_key, device=self.device, dtype=self.dtype)
         self.key_allowed = torch.zeros(per_key, dtype=torch.bool, device=self.device)
@@ -788,7 +786,7 @@ class _Engine:
         False, with nothing added, where some row's ``sum e`` is off 1 by more than ``_LSE_FIT``: the kernel's lse
         does not describe these logits (the caller takes the other path); also, with ``fused_only``, where the fused
         pass does not take the block."""
-        assert self.lse is not None and self.trusted is not None
+        assert self.lse is not None and self.call.lse is not None
         if self._fused_takes(rows, blocks) and self._lse_block_fused(rows, blocks[0][1]):
             return True
         if fused_only:
@@ -797,7 +795,9 @@ class _Engine:
         d_v = None if self.observed is None else self.observed.v.shape[-1]
         best = torch.full((B, h, n), -math.inf, device=self.device, dtype=self.dtype)
         best_key = torch.zeros((B, h, n), dtype=torch.long, device=self.device)
-        ones, trusted = torch.ones_like(best), self.trusted[:, :, a:b]  # (batch, head, query) each
+        ones = torch.ones_like(best)  # (batch, head, query)
+        # (batch, head, query): 1 where the kernel's lse is finite (finfo.min in base 2 is not), else 0
+        trusted = torch.isfinite(self.call.lse[:, :, a:b].to(self.device, self.dtype) * _LOG2E).to(self.dtype)
         sweep = _Sweep(
             lse2=self.lse[:, :, a:b],  # (batch, head, query), base 2
             sums=_RowSums.start((B, h, n), self.Tk, d_v, device=self.device, dtype=self.dtype),
