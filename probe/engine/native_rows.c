@@ -284,6 +284,14 @@ static void head_values(const float *v, long st, long Dv, long from, long K, flo
     }
 }
 
+/* Loaded vectors kept in registers: the compiler folded each load into every product that reads it (a memory
+   operand each), which made the products wait on the loads (one 64-byte load a cycle against one product). */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__AVX512F__) /* a vf is one register */
+#define IN_REGISTERS2(a, b) __asm__("" : "+v"(a), "+v"(b))
+#else
+#define IN_REGISTERS2(a, b)
+#endif
+
 /* S[r][0:w] = q[r] . k[0:w] for RB rows (rows past rb repeat the last: they are computed, never read), from the
    panels of 64 keys that start the tile: each panel's D x 64 floats are read in order, so that the loads stream (a
    (D x Tk) layout read 64 keys from D rows Tk floats apart: a third slower at 32k keys). A panel's keys past w are
@@ -300,6 +308,8 @@ static void qk_tile(const float *q, long D, const float *kP, long w, float S[RB]
             const float *kr = panel + dd * PANEL;
             vf k0 = *(const vf *)kr, k1 = *(const vf *)(kr + 16), k2 = *(const vf *)(kr + 32),
                k3 = *(const vf *)(kr + 48);
+            IN_REGISTERS2(k0, k1);
+            IN_REGISTERS2(k2, k3);
             for (int r = 0; r < RB; r++) {
                 float x = qr[r][dd];
                 acc[r][0] += x * k0;
@@ -324,6 +334,7 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long vs, lo
         for (long j = 0; j < w; j++) {
             const float *vr = v + j * vs + c;
             vf v0 = *(const vf *)vr, v1 = *(const vf *)(vr + 16);
+            IN_REGISTERS2(v0, v1);
             for (int r = 0; r < RB; r++) {
                 float x = E[r * K + j];
                 acc[r][0] += x * v0;
