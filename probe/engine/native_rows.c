@@ -60,6 +60,17 @@ static long first_equal(const float *restrict x, long K, float m) {
     return arg == K ? 0 : arg;
 }
 
+/* first_equal over one tile of the fused pass (at most TK keys): 32-bit keys, 16 a vector where 64 bits took two. */
+static int32_t first_equal_tile(const float *restrict x, int32_t w, float m) {
+    int32_t arg = w;
+#pragma omp simd reduction(min : arg)
+    for (int32_t k = 0; k < w; k++) {
+        int32_t c = x[k] == m ? k : w;
+        arg = c < arg ? c : arg;
+    }
+    return arg == w ? 0 : arg;
+}
+
 static void hits(const float *restrict w, long K, float t, int64_t *first_out, int64_t *last_out) {
     long first = K, last = -1;
 #pragma omp simd reduction(min : first) reduction(max : last)
@@ -443,12 +454,12 @@ static long finish_row(const struct fused_args *a, long g, long i0, long r, cons
                        const uint8_t *keep, const struct row_sums *x, float *restrict col) {
     long i = g * a->n + i0 + r, K = a->K;
     float sum = x->sum, f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f), t = a->thr * sum;
-    long first = K, last = -1;
+    int32_t first = (int32_t)K, last = -1; /* 32-bit keys, 16 a vector (K < 2^31: _run_fused refuses more) */
 #pragma omp simd reduction(min : first) reduction(max : last)
-    for (long k = lo; k < L; k++) { /* the hits and the per-key sums in one read of the row */
+    for (int32_t k = (int32_t)lo; k < (int32_t)L; k++) { /* the hits and the per-key sums in one read of the row */
         float e = Er[k];
         col[k] += e * f;
-        long h = e > t ? k : K, l = e > t ? k : -1;
+        int32_t h = e > t ? k : (int32_t)K, l = e > t ? k : -1;
         first = h < first ? h : first;
         last = l > last ? l : last;
     }
@@ -501,7 +512,7 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
                                  dot + r, sc + r, fin + r, &bad);
             if (tm > m[r]) {
                 m[r] = tm;
-                arg[r] = j0 + first_equal(S[r], w, tm);
+                arg[r] = j0 + first_equal_tile(S[r], (int32_t)w, tm);
             }
         }
         if (bad) return 1;

@@ -484,6 +484,8 @@ def _run_fused(
     q = _rows_of(q)
     B, h, n, D = q.shape
     G, Tk, Dv = B * h, keys.k.shape[2], 0 if keys.v is None else keys.v.shape[-1]
+    if K >= 2**31 - 1:
+        raise ValueError(f"the fused pass takes fewer than 2^31 keys a row, not {K}")
     if keys.k.shape[1] * keys.group != h:
         raise ValueError(f"{h} heads of q read {keys.k.shape[1]} heads of k in groups of {keys.group}: not one each")
     f32 = torch.empty(5, G, n).unbind(0)  # max, sum, min, dot, scale
