@@ -263,13 +263,17 @@ static void make_panels(const float *k, long st, long D, long from, long K, floa
     for (long j = from - from % PANEL; j < K && j < from - from % PANEL + AHEAD; j++) prefetch_row(k + j * st, D);
     for (long p = from / PANEL; p * PANEL < K; p++) {
         float *panel = panels + p * D * PANEL;
-        for (long j = 0; j < PANEL; j++) {
-            const float *kr = k + (p * PANEL + j) * st;
-            if (p * PANEL + j + AHEAD < K) prefetch_row(kr + AHEAD * st, D);
-            if (p * PANEL + j < K)
-                for (long dd = 0; dd < D; dd++) panel[dd * PANEL + j] = kr[dd];
-            else
-                for (long dd = 0; dd < D; dd++) panel[dd * PANEL + j] = 0.0f;
+        const float *kp = k + p * PANEL * st;
+        long here = K - p * PANEL < PANEL ? K - p * PANEL : PANEL; /* the panel's keys below K */
+        for (long j = 0; j < here && p * PANEL + j + AHEAD < K; j++) prefetch_row(kp + (j + AHEAD) * st, D);
+        if (here == PANEL) {
+            for (long dd = 0; dd < D; dd++) { /* 16 keys a vector, gathered from their rows */
+#pragma omp simd
+                for (int32_t j = 0; j < PANEL; j++) panel[dd * PANEL + j] = kp[j * st + dd];
+            }
+        } else {
+            for (long dd = 0; dd < D; dd++)
+                for (long j = 0; j < PANEL; j++) panel[dd * PANEL + j] = j < here ? kp[j * st + dd] : 0.0f;
         }
     }
 }
