@@ -267,7 +267,7 @@ static void make_panels(const float *k, long st, long D, long from, long K, floa
         long here = K - p * PANEL < PANEL ? K - p * PANEL : PANEL; /* the panel's keys below K */
         for (long j = 0; j < here && p * PANEL + j + AHEAD < K; j++) prefetch_row(kp + (j + AHEAD) * st, D);
         if (here == PANEL) {
-            for (long dd = 0; dd < D; dd++) { /* 16 keys a vector, gathered from their rows */
+            for (long dd = 0; dd < D; dd++) { /* a column of k at a time: the stores are contiguous */
 #pragma omp simd
                 for (int32_t j = 0; j < PANEL; j++) panel[dd * PANEL + j] = kp[j * st + dd];
             }
