@@ -276,6 +276,15 @@ def test_the_projection_factor_is_read_on_a_sample_of_rows():
     halved = (projected * 0.5).view(3, 40, 4, 8).transpose(1, 2)
     pairs = [(projected, kernel[:, :, :, :4]), (projected, halved), (projected, torch.randn(3, 4, 40, 8))]
     assert _factors(pairs) == [None, pytest.approx(0.5), None]
+    # the projection's other layouts, read through their strides: (batch, tokens, head, d), (batch, head, tokens, d)
+    # (normed after the heads' transpose), q's columns of a fused qkv projection, and bfloat16
+    assert _factor(projected.view(3, 40, 4, 8), halved) == pytest.approx(0.5)
+    assert _factor(projected.view(3, 40, 4, 8).transpose(1, 2), halved) == pytest.approx(0.5)
+    qkv = torch.randn(3, 40, 3 * 32)  # (batch, tokens, 3 x heads x d)
+    q = qkv[..., 32:64]  # rows 96 floats apart
+    assert _factor(q, (q * 2.0).reshape(3, 40, 4, 8).transpose(1, 2)) == pytest.approx(2.0)
+    low = q.to(torch.bfloat16)
+    assert _factor(low, (low * 2).reshape(3, 40, 4, 8).transpose(1, 2)) == pytest.approx(2.0, rel=1e-2)
 
 
 # ----------------------------------------------------------------------------------------- causal and bidirectional

@@ -160,8 +160,9 @@ def inputs_expects(state, module: nn.Module, kind: str) -> tuple[dict, dict]:
     found = state.input_of("position_ids")
     if found is not None and found[0].dim() == 2 and _same_text(module, found[1]):
         inputs["position_ids"] = found[0].detach()
-        docs = documents_from_positions({"inputs": inputs})
-        if docs is not None and not found[1].cached and bool((docs[:, -1] > 0).any()):
+        # packed documents are read without a cache only (a decoding step's position ids continue the cache's)
+        docs = None if found[1].cached else documents_from_positions({"inputs": inputs})
+        if docs is not None and bool((docs[:, -1] > 0).any()):
             expects["documents"] = _entry(
                 docs, f"position_ids passed to {found[1].cls.__name__} restart (packed sequences, no cache)"
             )
@@ -246,22 +247,39 @@ def _factors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float | Non
 
 
 def _norms(projected: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(kernel's, projection's)`` row norms ``(head, sampled tokens)`` each (``_factors``), None where the shapes
-    do not pair up."""
+    """``(kernel's, projection's)`` row norms ``(sampled tokens, head)`` each (``_factors``), None where the shapes
+    do not pair up. Each side's sampled rows are one strided view (two ops a side: a decoding step runs this on every
+    layer, and each small op costs 10-30 us inside a forward)."""
     B, H, T, D = kernel.shape
+    if projected.numel() < B * H * D or projected.numel() % (B * H * D):
+        return None
+    tokens = projected.numel() // (B * H * D)
+    if tokens > T or projected.shape[0] != B:
+        return None
+    step = -(-tokens // _SAMPLED_TOKENS)
+    n = -(-tokens // step)  # the sampled tokens: 0, step, 2 step, ...
+    ks = kernel.stride()
     with torch.no_grad():
-        if projected.numel() < B * H * D or projected.numel() % (B * H * D):
-            return None
-        tokens = projected.numel() // (B * H * D)
-        if tokens > T or projected.shape[0] != B:
-            return None
-        step = -(-tokens // _SAMPLED_TOKENS)
-        if projected.dim() == 4 and tuple(projected.shape) == (B, H, tokens, D):  # normed after the heads' transpose
-            b = projected.detach()[0, :, ::step].float().norm(dim=-1)  # (head, sampled tokens)
-        else:  # (batch, tokens, heads * d) or (batch, tokens, heads, d)
-            b = projected.detach()[0].reshape(tokens, H, D)[::step].float().norm(dim=-1).T  # (head, sampled tokens)
-        a = kernel.detach()[0, :, T - tokens :: step].float().norm(dim=-1)  # (head, sampled tokens): this call's rows
-        return a, b
+        # (sampled tokens, head, d): this call's rows of the first sequence
+        a = kernel.as_strided((n, H, D), (step * ks[2], ks[1], ks[3]), kernel.storage_offset() + (T - tokens) * ks[2])
+        b = _sampled(projected, (B, H, tokens, D), step, n)
+        a, b = (t if t.dtype == torch.float32 else t.float() for t in (a, b))  # float64 and half read in float32
+        return torch.linalg.vector_norm(a, dim=-1), torch.linalg.vector_norm(b, dim=-1)  # (sampled tokens, head)
+
+
+def _sampled(projected: torch.Tensor, shape: tuple[int, int, int, int], step: int, n: int) -> torch.Tensor:
+    """The projection's rows of the first sequence at every ``step``-th token, ``(n, head, d)``: a strided view where
+    it is ``(batch, head, tokens, d)`` (normed after the heads' transpose), ``(batch, tokens, head, d)`` or
+    ``(batch, tokens, head * d)``, else read through a reshape."""
+    B, H, tokens, D = shape
+    s, offset = projected.stride(), projected.storage_offset()
+    if projected.dim() == 4 and tuple(projected.shape) == (B, H, tokens, D):
+        return projected.as_strided((n, H, D), (step * s[2], s[1], s[3]), offset)
+    if projected.dim() == 4 and tuple(projected.shape) == (B, tokens, H, D):
+        return projected.as_strided((n, H, D), (step * s[1], s[2], s[3]), offset)
+    if projected.dim() == 3 and tuple(projected.shape) == (B, tokens, H * D):
+        return projected.as_strided((n, H, D), (step * s[1], D * s[2], s[2]), offset)
+    return projected[0].reshape(tokens, H, D)[::step]
 
 
 def _one_ratio(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, ends: list[float]) -> float | None:
