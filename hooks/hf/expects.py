@@ -239,7 +239,7 @@ def _factors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float | Non
     sequence of this call: a factor is the same on every row, and reading every row cost about 1 ms a layer at 8 x 128
     tokens. One host read for every pair where no row of a projection is (nearly) 0 (the usual case)."""
     norms = [_norms(projected, kernel) for projected, kernel in pairs]
-    read = [(a / b, b) for a, b in (n for n in norms if n is not None)]  # (head, sampled tokens) each
+    read = [(a / b, b) for a, b in (n for n in norms if n is not None)]  # (sampled tokens, head) each
     ends = [t for ratio, b in read for t in (b.amax(), b.amin(), ratio.amax(), ratio.amin())]
     found = iter(torch.stack(ends).view(-1, 4).tolist() if ends else [])
     kinds = (kernel.dtype for _, kernel in pairs)
@@ -288,7 +288,7 @@ def _one_ratio(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, ends: list[
     where some row is (nearly) 0."""
     b_max, b_min, high, low = ends
     if not b_min > 1e-6 * b_max:  # some row of the projection is (nearly) 0: its ratio says nothing
-        ok = b > 1e-6 * b_max  # (head, sampled tokens)
+        ok = b > 1e-6 * b_max  # (sampled tokens, head)
         if not bool(ok.any()):
             return None
         ratio = a[ok] / b[ok]

@@ -50,25 +50,16 @@ static long row_bad(const float *restrict x, long K, float *m_out) {
     return bad;
 }
 
-static long first_equal(const float *restrict x, long K, float m) {
-    long arg = K;
+/* The first key of x[0:K] holding m (0: none). 32-bit keys, 16 a vector where 64 bits took two: K < 2^31 (the
+   Python side refuses longer rows). */
+static int32_t first_equal(const float *restrict x, int32_t K, float m) {
+    int32_t arg = K;
 #pragma omp simd reduction(min : arg)
-    for (long k = 0; k < K; k++) {
-        long c = x[k] == m ? k : K;
+    for (int32_t k = 0; k < K; k++) {
+        int32_t c = x[k] == m ? k : K;
         arg = c < arg ? c : arg;
     }
     return arg == K ? 0 : arg;
-}
-
-/* first_equal over one tile of the fused pass (at most TK keys): 32-bit keys, 16 a vector where 64 bits took two. */
-static int32_t first_equal_tile(const float *restrict x, int32_t w, float m) {
-    int32_t arg = w;
-#pragma omp simd reduction(min : arg)
-    for (int32_t k = 0; k < w; k++) {
-        int32_t c = x[k] == m ? k : w;
-        arg = c < arg ? c : arg;
-    }
-    return arg == w ? 0 : arg;
 }
 
 static void hits(const float *restrict w, long K, float t, int64_t *first_out, int64_t *last_out) {
@@ -147,7 +138,7 @@ static long head_rows(const float *restrict s, float *restrict e, long n, long K
             continue;
         }
         max_out[r] = m;
-        arg_out[r] = first_equal(x, K, m);
+        arg_out[r] = first_equal(x, (int32_t)K, m);
         sum_out[r] = sum;
         min_out[r] = mn;
         dot_out[r] = dot;
@@ -516,7 +507,7 @@ static long fused_group(const struct fused_args *a, long g, long i0, long rb, fl
                                  dot + r, sc + r, fin + r, &bad);
             if (tm > m[r]) {
                 m[r] = tm;
-                arg[r] = j0 + first_equal_tile(S[r], (int32_t)w, tm);
+                arg[r] = j0 + first_equal(S[r], (int32_t)w, tm);
             }
         }
         if (bad) return 1;

@@ -150,11 +150,11 @@ def row_pass(
     ``e > threshold * sum e`` and the per-key sums take ``e / sum e`` (else ``e > threshold`` and ``e``). ``vmax``
     ``(heads..., K)``: each key's largest ``|v|`` (a view with unit stride along keys). ``row_weight`` ``(heads...,
     n)``: what each row's weights count for in the per-key sums. None where a row holds a NaN or +inf logit (nothing
-    the caller may use was written), or without the library."""
+    the caller may use was written), without the library, or for rows of 2^31 keys or more."""
     lib = _library()
-    if isinstance(lib, str):
-        return None
     *heads_shape, n, K = s.shape
+    if isinstance(lib, str) or K >= 2**31 - 1:  # (the C loop counts a row's keys in 32 bits)
+        return None
     rows_shape, R = s.shape[:-1], s.numel() // max(K, 1)
     f32 = [torch.empty(rows_shape, dtype=torch.float32) for _ in range(5)]  # max, sum, min, dot, scale
     i64 = [torch.empty(rows_shape, dtype=torch.int64) for _ in range(4)]  # arg, finite, first, last
