@@ -206,7 +206,7 @@ struct fused_args {
     const float *rw;          /* G x n: what each row's weights count for in the per-key sums */
     long G, n, D, Dv, Tk, K;  /* heads, rows per head, head sizes, keys of k, keys of this block (0..K) */
     float thr;                /* a key is a hit where e > thr * sum e */
-    float *max, *sum, *min, *dot, *scale, *diag_e, *prev_e, *first_e; /* G x n (diag_e, prev_e, first_e: or NULL) */
+    float *max, *sum, *min, *dot, *scale; /* G x n */
     int64_t *arg, *finite, *first, *last;                               /* G x n */
     const float *o;           /* the output the call returned (with v): row i of head g as q's, o_* its strides */
     long o_sb, o_sh, o_st;
@@ -468,9 +468,6 @@ static long finish_row(const struct fused_args *a, long g, long i0, long r, cons
     a->finite[i] = x->fin;
     a->first[i] = first, a->last[i] = last;
     if (a->err) a->err[i] = x->err;
-    if (a->diag_e && dg >= 0 && dg < K) a->diag_e[i] = de; /* (gathered: where the key exists) */
-    if (a->prev_e && dg >= 1 && dg - 1 < K) a->prev_e[i] = pe;
-    if (a->first_e && fk >= 0 && fk < K) a->first_e[i] = fe;
     if (!a->final_f) return 0;
     long item = (g / a->H) * a->row_stride + i0 + r;
     return final_row(a, i, item, lo, L, keep, dg, x, first, last, de, pe, fe);

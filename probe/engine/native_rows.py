@@ -279,13 +279,12 @@ def _fused_agrees(lib: ctypes.CDLL) -> bool:
     strided_k = torch.stack([k, k], 2).view(G, 1, K, 2, D)[..., 0, :]
     strided_v = torch.stack([v, v], 2).view(G, 1, K, 2, Dv)[..., 0, :]
     keys = FusedKeys.of(strided_k, v=strided_v, first_key=torch.zeros(G).long())
-    gathered = (torch.zeros(G, n), torch.zeros(G, n), torch.zeros(G, n))
     want = torch.exp2(s - shift[..., None])  # (head, query, key)
     output = want @ v / want.sum(-1, keepdim=True)  # (head, query, d_v)
     output[1, 3, 7] += 0.5  # one row's output off by 0.5
     got = _run_fused(
         *(lib, (q / 2).view(G, 1, n, D), keys, shift), q_scale=2.0, start=limit - 40, limit=limit, keep=keep,
-        diag=None, row_weight=torch.ones(G, n), K=K, threshold=1e-3, gathered=gathered, poison=True,
+        diag=None, row_weight=torch.ones(G, n), K=K, threshold=1e-3, poison=True,
         output=torch.stack([output, output], 2).view(G, 1, n, 2, Dv)[..., 0, :],
     )  # fmt: skip
     if got is None:
@@ -316,7 +315,7 @@ class _FusedArgs(ctypes.Structure):
         *((name, _P) for name in ("diag", "firstkey", "rw")),
         *((name, _LONG) for name in ("G", "n", "D", "Dv", "Tk", "K")),
         ("thr", ctypes.c_float),
-        *((name, _P) for name in ("max", "sum", "min", "dot", "scale", "diag_e", "prev_e", "first_e")),
+        *((name, _P) for name in ("max", "sum", "min", "dot", "scale")),
         *((name, _P) for name in ("arg", "finite", "first", "last", "o")),
         *((name, _LONG) for name in ("o_sb", "o_sh", "o_st")),
         *((name, _P) for name in ("err", "col", "work")),
@@ -457,7 +456,6 @@ def _run_fused(
     row_weight: torch.Tensor,
     K: int,
     threshold: float,
-    gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     keep: torch.Tensor | None = None,
     start: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
@@ -466,21 +464,20 @@ def _run_fused(
     fit: float = math.inf,
     poison: bool = False,
 ) -> tuple[RowPass, torch.Tensor | None] | None:
-    """``q @ k``, the row pass and ``e @ v`` of rows ``q`` ``(batch, heads, n, d)`` (times ``q_scale``: the scaling
-    and log2(e)) over keys ``0:K``, in tiles that stay in the cache; ``shift`` ``(batch x heads, n)`` the kernel's lse
-    (base 2); ``start`` and ``limit`` ``(n,)`` or ``(batch, n)`` (both the same), the first key each row may attend
-    and the first past those (None: 0, K); ``diag`` ``(n,)`` each row's own key (None: none); ``keep`` ``(1 or
-    batch, K)`` bool, False at keys no row of the batch item may attend (padding; None: none).
-    Writes ``e`` at the row's own key, the one before it and the first key into ``gathered`` (``(batch x heads, n)``
-    each, where those keys lie below ``K``; None: not written). ``final``: also every row's statistics as the engine
-    gives them (``FinalStats``), the keys each row may attend counted from ``start`` and ``limit`` (and ``keep``:
-    ``counts``, as ``start``, how many it allows); None is returned then where some row's ``sum e`` is off 1 by more
-    than ``fit`` (the lse is not these logits'). ``output`` ``(batch, heads, n, d_v)``: what the call returned for the
-    rows (required with ``keys.v``). Returns the row sums (the threshold times each row's sum; per-key sums of
-    ``e / sum e`` times ``row_weight``) and the output check, ``(batch x heads, n)`` the largest difference of each
-    row's ``sum e * v / sum e`` from ``output`` (None without ``keys.v``; no ``(n, d_v)`` block of its own is written);
-    None where a row holds a NaN or +inf logit. ``poison``: the C loop's scratch memory starts as NaN (the
-    self-check: nothing unwritten is read)."""
+    """``q @ k``, the row pass and ``e @ v`` of rows ``q`` ``(batch, heads, n, d)`` (times ``q_scale``: the scaling and
+    log2(e)) over keys ``0:K``, in tiles that stay in the cache; ``shift`` ``(batch x heads, n)`` the kernel's lse (base
+    2); ``start`` and ``limit`` ``(n,)`` or ``(batch, n)`` (both the same), the first key each row may attend and the
+    first past those (None: 0, K); ``diag`` ``(n,)`` each row's own key (None: none); ``keep`` ``(1 or batch, K)`` bool,
+    False at keys no row of the batch item may attend (padding; None: none). ``final``: also every row's statistics as
+    the engine gives them (``FinalStats``: the masses at the row's own key, the one before it and the first key among
+    them), the keys each row may attend counted from ``start`` and ``limit`` (and ``keep``: ``counts``, as ``start``,
+    how many it allows); None is returned then where some row's ``sum e`` is off 1 by more than ``fit`` (the lse is not
+    these logits'). ``output`` ``(batch, heads, n, d_v)``: what the call returned for the rows (required with
+    ``keys.v``). Returns the row sums (the threshold times each row's sum; per-key sums of ``e / sum e`` times
+    ``row_weight``) and the output check, ``(batch x heads, n)`` the largest difference of each row's ``sum e * v / sum
+    e`` from ``output`` (None without ``keys.v``; no ``(n, d_v)`` block of its own is written); None where a row holds a
+    NaN or +inf logit. ``poison``: the C loop's scratch memory starts as NaN (the self-check: nothing unwritten is
+    read)."""
     q = _rows_of(q)
     B, h, n, D = q.shape
     G, Tk, Dv = B * h, keys.k.shape[2], 0 if keys.v is None else keys.v.shape[-1]
@@ -512,7 +509,7 @@ def _run_fused(
         G // items, 0 if keep8 is None or keep8.shape[0] == 1 else K, n if per_item else 0,
         *(_ptr(t) for t in (diag, keys.first_key, rw)),
         G, n, D, Dv, Tk, K, threshold,
-        *(t.data_ptr() for t in f32), *(_ptr(t) for t in (gathered or (None, None, None))),
+        *(t.data_ptr() for t in f32),
         *(t.data_ptr() for t in i64), _ptr(obs), *_strides(obs), _ptr(err), col.data_ptr(), work.data_ptr(),
         per_thread, threads, *(_ptr(t) for t in (final or (None, None, None))), _ptr(counts), fit,
     )  # fmt: skip
