@@ -5,10 +5,11 @@ run's own):
 
 1. tiny Llama (hidden 256, 4 layers, 8 heads, 2 kv heads, random init, batch 1) at T = 4096, 16384, 32768:
    peak RSS and time of the plain forward and of the statistics capture + check (targets: RSS <= 1.5x at every
-   T, time <= 3x at T = 32768);
+   T, time <= 2.0x at T = 32768 on one thread: issue 34's, where an earlier issue's was 3x);
 2. the same model at T = 1024: every statistic of the statistics capture equals the one computed from a full
    capture's weights (max abs difference, target <= 1e-5);
-3. MiniLM (all-MiniLM-L6-v2, batch 8 x 128): ``keep=("stats",)`` vs a plain sdpa forward (target <= 1.10x),
+3. MiniLM (all-MiniLM-L6-v2, batch 8 x 128): ``keep=("stats",)`` vs a plain sdpa forward (target <= 1.15x on
+   one thread: issue 34's, which replaced an earlier issue's 1.10x),
    interleaved rounds, medians. Beside it, a floor: the same model whose attention function runs sdpa's own kernel
    and then, inline and with no tool, the least that a few of the statistics take with torch's ops (the scaled
    ``q @ k`` in base 2, its row max, one ``exp2``, the row sums, the entropy's sum, ``e @ v`` and its largest
@@ -311,13 +312,13 @@ def main() -> None:
             p, s, f, floor_error, agree = got
             print(
                 f"MiniLM 8x128: plain sdpa {p * 1e3:.1f} ms, keep=('stats',) {s * 1e3:.1f} ms: {s / p:.2f}x "
-                "(target <= 1.10x; medians of interleaved rounds)"
+                "(target <= 1.15x on one thread; medians of interleaved rounds)"
             )
             print(
                 f"  floor (sdpa's kernel + products, max, exp2, sums, entropy and the output error inline; 5 of "
                 f"the statistics, no tool): {f * 1e3:.1f} ms: {f / p:.2f}x; its output error {floor_error:.1e}, "
                 f"its entropy and max score within {agree:.1e} of the capture's; "
-                + ("the target is below it" if f / p > 1.10 else "the target is above it")
+                + ("the target is below it" if f / p > 1.15 else "the target is above it")
             )
     if args.decode:
         p, s, calls = decode(256, args.decode, args.rounds)

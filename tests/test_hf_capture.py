@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hf_helpers import (
@@ -90,6 +92,44 @@ def test_weights_only_are_eagers_to_the_bit(models, name, padding, monkeypatch):
     for key, records in group_records(cap).items():
         for i, (record, weights) in enumerate(zip(records, reference[key], strict=True)):
             assert max_error_on_real_rows(record, weights) <= (0.0 if i == 0 else 1e-6), (key, record.name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_masked_logits_in_one_op_have_the_bits_of_the_product_scaled_then_masked(dtype):
+    """``masked_logits`` (weights-only captures on sdpa's bool and causal masks): ``mask + scaling * (q @ k)`` in one
+    op equals eager's ``(q @ k) * scaling`` then ``+ mask`` to the bit, -0.0, inf and nan included; half dtypes,
+    whose add rounds alpha, take the two ops."""
+    from attnprobe.probe.engine.attention_math import masked_logits
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 40, 8, generator=g).mul(4).to(dtype) for _ in range(2))  # (batch, head, rows, d)
+    q[0, 0, 0] = 0.0  # a row of -0.0 and 0.0 products
+    k[0, 0, :3, 0] = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    mask = torch.zeros(2, 1, 40, 40, dtype=dtype).masked_fill_(torch.rand(2, 1, 40, 40, generator=g) < 0.3, -math.inf)
+    scaling = 8**-0.5
+    want = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling).add_(mask)  # (batch, head, rows, keys)
+    got = masked_logits(q, k, mask, scaling=scaling)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert bool(got.isneginf().any()) and bool(got.isnan().any())
+
+
+def test_weights_only_captures_mask_the_logits_in_one_op(models, monkeypatch):
+    """keep=("weights",) of BERT on sdpa with padding: every layer takes ``masked_logits`` (no separate scaling
+    pass); a capture that also keeps the scores does not (they are the unmasked logits)."""
+    from attnprobe.hooks.hf import recompute
+
+    calls = []
+    real = recompute.masked_logits
+    monkeypatch.setattr(recompute, "masked_logits", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model, batch = models("bert"), inputs("bert", "right")
+    with torch.no_grad(), attnprobe.capture(model, keep=["weights"]) as cap:
+        model(**batch)
+    assert len(calls) == len(cap) > 1
+    calls.clear()
+    with torch.no_grad(), attnprobe.capture(model, keep=["weights", "scores"]) as both:
+        model(**batch)
+    assert not calls and all(torch.equal(a.weights, b.weights) for a, b in zip(cap, both, strict=True))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "whisper", "vit"])

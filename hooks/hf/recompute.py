@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-from ...probe.engine.attention_math import attention_logits, softmax_with_sinks
+from ...probe.engine.attention_math import attention_logits, masked_logits, softmax_with_sinks
 from ...probe.selection import index_heads
 
 T = TypeVar("T")
@@ -301,11 +301,26 @@ class Recompute:
             self._weights = weights
         return self._weights.to(self.out_dtype)
 
+    def _masked_logits(self, add: torch.Tensor | None) -> torch.Tensor | None:
+        """The masked logits in one op after the product (``attention_math.masked_logits``), where nothing else
+        reads the logits (weights only), the mask only masks (0 and -inf: sdpa's bool or causal mask) and nothing
+        else comes between the scaling and the mask; None elsewhere."""
+        plain = self.position_bias is None and self.softcap is None and self.score_mod is None and self.sinks is None
+        only_masks = not self.additive and not (self.mask is not None and self.mask.dtype.is_floating_point)
+        if add is None or self.scores_wanted or self._logits is not None or not (plain and only_masks):
+            return None
+        q, k = self.inputs()
+        with torch.no_grad():
+            return masked_logits(q, k, add, scaling=self.scaling)  # (batch, head, query, key)
+
     def _softmax(self, add: torch.Tensor | None) -> torch.Tensor:
         """The weights from the logits: the mask added, then torch's softmax (with bitwise eager's logits, bitwise
         eager's weights). Not ``exp(z - lse)`` from the kernel's lse: measured on CPU (MiniLM's 8 x 12 x 128 x 128,
         two threads) the fused softmax costs 1.75 ms where the subtraction and an ``exp2`` cost 1.81 (torch's
         ``exp``: 2.54), and its weights are eager's to the bit, where the lse's are within 2e-6."""
+        fused = self._masked_logits(add)  # (batch, head, query, key)
+        if fused is not None:
+            return torch.softmax(fused, dim=-1, out=fused)
         logits = self.logits()  # (batch, head, query, key)
         # the logits are free when no record keeps them (no scores wanted, or the scores are a tensor of their own):
         # the mask and the softmax are then written into them, and the weights are the only (query, key) tensor made
