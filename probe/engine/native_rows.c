@@ -180,7 +180,25 @@ long attnprobe_row_pass(const float *restrict s, float *restrict e, long R, long
    below every row's first key are not computed (a window's cost is the window's). No (query x key) block is written
    to memory but E, the weights of RB rows (RB x K floats), which the threshold hits and the per-key sums read once
    each row's sum is known. */
-typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
+/* The products are written in vectors of one register each: VW floats (16 with AVX-512, 8 with AVX, 4 with SSE or
+   NEON). A GCC vector wider than the target's registers is lowered through the stack: 64-byte vectors built for AVX2
+   made the fused pass 15-40 times slower. KV vectors of keys (KV * VW = CW keys) and RB rows of products fill a
+   tile's accumulators: 4 with 32 registers (AVX-512, AArch64), 2 with 16, so that RB x KV sums, the KV loaded
+   vectors and one broadcast stay in registers. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define KV 4
+#else
+#define KV 2
+#endif
+#define CW (KV * VW)
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4))); /* VW floats, any alignment */
 
 #define RB 4
 #define TK 512    /* keys per tile: a multiple of PANEL */
@@ -292,54 +310,58 @@ static void head_values(const float *v, long st, long Dv, long from, long K, flo
 
 /* Loaded vectors kept in registers: the compiler folded each load into every product that reads it (a memory
    operand each), which made the products wait on the loads (one 64-byte load a cycle against one product). */
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__AVX512F__) /* a vf is one register */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__AVX512F__) /* measured there (AVX2: no difference) */
 #define IN_REGISTERS2(a, b) __asm__("" : "+v"(a), "+v"(b))
 #else
 #define IN_REGISTERS2(a, b)
 #endif
 
 /* S[r][0:w] = q[r] . k[0:w] for RB rows (rows past rb repeat the last: they are computed, never read), from the
-   panels of 64 keys that start the tile: each panel's D x 64 floats are read in order, so that the loads stream (a
-   (D x Tk) layout read 64 keys from D rows Tk floats apart: a third slower at 32k keys). A panel's keys past w are
-   computed too (zeros, or the next tile's keys) and never read. */
+   panels of 64 keys that start the tile, CW keys at a time: each panel's D x 64 floats are read in order, so that the
+   loads stream (a (D x Tk) layout read 64 keys from D rows Tk floats apart: a third slower at 32k keys). A chunk's
+   keys past w are computed too (zeros, or the next tile's keys) and never read. */
 static void qk_tile(const float *q, long D, const float *kP, long w, float S[RB][TK]) {
     const float *qr[RB];
     for (int r = 0; r < RB; r++) qr[r] = q + r * D;
-    for (long j = 0; j < w; j += PANEL) {
-        const float *panel = kP + (j / PANEL) * D * PANEL;
-        vf acc[RB][4];
+    for (long j = 0; j < w; j += CW) {
+        const float *chunk = kP + (j / PANEL) * D * PANEL + j % PANEL;
+        vf acc[RB][KV];
         for (int r = 0; r < RB; r++)
-            for (int t = 0; t < 4; t++) acc[r][t] = (vf){0};
+            for (int t = 0; t < KV; t++) acc[r][t] = (vf){0};
         for (long dd = 0; dd < D; dd++) {
-            const float *kr = panel + dd * PANEL;
-            vf k0 = *(const vf *)kr, k1 = *(const vf *)(kr + 16), k2 = *(const vf *)(kr + 32),
-               k3 = *(const vf *)(kr + 48);
+            const float *kr = chunk + dd * PANEL;
+            vf k0 = *(const vf *)kr, k1 = *(const vf *)(kr + VW);
             IN_REGISTERS2(k0, k1);
+#if KV == 4
+            vf k2 = *(const vf *)(kr + 2 * VW), k3 = *(const vf *)(kr + 3 * VW);
             IN_REGISTERS2(k2, k3);
+#endif
             for (int r = 0; r < RB; r++) {
                 float x = qr[r][dd];
                 acc[r][0] += x * k0;
                 acc[r][1] += x * k1;
+#if KV == 4
                 acc[r][2] += x * k2;
                 acc[r][3] += x * k3;
+#endif
             }
         }
         for (int r = 0; r < RB; r++)
-            for (int t = 0; t < 4; t++) *(vf *)(S[r] + j + 16 * t) = acc[r][t];
+            for (int t = 0; t < KV; t++) *(vf *)(S[r] + j + VW * t) = acc[r][t];
     }
 }
 
-/* out[r] += E[r][0:w] @ v[0:w] for rb rows (v's keys vs apart), 32 of v's columns at a time, then 16, then one by
-   one. All RB rows of E are read (those past rb hold an earlier group's weights, or anything: their sums are never
+/* out[r] += E[r][0:w] @ v[0:w] for rb rows (v's keys vs apart), 2 VW of v's columns at a time, then VW, then one
+   by one. All RB rows of E are read (those past rb hold an earlier group's weights, or anything: their sums are never
    stored), so that the inner loop has no test. */
 static void ev_tile(const float *E, long K, long rb, const float *v, long vs, long Dv, long w, float *out) {
     long c = 0;
-    for (; c + 32 <= Dv; c += 32) {
+    for (; c + 2 * VW <= Dv; c += 2 * VW) {
         vf acc[RB][2];
         for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = (vf){0};
         for (long j = 0; j < w; j++) {
             const float *vr = v + j * vs + c;
-            vf v0 = *(const vf *)vr, v1 = *(const vf *)(vr + 16);
+            vf v0 = *(const vf *)vr, v1 = *(const vf *)(vr + VW);
             IN_REGISTERS2(v0, v1);
             for (int r = 0; r < RB; r++) {
                 float x = E[r * K + j];
@@ -349,10 +371,10 @@ static void ev_tile(const float *E, long K, long rb, const float *v, long vs, lo
         }
         for (long r = 0; r < rb; r++) {
             *(vf *)(out + r * Dv + c) += acc[r][0];
-            *(vf *)(out + r * Dv + c + 16) += acc[r][1];
+            *(vf *)(out + r * Dv + c + VW) += acc[r][1];
         }
     }
-    for (; c + 16 <= Dv; c += 16) { /* head sizes 16, 48, 80, 112: their last 16 columns */
+    for (; c + VW <= Dv; c += VW) { /* with AVX-512, head sizes 16, 48, 80, 112: their last 16 columns */
         vf acc[RB];
         for (int r = 0; r < RB; r++) acc[r] = (vf){0};
         for (long j = 0; j < w; j++) {
