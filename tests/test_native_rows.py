@@ -559,11 +559,10 @@ def test_q_k_and_v_strided_as_a_projections_give_the_same_statistics(monkeypatch
 
 
 def _runs_here(march: str) -> bool:
-    """Whether this machine runs code built with ``-march=march`` (an x86-64 level) and gcc builds it."""
+    """Whether this machine runs code built with ``-march=march`` (an x86-64 level)."""
     import platform
-    import shutil
 
-    if platform.machine() not in ("x86_64", "AMD64") or not shutil.which("gcc"):
+    if platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
@@ -578,16 +577,19 @@ def test_the_fused_pass_built_for_narrower_vectors_gives_torchs_statistics(march
     """The C is written in vectors of one register of the target (16 floats with AVX-512, 8 with AVX2, 4 with SSE):
     built for AVX2 and for SSE (on this machine, where it runs them), the library passes its self-check and the fused
     pass gives torch's statistics on masks of every form, with v's columns in every step (45: vectors of 2 and 1
-    registers and a scalar tail at each width). Built with AVX-512's 64-byte vectors for AVX2, the pass had been 15-40
-    times slower (benchmarks: docs/benchmarks.md)."""
+    registers and a scalar tail at each width). Built with AVX-512's 64-byte vectors for AVX2, the pass had been 14-24
+    times slower (benchmarks: docs/benchmarks.md). A compiler that does not know the level skips it."""
     if not _runs_here(march):
-        pytest.skip(f"this machine does not run {march} code built by gcc")
+        pytest.skip(f"this machine does not run {march} code")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native_rows._FLAGS)
     monkeypatch.setattr(native_rows, "_FLAGS", flags)
     native_rows._library.cache_clear()
     try:
-        assert native_rows.available(), native_rows.why_unavailable()
+        why = native_rows.why_unavailable() or ""
+        if "could not build" in why:
+            pytest.skip(f"the C compiler does not build for {march}: {why}")
+        assert native_rows.available(), why
         _only(monkeypatch, fused=True)
         for mask in ("causal", "window+padding", "documents"):
             call, diag = _larger_call(causal=mask == "causal", lse=True, keys=300, mask=mask, d_v=45)

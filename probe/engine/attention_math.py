@@ -60,14 +60,13 @@ def attention_logits(
     return logits
 
 
-def masked_logits(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *, scaling: float, group: int = 1
-) -> torch.Tensor:
+def masked_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, *, scaling: float) -> torch.Tensor:
     """``q @ k^T * scaling + mask`` for a ``mask`` ``(batch or 1, 1 or head, rows, keys)`` of 0 and -inf only, in
     one op after the product: ``mask + scaling * (q @ k^T)``, written into the product. Adding 0 or -inf rounds
     nothing, so the result has the bits of the product scaled, then masked (eager attention's two ops), whether the
     op fuses the multiply and the add or not; it is one pass over the ``(rows, keys)`` tensor fewer. Float32 and
-    float64 only (a half product, e.g. under autocast, takes the two ops). Shapes as ``attention_logits``.
+    float64 only (a half product, e.g. under autocast, takes the two ops). q ``(batch, head, rows, d)``, k ``(batch,
+    head, keys, d)``.
 
     Example::
 
@@ -75,7 +74,7 @@ def masked_logits(
         >>> masked_logits(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 2, 4), mask, scaling=0.5).tolist()
         [[[[2.0, -inf]]]]
     """
-    logits = grouped_matmul(q, k.transpose(-1, -2), group)  # (batch, head, rows, keys)
+    logits = torch.matmul(q, k.transpose(-1, -2))  # (batch, head, rows, keys)
     if logits.dtype != mask.dtype or logits.dtype not in (torch.float32, torch.float64):
         # torch's add takes alpha in a half dtype's own precision: the two ops (the product is half under autocast)
         return logits.mul_(scaling).add_(mask)

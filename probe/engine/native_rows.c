@@ -182,7 +182,7 @@ long attnprobe_row_pass(const float *restrict s, float *restrict e, long R, long
    each row's sum is known. */
 /* The products are written in vectors of one register each: VW floats (16 with AVX-512, 8 with AVX, 4 with SSE or
    NEON). A GCC vector wider than the target's registers is lowered through the stack: 64-byte vectors built for AVX2
-   made the fused pass 15-40 times slower. KV vectors of keys (KV * VW = CW keys) and RB rows of products fill a
+   made the fused pass 14-24 times slower. KV vectors of keys (KV * VW = CW keys) and RB rows of products fill a
    tile's accumulators: 4 with 32 registers (AVX-512, AArch64), 2 with 16, so that RB x KV sums, the KV loaded
    vectors and one broadcast stay in registers. */
 #if defined(__AVX512F__)
