@@ -596,3 +596,50 @@ def test_the_fused_pass_built_for_narrower_vectors_gives_torchs_statistics(march
             _native_gives(call, diag, attention_stats(call, diag_offset=diag))
     finally:
         native_rows._library.cache_clear()
+
+
+def _compiler_refusing(tmp_path: Path, refused: tuple[str, ...]) -> str:
+    """gcc behind a script that refuses ``refused`` as Apple's clang refuses ``-fopenmp``, and that has no
+    ``omp.h`` (as Apple's clang has none)."""
+    script, headers = tmp_path / "cc", tmp_path / "include"
+    headers.mkdir()
+    (headers / "omp.h").write_text('#error "this compiler has no omp.h"\n')
+    words = " ".join(refused)
+    script.write_text(
+        "#!/bin/sh\n"
+        f'for a in "$@"; do case " {words} " in *" $a "*) echo "cc: error: unsupported option $a" >&2; exit 1;; esac; '
+        "done\n"
+        f'exec gcc -I{headers} "$@"\n'
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [("-fopenmp",), ("-fopenmp", "-march=native"), ("-fopenmp", "-march=native", "-mcpu=native")],
+    ids=["openmp", "openmp+march", "openmp+march+mcpu"],
+)
+def test_a_compiler_that_refuses_openmp_or_native_tuning_builds_the_library_without(refused, monkeypatch, tmp_path):
+    """Apple's clang has no ``-fopenmp`` and AArch64 compilers may refuse ``-march=native``: the library is built
+    without them (OpenMP's simd pragmas kept, then ``-mcpu=native``, then no tuning), says it runs on one thread
+    (``threaded()``), and the fused pass gives torch's statistics while torch runs on two."""
+    import shutil
+
+    if not shutil.which("gcc") or not shutil.which("sh"):
+        pytest.skip("needs gcc and sh")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", _compiler_refusing(tmp_path, refused))
+    native_rows._library.cache_clear()
+    previous = torch.get_num_threads()
+    try:
+        assert native_rows.available(), native_rows.why_unavailable()
+        assert not native_rows.threaded()
+        _only(monkeypatch, fused=True)
+        torch.set_num_threads(2)
+        for mask in ("causal", "window+padding"):
+            call, diag = _larger_call(causal=mask == "causal", lse=True, keys=300, mask=mask)
+            _native_gives(call, diag, attention_stats(call, diag_offset=diag))
+    finally:
+        torch.set_num_threads(previous)
+        native_rows._library.cache_clear()

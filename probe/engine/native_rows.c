@@ -15,7 +15,20 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else /* built without OpenMP's runtime (a compiler that has none, e.g. Apple's clang): one thread */
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
+
+/* Whether this build runs its passes on more than one thread (native_rows.threaded()). */
+int attnprobe_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* 2^y, written out so that the compiler vectorises it inline on every C library (glibc's vector exp2f, libmvec,
    exists on glibc's x86-64 builds only; elsewhere the loops called the scalar exp2f): 2^round(y) from the exponent

@@ -11,7 +11,9 @@ a boolean mask's rows in that form (``benchmarks/bench_long.py``; docs/long-cont
 
 It is compiled on first use with the C compiler on the path (``$CC``, else ``cc``/``gcc``), into the user's cache
 (``$XDG_CACHE_HOME/attnprobe/native``, else ``~/.cache/attnprobe/native``), keyed by the source, the flags, the
-compiler and the CPU, and checked against torch's ops on a small block before it is used. Where it cannot be built
+compiler and the CPU, and checked against torch's ops on a small block before it is used. A compiler that refuses
+``-fopenmp`` (Apple's clang) or ``-march=native`` builds it without (``_FALLBACKS``): without OpenMP its passes run on
+one thread (``threaded()``). Where it cannot be built
 or the check fails, ``capture(stats_engine="auto")`` uses the eager engine alone (the same statistics, more time) and
 ``stats_engine="native"`` refuses in one line saying why. Rows holding a NaN or +inf logit go through torch's ops.
 """
@@ -35,6 +37,14 @@ import torch
 
 _SOURCE = Path(__file__).with_name("native_rows.c")
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+#: where a compiler refuses the build before, the next build's changes to ``_FLAGS``' entries (None: left out): OpenMP's
+#: loop pragmas without its runtime (Apple's clang has no ``-fopenmp``: the passes run on one thread), then
+#: ``-mcpu=native`` (AArch64 compilers that refuse ``-march=native``), then no tuning for this CPU
+_FALLBACKS: tuple[dict[str, str | None], ...] = (
+    {"-fopenmp": "-fopenmp-simd"},
+    {"-fopenmp": "-fopenmp-simd", "-march=native": "-mcpu=native"},
+    {"-fopenmp": "-fopenmp-simd", "-march=native": None},
+)
 _P, _LONG = ctypes.c_void_p, ctypes.c_long
 #: s, e, R, K, n, shift, thr, whole, vmax, vstride, rw, col, cstride, the nine outputs, threads
 _ARGTYPES: list = [_P, _P, _LONG, _LONG, _LONG, _P, ctypes.c_float, ctypes.c_int, _P, _LONG, _P, _P, _LONG]
@@ -85,21 +95,36 @@ def _compiler() -> str:
     raise NativeUnavailable("no C compiler on the path (set CC, or install gcc)")
 
 
+def _builds() -> list[tuple[str, ...]]:
+    """The flags of each build tried, in order: ``_FLAGS``, then ``_FALLBACKS`` applied to them (each once)."""
+    builds: list[tuple[str, ...]] = [_FLAGS]
+    for change in _FALLBACKS:
+        flags = tuple(f for f in (change.get(f, f) for f in _FLAGS) if f is not None)
+        if flags not in builds:
+            builds.append(flags)
+    return builds
+
+
 def _compile(cc: str, out: Path) -> None:
-    """``native_rows.c`` into ``out``, atomically: processes building at once each put a whole library."""
+    """``native_rows.c`` into ``out`` with the first of ``_builds()`` the compiler takes, atomically: processes
+    building at once each put a whole library. Where none builds, the first build's error is named."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        done = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            last = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-            raise NativeUnavailable(f"{cc} could not build {_SOURCE.name}: {last[0]}")
-        os.replace(built, out)
+        for flags in _builds():
+            done = subprocess.run([cc, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+            if done.returncode == 0:
+                os.replace(built, out)
+                return
+            errors.append(done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"])
+    raise NativeUnavailable(f"{cc} could not build {_SOURCE.name}: {errors[0][0]}")
 
 
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode())
+    tried = " | ".join(" ".join(flags) for flags in _builds())
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), tried, version, _cpu_signature()]).encode())
     return _cache_dir() / f"native_rows-{key.hexdigest()[:20]}.so"
 
 
@@ -118,6 +143,8 @@ def _library() -> ctypes.CDLL | str:
         lib.attnprobe_fused.argtypes = [ctypes.POINTER(_FusedArgs)]
         lib.attnprobe_intervals.restype = _LONG
         lib.attnprobe_intervals.argtypes = [_P, *([_LONG] * 5), *([_P] * 4), ctypes.c_int]
+        lib.attnprobe_openmp.restype = ctypes.c_int
+        lib.attnprobe_openmp.argtypes = []
         _self_check(lib)
     except (NativeUnavailable, OSError) as err:
         return str(err)
@@ -127,6 +154,17 @@ def _library() -> ctypes.CDLL | str:
 def available() -> bool:
     """Whether the native row pass is built and agrees with torch's ops here."""
     return not isinstance(_library(), str)
+
+
+def threaded() -> bool:
+    """Whether the library was built with OpenMP, so that its passes take torch's thread count (False: one thread,
+    where the compiler has no OpenMP runtime, e.g. Apple's clang; False where it is not built)."""
+    lib = _library()
+    return not isinstance(lib, str) and bool(lib.attnprobe_openmp())
+
+
+def _threads(lib: ctypes.CDLL) -> int:
+    return torch.get_num_threads() if lib.attnprobe_openmp() else 1
 
 
 def why_unavailable() -> str | None:
@@ -170,7 +208,7 @@ def row_pass(
         *(s.data_ptr(), e.data_ptr(), R, K, max(n, 1), _ptr(shift), threshold, int(whole), _ptr(vmax), vstride),
         *(_ptr(rw), _ptr(col), K),
         *(t.data_ptr() for t in (f32[0], i64[0], f32[1], f32[2], f32[3], f32[4], i64[1], i64[2], i64[3])),
-        torch.get_num_threads(),
+        _threads(lib),
     )
     if odd:
         return None
@@ -422,7 +460,7 @@ def _intervals(lib: ctypes.CDLL, allowed: torch.Tensor) -> Intervals:
     fits = lib.attnprobe_intervals(
         *(allowed.data_ptr(), items, n, d, allowed.stride(0), allowed.stride(1)),
         *(t.data_ptr() for t in (start, limit, count, keep)),
-        torch.get_num_threads(),
+        _threads(lib),
     )  # fmt: skip
     return Intervals(start, limit, count, keep, bool(fits))
 
@@ -492,7 +530,7 @@ def _run_fused(
     obs = None if keys.v is None or output is None else _rows_of(output)  # (batch, heads, n, d_v)
     err = None if obs is None else torch.empty(G, n)  # (batch x heads, n)
     col = torch.zeros(G, K)  # (batch x heads, key)
-    threads = min(torch.get_num_threads(), G)  # a thread takes whole heads: scratch for no more threads than heads
+    threads = min(_threads(lib), G)  # a thread takes whole heads: scratch for no more threads than heads
     per_thread = _work_floats(keys, K, D)
     work = torch.full((threads * per_thread,), math.nan) if poison else torch.empty(threads * per_thread)
     rw = row_weight.to(torch.float32).contiguous()
