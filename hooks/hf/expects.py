@@ -134,8 +134,9 @@ def _same_text(module: nn.Module, stack) -> bool:
     config, theirs = getattr(module, "config", None), getattr(stack, "config", None)
     if config is None or theirs is None:
         return False
-    text = theirs.get_text_config() if hasattr(theirs, "get_text_config") else theirs
-    return config is theirs or config is text
+    if config is theirs:  # the usual case, read on every layer of every decoding step: no text config looked up
+        return True
+    return hasattr(theirs, "get_text_config") and config is theirs.get_text_config()
 
 
 def _sliding(module: nn.Module, config) -> bool:
