@@ -117,8 +117,9 @@ def _compile(cc: str, out: Path) -> None:
             if done.returncode == 0:
                 os.replace(built, out)
                 return
-            errors.append(done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"])
-    raise NativeUnavailable(f"{cc} could not build {_SOURCE.name}: {errors[0][0]}")
+            errors.append((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1])
+    also = f" (and {len(errors) - 1} builds without OpenMP or -march=native)" if len(errors) > 1 else ""
+    raise NativeUnavailable(f"{cc} could not build {_SOURCE.name}: {errors[0]}{also}")
 
 
 def _library_path(cc: str) -> Path:
