@@ -63,7 +63,7 @@ static long row_bad(const float *restrict x, long K, float *m_out) {
     return bad;
 }
 
-/* The first key of x[0:K] holding m (0: none). 32-bit keys, 16 a vector where 64 bits took two: K < 2^31 (the
+/* The first key of x[0:K] holding m (0: none). 32-bit keys, twice as many a vector as 64-bit ones: K < 2^31 (the
    Python side refuses longer rows). */
 static int32_t first_equal(const float *restrict x, int32_t K, float m) {
     int32_t arg = K;
@@ -96,7 +96,7 @@ static inline __attribute__((always_inline)) float tile_rows_(const float *restr
                                                               float *sum, float *mn, float *dot, float *sc, long *fin,
                                                               int *bad) {
     float m = -INFINITY, s = 0.0f, lo = INFINITY, d = 0.0f, scale = 0.0f;
-    int32_t f = 0; /* (32 bits: 16 lanes a vector, where 64 took two) */
+    int32_t f = 0; /* (32 bits: twice the lanes a vector of 64) */
 #pragma omp simd reduction(+ : s, d, f, scale) reduction(min : lo) reduction(max : m)
     for (long k = 0; k < w; k++) {
         float u = x[k], y = u - base, v = pow2(y);
@@ -484,7 +484,7 @@ static long finish_row(const struct fused_args *a, long g, long i0, long r, cons
                        const uint8_t *keep, const struct row_sums *x, float *restrict col) {
     long i = g * a->n + i0 + r, K = a->K;
     float sum = x->sum, f = a->rw[i] * (sum > 0.0f ? 1.0f / sum : 0.0f), t = a->thr * sum;
-    int32_t first = (int32_t)K, last = -1; /* 32-bit keys, 16 a vector (K < 2^31: _run_fused refuses more) */
+    int32_t first = (int32_t)K, last = -1; /* 32-bit keys, VW a vector (K < 2^31: _run_fused refuses more) */
 #pragma omp simd reduction(min : first) reduction(max : last)
     for (int32_t k = (int32_t)lo; k < (int32_t)L; k++) { /* the hits and the per-key sums in one read of the row */
         float e = Er[k];
