@@ -7,6 +7,8 @@ compiled once into the user's cache."""
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -145,11 +147,34 @@ def test_the_library_is_built_once_into_the_users_cache(monkeypatch, tmp_path):
         assert native_rows.available()
         built = list((tmp_path / "attnprobe" / "native").glob("native_rows-*.so"))
         assert len(built) == 1
-        stamp = built[0].stat().st_mtime_ns
+        inode = built[0].stat().st_ino
         native_rows._library.cache_clear()
         assert native_rows.available()  # a new process loads the cached library, builds nothing
-        assert built[0].stat().st_mtime_ns == stamp
+        assert built[0].stat().st_ino == inode
         assert [p.name for p in (tmp_path / "attnprobe" / "native").iterdir()] == [built[0].name]  # no leftovers
+    finally:
+        native_rows._library.cache_clear()
+
+
+def test_building_a_library_removes_those_no_process_loaded_for_a_month(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "attnprobe" / "native"
+    cache.mkdir(parents=True)
+    days = 86400
+    ages = {"native_rows-stale.so": 40 * days, "native_rows-recent.so": 2 * days, "notes-stale.txt": 40 * days}
+    for name, age in ages.items():
+        (cache / name).write_bytes(b"")
+        os.utime(cache / name, (time.time() - age, time.time() - age))
+    native_rows._library.cache_clear()
+    try:
+        assert native_rows.available()  # builds this source's library, then prunes
+        built = native_rows._library_path(native_rows._compiler())
+        kept = sorted([built.name, "native_rows-recent.so", "notes-stale.txt"])
+        assert sorted(p.name for p in cache.iterdir()) == kept
+        os.utime(built, (time.time() - 40 * days, time.time() - 40 * days))
+        native_rows._library.cache_clear()
+        assert native_rows.available()  # loading it marks it as used: another version's build keeps it
+        assert built.stat().st_mtime > time.time() - days
     finally:
         native_rows._library.cache_clear()
 

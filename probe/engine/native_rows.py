@@ -11,11 +11,13 @@ a boolean mask's rows in that form (``benchmarks/bench_long.py``; docs/long-cont
 
 It is compiled on first use with the C compiler on the path (``$CC``, else ``cc``/``gcc``), into the user's cache
 (``$XDG_CACHE_HOME/attnprobe/native``, else ``~/.cache/attnprobe/native``), keyed by the source, the flags, the
-compiler and the CPU, and checked against torch's ops on a small block before it is used. A compiler that refuses
-``-fopenmp`` (Apple's clang) or ``-march=native`` builds it without (``_FALLBACKS``): without OpenMP its passes run on
-one thread (``threaded()``). Where it cannot be built
-or the check fails, ``capture(stats_engine="auto")`` uses the eager engine alone (the same statistics, more time) and
-``stats_engine="native"`` refuses in one line saying why. Rows holding a NaN or +inf logit go through torch's ops.
+compiler and the CPU, and checked against torch's ops on a small block before it is used. Each load marks its library
+as used (its modification time); building a new one removes the libraries no process has loaded for ``_STALE_DAYS``
+(an upgrade's new source, a compiler's new version, a home folder shared by machines with other CPUs). A compiler
+that refuses ``-fopenmp`` (Apple's clang) or ``-march=native`` builds it without (``_FALLBACKS``): without OpenMP its
+passes run on one thread (``threaded()``). Where it cannot be built or the check fails, ``capture(stats_engine="auto")``
+uses the eager engine alone (the same statistics, more time) and ``stats_engine="native"`` refuses in one line saying
+why. Rows holding a NaN or +inf logit go through torch's ops.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -45,6 +48,8 @@ _FALLBACKS: tuple[dict[str, str | None], ...] = (
     {"-fopenmp": "-fopenmp-simd", "-march=native": "-mcpu=native"},
     {"-fopenmp": "-fopenmp-simd", "-march=native": None},
 )
+#: a library in the cache that no process has loaded for this many days goes when another is built
+_STALE_DAYS = 30
 _P, _LONG = ctypes.c_void_p, ctypes.c_long
 #: s, e, R, K, n, shift, thr, whole, vmax, vstride, rw, col, cstride, the nine outputs, threads
 _ARGTYPES: list = [_P, _P, _LONG, _LONG, _LONG, _P, ctypes.c_float, ctypes.c_int, _P, _LONG, _P, _P, _LONG]
@@ -129,14 +134,39 @@ def _library_path(cc: str) -> Path:
     return _cache_dir() / f"native_rows-{key.hexdigest()[:20]}.so"
 
 
+def _mark_used(path: Path) -> bool:
+    """Whether the library at ``path`` exists; where it does, it is marked as loaded now (``_prune`` reads the mark).
+    A cache this process may not write is read as it is."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return path.exists()
+    return True
+
+
+def _prune(keep: Path) -> None:
+    """Removes the libraries beside ``keep`` that no process has loaded for ``_STALE_DAYS`` (one a process is
+    about to load was marked just before: ``_mark_used``)."""
+    stale = time.time() - _STALE_DAYS * 86400
+    for old in keep.parent.glob("native_rows-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < stale:
+                old.unlink()
+        except OSError:  # gone already (another process pruned it), or not ours to remove
+            continue
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded library, or why there is none (the reason is kept: one attempt per process)."""
     try:
         cc = _compiler()
         path = _library_path(cc)
-        if not path.exists():
+        if not _mark_used(path):
             _compile(cc, path)
+            _prune(path)
         lib = ctypes.CDLL(str(path))
         lib.attnprobe_row_pass.restype = _LONG
         lib.attnprobe_row_pass.argtypes = _ARGTYPES
