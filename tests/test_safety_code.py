@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from attnprobe.cli import main
@@ -93,11 +92,6 @@ def test_folder_code_is_refused_without_asking(custom_folder, monkeypatch, tmp_p
     assert not (custom_folder / "RAN").exists()
 
 
-@pytest.mark.skipif(
-    tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 7),
-    reason="known failure on the oldest pins (torch 2.6, transformers 5.24): loading the folder's code says "
-    "'Could not import module PreTrainedModel' (not investigated yet; passes on torch 2.13)",
-)
 def test_folder_code_runs_with_trust_remote_code(custom_folder, tmp_path):
     done = run_cli(
         ["info", custom_folder, "--trust-remote-code"],

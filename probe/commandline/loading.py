@@ -198,6 +198,10 @@ def load_pretrained_dir(
             model = AutoModel.from_pretrained(str(path), trust_remote_code=trust, **kwargs)
         else:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
+            # imported before the meta device is the default: a folder's code imports PreTrainedModel, whose first
+            # import imports torch._dynamo, which on torch 2.6 runs ops at import (.item() fails on meta tensors)
+            import transformers.modeling_utils  # noqa: F401
+
             with torch.device("meta"):
                 model = AutoModel.from_config(config, trust_remote_code=trust)
     except Exception as exc:
