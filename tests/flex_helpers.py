@@ -16,12 +16,11 @@ import pytest
 import torch.nn.attention.flex_attention as _flex
 
 #: torch 2.6 (the oldest torch declared) has no eager reference path of flex attention
-#: (``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG``), and its compiled kernel's mask evaluation under vmap fails on
-#: attnprobe's block reading (".item() under vmap"): flex capture is proven on torch 2.13 only, and these tests skip
-#: on a torch without the reference path, saying so
+#: (``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG``): the tests that run flex uncompiled skip there, saying so; the compiled
+#: kernel's test (``test_hf_flex.test_the_compiled_kernel``) runs on every torch
 FLEX_PROVEN = hasattr(_flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")
 FLEX_SKIP = pytest.mark.skipif(
-    not FLEX_PROVEN, reason="flex attention capture is proven on torch 2.13; this torch has no flex reference path"
+    not FLEX_PROVEN, reason="this torch has no flex reference path to run flex uncompiled (torch 2.6)"
 )
 
 

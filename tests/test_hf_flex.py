@@ -16,13 +16,14 @@ from hf_helpers import build, max_error_on_real_rows, twin
 
 import attnprobe
 
-pytestmark = flex_helpers.FLEX_SKIP
-
 pytest.importorskip("torch.nn.attention.flex_attention")
 
 
 @pytest.fixture
 def uncompiled():
+    """Flex's reference path (the tests using it skip on a torch without one, torch 2.6: ``flex_helpers``)."""
+    if not flex_helpers.FLEX_PROVEN:
+        pytest.skip(flex_helpers.FLEX_SKIP.kwargs["reason"])
     with flex_helpers.uncompiled():
         yield
 
@@ -137,7 +138,8 @@ def test_statistics_are_read_block_by_block(uncompiled, monkeypatch):
 def test_the_compiled_kernel(assert_no_hooks):
     """The kernel transformers runs by default (``torch.compile(flex_attention)``): captured without changing it, its
     output bitwise that of an uncaptured call, the recomputed weights the eager model's (and ``output_match`` holds
-    them to the kernel's output)."""
+    them to the kernel's output). It runs on every torch declared: on torch 2.6 attnprobe's reading of transformers'
+    padding ``mask_mod`` under vmap failed (".item() under vmap") until it indexed as flex does."""
     model = _flex("llama")
     batch = _padded()
     with flex_helpers.uncompiled(kernel=False):  # the BlockMask built without compiling create_block_mask: the same
@@ -146,3 +148,25 @@ def test_the_compiled_kernel(assert_no_hooks):
     _same_as_eager(model, batch, cap)
     assert attnprobe.check(cap, causal=True, attention_mask=batch["attention_mask"]).ok
     assert_no_hooks(model)
+
+
+def test_transformers_mask_functions_are_read_as_flex_reads_them():
+    """transformers' mask functions index tensors by their index arguments (``padding_mask[batch_idx, kv_idx]``):
+    the permission attnprobe reads from a BlockMask is flex's own ``create_mask``, tile by tile (full, partial and
+    empty tiles of 4). On torch 2.6, vmap alone refused the padding mask; flex indexes under
+    ``TransformGetItemToIndex``, and so does attnprobe."""
+    import torch.nn.attention.flex_attention as flex
+    from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function
+
+    from attnprobe.hooks.hf import kernels
+
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[0, :3] = False  # left padding: item 0's first 3 keys
+    padding[1, 10:] = False  # right padding: item 1's last 2 keys
+    mod = and_masks(causal_mask_function, padding_mask_function(padding))
+    block_mask = flex.create_block_mask(mod, 2, 1, 12, 12, device="cpu", BLOCK_SIZE=4, _compile=False)
+    want = flex.create_mask(mod, 2, 1, 12, 12, device="cpu")  # (batch, 1, query, key)
+    read = kernels.FlexMask(block_mask, batch=2, heads=(0, 1), q_len=12, k_len=12)
+    got = kernels.dense(read, 12, 12, "cpu")  # (batch, head, query, key)
+    assert got.shape == (2, 2, 12, 12) and torch.equal(got, want.expand(2, 2, 12, 12))
+    assert not got[0, :, :, :3].any() and got[1, 0, 11].tolist() == [True] * 10 + [False] * 2

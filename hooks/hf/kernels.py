@@ -47,7 +47,23 @@ def vmap_bhqk(fn: Callable, *, score: bool) -> Callable:
     prefix = (0,) if score else ()
     for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
         fn = torch.vmap(fn, in_dims=prefix + dims, out_dims=0)
-    return fn
+    return _indexing_as_flex(fn)
+
+
+def _indexing_as_flex(fn: Callable) -> Callable:
+    """``fn`` run as flex runs its mods: with ``tensor[index]`` read as torch's index op (``TransformGetItemToIndex``).
+    Without it, torch 2.6's vmap refuses a mod that indexes a tensor by its index arguments (transformers' padding
+    mask, ``padding_mask[batch_idx, kv_idx]``: ".item() under vmap") that flex itself evaluates."""
+    try:
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    except ImportError:  # a torch that moved it: vmap alone
+        return fn
+
+    def indexed(*args: torch.Tensor) -> torch.Tensor:
+        with TransformGetItemToIndex():
+            return fn(*args)
+
+    return indexed
 
 
 # ------------------------------------------------------------------------------------------------ flex
