@@ -325,6 +325,45 @@ FAMILIES = {
     "exaone4": ("Exaone4Config", dict(DECODER, sliding_window=3), "causal"),
     "arcee": ("ArceeConfig", DECODER, "causal"),
     "ministral": ("MinistralConfig", dict(DECODER, sliding_window=3), "causal"),
+    "mistral4": (  # multi-head latent attention (q and kv low-rank, a rope part and a no-rope part), MoE
+        "Mistral4Config",
+        dict(
+            DECODER,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            qk_head_dim=8,
+            v_head_dim=8,
+        ),
+        "causal",
+    ),
+    "longcat-flash": (  # latent attention, two attention calls per layer, zero-computation experts
+        "LongcatFlashConfig",
+        dict(
+            TEXT,
+            num_layers=2,
+            num_key_value_heads=4,
+            ffn_hidden_size=64,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            qk_head_dim=8,
+            head_dim=4,
+            v_head_dim=8,
+            moe_topk=2,
+            n_routed_experts=4,
+            zero_expert_num=2,
+            expert_ffn_hidden_size=16,
+        ),
+        "causal",
+    ),
     "deepseek-v3": (
         "DeepseekV3Config",
         dict(
@@ -467,6 +506,23 @@ FAMILIES = {
     # differential attention: two interface calls per layer on the same q and k (two value halves)
     "diffllama": ("DiffLlamaConfig", DECODER, "causal"),
     # hybrids: the attention layers among Mamba / convolution / linear-attention layers
+    "zamba": (  # Mamba layers, with one shared attention block in layers 2 and 5 (transformers ties its weights:
+        # fewer layers than two shared ones fail in transformers' own tying)
+        "ZambaConfig",
+        dict(
+            TEXT,
+            num_hidden_layers=6,
+            attention_hidden_size=64,
+            attention_head_dim=16,
+            num_key_value_heads=4,
+            n_mamba_heads=2,
+            mamba_d_state=4,
+            mamba_dt_rank=4,
+            attn_layer_period=3,
+            attn_layer_offset=2,
+        ),
+        "causal",
+    ),
     "zamba2": (
         "Zamba2Config",
         dict(
