@@ -409,6 +409,49 @@ def test_unreadable_old_style_modules_inside_an_interface_model_are_left_out_wit
     assert_no_hooks(model)
 
 
+def test_pegasus_x_local_weights_are_named_and_its_modules_can_be_traced(assert_no_hooks):
+    """PEGASUS-X's encoder returns its weights as a dict, global ``(batch, head, global, key)`` and local per block
+    ``(batch, head, block, block size, keys)``: the warning says it returned weights of that shape (it had said "no
+    attention weights") and names ``modules=[...]``, which traces the module's softmax calls; outputs unchanged."""
+    config = transformers.PegasusXConfig(
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=99,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        decoder_start_token_id=1,
+        num_global_tokens=2,
+        block_size=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.PegasusXModel(config).eval()
+    ids = torch.randint(3, 99, (2, 8))
+    batch = dict(input_ids=ids, decoder_input_ids=ids[:, :5])
+    with torch.no_grad():
+        plain = model(**batch).last_hidden_state
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", AttnprobeWarning)
+            with attnprobe.capture(model) as cap:
+                captured = model(**batch).last_hidden_state
+        said = [str(w.message) for w in caught if issubclass(w.category, AttnprobeWarning)]
+        local = r"'encoder.layers.0.self_attn'.*returned its weights with shape \(2, 4, 2, 4, 6\).*modules=\[\.\.\.\]"
+        assert any(re.search(local, m) for m in said), said
+        assert torch.equal(plain, captured) and not [r for r in cap if r.name.startswith("encoder.")]
+        with (
+            warnings.catch_warnings(record=True),
+            attnprobe.capture(model, modules=["encoder.layers.0.self_attn"]) as traced,
+        ):
+            assert torch.equal(plain, model(**batch).last_hidden_state)  # (it warns: the traced records have no q, k)
+    shapes = [tuple(r.weights.shape) for r in traced if r.name == "encoder.layers.0.self_attn"]
+    assert shapes == [(2, 4, 2, 10), (4, 4, 4, 6)], shapes  # global tokens over every key; local blocks, folded
+    assert_no_hooks(model)
+
+
 def test_old_style_text_layers_of_an_interface_model_are_recorded(recwarn):
     """GIT's vision tower uses the attention interface, its text layers (GitSelfAttention) do not: both are
     recorded, the text layers with the model's own output_attentions weights."""

@@ -191,7 +191,8 @@ def _weights_in(output) -> torch.Tensor | None:
 
 def _other_layout(output) -> tuple[int, ...] | None:
     """The shape of a floating tensor of 5 or more axes returned next to the attention output (Hiera's
-    weights per mask unit, (batch, head, unit, query, key)): weights, but not one matrix per call."""
+    weights per mask unit, (batch, head, unit, query, key); PEGASUS-X's local weights per block, in a dict beside
+    its global ones): weights, but not one matrix per call."""
     if isinstance(output, dict):
         output = tuple(output.values())
     if not isinstance(output, (tuple, list)) or not output:
@@ -199,8 +200,9 @@ def _other_layout(output) -> tuple[int, ...] | None:
     if isinstance(output[0], (tuple, list)):
         return _other_layout(output[0])
     for item in output[1:]:
-        if isinstance(item, torch.Tensor) and item.dim() >= 5 and item.dtype.is_floating_point:
-            return tuple(item.shape)
+        for t in item.values() if isinstance(item, dict) else (item,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 5 and t.dtype.is_floating_point:
+                return tuple(t.shape)
     return None
 
 
