@@ -198,6 +198,7 @@ FAMILIES = {
         "layout",
     ),
     "lilt": ("LiltConfig", dict(TEXT, hidden_size=48, pad_token_id=1, channel_shrink_ratio=2), "layout"),
+    "bros": ("BrosConfig", dict(TEXT, hidden_size=64), "layout"),  # its box sinusoids take hidden_size // 32 (>= 2)
     "clap-text": ("ClapTextConfig", dict(TEXT, pad_token_id=1), "encoder", {"model": "ClapTextModel"}),
     "flava-text": ("FlavaTextConfig", TEXT, "encoder", {"model": "FlavaTextModel"}),
     "mra": ("MraConfig", dict(TEXT, pad_token_id=1), "encoder"),
@@ -834,6 +835,19 @@ FAMILIES = {
         ),
         "speech2text",
     ),
+    # SpeechT5's speech encoder (its convolutional feature encoder over raw samples) and text decoder
+    "speecht5": (
+        "SpeechT5Config",
+        dict(
+            {k: v for k, v in SEQ2SEQ.items() if k not in ("d_model", "max_position_embeddings")},
+            hidden_size=32,
+            encoder_max_relative_position=16,
+            max_text_positions=64,
+            **{k: v for k, v in AUDIO.items() if k.startswith(("conv", "num_conv"))},
+        ),
+        "audio2text",
+        {"model": "SpeechT5ForSpeechToText"},
+    ),
     # ---- vision (no mask)
     "vit": ("ViTConfig", VISION, "image"),
     "deit": ("DeiTConfig", VISION, "image"),
@@ -1117,6 +1131,27 @@ FAMILIES = {
             },
         },
     ),
+    # four latent queries (a cross-attention over the patches) written at the positions image_embeds_position_mask marks
+    "kosmos-2": (
+        "Kosmos2Config",
+        dict(
+            text_config=dict(
+                embed_dim=32,
+                layers=2,
+                ffn_dim=64,
+                attention_heads=4,
+                vocab_size=VOCAB,
+                max_position_embeddings=64,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            vision_config=VISION,
+            latent_query_num=4,
+        ),
+        "vlm",
+        {"image_tokens": 4, "inputs": {"image_embeds_position_mask": torch.tensor([[0, 0, 1, 1, 1, 1] + [0] * 6] * 2)}},
+    ),
     # vision attention per image (and per window in Qwen2.5-VL): one call each
     "qwen2-vl": (
         "Qwen2VLConfig",
@@ -1157,6 +1192,8 @@ FAMILIES = {
         "text-image",
     ),
     "blip": ("BlipConfig", dict(text_config=TEXT, vision_config=VISION, projection_dim=16), "text-image"),
+    # the vision tower's 17 tokens (a CLS and one per patch) before the text, in one stack of 24 tokens
+    "git": ("GitConfig", dict(TEXT, vision_config=VISION), "image-prefix"),
     # random masking: a fixed noise makes it deterministic
     "vit-mae": (
         "ViTMAEConfig",
@@ -1331,21 +1368,27 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
         return {"input_features": features, "decoder_input_ids": ids(5), "decoder_attention_mask": dec}, {
             "decoder": dec
         }
+    if kind == "audio2text":
+        dec = padding_mask(5, "right")
+        samples = torch.randn(2, 400, generator=g)
+        return {"input_values": samples, "decoder_input_ids": ids(5), "decoder_attention_mask": dec}, {"decoder": dec}
     if kind == "image":
         size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
         return {"pixel_values": torch.randn(2, config.num_channels, size, size, generator=g)}, {}
-    if kind == "text-image":
+    if kind in ("text-image", "image-prefix"):  # image-prefix: the text stack runs over the image tokens, then the text
         mask = padding_mask(7, "right")
         size = config.vision_config.image_size
+        prefix = (size // config.vision_config.patch_size) ** 2 + 1 if kind == "image-prefix" else 0
         return (
             {"input_ids": ids(7), "attention_mask": mask, "pixel_values": torch.randn(2, 3, size, size, generator=g)},
-            {"encoder": mask},
+            {"encoder": torch.cat([torch.ones(2, prefix, dtype=torch.long), mask], dim=1)},
         )
     if kind == "vlm":  # image tokens (16 by default: one per patch) after two left-padded positions, 6 text tokens
         mask = padding_mask(image_tokens + 8, "left")
         input_ids = ids(image_tokens + 8)
-        token = next(getattr(config, a) for a in ("image_token_index", "image_token_id") if hasattr(config, a))
-        input_ids[:, 2 : 2 + image_tokens] = token
+        token = next((getattr(config, a) for a in ("image_token_index", "image_token_id") if hasattr(config, a)), None)
+        if token is not None:  # none: the positions come as a mask (Kosmos-2's image_embeds_position_mask)
+            input_ids[:, 2 : 2 + image_tokens] = token
         batch = {"input_ids": input_ids, "attention_mask": mask}
         size = getattr(config.vision_config, "image_size", None)  # none: patches come flattened (Qwen2-VL)
         if size is not None:
@@ -1466,6 +1509,8 @@ def tower(record, kind: str):
     if kind == "vlm":  # the vision tower's modules are named vision_tower, vision_model, visual, ... (and BLIP-2's
         # Q-Former counts with them); the language model's language_model or, in Idefics3, text_model
         return "language_model" if {"language_model", "text_model"} & set(record.name.split(".")) else "vision_tower"
+    if kind == "image-prefix":  # GIT: its vision tower apart, its text stack compared with its output_attentions
+        return "vision_tower" if "vision_model" in record.name.split(".") else None
     return record.name.split(".")[0] if kind == "text-image" else None
 
 
@@ -1484,6 +1529,8 @@ def declarations(cap, name: str, masks: dict) -> tuple[dict, dict]:
         elif kind == "text-image":
             text = tower(r, kind) == "text_model"
             is_causal, side = text and name in CAUSAL_TEXT, "encoder" if text else None
+        elif kind == "image-prefix":  # the image's tokens attend among themselves, the text's causally to both
+            is_causal, side = False, None if tower(r, kind) else "encoder"
         else:
             stack = r.meta.get("stack") or ("decoder" if kind in ("causal", "codebooks") else "encoder")
             # DETR's decoder attends among its object queries: not causal
@@ -1680,11 +1727,13 @@ PARTIAL_REFERENCE = {
             "llava-next",
             "idefics3",
             "smolvlm",
+            "kosmos-2",
         ),
         _LANGUAGE_ONLY,
     ),
     **dict.fromkeys(("blip-2", "instructblip"), "the vision tower's and the Q-Former's attentions are not compared"),
     "mllama": "its language attentions hold one entry per layer, self- or cross-attention alike (not compared)",
+    "git": "its outputs hold the text stack's attentions, not the vision tower's",
     "diffllama": "two attention calls per layer (same q and k, two halves of v); its outputs hold the first",
 }
 #: Families with a module that looks like attention but computes no softmax weights: left out with a warning,
