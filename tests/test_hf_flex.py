@@ -12,7 +12,7 @@ from __future__ import annotations
 import flex_helpers
 import pytest
 import torch
-from hf_helpers import build, max_error_on_real_rows, twin
+from hf_helpers import build, max_error_on_real_rows, transformers, twin
 
 import attnprobe
 
@@ -170,3 +170,22 @@ def test_transformers_mask_functions_are_read_as_flex_reads_them():
     got = kernels.dense(read, 12, 12, "cpu")  # (batch, head, query, key)
     assert got.shape == (2, 2, 12, 12) and torch.equal(got, want.expand(2, 2, 12, 12))
     assert not got[0, :, :, :3].any() and got[1, 0, 11].tolist() == [True] * 10 + [False] * 2
+
+
+def test_an_inner_stack_given_a_block_mask_knows_the_padded_queries(uncompiled):
+    """CLIP's text model builds its mask above its encoder: under sdpa a 4-D tensor, under flex a BlockMask. The
+    encoder's records take the padded query rows from the model's 2-D mask either way (under flex they had none, so
+    the padded rows counted as real ones: ``empty_rows`` findings, and weights compared on them)."""
+    torch.manual_seed(0)
+    config = transformers.CLIPTextConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=99
+    )
+    model = transformers.CLIPTextModel._from_config(config, attn_implementation="flex_attention").eval()
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, 5:] = 0  # right padding
+    ids = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model(input_ids=ids, attention_mask=mask)
+    assert len(cap) == 2 and all(torch.equal(r.query_padding, mask == 0) for r in cap)
+    result = attnprobe.check(cap)
+    assert result.ok and not result.violations, result.table()

@@ -148,12 +148,14 @@ def padding_from(mask) -> torch.Tensor | None:
     return mask == 0
 
 
-def _built_mask(mask) -> bool:
-    """A mask the model built above this stack: 4-D, or one per layer type (Gemma3's multimodal model hands
-    its language model ``{"full_attention": ..., "sliding_attention": ...}``)."""
+def _built_mask(mask, block_mask: type | None) -> bool:
+    """A mask the model built above this stack: 4-D, flex's ``BlockMask`` (the class, or None without flex), or one
+    per layer type (Gemma3's multimodal model hands its language model ``{"full_attention": ..., ...}``)."""
     if isinstance(mask, dict):
-        return any(_built_mask(m) for m in mask.values())
-    return isinstance(mask, torch.Tensor) and mask.dim() > 2
+        return any(_built_mask(m, block_mask) for m in mask.values())
+    return (isinstance(mask, torch.Tensor) and mask.dim() > 2) or (
+        block_mask is not None and isinstance(mask, block_mask)
+    )
 
 
 def call_kind(static: str | None, probe: KindProbe | None) -> str:
@@ -200,6 +202,7 @@ class StackState:
         self._watched: list = []  # (cache, its own reorder_cache attribute or None, the wrapper)
         self._owner = current()  # made as the capture opens, in its thread; other threads' calls are not read
         params, cache_type = self._params, self._cache_type
+        block_mask = hf_compat.block_mask_class()  # read here, not inside the forward (traced by torch.compile)
         token = 0
 
         # inside the forward: hand over the mask and the cache, nothing else (traceable by torch.compile)
@@ -222,7 +225,7 @@ class StackState:
                     *(t if isinstance(t, torch.Tensor) else None for t in declaring),
                 ],
                 [
-                    number(_built_mask(mask)),
+                    number(_built_mask(mask, block_mask)),
                     number(cache is not None),
                     number(unknown is not None),
                     number(use_cache if isinstance(use_cache, bool) else None),
