@@ -145,6 +145,26 @@ def test_right_padding_without_query_padding_is_not_a_shifted_mask():
     assert causal == {0: (1, 2, 3, 4, 5), 1: (1, 2, 3, 4, 5)}
 
 
+def test_a_sparse_causal_mask_that_drops_a_rows_own_key_is_not_a_shifted_mask():
+    """A causal mask that keeps each row's top keys (Doge's dynamic mask, top-k sparse attention) may drop a row's
+    own key along with older ones: a hole inside the row's range says it selects keys, not that the causal mask is
+    shifted by one. A future key is still caught, and a shifted mask whose rows have no hole still fails."""
+    q, k, v = qkv()
+    sparse = causal_allowed(B, T, T).clone()
+    sparse[:, :, 4, [1, 4]] = False  # row 4 keeps keys 0, 2, 3: its own key and key 1 dropped
+    sparse[:, :, 5, [0, 2]] = False
+    rec = reference_record(q, k, v, allowed=sparse, causal=True)
+    assert attnprobe.check(rec).violations == () and attnprobe.check(rec, causal=True).violations == ()
+    ahead = sparse.clone()
+    ahead[:, :, 2, 3] = True  # one future key: caught whatever the holes
+    causal = list(attnprobe.check(reference_record(q, k, v, allowed=ahead, causal=True)).errors)
+    assert causal and all(v.check == "causal" and v.queries == (2,) for v in causal), causal
+    shifted = causal_allowed(B, T, T, offset=-1).clone()
+    shifted[:, :, 5, 4] = False  # a row's range ending early leaves no hole inside it: still read as the shift
+    causal = list(attnprobe.check(reference_record(q, k, v, allowed=shifted, causal=True)).errors)
+    assert causal and all("own position" in v.message and v.queries == (1, 2, 3, 4, 5) for v in causal), causal
+
+
 def test_declared_mask_longer_than_a_cache_step_is_sliced():
     q, k, v = qkv()
     prefix = reference_record(

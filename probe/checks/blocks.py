@@ -173,8 +173,11 @@ class RecordFacts:
         else:
             own = self.allowed[..., torch.arange(self.Tq, device=self.device), own_key]  # (B, 1 or H, Tq)
             attends_any = self.allowed.any(-1)
+        # a mask that leaves holes inside rows' ranges selects keys (Doge's dynamic mask keeps each row's top keys):
+        # it may drop a row's own key too, which is no shift by one there
+        sparse = self._holes().any(-1, keepdim=True)  # (B, 1 or H, 1)
         if self.key_pad is None:
-            return own, torch.zeros_like(own)
+            return own, torch.zeros_like(own) | sparse
         excused = self.key_pad[:, own_key][:, None, :].expand_as(own)  # a padded token: its row is padding too
         if self.key_pad_source == MASK_PADDING:
             # padding read off the mask (keys no query attends) is also what a mask shifted by one gives
@@ -182,7 +185,27 @@ class RecordFacts:
             real = torch.ones_like(own) if self.query_pad is None else ~self.query_pad[:, None, :]
             shifted = (~own & ~excused & real & attends_any).any(-1, keepdim=True)
             excused = excused & ~shifted
-        return own, excused
+        return own, excused | sparse
+
+    def _holes(self) -> torch.Tensor:
+        """``(B, 1 or H, Tq)``: rows with a key they may not attend between their first and last allowed key that is
+        no padding: from each row's count, first and last allowed key (the mask's, or the statistics')."""
+        if self.allowed is not None:
+            a = self.allowed.to(torch.uint8)  # (B, 1 or H, Tq, Tk)
+            count, first = self.allowed.sum(-1), a.argmax(-1)  # (B, 1 or H, Tq) each
+            last = self.Tk - 1 - a.flip(-1).argmax(-1)
+        else:
+            stats = self.stats
+            assert stats is not None  # no mask: a statistics record (_own_position)
+            count, first, last = (stats[n].to(self.device) for n in ("allowed_keys", "first_allowed", "last_allowed"))
+        span = last - first + 1 - count  # (B, 1 or H, Tq): keys inside the row's range it may not attend
+        if self.key_pad is not None:  # less the padded keys inside it
+            before = self.key_pad.long().cumsum(-1)  # (B, Tk): padded keys up to each key
+            before = torch.cat([before.new_zeros(self.B, 1), before], -1)[:, None, :]  # (B, 1, Tk + 1)
+            before = before.expand(self.B, count.shape[1], self.Tk + 1)
+            lo, hi = first.clamp(0, self.Tk).long(), (last + 1).clamp(0, self.Tk).long()
+            span = span - (before.gather(-1, hi) - before.gather(-1, lo))
+        return shared_heads((count > 0) & (span > 0))
 
     def _padding(self, run):
         """(key padding (B, Tk) or None, where it comes from, declared query padding or None)."""
