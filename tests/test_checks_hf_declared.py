@@ -12,6 +12,7 @@ import inspect
 import sys
 import textwrap
 
+import flex_helpers
 import pytest
 import torch
 from hf_helpers import transformers
@@ -382,6 +383,64 @@ def test_a_prefix_made_causal_is_caught(monkeypatch):
         assert max(found[0].keys) <= 18 and "masked" in found[0].message
         result = attnprobe.check(fixed, **declared)
         assert result.ok and result.coverage["reach"] == len(text), result.table()
+
+
+# ------------------------------------------------------------------------------------------------ Doge's dynamic mask
+def doge(attn: str = "sdpa"):
+    torch.manual_seed(0)
+    config = transformers.DogeConfig(**dict(TEXT, num_key_value_heads=2, keep_window_size=4))
+    return transformers.DogeModel._from_config(config, attn_implementation=attn).eval()
+
+
+def test_doge_sdpa_without_its_causal_mask_is_caught(monkeypatch):
+    """transformers #48748 (fixed by #48821): Doge adds its dynamic mask onto the causal mask, but under sdpa
+    ``create_causal_mask`` returned None for an unpadded input, so the dynamic mask reached sdpa alone: no causal term,
+    and ``is_causal`` off because a mask was given. The module says it is causal: caught with nothing declared, and
+    with ``causal=True``; the fixed model passes both."""
+    from transformers.models.doge import modeling_doge
+
+    model, ids = doge(), torch.arange(3, 15).unsqueeze(0)  # 12 tokens: the dynamic mask keeps 4 keys a row
+
+    def both(model) -> list:  # a full capture and a statistics capture
+        caps = []
+        for options in ({}, {"keep": ("stats",)}):
+            with torch.no_grad(), attnprobe.capture(model, **options) as cap:
+                model(input_ids=ids)
+            caps.append(cap)
+        return caps
+
+    fixed = both(model)
+    reverse_fix(monkeypatch, modeling_doge.DogeModel, "forward", "allow_is_causal_skip=False,", "")
+    broken = both(model)
+    for declared in ({}, {"causal": True}):
+        for good, bad in zip(fixed, broken, strict=True):
+            found = errors_of(attnprobe.check(bad, **declared), "causal")
+            assert {v.layer for v in found} == {0, 1}, found
+            # the rows whose own key the dynamic mask dropped are no causal mask shifted by one
+            assert attnprobe.check(good, **declared).ok, attnprobe.check(good, **declared).table()
+
+
+@flex_helpers.FLEX_SKIP
+def test_doge_on_flex_attention_is_checked_against_what_its_kernel_computes():
+    """Doge under flex attention (transformers 5.24): ``create_causal_mask`` gives a BlockMask, which
+    ``prepare_dynamic_mask`` does not fold into its dense mask, and the dense mask goes to flex alone: the causal and
+    padding masks are lost and the outputs are not eager's. Found by running the sweep's families on flex; not
+    reported upstream from here. The check says so with nothing declared (and passes where the outputs are eager's,
+    as in a transformers release that fixes it); the weights it reads are the kernel's (``output_match`` holds)."""
+    ids = torch.arange(3, 15).unsqueeze(0)
+    eager, flex = doge("eager"), doge("flex_attention")
+    flex.load_state_dict(eager.state_dict())
+    with torch.no_grad(), flex_helpers.uncompiled():
+        want = eager(input_ids=ids).last_hidden_state
+        with attnprobe.capture(flex) as cap:
+            got = flex(input_ids=ids).last_hidden_state
+    result = attnprobe.check(cap)
+    lost = not torch.allclose(got, want, atol=1e-4)
+    assert lost == bool(errors_of(result, "causal")), result.table()
+    assert not errors_of(result, "output_match"), result.table()
+    if lost:  # transformers 5.24: every layer attends later keys, and the message names the missing causal mask
+        assert {v.layer for v in errors_of(result, "causal")} == {0, 1}
+        assert "causal mask is missing or shifted" in errors_of(result, "causal")[0].message
 
 
 # ------------------------------------------------------------------------------------------------ statistics mode
