@@ -5,7 +5,8 @@ every (sub)config's implementation restored, records equal to the model's own ea
 ``attnprobe.check`` ok. Old-style families (read from the installed transformers' source: which they are changes
 between releases) must warn and fall back to output_attentions weights.
 A family whose *construction* fails in the installed transformers is skipped with the reason; a
-capture failure is never skipped.
+capture failure is never skipped. Every family whose model class runs on flex attention is swept again on flex
+(``test_family_on_flex``, torch's reference path of the kernel).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import inspect
 import warnings
 
+import flex_helpers
 import pytest
 import torch
 from hf_helpers import hook_counts, max_error_on_real_rows, transformers, twin
@@ -1299,15 +1301,16 @@ FAMILIES = {
 
 
 # ------------------------------------------------------------------------------ building
-def build(name: str):
-    """A fresh tiny model of ``name`` in eval mode on its default backend; pytest.skip when this
-    transformers cannot construct the family (a missing class or a config it rejects)."""
+def build(name: str, attn_implementation: str | None = None):
+    """A fresh tiny model of ``name`` in eval mode on its default backend (or ``attn_implementation``);
+    pytest.skip when this transformers cannot construct the family (a missing class or a config it rejects)."""
     config_name, kwargs, _, *extras = FAMILIES[name]
     extras = extras[0] if extras else {}
     missing = [n for n in (config_name, extras.get("model")) if n and not hasattr(transformers, n)]
     if missing:
         pytest.skip(f"transformers {transformers.__version__} has no {missing[0]}")
-    attn = {"attn_implementation": extras["attn"]} if "attn" in extras else {}
+    implementation = attn_implementation or extras.get("attn")
+    attn = {"attn_implementation": implementation} if implementation else {}
     try:
         config = getattr(transformers, config_name)(**copy.deepcopy(kwargs))
         torch.manual_seed(0)
@@ -1563,9 +1566,10 @@ def run_plain(model, batch, name):
     return plain
 
 
-def sweep(name: str) -> dict:
-    """Capture one family with default settings and report what holds (the tests assert on it)."""
-    model = build(name)
+def sweep(name: str, attn_implementation: str | None = None) -> dict:
+    """Capture one family with default settings (on its default backend, or ``attn_implementation``) and report
+    what holds (the tests assert on it)."""
+    model = build(name, attn_implementation)
     _, _, kind, *extras = FAMILIES[name]
     extras = extras[0] if extras else {}
     batch, masks = make_inputs(kind, model.config, extras.get("image_tokens", 16))
@@ -1750,7 +1754,11 @@ UNEXPOSED = {
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family(name):
-    result = sweep(name)
+    _holds(name, sweep(name))
+
+
+def _holds(name: str, result: dict) -> None:
+    """What ``sweep`` must report for family ``name``."""
     expected = "refused" if name in REFUSED else "fallback" if old_style_attention(build(name)) else "full"
     assert result["outcome"] == expected, (f"transformers {transformers.__version__}", result)
     assert result["restored"], "an attention implementation or function was not restored"
@@ -1775,6 +1783,40 @@ def test_family(name):
     assert result["max_error"] is None or result["max_error"] <= 1e-5, result
     assert result["check_ok"], result["violations"]
     assert not result["unasked_findings"], result["unasked_findings"]
+
+
+def _flex_family(name: str) -> bool:
+    """Whether the family's model class says it runs on flex attention (read from the class: nothing is built)."""
+    config_name, _, _, *extras = FAMILIES[name]
+    extras = extras[0] if extras else {}
+    config = getattr(transformers, config_name, None)
+    if "attn" in extras or config is None:
+        return False
+    model = getattr(transformers, extras["model"], None) if "model" in extras else None
+    if model is None and config in transformers.AutoModel._model_mapping:
+        model = transformers.AutoModel._model_mapping[config]
+    return bool(getattr(model, "_supports_flex_attn", False))
+
+
+#: Families whose flex path in the installed transformers computes other attention than eager: check() must say so.
+FLEX_BROKEN = {
+    "doge": "transformers 5.24's Doge folds the causal mask into its dynamic mask only when the mask is a tensor; "
+    "flex's BlockMask is dropped, so queries attend later keys (test_checks_hf_declared.py)",
+}
+
+
+@flex_helpers.FLEX_SKIP
+@pytest.mark.parametrize("name", [n for n in FAMILIES if _flex_family(n)])
+def test_family_on_flex(name):
+    """Every family whose model runs on flex attention, captured on flex (torch's reference path of the kernel:
+    no compilation): what the sweep asks on sdpa holds on flex, records read from the BlockMask and score_mod."""
+    with flex_helpers.uncompiled():
+        result = sweep(name, "flex_attention")
+    if name in FLEX_BROKEN:
+        assert result["outputs_equal"] and not result["check_ok"], (FLEX_BROKEN[name], result)
+        assert "causal mask is missing" in result["violations"][0], result["violations"]
+        return
+    _holds(name, result)
 
 
 def test_head_counts_ignore_kv_heads_that_do_not_group_the_query_heads():
