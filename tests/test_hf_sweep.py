@@ -5,8 +5,8 @@ every (sub)config's implementation restored, records equal to the model's own ea
 ``attnprobe.check`` ok. Old-style families (read from the installed transformers' source: which they are changes
 between releases) must warn and fall back to output_attentions weights.
 A family whose *construction* fails in the installed transformers is skipped with the reason; a
-capture failure is never skipped. Every family whose model class runs on flex attention is swept again on flex
-(``test_family_on_flex``, torch's reference path of the kernel).
+capture failure is never skipped. Every family is swept again on eager (``test_family_on_eager``), and every family
+whose model class runs on flex attention on flex (``test_family_on_flex``, torch's reference path of the kernel).
 """
 
 from __future__ import annotations
@@ -1757,15 +1757,17 @@ def test_family(name):
     _holds(name, sweep(name))
 
 
-def _holds(name: str, result: dict) -> None:
-    """What ``sweep`` must report for family ``name``."""
-    expected = "refused" if name in REFUSED else "fallback" if old_style_attention(build(name)) else "full"
+def _holds(name: str, result: dict, attn_implementation: str | None = None, refused: dict = REFUSED) -> None:
+    """What ``sweep`` must report for family ``name`` on its default backend or ``attn_implementation``
+    (``refused``: the families refused on that backend)."""
+    old_style = old_style_attention(build(name, attn_implementation))
+    expected = "refused" if name in refused else "fallback" if old_style else "full"
     assert result["outcome"] == expected, (f"transformers {transformers.__version__}", result)
     assert result["restored"], "an attention implementation or function was not restored"
     assert result.get("same_inside", True), "an attention implementation's name changed inside the capture"
     assert not result["hooks_left"], "a hook was left behind"
     if expected == "refused":
-        assert REFUSED[name] in result["error"], result["error"]
+        assert refused[name] in result["error"], result["error"]
         return
     assert result["outputs_equal"], "outputs changed under capture"
     if name in LEFT_OUT:  # its output_attentions count the module left out; the softmax calls do not
@@ -1783,6 +1785,19 @@ def _holds(name: str, result: dict) -> None:
     assert result["max_error"] is None or result["max_error"] <= 1e-5, result
     assert result["check_ok"], result["violations"]
     assert not result["unasked_findings"], result["unasked_findings"]
+
+
+#: The families the sweep builds on their default backend (the others it builds on eager already).
+ON_DEFAULT = [name for name, entry in FAMILIES.items() if "attn" not in (entry[3] if len(entry) > 3 else {})]
+
+
+@pytest.mark.parametrize("name", ON_DEFAULT)
+def test_family_on_eager(name):
+    """Every family on the eager implementation, whose weights the capture takes as the kernel returns them: what
+    the sweep asks on sdpa holds, and the two families refused under sdpa (their sdpa classes return no weights)
+    fall back to their output_attentions."""
+    on_eager = {n: why for n, why in REFUSED.items() if why != "attn_implementation='eager'"}
+    _holds(name, sweep(name, "eager"), "eager", on_eager)
 
 
 def _flex_family(name: str) -> bool:
@@ -1816,7 +1831,7 @@ def test_family_on_flex(name):
         assert result["outputs_equal"] and not result["check_ok"], (FLEX_BROKEN[name], result)
         assert "causal mask is missing" in result["violations"][0], result["violations"]
         return
-    _holds(name, result)
+    _holds(name, result, "flex_attention")
 
 
 def test_head_counts_ignore_kv_heads_that_do_not_group_the_query_heads():
