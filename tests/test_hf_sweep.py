@@ -5,8 +5,9 @@ every (sub)config's implementation restored, records equal to the model's own ea
 ``attnprobe.check`` ok. Old-style families (read from the installed transformers' source: which they are changes
 between releases) must warn and fall back to output_attentions weights.
 A family whose *construction* fails in the installed transformers is skipped with the reason; a
-capture failure is never skipped. Every family is swept again on eager (``test_family_on_eager``), and every family
-whose model class runs on flex attention on flex (``test_family_on_flex``, torch's reference path of the kernel).
+capture failure is never skipped. Every family is swept again on eager (``test_family_on_eager``), every family
+whose model class runs on flex attention on flex (``test_family_on_flex``, torch's reference path of the kernel),
+and every family on the attention interface as a statistics capture (``test_family_statistics``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import warnings
 import flex_helpers
 import pytest
 import torch
-from hf_helpers import hook_counts, max_error_on_real_rows, transformers, twin
+from hf_helpers import hook_counts, max_error_on_real_rows, real_rows, transformers, twin
 
 import attnprobe
 
@@ -1798,6 +1799,46 @@ def test_family_on_eager(name):
     fall back to their output_attentions."""
     on_eager = {n: why for n, why in REFUSED.items() if why != "attn_implementation='eager'"}
     _holds(name, sweep(name, "eager"), "eager", on_eager)
+
+
+@pytest.mark.parametrize("name", [n for n in ON_DEFAULT if n not in REFUSED])
+def test_family_statistics(name):
+    """Every family captured with ``keep=("stats",)`` as well: a statistics record for each call the full capture
+    records, its largest weight and entropy those of the full capture's weights (real rows), and check() giving the
+    same verdicts from the statistics as from the weights. Old-style families record weights only (the fallback
+    reads output_attentions): their statistics captures record nothing, and say so."""
+    model = build(name)
+    if old_style_attention(model):
+        pytest.skip("old-style attention: the fallback records weights only (keep=('stats',) warns, records nothing)")
+    _, _, kind, *extras = FAMILIES[name]
+    extras = extras[0] if extras else {}
+    batch, masks = make_inputs(kind, model.config, extras.get("image_tokens", 16))
+    batch.update(extras.get("inputs", {}))
+    caps = []
+    for keep in (None, ("stats",)):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", attnprobe.AttnprobeWarning)  # what the sweep asserts on sdpa
+            with attnprobe.capture(model, **({} if keep is None else {"keep": keep})) as cap:
+                model(**batch)
+        caps.append(cap)
+    full, stats = caps
+    by_call = {(r.name, r.call, r.layer, r.kind): r for r in stats}
+    assert len(stats) == len(full) > 0
+    for r in full:
+        st = by_call[(r.name, r.call, r.layer, r.kind)].stats
+        assert st is not None, r.name
+        w = r.weights.double()  # (batch, head, query, key)
+        real = real_rows(r)[..., 0].expand(w.shape[:3])  # (batch, head, query)
+        entropy = -(w * torch.log(w.clamp_min(1e-300))).sum(-1)
+        for got, want in ((st["max_weight"], w.amax(-1)), (st["entropy"], entropy)):
+            assert float((got.double() - want).abs()[real].max()) <= 1e-4, (r.name, r.call)
+    causal, mask = declarations(full, name, masks)
+
+    def verdicts(cap) -> set:
+        result = attnprobe.check(cap, causal=causal, attention_mask=mask or None)
+        return {(v.check, v.severity, v.layer) for v in result.violations}
+
+    assert verdicts(stats) == verdicts(full)
 
 
 def _flex_family(name: str) -> bool:
