@@ -443,6 +443,29 @@ def test_doge_on_flex_attention_is_checked_against_what_its_kernel_computes():
         assert "causal mask is missing or shifted" in errors_of(result, "causal")[0].message
 
 
+def test_sparse_attention_dropping_a_rows_own_key_is_no_shifted_causal_mask():
+    """GLM-MoE-DSA's indexer (DeepSeek sparse attention) keeps each query's top ``index_topk`` keys, its own key not
+    always among them: check() reports no error, prefill or generation, and names those rows as information (it
+    had called them "the causal mask is shifted by one"). A mask shifted by one is still an error
+    (test_checks_paths.py)."""
+    from test_hf_sweep import FAMILIES, make_inputs
+
+    _, shapes, _ = FAMILIES["glm-moe-dsa"]
+    torch.manual_seed(0)
+    config = transformers.GlmMoeDsaConfig(**dict(shapes, index_topk=4))  # fewer than the 7 tokens' keys
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    batch, _ = make_inputs("causal", config)
+    with torch.no_grad(), attnprobe.capture(model) as prefill:
+        model(**batch)
+    with torch.no_grad(), attnprobe.capture(model) as generation:
+        model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    for cap in (prefill, generation):
+        result = attnprobe.check(cap, causal=True)
+        assert result.ok, result.table()
+        dropped = [v for v in result.violations if v.check == "causal"]
+        assert dropped and all(v.severity == "info" and "selects keys" in v.message for v in dropped)
+
+
 # ------------------------------------------------------------------------------------------------ statistics mode
 def _verdicts(result) -> set:
     return {(v.check, v.severity, v.layer, v.batch, v.queries, v.query_count) for v in result.violations}

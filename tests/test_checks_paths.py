@@ -132,11 +132,18 @@ def test_causal_without_weights_reads_the_mask():
 
 
 def test_causal_fires_when_a_query_may_not_attend_itself():
+    """One row that may not attend its own key while the others may attend theirs is what a mask that selects keys
+    does (top-k sparse attention): reported as information; every row at once is a causal mask shifted by one."""
     rec = record()
     allowed = rec.allowed.clone()
     allowed[1, 0, 3, 3] = False
-    (v,) = errors(attnprobe.check(replace(rec, allowed=allowed), checks=["causal"]), "causal")
-    assert v.batch == 1 and v.queries == (3,) and "may not attend their own position" in v.message
+    result = attnprobe.check(replace(rec, allowed=allowed), checks=["causal"])
+    (v,) = result.violations
+    assert v.severity == "info" and v.batch == 1 and v.queries == (3,) and "may not attend their own" in v.message
+    shifted = rec.allowed & torch.ones(T, T, dtype=torch.bool).tril(-1)
+    found = errors(attnprobe.check(replace(rec, allowed=shifted), checks=["causal"]), "causal")
+    assert {v.batch for v in found} == {0, 1}
+    assert all(v.queries == tuple(range(1, T)) and "shifted by one" in v.message for v in found), found
 
 
 def test_declared_bidirectional_fires_only_when_every_later_key_is_masked():

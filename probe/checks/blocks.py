@@ -147,7 +147,7 @@ class RecordFacts:
         if declared_query_pad is not None:
             query_pad = declared_query_pad if query_pad is None else query_pad | declared_query_pad
         self.query_pad = query_pad  # (B, Tq) or None
-        self.own, self.own_excused = self._own_position()
+        self.own, self.own_excused, self.own_selected = self._own_position()
         self.decl = RecordDeclaration(run.declared, self)  # documents, blocks, windows, chunks, mask_fn, scale
         opens = [o.name for o in self.decl.openings if o.user]
         if opens and declared_for(run.causal, rec) is None:
@@ -162,10 +162,11 @@ class RecordFacts:
                 run.skip(check, f"{name} could not be applied: {reason}", self)
 
     def _own_position(self):
-        """(may each query attend its own position, is that position a padded key): ``(B, 1 or H, Tq)`` each,
-        or None without a mask. Linear in the sequence: one entry per query row."""
+        """(may each query attend its own position, is that position a padded key, do the row's allowed keys select
+        among its range (``_selected``)): ``(B, 1 or H, Tq)`` each, or None without a mask. Linear in the sequence:
+        one entry per query row."""
         if self.diag is None or (self.allowed is None and self.stats is None):
-            return None, None
+            return None, None, None
         own_key = self.diag.clamp(max=self.Tk - 1)
         if self.allowed is None:
             own = shared_heads(self.stats["diagonal_allowed"].to(self.device))  # (B, 1 or H, Tq)
@@ -173,23 +174,27 @@ class RecordFacts:
         else:
             own = self.allowed[..., torch.arange(self.Tq, device=self.device), own_key]  # (B, 1 or H, Tq)
             attends_any = self.allowed.any(-1)
-        # a mask that leaves holes inside rows' ranges selects keys (Doge's dynamic mask keeps each row's top keys):
-        # it may drop a row's own key too, which is no shift by one there
-        sparse = self._holes().any(-1, keepdim=True)  # (B, 1 or H, 1)
+        # a mask shifted by one drops every row's own key and keeps the rest of its causal range; a mask that selects
+        # keys (Doge's dynamic mask, DeepSeek's sparse attention: each row's top keys) drops some rows' own keys only,
+        # or leaves a row a hole or a late start inside its range: no shift by one there
+        real = torch.ones_like(own) if self.query_pad is None else ~self.query_pad[:, None, :]
+        some_own = (own & real & attends_any).any(-1, keepdim=True)  # (B, 1 or H, 1)
+        selected = self._selected(own_key) | some_own  # (B, 1 or H, Tq)
         if self.key_pad is None:
-            return own, torch.zeros_like(own) | sparse
+            return own, torch.zeros_like(own), selected
         excused = self.key_pad[:, own_key][:, None, :].expand_as(own)  # a padded token: its row is padding too
         if self.key_pad_source == MASK_PADDING:
             # padding read off the mask (keys no query attends) is also what a mask shifted by one gives
             # the last key; trust it only where no other row of that (batch, head) misses its own key
-            real = torch.ones_like(own) if self.query_pad is None else ~self.query_pad[:, None, :]
             shifted = (~own & ~excused & real & attends_any).any(-1, keepdim=True)
             excused = excused & ~shifted
-        return own, excused | sparse
+        return own, excused, selected
 
-    def _holes(self) -> torch.Tensor:
-        """``(B, 1 or H, Tq)``: rows with a key they may not attend between their first and last allowed key that is
-        no padding: from each row's count, first and last allowed key (the mask's, or the statistics')."""
+    def _selected(self, own_key: torch.Tensor) -> torch.Tensor:
+        """``(B, 1 or H, Tq)``: rows whose allowed keys select among the keys of their causal range: a key between
+        their first and last allowed key that they may not attend, or a first allowed key after a key of the range
+        (from the first key, or the record's sliding window's first), padding aside. From each row's count, first
+        and last allowed key (the mask's, or the statistics')."""
         if self.allowed is not None:
             a = self.allowed.to(torch.uint8)  # (B, 1 or H, Tq, Tk)
             count, first = self.allowed.sum(-1), a.argmax(-1)  # (B, 1 or H, Tq) each
@@ -198,14 +203,19 @@ class RecordFacts:
             stats = self.stats
             assert stats is not None  # no mask: a statistics record (_own_position)
             count, first, last = (stats[n].to(self.device) for n in ("allowed_keys", "first_allowed", "last_allowed"))
-        span = last - first + 1 - count  # (B, 1 or H, Tq): keys inside the row's range it may not attend
-        if self.key_pad is not None:  # less the padded keys inside it
-            before = self.key_pad.long().cumsum(-1)  # (B, Tk): padded keys up to each key
-            before = torch.cat([before.new_zeros(self.B, 1), before], -1)[:, None, :]  # (B, 1, Tk + 1)
-            before = before.expand(self.B, count.shape[1], self.Tk + 1)
-            lo, hi = first.clamp(0, self.Tk).long(), (last + 1).clamp(0, self.Tk).long()
-            span = span - (before.gather(-1, hi) - before.gather(-1, lo))
-        return shared_heads((count > 0) & (span > 0))
+        real = torch.ones(self.B, self.Tk, device=self.device) if self.key_pad is None else (~self.key_pad).float()
+        before = torch.cat([real.new_zeros(self.B, 1), real.cumsum(-1)], -1)[:, None, :]  # (B, 1, Tk + 1)
+        before = before.expand(self.B, count.shape[1], self.Tk + 1)  # real keys before each key
+
+        def real_keys(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:  # real keys in [lo, hi), (B, 1 or H, Tq)
+            lo, hi = lo.clamp(0, self.Tk).long().expand_as(first), hi.clamp(0, self.Tk).long().expand_as(first)
+            return before.gather(-1, hi) - before.gather(-1, lo)
+
+        window = self.rec.sliding_window
+        start = (own_key - window + 1) if window else torch.zeros_like(own_key)  # (Tq,): where the range begins
+        hole = real_keys(first, last + 1) > count  # (B, 1 or H, Tq)
+        late = real_keys(start, first) > 0
+        return shared_heads((count > 0) & (hole | late))
 
     def _padding(self, run):
         """(key padding (B, Tk) or None, where it comes from, declared query padding or None)."""
@@ -305,6 +315,7 @@ class RowBlock:
         self.own = None if facts.own is None else facts.own[:, :, a:b]
         self.decl: RecordDeclaration = facts.decl
         self.own_excused = None if facts.own_excused is None else facts.own_excused[:, :, a:b]
+        self.own_selected = None if facts.own_selected is None else facts.own_selected[:, :, a:b]
 
         def rows(t):
             return None if t is None else t[:, :, a:b]

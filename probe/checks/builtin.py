@@ -301,18 +301,31 @@ def _opened(p: RowBlock) -> str:
 
 
 def _causal_own(run: CheckRun, p: RowBlock) -> None:
-    if p.own is not None and p.own_excused is not None:  # a causal mask lets every real query attend its own position
-        bad = ~p.own & ~p.own_excused & p.checked
-        run.emit(
-            p,
-            "causal",
-            "own",
-            bad,
-            lambda n, _: (
-                f"{n} query row(s) may not attend their own position: the causal mask is shifted by one "
-                "(tril(diagonal=-1))"
-            ),
-        )
+    if p.own is None or p.own_excused is None or p.own_selected is None:
+        return
+    # a causal mask lets every real query attend its own position; one shifted by one lets none, and keeps the rest
+    bad = ~p.own & ~p.own_excused & p.checked
+    run.emit(
+        p,
+        "causal",
+        "own",
+        bad & ~p.own_selected,
+        lambda n, _: (
+            f"{n} query row(s) may not attend their own position: the causal mask is shifted by one (tril(diagonal=-1))"
+        ),
+    )
+    run.emit(  # a mask that selects keys (top-k sparse attention, Doge's dynamic mask) may drop a row's own key
+        p,
+        "causal",
+        "own_selected",
+        bad & p.own_selected,
+        lambda n, _: (
+            f"{n} query row(s) may not attend their own position, where other rows may attend theirs or the mask "
+            "drops other keys of the row's range too: a mask that selects keys (top-k sparse attention, a dynamic "
+            "mask) does this, a causal mask does not"
+        ),
+        severity="info",
+    )
 
 
 def _causal_from_stats(
