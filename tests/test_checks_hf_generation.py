@@ -165,3 +165,37 @@ def test_frames_and_labels_of_sliding_window_steps_use_key_positions():
         torch.tensor(summary.loc[0].diagonal_mass.to_numpy(), dtype=torch.float32), expected, atol=1e-6
     )
     assert [r.key_start for r in steps.select(layers=[0])] == [4, 5, 6] and cap[0].key_start == 0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_chunked_attention_generation_counts_chunks_from_each_rows_first_token(attn):
+    """Llama 4's chunked layers start a left-padded row's chunks at its first token (transformers'
+    ``chunked_overlay``), and their decode-step caches keep only the chunk's keys, dropping the padding: the model's
+    own ``chunk_size`` declaration reads where each row starts from the stack's mask (``left_padding``), so the
+    decode steps hold with nothing declared (it had reported weight outside the chunk on the padded row)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+        max_position_embeddings=64,
+        attention_chunk_size=4,
+        layer_types=["full_attention", "chunked_attention"],
+        no_rope_layers=[0, 1],
+        pad_token_id=0,
+    )
+    model = transformers.Llama4ForCausalLM._from_config(config, attn_implementation=attn).eval()
+    ids, mask = prompt("left")
+    full, cap = generate(model, ids, mask)
+    dropped = [r for r in cap if r.step and r.key_len < r.query_offset + 1]  # chunk caches past the padding
+    assert dropped and all(r.meta["left_padding"] == [2, 0] for r in dropped)
+    for declared in ({}, {"causal": True}, {"causal": True, "attention_mask": full}):
+        result = attnprobe.check(cap, **declared)
+        assert result.violations == (), result.table()

@@ -585,7 +585,10 @@ class _Recorder:
             meta = {
                 **meta,
                 "first_key_pos": where.offset + call.q_len - call.k_len,
-            }  # a sliding-window cache dropped keys
+            }  # a sliding-window cache dropped keys (the left padding among them: said, for chunk_size's origin)
+            left = state.left_padding(call.batch) if state is not None else None
+            if left is not None and any(left):
+                meta["left_padding"] = left
         if state is not None:
             meta = state.generation_meta(meta)
         module_scaling = getattr(module, "scaling", semantics.scaling)

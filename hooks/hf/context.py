@@ -349,6 +349,16 @@ class StackState:
         self._run_cache = None
         self.padding = None
 
+    def left_padding(self, batch: int) -> list[int] | None:
+        """Each row's padded positions before its first token, by the stack's mask (None where it has none or it is
+        no padding mask of this batch): where transformers starts a row's chunks (``chunked_overlay``)."""
+        p = self.padding
+        if p is None and self.built_mask and self.outer is not None:
+            return self.outer.left_padding(batch)
+        if p is None or p.shape[0] != batch:
+            return None
+        return p.long().cumprod(-1).sum(-1).tolist()
+
     def query_padding(self, batch: int, q_len: int) -> torch.Tensor | None:
         """(batch, query) True for padded query rows of a call with ``q_len`` queries.
 

@@ -215,7 +215,10 @@ class RecordDeclaration:
         C = int(value)
         pos = self.qpos[None, :]  # (1, query)
         origin = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (batch or 1, 1): each row's first token
-        if self._pad is not None:
+        left = self.rec.meta.get("left_padding")  # a cache that dropped the padded keys: the stack's mask said
+        if left is not None and len(left) == self.B:
+            origin = torch.tensor(left, dtype=torch.long, device=self.device).view(-1, 1)  # (batch, 1)
+        elif self._pad is not None:
             origin = (~self._pad).to(torch.uint8).argmax(-1, keepdim=True) + self.key_start  # (batch, 1)
         first = origin + torch.div(pos - origin, C, rounding_mode="floor") * C  # (batch or 1, query)
         self.bounds.append(Bound("chunk_size", source, user, first - self.key_start, first + C - 1 - self.key_start))
