@@ -125,14 +125,19 @@ def looks_like_cache(value) -> bool:
 def cached_length(cache) -> int | None:
     """Tokens already in the cache (the position of the next query); None when the cache cannot say.
 
-    Hybrid caches (Mamba + attention) refuse ``get_seq_length()`` on a layer without attention.
+    Hybrid caches refuse ``get_seq_length()`` on a layer without attention (Mamba), or say 0 there (MiniMax's
+    lightning attention layers): the first layer that says more than 0, else 0 where one said 0.
     """
+    found = None
     for layer in range(max(len(getattr(cache, "layers", ())), 1)):
         try:
-            return int(cache.get_seq_length(layer))
+            n = int(cache.get_seq_length(layer))
         except (ValueError, IndexError, TypeError, AttributeError):
             continue
-    return None
+        if n:
+            return n
+        found = 0
+    return found
 
 
 # --------------------------------------------------------------------------- registries, functions (3, 4, 5, 9)
