@@ -5,6 +5,8 @@ where it happens."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -27,8 +29,9 @@ def prompt(padding: str):
     return ids, mask
 
 
-def generate(model, ids, mask=None):
-    """Greedy ``generate`` under capture; returns (the mask of the whole sequence, the capture)."""
+def generate(model, ids, mask=None, records: int = 2 * NEW):
+    """Greedy ``generate`` under capture (``records``: how many it must give: 2 layers, the prompt and 3 decode
+    steps); returns (the mask of the whole sequence, the capture)."""
     before = hook_counts(model)
     kwargs = {} if mask is None else {"attention_mask": mask}
     with torch.no_grad(), attnprobe.capture(model) as cap:
@@ -36,7 +39,7 @@ def generate(model, ids, mask=None):
             input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, **kwargs
         )
     assert hook_counts(model) == before
-    assert out.shape[1] == PROMPT + NEW and len(cap) == 2 * NEW  # 2 layers, prefill + 3 decode steps
+    assert out.shape[1] == PROMPT + NEW and len(cap) == records
     base = torch.ones_like(ids) if mask is None else mask
     return torch.cat([base, torch.ones(2, NEW, dtype=torch.long)], dim=1), cap
 
@@ -199,3 +202,41 @@ def test_chunked_attention_generation_counts_chunks_from_each_rows_first_token(a
     for declared in ({}, {"causal": True}, {"causal": True, "attention_mask": full}):
         result = attnprobe.check(cap, **declared)
         assert result.violations == (), result.table()
+
+
+def test_minimax_decode_steps_sit_at_their_positions_and_a_dropped_row_is_caught():
+    """MiniMax's cache says 0 tokens on its lightning (linear) attention layers: the decode steps' positions are read
+    from a layer that holds keys (they had been read as 0, and check() reported future keys). transformers 5.24's
+    MiniMax then builds each decode step's mask over one key, so a left-padded row attends no key at all (its
+    logits move); check() reports that row as an error with nothing declared, and passes the unpadded batch."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MiniMaxConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        block_size=4,
+        layer_types=["linear_attention", "full_attention"],
+        pad_token_id=0,
+    )
+    model = transformers.MiniMaxForCausalLM(config).eval()
+    ids, _ = prompt("left")
+    for mask in (None, prompt("left")[1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", attnprobe.AttnprobeWarning)  # its lightning layer is left out
+            _, cap = generate(model, ids, mask, records=NEW)  # one attention layer
+        steps = [r for r in cap if r.step is not None]
+        assert [r.query_offset for r in steps] == [PROMPT + s for s in range(len(steps))]
+        found = list(attnprobe.check(cap).errors)
+        if mask is None:
+            assert found == [], found
+        else:
+            assert found and all(v.check == "empty_rows" and v.batch == 0 and v.step is not None for v in found)
+            assert "may attend no key, not even their own position" in found[0].message

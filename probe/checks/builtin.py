@@ -619,11 +619,28 @@ def check_empty_rows(run: CheckRun, p: RowBlock) -> None:
         run.skip("empty_rows", "no mask recorded (allowed is None) and none declared", p)
         return
     run.ran("empty_rows", p)
+    rows = p.empty & p.real
+    if p.query_pad is not None and p.own_excused is not None:
+        # a token the model's mask (or the declared one) says is real may attend its own position, whatever else
+        # the mask forbids: a row that may attend no key at all is a mask that drops it (MiniMax's decode mask)
+        dropped = rows & ~p.own_excused
+        run.emit(
+            p,
+            "empty_rows",
+            "dropped",
+            dropped,
+            lambda n, _: (
+                f"{n} query row(s) of real tokens (by the attention mask) may attend no key, not even their own "
+                "position: the mask drops the whole row"
+            ),
+            severity="error",
+        )
+        rows = rows & ~dropped
     run.emit(
         p,
         "empty_rows",
         "rows",
-        p.empty & p.real,
+        rows,
         lambda n, _: (
             f"{n} query row(s) not marked as padding have no allowed key; left out of the other checks "
             "(expected only for padded queries)"
