@@ -7,7 +7,8 @@ between releases) must warn and fall back to output_attentions weights.
 A family whose *construction* fails in the installed transformers is skipped with the reason; a
 capture failure is never skipped. Every family is swept again on eager (``test_family_on_eager``), every family
 whose model class runs on flex attention on flex (``test_family_on_flex``, torch's reference path of the kernel),
-and every family on the attention interface as a statistics capture (``test_family_statistics``).
+every family on the attention interface as a statistics capture (``test_family_statistics``), and every decoder
+with a language-modelling head generating (``test_family_generation``).
 """
 
 from __future__ import annotations
@@ -1839,6 +1840,53 @@ def test_family_statistics(name):
         return {(v.check, v.severity, v.layer) for v in result.violations}
 
     assert verdicts(stats) == verdicts(full)
+
+
+def _causal_lm(name: str):
+    """The family's model with a language-modelling head (``AutoModelForCausalLM``), or None without one."""
+    config_name, kwargs, _, *extras = FAMILIES[name]
+    config_class = getattr(transformers, config_name, None)
+    if config_class is None or config_class not in transformers.AutoModelForCausalLM._model_mapping:
+        return None
+    extras = extras[0] if extras else {}
+    attn = {"attn_implementation": extras["attn"]} if "attn" in extras else {}
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config_class(**copy.deepcopy(kwargs)), **attn).eval()
+
+
+#: Families whose generation in the installed transformers computes attention check() must report.
+GENERATION_BROKEN = {
+    "minimax": "transformers 5.24's MiniMax builds each decode step's mask over one key: the left-padded row attends "
+    "none (test_checks_hf_generation.py)",
+}
+
+
+@pytest.mark.parametrize("name", [n for n in ON_DEFAULT if FAMILIES[n][2] == "causal" and n not in REFUSED])
+def test_family_generation(name):
+    """Every decoder family with a language-modelling head generating 4 tokens after left-padded prompts under
+    capture: the tokens of an uncaptured ``generate``, a record per step (the prompt's step 0, or None where the
+    model keeps no cache), and check() clean with causality declared (decode steps, sliding and chunked caches,
+    sparse and dynamic masks)."""
+    model = _causal_lm(name)
+    if model is None:
+        pytest.skip(f"{name} has no AutoModelForCausalLM class")
+    batch, _ = make_inputs("causal", model.config)
+    options = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", attnprobe.AttnprobeWarning)  # what the sweep asserts on the forward
+        plain = model.generate(**batch, **options)
+        with attnprobe.capture(model) as cap:
+            captured = model.generate(**batch, **options)
+    assert torch.equal(plain, captured)
+    steps = {r.step for r in cap}
+    # None: a model that keeps no cache (each step a whole forward); MiniMax makes its cache inside the prompt's
+    # forward (step None there), so its decode steps count from 0
+    assert steps in ([{None, 0, 1, 2}] if name == "minimax" else [{0, 1, 2, 3}, {None}]), steps
+    result = attnprobe.check(cap, causal=True)
+    if name in GENERATION_BROKEN:
+        assert not result.ok and {v.check for v in result.errors} == {"empty_rows"}, GENERATION_BROKEN[name]
+    else:
+        assert result.ok, result.table()
 
 
 def _flex_family(name: str) -> bool:
