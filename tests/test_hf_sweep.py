@@ -1866,7 +1866,7 @@ def test_family_generation(name):
     """Every decoder family with a language-modelling head generating 4 tokens after left-padded prompts under
     capture: the tokens of an uncaptured ``generate``, a record per step (the prompt's step 0, or None where the
     model keeps no cache), and check() clean with causality declared (decode steps, sliding and chunked caches,
-    sparse and dynamic masks)."""
+    sparse and dynamic masks), with the same verdicts from a statistics capture's generation."""
     model = _causal_lm(name)
     if model is None:
         pytest.skip(f"{name} has no AutoModelForCausalLM class")
@@ -1877,12 +1877,19 @@ def test_family_generation(name):
         plain = model.generate(**batch, **options)
         with attnprobe.capture(model) as cap:
             captured = model.generate(**batch, **options)
-    assert torch.equal(plain, captured)
+        with attnprobe.capture(model, keep=("stats",)) as stats:
+            from_stats = model.generate(**batch, **options)
+    assert torch.equal(plain, captured) and torch.equal(plain, from_stats)
     steps = {r.step for r in cap}
     # None: a model that keeps no cache (each step a whole forward); MiniMax makes its cache inside the prompt's
     # forward (step None there), so its decode steps count from 0
     assert steps in ([{None, 0, 1, 2}] if name == "minimax" else [{0, 1, 2, 3}, {None}]), steps
     result = attnprobe.check(cap, causal=True)
+
+    def verdicts(result) -> set:
+        return {(v.check, v.severity, v.layer, v.step, v.batch) for v in result.violations}
+
+    assert verdicts(attnprobe.check(stats, causal=True)) == verdicts(result)  # a statistics capture's are the same
     if name in GENERATION_BROKEN:
         assert not result.ok and {v.check for v in result.errors} == {"empty_rows"}, GENERATION_BROKEN[name]
     else:
