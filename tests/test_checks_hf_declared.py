@@ -466,6 +466,34 @@ def test_sparse_attention_dropping_a_rows_own_key_is_no_shifted_causal_mask():
         assert dropped and all(v.severity == "info" and "selects keys" in v.message for v in dropped)
 
 
+def test_mllama_cross_attention_run_causally_under_sdpa_is_caught(monkeypatch):
+    """transformers #48172 (fix proposed in #48218, still in 5.24): MllamaTextCrossAttention sets no ``is_causal``,
+    which transformers' sdpa takes as True when no ``cross_attention_mask`` is given, so each text query sees only as
+    many image tokens as its own index. check() reports the cross-attention layer with nothing declared; with the
+    fix (``is_causal = False`` on the module) it reports no cross-attention."""
+    from test_hf_sweep import build, make_inputs
+
+    model = build("mllama")
+    batch, _ = make_inputs("vlm", model.config, 1)
+    batch.update(
+        pixel_values=torch.randn(2, 1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(5)),
+        aspect_ratio_ids=torch.tensor([[1], [1]]),
+        aspect_ratio_mask=torch.ones(2, 1, 1, dtype=torch.long),
+    )
+
+    def cross_errors() -> set:
+        with torch.no_grad(), attnprobe.capture(model) as cap:
+            model(**batch)
+        found = [v for v in errors_of(attnprobe.check(cap), "causal") if "cross-attention" in v.message]
+        return {v.name for v in found}
+
+    assert cross_errors() == {"language_model.layers.1.cross_attn"}
+    for module in model.modules():
+        if type(module).__name__ == "MllamaTextCrossAttention":
+            monkeypatch.setattr(module, "is_causal", False, raising=False)  # the fix
+    assert cross_errors() == set()
+
+
 # ------------------------------------------------------------------------------------------------ statistics mode
 def _verdicts(result) -> set:
     return {(v.check, v.severity, v.layer, v.batch, v.queries, v.query_count) for v in result.violations}

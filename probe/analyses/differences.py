@@ -62,10 +62,34 @@ def stat_positions(pair: Pair) -> torch.Tensor:
     return pos[0]
 
 
+def attended_keys(pair: Pair) -> torch.Tensor | None:
+    """``(batch, key)`` bool: keys some real row of either side may attend, in any head; None when neither side has
+    a mask. A key no real row attends (padding) holds what its layer made of a padded token, which each
+    implementation makes as it likes (eager and sdpa differ on fully masked rows) and no real output reads."""
+    masks = [lay.allowed for lay in (pair.ref, pair.cand) if lay.allowed is not None]
+    if not masks:
+        return None
+    real = real_rows(pair)  # (batch, query) or None
+    attended = None
+    for a in masks:  # (batch, 1 or head, query, key)
+        rows = a.detach().cpu().bool().any(1)  # (batch, query, key)
+        if real is not None and real.shape == rows.shape[:2]:
+            rows = rows & real[:, :, None]
+        keys = rows.any(1)  # (batch, key)
+        attended = keys if attended is None else attended | keys
+    return attended
+
+
 def _rows(pair: Pair, name: str, shape: torch.Size) -> torch.Tensor:
-    """The rows that count, broadcastable to a ``(batch, head, position, ...)`` block of ``name``."""
+    """The rows that count, broadcastable to a ``(batch, head, position, ...)`` block of ``name`` (for k and v: the
+    keys a real row may attend)."""
     real = real_rows(pair)
-    if name in KV_FIELDS or real is None:
+    if name in KV_FIELDS:
+        keys = attended_keys(pair)
+        if keys is None or keys.shape[-1] != shape[2]:
+            return torch.ones((1,) * len(shape), dtype=torch.bool)
+        return keys[:, None, :, None]  # (batch, 1, key, 1)
+    if real is None:
         return torch.ones((1,) * len(shape), dtype=torch.bool)
     if name in COMPARED_STATS:
         return real[:, None, stat_positions(pair)]  # (batch, 1, rows)

@@ -207,6 +207,8 @@ def check_row_sum(run: CheckRun, p: RowBlock) -> None:
 )
 def check_causal(run: CheckRun, p: RowBlock) -> None:
     rec = p.rec
+    if rec.kind == "cross" and rec.causal and p.Tq > 1:
+        _causal_cross(run, p)
     if rec.kind != "self":
         return  # causality is about self-attention
     if p.causal is None:
@@ -228,6 +230,24 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
     else:
         _causal_cells(run, p)
         _causal_own(run, p)
+
+
+def _causal_cross(run: CheckRun, p: RowBlock) -> None:
+    """A cross-attention call the kernel ran causally (sdpa's ``is_causal``, aligned to the upper left): query ``i``
+    of one sequence sees the first ``i + 1`` keys of another. transformers' sdpa takes a module with no ``is_causal``
+    for a causal one when no mask is given (Mllama's cross-attention, transformers #48172)."""
+    run.ran("causal", p)
+    run.emit(
+        p,
+        "causal",
+        "cross",
+        p.checked,
+        lambda n, _: (
+            f"{n} query row(s) of a cross-attention call the kernel ran causally (is_causal): each query sees only "
+            "as many keys of the other sequence as its own index; the module sets no is_causal=False (transformers' "
+            "sdpa takes a missing one as True when no mask is given)"
+        ),
+    )
 
 
 def _bidirectional_seen(run: CheckRun, p: RowBlock) -> None:
