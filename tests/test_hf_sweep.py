@@ -1742,7 +1742,7 @@ PARTIAL_REFERENCE = {
     "git": "its outputs hold the text stack's attentions, not the vision tower's",
     "diffllama": "two attention calls per layer (same q and k, two halves of v); its outputs hold the first",
 }
-#: Families whose cross-attention the installed transformers runs causally under sdpa and flex: check() must say so.
+#: Families whose cross-attention the installed transformers runs causally under sdpa: check() must say so.
 CAUSAL_CROSS = {
     "mllama": "transformers #48172: MllamaTextCrossAttention sets no is_causal, which sdpa takes as True without a "
     "cross_attention_mask (test_checks_hf_declared.py)",
@@ -1790,7 +1790,7 @@ def _holds(name: str, result: dict, attn_implementation: str | None = None, refu
     else:
         assert not result["uncompared"] and result["max_error"] is not None, result
     assert result["max_error"] is None or result["max_error"] <= 1e-5, result
-    if name in CAUSAL_CROSS and attn_implementation != "eager":  # eager applies no is_causal
+    if name in CAUSAL_CROSS and attn_implementation is None:  # sdpa: eager and flex apply no is_causal
         assert not result["check_ok"] and "the kernel ran causally" in result["violations"][0], CAUSAL_CROSS[name]
     else:
         assert result["check_ok"], result["violations"]

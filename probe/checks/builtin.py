@@ -235,13 +235,25 @@ def check_causal(run: CheckRun, p: RowBlock) -> None:
 def _causal_cross(run: CheckRun, p: RowBlock) -> None:
     """A cross-attention call the kernel ran causally (sdpa's ``is_causal``, aligned to the upper left): query ``i``
     of one sequence sees the first ``i + 1`` keys of another. transformers' sdpa takes a module with no ``is_causal``
-    for a causal one when no mask is given (Mllama's cross-attention, transformers #48172)."""
+    for a causal one when no mask is given (Mllama's cross-attention, transformers #48172). Reported only where the
+    kernel's mask has that shape (the record's ``causal`` may be a default the kernel did not apply: flex)."""
+    rows = torch.arange(p.start, p.start + p.Tq, device=p.device)  # (rows,): each row's index in the call
+    if p.allowed is not None:
+        last = p.Tk - 1 - p.allowed.to(torch.uint8).flip(-1).argmax(-1)  # (B, 1 or H, rows): last allowed key
+    elif p.st is not None:
+        last = p.st["last_allowed"]
+    else:
+        return
+    could = p.checked & (rows < p.Tk - 1)  # rows with keys past their index to cut
+    cut = could & (last <= rows)
+    if not bool(could.any()) or not bool((cut | ~could).all()):  # the kernel's mask lets a row past its index
+        return
     run.ran("causal", p)
     run.emit(
         p,
         "causal",
         "cross",
-        p.checked,
+        cut,
         lambda n, _: (
             f"{n} query row(s) of a cross-attention call the kernel ran causally (is_causal): each query sees only "
             "as many keys of the other sequence as its own index; the module sets no is_causal=False (transformers' "
