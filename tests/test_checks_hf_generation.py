@@ -210,22 +210,10 @@ def test_minimax_decode_steps_sit_at_their_positions_and_a_dropped_row_is_caught
     MiniMax then builds each decode step's mask over one key, so a left-padded row attends no key at all (its
     logits move); check() reports that row as an error with nothing declared, and passes the unpadded batch."""
     import transformers
+    from test_hf_sweep import FAMILIES
 
     torch.manual_seed(0)
-    config = transformers.MiniMaxConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=100,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        block_size=4,
-        layer_types=["linear_attention", "full_attention"],
-        pad_token_id=0,
-    )
+    config = transformers.MiniMaxConfig(**FAMILIES["minimax"][1])  # a lightning layer, then a softmax one
     model = transformers.MiniMaxForCausalLM(config).eval()
     ids, _ = prompt("left")
     for mask in (None, prompt("left")[1]):
