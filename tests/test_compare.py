@@ -363,3 +363,40 @@ def test_captures_that_share_nothing_are_refused():
     _, stats = attnprobe.run(model, X, keep=("stats",))
     with pytest.raises(ComparisonError, match="share no tensor to compare"):
         compare(full, stats)
+
+
+def test_keys_no_real_row_attends_do_not_count():
+    """Two implementations that differ only in what they make of padded tokens (a fully masked row: eager's uniform
+    row, sdpa's zeros, or what a kernel leaves there) feed different hidden states to the next layer at the padded
+    positions, so its keys and values differ there. No real row attends those keys: k and v count only at keys a real
+    row of either side may attend, and the two compare the same; a difference at a key a real row attends still
+    diverges."""
+    from hf_helpers import twin
+    from test_hf_sweep import build, make_inputs
+
+    reference = build("llama")
+    candidate = twin(reference, "sdpa")
+    batch, _ = make_inputs("causal", reference.config)  # row 0 padded by two on the left
+
+    def padded_rows_differ(module, args, output):  # what a kernel makes of row 0's padded tokens
+        out = output[0].clone()
+        out[0, :2] += 3.0
+        return (out, *output[1:])
+
+    hook = candidate.layers[0].self_attn.register_forward_hook(padded_rows_differ)
+    try:
+        with torch.no_grad():
+            real = batch["attention_mask"].bool()
+            same = reference(**batch).last_hidden_state[real], candidate(**batch).last_hidden_state[real]
+        assert torch.allclose(*same, atol=1e-5)  # the real tokens' outputs agree
+        comparison = attnprobe.compare(reference, candidate, batch)
+        assert comparison.ok, comparison.summary()
+    finally:
+        hook.remove()
+    hook = candidate.layers[0].self_attn.register_forward_hook(
+        lambda module, args, output: (output[0] + 3.0 * (torch.arange(7) == 4).view(1, 7, 1), *output[1:])
+    )
+    try:
+        assert not attnprobe.compare(reference, candidate, batch).ok  # a real token's key: the divergence
+    finally:
+        hook.remove()
