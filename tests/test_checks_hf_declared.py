@@ -494,6 +494,43 @@ def test_mllama_cross_attention_run_causally_under_sdpa_is_caught(monkeypatch):
     assert cross_errors() == set()
 
 
+def test_a_module_without_is_causal_is_causal_only_where_sdpa_or_its_cache_makes_it_so():
+    """A module that sets no ``is_causal`` is causal to transformers' sdpa only when no mask is given. LayoutLM's
+    encoder gets its padding mask (and its config says ``use_cache=True``, which its model never reads): its records
+    say nothing, and ``check(cap)`` reports no "after the query's position" on its bidirectional weights (it did,
+    quoting "the module says it is causal"). Doge's stack runs with a cache: its records say causal, and why. Mllama's
+    vision layers say nothing; its cross-attention, which sdpa ran causally (#48172), says causal."""
+    from test_hf_sweep import build, make_inputs
+
+    def captured(name: str, kind: str, **extra):
+        model = build(name)
+        batch, _ = make_inputs(kind, model.config, *extra.pop("image_tokens", ()))
+        batch.update(extra)
+        with torch.no_grad(), attnprobe.capture(model) as cap:
+            model(**batch)
+        return cap
+
+    layoutlm = captured("layoutlm", "encoder")
+    assert {r.causal for r in layoutlm} == {None}
+    assert not errors_of(attnprobe.check(layoutlm), "causal")
+    assert errors_of(attnprobe.check(layoutlm, causal=True), "causal")  # a declaration still holds it
+    sources = {r.meta.get("causal_source") for r in captured("doge", "causal")}
+    default = "DogeAttention sets no is_causal (transformers' default: causal) and its stack runs with a cache"
+    assert sources == {default}
+    mllama = captured(
+        "mllama",
+        "vlm",
+        image_tokens=(1,),
+        pixel_values=torch.randn(2, 1, 1, 3, 16, 16, generator=torch.Generator().manual_seed(5)),
+        aspect_ratio_ids=torch.tensor([[1], [1]]),
+        aspect_ratio_mask=torch.ones(2, 1, 1, dtype=torch.long),
+    )
+    vision = {r.causal for r in mllama if r.name.startswith("vision_model.")}
+    cross = {r.causal for r in mllama if r.kind == "cross"}
+    assert (vision, cross) == ({None}, {True})
+    assert {v.name.split(".")[0] for v in errors_of(attnprobe.check(mllama), "causal")} == {"language_model"}
+
+
 # ------------------------------------------------------------------------------------------------ statistics mode
 def _verdicts(result) -> set:
     return {(v.check, v.severity, v.layer, v.batch, v.queries, v.query_count) for v in result.violations}

@@ -272,6 +272,10 @@ class _Recorder:
             identified.add("query_padding")
         dtype = record_dtype(call.q.dtype, self.softmax_dtype)
         allowed = None if mask_info is None else mask_info.allowed
+        causal, causal_source = self._record_causal(call, semantics, where)
+        meta = self._meta(call, semantics, where, dtype)
+        if causal_source is not None:
+            meta = {**meta, "causal_source": causal_source}
         self.session.emit(
             self.site,
             kind=where.kind,
@@ -279,7 +283,7 @@ class _Recorder:
             allowed=allowed,
             preselected=("allowed",) if mask_info is not None and mask_info.selected else (),
             query_padding=where.query_padding,
-            causal=None if semantics.is_causal is None else bool(semantics.is_causal),
+            causal=causal,
             scaling=semantics.scaling,
             backend=self.base,
             dtype=dtype,
@@ -291,7 +295,7 @@ class _Recorder:
             softcap=None if semantics.softcap is None else float(semantics.softcap),
             sliding_window=semantics.sliding_window,
             identified=frozenset(identified),
-            meta=self._meta(call, semantics, where, dtype),
+            meta=meta,
         )
 
     def _semantics(self, call: _Call) -> _Semantics:
@@ -319,6 +323,23 @@ class _Recorder:
             sliding_window=int(sliding) if sliding is not None and float(sliding).is_integer() else None,
             score_mod=score_mod,
         )
+
+    def _record_causal(self, call: _Call, semantics: _Semantics, where: _Where) -> tuple[bool | None, str | None]:
+        """What the record says about causality, and from what where it is not the module's own word (``None``: its
+        ``is_causal``, or the call's). A module that sets no ``is_causal`` is causal to transformers' sdpa only when
+        no mask is given: the mask decides otherwise (a BERT-style encoder's padding mask, Mllama's vision layers),
+        and flex never reads it. Such a record says causal where sdpa ran it so, or where its stack runs with a
+        key/value cache (a decoder, as the default means); else nothing (``None``: declare ``causal=``)."""
+        if call.kwargs.get("is_causal") is not None or hasattr(self.module, "is_causal"):
+            return (None if semantics.is_causal is None else bool(semantics.is_causal)), None
+        if not semantics.is_causal:  # eager: no default
+            return None, None
+        cls = type(self.module).__name__
+        if self._implicit_causal(call, semantics):
+            return True, f"{cls} sets no is_causal and got no mask: sdpa ran it causally"
+        if where.kind == "self" and self.state is not None and self.state.cached:
+            return True, f"{cls} sets no is_causal (transformers' default: causal) and its stack runs with a cache"
+        return None, None
 
     def _sinks(self, kwargs: dict) -> torch.Tensor | None:
         """The sink logits the function takes into its softmax: sdpa ignores ``s_aux``; a flash kernel takes it only

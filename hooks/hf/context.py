@@ -252,9 +252,9 @@ class StackState:
             mask, cache, unknown, *declaring = tensors
             self.inputs = {n: t for n, t in zip(DECLARING_INPUTS, declaring) if isinstance(t, torch.Tensor)}
             use_cache = value_of(numbers[3])
-            self.cached = bool(numbers[1]) or bool(
-                getattr(self._config, "use_cache", False) if use_cache is None else use_cache
-            )
+            if use_cache is None:  # the config's, where this forward takes one (BERT-style encoders' configs say True)
+                use_cache = "use_cache" in self._params and getattr(self._config, "use_cache", False)
+            self.cached = bool(numbers[1]) or bool(use_cache)
             self._before(
                 mask, cache, unknown, built=bool(numbers[0]), has_cache=bool(numbers[1]), has_unknown=bool(numbers[2])
             )

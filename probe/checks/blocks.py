@@ -140,7 +140,7 @@ class RecordFacts:
             run.declarations.setdefault(f"causal (declared by {intent})", {})[rec.layer] = rec.name or "<root>"
         elif self.causal is None:
             self.causal = rec.causal
-            self.causal_source = "the module says it is causal"
+            self.causal_source = rec.meta.get("causal_source") or "the module says it is causal"
 
         self.key_pad, self.key_pad_source, declared_query_pad = self._padding(run)
         query_pad = rec.query_padding.to(self.device, torch.bool) if rec.query_padding is not None else None

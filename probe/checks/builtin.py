@@ -236,7 +236,7 @@ def _causal_cross(run: CheckRun, p: RowBlock) -> None:
     """A cross-attention call the kernel ran causally (sdpa's ``is_causal``, aligned to the upper left): query ``i``
     of one sequence sees the first ``i + 1`` keys of another. transformers' sdpa takes a module with no ``is_causal``
     for a causal one when no mask is given (Mllama's cross-attention, transformers #48172). Reported only where the
-    kernel's mask has that shape (the record's ``causal`` may be a default the kernel did not apply: flex)."""
+    kernel's mask has that shape (a module's own ``is_causal=True`` is not applied where a mask is given)."""
     rows = torch.arange(p.start, p.start + p.Tq, device=p.device)  # (rows,): each row's index in the call
     if p.allowed is not None:
         last = p.Tk - 1 - p.allowed.to(torch.uint8).flip(-1).argmax(-1)  # (B, 1 or H, rows): last allowed key
