@@ -337,7 +337,7 @@ class _Recorder:
         cls = type(self.module).__name__
         if self._implicit_causal(call, semantics):
             return True, f"{cls} sets no is_causal and got no mask: sdpa ran it causally"
-        if where.kind == "self" and self.state is not None and self.state.cached:
+        if where.kind == "self" and self.state is not None and self.state.caches:
             return True, f"{cls} sets no is_causal (transformers' default: causal) and its stack runs with a cache"
         return None, None
 

@@ -185,7 +185,8 @@ class StackState:
     def __init__(self, module: nn.Module, stack: ExitStack) -> None:
         self.padding: torch.Tensor | None = None  # (batch, positions) True = padding
         self.inputs: dict[str, torch.Tensor] = {}  # DECLARING_INPUTS this call received, (batch, positions) each
-        self.cached = False  # the call runs with a cache (given, or made inside: use_cache)
+        self.cached = False  # the call runs with a cache (given, or made inside: use_cache, the config's too)
+        self.caches = False  # ... given, or made inside where the forward takes use_cache (a decoder's stack)
         self.cls = type(module)
         self.built_mask = False  # the call received a mask that is no 2-D padding mask (a 4-D one built above)
         self.outer: StackState | None = None  # the next stack above, whose 2-D mask this one's was built from
@@ -252,9 +253,12 @@ class StackState:
             mask, cache, unknown, *declaring = tensors
             self.inputs = {n: t for n, t in zip(DECLARING_INPUTS, declaring) if isinstance(t, torch.Tensor)}
             use_cache = value_of(numbers[3])
-            if use_cache is None:  # the config's, where this forward takes one (BERT-style encoders' configs say True)
-                use_cache = "use_cache" in self._params and getattr(self._config, "use_cache", False)
-            self.cached = bool(numbers[1]) or bool(use_cache)
+            configured = bool(getattr(self._config, "use_cache", False))
+            self.cached = bool(numbers[1]) or (configured if use_cache is None else bool(use_cache))
+            # the config's use_cache counts where this forward takes one (BERT-style encoders' configs say True)
+            self.caches = bool(numbers[1]) or (
+                configured and "use_cache" in self._params if use_cache is None else bool(use_cache)
+            )
             self._before(
                 mask, cache, unknown, built=bool(numbers[0]), has_cache=bool(numbers[1]), has_unknown=bool(numbers[2])
             )
@@ -293,7 +297,7 @@ class StackState:
     def _after(self) -> None:
         # a module called on its own later must not see this call's state
         self.padding, self.step, self.position, self.built_mask, self.reordered = None, None, 0, False, False
-        self.inputs, self.cached = {}, False
+        self.inputs, self.cached, self.caches = {}, False, False
 
     def input_of(self, name: str) -> tuple[torch.Tensor, StackState] | None:
         """``(tensor, the stack that received it)``: input ``name`` (one of ``DECLARING_INPUTS``) of this call, or of
