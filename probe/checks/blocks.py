@@ -89,6 +89,22 @@ def record_shapes(rec: AttentionRecord, index: int) -> None:
         )
 
 
+def allowed_extent(
+    allowed: torch.Tensor | None, stats: Mapping[str, torch.Tensor] | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's count of allowed keys and its first and last allowed key (-1 each where it has none), from the
+    mask ``(..., Tk)``, else from a statistics record's ``allowed_keys``, ``first_allowed`` and ``last_allowed``."""
+    if allowed is None:
+        assert stats is not None, "neither a mask nor statistics"
+        return stats["allowed_keys"].to(device), stats["first_allowed"].to(device), stats["last_allowed"].to(device)
+    a = allowed.to(torch.uint8)  # (..., Tk)
+    count = a.sum(-1)  # (...)
+    some = count > 0
+    first = torch.where(some, a.argmax(-1), -1)
+    last = torch.where(some, a.shape[-1] - 1 - a.flip(-1).argmax(-1), -1)
+    return count, first, last
+
+
 class RecordFacts:
     """What holds for a whole record: sizes, tolerance, declarations, key padding, query positions.
 
@@ -195,14 +211,7 @@ class RecordFacts:
         their first and last allowed key that they may not attend, or a first allowed key after a key of the range
         (from the first key, or the record's sliding window's first), padding aside. From each row's count, first
         and last allowed key (the mask's, or the statistics')."""
-        if self.allowed is not None:
-            a = self.allowed.to(torch.uint8)  # (B, 1 or H, Tq, Tk)
-            count, first = self.allowed.sum(-1), a.argmax(-1)  # (B, 1 or H, Tq) each
-            last = self.Tk - 1 - a.flip(-1).argmax(-1)
-        else:
-            stats = self.stats
-            assert stats is not None  # no mask: a statistics record (_own_position)
-            count, first, last = (stats[n].to(self.device) for n in ("allowed_keys", "first_allowed", "last_allowed"))
+        count, first, last = allowed_extent(self.allowed, self.stats, self.device)  # (B, 1 or H, Tq) each
         real = torch.ones(self.B, self.Tk, device=self.device) if self.key_pad is None else (~self.key_pad).float()
         before = torch.cat([real.new_zeros(self.B, 1), real.cumsum(-1)], -1)[:, None, :]  # (B, 1, Tk + 1)
         before = before.expand(self.B, count.shape[1], self.Tk + 1)  # real keys before each key

@@ -13,7 +13,7 @@ import torch
 
 from ..engine.sinks import sink_mass
 from . import shaped
-from .blocks import RowBlock, all_finite
+from .blocks import RowBlock, all_finite, allowed_extent
 from .declarations import declared_for
 from .findings import CheckRun
 from .registry import register
@@ -238,12 +238,9 @@ def _causal_cross(run: CheckRun, p: RowBlock) -> None:
     for a causal one when no mask is given (Mllama's cross-attention, transformers #48172). Reported only where the
     kernel's mask has that shape (a module's own ``is_causal=True`` is not applied where a mask is given)."""
     rows = torch.arange(p.start, p.start + p.Tq, device=p.device)  # (rows,): each row's index in the call
-    if p.allowed is not None:
-        last = p.Tk - 1 - p.allowed.to(torch.uint8).flip(-1).argmax(-1)  # (B, 1 or H, rows): last allowed key
-    elif p.st is not None:
-        last = p.st["last_allowed"]
-    else:
+    if p.allowed is None and p.st is None:
         return
+    last = allowed_extent(p.allowed, p.st, p.device)[2]  # (B, 1 or H, rows): last allowed key, -1 where none
     could = p.checked & (rows < p.Tk - 1)  # rows with keys past their index to cut
     cut = could & (last <= rows)
     if not bool(could.any()) or not bool((cut | ~could).all()):  # the kernel's mask lets a row past its index
