@@ -531,6 +531,40 @@ def test_a_module_without_is_causal_is_causal_only_where_sdpa_or_its_cache_makes
     assert {v.name.split(".")[0] for v in errors_of(attnprobe.check(mllama), "causal")} == {"language_model"}
 
 
+def test_blip_text_runs_as_its_call_says_not_as_its_config_says(monkeypatch):
+    """BLIP's text model takes ``is_decoder`` per call (False by default; its LM head passes True), while its config
+    says ``is_decoder=True``: BlipModel's text encoder is bidirectional, the captioning decoder causal. check() reads
+    the call's argument: BlipModel passes with nothing declared (it reported every text layer as attending later
+    keys, quoting the config), and a captioning decoder given the encoder's mask is caught."""
+    from test_hf_sweep import build, make_inputs
+    from transformers.models.blip import modeling_blip_text
+
+    model = build("blip")
+    batch, _ = make_inputs("text-image", model.config)
+    captioner = transformers.BlipForConditionalGeneration(model.config).eval()
+
+    def checked(model, **inputs):
+        with torch.no_grad(), attnprobe.capture(model) as cap:
+            model(**inputs)
+        sources = {r.meta["expects"]["causal"]["source"] for r in cap if r.kind == "self" and "text" in r.name}
+        return attnprobe.check(cap), sources
+
+    result, sources = checked(model, **batch)
+    assert result.ok and sources == {"BlipTextModel.forward(is_decoder=False)"}, result.table()
+    inputs = {n: batch[n] for n in ("pixel_values", "input_ids", "attention_mask")}
+    result, sources = checked(captioner, **inputs)
+    assert result.ok and sources == {"BlipTextModel.forward(is_decoder=True)"}, result.table()
+
+    def bidirectional(config, inputs_embeds, attention_mask, **_):  # the decoder given the encoder's mask
+        return modeling_blip_text.create_bidirectional_mask(
+            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+
+    monkeypatch.setattr(modeling_blip_text, "create_causal_mask", bidirectional)
+    result, _ = checked(captioner, **inputs)
+    assert {v.name.split(".")[0] for v in errors_of(result, "causal")} == {"text_decoder"}, result.table()
+
+
 # ------------------------------------------------------------------------------------------------ statistics mode
 def _verdicts(result) -> set:
     return {(v.check, v.severity, v.layer, v.batch, v.queries, v.query_count) for v in result.violations}

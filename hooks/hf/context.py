@@ -52,6 +52,30 @@ def _forward_params(cls: type) -> dict[str, int]:
     return {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1) for i, p in enumerate(params)}
 
 
+class _NoParam:
+    """The default of a parameter the forward does not have."""
+
+
+_NO_PARAM = _NoParam()
+
+
+def _default_of(cls: type, name: str):
+    """The default of ``cls.forward``'s parameter ``name`` (None where it has none), or ``_NO_PARAM``."""
+    return _cached_default(cls, name)  # mypy takes no class object for Hashable (as forward_params)
+
+
+@cache
+def _cached_default(cls: type, name: str):
+    forward = getattr(cls, "forward", None)
+    try:
+        param = inspect.signature(forward).parameters.get(name) if forward is not None else None
+    except (TypeError, ValueError):
+        return _NO_PARAM
+    if param is None:
+        return _NO_PARAM
+    return None if param.default is inspect.Parameter.empty else param.default
+
+
 def argument(params: dict[str, int], name: str, args: tuple, kwargs: dict):
     """The value passed for parameter ``name`` (keyword or positional), or None."""
     if name in kwargs:
@@ -187,6 +211,7 @@ class StackState:
         self.inputs: dict[str, torch.Tensor] = {}  # DECLARING_INPUTS this call received, (batch, positions) each
         self.cached = False  # the call runs with a cache (given, or made inside: use_cache, the config's too)
         self.caches = False  # ... given, or made inside where the forward takes use_cache (a decoder's stack)
+        self.is_decoder: bool | None = None  # the call's is_decoder, where the forward takes one (BLIP's text model)
         self.cls = type(module)
         self.built_mask = False  # the call received a mask that is no 2-D padding mask (a 4-D one built above)
         self.outer: StackState | None = None  # the next stack above, whose 2-D mask this one's was built from
@@ -204,6 +229,7 @@ class StackState:
         self._owner = current()  # made as the capture opens, in its thread; other threads' calls are not read
         params, cache_type = self._params, self._cache_type
         block_mask = hf_compat.block_mask_class()  # read here, not inside the forward (traced by torch.compile)
+        decoder_default = _default_of(type(module), "is_decoder")
         token = 0
 
         # inside the forward: hand over the mask and the cache, nothing else (traceable by torch.compile)
@@ -216,6 +242,8 @@ class StackState:
             compiling = torch.compiler.is_compiling()  # a compiled graph hands over tensors only
             declaring = [argument(params, n, args, kwargs) for n in DECLARING_INPUTS]
             use_cache = argument(params, "use_cache", args, kwargs)
+            is_decoder = argument(params, "is_decoder", args, kwargs) if decoder_default is not _NO_PARAM else None
+            is_decoder = decoder_default if is_decoder is None else is_decoder
             deliver(
                 token,
                 "before",
@@ -230,6 +258,7 @@ class StackState:
                     number(cache is not None),
                     number(unknown is not None),
                     number(use_cache if isinstance(use_cache, bool) else None),
+                    number(is_decoder if isinstance(is_decoder, bool) else None),
                 ],
             )
 
@@ -253,6 +282,8 @@ class StackState:
             mask, cache, unknown, *declaring = tensors
             self.inputs = {n: t for n, t in zip(DECLARING_INPUTS, declaring) if isinstance(t, torch.Tensor)}
             use_cache = value_of(numbers[3])
+            decoder = value_of(numbers[4])
+            self.is_decoder = None if decoder is None else bool(decoder)
             configured = bool(getattr(self._config, "use_cache", False))
             self.cached = bool(numbers[1]) or (configured if use_cache is None else bool(use_cache))
             # the config's use_cache counts where this forward takes one (BERT-style encoders' configs say True)
@@ -297,7 +328,17 @@ class StackState:
     def _after(self) -> None:
         # a module called on its own later must not see this call's state
         self.padding, self.step, self.position, self.built_mask, self.reordered = None, None, 0, False, False
-        self.inputs, self.cached, self.caches = {}, False, False
+        self.inputs, self.cached, self.caches, self.is_decoder = {}, False, False, None
+
+    def decoder_of(self) -> tuple[bool, StackState] | None:
+        """``(is_decoder, the stack that received it)``: the ``is_decoder`` argument of this call, or of the nearest
+        stack above whose forward takes one (BLIP's text model: the config's ``is_decoder`` is only its default)."""
+        state: StackState | None = self
+        while state is not None:
+            if state.is_decoder is not None:
+                return state.is_decoder, state
+            state = state.outer
+        return None
 
     def input_of(self, name: str) -> tuple[torch.Tensor, StackState] | None:
         """``(tensor, the stack that received it)``: input ``name`` (one of ``DECLARING_INPUTS``) of this call, or of

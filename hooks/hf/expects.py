@@ -151,13 +151,22 @@ _BLOCK_INPUTS = (
 )
 
 
+def decoder_expects(state, kind: str) -> dict:
+    """``causal`` from the ``is_decoder`` argument of this call's stack, where its forward takes one (BLIP's text
+    model runs bidirectionally unless called with ``is_decoder=True``, whatever its config's ``is_decoder``)."""
+    decoder = state.decoder_of() if state is not None and kind == "self" else None
+    if decoder is None:
+        return {}
+    return {"causal": _entry(decoder[0], f"{decoder[1].cls.__name__}.forward(is_decoder={decoder[0]})")}
+
+
 def inputs_expects(state, module: nn.Module, kind: str) -> tuple[dict, dict]:
     """``(expects, inputs)`` of one call: image blocks and packed documents from the inputs, and the inputs kept for
     ``check(documents="position_ids")`` (``meta["inputs"]``)."""
     if state is None or kind != "self":
         return {}, {}
     inputs: dict = {}
-    expects = _blocks_from_inputs(state, module)
+    expects = {**_blocks_from_inputs(state, module), **decoder_expects(state, kind)}
     found = state.input_of("position_ids")
     if found is not None and found[0].dim() == 2 and _same_text(module, found[1]):
         inputs["position_ids"] = found[0].detach()

@@ -20,7 +20,7 @@ from ...probe.threads import current, elsewhere
 from ..functional import code_reaches_sdpa
 from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
-from .expects import config_expects
+from .expects import config_expects, decoder_expects
 from .source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
@@ -412,11 +412,14 @@ class _FallbackSite:
         if offset is None:  # a cache that cannot say its length
             offset = max(k_len - q_len, 0) if kind == "self" else 0
         dtype = record_dtype(weights.dtype, self.softmax)
-        meta = self.meta
+        meta: dict = self.meta
         if dtype != weights.dtype:
             meta = {**meta, "softmax_dtype": str(dtype).removeprefix("torch.")}
         if state is not None:
             meta = state.generation_meta(meta)
+        called = decoder_expects(state, kind)  # the call's is_decoder overrides the config's
+        if called:
+            meta = {**meta, "expects": {**meta.get("expects", {}), **called}}
         self.session.emit(
             site,
             kind=kind,
