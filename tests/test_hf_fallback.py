@@ -650,3 +650,30 @@ def test_a_capture_keeping_no_weights_does_not_ask_for_attentions(gpt_neo, asser
     (said,) = [str(w.message) for w in caught if issubclass(w.category, AttnprobeWarning)]  # one warning, not "no call"
     assert "keep=['q']" in said and "not recorded" in said
     assert torch.equal(out.logits, plain.logits) and out.attentions is None
+
+
+def test_an_old_style_module_that_says_it_is_causal_is_held_to_it(gpt_neo, recwarn, monkeypatch):
+    """GPT-Neo's attention sets ``is_causal = True``: its weights-only records say causal, so check() holds them to
+    it with nothing declared. With its causal masks gone (the model's 4-D mask and the module's triangular ``bias``
+    buffer: every key allowed) it is caught; the model as built passes. Modules that set nothing say nothing."""
+    from transformers.models.gpt_neo import modeling_gpt_neo
+
+    ids = torch.arange(3, 11).unsqueeze(0)
+
+    def checked():
+        with torch.no_grad(), attnprobe.capture(gpt_neo) as cap:
+            gpt_neo(input_ids=ids)
+        return cap, attnprobe.check(cap)
+
+    cap, result = checked()
+    assert {r.causal for r in cap} == {True} and result.ok, result.table()
+    monkeypatch.setattr(modeling_gpt_neo, "create_causal_mask", lambda **kwargs: None)
+    for m in gpt_neo.modules():
+        if type(m).__name__ == "GPTNeoSelfAttention":
+            monkeypatch.setattr(m, "bias", torch.ones_like(m.bias))
+    _, result = checked()
+    assert {v.layer for v in result.errors if v.check == "causal"} == {0, 1}, result.table()
+    bloom = transformers.BloomModel(transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=4, vocab_size=100))
+    with torch.no_grad(), attnprobe.capture(bloom.eval()) as cap:
+        bloom(input_ids=ids)
+    assert {r.causal for r in cap} == {None}  # BloomAttention sets no is_causal

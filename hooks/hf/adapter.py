@@ -329,7 +329,9 @@ class _Recorder:
         ``is_causal``, or the call's). A module that sets no ``is_causal`` is causal to transformers' sdpa only when
         no mask is given: the mask decides otherwise (a BERT-style encoder's padding mask, Mllama's vision layers),
         and flex never reads it. Such a record says causal where sdpa ran it so, or where its stack runs with a
-        key/value cache (a decoder, as the default means); else nothing (``None``: declare ``causal=``)."""
+        key/value cache (a decoder, as the default means); else nothing (``None``: declare ``causal=``). Only the
+        kernels that read the default reach the cache reading: eager and old-style modules that set nothing say
+        nothing (a cache is no proof: GIT's prefix of image tokens is cached and bidirectional)."""
         if call.kwargs.get("is_causal") is not None or hasattr(self.module, "is_causal"):
             return (None if semantics.is_causal is None else bool(semantics.is_causal)), None
         if not semantics.is_causal:  # eager: no default

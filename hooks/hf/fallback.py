@@ -420,6 +420,7 @@ class _FallbackSite:
         called = decoder_expects(state, kind)  # the call's is_decoder overrides the config's
         if called:
             meta = {**meta, "expects": {**meta.get("expects", {}), **called}}
+        said = getattr(mod, "is_causal", None)  # the module's own word (GPT-Neo, Falcon); else nothing
         self.session.emit(
             site,
             kind=kind,
@@ -428,6 +429,7 @@ class _FallbackSite:
             backend="eager",
             dtype=dtype,
             weights_source="output_attentions",
+            causal=said if isinstance(said, bool) else None,
             dropout=dropout,
             step=state.step if state is not None else None,
             query_offset=offset,
