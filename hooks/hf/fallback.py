@@ -144,7 +144,7 @@ class _ForceAttentions:
     def _before(self, module, args, kwargs):
         if elsewhere(self._owner):
             return None
-        config = module.config
+        config = getattr(module, "config", None)  # FSMT's encoder keeps none
         asked = argument(self.params, "output_attentions", args, kwargs)
         asked = bool(getattr(config, "output_attentions", False) if asked is None else asked)
         return_dict = argument(self.params, "return_dict", args, kwargs)
@@ -242,6 +242,27 @@ def _declared_heads(module: nn.Module) -> int | None:
     return next((v for a in HEAD_ATTRS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
 
 
+def _owners(module: nn.Module, parents: dict) -> list[nn.Module]:
+    """The modules above ``module`` to ask for output_attentions: the transformers models, and the encoder a model's
+    ``get_encoder()`` names (``generate`` calls it alone, and FSMT's is a plain module), where they take it."""
+    chain = list(ancestors(module, parents))
+    entries = {id(m) for m in chain if _is_pretrained(m)}
+    for m in chain:
+        encoder = _encoder_of(m) if id(m) in entries else None
+        if encoder is not None and encoder is not m:
+            entries.add(id(encoder))
+    return [m for m in chain if id(m) in entries and "output_attentions" in forward_params(type(m))]
+
+
+def _encoder_of(model: nn.Module) -> nn.Module | None:
+    try:
+        get_encoder = getattr(model, "get_encoder", None)
+        encoder = get_encoder() if callable(get_encoder) else None
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return None
+    return encoder if isinstance(encoder, nn.Module) else None
+
+
 def _dropout_of(module: nn.Module) -> float:
     ps = [m.p for m in module.modules() if isinstance(m, nn.Dropout)]
     return max(ps) if ps and module.training else 0.0
@@ -254,11 +275,7 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
     for site in sites:
         # models that take output_attentions are asked for weights; modules of the others (xglm)
         # return their weights anyway, or fail with a clear error on their first call
-        owners = [
-            m
-            for m in ancestors(site.module, parents)
-            if _is_pretrained(m) and "output_attentions" in forward_params(type(m))
-        ]
+        owners = _owners(site.module, parents)
         if "Sdpa" in type(site.module).__name__:
             raise UnsupportedModelError(
                 f"attention module {site.name!r} ({type(site.module).__name__}, layer {site.layer}) is the sdpa "
@@ -295,7 +312,7 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
 def _refuse_if_path_changes(site, owners) -> None:
     """Some old-style models compute attention another way when asked for weights (Falcon under sdpa)."""
     branches = name_branches(type(site.module).__module__)
-    impls = {getattr(m.config, "_attn_implementation", None) for m in owners}
+    impls = {getattr(getattr(m, "config", None), "_attn_implementation", None) for m in owners}
     if branches and impls - {"eager", None}:
         raise UnsupportedModelError(
             f"attention module {site.name!r} ({type(site.module).__name__}, layer {site.layer}) computes attention "
