@@ -585,3 +585,20 @@ def test_statistics_are_saved_and_loaded_with_the_capture(tmp_path):
     assert back[0].weights is None
     assert_stats_equal(back[0].stats, cap[0].stats, atol=0)
     assert _verdicts(attnprobe.check(back, causal=True)) == _verdicts(attnprobe.check(cap, causal=True))
+
+
+@pytest.mark.parametrize("block_bytes", [1 << 30, 256])
+def test_a_mask_of_one_key_column_counts_as_the_kernel_broadcasts_it(block_bytes):
+    """A mask whose key axis has size 1 (transformers 5.24's MiniMax decode steps hand eager one) is broadcast over
+    every key by the kernel: the statistics count every key as the mask's column says (they counted key 0 alone,
+    and the entropy of a row was NaN), in one key block or many."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 3, 4, generator=g) for _ in range(3))  # (batch, head, query, d)
+    column = torch.tensor([0.0, torch.finfo(torch.float32).min]).view(2, 1, 1, 1)  # sequence 1 masks every key
+    stats = {}
+    for name, mask in (("column", column), ("full", column.expand(2, 1, 3, 3).clone())):
+        call = AttentionCall(q, k, v=v, scaling=0.5, mask=mask, masked_at=torch.finfo(torch.float32).min / 2)
+        stats[name] = attention_stats(call, diag_offset=0, block_bytes=block_bytes)
+    for key in ("allowed_keys", "first_allowed", "last_allowed", "entropy", "max_weight", "key_allowed"):
+        torch.testing.assert_close(stats["column"][key], stats["full"][key], equal_nan=True, msg=key)
+    assert stats["column"]["allowed_keys"][0].eq(3).all() and stats["column"]["allowed_keys"][1].eq(0).all()

@@ -180,6 +180,11 @@ MaskBlocks = Callable[[torch.Tensor, int, int], torch.Tensor]
 ScoreBlocks = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
+def _keys_wide(t: torch.Tensor, keys: int) -> torch.Tensor:
+    """``t`` over ``keys`` keys: a mask of one key column, which the kernel broadcasts over every key (a view)."""
+    return t.expand(*t.shape[:-1], keys) if t.shape[-1] == 1 and keys != 1 else t
+
+
 def _rows(t: torch.Tensor, a: int, b: int, c: int, d: int) -> torch.Tensor:
     """Rows ``a:b`` and keys ``c:d`` of a 4-D tensor that may broadcast (size 1) along either axis (a view)."""
     t = t if t.shape[-2] == 1 else t[..., a:b, :]
@@ -309,7 +314,7 @@ class AttentionCall:
             allowed = self.mask(self.row_positions(a, b), c, d)
         elif self.mask is not None:
             m = _rows(_as_4d(self.mask), a, b, c, d)
-            allowed = mask_allows(m, self.masked_at)
+            allowed = _keys_wide(mask_allows(m, self.masked_at), d - c)
         if self.causal:
             rows = self.row_positions(a, b)[:, None] + self.causal_offset
             tril = torch.arange(c, d, device=self.q.device)[None, :] <= rows
@@ -322,7 +327,7 @@ class AttentionCall:
         if callable(self.mask):
             forbidden = ~self.mask(self.row_positions(a, b), c, d)
         elif self.mask is not None:
-            forbidden = ~mask_allows(_rows(_as_4d(self.mask), a, b, c, d), self.masked_at)
+            forbidden = _keys_wide(~mask_allows(_rows(_as_4d(self.mask), a, b, c, d), self.masked_at), d - c)
         if self.causal:
             rows = self.row_positions(a, b)[:, None] + self.causal_offset
             later = torch.arange(c, d, device=self.q.device)[None, :] > rows
