@@ -8,8 +8,9 @@ A family whose *construction* fails in the installed transformers is skipped wit
 capture failure is never skipped. Every family is swept again on eager (``test_family_on_eager``), every family
 whose model class runs on flex attention on flex (``test_family_on_flex``, torch's reference path of the kernel),
 every family on the attention interface as a statistics capture (``test_family_statistics``), every decoder
-with a language-modelling head generating (``test_family_generation``), and every encoder-decoder, speech-to-text
-and image-text-to-text model generating (``test_family_generation_after_an_encoder``).
+with a language-modelling head generating (``test_family_generation``), every encoder-decoder, speech-to-text
+and image-text-to-text model generating (``test_family_generation_after_an_encoder``), and every family on sdpa and
+on flex compared with its eager twin (``test_family_compares_equal_to_its_eager_twin``).
 """
 
 from __future__ import annotations
@@ -2105,3 +2106,45 @@ def test_hiera_mask_unit_attention_traced_by_name_matches_its_own_weights():
         assert record.num_heads == heads and "folded" in record.meta
         torch.testing.assert_close(record.weights, w.transpose(1, 2).reshape(b * units, heads, q, k))
     assert attnprobe.check(cap)
+
+
+#: Families whose kernel computes other attention than eager in the installed transformers: compare() must find it.
+COMPARE_BROKEN = {
+    ("mllama", "sdpa"): "language_model.layers.1.cross_attn",  # #48172: its cross-attention run causally
+    ("doge", "flex_attention"): "layers.0.self_attn",  # the BlockMask dropped from its dynamic mask (FLEX_BROKEN)
+}
+
+
+def _compared(name: str, backend: str) -> list:
+    """``[compare(eager twin, the model on backend)]`` with full captures and with statistics."""
+    reference, candidate = build(name, "eager"), build(name, backend)
+    candidate.load_state_dict(reference.state_dict())
+    _, _, kind, *extras = FAMILIES[name]
+    extras = extras[0] if extras else {}
+    batch, _ = make_inputs(kind, reference.config, extras.get("image_tokens", 16))
+    batch.update(extras.get("inputs", {}))
+    run_plain(candidate, batch, name)
+    with torch.no_grad(), flex_helpers.uncompiled(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", attnprobe.AttnprobeWarning)  # the old-style fallback's, asserted above
+        return [attnprobe.compare(reference, candidate, batch, **options) for options in ({}, {"keep": ("stats",)})]
+
+
+@pytest.mark.parametrize(
+    "name, backend",
+    [(n, "sdpa") for n in ON_DEFAULT if n not in REFUSED]
+    + [pytest.param(n, "flex_attention", marks=flex_helpers.FLEX_SKIP) for n in FAMILIES if _flex_family(n)],
+)
+def test_family_compares_equal_to_its_eager_twin(name, backend):
+    """Every family on sdpa, and every family that runs on flex on flex, compared head by head with its eager twin
+    (the same weights) on left- or right-padded inputs: no divergence, full captures or statistics, but where the
+    kernel computes other attention (``COMPARE_BROKEN``: the divergence is named there). Padded keys, which each
+    kernel makes of its own, never count as a divergence."""
+    if backend == "sdpa" and "sdpa" not in str(getattr(build(name).config, "_attn_implementation", "")):
+        pytest.skip(f"{name} does not run on sdpa by default")
+    comparisons = _compared(name, backend)
+    broken = COMPARE_BROKEN.get((name, backend))
+    for found in comparisons:
+        if broken is None:
+            assert found.ok, (found.first, found.diagnosis)
+        else:
+            assert not found.ok and found.first.name == broken, found.first
