@@ -23,14 +23,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..probe.analyses.scan import (
     FORMAT,
     MANIFEST,
+    CutTexts,
     Plan,
     ScanError,
     ScanResult,
+    input_chars,
     model_description,
     modules_json,
     part_name,
@@ -39,6 +42,7 @@ from ..probe.analyses.scan import (
     scan_batch,
     write_part,
 )
+from ..probe.reading import CONFIG_LIMIT, read_regular
 
 
 def _ray():
@@ -200,11 +204,14 @@ def run_ray_scan(
             "engine='ray' takes modules= as names from named_modules() or 'auto': each actor loads its own model, "
             "so module objects of this one cannot name its modules"
         )
-    ray = _ray()
     texts = list(data) if not isinstance(data, (str, os.PathLike)) else read_inputs(data, field=field, limit=limit)
     texts = texts[:limit] if limit is not None else texts
     if not texts:
         raise ScanError("no input to scan")
+    view = _positions_view(model)
+    if view is not None:  # refused, or cut where max_length truncates, as attnprobe.scan does, before any actor starts
+        texts = list(CutTexts(texts, input_chars(view, texts, max_length)))
+    ray = _ray()
     out = Path(out)
     plan = Plan(len(texts), chunk_size)
     config = _config(model, source, data, texts, field, chunk_size, max_length, layers, heads, modules)
@@ -222,6 +229,25 @@ def run_ray_scan(
     manifest = {**config, "parts": parts, "complete": not missing, "missing": missing, "engine": "ray"}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return ScanResult(out=out, inputs=len(texts), chunks_written=len(todo), chunks_skipped=plan.chunks - len(todo))
+
+
+def _positions_view(model):
+    """What ``input_chars`` reads of the model, here on the driver (the actors load the model): the model itself, or
+    the positions its folder's config.json names; None for a factory, whose actors refuse an input longer than its
+    positions after tokenizing it."""
+    if hasattr(model, "config"):
+        return model
+    if not isinstance(model, (str, os.PathLike)) or not Path(model).is_dir():
+        return None
+    try:
+        config = json.loads(read_regular(Path(model) / "config.json", what="model file", limit=CONFIG_LIMIT))
+    except (OSError, ValueError):
+        return None  # the actors' loader says what is wrong with the folder
+    if not isinstance(config, dict):
+        return None
+    return SimpleNamespace(
+        config=SimpleNamespace(**{n: config.get(n) for n in ("max_position_embeddings", "n_positions")})
+    )
 
 
 def _config(model, source, data, texts, field, chunk_size, max_length, layers, heads, modules) -> dict:

@@ -262,3 +262,16 @@ def test_only_the_main_process_checks_a_folder_before_the_barrier(tmp_path):
         prepare_folder(out, {**config, "inputs": 5}, resume=False, main=False)
     with pytest.raises(ScanError, match="already holds"):
         prepare_folder(out, config, resume=False, main=True)
+
+
+def test_the_ray_engine_refuses_an_input_longer_than_the_models_positions_before_any_actor_starts(tmp_path):
+    """engine="ray" reads the positions from the folder's config.json on the driver (its actors load the model):
+    an input no truncation was asked for that cannot fit is refused as ``attnprobe.scan`` refuses it, before Ray is
+    imported or started, and nothing is written."""
+    from attnprobe.probe.analyses.scan import CHARS_PER_TOKEN
+
+    path = gt.get_model_path()  # MiniLM: 512 positions
+    texts = ["short", "x" * (CHARS_PER_TOKEN * 512 + 1)]
+    with pytest.raises(ScanError, match=r"input 1 is 32,769 characters long, more than the model's 512 positions"):
+        attnprobe.scan(str(path), texts, tmp_path / "scan", engine="ray", progress=False)
+    assert not (tmp_path / "scan").exists()
