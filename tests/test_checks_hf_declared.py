@@ -565,6 +565,34 @@ def test_blip_text_runs_as_its_call_says_not_as_its_config_says(monkeypatch):
     assert {v.name.split(".")[0] for v in errors_of(result, "causal")} == {"text_decoder"}, result.table()
 
 
+def test_an_encoder_decoders_text_decoder_is_held_causal_with_nothing_declared(recwarn):
+    """FSMT's attention sets no ``is_causal`` (old-style, read through ``output_attentions``), and its model builds no
+    causal mask in a full forward while ``use_cache`` is on (its default): the decoder attends later tokens. The
+    text decoder of an encoder-decoder (its stack takes ``input_ids``) is causal unasked, so check() reports it with
+    nothing declared, on the decoder's self-attention only; with ``use_cache=False`` (the causal mask built) it
+    passes. DETR-style decoders (object queries) get no such expectation."""
+    from test_hf_sweep import build, make_inputs
+
+    model = build("fsmt")
+    batch, _ = make_inputs("seq2seq", model.config)
+
+    def checked(use_cache: bool):
+        with torch.no_grad(), attnprobe.capture(model) as cap:
+            model(**batch, use_cache=use_cache)
+        return cap, attnprobe.check(cap)
+
+    cap, result = checked(True)
+    decoder_self = {r.name for r in cap if r.meta.get("stack") == "decoder" and r.kind == "self"}
+    assert {v.name for v in errors_of(result, "causal")} == decoder_self, result.table()
+    assert "the text decoder of an encoder-decoder (FSMTDecoder takes input_ids)" in str(result.declarations)
+    assert checked(False)[1].ok
+    detr = build("table-transformer")
+    inputs, _ = make_inputs("detection", detr.config)
+    with torch.no_grad(), attnprobe.capture(detr) as cap:
+        detr(**inputs)
+    assert all("causal" not in r.meta.get("expects", {}) for r in cap if r.meta.get("stack") == "decoder")
+
+
 # ------------------------------------------------------------------------------------------------ statistics mode
 def _verdicts(result) -> set:
     return {(v.check, v.severity, v.layer, v.batch, v.queries, v.query_count) for v in result.violations}

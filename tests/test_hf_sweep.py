@@ -1924,9 +1924,19 @@ GENERATORS = {
 }
 
 #: Families whose generation computes attention check() reports with nothing declared (a bug in transformers).
+#: ``{name: (the kind of the calls reported, why)}``.
 GENERATION_CHECKED_BROKEN = {
-    "mllama": "transformers #48172: MllamaTextCrossAttention sets no is_causal, so sdpa runs it causally without a "
-    "cross_attention_mask (test_checks_hf_declared.py)",
+    "mllama": (
+        "cross",
+        "transformers #48172: MllamaTextCrossAttention sets no is_causal, so sdpa runs it causally without a "
+        "cross_attention_mask (test_checks_hf_declared.py)",
+    ),
+    "fsmt": (
+        "self",
+        "FSMT builds its causal mask only when given input_ids without use_cache: generate(use_cache=False), the "
+        "sweep's setting, reruns the whole decoder each step with none, so it attends later tokens (its logits "
+        "move by 1e-5 against a cached generation here; test_checks_hf_declared.py)",
+    ),
 }
 
 
@@ -1975,10 +1985,10 @@ def test_family_generation_after_an_encoder(name):
 
     if len(stats):
         assert verdicts(attnprobe.check(stats)) == verdicts(result)
-    if name in GENERATION_CHECKED_BROKEN:  # Mllama: the language model's cross-attention
-        cross = {r.name for r in cap if r.kind == "cross"}
-        found = {(v.check, v.name in cross) for v in result.errors}
-        assert found == {("causal", True)}, GENERATION_CHECKED_BROKEN[name]
+    if name in GENERATION_CHECKED_BROKEN:
+        kind, why = GENERATION_CHECKED_BROKEN[name]
+        reported = {r.name for r in cap if r.kind == kind and r.meta.get("stack") != "encoder"}
+        assert {(v.check, v.name in reported) for v in result.errors} == {("causal", True)}, why
     else:
         assert result.ok, result.table()
 

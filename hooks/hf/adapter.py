@@ -40,7 +40,7 @@ from . import dispatch as hf_dispatch
 from . import kernels
 from .context import KindProbe, Surroundings, call_kind, head_counts, parents_of, static_kind
 from .dispatch import NUMBER_ARGS, TENSOR_ARGS, Dispatch, class_info
-from .expects import Projections, config_expects, inputs_expects, scale_expects
+from .expects import Projections, config_expects, inputs_expects, scale_expects, text_decoder_expects
 from .recompute import MaskInfo, MaskMemo, Recompute
 from .source import record_dtype, softmax_dtype
 
@@ -238,7 +238,8 @@ class _Recorder:
         if part is not None:
             meta["stack"] = part
         self.meta = meta
-        self.expects = config_expects(module, part)  # what the config declares (record.meta["expects"])
+        # what the config and the model's structure declare (record.meta["expects"])
+        self.expects = {**config_expects(module, part), **text_decoder_expects(self.state, part)}
         self.projections = None if session.compiled else Projections(module, stack)  # q and k before the kernel
         # many eager functions run their softmax in float32 whatever the model's dtype: the weights of a
         # float64 model are then only float32-accurate, and the record says so (checks use its dtype)

@@ -32,6 +32,7 @@ from torch import nn
 
 from ...probe.checks.predicate import documents_from_positions
 from ..deliver import deliver, held, listen
+from .context import forward_params
 
 #: (q, k) submodule names, in the order looked for; a norm after the projection is what q and k come from
 PROJECTIONS = (("q_norm", "k_norm"), ("q_proj", "k_proj"), ("query", "key"), ("q_lin", "k_lin"), ("q", "k"))
@@ -149,6 +150,15 @@ _BLOCK_INPUTS = (
     ("token_type_ids", "models.paligemma.", lambda t: t == 0),
     ("mm_token_type_ids", "models.gemma4.", lambda t: (t == 1) | (t == 2)),
 )
+
+
+def text_decoder_expects(state, part: str | None) -> dict:
+    """``causal=True`` for the self-attention of an encoder-decoder's text decoder (the stack it runs in takes
+    ``input_ids``): autoregressive, whatever its modules set (FSMT's, ProphetNet's and MVP's set nothing). DETR-style
+    decoders, whose object queries attend each other (``inputs_embeds`` only), are not."""
+    if part != "decoder" or state is None or "input_ids" not in forward_params(state.cls):
+        return {}
+    return {"causal": _entry(True, f"the text decoder of an encoder-decoder ({state.cls.__name__} takes input_ids)")}
 
 
 def decoder_expects(state, kind: str) -> dict:

@@ -20,7 +20,7 @@ from ...probe.threads import current, elsewhere
 from ..functional import code_reaches_sdpa
 from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
-from .expects import config_expects, decoder_expects
+from .expects import config_expects, decoder_expects, text_decoder_expects
 from .source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
@@ -341,6 +341,7 @@ class _FallbackSite:
         if part is not None:
             self.meta["stack"] = part
         expects = config_expects(module, part, getattr(self.state, "config", None))  # what the config declares
+        expects.update(text_decoder_expects(self.state, part))
         if expects:
             self.meta["expects"] = expects
         self.softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the dtype
