@@ -668,12 +668,46 @@ def test_an_old_style_module_that_says_it_is_causal_is_held_to_it(gpt_neo, recwa
     cap, result = checked()
     assert {r.causal for r in cap} == {True} and result.ok, result.table()
     monkeypatch.setattr(modeling_gpt_neo, "create_causal_mask", lambda **kwargs: None)
-    for m in gpt_neo.modules():
-        if type(m).__name__ == "GPTNeoSelfAttention":
-            monkeypatch.setattr(m, "bias", torch.ones_like(m.bias))
-    _, result = checked()
+    buffers = {m: m.bias for m in gpt_neo.modules() if type(m).__name__ == "GPTNeoSelfAttention"}
+    try:  # (monkeypatch's undo would delete a module's buffer, not restore it)
+        for m, triangle in buffers.items():
+            m.bias = torch.ones_like(triangle)
+        _, result = checked()
+    finally:
+        for m, triangle in buffers.items():
+            m.bias = triangle
     assert {v.layer for v in result.errors if v.check == "causal"} == {0, 1}, result.table()
     bloom = transformers.BloomModel(transformers.BloomConfig(hidden_size=16, n_layer=1, n_head=4, vocab_size=100))
     with torch.no_grad(), attnprobe.capture(bloom.eval()) as cap:
         bloom(input_ids=ids)
     assert {r.causal for r in cap} == {None}  # BloomAttention sets no is_causal
+
+
+def test_a_statistics_capture_of_old_style_modules_computes_them_from_their_weights(gpt_neo, assert_no_hooks):
+    """keep=("stats",) on an old-style model asks it for output_attentions and keeps the statistics of those weights,
+    not the weights (it recorded nothing): each call's entropy and largest weight those of the full capture's
+    weights, the same check() verdicts, a warning that says what memory this takes, the output unchanged, and the
+    training monitor on GPT-Neo has a history."""
+    batch = inputs("llama", "left")
+    with torch.no_grad():
+        plain = gpt_neo(**batch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with attnprobe.capture(gpt_neo, keep=("stats",)) as stats:
+                out = gpt_neo(**batch)
+        with attnprobe.capture(gpt_neo) as full:
+            gpt_neo(**batch)
+    assert torch.equal(out.logits, plain.logits) and out.attentions is None
+    said = " ".join(str(w.message) for w in caught if issubclass(w.category, AttnprobeWarning))
+    assert "computed from those weights" in said and "layers x (query x key)" in said
+    assert len(stats) == len(full) == 2
+    for s, f in zip(stats, full, strict=True):
+        assert s.weights is None and s.meta["stats_source"] == "weights"
+        real = ~f.query_padding[:, None, :].expand(f.weights.shape[:3])  # (batch, head, query): real rows
+        torch.testing.assert_close(s.stats["max_weight"][real], f.weights.amax(-1)[real])
+    verdicts = [{(v.check, v.severity, v.layer) for v in attnprobe.check(c).violations} for c in (stats, full)]
+    assert verdicts[0] == verdicts[1]
+    model = _gpt_neo().train()
+    with attnprobe.monitor(model, every=1) as mon:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+    assert len(mon.history) == 2 * 4  # two layers of four heads, one sampled step

@@ -1816,11 +1816,9 @@ def test_family_on_eager(name):
 def test_family_statistics(name):
     """Every family captured with ``keep=("stats",)`` as well: a statistics record for each call the full capture
     records, its largest weight and entropy those of the full capture's weights (real rows), and check() giving the
-    same verdicts from the statistics as from the weights. Old-style families record weights only (the fallback
-    reads output_attentions): their statistics captures record nothing, and say so."""
+    same verdicts from the statistics as from the weights. Old-style families (the fallback reads output_attentions)
+    have their statistics computed from those weights."""
     model = build(name)
-    if old_style_attention(model):
-        pytest.skip("old-style attention: the fallback records weights only (keep=('stats',) warns, records nothing)")
     _, _, kind, *extras = FAMILIES[name]
     extras = extras[0] if extras else {}
     batch, masks = make_inputs(kind, model.config, extras.get("image_tokens", 16))
@@ -1962,7 +1960,7 @@ def test_family_generation_after_an_encoder(name):
     """Every encoder-decoder, speech-to-text and image-text-to-text family generating 3 tokens under capture: the
     tokens of an uncaptured ``generate``, a record per step, ``check(cap)`` clean with nothing declared (what the
     modules, configs and masks say), and the same verdicts from a statistics capture's generation (old-style
-    families' statistics captures record nothing: they warn)."""
+    families' statistics come from the weights they return)."""
     try:
         model = _generator(name)
     except Exception as e:  # a family this transformers cannot build from the tiny config
@@ -1983,8 +1981,7 @@ def test_family_generation_after_an_encoder(name):
     def verdicts(result) -> set:
         return {(v.check, v.severity, v.layer, v.step, v.batch) for v in result.violations if v.severity != "skip"}
 
-    if len(stats):
-        assert verdicts(attnprobe.check(stats)) == verdicts(result)
+    assert len(stats) == len(cap) and verdicts(attnprobe.check(stats)) == verdicts(result)
     if name in GENERATION_CHECKED_BROKEN:
         kind, why = GENERATION_CHECKED_BROKEN[name]
         reported = {r.name for r in cap if r.kind == kind and r.meta.get("stack") != "encoder"}

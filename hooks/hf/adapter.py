@@ -741,9 +741,9 @@ class HuggingFaceAdapter(Adapter):
         old_style = [s for s in selected if s.info["strategy"] != _STRATEGY]
         if interface:
             self._attach_interface(session, interface, surroundings, stack)
-        if old_style and "weights" not in session.selection.keep:
-            # the fallback records weights only: asking the model for output_attentions would keep every layer's
-            # weights alive until it returns, for nothing
+        if old_style and not {"weights", "stats"} & set(session.selection.keep):
+            # the fallback reads weights only (and the statistics of them): asking the model for output_attentions
+            # would keep every layer's weights alive until it returns, for nothing
             warn_user(
                 f"{type(model).__name__}: {len(old_style)} attention module(s) without the attention interface "
                 f"({', '.join(sorted({type(s.module).__name__ for s in old_style}))}) give attnprobe only their "

@@ -158,7 +158,10 @@ class _ForceAttentions:
             args, kwargs = self._set("return_dict", True, args, kwargs)
         return args, kwargs
 
-    def _after(self, module, args, kwargs, output):
+    def _after(self, module, args, *rest):
+        # (kwargs, output) as registered; (output) where torch calls it after the capture that registered it closed
+        # inside this call (it iterates the hooks it had when the call's hooks began)
+        output = rest[-1]
         if not self.calls or elsewhere(self._owner):
             return None
         asked, wants_tuple = self.calls.pop()
@@ -305,7 +308,19 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
         f"falls back to output_attentions for {len(sites)} module(s) and records post-softmax weights only "
         f"(weights_source='output_attentions'). {', '.join(_MISSING)} are None because the model computes them "
         "inside its own forward, where no hook point exists; the model may also take its eager path to return "
-        "weights. The output you asked for is unchanged."
+        "weights. The output you asked for is unchanged." + _statistics_note(session.selection.keep)
+    )
+
+
+def _statistics_note(keep) -> str:
+    """What a statistics capture of old-style modules costs: their statistics come from the weights, which the model
+    holds for every layer until it returns."""
+    if "stats" not in keep or "weights" in keep:
+        return ""
+    return (
+        " Their statistics (keep='stats') are computed from those weights, which the model holds for every layer "
+        "until it returns: memory grows as layers x (query x key), not bounded as for the attention interface; "
+        "max_score, and the output's checks, need the scores and v these modules do not give."
     )
 
 
