@@ -243,3 +243,34 @@ def test_history_keeps_about_eight_bytes_a_value_not_a_dict_per_row():
     assert [r["step"] for r in history[5:8]] == [5, 6, 7] and history[0]["module"] == "layers.0"
     frame = history.frame()
     assert list(frame.columns) == list(COLUMNS) and frame["step"].dtype == "int64" and len(frame) == 20_000
+
+
+def test_the_hooks_a_sampled_capture_puts_on_the_monitored_model_see_that_call():
+    """The monitor opens a sampled step's capture inside the model's own forward pre-hook, and torch calls only the
+    hooks a module had when its call began: the capture's own pre-hooks on that model (a Hugging Face stack's reading
+    of its padding mask) missed the call, so a bare LlamaModel's left padding went unseen and the history counted
+    padded rows as real (14 rows where the batch has 12 tokens). The monitor runs them itself; the capture closes
+    after its own post-hooks ran. The gradients are those of a run without the monitor."""
+    transformers = pytest.importorskip("transformers")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [0, 0, 3, 4, 5, 6, 7]])
+    mask = (ids != 0).long()  # (batch, position): two padded positions, 12 real tokens
+    grads = []
+    for monitored in (False, True):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=32,
+            vocab_size=100,
+        )
+        model = transformers.LlamaModel(config).train()
+        monitor = attnprobe.monitor(model, every=1, rows=None) if monitored else None
+        out = model(input_ids=ids, attention_mask=mask)
+        out.last_hidden_state.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if monitor is not None:
+            monitor.close()
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert monitor.history["rows"].tolist() == [12, 12]  # each head: the real rows only

@@ -112,6 +112,26 @@ class History(Sequence):
         return pd.DataFrame(data, columns=list(COLUMNS))
 
 
+def _missed_pre_hooks(module: nn.Module, known: set, args: tuple, kwargs: dict):
+    """Run the forward pre-hooks a capture opened inside ``module``'s own pre-hook registered on it: torch calls the
+    hooks a module had when its call began, so this call would miss them (an old-style model's request for
+    ``output_attentions``, a stack's reading of its mask). In order, as torch would; ``(args, kwargs)`` where one
+    changed them, else None."""
+    changed = False
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in known:
+            continue
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs, changed = result[0], result[1], True
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args, changed = (result if isinstance(result, tuple) else (result,)), True
+    return (args, kwargs) if changed else None
+
+
 class MonitorError(AttnprobeError, ValueError):
     """A monitor option cannot be used; the message says what to do."""
 
@@ -199,30 +219,32 @@ class Monitor:
                 ) from None
             self._writer = SummaryWriter(log_dir=str(log_dir))
             self._own_writer = True
-        self._handles = [
-            model.register_forward_pre_hook(self._before),
-            model.register_forward_hook(self._after, always_call=True),
-        ]
+        # the hook that closes a sampled step's capture is registered with it, after the capture's own hooks on
+        # the model: they all run before it closes
+        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True)]
 
     # ------------------------------------------------------------------ hooks
-    def _before(self, module, args):
+    def _before(self, module, args, kwargs):
         call = self.calls
         self.calls += 1
         if call % self.every or self._open is not None:
             return None
         if torch.compiler.is_compiling():
             return None
+        known = set(module._forward_pre_hooks)
         session = self._capture(self.model, **self._options)
         cap = session.__enter__()
-        self._open = (session, cap, call)
+        closing = module.register_forward_hook(self._after, always_call=True)
+        self._open = (session, cap, call, closing)
         self._thread = threading.get_ident()
-        return None
+        return _missed_pre_hooks(module, known, args, kwargs)
 
     def _after(self, module, args, output):
         if self._open is None or self._thread != threading.get_ident():
             return None
-        session, cap, call = self._open
+        session, cap, call, closing = self._open
         self._open = None
+        closing.remove()
         if output is None:  # the forward raised (a hook called always): close quietly, nothing to record
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", AttnprobeWarning)
@@ -319,8 +341,9 @@ class Monitor:
             handle.remove()
         self._handles = []
         if self._open is not None:
-            session, _, _ = self._open
+            session, _, _, closing = self._open
             self._open = None
+            closing.remove()
             session.__exit__(None, None, None)
         if self._writer is not None and self._own_writer:
             self._writer.close()
