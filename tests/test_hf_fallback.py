@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 
@@ -711,3 +712,35 @@ def test_a_statistics_capture_of_old_style_modules_computes_them_from_their_weig
     with attnprobe.monitor(model, every=1) as mon:
         model(**batch, labels=batch["input_ids"]).loss.backward()
     assert len(mon.history) == 2 * 4  # two layers of four heads, one sampled step
+
+
+def test_old_style_weights_after_dropout_in_training(recwarn):
+    """OpenAI GPT in training returns its weights after its dropout (kept weights scaled by 1 / (1 - p), above 1):
+    a full capture records them as such (it refused them as "not post-softmax weights", and so crashed the monitor's
+    training step), with the dropout on the record so that check() does not hold them to summing to one; a
+    statistics capture and the monitor record nothing of them in training (their statistics would not be the
+    softmax's) and say so, and training gives the gradients it gives without them."""
+    from test_hf_sweep import _causal_lm, make_inputs
+
+    def model():
+        return _causal_lm("openai-gpt").train()  # attn_pdrop 0.1
+
+    batch, _ = make_inputs("causal", model().config)
+    batch.pop("attention_mask")  # OpenAI GPT's forward takes no padding
+    torch.manual_seed(1)
+    with attnprobe.capture(net := model()) as full:
+        net(**batch)
+    assert len(full) == 2 and all(r.dropout == 0.1 and float(r.weights.max()) > 1 for r in full)
+    assert not attnprobe.check(full).errors
+    with pytest.warns(AttnprobeWarning, match="after its dropout"):
+        with attnprobe.capture(net := model(), keep=("stats",)) as stats:
+            net(**batch)
+    assert len(stats) == 0
+    grads = []
+    for monitored in (False, True):
+        net, labels = model(), batch["input_ids"]
+        torch.manual_seed(1)
+        with attnprobe.monitor(net, every=1) if monitored else contextlib.nullcontext():
+            net(**batch, labels=labels).loss.backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -228,16 +228,18 @@ def _chunked(module: nn.Module, parents: dict) -> bool:
     return getattr(parent, "local", None) is True and hasattr(parent, "attend_from_chunk_stride")
 
 
-def _probabilities(weights: torch.Tensor) -> bool:
-    """Whether returned weights lie in [0, 1] (within the dtype's rounding), as post-softmax weights do.
+def _probabilities(weights: torch.Tensor, dropout: float = 0.0) -> bool:
+    """Whether returned weights lie in [0, 1] (within the dtype's rounding), as post-softmax weights do; in
+    [0, 1 / (1 - dropout)] for weights returned after the module's dropout (training: kept weights are scaled up).
 
     NaN is not evidence either way: Bloom and MPT in float64 return NaN rows for fully masked queries,
     which are their own weights (and reach their outputs)."""
     if not weights.dtype.is_floating_point or weights.numel() == 0:
         return True
     slack = 1e-3 if weights.dtype in (torch.float32, torch.float64) else 1e-2
+    ceiling = 1.0 / (1.0 - dropout) if 0.0 < dropout < 1.0 else 1.0
     w = weights.detach()
-    return not bool(((w < -slack) | (w > 1 + slack)).any())  # comparisons with NaN are False
+    return not bool(((w < -slack) | (w > ceiling * (1 + slack))).any())  # comparisons with NaN are False
 
 
 def _declared_heads(module: nn.Module) -> int | None:
@@ -364,6 +366,7 @@ class _FallbackSite:
         self.pre_softmax = type(module).__name__ in _PRE_SOFTMAX
         self.declared = _declared_heads(module)
         self.warned = False  # this capture has said once that the module is left out
+        self.dropout_warned = False  # ... that its weights after dropout give no statistics
         handle = module.register_forward_hook(self.after)
         stack.callback(handle.remove)
 
@@ -379,7 +382,24 @@ class _FallbackSite:
                 self.warned = True
                 warn_user(f"{e}; it is not recorded (the model's other attention modules are)")
             return
+        if self._after_dropout(mod):
+            return
         self.record(mod, weights)
+
+    def _after_dropout(self, mod) -> bool:
+        """True (and said once) where a statistics capture would read weights the module returned after its dropout
+        (training): they are no longer the softmax's, so their statistics would not be the attention's."""
+        if self.pre_softmax or not _dropout_of(mod) or "weights" in self.session.selection.keep:
+            return False
+        if not self.dropout_warned:
+            self.dropout_warned = True
+            warn_user(
+                f"attention module {self.site.name!r} ({type(mod).__name__}, layer {self.site.layer}) returns its "
+                f"weights after its dropout (p={_dropout_of(mod):g}) while training: their statistics would not be "
+                "the softmax's, so a statistics capture (the monitor) does not record it in training mode; "
+                "its calls in eval mode are recorded"
+            )
+        return True
 
     def readable(self, mod, output) -> torch.Tensor:
         """The ``(batch, head, query, key)`` weights in ``output``; UnsupportedModelError naming what is wrong."""
@@ -393,7 +413,7 @@ class _FallbackSite:
         if self.pre_softmax:
             with torch.no_grad():
                 weights = nn.functional.softmax(weights, dim=-1)  # (batch, head, query, key)
-        if not _probabilities(weights):
+        if not _probabilities(weights, 0.0 if self.pre_softmax else _dropout_of(mod)):
             raise UnsupportedModelError(
                 f"{where} returned output_attentions values in [{float(weights.nan_to_num().min()):.3g}, "
                 f"{float(weights.nan_to_num().max()):.3g}]: not post-softmax weights, so attnprobe cannot record them "
