@@ -744,3 +744,21 @@ def test_old_style_weights_after_dropout_in_training(recwarn):
             net(**batch, labels=labels).loss.backward()
         grads.append([p.grad.clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_prophetnet_in_training_keeps_its_weights_dropout_in_an_attribute(recwarn):
+    """ProphetNet applies its weights' dropout with nn.functional.dropout and keeps the probability in
+    ``attention_dropout``: read there, its decoder's weights after dropout are recorded as such in training (the
+    monitor's training step raised "not post-softmax weights"), and its encoder's and cross-attention's (logits,
+    softmaxed by attnprobe) give the monitor its statistics."""
+    from test_hf_sweep import build, make_inputs
+
+    model = build("prophetnet").train()
+    batch, _ = make_inputs("seq2seq", model.config)
+    with attnprobe.monitor(model, every=1) as mon:
+        model(**batch).last_hidden_state.sum().backward()
+    assert set(mon.history["layer"]) == {0, 1, 3, 5}  # the encoder's and the cross-attention's, from their logits
+    with attnprobe.capture(model) as cap:
+        model(**batch)
+    decoder = [r for r in cap if r.meta.get("stack") == "decoder" and r.kind == "self"]
+    assert decoder and all(r.dropout == 0.1 for r in decoder)

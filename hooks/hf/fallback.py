@@ -268,9 +268,19 @@ def _encoder_of(model: nn.Module) -> nn.Module | None:
     return encoder if isinstance(encoder, nn.Module) else None
 
 
+#: Float attributes old-style modules keep the dropout of their weights in, applied with nn.functional.dropout
+#: (ProphetNet's attention_dropout)
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout")
+
+
 def _dropout_of(module: nn.Module) -> float:
+    """The dropout the module applies while training: its nn.Dropout submodules', or the probability it keeps for
+    nn.functional.dropout; 0 in eval mode."""
+    if not module.training:
+        return 0.0
     ps = [m.p for m in module.modules() if isinstance(m, nn.Dropout)]
-    return max(ps) if ps and module.training else 0.0
+    ps += [float(p) for n in _DROPOUT_ATTRIBUTES if isinstance(p := getattr(module, n, None), float)]
+    return max(ps, default=0.0)
 
 
 def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitStack) -> None:
