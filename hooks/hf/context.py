@@ -52,11 +52,7 @@ def _forward_params(cls: type) -> dict[str, int]:
     return {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1) for i, p in enumerate(params)}
 
 
-class _NoParam:
-    """The default of a parameter the forward does not have."""
-
-
-_NO_PARAM = _NoParam()
+_NO_PARAM = object()  # the default of a parameter the forward does not have
 
 
 def _default_of(cls: type, name: str):

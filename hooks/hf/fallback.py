@@ -383,8 +383,9 @@ class _FallbackSite:
     def after(self, mod, args, output) -> None:
         if elsewhere(self.owner):
             return  # another thread's forward
+        dropout = _dropout_of(mod)  # while training
         try:
-            weights = self.readable(mod, output)
+            weights = self.readable(mod, output, dropout)
         except UnsupportedModelError as e:
             if self.strict:
                 raise
@@ -392,27 +393,28 @@ class _FallbackSite:
                 self.warned = True
                 warn_user(f"{e}; it is not recorded (the model's other attention modules are)")
             return
-        if self._after_dropout(mod):
+        if self._after_dropout(mod, dropout):
             return
-        self.record(mod, weights)
+        self.record(mod, weights, dropout)
 
-    def _after_dropout(self, mod) -> bool:
+    def _after_dropout(self, mod, dropout: float) -> bool:
         """True (and said once) where a statistics capture would read weights the module returned after its dropout
         (training): they are no longer the softmax's, so their statistics would not be the attention's."""
-        if self.pre_softmax or not _dropout_of(mod) or "weights" in self.session.selection.keep:
+        if self.pre_softmax or not dropout or "weights" in self.session.selection.keep:
             return False
         if not self.dropout_warned:
             self.dropout_warned = True
             warn_user(
                 f"attention module {self.site.name!r} ({type(mod).__name__}, layer {self.site.layer}) returns its "
-                f"weights after its dropout (p={_dropout_of(mod):g}) while training: their statistics would not be "
+                f"weights after its dropout (p={dropout:g}) while training: their statistics would not be "
                 "the softmax's, so a statistics capture (the monitor) does not record it in training mode; "
                 "its calls in eval mode are recorded"
             )
         return True
 
-    def readable(self, mod, output) -> torch.Tensor:
-        """The ``(batch, head, query, key)`` weights in ``output``; UnsupportedModelError naming what is wrong."""
+    def readable(self, mod, output, dropout: float = 0.0) -> torch.Tensor:
+        """The ``(batch, head, query, key)`` weights in ``output`` (returned after the module's ``dropout`` where it is
+        training); UnsupportedModelError naming what is wrong."""
         site = self.site
         where = f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer})"
         weights = _weights_in(output)  # in the module's own layout
@@ -423,7 +425,7 @@ class _FallbackSite:
         if self.pre_softmax:
             with torch.no_grad():
                 weights = nn.functional.softmax(weights, dim=-1)  # (batch, head, query, key)
-        if not _probabilities(weights, 0.0 if self.pre_softmax else _dropout_of(mod)):
+        if not _probabilities(weights, 0.0 if self.pre_softmax else dropout):
             raise UnsupportedModelError(
                 f"{where} returned output_attentions values in [{float(weights.nan_to_num().min()):.3g}, "
                 f"{float(weights.nan_to_num().max()):.3g}]: not post-softmax weights, so attnprobe cannot record them "
@@ -460,14 +462,13 @@ class _FallbackSite:
             f"it is layer {site.layer})"
         )
 
-    def record(self, mod, weights: torch.Tensor) -> None:
+    def record(self, mod, weights: torch.Tensor, dropout: float) -> None:
         site, state = self.site, self.state
         b, heads, q_len, k_len = weights.shape  # (batch, head, query, key)
         if site.num_heads != heads:
             site.num_heads = heads
             site.num_kv_heads = site.num_kv_heads if site.num_kv_heads and heads % site.num_kv_heads == 0 else heads
             self.session.select_site(site)
-        dropout = _dropout_of(mod)
         kind = call_kind(self.kind, self.probe)
         offset = state.position if state is not None else 0
         if self.time_first and kind == "self":
