@@ -251,26 +251,17 @@ def test_the_hooks_a_sampled_capture_puts_on_the_monitored_model_see_that_call()
     of its padding mask) missed the call, so a bare LlamaModel's left padding went unseen and the history counted
     padded rows as real (14 rows where the batch has 12 tokens). The monitor runs them itself; the capture closes
     after its own post-hooks ran. The gradients are those of a run without the monitor."""
-    transformers = pytest.importorskip("transformers")
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [0, 0, 3, 4, 5, 6, 7]])
-    mask = (ids != 0).long()  # (batch, position): two padded positions, 12 real tokens
+    pytest.importorskip("transformers")
+    from hf_helpers import build, inputs
+
+    batch = inputs("llama", "left")  # (2, 7): two padded positions, 12 real tokens
     grads = []
     for monitored in (False, True):
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            hidden_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            intermediate_size=32,
-            vocab_size=100,
-        )
-        model = transformers.LlamaModel(config).train()
+        model = build("llama").model.train()  # the bare LlamaModel
         monitor = attnprobe.monitor(model, every=1, rows=None) if monitored else None
-        out = model(input_ids=ids, attention_mask=mask)
-        out.last_hidden_state.sum().backward()
+        model(**batch).last_hidden_state.sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         if monitor is not None:
             monitor.close()
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
-    assert monitor.history["rows"].tolist() == [12, 12]  # each head: the real rows only
+    assert monitor.history["rows"].tolist() == [12] * 8  # each of two layers' four heads: the real rows only
