@@ -714,36 +714,64 @@ def test_a_statistics_capture_of_old_style_modules_computes_them_from_their_weig
     assert len(mon.history) == 2 * 4  # two layers of four heads, one sampled step
 
 
-def test_old_style_weights_after_dropout_in_training(recwarn):
-    """OpenAI GPT in training returns its weights after its dropout (kept weights scaled by 1 / (1 - p), above 1):
-    a full capture records them as such (it refused them as "not post-softmax weights", and so crashed the monitor's
-    training step), with the dropout on the record so that check() does not hold them to summing to one; a
-    statistics capture and the monitor record nothing of them in training (their statistics would not be the
-    softmax's) and say so, and training gives the gradients it gives without them."""
-    from test_hf_sweep import _causal_lm, make_inputs
+def _training_batch(name: str):
+    """(model in training with only its attention modules' dropouts on, its batch) for sweep family ``name``."""
+    from test_hf_sweep import FAMILIES, _causal_lm, build, make_inputs, old_style_attention
 
-    def model():
-        return _causal_lm("openai-gpt").train()  # attn_pdrop 0.1
+    model = _causal_lm(name) if name == "openai-gpt" else build(name)
+    batch, _ = make_inputs(FAMILIES[name][2], model.config)
+    if name == "openai-gpt":
+        batch.pop("attention_mask")  # OpenAI GPT's forward takes no padding
+    classes = set(old_style_attention(model))
+    attention = {id(d) for m in model.modules() if type(m).__name__ in classes for d in m.modules()}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout) and id(m) not in attention:
+            m.p = 0.0  # the embeddings' and hidden states' dropouts: layer 0 then sees what it sees in eval mode
+    return model.train(), batch
 
-    batch, _ = make_inputs("causal", model().config)
-    batch.pop("attention_mask")  # OpenAI GPT's forward takes no padding
-    torch.manual_seed(1)
-    with attnprobe.capture(net := model()) as full:
-        net(**batch)
-    assert len(full) == 2 and all(r.dropout == 0.1 and float(r.weights.max()) > 1 for r in full)
+
+@pytest.mark.parametrize("name", ["openai-gpt", "xlnet", "nystromformer"])
+def test_old_style_weights_in_training_are_the_softmax_before_dropout(name, recwarn):
+    """Old-style modules return their weights after their dropout while training (kept weights scaled by 1 / (1 - p)).
+    The record holds the weights before it, read at the module's nn.Dropout, as every other adapter records them:
+    layer 0 equals its weights in eval mode (XLNet hands its dropout (batch, head, query, key) and returns them
+    time-first; Nystromformer keeps a dropout it never applies). Before, a full capture recorded the dropped-out
+    weights and a statistics capture (the training monitor) recorded nothing."""
+    model, batch = _training_batch(name)
+    with torch.no_grad(), attnprobe.capture(model.eval()) as plain:
+        model(**batch)
+    model.train()
+    with attnprobe.capture(model) as full:
+        model(**batch)
+    assert len(full) == len(plain) == 2 and all(r.dropout == 0.1 for r in full)
+    assert not any(r.meta.get("weights_after_dropout") for r in full)
+    assert torch.equal(full[0].weights, plain[0].weights)
+    torch.testing.assert_close(full[1].weights.sum(-1), torch.ones(full[1].weights.shape[:3]))
     assert not attnprobe.check(full).errors
-    with pytest.warns(AttnprobeWarning, match="after its dropout"):
-        with attnprobe.capture(net := model(), keep=("stats",)) as stats:
-            net(**batch)
-    assert len(stats) == 0
+    with attnprobe.capture(model, keep=("stats",)) as stats:
+        model(**batch)
+    assert len(stats) == 2 and not [w for w in recwarn if "after its dropout" in str(w.message)]
+
+
+def test_old_style_training_keeps_outputs_and_gradients_and_the_monitor_has_history(recwarn):
+    """OpenAI GPT in training, under the monitor: the gradients it gives without it, a history (its weights before
+    dropout), and the weights the caller asks for are still the dropped-out ones (0 or the recorded / (1 - p))."""
     grads = []
     for monitored in (False, True):
-        net, labels = model(), batch["input_ids"]
+        net, batch = _training_batch("openai-gpt")
         torch.manual_seed(1)
-        with attnprobe.monitor(net, every=1) if monitored else contextlib.nullcontext():
-            net(**batch, labels=labels).loss.backward()
+        with attnprobe.monitor(net, every=1) if monitored else contextlib.nullcontext() as mon:
+            net(**batch, labels=batch["input_ids"]).loss.backward()
         grads.append([p.grad.clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert len(mon.history) == 2 * 4  # two layers of four heads
+    torch.manual_seed(2)
+    with attnprobe.capture(net) as cap:
+        asked = net(**batch, output_attentions=True).attentions
+    for rec, dropped in zip(cap, asked, strict=True):
+        kept = dropped != 0  # (batch, head, query, key): zero where dropped out or masked
+        assert bool((rec.weights[~kept] > 0).any())  # some weight was dropped out
+        torch.testing.assert_close(dropped[kept].detach(), rec.weights[kept] / 0.9)
 
 
 def test_prophetnet_in_training_keeps_its_weights_dropout_in_an_attribute(recwarn):
@@ -758,7 +786,9 @@ def test_prophetnet_in_training_keeps_its_weights_dropout_in_an_attribute(recwar
     with attnprobe.monitor(model, every=1) as mon:
         model(**batch).last_hidden_state.sum().backward()
     assert set(mon.history["layer"]) == {0, 1, 3, 5}  # the encoder's and the cross-attention's, from their logits
+    said = [str(w.message) for w in recwarn if "after its dropout" in str(w.message)]
+    assert said and "without an nn.Dropout module" in said[0]  # its decoder's functional dropout: no input to read
     with attnprobe.capture(model) as cap:
         model(**batch)
     decoder = [r for r in cap if r.meta.get("stack") == "decoder" and r.kind == "self"]
-    assert decoder and all(r.dropout == 0.1 for r in decoder)
+    assert decoder and all(r.dropout == 0.1 and r.meta["weights_after_dropout"] for r in decoder)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import ExitStack
+from itertools import permutations
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from ..functional import code_reaches_sdpa
 from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
 from .expects import config_expects, decoder_expects, text_decoder_expects
-from .source import name_branches, record_dtype, softmax_dtype
+from .source import calls_functional_dropout, name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
 #: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
@@ -283,6 +284,62 @@ def _dropout_of(module: nn.Module) -> float:
     return max(ps, default=0.0)
 
 
+class _Undropped:
+    """The weights an old-style module hands its attention dropout while training: the softmax's, read by pre-hooks on
+    its nn.Dropout submodules. Where the weights it returns are exactly those, dropped out and rescaled, they are
+    recorded instead (the weights before dropout, as every other adapter records them)."""
+
+    def __init__(self, module: nn.Module, owner, stack: ExitStack) -> None:
+        self.owner = owner
+        self.functional = calls_functional_dropout(type(module))  # a dropout no hook sees (ProphetNet's)
+        self.seen: list[tuple[torch.Tensor, float]] = []  # (a dropout's 4-D input, its p), this call's
+        self.sizes: set[int] = set()  # how many values each dropout of this call dropped out
+        handles = [module.register_forward_pre_hook(self._clear)]
+        handles += [m.register_forward_pre_hook(self._saw) for m in module.modules() if isinstance(m, nn.Dropout)]
+        for handle in handles:
+            stack.callback(handle.remove)
+
+    def _clear(self, module, args) -> None:
+        if not elsewhere(self.owner):
+            self.seen, self.sizes = [], set()
+
+    def _saw(self, dropout: nn.Dropout, args) -> None:
+        x = args[0] if args else None
+        if elsewhere(self.owner) or not (dropout.training and 0.0 < dropout.p < 1.0) or not isinstance(x, torch.Tensor):
+            return
+        self.sizes.add(x.numel())
+        if x.dim() == 4 and x.dtype.is_floating_point and not dropout.inplace:
+            self.seen.append((x, dropout.p))
+
+    def undrop(self, returned: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``returned`` (weights in the module's own layout, from a module training with dropout) as its softmax gave
+        them, and whether they are still after dropout: its nn.Dropout's input where that explains them (in their
+        layout: XLNet returns its dropout's input transposed); ``returned`` itself where no dropout of the call ran on
+        as many values and the module's code calls no functional dropout (Nystromformer keeps one it never applies)."""
+        seen, sizes = self.seen, self.sizes
+        self.seen, self.sizes = [], set()
+        for x, p in reversed(seen):
+            for view in _arranged(x, returned.shape):
+                if _dropped_from(returned, view, p):
+                    return view, False
+        return returned, self.functional or returned.numel() in sizes
+
+
+def _arranged(x: torch.Tensor, shape: torch.Size) -> list[torch.Tensor]:
+    """The views of ``x`` with its axes permuted to ``shape``, the unpermuted one first."""
+    return [x.permute(order) for order in permutations(range(x.dim())) if tuple(x.shape[i] for i in order) == shape]
+
+
+def _dropped_from(returned: torch.Tensor, x: torch.Tensor, p: float) -> bool:
+    """Whether every value of ``returned`` is 0 or ``x / (1 - p)``, as nn.Dropout(p) leaves ``x`` (rounding aside)."""
+    rtol = 1e-5 if returned.dtype in (torch.float32, torch.float64) else 1e-2
+    with torch.no_grad():
+        r = returned.detach()
+        scaled = x.detach().to(r.dtype) / (1.0 - p)  # (batch, head, query, key) in the module's layout
+        kept = torch.isclose(r, scaled, rtol=rtol, atol=0.0, equal_nan=True)
+        return bool((kept | (r == 0)).all()) and bool(kept.any())
+
+
 def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitStack) -> None:
     """Weights-only records for ``sites`` (selected old-style modules) through output_attentions."""
     parents = surroundings.parents
@@ -377,6 +434,7 @@ class _FallbackSite:
         self.declared = _declared_heads(module)
         self.warned = False  # this capture has said once that the module is left out
         self.dropout_warned = False  # ... that its weights after dropout give no statistics
+        self.undropped = _Undropped(module, self.owner, stack)  # its weights before its dropout, in training
         handle = module.register_forward_hook(self.after)
         stack.callback(handle.remove)
 
@@ -385,7 +443,7 @@ class _FallbackSite:
             return  # another thread's forward
         dropout = _dropout_of(mod)  # while training
         try:
-            weights = self.readable(mod, output, dropout)
+            weights, dropped = self.readable(mod, output, dropout)
         except UnsupportedModelError as e:
             if self.strict:
                 raise
@@ -393,39 +451,45 @@ class _FallbackSite:
                 self.warned = True
                 warn_user(f"{e}; it is not recorded (the model's other attention modules are)")
             return
-        if self._after_dropout(mod, dropout):
+        if dropped and self._after_dropout(mod, dropout):
             return
-        self.record(mod, weights, dropout)
+        self.record(mod, weights, dropout, dropped)
 
     def _after_dropout(self, mod, dropout: float) -> bool:
         """True (and said once) where a statistics capture would read weights the module returned after its dropout
-        (training): they are no longer the softmax's, so their statistics would not be the attention's."""
-        if self.pre_softmax or not dropout or "weights" in self.session.selection.keep:
+        (training) and its dropout's input could not be read: they are no longer the softmax's, so their statistics
+        would not be the attention's."""
+        if "weights" in self.session.selection.keep:
             return False
         if not self.dropout_warned:
             self.dropout_warned = True
             warn_user(
                 f"attention module {self.site.name!r} ({type(mod).__name__}, layer {self.site.layer}) returns its "
-                f"weights after its dropout (p={dropout:g}) while training: their statistics would not be "
-                "the softmax's, so a statistics capture (the monitor) does not record it in training mode; "
-                "its calls in eval mode are recorded"
+                f"weights after its dropout (p={dropout:g}) while training, and applies it without an nn.Dropout "
+                "module whose input attnprobe could read: their statistics would not be the softmax's, so a "
+                "statistics capture (the monitor) does not record it in training mode; its calls in eval mode are "
+                "recorded"
             )
         return True
 
-    def readable(self, mod, output, dropout: float = 0.0) -> torch.Tensor:
-        """The ``(batch, head, query, key)`` weights in ``output`` (returned after the module's ``dropout`` where it is
-        training); UnsupportedModelError naming what is wrong."""
+    def readable(self, mod, output, dropout: float = 0.0) -> tuple[torch.Tensor, bool]:
+        """The ``(batch, head, query, key)`` weights in ``output``, and whether they are after the module's ``dropout``
+        (training; its nn.Dropout's input replaces them where it explains them); UnsupportedModelError naming what is
+        wrong."""
         site = self.site
         where = f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer})"
         weights = _weights_in(output)  # in the module's own layout
         if weights is None:
             raise self._no_weights(mod, output, where)
+        dropped = bool(dropout) and not self.pre_softmax
+        if dropped:
+            weights, dropped = self.undropped.undrop(weights)  # the softmax's, where the module's dropout shows them
         if self.time_first:
             weights = weights.permute(2, 3, 0, 1)  # (query, key, batch, head) -> (batch, head, query, key)
         if self.pre_softmax:
             with torch.no_grad():
                 weights = nn.functional.softmax(weights, dim=-1)  # (batch, head, query, key)
-        if not _probabilities(weights, 0.0 if self.pre_softmax else dropout):
+        if not _probabilities(weights, dropout if dropped else 0.0):
             raise UnsupportedModelError(
                 f"{where} returned output_attentions values in [{float(weights.nan_to_num().min()):.3g}, "
                 f"{float(weights.nan_to_num().max()):.3g}]: not post-softmax weights, so attnprobe cannot record them "
@@ -436,7 +500,7 @@ class _FallbackSite:
                 f"{where} has {self.declared} heads but returned weights of shape {tuple(weights.shape)}: not laid "
                 "out as (batch, head, query, key), so attnprobe cannot read them. Exclude the module with layers=[...]"
             )
-        return weights
+        return weights, dropped
 
     def _no_weights(self, mod, output, where: str) -> UnsupportedModelError:
         """Why ``output`` holds no (query, key) weights: two streams, weights of another layout, or none."""
@@ -462,7 +526,7 @@ class _FallbackSite:
             f"it is layer {site.layer})"
         )
 
-    def record(self, mod, weights: torch.Tensor, dropout: float) -> None:
+    def record(self, mod, weights: torch.Tensor, dropout: float, dropped: bool) -> None:
         site, state = self.site, self.state
         b, heads, q_len, k_len = weights.shape  # (batch, head, query, key)
         if site.num_heads != heads:
@@ -497,5 +561,5 @@ class _FallbackSite:
             dropout=dropout,
             step=state.step if state is not None else None,
             query_offset=offset,
-            meta={**meta, "weights_after_dropout": True} if dropout and not self.pre_softmax else meta,
+            meta={**meta, "weights_after_dropout": True} if dropped else meta,
         )
