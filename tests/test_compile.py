@@ -164,6 +164,58 @@ def test_a_fullgraph_compiled_model_is_captured_without_a_graph_break(case, back
     assert not attnprobe.check(cap).errors
 
 
+OLD_STYLE = [("gpt-neo", "eager", False), ("gpt-neo", "inductor", False), ("xlnet", "eager", False)]
+OLD_STYLE += [("openai-gpt", "eager", True)]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch")  # inductor's own imports (torch.utils.mkldnn)
+@pytest.mark.parametrize(
+    "name,backend,train", OLD_STYLE, ids=[f"{n}-{b}-{'train' if t else 'eval'}" for n, b, t in OLD_STYLE]
+)
+def test_an_old_style_model_compiled_with_fullgraph_is_captured_as_in_eager_mode(
+    name, backend, train, assert_no_hooks, recwarn
+):
+    """Old-style models (no attention interface: weights read from output_attentions) compiled with fullgraph=True.
+    The fallback's hooks only deliver what they see, so the capture runs in the graph. Before, Dynamo raised "Could
+    not guard on data-dependent expression" from the fallback's checks of the weights, inside the forward. The records
+    are the eager capture's (XLNet's time-first weights; OpenAI GPT's in training, before its dropout, with the same
+    random stream), and outputs stay bitwise equal before, during and after."""
+    from test_hf_sweep import FAMILIES, _causal_lm, make_inputs
+
+    model = _causal_lm(name).train(train)
+    batch, _ = make_inputs(FAMILIES[name][2], model.config)
+    if name == "openai-gpt":
+        batch.pop("attention_mask")  # its forward takes no padding
+    reference = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.no_grad(), attnprobe.capture(reference) as expected:
+        reference(**batch)
+    compiled, _ = compiled_or_skip(model, (), batch, backend, False)
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return compiled(**batch).logits
+
+    before = run()
+    with attnprobe.capture(compiled) as cap:
+        during = run()
+    after = run()
+    dynamo.reset()
+    assert graph_breaks() == 0 and torch.equal(after, before)
+    if backend == "eager":
+        assert torch.equal(during, before)
+    else:  # inductor may fuse differently around the capture's op
+        torch.testing.assert_close(during, before)
+    assert_no_hooks(model)
+    assert [(r.layer, r.kind) for r in cap] == [(r.layer, r.kind) for r in expected] and len(cap) == 2
+    for got, want in zip(cap, expected):
+        assert got.weights_source == "output_attentions" and "weights_after_dropout" not in got.meta
+        torch.testing.assert_close(got.weights, want.weights, atol=1e-6, rtol=1e-5)
+        assert (got.query_padding is None) == (want.query_padding is None)
+    assert not attnprobe.check(cap).errors
+
+
 @pytest.mark.parametrize("case", ["llama", "own", "mha"])
 def test_twenty_alternating_steps_compile_once(case):
     """Captured and plain training steps alternate: the first capture compiles the graph once, every later capture

@@ -18,6 +18,7 @@ from torch import nn
 
 from ...probe.errors import UnsupportedModelError, warn_user
 from ...probe.threads import current, elsewhere
+from ..deliver import deliver, held, hold_recompile, listen, number
 from ..functional import code_reaches_sdpa
 from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
@@ -285,31 +286,25 @@ def _dropout_of(module: nn.Module) -> float:
 
 
 class _Undropped:
-    """The weights an old-style module hands its attention dropout while training: the softmax's, read by pre-hooks on
-    its nn.Dropout submodules. Where the weights it returns are exactly those, dropped out and rescaled, they are
-    recorded instead (the weights before dropout, as every other adapter records them)."""
+    """The weights an old-style module hands its attention dropout while training: the softmax's, delivered by
+    pre-hooks on its nn.Dropout submodules. Where the weights it returns are exactly those, dropped out and rescaled,
+    they are recorded instead (the weights before dropout, as every other adapter records them)."""
 
-    def __init__(self, module: nn.Module, owner, stack: ExitStack) -> None:
-        self.owner = owner
+    def __init__(self, module: nn.Module) -> None:
         self.functional = calls_functional_dropout(type(module))  # a dropout no hook sees (ProphetNet's)
+        self.dropouts = [m for m in module.modules() if isinstance(m, nn.Dropout)]
+        self.clear()
+
+    def clear(self) -> None:
+        """A new call of the module begins."""
         self.seen: list[tuple[torch.Tensor, float]] = []  # (a dropout's 4-D input, its p), this call's
         self.sizes: set[int] = set()  # how many values each dropout of this call dropped out
-        handles = [module.register_forward_pre_hook(self._clear)]
-        handles += [m.register_forward_pre_hook(self._saw) for m in module.modules() if isinstance(m, nn.Dropout)]
-        for handle in handles:
-            stack.callback(handle.remove)
 
-    def _clear(self, module, args) -> None:
-        if not elsewhere(self.owner):
-            self.seen, self.sizes = [], set()
-
-    def _saw(self, dropout: nn.Dropout, args) -> None:
-        x = args[0] if args else None
-        if elsewhere(self.owner) or not (dropout.training and 0.0 < dropout.p < 1.0) or not isinstance(x, torch.Tensor):
-            return
+    def saw(self, x: torch.Tensor, p: float, readable: bool) -> None:
+        """One of the module's dropouts (training, ``p``) ran on ``x``; ``readable``: 4-D floating, not in place."""
         self.sizes.add(x.numel())
-        if x.dim() == 4 and x.dtype.is_floating_point and not dropout.inplace:
-            self.seen.append((x, dropout.p))
+        if readable:
+            self.seen.append((held(x), p))
 
     def undrop(self, returned: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """``returned`` (weights in the module's own layout, from a module training with dropout) as its softmax gave
@@ -317,7 +312,7 @@ class _Undropped:
         layout: XLNet returns its dropout's input transposed); ``returned`` itself where no dropout of the call ran on
         as many values and the module's code calls no functional dropout (Nystromformer keeps one it never applies)."""
         seen, sizes = self.seen, self.sizes
-        self.seen, self.sizes = [], set()
+        self.clear()
         for x, p in reversed(seen):
             for view in _arranged(x, returned.shape):
                 if _dropped_from(returned, view, p):
@@ -407,7 +402,8 @@ def _refuse_if_path_changes(site, owners) -> None:
 
 
 class _FallbackSite:
-    """The forward hook on one selected old-style module: the weights in its return value, read and recorded."""
+    """The hooks on one selected old-style module (and on its dropouts): the weights in its return value, delivered
+    (also from a compiled graph), then read and recorded outside the forward."""
 
     def __init__(self, session, site, surroundings, stack: ExitStack, strict: bool) -> None:
         module = site.module
@@ -434,16 +430,57 @@ class _FallbackSite:
         self.declared = _declared_heads(module)
         self.warned = False  # this capture has said once that the module is left out
         self.dropout_warned = False  # ... that its weights after dropout give no statistics
-        self.undropped = _Undropped(module, self.owner, stack)  # its weights before its dropout, in training
-        handle = module.register_forward_hook(self.after)
-        stack.callback(handle.remove)
+        self.undropped = _Undropped(module)  # its weights before its dropout, in training
+        self._hook(module, session, stack)
 
-    def after(self, mod, args, output) -> None:
+    def _hook(self, module: nn.Module, session, stack: ExitStack) -> None:
+        """Hooks that hand what they see to ``receive`` and do nothing else (traceable by torch.compile)."""
+        token = 0
+
+        def called(module, args) -> None:
+            deliver(token, "call", [], [])
+
+        def dropping(dropout: nn.Dropout, args) -> None:
+            x = args[0] if args else None
+            if dropout.training and 0.0 < dropout.p < 1.0 and isinstance(x, torch.Tensor):
+                readable = x.dim() == 4 and x.dtype.is_floating_point and not dropout.inplace
+                deliver(token, "dropout", [x], [dropout.p, number(readable)])
+
+        def returned(module, args, output) -> None:
+            weights = _weights_in(output)  # in the module's own layout
+            if weights is not None:
+                deliver(token, "weights", [weights], [])
+            else:  # what the error says
+                deliver(token, "none", [], [number(_several_weights(output)), *(_other_layout(output) or ())])
+
+        token = listen(module, "hf-old", self.receive, stack)
+        hold_recompile(session, stack)  # a model compiled before the capture runs these hooks too
+        handles = [module.register_forward_pre_hook(called), module.register_forward_hook(returned)]
+        handles += [d.register_forward_pre_hook(dropping) for d in self.undropped.dropouts]
+        for handle in handles:
+            stack.callback(handle.remove)
+
+    def receive(self, event: str, tensors: list, numbers: list) -> None:
+        """What the hooks delivered, outside any compiled graph."""
         if elsewhere(self.owner):
             return  # another thread's forward
+        if event == "call":
+            self.undropped.clear()
+        elif event == "dropout":
+            self.undropped.saw(tensors[0], numbers[0], bool(numbers[1]))
+        else:
+            found = (held(tensors[0]), 0, None) if event == "weights" else (None, int(numbers[0]), numbers[1:])
+            self.after(*found)
+
+    def after(self, weights: torch.Tensor | None, several: int, layout) -> None:
+        """The module returned ``weights`` (its own layout), or none: ``several`` matrices, or ``layout``, their
+        shape where they are not one (query, key) matrix."""
+        mod = self.site.module
         dropout = _dropout_of(mod)  # while training
         try:
-            weights, dropped = self.readable(mod, output, dropout)
+            if weights is None:
+                raise self._no_weights(mod, several, tuple(int(n) for n in layout or ()))
+            weights, dropped = self.readable(mod, weights, dropout)
         except UnsupportedModelError as e:
             if self.strict:
                 raise
@@ -472,15 +509,12 @@ class _FallbackSite:
             )
         return True
 
-    def readable(self, mod, output, dropout: float = 0.0) -> tuple[torch.Tensor, bool]:
-        """The ``(batch, head, query, key)`` weights in ``output``, and whether they are after the module's ``dropout``
-        (training; its nn.Dropout's input replaces them where it explains them); UnsupportedModelError naming what is
-        wrong."""
+    def readable(self, mod, weights: torch.Tensor, dropout: float = 0.0) -> tuple[torch.Tensor, bool]:
+        """The returned ``weights`` as ``(batch, head, query, key)``, and whether they are after the module's
+        ``dropout`` (training; its nn.Dropout's input replaces them where it explains them); UnsupportedModelError
+        naming what is wrong."""
         site = self.site
         where = f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer})"
-        weights = _weights_in(output)  # in the module's own layout
-        if weights is None:
-            raise self._no_weights(mod, output, where)
         dropped = bool(dropout) and not self.pre_softmax
         if dropped:
             weights, dropped = self.undropped.undrop(weights)  # the softmax's, where the module's dropout shows them
@@ -502,17 +536,19 @@ class _FallbackSite:
             )
         return weights, dropped
 
-    def _no_weights(self, mod, output, where: str) -> UnsupportedModelError:
-        """Why ``output`` holds no (query, key) weights: two streams, weights of another layout, or none."""
+    def _no_weights(self, mod, several: int, shape: tuple[int, ...]) -> UnsupportedModelError:
+        """Why the module returned no (query, key) weights: ``several`` (two streams), weights of another ``shape``, or
+        none."""
         site = self.site
-        if several := _several_weights(output):
+        where = f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer})"
+        if several:
             return UnsupportedModelError(
                 f"{where} returned {several} weight matrices for one call (XLNet's two-stream attention, used with "
                 "target_mapping); attnprobe records one (query, key) matrix per call. Capture a forward without "
                 "target_mapping, or exclude the module with layers=[...]"
             )
         unreadable = f"no adapter can read attention module {site.name!r} ({type(mod).__name__}, layer {site.layer})"
-        if (shape := _other_layout(output)) is not None:
+        if shape:
             return UnsupportedModelError(
                 f"{unreadable}: it has no attention interface and returned its weights with shape {shape}, not one "
                 "(batch, head, query, key) matrix per call (weights per window or mask unit), so attnprobe cannot "
