@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
 
+from ..probe.errors import warn_user
 from .api import monitor
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ class AttnprobeCallback(TrainerCallback):
         if model is None:
             return
         self.close()
+        if getattr(args, "torch_compile", False):
+            warn_user(
+                "TrainingArguments(torch_compile=True): the Trainer compiles the model after handing it to its "
+                "callbacks, so the monitor's hook runs inside the compiled graph, where no capture can open, and no "
+                "step is sampled. Train without torch_compile while monitoring attention"
+            )
         self.monitor = monitor(model, **self.options)
         self.monitor.step = state.global_step
         self._logged = 0

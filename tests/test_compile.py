@@ -7,6 +7,7 @@ plain calls hit Dynamo's cache. CPU, tiny models; ``backend="eager"`` everywhere
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
@@ -248,6 +249,43 @@ def test_twenty_alternating_steps_compile_once(case):
     # as frames of their own); nothing after it compiles
     assert after_first > compiled_before
     assert extra == after_first - compiled_before, "a later capture or plain step compiled again"
+
+
+@pytest.mark.parametrize("case", ["llama", "own"])
+def test_the_monitor_of_a_compiled_module_samples_inside_its_graph(case):
+    """attnprobe.monitor(compiled): its hook is on the compiled wrapper and runs before the graph, and the capture it
+    opens on a sampled step records inside the graph: a history for every sampled step, no graph break, and the
+    gradients of the same compiled training without the monitor, bitwise."""
+    model, args, kwargs = make(case)
+    model.train()
+    compiled, _ = compiled_or_skip(model, args, kwargs, "eager", True)
+    grads = []
+    for monitored in (False, True):
+        model.zero_grad()
+        with attnprobe.monitor(compiled, every=2) if monitored else contextlib.nullcontext() as mon:
+            for _ in range(4):
+                step(compiled, args, kwargs, True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    dynamo.reset()
+    assert graph_breaks() == 0 and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert sorted(set(mon.history["step"])) == [0, 2] and len(mon.history) == 2 * 2 * 4  # steps x layers x heads
+
+
+def test_a_monitor_of_a_model_called_from_compiled_code_says_so_and_compiles_once():
+    """attnprobe.monitor(model), then torch.compile(model): the monitor's hook runs inside the graph, where no capture
+    can open. It counted calls there, so Dynamo compiled the graph again for each new count, and the history stayed
+    empty without a word. Now the hook does nothing in the graph, which compiles once, and closing says what to do."""
+    model, args, kwargs = make("own")
+    model.train()
+    mon = attnprobe.monitor(model, every=2)
+    compiled, _ = compiled_or_skip(model, args, kwargs, counting, True)
+    compiled_once = graphs()
+    for _ in range(6):
+        step(compiled, args, kwargs, True)
+    with pytest.warns(attnprobe.AttnprobeWarning, match=r"called from torch.compile'd code.*monitor\(compiled\)"):
+        mon.close()
+    dynamo.reset()
+    assert mon.calls == 0 and len(mon.history) == 0 and graphs() == compiled_once
 
 
 def test_an_idle_capture_compiles_nothing():

@@ -202,6 +202,42 @@ def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
     assert_no_hooks(model)
 
 
+def test_trainer_callback_says_a_compiled_trainer_is_not_monitored(tmp_path):
+    """TrainingArguments(torch_compile=True): accelerate compiles the model after the Trainer hands it to callbacks,
+    so the monitor's hook runs inside the graph and samples nothing. The callback says so when training begins (and
+    the monitor again when it closes), instead of an empty history without a word."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32))
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(4)]
+    callback = attnprobe.integrations.AttnprobeCallback(every=1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        torch_compile=True,
+        torch_compile_backend="eager",
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            trainer.train()
+        except Exception as exc:
+            if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7):
+                raise
+            pytest.skip(f"torch {torch.__version__} cannot compile transformers' models ({type(exc).__name__})")
+    said = [str(w.message) for w in seen if issubclass(w.category, attnprobe.AttnprobeWarning)]
+    assert any("torch_compile=True" in s and "no step is sampled" in s for s in said), said
+    assert any("called from torch.compile'd code" in s for s in said), said
+    assert len(callback.history) == 0
+
+
 def test_monitor_plot_draws_one_line_per_layer_or_head():
     from matplotlib.figure import Figure
 

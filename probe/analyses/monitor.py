@@ -206,6 +206,7 @@ class Monitor:
         self._fired: set = set()
         self._open: Any = None
         self._thread: int | None = None
+        self._in_graph = False  # the model ran inside torch.compile'd code (unmonitored)
         self._handles: list = []
         self._writer = writer
         self._own_writer = False
@@ -225,11 +226,13 @@ class Monitor:
 
     # ------------------------------------------------------------------ hooks
     def _before(self, module, args, kwargs):
+        if torch.compiler.is_compiling():
+            # the model is called from a compiled graph, where no capture can open: say so when the monitor closes
+            self._in_graph = True
+            return None
         call = self.calls
         self.calls += 1
         if call % self.every or self._open is not None:
-            return None
-        if torch.compiler.is_compiling():
             return None
         known = set(module._forward_pre_hooks)
         session = self._capture(self.model, **self._options)
@@ -348,6 +351,14 @@ class Monitor:
         if self._writer is not None and self._own_writer:
             self._writer.close()
         self._writer = None
+        if self._in_graph:
+            self._in_graph = False
+            warn_user(
+                f"the monitored {type(self.model).__name__} was called from torch.compile'd code, where a capture "
+                "cannot open: those calls were not monitored (nor counted). Monitor the compiled module instead, "
+                "attnprobe.monitor(compiled): its hook runs before the graph, and the capture it opens records "
+                "inside it"
+            )
 
     def __enter__(self) -> Monitor:
         return self
