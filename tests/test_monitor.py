@@ -172,24 +172,22 @@ def test_history_to_parquet_and_tensorboard(tmp_path):
     assert [e.value for e in values] == pytest.approx(expected, rel=1e-6)
 
 
-def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
+def _gpt2_trainer(tmp_path, callback, steps: int, **args):
+    """(a tiny GPT-2, a Trainer of it for ``steps`` steps on the CPU with ``callback``; ``args``: more
+    TrainingArguments)."""
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32))
-    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(16)]
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(2 * steps)]
+    settings = dict(report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, **args)
+    training = TrainingArguments(str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=2, **settings)
+    return model, Trainer(model=model, args=training, train_dataset=data, callbacks=[callback])
+
+
+def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
     callback = attnprobe.integrations.AttnprobeCallback(every=2)
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=6,
-        per_device_train_batch_size=2,
-        logging_steps=2,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    model, trainer = _gpt2_trainer(tmp_path, callback, 6, logging_steps=2)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "attention/layer_00/entropy" in entry]
     assert len(logged) == 3, trainer.state.log_history
@@ -206,24 +204,8 @@ def test_trainer_callback_says_a_compiled_trainer_is_not_monitored(tmp_path):
     """TrainingArguments(torch_compile=True): accelerate compiles the model after the Trainer hands it to callbacks,
     so the monitor's hook runs inside the graph and samples nothing. The callback says so when training begins (and
     the monitor again when it closes), instead of an empty history without a word."""
-    pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32))
-    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(4)]
     callback = attnprobe.integrations.AttnprobeCallback(every=1)
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        torch_compile=True,
-        torch_compile_backend="eager",
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    _, trainer = _gpt2_trainer(tmp_path, callback, 2, torch_compile=True, torch_compile_backend="eager")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
