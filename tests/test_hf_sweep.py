@@ -1428,6 +1428,15 @@ def make_inputs(kind: str, config, image_tokens: int = 16) -> tuple[dict, dict]:
     raise ValueError(kind)
 
 
+def family_inputs(name: str, config) -> tuple[dict, dict]:
+    """``make_inputs`` for family ``name`` (its kind and image tokens), with the family's own extra inputs."""
+    _, _, kind, *extras = FAMILIES[name]
+    extras = extras[0] if extras else {}
+    batch, masks = make_inputs(kind, config, extras.get("image_tokens", 16))
+    batch.update(extras.get("inputs", {}))
+    return batch, masks
+
+
 # ------------------------------------------------------------------------------ observing
 def tensors_of(output) -> list[torch.Tensor]:
     """Every tensor in a model output, in a fixed order (nested tuples and ModelOutputs included)."""
@@ -1575,10 +1584,8 @@ def sweep(name: str, attn_implementation: str | None = None) -> dict:
     """Capture one family with default settings (on its default backend, or ``attn_implementation``) and report
     what holds (the tests assert on it)."""
     model = build(name, attn_implementation)
-    _, _, kind, *extras = FAMILIES[name]
-    extras = extras[0] if extras else {}
-    batch, masks = make_inputs(kind, model.config, extras.get("image_tokens", 16))
-    batch.update(extras.get("inputs", {}))
+    kind = FAMILIES[name][2]
+    batch, masks = family_inputs(name, model.config)
     before, functions = implementations(model), attention_functions(model)
     plain = run_plain(model, batch, name)
     hooks = hook_counts(model)
@@ -1702,6 +1709,115 @@ def test_the_old_style_oracle_knows_families_of_every_release():
         assert not old_style_attention(build(name)), name
 
 
+#: Old-style families whose returned weights pass a dropout attnprobe cannot read (no dropout module): in training
+#: they are recorded as after dropout (``meta["weights_after_dropout"]``), and statistics captures leave them out.
+AFTER_DROPOUT = {
+    "xlm": "nn.functional.dropout on the weights it returns",
+    "flaubert": "XLM's attention: nn.functional.dropout on the weights it returns",
+    "prophetnet": "its decoder's self-attention: nn.functional.dropout",
+    "wavlm": "F.multi_head_attention_forward returns its weights after its dropout",
+    "mpt": "nn.functional.dropout on the weights it returns (attn_dropout_p)",
+}
+
+
+def _attention_dropouts_only(model, classes: set[str], p: float = 0.1) -> None:
+    """Every dropout probability inside the attention modules of ``classes`` set to ``p`` (dropout modules, and the
+    numbers their code passes to nn.functional.dropout), every other dropout, layer drop and SpecAugment mask off."""
+    inside = {id(d) for m in model.modules() if type(m).__name__ in classes for d in m.modules()}
+    for m in model.modules():
+        value = p if id(m) in inside else 0.0
+        if isinstance(m, torch.nn.Dropout):
+            m.p = value
+        elif type(m).__name__.endswith("Dropout") and hasattr(m, "drop_prob"):  # SEW-D's StableDropout
+            m.drop_prob = value
+        for attribute, number in list(vars(m).items()):
+            if id(m) in inside and "dropout" in attribute.lower() and type(number) in (int, float):
+                setattr(m, attribute, value)
+            elif attribute == "layerdrop" and type(number) is float:  # SpeechT5's stacks skip layers in training
+                setattr(m, attribute, 0.0)
+    for attribute in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "mask_time_prob", "mask_feature_prob"):
+        if hasattr(model.config, attribute):
+            setattr(model.config, attribute, 0.0)
+
+
+def _softmax_rows(weights: torch.Tensor) -> bool:
+    """Every row sums to one, or to zero (no key), or is NaN: no row of weights after a dropout of 0.1."""
+    sums = weights.sum(-1)  # (batch, head, query)
+    return bool(((sums - 1).abs() <= 1e-4).logical_or(sums == 0).logical_or(sums.isnan()).all())
+
+
+def test_old_style_families_in_training_record_the_softmax_before_dropout(recwarn):
+    """Every old-style family in training, with every attention dropout at 0.1: the records hold the weights before
+    dropout (rows that sum to one), read at the input of the module's dropout; a statistics capture records them too.
+    Before, 16 families' records held the dropped-out weights, and a statistics capture (the training monitor)
+    recorded nothing of them; XLM's, Flaubert's and WavLM's dropped-out weights were recorded as softmax weights with
+    no dropout. The families of ``AFTER_DROPOUT`` are recorded as after dropout, and statistics leave them out."""
+    failures, checked = [], 0
+    for name in ON_DEFAULT:
+        model = build(name)
+        classes = set(old_style_attention(model))
+        if name in REFUSED or not classes:
+            continue
+        checked += 1
+        _attention_dropouts_only(model, classes)
+        batch, _ = family_inputs(name, model.config)
+        model.train()
+        with torch.no_grad(), attnprobe.capture(model) as full:
+            model(**batch)
+        with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats:
+            model(**batch)
+        after = [r for r in full if r.meta.get("weights_after_dropout")]
+        if bool(after) != (name in AFTER_DROPOUT) or not full:
+            failures.append(f"{name}: {len(after)} of {len(full)} records after dropout")
+        if not all(_softmax_rows(r.weights) for r in full if r not in after):
+            failures.append(f"{name}: rows that do not sum to one, not marked after dropout")
+        if len(stats) != len(full) - len(after):
+            failures.append(f"{name}: {len(stats)} statistics records for {len(full) - len(after)} softmax ones")
+    assert checked >= 40 and not failures, (checked, failures)
+
+
+#: Old-style families of every layout the fallback reads: causal, time-first (XLNet), logits as attentions
+#: (SqueezeBERT's dict, ProphetNet), a float32 softmax (Bloom), encoder-decoders, a nested tuple (I-BERT), vision,
+#: audio, BLIP's text
+OLD_STYLE_COMPILED = (
+    "gpt-neo",
+    "bloom",
+    "xlnet",
+    "squeezebert",
+    "prophetnet",
+    "fsmt",
+    "deberta-v2",
+    "ibert",
+    "swinv2",
+    "wavlm",
+    "blip",
+)
+
+
+@pytest.mark.parametrize("name", OLD_STYLE_COMPILED)
+def test_old_style_family_compiled_with_fullgraph_records_as_in_eager_mode(name, recwarn):
+    """``torch.compile(model, fullgraph=True)`` (Dynamo's eager backend): the fallback's hooks only hand the weights
+    over, so the capture runs in the graph and its records are bitwise the eager capture's, the outputs bitwise the
+    compiled model's (all 44 old-style families did so when this was written; these cover every layout). Before,
+    Dynamo raised on the fallback's checks of the weights inside the forward."""
+    model = build(name)
+    assert old_style_attention(model), f"{name} moved onto the attention interface: pick another old-style family"
+    batch, _ = family_inputs(name, model.config)
+    with torch.no_grad(), attnprobe.capture(model) as eager:
+        model(**batch)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    plain = run_plain(compiled, batch, name)  # skips where torch cannot compile it at all (torch 2.6)
+    with torch.no_grad(), attnprobe.capture(compiled) as cap:
+        out = tensors_of(compiled(**batch))
+    torch._dynamo.reset()
+    assert len(out) == len(plain) and all(torch.equal(a, b) for a, b in zip(out, plain))
+    assert len(cap) == len(eager) > 0
+    for got, want in zip(cap, eager):
+        assert (got.layer, got.kind, got.query_offset) == (want.layer, want.kind, want.query_offset)
+        assert torch.equal(got.weights, want.weights) and got.weights_source == "output_attentions"
+
+
 #: Families refused before the forward, and what the error tells the user to do.
 REFUSED = {
     "falcon": "attn_implementation='eager'",  # computes another way when asked for weights
@@ -1820,10 +1936,7 @@ def test_family_statistics(name):
     same verdicts from the statistics as from the weights. Old-style families (the fallback reads output_attentions)
     have their statistics computed from those weights."""
     model = build(name)
-    _, _, kind, *extras = FAMILIES[name]
-    extras = extras[0] if extras else {}
-    batch, masks = make_inputs(kind, model.config, extras.get("image_tokens", 16))
-    batch.update(extras.get("inputs", {}))
+    batch, masks = family_inputs(name, model.config)
     caps = []
     for keep in (None, ("stats",)):
         with torch.no_grad(), warnings.catch_warnings():
@@ -1968,10 +2081,7 @@ def test_family_generation_after_an_encoder(name):
         pytest.skip(f"{name}: cannot build its generating model: {type(e).__name__}: {str(e)[:150]}")
     if model is None:
         pytest.skip(f"{name} has no text-generating model class")
-    _, _, kind, *extras = FAMILIES[name]
-    extras = extras[0] if extras else {}
-    batch, _ = make_inputs(kind, model.config, extras.get("image_tokens", 16))
-    batch.update(extras.get("inputs", {}))
+    batch, _ = family_inputs(name, model.config)
     for prompt_only in ("decoder_input_ids", "decoder_attention_mask"):
         batch.pop(prompt_only, None)  # generation starts the decoder itself
     cap, stats = generated_three_ways(model, batch, tokens=3)
@@ -2127,10 +2237,7 @@ def _compared(name: str, backend: str) -> list:
     """``[compare(eager twin, the model on backend)]`` with full captures and with statistics."""
     reference, candidate = build(name, "eager"), build(name, backend)
     candidate.load_state_dict(reference.state_dict())
-    _, _, kind, *extras = FAMILIES[name]
-    extras = extras[0] if extras else {}
-    batch, _ = make_inputs(kind, reference.config, extras.get("image_tokens", 16))
-    batch.update(extras.get("inputs", {}))
+    batch, _ = family_inputs(name, reference.config)
     # flex's reference path (torch 2.6 has no switch for it: the flex cases skip there), as the flex sweep runs it
     with flex_helpers.uncompiled() if backend == "flex_attention" else contextlib.nullcontext():
         run_plain(candidate, batch, name)

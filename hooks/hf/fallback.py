@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 from contextlib import ExitStack
-from itertools import permutations
 
 import torch
 from torch import nn
@@ -23,7 +22,7 @@ from ..functional import code_reaches_sdpa
 from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
 from .expects import config_expects, decoder_expects, text_decoder_expects
-from .source import calls_functional_dropout, name_branches, record_dtype, softmax_dtype
+from .source import name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
 #: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
@@ -270,59 +269,60 @@ def _encoder_of(model: nn.Module) -> nn.Module | None:
     return encoder if isinstance(encoder, nn.Module) else None
 
 
-#: Float attributes old-style modules keep the dropout of their weights in, applied with nn.functional.dropout
-#: (ProphetNet's attention_dropout)
-_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout")
+def _probability(module: nn.Module) -> float | None:
+    """The probability of a dropout module: torch's nn.Dropout, or one of transformers' own that keeps it (SEW-D's
+    StableDropout, ``drop_prob``); None for any other module."""
+    if isinstance(module, nn.Dropout):
+        return module.p
+    if type(module).__name__.endswith("Dropout"):
+        p = getattr(module, "drop_prob", getattr(module, "p", None))
+        return float(p) if isinstance(p, (float, int)) and not isinstance(p, bool) else None
+    return None
+
+
+def _dropout_modules(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if _probability(m) is not None]
 
 
 def _dropout_of(module: nn.Module) -> float:
-    """The dropout the module applies while training: its nn.Dropout submodules', or the probability it keeps for
-    nn.functional.dropout; 0 in eval mode."""
+    """The dropout the module applies while training: its dropout modules', or a probability it keeps for a functional
+    dropout (a float attribute named so: XLM's ``dropout``, ProphetNet's ``attention_dropout``); 0 in eval mode."""
     if not module.training:
         return 0.0
-    ps = [m.p for m in module.modules() if isinstance(m, nn.Dropout)]
-    ps += [float(p) for n in _DROPOUT_ATTRIBUTES if isinstance(p := getattr(module, n, None), float)]
-    return max(ps, default=0.0)
+    ps = [_probability(m) or 0.0 for m in _dropout_modules(module)]
+    ps += [float(v) for n, v in vars(module).items() if "dropout" in n.lower() and type(v) in (float, int)]
+    return max((p for p in ps if 0.0 < p < 1.0), default=0.0)
 
 
 class _Undropped:
     """The weights an old-style module hands its attention dropout while training: the softmax's, delivered by
-    pre-hooks on its nn.Dropout submodules. Where the weights it returns are exactly those, dropped out and rescaled,
-    they are recorded instead (the weights before dropout, as every other adapter records them)."""
+    pre-hooks on its dropout modules. Where the weights it returns are exactly those, dropped out and rescaled, they
+    are recorded instead (the weights before dropout, as every other adapter records them)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.functional = calls_functional_dropout(type(module))  # a dropout no hook sees (ProphetNet's)
-        self.dropouts = [m for m in module.modules() if isinstance(m, nn.Dropout)]
+        self.dropouts = _dropout_modules(module)
         self.clear()
 
     def clear(self) -> None:
         """A new call of the module begins."""
         self.seen: list[tuple[torch.Tensor, float]] = []  # (a dropout's 4-D input, its p), this call's
-        self.sizes: set[int] = set()  # how many values each dropout of this call dropped out
 
-    def saw(self, x: torch.Tensor, p: float, readable: bool) -> None:
-        """One of the module's dropouts (training, ``p``) ran on ``x``; ``readable``: 4-D floating, not in place."""
-        self.sizes.add(x.numel())
-        if readable:
-            self.seen.append((held(x), p))
+    def saw(self, x: torch.Tensor, p: float) -> None:
+        """One of the module's dropouts (training, ``p``) ran on ``x``, 4-D floating and not in place."""
+        self.seen.append((held(x), p))
 
-    def undrop(self, returned: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """``returned`` (weights in the module's own layout, from a module training with dropout) as its softmax gave
-        them, and whether they are still after dropout: its nn.Dropout's input where that explains them (in their
-        layout: XLNet returns its dropout's input transposed); ``returned`` itself where no dropout of the call ran on
-        as many values and the module's code calls no functional dropout (Nystromformer keeps one it never applies)."""
-        seen, sizes = self.seen, self.sizes
+    def undrop(self, returned: torch.Tensor, p: float) -> tuple[torch.Tensor, bool]:
+        """``returned`` (``(batch, head, query, key)`` weights of a module training with dropout ``p``) as its softmax
+        gave them, and whether they are still after dropout. Its dropout's input where that explains them; else
+        ``returned`` itself where its rows sum to one (a dropout that never reached them: Nystromformer keeps one
+        it never applies, BART-style modules drop out a copy), and after dropout where they do not (XLM's and
+        ProphetNet's decoder's nn.functional.dropout, WavLM's F.multi_head_attention_forward)."""
+        seen = self.seen
         self.clear()
-        for x, p in reversed(seen):
-            for view in _arranged(x, returned.shape):
-                if _dropped_from(returned, view, p):
-                    return view, False
-        return returned, self.functional or returned.numel() in sizes
-
-
-def _arranged(x: torch.Tensor, shape: torch.Size) -> list[torch.Tensor]:
-    """The views of ``x`` with its axes permuted to ``shape``, the unpermuted one first."""
-    return [x.permute(order) for order in permutations(range(x.dim())) if tuple(x.shape[i] for i in order) == shape]
+        for x, q in reversed(seen):
+            if x.shape == returned.shape and _dropped_from(returned, x, q):
+                return x, False
+        return returned, not _normalised(returned, p)
 
 
 def _dropped_from(returned: torch.Tensor, x: torch.Tensor, p: float) -> bool:
@@ -330,9 +330,23 @@ def _dropped_from(returned: torch.Tensor, x: torch.Tensor, p: float) -> bool:
     rtol = 1e-5 if returned.dtype in (torch.float32, torch.float64) else 1e-2
     with torch.no_grad():
         r = returned.detach()
-        scaled = x.detach().to(r.dtype) / (1.0 - p)  # (batch, head, query, key) in the module's layout
+        scaled = x.detach().to(r.dtype) / (1.0 - p)  # (batch, head, query, key)
         kept = torch.isclose(r, scaled, rtol=rtol, atol=0.0, equal_nan=True)
         return bool((kept | (r == 0)).all()) and bool(kept.any())
+
+
+def _normalised(weights: torch.Tensor, p: float) -> bool:
+    """Whether every row of ``weights`` sums to one (or to zero: a row with no key; NaN: no evidence), and some row to
+    one, as a softmax's do and weights after a dropout of ``p`` do not: a row keeps ``(1 - dropped mass) / (1 - p)``,
+    which is one only where the dropped mass is ``p`` exactly. False where the dtype's rounding cannot tell them
+    apart (``p`` below twice the tolerance)."""
+    tol = 1e-3 if weights.dtype in (torch.float32, torch.float64) else 1e-2
+    if p / 2 <= tol:
+        return False
+    with torch.no_grad():
+        sums = weights.detach().float().sum(-1)  # (batch, head, query)
+        one = (sums - 1).abs() <= tol
+        return bool((one | (sums == 0) | sums.isnan()).all()) and bool(one.any())
 
 
 def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitStack) -> None:
@@ -440,11 +454,11 @@ class _FallbackSite:
         def called(module, args) -> None:
             deliver(token, "call", [], [])
 
-        def dropping(dropout: nn.Dropout, args) -> None:
-            x = args[0] if args else None
-            if dropout.training and 0.0 < dropout.p < 1.0 and isinstance(x, torch.Tensor):
-                readable = x.dim() == 4 and x.dtype.is_floating_point and not dropout.inplace
-                deliver(token, "dropout", [x], [dropout.p, number(readable)])
+        def dropping(dropout: nn.Module, args) -> None:
+            x, p = args[0] if args else None, _probability(dropout) or 0.0
+            readable = isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype.is_floating_point
+            if dropout.training and 0.0 < p < 1.0 and readable and not getattr(dropout, "inplace", False):
+                deliver(token, "dropout", [x], [p])
 
         def returned(module, args, output) -> None:
             weights = _weights_in(output)  # in the module's own layout
@@ -467,7 +481,7 @@ class _FallbackSite:
         if event == "call":
             self.undropped.clear()
         elif event == "dropout":
-            self.undropped.saw(tensors[0], numbers[0], bool(numbers[1]))
+            self.undropped.saw(tensors[0], numbers[0])
         else:
             found = (held(tensors[0]), 0, None) if event == "weights" else (None, int(numbers[0]), numbers[1:])
             self.after(*found)
@@ -502,24 +516,24 @@ class _FallbackSite:
             self.dropout_warned = True
             warn_user(
                 f"attention module {self.site.name!r} ({type(mod).__name__}, layer {self.site.layer}) returns its "
-                f"weights after its dropout (p={dropout:g}) while training, and applies it without an nn.Dropout "
-                "module whose input attnprobe could read: their statistics would not be the softmax's, so a "
-                "statistics capture (the monitor) does not record it in training mode; its calls in eval mode are "
-                "recorded"
+                f"weights after its dropout (p={dropout:g}) while training (their rows do not sum to one), and "
+                "applies it where attnprobe cannot read its input (nn.functional.dropout, not a dropout module): their "
+                "statistics would not be the softmax's, so a statistics capture (the monitor) does not record it in "
+                "training mode; its calls in eval mode are recorded"
             )
         return True
 
     def readable(self, mod, weights: torch.Tensor, dropout: float = 0.0) -> tuple[torch.Tensor, bool]:
         """The returned ``weights`` as ``(batch, head, query, key)``, and whether they are after the module's
-        ``dropout`` (training; its nn.Dropout's input replaces them where it explains them); UnsupportedModelError
-        naming what is wrong."""
+        ``dropout`` (training; its dropout module's input replaces them where it explains them: ``_Undropped``);
+        UnsupportedModelError naming what is wrong."""
         site = self.site
         where = f"attention module {site.name!r} ({type(mod).__name__}, layer {site.layer})"
-        dropped = bool(dropout) and not self.pre_softmax
-        if dropped:
-            weights, dropped = self.undropped.undrop(weights)  # the softmax's, where the module's dropout shows them
         if self.time_first:
             weights = weights.permute(2, 3, 0, 1)  # (query, key, batch, head) -> (batch, head, query, key)
+        dropped = bool(dropout) and not self.pre_softmax
+        if dropped:  # the softmax's, where the module's dropout shows them
+            weights, dropped = self.undropped.undrop(weights, dropout)
         if self.pre_softmax:
             with torch.no_grad():
                 weights = nn.functional.softmax(weights, dim=-1)  # (batch, head, query, key)
