@@ -286,7 +286,8 @@ def _dropout_modules(module: nn.Module) -> list[nn.Module]:
 
 def _dropout_of(module: nn.Module) -> float:
     """The dropout the module applies while training: its dropout modules', or a probability it keeps for a functional
-    dropout (a float attribute named so: XLM's ``dropout``, ProphetNet's ``attention_dropout``); 0 in eval mode."""
+    dropout (a number in an attribute whose name says dropout: XLM's ``dropout``, ProphetNet's ``attention_dropout``,
+    MPT's ``attn_dropout_p``); 0 in eval mode."""
     if not module.training:
         return 0.0
     ps = [_probability(m) or 0.0 for m in _dropout_modules(module)]
