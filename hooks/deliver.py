@@ -29,7 +29,8 @@ from torch.overrides import TorchFunctionMode
 
 _RECEIVERS: dict[int, list[Callable]] = {}  # token -> receivers of the captures open on it
 _LOCK = threading.Lock()
-#: token = channel << 60 | slot << 52 | id(module) (ids of live objects stay below 2**52), a positive int64
+#: token = channel << 60 | slot << 52 | id(module) (ids of live objects stay below 2**52), a positive int64: eight
+#: channels at most
 CHANNELS = ("hf-call", "hf-kind", "hf-stack", "attnprobe", "torch_mha", "flex-call", "hf-proj", "hf-old")
 _CHANNEL_SHIFT, _SLOT_SHIFT = 60, 52
 _OP = None

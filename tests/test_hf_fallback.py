@@ -715,18 +715,15 @@ def test_a_statistics_capture_of_old_style_modules_computes_them_from_their_weig
 
 
 def _training_batch(name: str):
-    """(model in training with only its attention modules' dropouts on, its batch) for sweep family ``name``."""
-    from test_hf_sweep import FAMILIES, _causal_lm, build, make_inputs, old_style_attention
+    """(model in training with only its attention modules' dropouts on, at 0.1, its batch) for sweep family
+    ``name``: layer 0 then sees what it sees in eval mode."""
+    from test_hf_sweep import _causal_lm, attention_dropouts_only, build, family_inputs, old_style_attention
 
     model = _causal_lm(name) if name == "openai-gpt" else build(name)
-    batch, _ = make_inputs(FAMILIES[name][2], model.config)
+    batch, _ = family_inputs(name, model.config)
     if name == "openai-gpt":
         batch.pop("attention_mask")  # OpenAI GPT's forward takes no padding
-    classes = set(old_style_attention(model))
-    attention = {id(d) for m in model.modules() if type(m).__name__ in classes for d in m.modules()}
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout) and id(m) not in attention:
-            m.p = 0.0  # the embeddings' and hidden states' dropouts: layer 0 then sees what it sees in eval mode
+    attention_dropouts_only(model, set(old_style_attention(model)))
     return model.train(), batch
 
 

@@ -1720,7 +1720,7 @@ AFTER_DROPOUT = {
 }
 
 
-def _attention_dropouts_only(model, classes: set[str], p: float = 0.1) -> None:
+def attention_dropouts_only(model, classes: set[str], p: float = 0.1) -> None:
     """Every dropout probability inside the attention modules of ``classes`` set to ``p`` (dropout modules, and the
     numbers their code passes to nn.functional.dropout), every other dropout, layer drop and SpecAugment mask off."""
     inside = {id(d) for m in model.modules() if type(m).__name__ in classes for d in m.modules()}
@@ -1759,7 +1759,7 @@ def test_old_style_families_in_training_record_the_softmax_before_dropout(recwar
         if name in REFUSED or not classes:
             continue
         checked += 1
-        _attention_dropouts_only(model, classes)
+        attention_dropouts_only(model, classes)
         batch, _ = family_inputs(name, model.config)
         model.train()
         with torch.no_grad(), attnprobe.capture(model) as full:
