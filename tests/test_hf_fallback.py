@@ -727,7 +727,7 @@ def _training_batch(name: str):
     return model.train(), batch
 
 
-@pytest.mark.parametrize("name", ["openai-gpt", "xlnet", "nystromformer"])
+@pytest.mark.parametrize("name", ["openai-gpt", "xlnet", "nystromformer", "xlm"])
 def test_old_style_weights_in_training_are_the_softmax_before_dropout(name, recwarn):
     """Old-style modules return their weights after their dropout while training (kept weights scaled by 1 / (1 - p)).
     The record holds the weights before it, read at the module's nn.Dropout, as every other adapter records them:
@@ -771,21 +771,67 @@ def test_old_style_training_keeps_outputs_and_gradients_and_the_monitor_has_hist
         torch.testing.assert_close(dropped[kept].detach(), rec.weights[kept] / 0.9)
 
 
-def test_prophetnet_in_training_keeps_its_weights_dropout_in_an_attribute(recwarn):
-    """ProphetNet applies its weights' dropout with nn.functional.dropout and keeps the probability in
-    ``attention_dropout``: read there, its decoder's weights after dropout are recorded as such in training (the
-    monitor's training step raised "not post-softmax weights"), and its encoder's and cross-attention's (logits,
-    softmaxed by attnprobe) give the monitor its statistics."""
-    from test_hf_sweep import build, make_inputs
+def test_prophetnet_in_training_its_functional_dropout_is_read_at_its_call(recwarn):
+    """ProphetNet's decoder drops out the weights it returns with nn.functional.dropout (its probability kept in
+    ``attention_dropout``). That call's input is read while the module trains (a torch function mode on for the
+    module's call, eager code only): the decoder's records hold its weights before dropout, and the monitor has every
+    layer. Before, the decoder's weights were recorded after dropout, and the monitor had no history of them."""
+    from test_hf_sweep import build, family_inputs
 
     model = build("prophetnet").train()
-    batch, _ = make_inputs("seq2seq", model.config)
+    batch, _ = family_inputs("prophetnet", model.config)
     with attnprobe.monitor(model, every=1) as mon:
         model(**batch).last_hidden_state.sum().backward()
-    assert set(mon.history["layer"]) == {0, 1, 3, 5}  # the encoder's and the cross-attention's, from their logits
-    said = [str(w.message) for w in recwarn if "after its dropout" in str(w.message)]
-    assert said and "nn.functional.dropout, not a dropout module" in said[0]  # its decoder's: no input to read
-    with attnprobe.capture(model) as cap:
+    assert set(mon.history["layer"]) == set(range(6))  # the decoder's self-attention's too
+    assert not [w for w in recwarn if "after its dropout" in str(w.message)]
+    with torch.no_grad(), attnprobe.capture(model) as cap:
         model(**batch)
     decoder = [r for r in cap if r.meta.get("stack") == "decoder" and r.kind == "self"]
-    assert decoder and all(r.dropout == 0.1 and r.meta["weights_after_dropout"] for r in decoder)
+    assert decoder and all(r.dropout == 0.1 and "weights_after_dropout" not in r.meta for r in decoder)
+    for r in decoder:
+        torch.testing.assert_close(r.weights.sum(-1), torch.ones(r.weights.shape[:3]))
+
+
+def test_the_functional_dropout_mode_is_gone_when_the_forward_raises(recwarn, assert_no_hooks):
+    """The torch function mode that reads XLM's nn.functional.dropout is on for one training call of the module: a
+    forward that raises inside that call leaves it on until the capture closes, and closing the capture takes it off
+    (no mode is left on this thread's stack, where it would see every later torch call)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    model, batch = _training_batch("xlm")
+    attention = model.attentions[0]
+
+    def fail(module, args):
+        raise RuntimeError("planted")
+
+    def captured() -> None:
+        with attnprobe.capture(model):
+            handle = attention.register_forward_pre_hook(fail)  # after the capture's own pre-hook
+            try:
+                model(**batch)
+            finally:
+                handle.remove()
+
+    with pytest.raises(RuntimeError, match="planted"):
+        captured()
+    assert _get_current_function_mode_stack() == []
+    assert_no_hooks(model)
+
+
+def test_weights_after_a_dropout_no_hook_reads_are_recorded_as_such(recwarn):
+    """WavLM's attention calls F.multi_head_attention_forward, which returns its weights after its dropout: in
+    training, a full capture records them as after dropout (their rows do not sum to one), and a statistics capture
+    records nothing of them and says why, instead of statistics that are not the softmax's."""
+    from test_hf_sweep import attention_dropouts_only, build, family_inputs, old_style_attention
+
+    model = build("wavlm")
+    attention_dropouts_only(model, set(old_style_attention(model)))
+    batch, _ = family_inputs("wavlm", model.config)
+    model.train()
+    with torch.no_grad(), attnprobe.capture(model) as cap:
+        model(**batch)
+    assert len(cap) == 2 and all(r.dropout == 0.1 and r.meta["weights_after_dropout"] for r in cap)
+    with pytest.warns(AttnprobeWarning, match=r"after its dropout.*rows do not sum to one.*nn.functional.dropout"):
+        with torch.no_grad(), attnprobe.capture(model, keep=("stats",)) as stats:
+            model(**batch)
+    assert len(stats) == 0

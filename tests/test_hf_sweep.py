@@ -1711,13 +1711,7 @@ def test_the_old_style_oracle_knows_families_of_every_release():
 
 #: Old-style families whose returned weights pass a dropout attnprobe cannot read (no dropout module): in training
 #: they are recorded as after dropout (``meta["weights_after_dropout"]``), and statistics captures leave them out.
-AFTER_DROPOUT = {
-    "xlm": "nn.functional.dropout on the weights it returns",
-    "flaubert": "XLM's attention: nn.functional.dropout on the weights it returns",
-    "prophetnet": "its decoder's self-attention: nn.functional.dropout",
-    "wavlm": "F.multi_head_attention_forward returns its weights after its dropout",
-    "mpt": "nn.functional.dropout on the weights it returns (attn_dropout_p)",
-}
+AFTER_DROPOUT = {"wavlm": "F.multi_head_attention_forward returns its weights after its dropout"}
 
 
 def attention_dropouts_only(model, classes: set[str], p: float = 0.1) -> None:
@@ -1731,7 +1725,7 @@ def attention_dropouts_only(model, classes: set[str], p: float = 0.1) -> None:
         elif type(m).__name__.endswith("Dropout") and hasattr(m, "drop_prob"):  # SEW-D's StableDropout
             m.drop_prob = value
         for attribute, number in list(vars(m).items()):
-            if id(m) in inside and "dropout" in attribute.lower() and type(number) in (int, float):
+            if "dropout" in attribute.lower() and type(number) in (int, float):  # nn.functional.dropout's (XLM's)
                 setattr(m, attribute, value)
             elif attribute == "layerdrop" and type(number) is float:  # SpeechT5's stacks skip layers in training
                 setattr(m, attribute, 0.0)

@@ -13,16 +13,20 @@ import inspect
 from contextlib import ExitStack
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ...probe.errors import UnsupportedModelError, warn_user
 from ...probe.threads import current, elsewhere
+from ..calls import bind_arguments
 from ..deliver import deliver, held, hold_recompile, listen, number
 from ..functional import code_reaches_sdpa
+from ..modes import exit_mode
 from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
 from .expects import config_expects, decoder_expects, text_decoder_expects
-from .source import name_branches, record_dtype, softmax_dtype
+from .source import calls_functional_dropout, name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
 #: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
@@ -316,14 +320,39 @@ class _Undropped:
         """``returned`` (``(batch, head, query, key)`` weights of a module training with dropout ``p``) as its softmax
         gave them, and whether they are still after dropout. Its dropout's input where that explains them; else
         ``returned`` itself where its rows sum to one (a dropout that never reached them: Nystromformer keeps one
-        it never applies, BART-style modules drop out a copy), and after dropout where they do not (XLM's and
-        ProphetNet's decoder's nn.functional.dropout, WavLM's F.multi_head_attention_forward)."""
+        it never applies, BART-style modules drop out a copy), and after dropout where they do not (WavLM's
+        F.multi_head_attention_forward; nn.functional.dropout in a compiled graph)."""
         seen = self.seen
         self.clear()
         for x, q in reversed(seen):
             if x.shape == returned.shape and _dropped_from(returned, x, q):
                 return x, False
         return returned, not _normalised(returned, p)
+
+
+_DROPOUT_PARAMS = ("input", "p", "training", "inplace")
+_DROPOUT_DEFAULTS = {"p": 0.5, "training": True, "inplace": False}
+
+
+class _DropoutInputs(TorchFunctionMode):
+    """On for one call of an old-style module that trains and calls ``nn.functional.dropout`` (eager code only): each
+    such call on 4-D floating values hands its input and ``p`` to ``seen`` (XLM, MPT and ProphetNet's decoder drop out
+    the weights they return so). Every call runs as called, with its own result."""
+
+    def __init__(self, seen) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            call = bind_arguments(_DROPOUT_PARAMS, _DROPOUT_DEFAULTS, args, kwargs, required=1)
+            x = call["input"] if call is not None else None
+            if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype.is_floating_point and call is not None:
+                p = call["p"]
+                if call["training"] and not call["inplace"] and type(p) in (float, int) and 0.0 < p < 1.0:
+                    self.seen(x, float(p))
+        return func(*args, **kwargs)
 
 
 def _dropped_from(returned: torch.Tensor, x: torch.Tensor, p: float) -> bool:
@@ -446,14 +475,19 @@ class _FallbackSite:
         self.warned = False  # this capture has said once that the module is left out
         self.dropout_warned = False  # ... that its weights after dropout give no statistics
         self.undropped = _Undropped(module)  # its weights before its dropout, in training
+        self.mode: _DropoutInputs | None = None  # on during a training call that calls nn.functional.dropout
+        stack.callback(self._leave)
         self._hook(module, session, stack)
 
     def _hook(self, module: nn.Module, session, stack: ExitStack) -> None:
         """Hooks that hand what they see to ``receive`` and do nothing else (traceable by torch.compile)."""
         token = 0
+        functional = calls_functional_dropout(type(module))
 
         def called(module, args) -> None:
             deliver(token, "call", [], [])
+            if functional and module.training and not torch.compiler.is_compiling():
+                self._enter()
 
         def dropping(dropout: nn.Module, args) -> None:
             x, p = args[0] if args else None, _probability(dropout) or 0.0
@@ -462,6 +496,8 @@ class _FallbackSite:
                 deliver(token, "dropout", [x], [p])
 
         def returned(module, args, output) -> None:
+            if not torch.compiler.is_compiling():
+                self._leave()
             weights = _weights_in(output)  # in the module's own layout
             if weights is not None:
                 deliver(token, "weights", [weights], [])
@@ -474,6 +510,18 @@ class _FallbackSite:
         handles += [d.register_forward_pre_hook(dropping) for d in self.undropped.dropouts]
         for handle in handles:
             stack.callback(handle.remove)
+
+    def _enter(self) -> None:
+        """Read the inputs of this call's nn.functional.dropout calls (this thread's call only)."""
+        self._leave()  # one a forward that raised left on
+        if not elsewhere(self.owner):
+            self.mode = _DropoutInputs(self.undropped.saw)
+            self.mode.__enter__()
+
+    def _leave(self) -> None:
+        if self.mode is not None:
+            mode, self.mode = self.mode, None
+            exit_mode(mode, dispatch=False)
 
     def receive(self, event: str, tensors: list, numbers: list) -> None:
         """What the hooks delivered, outside any compiled graph."""
@@ -518,9 +566,9 @@ class _FallbackSite:
             warn_user(
                 f"attention module {self.site.name!r} ({type(mod).__name__}, layer {self.site.layer}) returns its "
                 f"weights after its dropout (p={dropout:g}) while training (their rows do not sum to one), and "
-                "applies it where attnprobe cannot read its input (nn.functional.dropout, not a dropout module): their "
-                "statistics would not be the softmax's, so a statistics capture (the monitor) does not record it in "
-                "training mode; its calls in eval mode are recorded"
+                "applies it where attnprobe cannot read its input (inside another function, or nn.functional.dropout "
+                "in a compiled graph): their statistics would not be the softmax's, so a statistics capture (the "
+                "monitor) does not record it in training mode; its calls in eval mode are recorded"
             )
         return True
 

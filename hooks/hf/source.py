@@ -69,3 +69,18 @@ def name_branches(module_name: str) -> tuple[str, ...]:
                 continue  # transformers 5.0's dispatch itself (see hf_compat, item 1): our name is looked up there
             found.append(line.strip())
     return tuple(found)
+
+
+_FUNCTIONAL_DROPOUT = re.compile(r"(?:functional|\bF)\.dropout\(")
+_DROPOUT_READ: dict[type, bool] = {}  # class -> calls_functional_dropout(class)
+
+
+def calls_functional_dropout(cls: type) -> bool:
+    """Whether an attention class's code calls ``nn.functional.dropout`` (XLM's, MPT's and ProphetNet's decoder's
+    weights; BART-style modules' copy of theirs). Read once per class; False where the source cannot be read."""
+    if cls not in _DROPOUT_READ:
+        try:
+            _DROPOUT_READ[cls] = bool(_FUNCTIONAL_DROPOUT.search(inspect.getsource(cls)))
+        except (OSError, TypeError):
+            _DROPOUT_READ[cls] = False
+    return _DROPOUT_READ[cls]
