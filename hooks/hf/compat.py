@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ...probe.errors import warn_user
 
 _WARNED: set = set()
@@ -117,9 +119,13 @@ def find_cache(args: tuple, kwargs: dict, cache_type: type | None):
     return None
 
 
+#: arguments that are never a cache; torch 2.6's Dynamo cannot read the class name of a builtin value
+_PLAIN = (bool, int, float, str, tuple, list, dict, torch.Tensor)
+
+
 def looks_like_cache(value) -> bool:
     """An argument that is probably a cache attnprobe did not recognise (a class named ``*Cache*``)."""
-    return value is not None and "Cache" in type(value).__name__
+    return value is not None and not isinstance(value, _PLAIN) and "Cache" in type(value).__name__
 
 
 def cached_length(cache) -> int | None:

@@ -233,8 +233,10 @@ class StackState:
             mask = argument(params, "attention_mask", args, kwargs)
             cache = hf_compat.find_cache(args, kwargs, cache_type)
             unknown = None
-            if cache is None:
-                unknown = next((v for v in (*kwargs.values(), *args) if hf_compat.looks_like_cache(v)), None)
+            for value in (*kwargs.values(), *args) if cache is None else ():
+                if hf_compat.looks_like_cache(value):  # a loop, not next(..., None): torch 2.6's Dynamo cannot trace it
+                    unknown = value
+                    break
             compiling = torch.compiler.is_compiling()  # a compiled graph hands over tensors only
             declaring = [argument(params, n, args, kwargs) for n in DECLARING_INPUTS]
             use_cache = argument(params, "use_cache", args, kwargs)
