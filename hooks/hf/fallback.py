@@ -345,13 +345,11 @@ class _DropoutInputs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.dropout:
-            call = bind_arguments(_DROPOUT_PARAMS, _DROPOUT_DEFAULTS, args, kwargs, required=1)
-            x = call["input"] if call is not None else None
-            if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype.is_floating_point and call is not None:
-                p = call["p"]
-                if call["training"] and not call["inplace"] and type(p) in (float, int) and 0.0 < p < 1.0:
-                    self.seen(x, float(p))
+        call = None if func is not F.dropout else bind_arguments(_DROPOUT_PARAMS, _DROPOUT_DEFAULTS, args, kwargs, 1)
+        if call is not None and call["training"] and not call["inplace"] and type(call["p"]) in (float, int):
+            x, p = call["input"], float(call["p"])
+            if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype.is_floating_point and 0.0 < p < 1.0:
+                self.seen(x, p)
         return func(*args, **kwargs)
 
 
