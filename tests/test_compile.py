@@ -181,10 +181,10 @@ def test_an_old_style_model_compiled_with_fullgraph_is_captured_as_in_eager_mode
     not guard on data-dependent expression" from the fallback's checks of the weights, inside the forward. The records
     are the eager capture's (XLNet's time-first weights; OpenAI GPT's in training, before its dropout, with the same
     random stream), and outputs stay bitwise equal before, during and after."""
-    from test_hf_sweep import FAMILIES, _causal_lm, make_inputs
+    from test_hf_sweep import _causal_lm, family_inputs
 
     model = _causal_lm(name).train(train)
-    batch, _ = make_inputs(FAMILIES[name][2], model.config)
+    batch, _ = family_inputs(name, model.config)
     if name == "openai-gpt":
         batch.pop("attention_mask")  # its forward takes no padding
     reference = copy.deepcopy(model)

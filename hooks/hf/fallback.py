@@ -288,13 +288,13 @@ def _dropout_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if _probability(m) is not None]
 
 
-def _dropout_of(module: nn.Module) -> float:
+def _dropout_of(module: nn.Module, dropouts: list[nn.Module]) -> float:
     """The dropout the module applies while training: its dropout modules', or a probability it keeps for a functional
     dropout (a number in an attribute whose name says dropout: XLM's ``dropout``, ProphetNet's ``attention_dropout``,
     MPT's ``attn_dropout_p``); 0 in eval mode."""
     if not module.training:
         return 0.0
-    ps = [_probability(m) or 0.0 for m in _dropout_modules(module)]
+    ps = [_probability(m) or 0.0 for m in dropouts]  # its dropout modules, found once
     ps += [float(v) for n, v in vars(module).items() if "dropout" in n.lower() and type(v) in (float, int)]
     return max((p for p in ps if 0.0 < p < 1.0), default=0.0)
 
@@ -537,7 +537,7 @@ class _FallbackSite:
         """The module returned ``weights`` (its own layout), or none: ``several`` matrices, or ``layout``, their
         shape where they are not one (query, key) matrix."""
         mod = self.site.module
-        dropout = _dropout_of(mod)  # while training
+        dropout = _dropout_of(mod, self.undropped.dropouts)  # while training
         try:
             if weights is None:
                 raise self._no_weights(mod, several, tuple(int(n) for n in layout or ()))
