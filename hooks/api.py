@@ -101,6 +101,10 @@ class capture:
     processor=, images=)``, or a hand declaration ``attnprobe.ImageGrid(...)`` or a list of them): the capture
     keeps them (``cap.image_tokens()``: overlays and the report's Image section read them), and with ``"stats"``
     each row's weight on the image patches is computed blockwise too (``record.stats["image_mass"]``).
+    ``compiled``: True when ``model`` is called from code compiled outside it (``torch.compile(model)`` called in
+    its place, or a training step compiled whole) and the capture is opened on ``model``: compiled code does not
+    see hooks added after it was compiled, so the capture makes it compile once more with them (as it does for
+    compiled modules it finds inside the model). Capturing the compiled module itself needs nothing.
 
     Nothing unselected is ever copied. Every hook is removed on exit, also when the forward
     raises; captures may nest (a new ``capture`` each: one object runs one ``with`` block).
@@ -138,6 +142,7 @@ class capture:
         eviction=None,
         spans=None,
         stats_engine="auto",
+        compiled: bool = False,
     ):
         from .hf.sharding import shard_layout
 
@@ -167,6 +172,7 @@ class capture:
             overwrite=overwrite,
             **sharded,
             image_grid=image_grid,
+            compiled=compiled,
         )
 
     def __enter__(self) -> Capture:
@@ -215,6 +221,7 @@ def monitor(
     alerts=None,
     raise_on=(),
     block_bytes: int | None = None,
+    hook: bool = True,
 ):
     """Watch ``model``'s attention while it trains: per-head statistics on every ``every``-th forward call.
 
@@ -232,7 +239,10 @@ def monitor(
     ``alerts``: thresholds, e.g. ``{"entropy_below": 0.05, "max_score_above": 50.0, "nonfinite": True}``:
     each fires an ``AttnprobeWarning`` once per (layer, head, alert) and is kept in ``mon.alerts``;
     ``raise_on``: alert names that raise ``AttentionAlert`` instead (for CI jobs).
-    Inside ``torch.compile``d code the sampled steps are skipped (monitor the model before compiling it).
+    Compiled models: monitor the compiled module, ``monitor(torch.compile(model))``; its hook runs before the graph.
+    A monitored model called from compiled code samples nothing there (closing the monitor says so), unless the
+    loop counts the calls itself: ``hook=False``, then ``mon.begin_call()`` before each forward call and
+    ``mon.end_call()`` after it (or after its backward), outside the graph.
 
     Example::
 
@@ -257,4 +267,5 @@ def monitor(
         alerts=alerts,
         raise_on=raise_on,
         block_bytes=block_bytes,
+        hook=hook,
     )

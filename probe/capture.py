@@ -290,6 +290,7 @@ class CaptureSession:
     passes ``hooks.default_adapters()``. Adapters use the session as a ``probe.interface.Session``.
     ``store``: a directory the records are written to as they are made (``disk.RecordWriter``).
     ``image_grid``: the image tokens of the input (``probe.outputs.image_tokens.as_image_tokens`` takes it).
+    ``compiled``: the model is called from code compiled outside it (``capture(compiled=True)``).
     """
 
     def __init__(
@@ -301,6 +302,7 @@ class CaptureSession:
         store=None,
         overwrite: bool = False,
         image_grid=None,
+        compiled: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise UnsupportedModelError(
@@ -313,6 +315,9 @@ class CaptureSession:
         self._extras_state: Any = None  # capture(eviction=, spans=): the plan, the spans and each layer's prompt state
         self._model: nn.Module | None = model  # dropped on exit; the Capture never holds it
         self._compiled: list[str] = []  # read from the walk when the capture opens
+        if not isinstance(compiled, bool):
+            raise SelectionError(f"compiled must be True or False, got {compiled!r}")
+        self._called_compiled = compiled  # the whole model runs in code compiled outside it
         self.selection = selection
         self.store = Store(selection)
         self.adapters = list(adapters)
@@ -347,7 +352,7 @@ class CaptureSession:
         """Ask every adapter for its sites; number them in module order. Attaches nothing."""
         model = self._require_model()
         named = self._named = ModuleWalk(model)  # walked once, shared by the adapters and what they derive
-        self._compiled = compiled_modules(model, named)
+        self._compiled = compiled_modules(model, named) or (["<root>"] if self._called_compiled else [])
         order = {id(m): i for i, (_, m) in enumerate(named)}
         claimed: set[int] = set()
         self._found = []
@@ -490,6 +495,12 @@ class CaptureSession:
             warn_user(
                 f"the capture of {self.model_class} saw no attention call: the model was not called inside "
                 "the `with` block, or the selected layers never ran"
+                + (
+                    ", or it was called through code compiled before the capture (torch.compile(model) in its "
+                    "place): capture the compiled module, or pass capture(..., compiled=True)"
+                    if "torch._dynamo" in sys.modules and not self._compiled
+                    else ""
+                )
             )
 
     def _info(self) -> dict[str, Any]:

@@ -72,6 +72,7 @@ SLOW = {
     "test_long_reports.py::test_long_report_opens_in_chromium_and_its_size_grows_as_the_input",
     "test_stats.py::test_statistics_never_allocate_a_full_query_by_key_tensor",
     "test_stats.py::test_multihead_attention_statistics_never_allocate_a_full_query_by_key_tensor",
+    "test_monitor.py::test_trainer_callback_monitors_a_model_the_trainer_compiles",
 }
 
 

@@ -288,6 +288,61 @@ def test_a_monitor_of_a_model_called_from_compiled_code_says_so_and_compiles_onc
     assert mon.calls == 0 and len(mon.history) == 0 and graphs() == compiled_once
 
 
+@pytest.mark.parametrize("case", ["llama", "own"])
+def test_a_monitor_driven_by_the_loop_samples_a_model_called_from_compiled_code(case):
+    """attnprobe.monitor(model, hook=False): the loop counts the calls outside the graph (begin_call, end_call), so
+    the capture of a sampled call opens before the compiled graph of the model runs and records inside it: a history
+    for every sampled call, gradients bitwise those of the same compiled training without it, no graph break, and
+    the graph compiled once with the capture's hooks and once without (nothing after the first sampled call)."""
+    model, args, kwargs = make(case)
+    model.train()
+    compiled, _ = compiled_or_skip(model, args, kwargs, counting, True)
+    grads = []
+    model.zero_grad()
+    for _ in range(4):
+        step(compiled, args, kwargs, True)
+    grads.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    with attnprobe.monitor(model, every=2, hook=False) as mon:
+        for i in range(4):
+            mon.begin_call()
+            step(compiled, args, kwargs, True)
+            mon.end_call()
+            if i == 0:
+                settled = graphs()
+        settled_after = graphs()
+    grads.append([p.grad.clone() for p in model.parameters()])
+    dynamo.reset()
+    assert graph_breaks() == 0 and settled_after == settled, "a later call compiled again"
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert sorted(set(mon.history["step"])) == [0, 2] and len(mon.history) == 2 * 2 * 4  # steps x layers x heads
+
+
+@pytest.mark.parametrize("case", ["own", "mha", "llama"])
+def test_capture_of_a_model_called_through_its_compiled_wrapper_says_compiled(case):
+    """capture(model, compiled=True) while ``torch.compile(model)`` runs in its place: the graph compiled before the
+    capture does not run hooks added later (Dynamo does not guard on them), so the capture makes it compile once
+    more with them. The records equal a capture of the compiled module itself; the outputs stay the compiled ones."""
+    model, args, kwargs = make(case)
+    compiled, plain = compiled_or_skip(model, args, kwargs, "eager", False)
+    if case == "own":  # without it the hooks never run in the graph, and the warning says what to do
+        with pytest.warns(attnprobe.AttnprobeWarning, match=r"saw no attention call.*compiled=True"):
+            with attnprobe.capture(model, keep=("weights",)) as missed:
+                step(compiled, args, kwargs, False)
+        assert len(missed) == 0
+    with attnprobe.capture(compiled, keep=("weights",)) as direct:
+        step(compiled, args, kwargs, False)
+    with attnprobe.capture(model, keep=("weights",), compiled=True) as cap:
+        out = step(compiled, args, kwargs, False)
+    dynamo.reset()
+    assert torch.equal(out, plain) and len(cap) == len(direct) > 0
+    for mine, theirs in zip(cap, direct, strict=True):
+        assert (mine.layer, f"_orig_mod.{mine.name}") == (theirs.layer, theirs.name)
+        assert torch.equal(mine.weights, theirs.weights)
+    with pytest.raises(attnprobe.SelectionError, match="compiled must be True or False"):
+        attnprobe.capture(model, compiled="yes")
+
+
 def test_an_idle_capture_compiles_nothing():
     model, args, kwargs = make("own")
     compiled, plain = compiled_or_skip(model, args, kwargs, counting, False)

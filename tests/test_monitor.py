@@ -121,6 +121,40 @@ def test_no_hook_left_when_the_training_loop_raises_on_a_sampled_step(assert_no_
     assert_no_hooks(model)
 
 
+def test_a_monitor_the_loop_drives_counts_its_calls_and_closes_an_open_capture(assert_no_hooks):
+    """hook=False: no hook on the model; begin_call counts a call and opens a capture where it is sampled, end_call
+    records it. A loop that raised between them leaves a capture open: close() takes it and its hooks away."""
+    model = Tiny(dropout=0.0).eval()
+    data = batches(5)
+    with torch.no_grad(), attnprobe.monitor(model, every=2) as hooked:
+        for ids in data:
+            model(ids)
+    mon = attnprobe.monitor(model, every=2, hook=False)
+    assert not model._forward_pre_hooks and mon.driven
+    with torch.no_grad():
+        for ids in data:
+            model(ids)  # not counted: nothing on the model counts
+            mon.begin_call()
+            model(ids)
+            mon.end_call()
+    assert mon.calls == 5
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(mon.history, hooked.history)  # calls 0, 2, 4: the same statistics
+    mon.begin_call()  # call 5, not sampled
+    mon.begin_call()  # call 6, sampled: a capture opens and its forward raises
+    with pytest.raises(IndexError):
+        model(torch.tensor([[1, 500]]))
+    assert model.layers[0]._forward_hooks or model.layers[0]._forward_pre_hooks
+    mon.close()
+    assert_no_hooks(model)
+    assert len(mon.history) == 3 * 2 * 4 and "closed" in repr(mon)
+    with pytest.raises(MonitorError, match="closed"):
+        mon.begin_call()
+    with pytest.raises(MonitorError, match="hook=False"):
+        hooked.begin_call()
+
+
 def test_alerts_warn_once_per_head_are_kept_and_can_raise():
     model = Tiny(dropout=0.0).eval()
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
@@ -178,6 +212,7 @@ def _gpt2_trainer(tmp_path, callback, steps: int, **args):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+    torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32))
     data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(2 * steps)]
     settings = dict(report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, **args)
@@ -200,12 +235,9 @@ def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
     assert_no_hooks(model)
 
 
-def test_trainer_callback_says_a_compiled_trainer_is_not_monitored(tmp_path):
-    """TrainingArguments(torch_compile=True): accelerate compiles the model after the Trainer hands it to callbacks,
-    so the monitor's hook runs inside the graph and samples nothing. The callback says so when training begins (and
-    the monitor again when it closes), instead of an empty history without a word."""
-    callback = attnprobe.integrations.AttnprobeCallback(every=1)
-    _, trainer = _gpt2_trainer(tmp_path, callback, 2, torch_compile=True, torch_compile_backend="eager")
+def _train(trainer) -> list[str]:
+    """Run ``trainer.train()``; the attnprobe warnings it gave. Skips where torch cannot compile the model (before
+    2.7, transformers' models do not compile)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
@@ -214,10 +246,58 @@ def test_trainer_callback_says_a_compiled_trainer_is_not_monitored(tmp_path):
             if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7):
                 raise
             pytest.skip(f"torch {torch.__version__} cannot compile transformers' models ({type(exc).__name__})")
-    said = [str(w.message) for w in seen if issubclass(w.category, attnprobe.AttnprobeWarning)]
-    assert any("torch_compile=True" in s and "no step is sampled" in s for s in said), said
-    assert any("called from torch.compile'd code" in s for s in said), said
-    assert len(callback.history) == 0
+    return [str(w.message) for w in seen if issubclass(w.category, attnprobe.AttnprobeWarning)]
+
+
+def test_trainer_callback_monitors_a_model_the_trainer_compiles(tmp_path, assert_no_hooks):
+    """TrainingArguments(torch_compile=True): accelerate compiles the model after the Trainer hands it to callbacks,
+    so a hook on the model would run inside the graph and sample nothing. The callback counts the training forward
+    calls from the Trainer's step events instead and opens each sampled call's capture before the graph: the same
+    sampled steps and statistics as the eager Trainer, the same trained weights as the compiled Trainer without it,
+    and no warning. With gradient accumulation (two micro-batches a step here), ``every`` counts micro-batches, as
+    the eager monitor counts calls."""
+    import torch._dynamo
+
+    args = dict(torch_compile_backend="eager", gradient_accumulation_steps=2, seed=0)
+    eager_cb = attnprobe.integrations.AttnprobeCallback(every=2)
+    _, eager = _gpt2_trainer(tmp_path / "eager", eager_cb, 4, **args)
+    assert _train(eager) == []
+    torch._dynamo.reset()
+    bare_model, bare = _gpt2_trainer(tmp_path / "bare", transformers_callback(), 4, torch_compile=True, **args)
+    _train(bare)
+    torch._dynamo.reset()
+    callback = attnprobe.integrations.AttnprobeCallback(every=2)
+    model, compiled = _gpt2_trainer(tmp_path / "compiled", callback, 4, torch_compile=True, **args)
+    assert _train(compiled) == []
+    # calls 0, 2, 4, 6 of 8: each step's first micro-batch
+    assert sorted(callback.history["step"].unique()) == sorted(eager_cb.history["step"].unique()) == [0, 1, 2, 3]
+    columns = ["step", "layer", "head", "rows", "entropy", "entropy_min", "max_weight_max", "max_score_max"]
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(
+        callback.history[columns], eager_cb.history[columns], check_exact=False, rtol=1e-5, atol=1e-6
+    )
+    for name, value in model.state_dict().items():  # the monitor changed nothing of the compiled training
+        assert torch.equal(value, bare_model.state_dict()[name]), name
+    assert_no_hooks(model)
+
+
+def transformers_callback():
+    from transformers import TrainerCallback
+
+    return TrainerCallback()
+
+
+def test_trainer_callback_of_a_model_compiled_in_place_counts_from_the_step_events(tmp_path, assert_no_hooks):
+    """``model.compile()`` before the Trainer: the callback's hook runs inside the graph on the first step; it sees
+    that when the step ends and counts the calls from the step events from then on (the first call is lost)."""
+    callback = attnprobe.integrations.AttnprobeCallback(every=2)
+    model, trainer = _gpt2_trainer(tmp_path, callback, 5)
+    model.compile(backend="eager")
+    said = _train(trainer)
+    assert said == [], said
+    assert sorted(callback.history["step"].unique()) == [1, 3]  # calls 1, 2, 3, 4 counted from the events
+    assert_no_hooks(model)
 
 
 def test_monitor_plot_draws_one_line_per_layer_or_head():

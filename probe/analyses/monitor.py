@@ -5,7 +5,9 @@ statistics capture (``keep=("stats",)``: computed blockwise from the q and k the
 ``torch.no_grad()``, detached, no (query x key) tensor kept) for that one forward and closes it when the
 forward returns (or raises). Between sampled calls nothing is attached, computed or copied: the only cost is
 one counter in a forward pre-hook. Statistics never touch the graph, the gradients or the random stream
-(dropout masks are the same with the monitor on and off).
+(dropout masks are the same with the monitor on and off). With ``hook=False`` nothing is put on the model: the caller
+counts the calls (``begin_call``, ``end_call``) outside a compiled graph that calls the model, and the sampled call's
+capture opens before the graph runs.
 
 On a sampled call the statistics are those of ``rows`` query rows per head (``capture(stats_rows=rows)``: evenly
 spaced from the first row to the last, the same positions every step for the same length; every row when the
@@ -173,6 +175,7 @@ class Monitor:
         block_bytes: int | None = None,
         writer=None,
         on_step: Callable | None = None,
+        hook: bool = True,
     ):
         if not isinstance(model, nn.Module):
             raise MonitorError(f"monitor watches a torch.nn.Module, not {type(model).__name__}")
@@ -221,8 +224,14 @@ class Monitor:
             self._writer = SummaryWriter(log_dir=str(log_dir))
             self._own_writer = True
         # the hook that closes a sampled step's capture is registered with it, after the capture's own hooks on
-        # the model: they all run before it closes
-        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True)]
+        # the model: they all run before it closes. hook=False: no hook; the caller counts the calls itself, outside
+        # any graph (begin_call, end_call: the Trainer callback of a compiled model)
+        self._driven = not hook
+        self._closed = False
+        if not hook:  # the calls it counts run compiled: the capture makes compiled code run its hooks
+            self._options["compiled"] = True
+        if hook:
+            self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True)]
 
     # ------------------------------------------------------------------ hooks
     def _before(self, module, args, kwargs):
@@ -230,32 +239,85 @@ class Monitor:
             # the model is called from a compiled graph, where no capture can open: say so when the monitor closes
             self._in_graph = True
             return None
-        call = self.calls
-        self.calls += 1
-        if call % self.every or self._open is not None:
+        call = self._count()
+        if call is None:
             return None
         known = set(module._forward_pre_hooks)
-        session = self._capture(self.model, **self._options)
-        cap = session.__enter__()
+        self._open_capture(call)
         closing = module.register_forward_hook(self._after, always_call=True)
-        self._open = (session, cap, call, closing)
-        self._thread = threading.get_ident()
+        self._open = (*self._open[:3], closing)
         return _missed_pre_hooks(module, known, args, kwargs)
 
     def _after(self, module, args, output):
         if self._open is None or self._thread != threading.get_ident():
             return None
+        self._close_capture(record=output is not None)  # None: the forward raised (a hook called always)
+        return None
+
+    def _count(self) -> int | None:
+        """Count a forward call; its number where it is sampled (and no capture is open), else None."""
+        call = self.calls
+        self.calls += 1
+        return None if call % self.every or self._open is not None else call
+
+    def _open_capture(self, call: int) -> None:
+        session = self._capture(self.model, **self._options)
+        cap = session.__enter__()
+        self._open = (session, cap, call, None)
+        self._thread = threading.get_ident()
+
+    def _close_capture(self, *, record: bool) -> None:
+        """Close the open capture; record its statistics, or (``record=False``: the forward raised) close quietly."""
         session, cap, call, closing = self._open
         self._open = None
-        closing.remove()
-        if output is None:  # the forward raised (a hook called always): close quietly, nothing to record
+        if closing is not None:
+            closing.remove()
+        if not record:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", AttnprobeWarning)
                 session.__exit__(None, None, None)
-            return None
+            return
         session.__exit__(None, None, None)
         self._record(cap, call)
-        return None
+
+    # ------------------------------------------------------------------ driven from outside (hook=False)
+    def begin_call(self) -> None:
+        """A forward call of the model is about to run: count it, and open a capture where it is sampled.
+
+        For a monitor made with ``hook=False``, driven by a training loop or integration that calls the model from
+        compiled code: called outside the graph, so the capture opens before it and records inside it (the graph
+        is compiled once with the capture's hooks and once without)."""
+        if not self._driven:
+            raise MonitorError("begin_call drives a monitor made with hook=False; this one counts calls itself")
+        if self._closed:
+            raise MonitorError("this monitor is closed; make a new one to go on monitoring")
+        call = self._count()
+        if call is not None:
+            self._open_capture(call)
+
+    def count_from_outside(self) -> None:
+        """Take the hook off; from now on the caller counts the calls (``begin_call``, ``end_call``), as with
+        ``hook=False``: for a model found to be called from compiled code, where the hook cannot sample."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._driven, self._in_graph = True, False
+        self._options["compiled"] = True
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether the hook was called inside compiled code (and so sampled nothing there)."""
+        return self._in_graph
+
+    @property
+    def driven(self) -> bool:
+        """Whether the caller counts the calls (``hook=False``, or after ``count_from_outside``)."""
+        return self._driven
+
+    def end_call(self) -> None:
+        """The call counted by ``begin_call`` returned (its backward may have run too): record a sampled call."""
+        if self._open is not None:
+            self._close_capture(record=True)
 
     # ------------------------------------------------------------------ results
     def _record(self, cap, call: int) -> None:
@@ -343,11 +405,9 @@ class Monitor:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._open is not None:
-            session, _, _, closing = self._open
-            self._open = None
-            closing.remove()
-            session.__exit__(None, None, None)
+        self._closed = True
+        if self._open is not None:  # a sampled call that never returned
+            self._close_capture(record=False)
         if self._writer is not None and self._own_writer:
             self._writer.close()
         self._writer = None
@@ -357,7 +417,8 @@ class Monitor:
                 f"the monitored {type(self.model).__name__} was called from torch.compile'd code, where a capture "
                 "cannot open: those calls were not monitored (nor counted). Monitor the compiled module instead, "
                 "attnprobe.monitor(compiled): its hook runs before the graph, and the capture it opens records "
-                "inside it"
+                "inside it; or count the calls in the loop, outside the graph: monitor(model, hook=False), then "
+                "mon.begin_call() and mon.end_call() around each call"
             )
 
     def __enter__(self) -> Monitor:
@@ -370,7 +431,7 @@ class Monitor:
         return (
             f"Monitor(every={self.every}, rows={self.query_rows}, calls={self.calls}, "
             f"sampled={len(set(self._rows._columns['call']))}, alerts={len(self._alert_rows)}, "
-            f"{'open' if self._handles else 'closed'})"
+            f"{'closed' if self._closed else 'open'})"
         )
 
 
