@@ -313,7 +313,9 @@ def test_a_monitor_driven_by_the_loop_samples_a_model_called_from_compiled_code(
         settled_after = graphs()
     grads.append([p.grad.clone() for p in model.parameters()])
     dynamo.reset()
-    assert graph_breaks() == 0 and settled_after == settled, "a later call compiled again"
+    assert graph_breaks() == 0
+    # torch 2.6 guards on the ids of keyword forward hooks: there each sampled call compiles once more
+    assert settled_after == settled or OLD_TORCH, "a later call compiled again"
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     assert sorted(set(mon.history["step"])) == [0, 2] and len(mon.history) == 2 * 2 * 4  # steps x layers x heads
 
