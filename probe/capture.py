@@ -573,8 +573,11 @@ class CaptureSession:
 
         Tensor values (q, k, v, scores, weights, output, allowed) come in full-head layout unless
         named in ``preselected`` or given as ``Lazy`` (both already restricted to ``site.heads`` /
-        ``site.kv_heads``). Other keyword values are record fields. Returns None for unselected sites.
+        ``site.kv_heads``). Other keyword values are record fields. Returns None for unselected sites, and for calls
+        made while autograd runs backward (activation checkpointing recomputes calls the forward recorded).
         """
+        if threads.in_backward():
+            return None
         call = site.calls
         site.calls += 1
         if not site.selected:

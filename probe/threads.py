@@ -36,6 +36,14 @@ def elsewhere(owner: int) -> bool:
     return not torch.compiler.is_compiling() and threading.get_ident() != owner
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward pass in this thread. A forward call made there is activation
+    checkpointing's recomputation of a call the forward made (and recorded) already; on CUDA the backward runs in
+    autograd's device threads, which ``elsewhere`` leaves out already."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def claim(modules: Iterable[torch.nn.Module], model_class: str) -> list[int]:
     """Mark ``modules`` as captured by the running thread, or raise naming the other thread that captures one
     of them. Returns the keys to ``release``; a module this thread already holds (a nested capture) is shared."""

@@ -345,6 +345,37 @@ def test_capture_of_a_model_called_through_its_compiled_wrapper_says_compiled(ca
         attnprobe.capture(model, compiled="yes")
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_compiled_checkpointed_model_records_each_call_once(reentrant):
+    """Activation checkpointing inside a compiled model: the backward re-runs the attention calls (their hooks, hence
+    deliveries, too). A capture open across forward and backward records each call once, as without checkpointing,
+    and the gradients stay those of the compiled model without a capture."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner, args, _ = make("own")
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=reentrant)
+
+    model = Checkpointed()
+    x = args[0].requires_grad_()
+    compiled, _ = compiled_or_skip(model, (x,), {}, "eager", True)
+    grads = []
+    for captured in (False, True):
+        model.zero_grad()
+        with attnprobe.capture(compiled, keep=("weights",)) if captured else contextlib.nullcontext() as cap:
+            step(compiled, (x,), {}, True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert [(r.layer, r.call) for r in cap] == [(0, 0), (1, 0)]
+
+
 def test_an_idle_capture_compiles_nothing():
     model, args, kwargs = make("own")
     compiled, plain = compiled_or_skip(model, args, kwargs, counting, False)

@@ -719,19 +719,20 @@ def test_hf_inputs_dict_and_model_unchanged(case):
 @pytest.mark.parametrize("case", ["own", "encoder-tf", "sdpa", "hand-named", "hf-llama-sdpa", "hf-bert-eager"])
 def test_deterministic_algorithms_and_gradient_checkpointing(case):
     """With torch.use_deterministic_algorithms(True) the capture runs no op that refuses it; under gradient
-    checkpointing (attention re-run in backward) the loss and gradients are unchanged."""
+    checkpointing (attention re-run in backward) the loss and gradients are unchanged, and the calls the backward
+    re-runs are not recorded a second time (the records are those of the same capture without checkpointing)."""
     from torch.utils.checkpoint import checkpoint
 
     model, args, kwargs, options = make(case)
     torch.use_deterministic_algorithms(True)
     try:
         loss_off, grads_off, _ = run_train(model, args, kwargs)
-        with attnprobe.capture(model, **options) as cap:
+        with attnprobe.capture(model, **options) as plain:
             loss_on, grads_on, _ = run_train(model, args, kwargs)
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
-    assert len(cap) > 0 and torch.equal(loss_on, loss_off)
+    assert len(plain) > 0 and torch.equal(loss_on, loss_off)
     assert_same_tensors(grads_on, grads_off, "gradients (deterministic)")
 
     if case.startswith("hf-"):
@@ -754,8 +755,9 @@ def test_deterministic_algorithms_and_gradient_checkpointing(case):
     loss_off, grads_off, _ = run_train(wrapped, args, kwargs)
     with attnprobe.capture(wrapped, **options) as cap:
         loss_on, grads_on, _ = run_train(wrapped, args, kwargs)
-    assert len(cap) > 0 and torch.equal(loss_on, loss_off)
+    assert torch.equal(loss_on, loss_off)
     assert_same_tensors(grads_on, grads_off, "gradients (checkpointing)")
+    assert [(r.layer, r.call, r.kind) for r in cap] == [(r.layer, r.call, r.kind) for r in plain]
 
 
 def test_sampling_generate_unchanged():
