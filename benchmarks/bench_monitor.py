@@ -12,10 +12,15 @@
              --blocks K also measures every=10 directly: K rounds of 10 plain steps against 10 monitored steps.
     hook     what the monitor costs a forward call between sampled calls (its counter in a pre-hook and a hook),
              over 20,000 calls of a tiny module (microseconds, far below the noise of a training step)
+    compiled the same training step compiled (torch.compile, inductor), the monitor driven by the loop as the Trainer
+             callback drives it under TrainingArguments(torch_compile=True) (attnprobe.monitor(model, hook=False),
+             begin_call / end_call around each step): plain compiled; between sampled calls; one sampled step
+             (rows=64). Both graphs (with and without the capture's hooks) compile before the timed rounds.
     memory   a tiny model trained for --long steps with every=1: resident memory after 10% and after all steps
              (flat: no growth beyond the history frame), hooks left after close() and after a loop that raises
 
-Run:  python benchmarks/bench_monitor.py [--rounds 6] [--blocks 0] [--long 10000] [--only steps|memory] [--threads N]
+Run:  python benchmarks/bench_monitor.py [--rounds 6] [--blocks 0] [--long 10000] [--only steps|compiled|memory]
+      [--threads N]
 The load average (uptime) is printed before and after: on a shared machine the noise can exceed the margins.
 """
 
@@ -128,6 +133,49 @@ def steps_figures(args):
         )
 
 
+def compiled_figures(args):
+    torch.manual_seed(0)
+    model = gpt2()
+    ids = torch.randint(0, 1000, (8, 256))
+    compiled = torch.compile(model)
+    step = step_fn(compiled, ids)
+
+    def driven(mon):
+        def run():
+            mon.begin_call()
+            step()
+            mon.end_call()
+
+        return run
+
+    t0 = time.perf_counter()
+    for _ in range(2):
+        step()
+        with attnprobe.monitor(model, every=10**9, hook=False) as mon:
+            driven(mon)()  # its call 0 is sampled: the graph with the capture's hooks
+    print(f"compiled: both graphs compiled in {time.perf_counter() - t0:.0f} s")
+    kinds: dict[str, list[float]] = {"plain": [], "between": [], "rows=64": []}
+    for _ in range(args.rounds):
+        order = list(kinds)
+        random.shuffle(order)
+        for name in order:
+            if name == "plain":
+                kinds[name].append(block(step, 1))
+                continue
+            with attnprobe.monitor(model, every=10**9, hook=False) as mon:
+                if name == "between":
+                    mon.calls = 1  # past its sampled call 0
+                kinds[name].append(block(driven(mon), 1))
+            assert len(mon.rows) == (0 if name == "between" else 6 * 12)
+    print(f"compiled training step (inductor), the monitor driven by the loop ({args.rounds} rounds, shuffled):")
+    for name, times in kinds.items():
+        ratio = statistics.median(t / p for t, p in zip(times, kinds["plain"]))
+        print(
+            f"  {name:<10} {statistics.median(times) * 1e3:8.0f} ms   / plain of the round: median {ratio:.3f}x "
+            f"(rounds {', '.join(f'{t / p:.3f}' for t, p in zip(times, kinds['plain']))})"
+        )
+
+
 def hook_figures(args):
     tiny = nn.Sequential(attnprobe.MultiHeadAttention(4, num_heads=1))
     x = torch.randn(1, 1, 4)
@@ -200,7 +248,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--blocks", type=int, default=0, help="also measure every=10 over K rounds of 10-step blocks")
     parser.add_argument("--long", type=int, default=10000)
-    parser.add_argument("--only", choices=["steps", "memory"])
+    parser.add_argument("--only", choices=["steps", "compiled", "memory"])
     parser.add_argument(
         "--threads",
         type=int,
@@ -211,10 +259,12 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {load_average()} (1, 5, 15 min)")
-    if args.only != "memory":
+    if args.only in (None, "steps"):
         steps_figures(args)
         hook_figures(args)
-    if args.only != "steps":
+    if args.only in (None, "compiled"):
+        compiled_figures(args)
+    if args.only in (None, "memory"):
         memory_figures(args)
     print(f"load average at the end: {load_average()}")
 
