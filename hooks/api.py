@@ -222,6 +222,7 @@ def monitor(
     raise_on=(),
     block_bytes: int | None = None,
     hook: bool = True,
+    compiled: bool | None = None,
 ):
     """Watch ``model``'s attention while it trains: per-head statistics on every ``every``-th forward call.
 
@@ -242,7 +243,8 @@ def monitor(
     Compiled models: monitor the compiled module, ``monitor(torch.compile(model))``; its hook runs before the graph.
     A monitored model called from compiled code samples nothing there (closing the monitor says so), unless the
     loop counts the calls itself: ``hook=False``, then ``mon.begin_call()`` before each forward call and
-    ``mon.end_call()`` after it (or after its backward), outside the graph.
+    ``mon.end_call()`` after it (or after its backward), outside the graph. ``compiled``: whether compiled code
+    calls the model (each sampled call's capture is then ``capture(compiled=True)``); default: with ``hook=False``.
 
     Example::
 
@@ -268,4 +270,5 @@ def monitor(
         raise_on=raise_on,
         block_bytes=block_bytes,
         hook=hook,
+        compiled=compiled,
     )

@@ -2,13 +2,14 @@
 
 ``AttnprobeCallback`` is a ``transformers.TrainerCallback`` that runs ``attnprobe.monitor`` on the Trainer's
 model: attached when training begins, detached when it ends (after a ``train()`` that raised: ``close()``, or the
-next ``train()``), its sampled steps numbered by the Trainer's global step. With
-``TrainingArguments(torch_compile=True)`` (accelerate compiles the model after the Trainer hands it to callbacks),
-the callback counts the training forward calls itself, from the Trainer's step events, and opens each sampled
-call's capture before the compiled graph runs. Each time the Trainer logs, the callback adds per-layer attention
-figures to what is logged (``attention/layer_03/entropy``: the mean over heads, ``attention/layer_03/entropy_min_head``:
-the lowest head, ``attention/layer_03/max_score_max``), so they reach ``trainer.state.log_history`` and every
-reporting callback listed after this one; ``log_dir=`` also writes per-head TensorBoard scalars itself.
+next ``train()``). ``every`` counts training forward calls (micro-batches under gradient accumulation; evaluation
+calls are not counted), from the Trainer's step events, and the sampled steps are numbered by the Trainer's global
+step. The capture of a sampled call opens before the model runs, also where accelerate compiles it
+(``TrainingArguments(torch_compile=True)``), and records inside the graph. Each time the Trainer logs, the callback
+adds per-layer attention figures to what is logged (``attention/layer_03/entropy``: the mean over heads,
+``attention/layer_03/entropy_min_head``: the lowest head, ``attention/layer_03/max_score_max``), so they reach
+``trainer.state.log_history`` and every reporting callback listed after this one; ``log_dir=`` also writes per-head
+TensorBoard scalars itself.
 The full per-head table is ``callback.history`` (and ``callback.alerts``).
 """
 
@@ -67,36 +68,25 @@ class AttnprobeCallback(TrainerCallback):
         if model is None:
             return
         self.close()
-        # compiled by accelerate (after this call): the monitor's hook would run inside the graph, where no capture
-        # can open, so the step events below count the training forward calls instead, outside the graph
-        self.monitor = monitor(model, **self.options, hook=not getattr(args, "torch_compile", False))
+        # not a hook on the model: the step events count the training calls (evaluation's are left out), outside
+        # any graph (accelerate compiles the model after this call under torch_compile=True)
+        self.monitor = monitor(model, **self.options, hook=False, compiled=bool(getattr(args, "torch_compile", False)))
         self.monitor.step = state.global_step
         self._logged = 0
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.monitor is not None:
             self.monitor.step = state.global_step
-            self._begin()
-
-    def on_substep_end(self, args, state, control, **kwargs):  # a micro-batch of gradient accumulation ran
-        self._end()
-        self._begin()
-
-    def on_step_end(self, args, state, control, **kwargs):  # the step's last micro-batch ran
-        self._end()
-
-    def _begin(self) -> None:
-        if self.monitor is not None and self.monitor.driven:
             self.monitor.begin_call()
 
-    def _end(self) -> None:
-        mon = self.monitor
-        if mon is None:
-            return
-        if mon.driven:
-            mon.end_call()
-        elif mon.in_graph:  # compiled some other way (model.compile()): count from the step events from now on
-            mon.count_from_outside()
+    def on_substep_end(self, args, state, control, **kwargs):  # a micro-batch of gradient accumulation ran
+        if self.monitor is not None:
+            self.monitor.end_call()
+            self.monitor.begin_call()
+
+    def on_step_end(self, args, state, control, **kwargs):  # the step's last micro-batch ran
+        if self.monitor is not None:
+            self.monitor.end_call()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.monitor is None or logs is None:

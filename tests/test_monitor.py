@@ -208,7 +208,7 @@ def test_history_to_parquet_and_tensorboard(tmp_path):
 
 def _gpt2_trainer(tmp_path, callback, steps: int, **args):
     """(a tiny GPT-2, a Trainer of it for ``steps`` steps on the CPU with ``callback``; ``args``: more
-    TrainingArguments)."""
+    TrainingArguments; with an ``eval_strategy``, four of the training batches are its evaluation set)."""
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -217,7 +217,8 @@ def _gpt2_trainer(tmp_path, callback, steps: int, **args):
     data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(2 * steps)]
     settings = dict(report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, **args)
     training = TrainingArguments(str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=2, **settings)
-    return model, Trainer(model=model, args=training, train_dataset=data, callbacks=[callback])
+    evaluation = data[:4] if "eval_strategy" in args else None
+    return model, Trainer(model=model, args=training, train_dataset=data, eval_dataset=evaluation, callbacks=[callback])
 
 
 def test_trainer_callback_logs_through_the_trainer(tmp_path, assert_no_hooks):
@@ -288,16 +289,27 @@ def transformers_callback():
     return TrainerCallback()
 
 
-def test_trainer_callback_of_a_model_compiled_in_place_counts_from_the_step_events(tmp_path, assert_no_hooks):
-    """``model.compile()`` before the Trainer: the callback's hook runs inside the graph on the first step; it sees
-    that when the step ends and counts the calls from the step events from then on (the first call is lost)."""
+def test_trainer_callback_samples_a_model_compiled_in_place(tmp_path, assert_no_hooks):
+    """``model.compile()`` before the Trainer: a hook on the model would run inside the graph. The callback puts none
+    there; the step events count the calls, and the capture (which finds the compiled module) records inside."""
     callback = attnprobe.integrations.AttnprobeCallback(every=2)
     model, trainer = _gpt2_trainer(tmp_path, callback, 5)
     model.compile(backend="eager")
     said = _train(trainer)
     assert said == [], said
-    assert sorted(callback.history["step"].unique()) == [1, 3]  # calls 1, 2, 3, 4 counted from the events
+    assert sorted(callback.history["step"].unique()) == [0, 2, 4]
     assert_no_hooks(model)
+
+
+def test_trainer_callback_counts_training_calls_not_evaluation_calls(tmp_path):
+    """Evaluation between training steps runs the model too (in eval mode): those calls are neither counted nor
+    sampled, so ``every`` keeps its training steps and the history holds training statistics only. (With a hook on
+    the model, calls 0, 2, 4, ... fell on evaluation batches too, labelled as training steps 1, 3, 5.)"""
+    callback = attnprobe.integrations.AttnprobeCallback(every=2)
+    _, trainer = _gpt2_trainer(tmp_path, callback, 6, eval_strategy="steps", eval_steps=2)
+    trainer.train()
+    assert len([e for e in trainer.state.log_history if "eval_loss" in e]) == 3  # evaluation did run
+    assert sorted(callback.history["step"].unique()) == [0, 2, 4] and len(callback.history) == 3 * 2 * 4
 
 
 def test_monitor_plot_draws_one_line_per_layer_or_head():

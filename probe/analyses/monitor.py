@@ -6,8 +6,8 @@ statistics capture (``keep=("stats",)``: computed blockwise from the q and k the
 forward returns (or raises). Between sampled calls nothing is attached, computed or copied: the only cost is
 one counter in a forward pre-hook. Statistics never touch the graph, the gradients or the random stream
 (dropout masks are the same with the monitor on and off). With ``hook=False`` nothing is put on the model: the caller
-counts the calls (``begin_call``, ``end_call``) outside a compiled graph that calls the model, and the sampled call's
-capture opens before the graph runs.
+counts the calls it means (``begin_call``, ``end_call``: the Trainer callback counts training micro-batches), and
+where compiled code calls the model the sampled call's capture opens before the graph runs.
 
 On a sampled call the statistics are those of ``rows`` query rows per head (``capture(stats_rows=rows)``: evenly
 spaced from the first row to the last, the same positions every step for the same length; every row when the
@@ -176,6 +176,7 @@ class Monitor:
         writer=None,
         on_step: Callable | None = None,
         hook: bool = True,
+        compiled: bool | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise MonitorError(f"monitor watches a torch.nn.Module, not {type(model).__name__}")
@@ -228,7 +229,7 @@ class Monitor:
         # any graph (begin_call, end_call: the Trainer callback of a compiled model)
         self._driven = not hook
         self._closed = False
-        if not hook:  # the calls it counts run compiled: the capture makes compiled code run its hooks
+        if compiled if compiled is not None else not hook:  # compiled code calls the model: make it run the hooks
             self._options["compiled"] = True
         if hook:
             self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True)]
@@ -284,9 +285,10 @@ class Monitor:
     def begin_call(self) -> None:
         """A forward call of the model is about to run: count it, and open a capture where it is sampled.
 
-        For a monitor made with ``hook=False``, driven by a training loop or integration that calls the model from
-        compiled code: called outside the graph, so the capture opens before it and records inside it (the graph
-        is compiled once with the capture's hooks and once without)."""
+        For a monitor made with ``hook=False``, driven by a training loop or integration (the Trainer callback): it
+        counts what it is told, not every forward call, and where compiled code calls the model, it is called
+        outside the graph, so the capture opens before it and records inside it (the graph is compiled once with the
+        capture's hooks and once without)."""
         if not self._driven:
             raise MonitorError("begin_call drives a monitor made with hook=False; this one counts calls itself")
         if self._closed:
@@ -295,29 +297,15 @@ class Monitor:
         if call is not None:
             self._open_capture(call)
 
-    def count_from_outside(self) -> None:
-        """Take the hook off; from now on the caller counts the calls (``begin_call``, ``end_call``), as with
-        ``hook=False``: for a model found to be called from compiled code, where the hook cannot sample."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._driven, self._in_graph = True, False
-        self._options["compiled"] = True
-
-    @property
-    def in_graph(self) -> bool:
-        """Whether the hook was called inside compiled code (and so sampled nothing there)."""
-        return self._in_graph
-
-    @property
-    def driven(self) -> bool:
-        """Whether the caller counts the calls (``hook=False``, or after ``count_from_outside``)."""
-        return self._driven
-
     def end_call(self) -> None:
         """The call counted by ``begin_call`` returned (its backward may have run too): record a sampled call."""
         if self._open is not None:
             self._close_capture(record=True)
+
+    @property
+    def driven(self) -> bool:
+        """Whether the caller counts the calls (``hook=False``)."""
+        return self._driven
 
     # ------------------------------------------------------------------ results
     def _record(self, cap, call: int) -> None:
