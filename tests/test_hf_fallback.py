@@ -818,6 +818,28 @@ def test_the_functional_dropout_mode_is_gone_when_the_forward_raises(recwarn, as
     assert_no_hooks(model)
 
 
+def test_head_averaged_weights_are_marked_and_said():
+    """WavLM hands back F.multi_head_attention_forward's mean over heads, broadcast to every head (pytorch#32590):
+    every head of its records holds the same map. The records say so (``meta["heads_averaged"]``) and the capture
+    warns, instead of per-head heatmaps and statistics that look like heads which all agree. GPT-Neo's heads are
+    its own, and are not marked."""
+    from test_hf_sweep import build, family_inputs
+
+    model = build("wavlm").eval()
+    batch, _ = family_inputs("wavlm", model.config)
+    with pytest.warns(AttnprobeWarning, match=r"WavLMAttention return\(s\) the mean of the heads.*pytorch#32590"):
+        with torch.no_grad(), attnprobe.capture(model, keep=("weights",)) as cap:
+            model(**batch)
+    assert len(cap) == 2 and all(r.meta["heads_averaged"] for r in cap)
+    weights = cap[0].weights  # (batch, head, query, key)
+    assert weights.shape[1] > 1 and all(torch.equal(weights[:, 0], weights[:, h]) for h in range(weights.shape[1]))
+    other = build("gpt-neo").eval()
+    other_batch, _ = family_inputs("gpt-neo", other.config)
+    with torch.no_grad(), attnprobe.capture(other, keep=("weights",)) as plain:
+        other(**other_batch)
+    assert len(plain) > 0 and not any("heads_averaged" in r.meta for r in plain)
+
+
 def test_weights_after_a_dropout_no_hook_reads_are_recorded_as_such(recwarn):
     """WavLM's attention calls F.multi_head_attention_forward, which returns its weights after its dropout: in
     training, a full capture records them as after dropout (their rows do not sum to one), and a statistics capture

@@ -26,7 +26,7 @@ from ..modes import exit_mode
 from . import compat as hf_compat
 from .context import HEAD_ATTRS, KindProbe, ancestors, argument, call_kind, forward_params, static_kind
 from .expects import config_expects, decoder_expects, text_decoder_expects
-from .source import calls_functional_dropout, name_branches, record_dtype, softmax_dtype
+from .source import averages_heads, calls_functional_dropout, name_branches, record_dtype, softmax_dtype
 
 _MISSING = ("q", "k", "v", "scores", "output", "allowed")
 #: Old-style modules whose returned weights are not a (query, key) matrix (local windows, buckets).
@@ -416,6 +416,14 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
         "inside its own forward, where no hook point exists; the model may also take its eager path to return "
         "weights. The output you asked for is unchanged." + _statistics_note(session.selection.keep)
     )
+    averaged = sorted({type(s.module).__name__ for s in sites if averages_heads(type(s.module))})
+    if averaged:
+        warn_user(
+            f"{', '.join(averaged)} return(s) the mean of the heads' weights as every head's weights "
+            "(F.multi_head_attention_forward averages them; pytorch#32590): each record's heads hold the same map, "
+            "marked record.meta['heads_averaged'], and per-head statistics, heatmaps and head comparisons of these "
+            "modules describe that mean, not the heads"
+        )
 
 
 def _statistics_note(keep) -> str:
@@ -467,6 +475,8 @@ class _FallbackSite:
         if expects:
             self.meta["expects"] = expects
         self.softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the dtype
+        if averages_heads(type(module)):  # every head holds the mean over heads (WavLM): records say so
+            self.meta["heads_averaged"] = True
         self.time_first = type(module).__name__ in _TIME_FIRST
         self.pre_softmax = type(module).__name__ in _PRE_SOFTMAX
         self.declared = _declared_heads(module)
