@@ -20,6 +20,7 @@ import copy
 import functools
 import inspect
 import warnings
+from dataclasses import replace
 
 import flex_helpers
 import pytest
@@ -1566,6 +1567,15 @@ PRE_SOFTMAX_REFERENCE = {
     "squeezebert": {(None, "self", None)},
 }
 
+#: These families' output_attentions hold the mean over heads in every head (WavLM, F.multi_head_attention_forward;
+#: pytorch#32590): the capture reads the heads' own weights, whose mean is the reference
+HEAD_AVERAGED_REFERENCE = {"wavlm"}
+
+
+def averaged(weights: torch.Tensor) -> torch.Tensor:
+    """(batch, head, query, key) weights as a head-averaging module returns them: their mean in every head."""
+    return weights.mean(dim=1, keepdim=True).expand_as(weights)
+
 
 def run_plain(model, batch, name):
     """Two plain forwards; pytest.skip when the family cannot run this tiny config at all."""
@@ -1642,6 +1652,8 @@ def sweep(name: str, attn_implementation: str | None = None) -> dict:
                 w = torch.softmax(w, dim=-1)
             if record.weights is None or record.weights.shape != w.shape:
                 errors.append(float("inf"))
+            elif name in HEAD_AVERAGED_REFERENCE:
+                errors.append(max_error_on_real_rows(replace(record, weights=averaged(record.weights)), w))
             else:
                 errors.append(max_error_on_real_rows(record, w))
     result["max_error"] = max(errors) if errors else None
@@ -1809,6 +1821,9 @@ def test_old_style_family_compiled_with_fullgraph_records_as_in_eager_mode(name,
     assert len(cap) == len(eager) > 0
     for got, want in zip(cap, eager):
         assert (got.layer, got.kind, got.query_offset) == (want.layer, want.kind, want.query_offset)
+        if name in HEAD_AVERAGED_REFERENCE:  # compiled, only the mean the module returns can be read
+            assert got.meta["heads_averaged"] and "heads_averaged" not in want.meta
+            want = replace(want, weights=averaged(want.weights))
         assert torch.equal(got.weights, want.weights) and got.weights_source == "output_attentions"
 
 

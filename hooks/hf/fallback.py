@@ -335,22 +335,44 @@ _DROPOUT_DEFAULTS = {"p": 0.5, "training": True, "inplace": False}
 
 
 class _DropoutInputs(TorchFunctionMode):
-    """On for one call of an old-style module that trains and calls ``nn.functional.dropout`` (eager code only): each
-    such call on 4-D floating values hands its input and ``p`` to ``seen`` (XLM, MPT and ProphetNet's decoder drop out
-    the weights they return so). Every call runs as called, with its own result."""
+    """On for one call of an old-style module in eager code: in training, each ``nn.functional.dropout`` call on 4-D
+    floating values hands its input and ``p`` to ``seen`` (XLM, MPT and ProphetNet's decoder drop out the weights
+    they return so). With ``heads``, ``F.multi_head_attention_forward`` asked for head-averaged weights (WavLM) runs
+    with ``average_attn_weights=False``: ``heads`` gets its per-head weights, and the caller gets their mean over
+    heads, as torch computes it (the same values, bit for bit). Every other call runs as called."""
 
-    def __init__(self, seen) -> None:
+    def __init__(self, seen, heads=None) -> None:
         super().__init__()
-        self.seen = seen
+        self.seen, self.heads = seen, heads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward and self.heads is not None:
+            return self._per_head(func, args, kwargs)
         call = None if func is not F.dropout else bind_arguments(_DROPOUT_PARAMS, _DROPOUT_DEFAULTS, args, kwargs, 1)
         if call is not None and call["training"] and not call["inplace"] and type(call["p"]) in (float, int):
             x, p = call["input"], float(call["p"])
             if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype.is_floating_point and 0.0 < p < 1.0:
                 self.seen(x, p)
         return func(*args, **kwargs)
+
+    def _per_head(self, func, args, kwargs):
+        try:
+            call = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
+        except TypeError:
+            return func(*args, **kwargs)  # torch raises its own error
+        if not (call.get("need_weights", True) and call.get("average_attn_weights", True)):
+            return func(*args, **kwargs)
+        # its own calls (softmax, dropout) run inside this one, out of this mode's sight: in training the heads'
+        # weights are after its dropout
+        output, weights = func(**{**call, "average_attn_weights": False})  # (batch, head, query, key)
+        if weights is None or weights.dim() != 4:
+            return output, weights if weights is None else weights.mean(dim=-3)
+        self.heads(weights)
+        return output, weights.mean(dim=1)  # what torch returns for average_attn_weights=True
+
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 def _dropped_from(returned: torch.Tensor, x: torch.Tensor, p: float) -> bool:
@@ -416,14 +438,6 @@ def attach_fallback(session, model: nn.Module, sites, surroundings, stack: ExitS
         "inside its own forward, where no hook point exists; the model may also take its eager path to return "
         "weights. The output you asked for is unchanged." + _statistics_note(session.selection.keep)
     )
-    averaged = sorted({type(s.module).__name__ for s in sites if averages_heads(type(s.module))})
-    if averaged:
-        warn_user(
-            f"{', '.join(averaged)} return(s) the mean of the heads' weights as every head's weights "
-            "(F.multi_head_attention_forward averages them; pytorch#32590): each record's heads hold the same map, "
-            "marked record.meta['heads_averaged'], and per-head statistics, heatmaps and head comparisons of these "
-            "modules describe that mean, not the heads"
-        )
 
 
 def _statistics_note(keep) -> str:
@@ -475,15 +489,16 @@ class _FallbackSite:
         if expects:
             self.meta["expects"] = expects
         self.softmax = softmax_dtype(type(module).forward)  # Bloom's and MPT's run in float32 whatever the dtype
-        if averages_heads(type(module)):  # every head holds the mean over heads (WavLM): records say so
-            self.meta["heads_averaged"] = True
         self.time_first = type(module).__name__ in _TIME_FIRST
         self.pre_softmax = type(module).__name__ in _PRE_SOFTMAX
         self.declared = _declared_heads(module)
         self.warned = False  # this capture has said once that the module is left out
         self.dropout_warned = False  # ... that its weights after dropout give no statistics
+        self.averaged_warned = False  # ... that its records hold the mean over heads
         self.undropped = _Undropped(module)  # its weights before its dropout, in training
         self.mode: _DropoutInputs | None = None  # on during a training call that calls nn.functional.dropout
+        self.averaged = averages_heads(type(module))  # its weights are a mean over heads (WavLM): read them per head
+        self.per_head: torch.Tensor | None = None  # this call's per-head weights, read by the mode (eager code)
         stack.callback(self._leave)
         self._hook(module, session, stack)
 
@@ -494,7 +509,7 @@ class _FallbackSite:
 
         def called(module, args) -> None:
             deliver(token, "call", [], [])
-            if functional and module.training and not torch.compiler.is_compiling():
+            if ((functional and module.training) or self.averaged) and not torch.compiler.is_compiling():
                 self._enter()
 
         def dropping(dropout: nn.Module, args) -> None:
@@ -504,11 +519,15 @@ class _FallbackSite:
                 deliver(token, "dropout", [x], [p])
 
         def returned(module, args, output) -> None:
+            per_head = None
             if not torch.compiler.is_compiling():
                 self._leave()
+                per_head, self.per_head = self.per_head, None
             weights = _weights_in(output)  # in the module's own layout
-            if weights is not None:
-                deliver(token, "weights", [weights], [])
+            if weights is not None and per_head is not None and per_head.shape == weights.shape:
+                deliver(token, "weights", [per_head], [1.0])  # the heads' own, where it broadcast their mean
+            elif weights is not None:
+                deliver(token, "weights", [weights], [0.0])
             else:  # what the error says
                 deliver(token, "none", [], [number(_several_weights(output)), *(_other_layout(output) or ())])
 
@@ -520,11 +539,16 @@ class _FallbackSite:
             stack.callback(handle.remove)
 
     def _enter(self) -> None:
-        """Read the inputs of this call's nn.functional.dropout calls (this thread's call only)."""
+        """Read the inputs of this call's nn.functional.dropout calls, and its per-head weights where it averages
+        them (this thread's call only)."""
         self._leave()  # one a forward that raised left on
+        self.per_head = None
         if not elsewhere(self.owner):
-            self.mode = _DropoutInputs(self.undropped.saw)
+            self.mode = _DropoutInputs(self.undropped.saw, self._saw_heads if self.averaged else None)
             self.mode.__enter__()
+
+    def _saw_heads(self, weights: torch.Tensor) -> None:
+        self.per_head = held(weights)  # (batch, head, query, key)
 
     def _leave(self) -> None:
         if self.mode is not None:
@@ -539,13 +563,15 @@ class _FallbackSite:
             self.undropped.clear()
         elif event == "dropout":
             self.undropped.saw(tensors[0], numbers[0])
+        elif event == "weights":
+            self.after(held(tensors[0]), 0, None, per_head=bool(numbers[0]))
         else:
-            found = (held(tensors[0]), 0, None) if event == "weights" else (None, int(numbers[0]), numbers[1:])
-            self.after(*found)
+            self.after(None, int(numbers[0]), numbers[1:])
 
-    def after(self, weights: torch.Tensor | None, several: int, layout) -> None:
+    def after(self, weights: torch.Tensor | None, several: int, layout, *, per_head: bool = False) -> None:
         """The module returned ``weights`` (its own layout), or none: ``several`` matrices, or ``layout``, their
-        shape where they are not one (query, key) matrix."""
+        shape where they are not one (query, key) matrix. ``per_head``: they are the heads' own, read where the
+        module returned their mean."""
         mod = self.site.module
         dropout = _dropout_of(mod, self.undropped.dropouts)  # while training
         try:
@@ -561,7 +587,7 @@ class _FallbackSite:
             return
         if dropped and self._after_dropout(mod, dropout):
             return
-        self.record(mod, weights, dropout, dropped)
+        self.record(mod, weights, dropout, dropped, averaged=self.averaged and not per_head)
 
     def _after_dropout(self, mod, dropout: float) -> bool:
         """True (and said once) where a statistics capture would read weights the module returned after its dropout
@@ -633,7 +659,7 @@ class _FallbackSite:
             f"it is layer {site.layer})"
         )
 
-    def record(self, mod, weights: torch.Tensor, dropout: float, dropped: bool) -> None:
+    def record(self, mod, weights: torch.Tensor, dropout: float, dropped: bool, *, averaged: bool = False) -> None:
         site, state = self.site, self.state
         b, heads, q_len, k_len = weights.shape  # (batch, head, query, key)
         if site.num_heads != heads:
@@ -656,6 +682,16 @@ class _FallbackSite:
         if called:
             meta = {**meta, "expects": {**meta.get("expects", {}), **called}}
         said = getattr(mod, "is_causal", None)  # the module's own word (GPT-Neo, Falcon); else nothing
+        if averaged:  # every head holds their mean (compiled code, where the per-head weights cannot be read)
+            meta = {**meta, "heads_averaged": True}
+            if not self.averaged_warned:
+                self.averaged_warned = True
+                warn_user(
+                    f"attention module {self.site.name!r} ({type(mod).__name__}) returns the mean of its heads' "
+                    "weights as every head's (F.multi_head_attention_forward averages them; pytorch#32590), and in "
+                    "compiled code attnprobe cannot read them per head: its records hold that mean in every head "
+                    "(record.meta['heads_averaged']); capture the model uncompiled for its heads' own weights"
+                )
         self.session.emit(
             site,
             kind=kind,
