@@ -64,6 +64,17 @@ def block(step, n):
     return time.perf_counter() - t0
 
 
+def print_kinds(title: str, kinds: dict[str, list[float]]) -> None:
+    """Each kind of step: its median time, and its ratio to the plain step of the same round."""
+    print(title)
+    for name, times in kinds.items():
+        ratio = statistics.median(t / p for t, p in zip(times, kinds["plain"]))
+        print(
+            f"  {name:<10} {statistics.median(times) * 1e3:8.0f} ms   / plain of the round: median {ratio:.3f}x "
+            f"(rounds {', '.join(f'{t / p:.3f}' for t, p in zip(times, kinds['plain']))})"
+        )
+
+
 def load_average() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
@@ -96,13 +107,8 @@ def steps_figures(args):
                 with attnprobe.monitor(model, every=10**9, rows=64 if name == "rows=64" else None) as mon:
                     kinds[name].append(block(step, 1))  # its call 0 is sampled
                 assert len(mon.rows) == 6 * 12
-    print(f"training step, GPT-2 shape 6 x 12 x 384, batch 8 x 256 ({args.rounds} rounds, shuffled; medians):")
-    for name, times in kinds.items():
-        ratio = statistics.median(t / p for t, p in zip(times, kinds["plain"]))
-        print(
-            f"  {name:<10} {statistics.median(times) * 1e3:8.0f} ms   / plain of the round: median {ratio:.3f}x "
-            f"(rounds {', '.join(f'{t / p:.3f}' for t, p in zip(times, kinds['plain']))})"
-        )
+    title = f"training step, GPT-2 shape 6 x 12 x 384, batch 8 x 256 ({args.rounds} rounds, shuffled; medians):"
+    print_kinds(title, kinds)
     for every, target in ((10, 1.02), (100, 1.005)):
         for sampled in ("rows=64", "rows=None"):
             ratios = [
@@ -167,13 +173,8 @@ def compiled_figures(args):
                     mon.calls = 1  # past its sampled call 0
                 kinds[name].append(block(driven(mon), 1))
             assert len(mon.rows) == (0 if name == "between" else 6 * 12)
-    print(f"compiled training step (inductor), the monitor driven by the loop ({args.rounds} rounds, shuffled):")
-    for name, times in kinds.items():
-        ratio = statistics.median(t / p for t, p in zip(times, kinds["plain"]))
-        print(
-            f"  {name:<10} {statistics.median(times) * 1e3:8.0f} ms   / plain of the round: median {ratio:.3f}x "
-            f"(rounds {', '.join(f'{t / p:.3f}' for t, p in zip(times, kinds['plain']))})"
-        )
+    title = f"compiled training step (inductor), the monitor driven by the loop ({args.rounds} rounds, shuffled):"
+    print_kinds(title, kinds)
 
 
 def hook_figures(args):

@@ -688,9 +688,10 @@ class _FallbackSite:
                 self.averaged_warned = True
                 warn_user(
                     f"attention module {self.site.name!r} ({type(mod).__name__}) returns the mean of its heads' "
-                    "weights as every head's (F.multi_head_attention_forward averages them; pytorch#32590), and in "
-                    "compiled code attnprobe cannot read them per head: its records hold that mean in every head "
-                    "(record.meta['heads_averaged']); capture the model uncompiled for its heads' own weights"
+                    "weights as every head's (F.multi_head_attention_forward averages them; pytorch#32590), and "
+                    "attnprobe reads them per head in eager code only (not in a compiled graph, nor for unbatched "
+                    "input): its records hold that mean in every head (record.meta['heads_averaged']); capture the "
+                    "model uncompiled for its heads' own weights"
                 )
         self.session.emit(
             site,

@@ -73,29 +73,26 @@ def name_branches(module_name: str) -> tuple[str, ...]:
 
 _FUNCTIONAL_DROPOUT = re.compile(r"(?:functional|\bF)\.dropout\(")
 _TORCH_MHA = re.compile(r"multi_head_attention_forward\(")
-_AVERAGED_READ: dict[type, bool] = {}  # class -> averages_heads(class)
-_DROPOUT_READ: dict[type, bool] = {}  # class -> calls_functional_dropout(class)
 
 
 def averages_heads(cls: type) -> bool:
     """Whether an attention class hands back torch's head-averaged weights as its per-head weights: it calls
     ``F.multi_head_attention_forward`` without ``average_attn_weights=False`` (WavLM broadcasts that mean to every
-    head; pytorch#32590). Read once per class; False where the source cannot be read."""
-    if cls not in _AVERAGED_READ:
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            source = ""
-        _AVERAGED_READ[cls] = bool(_TORCH_MHA.search(source)) and "average_attn_weights=False" not in source
-    return _AVERAGED_READ[cls]
+    head; pytorch#32590). False where the source cannot be read."""
+    source = _class_source(cls)
+    return bool(_TORCH_MHA.search(source)) and "average_attn_weights=False" not in source
 
 
 def calls_functional_dropout(cls: type) -> bool:
     """Whether an attention class's code calls ``nn.functional.dropout`` (XLM's, MPT's and ProphetNet's decoder's
-    weights; BART-style modules' copy of theirs). Read once per class; False where the source cannot be read."""
-    if cls not in _DROPOUT_READ:
-        try:
-            _DROPOUT_READ[cls] = bool(_FUNCTIONAL_DROPOUT.search(inspect.getsource(cls)))
-        except (OSError, TypeError):
-            _DROPOUT_READ[cls] = False
-    return _DROPOUT_READ[cls]
+    weights; BART-style modules' copy of theirs). False where the source cannot be read."""
+    return bool(_FUNCTIONAL_DROPOUT.search(_class_source(cls)))
+
+
+@cache
+def _class_source(cls: type) -> str:
+    """An attention class's source, read once per class; empty where it cannot be read."""
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""

@@ -208,7 +208,8 @@ class Monitor:
         self._rows = History()
         self._alert_rows: list[dict] = []
         self._fired: set = set()
-        self._open: Any = None
+        self._open: Any = None  # (capture session, Capture, call number) of the sampled call in progress
+        self._closing: Any = None  # the hook that closes it when the model returns (not with hook=False)
         self._thread: int | None = None
         self._in_graph = False  # the model ran inside torch.compile'd code (unmonitored)
         self._handles: list = []
@@ -226,7 +227,7 @@ class Monitor:
             self._own_writer = True
         # the hook that closes a sampled step's capture is registered with it, after the capture's own hooks on
         # the model: they all run before it closes. hook=False: no hook; the caller counts the calls itself, outside
-        # any graph (begin_call, end_call: the Trainer callback of a compiled model)
+        # any graph (begin_call, end_call: the Trainer callback)
         self._driven = not hook
         self._closed = False
         if compiled if compiled is not None else not hook:  # compiled code calls the model: make it run the hooks
@@ -245,8 +246,7 @@ class Monitor:
             return None
         known = set(module._forward_pre_hooks)
         self._open_capture(call)
-        closing = module.register_forward_hook(self._after, always_call=True)
-        self._open = (*self._open[:3], closing)
+        self._closing = module.register_forward_hook(self._after, always_call=True)  # after the capture's hooks
         return _missed_pre_hooks(module, known, args, kwargs)
 
     def _after(self, module, args, output):
@@ -264,15 +264,16 @@ class Monitor:
     def _open_capture(self, call: int) -> None:
         session = self._capture(self.model, **self._options)
         cap = session.__enter__()
-        self._open = (session, cap, call, None)
+        self._open = (session, cap, call)
         self._thread = threading.get_ident()
 
     def _close_capture(self, *, record: bool) -> None:
         """Close the open capture; record its statistics, or (``record=False``: the forward raised) close quietly."""
-        session, cap, call, closing = self._open
+        session, cap, call = self._open
         self._open = None
-        if closing is not None:
-            closing.remove()
+        if self._closing is not None:
+            self._closing.remove()
+            self._closing = None
         if not record:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", AttnprobeWarning)
