@@ -622,7 +622,9 @@ class _EagerHooks:
         stack.callback(self.unwind)
 
     def before(self, mod, args, kwargs):
-        if elsewhere(self.owner):
+        # compiled code this capture did not know of (a compiled wrapper it was not given): nothing here traces,
+        # so the call runs untouched and unrecorded, and the capture's closing warning names capture(compiled=True)
+        if elsewhere(self.owner) or torch.compiler.is_compiling():
             return None
         bound = _bind(args, kwargs)
         if bound is not None and any(getattr(bound[n], "is_nested", False) for n in _PARAMS[:3]):
@@ -663,7 +665,7 @@ class _EagerHooks:
             self.undo(self.calls.pop())
 
     def after(self, mod, args, kwargs, output):
-        if not self.calls or elsewhere(self.owner):
+        if not self.calls or elsewhere(self.owner) or torch.compiler.is_compiling():
             return None
         call = self.calls.pop()
         self.undo(call)

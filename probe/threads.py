@@ -40,6 +40,8 @@ def in_backward() -> bool:
     """True while autograd runs a backward pass in this thread. A forward call made there is activation
     checkpointing's recomputation of a call the forward made (and recorded) already; on CUDA the backward runs in
     autograd's device threads, which ``elsewhere`` leaves out already."""
+    if torch.compiler.is_compiling():  # traced code records nothing itself (its hooks deliver); no graph break here
+        return False
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 

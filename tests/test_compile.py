@@ -327,11 +327,12 @@ def test_capture_of_a_model_called_through_its_compiled_wrapper_says_compiled(ca
     more with them. The records equal a capture of the compiled module itself; the outputs stay the compiled ones."""
     model, args, kwargs = make(case)
     compiled, plain = compiled_or_skip(model, args, kwargs, "eager", False)
-    if case == "own":  # without it the hooks never run in the graph, and the warning says what to do
+    if case in ("own", "mha"):  # without it the hooks do not run in the graph, and the warning says what to do
+        # (nn.MultiheadAttention's eager hooks, traced where the graph compiled again, raised inside Dynamo)
         with pytest.warns(attnprobe.AttnprobeWarning, match=r"saw no attention call.*compiled=True"):
             with attnprobe.capture(model, keep=("weights",)) as missed:
-                step(compiled, args, kwargs, False)
-        assert len(missed) == 0
+                unrecorded = step(compiled, args, kwargs, False)
+        assert len(missed) == 0 and torch.equal(unrecorded, plain)
     with attnprobe.capture(compiled, keep=("weights",)) as direct:
         step(compiled, args, kwargs, False)
     with attnprobe.capture(model, keep=("weights",), compiled=True) as cap:
