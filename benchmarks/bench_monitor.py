@@ -64,6 +64,17 @@ def block(step, n):
     return time.perf_counter() - t0
 
 
+def shuffled_rounds(names: list[str], rounds: int, measure) -> dict[str, list[float]]:
+    """``measure(name)`` for each kind of step, in a shuffled order each round: {name: its times, round by round}."""
+    kinds: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        order = list(names)
+        random.shuffle(order)
+        for name in order:
+            kinds[name].append(measure(name))
+    return kinds
+
+
 def print_kinds(title: str, kinds: dict[str, list[float]]) -> None:
     """Each kind of step: its median time, and its ratio to the plain step of the same round."""
     print(title)
@@ -90,23 +101,22 @@ def steps_figures(args):
     between = attnprobe.monitor(model, every=10**9)  # one sampled step untimed: lazy imports, first capture set-up
     block(step, 1)
     between.close()
-    kinds = {"plain": [], "between": [], "rows=64": [], "rows=None": []}
-    for _ in range(args.rounds):
-        order = list(kinds)
-        random.shuffle(order)
-        for name in order:
-            if name == "plain":
-                kinds[name].append(block(step, 1))
-            elif name == "between":
-                mon = attnprobe.monitor(model, every=10**9)
+
+    def measure(name: str) -> float:
+        if name == "plain":
+            return block(step, 1)
+        if name == "between":
+            with attnprobe.monitor(model, every=10**9) as mon:
                 mon.calls = 1  # past its sampled call 0: this step is one between sampled steps
-                kinds[name].append(block(step, 1))
-                mon.close()
-                assert not mon.rows
-            else:
-                with attnprobe.monitor(model, every=10**9, rows=64 if name == "rows=64" else None) as mon:
-                    kinds[name].append(block(step, 1))  # its call 0 is sampled
-                assert len(mon.rows) == 6 * 12
+                took = block(step, 1)
+            assert not mon.rows
+            return took
+        with attnprobe.monitor(model, every=10**9, rows=64 if name == "rows=64" else None) as mon:
+            took = block(step, 1)  # its call 0 is sampled
+        assert len(mon.rows) == 6 * 12
+        return took
+
+    kinds = shuffled_rounds(["plain", "between", "rows=64", "rows=None"], args.rounds, measure)
     title = f"training step, GPT-2 shape 6 x 12 x 384, batch 8 x 256 ({args.rounds} rounds, shuffled; medians):"
     print_kinds(title, kinds)
     for every, target in ((10, 1.02), (100, 1.005)):
@@ -160,19 +170,18 @@ def compiled_figures(args):
         with attnprobe.monitor(model, every=10**9, hook=False) as mon:
             driven(mon)()  # its call 0 is sampled: the graph with the capture's hooks
     print(f"compiled: both graphs compiled in {time.perf_counter() - t0:.0f} s")
-    kinds: dict[str, list[float]] = {"plain": [], "between": [], "rows=64": []}
-    for _ in range(args.rounds):
-        order = list(kinds)
-        random.shuffle(order)
-        for name in order:
-            if name == "plain":
-                kinds[name].append(block(step, 1))
-                continue
-            with attnprobe.monitor(model, every=10**9, hook=False) as mon:
-                if name == "between":
-                    mon.calls = 1  # past its sampled call 0
-                kinds[name].append(block(driven(mon), 1))
-            assert len(mon.rows) == (0 if name == "between" else 6 * 12)
+
+    def measure(name: str) -> float:
+        if name == "plain":
+            return block(step, 1)
+        with attnprobe.monitor(model, every=10**9, hook=False) as mon:
+            if name == "between":
+                mon.calls = 1  # past its sampled call 0
+            took = block(driven(mon), 1)
+        assert len(mon.rows) == (0 if name == "between" else 6 * 12)
+        return took
+
+    kinds = shuffled_rounds(["plain", "between", "rows=64"], args.rounds, measure)
     title = f"compiled training step (inductor), the monitor driven by the loop ({args.rounds} rounds, shuffled):"
     print_kinds(title, kinds)
 

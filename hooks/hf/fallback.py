@@ -358,10 +358,12 @@ class _DropoutInputs(TorchFunctionMode):
 
     def _per_head(self, func, args, kwargs):
         try:
-            call = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
+            bound = _MHA_SIGNATURE.bind(*args, **kwargs)
         except TypeError:
             return func(*args, **kwargs)  # torch raises its own error
-        if not (call.get("need_weights", True) and call.get("average_attn_weights", True)):
+        bound.apply_defaults()
+        call = bound.arguments
+        if not (call["need_weights"] and call["average_attn_weights"]):
             return func(*args, **kwargs)
         # its own calls (softmax, dropout) run inside this one, out of this mode's sight: in training the heads'
         # weights are after its dropout
